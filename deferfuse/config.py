@@ -1,0 +1,109 @@
+"""Every setting in one place: a name, a default, an environment variable and a context override.
+
+Settings that change generated code carry ``in_key=True``; their values are part of every
+compile-cache key (see ``codegen_key``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+MODES = ("defer", "strict", "debug")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+    in_key: bool = False
+
+
+def _bool(s: str) -> bool:
+    return s.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _mode(s: str) -> str:
+    s = s.strip().lower()
+    if s not in MODES:
+        raise ValueError(f"TORCHTPU_MODE={s!r} is not a mode; expected one of {', '.join(MODES)}")
+    return s
+
+
+def _bytes(s: str) -> int:
+    s = s.strip().lower()
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+SETTINGS = {s.name: s for s in [
+    Setting("mode", "TORCHTPU_MODE", "defer", _mode, "execution mode: defer, strict or debug"),
+    Setting("debug", "DEFERFUSE_DEBUG", 0, int,
+            "debug ladder: 1 a line per sync, 2 per-region time and cache hit/miss, "
+            "3 the trace and its cuts, 4 the lowered program"),
+    Setting("trace_limit", "DEFERFUSE_TRACE_LIMIT", 20000, int,
+            "recorded ops after which defer mode cuts the trace (with loop detection)"),
+    Setting("step_detection", "DEFERFUSE_STEP_DETECTION", True, _bool,
+            "detect a repeated loop body in a trace that never syncs and cut at its boundary"),
+    Setting("cache_dir", "DEFERFUSE_CACHE_DIR",
+            os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                         "deferfuse", "xla"), str,
+            "folder of the persistent on-disk compile cache"),
+    Setting("persistent_cache", "DEFERFUSE_PERSISTENT_CACHE", True, _bool,
+            "use the persistent on-disk compile cache"),
+    Setting("cross_check", "DEFERFUSE_CROSS_CHECK", False, _bool,
+            "run every fused region also op by op and raise at the first op that differs"),
+    Setting("source_lines", "DEFERFUSE_SOURCE_LINES", True, _bool,
+            "remember the user's source line of every recorded op (for error messages)"),
+    Setting("cpu_fallback", "DEFERFUSE_CPU_FALLBACK", True, _bool,
+            "run ops with no lowering on CPU (copy in, run, copy out) instead of raising"),
+    Setting("memory_planner", "DEFERFUSE_NO_MEMORY_PLANNER", True, lambda s: not _bool(s),
+            "memory planner on (DEFERFUSE_NO_MEMORY_PLANNER=1 turns it off)", in_key=True),
+    Setting("memory_budget", "DEFERFUSE_MEMORY_BUDGET", 0, _bytes,
+            "bytes a fused region may use at its peak before it is split (0: no limit)"),
+    Setting("shape_bucketing", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 8, int,
+            "distinct shapes of one region structure compiled before it runs op by op instead"),
+]}
+
+
+class _Config:
+    """Current values; read the environment once, at import."""
+
+    def __init__(self):
+        for s in SETTINGS.values():
+            raw = os.environ.get(s.env)
+            object.__setattr__(self, s.name, s.default if raw is None else s.parse(raw))
+
+    def __setattr__(self, name, value):
+        if name not in SETTINGS:
+            raise AttributeError(f"deferfuse has no setting {name!r}; settings: {', '.join(SETTINGS)}")
+        if name == "mode":
+            value = _mode(value)
+        object.__setattr__(self, name, value)
+
+
+config = _Config()
+
+
+@contextlib.contextmanager
+def override(**kw):
+    """Change settings for a block: ``with deferfuse.config.override(cross_check=True): ...``."""
+    old = {k: getattr(config, k) for k in kw}
+    try:
+        for k, v in kw.items():
+            setattr(config, k, v)
+        yield config
+    finally:
+        for k, v in old.items():
+            object.__setattr__(config, k, v)
+
+
+def codegen_key() -> tuple:
+    """The settings that change generated code, for compile-cache keys."""
+    return tuple(getattr(config, n) for n, s in SETTINGS.items() if s.in_key)

@@ -1,0 +1,154 @@
+"""Make ``tpu`` a PyTorch device: PrivateUse1 renamed, device guard and hooks, ``torch.tpu``.
+
+All use of ``torch.utils.backend_registration._setup_privateuseone_for_python_backend``
+(experimental in PyTorch) is here. Without its device guard, the first ``backward()`` through a
+tpu tensor aborts the interpreter.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import state
+from .runtime import memory, platform
+from .tensor import _DEVICES
+
+_lib = None
+
+
+def _device_count() -> int:
+    return len(platform.jax_devices())
+
+
+class _Current:
+    index = 0
+
+
+def _set_device(device) -> None:
+    idx = device if isinstance(device, int) else (torch.device(device).index or 0)
+    if not 0 <= idx < _device_count():
+        raise RuntimeError(f"tpu:{idx} does not exist: this machine has {_device_count()} tpu "
+                           f"device(s), tpu:0 .. tpu:{_device_count() - 1}")
+    _Current.index = idx
+
+
+def _idx(device) -> int:
+    if device is None:
+        return _Current.index
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
+def _synchronize(device=None) -> None:
+    state.sync("synchronize")
+    from .runtime import execute
+    execute.wait_all()
+
+
+def _manual_seed(seed) -> None:
+    state.manual_seed(int(seed))
+
+
+def _get_rng_state(device="tpu") -> torch.Tensor:
+    return state.rng_state(_idx(device) if not isinstance(device, str) or ":" in device else 0)
+
+
+def _set_rng_state(new_state, device="tpu") -> None:
+    state.set_rng_state(new_state, _idx(device) if not isinstance(device, str) or ":" in device else 0)
+
+
+def _seed():
+    import random
+    s = random.getrandbits(63)
+    state.manual_seed(s)
+    return s
+
+
+def _initial_seed():
+    return state._seed[0]
+
+
+def _memory_allocated(device=None) -> int:
+    return memory.allocated
+
+
+def _max_memory_allocated(device=None) -> int:
+    return memory.peak
+
+
+def _reset_peak_memory_stats(device=None) -> None:
+    memory.reset_peak()
+
+
+def _memory_stats(device=None) -> dict:
+    return {"allocated_bytes.all.current": memory.allocated, "allocated_bytes.all.peak": memory.peak}
+
+
+class _DeviceCtx:
+    """``torch.tpu.device(i)``: a context that makes tpu:i current."""
+
+    def __init__(self, device):
+        self.idx = _idx(device)
+
+    def __enter__(self):
+        self.prev = _Current.index
+        _set_device(self.idx)
+
+    def __exit__(self, *exc):
+        _Current.index = self.prev
+
+
+def _make_module() -> types.ModuleType:
+    m = types.ModuleType("torch.tpu")
+    m.__doc__ = "The tpu device (deferfuse): the calls PyTorch code commonly makes on torch.cuda."
+    m.is_available = lambda: True
+    m.is_initialized = lambda: True
+    m._is_in_bad_fork = lambda: False
+    m.device_count = _device_count
+    m.current_device = lambda: _Current.index
+    m.set_device = _set_device
+    m.device = _DeviceCtx
+    m.synchronize = _synchronize
+    m.manual_seed = _manual_seed
+    m.manual_seed_all = _manual_seed
+    m.seed = _seed
+    m.seed_all = _seed
+    m.initial_seed = _initial_seed
+    m.get_rng_state = _get_rng_state
+    m.set_rng_state = _set_rng_state
+    m.get_rng_state_all = lambda: [_get_rng_state(f"tpu:{i}") for i in range(_device_count())]
+    m.set_rng_state_all = lambda states: [_set_rng_state(s, f"tpu:{i}") for i, s in enumerate(states)]
+    m.memory_allocated = _memory_allocated
+    m.max_memory_allocated = _max_memory_allocated
+    m.reset_peak_memory_stats = _reset_peak_memory_stats
+    m.reset_max_memory_allocated = _reset_peak_memory_stats
+    m.memory_stats = _memory_stats
+    m.empty_cache = lambda: None
+    m.get_device_name = lambda device=None: f"deferfuse tpu on JAX {platform.name()}"
+    m.is_bf16_supported = lambda *a, **k: True
+    m.get_amp_supported_dtype = lambda: [torch.bfloat16, torch.float16]
+    m._lazy_init = lambda: None
+    return m
+
+
+def register() -> None:
+    global _lib
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    from . import dispatch  # noqa: F401  (loads specials after the helpers they use)
+    from .specials import empty_memory_format, empty_strided, _h_copy_from
+
+    module = _make_module()
+    _setup_privateuseone_for_python_backend("tpu", backend_module=module)
+    _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
+
+    # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
+    # (no Python dispatch): give those kernels.
+    _lib = torch.library.Library("aten", "IMPL")
+    _lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
+    _lib.impl("empty_strided", empty_strided, "PrivateUse1")
+    _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _h_copy_from(None, (src, dst), {}),
+              "PrivateUse1")
+    _lib.impl("_copy_from_and_resize", lambda src, dst: _h_copy_from(None, (src, dst), {}),
+              "PrivateUse1")

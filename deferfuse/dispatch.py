@@ -1,0 +1,360 @@
+"""Every aten op on a ``tpu`` tensor comes here: meta inference, views, writes, and then the op runs
+(strict/debug eager) or is recorded (defer).
+
+The hot path is ``dispatch`` -> ``_run``: build the op's structural key by hand (no tree_map), look
+it up, and either call the cached per-op jit or append a node to the pending trace.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+from . import state
+from .metrics import count_fallback
+from .opinfo import DATA_DEPENDENT, decompose, op_info
+from .runtime import execute
+from .runtime.dtypes import to_np_dtype
+from .runtime.lowering import LOWERINGS
+from .runtime.node import SS, TS, build
+from .runtime import transfer
+from .scheduler.records import Value
+from .tensor import Storage, TpuTensor
+
+aten = torch.ops.aten
+_SPECIAL_SCALARS = {0, 1, -1, 2, 0.5, 0.0, 1.0, -1.0, 2.0}
+_CACHE: dict = {}       # op key -> _Entry
+
+
+class _Entry:
+    """What one op structure needs at run time, computed on its first call."""
+    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals")
+
+
+def user_frame() -> str:
+    """'file:line' of the innermost caller outside torch and deferfuse."""
+    f = sys._getframe(1)
+    skip = state.SKIP_PREFIXES
+    while f is not None and f.f_code.co_filename.startswith(skip):
+        f = f.f_back
+    if f is None:
+        return "<unknown>"
+    return f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+# --------------------------------------------------------------------------------------------
+# building blocks
+
+def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0, storage=None):
+    st = storage if storage is not None else Storage(val, device, dtype)
+    t = TpuTensor(st, chain, size, stride, offset, dtype)
+    if storage is None and val.node is not None:
+        state.trace.track(st)
+    return t
+
+
+def read(t: TpuTensor):
+    """The concrete JAX array of ``t`` (its view applied), running pending work first."""
+    v = t._s.val
+    if v.array is None:
+        state.sync("cpu")
+        v = t._s.val
+        if v.array is None:
+            transfer.materialize_empty(v, t._s.device)
+    if not t._chain:
+        return v.array
+    return execute.read_view(v.array, t._chain)
+
+
+def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
+    """A CPU copy of ``t`` (a sync point in defer mode)."""
+    if t._s.val.node is not None:
+        state.sync(reason)
+    arr = read(t)
+    out = transfer.to_torch(arr, t.dtype)
+    return out.reshape(t.shape) if out.shape != t.shape else out
+
+
+def _device_error(a, b):
+    return RuntimeError("Expected all tensors to be on the same device, but found at least two "
+                        f"devices, {a} and {b}! Move the {b} tensor with .to('{a}') first.")
+
+
+def _const_value(cpu: torch.Tensor, device: int) -> Value:
+    return transfer.host_value(cpu, device)
+
+
+# --------------------------------------------------------------------------------------------
+# the generic op path
+
+def dispatch(func, args, kwargs):
+    h = _SPECIAL.get(func)
+    if h is not None:
+        return h(func, args, kwargs)
+    info = op_info(func)
+    kind = info.kind
+    if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
+        return _run(func, info, args, kwargs)
+    if kind == "view":
+        return _view(func, info, args, kwargs)
+    if kind == "decomp":
+        out = decompose(func, args, kwargs)
+        if out is NotImplemented:
+            return _fallback(func, info, args, kwargs, "no lowering")
+        return out
+    if kind == "data_dependent":
+        return _fallback(func, info, args, kwargs, "data-dependent shape")
+    return _fallback(func, info, args, kwargs, "no lowering")
+
+
+def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, device: list):
+    """One argument -> its template entry (hashable), appending tensor and scalar inputs."""
+    ta = type(a)
+    if ta is TpuTensor:
+        d = a._s.device
+        if device[0] is None:
+            device[0] = d
+        elif device[0] != d:
+            raise _device_error(f"tpu:{device[0]}", f"tpu:{d}")
+        tensors.append(a)
+        return (TS, len(tensors) - 1)
+    if ta is float or ta is int:
+        if info_scalar and not static and a not in _SPECIAL_SCALARS:
+            scalars.append(a)
+            return (SS, len(scalars) - 1, ta)
+        return a
+    if ta is list or ta is tuple:
+        return tuple(_encode(x, info_scalar, tensors, scalars, static, device) for x in a)
+    if isinstance(a, torch.Tensor):
+        if isinstance(a, TpuTensor):
+            tensors.append(a)
+            return (TS, len(tensors) - 1)
+        if a.dim() == 0 and a.device.type == "cpu":
+            # PyTorch lets 0-dim CPU tensors mix with any device: move the value over.
+            t = new_tensor(_const_value(a, device[0] or 0), device[0] or 0, a.dtype, (), ())
+            tensors.append(t)
+            return (TS, len(tensors) - 1)
+        raise _device_error(f"tpu:{device[0] or 0}", str(a.device))
+    if ta is torch.device and a.type == "tpu":
+        return ("\0dev",)
+    return a
+
+
+def _run(func, info, args, kwargs):
+    tensors: list = []
+    scalars: list = []
+    device = [None]
+    low = info.low
+    static = low.static
+    sp = info.scalar_pos
+    targs = tuple(_encode(a, i in sp, tensors, scalars, static, device) for i, a in enumerate(args))
+    if kwargs:
+        skw = info.scalar_kw
+        tkw = tuple((k, _encode(v, k in skw, tensors, scalars, static, device))
+                    for k, v in kwargs.items() if k not in info.mut_kw or info.kind == "self_mut")
+    else:
+        tkw = ()
+    kind = info.kind
+    key = (func, targs, tkw, tuple([t._sig for t in tensors]),
+           tuple([type(s) for s in scalars]) if scalars else ())
+    entry = _CACHE.get(key)
+    if entry is None:
+        entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors)
+    dev = device[0] or 0
+    # Inputs: each tensor's base value; a mutated input that is overwritten whole is not read.
+    mut = entry.out[1]
+    ins = [t._s.val for t in tensors]
+    if info.overwrites and mut:
+        for m in mut:
+            if not tensors[m]._chain:
+                ins[m] = None
+    if low.rng:
+        ins.append(state.rng_storage(dev).val)
+    outs = state.run_node(entry, ins, scalars, dev)
+    return _bind(func, info, entry, outs, tensors, args, kwargs, dev)
+
+
+def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
+    out_meta, mut, rng = entry.out[0], entry.out[1], entry.out[2]
+    if rng:
+        st = state.rng_storage(dev)
+        st.val = outs[-1]
+        state.trace.track_mut(st, outs[-1])
+    if mut:
+        for k, m in enumerate(mut):
+            st = tensors[m]._s
+            st.val = outs[k]
+            state.trace.track_mut(st, outs[k])
+        rets = info.returns
+        res = []
+        for r in rets:
+            if r is None:
+                res.append(None)
+            elif r[2]:
+                res.append(kwargs[r[1]])
+            else:
+                res.append(args[r[0]])
+        if len(res) == 1:
+            return res[0]
+        return tuple(res)
+    structure, metas = out_meta
+    made = []
+    for m, v in zip(metas, outs):
+        if m is None:
+            made.append(None)
+        else:
+            made.append(new_tensor(v, dev, m[2], m[0], m[1]))
+    if structure == "one":
+        return made[0]
+    if structure == "list":
+        return made
+    return tuple(made)
+
+
+def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
+    from .meta import infer
+    out = infer(func, args, kwargs)
+    e = _Entry()
+    e.name = info.name
+    e.khash = hash(key)
+    mut = ()
+    if info.kind in ("self_mut", "func_mut"):
+        mut_objs = [args[i] for i in info.mut_pos if i < len(args)] + \
+                   [kwargs[n] for n in info.mut_kw if n in kwargs]
+        flat = []
+        for o in mut_objs:
+            flat.extend(o if isinstance(o, (list, tuple)) else [o])
+        mut = tuple(next(j for j, t in enumerate(tensors) if t is o) for o in flat if o is not None)
+        out_avals = tuple((tuple(tensors[m].shape), to_np_dtype(tensors[m].dtype)) for m in mut)
+        metas = ()
+        structure = None
+    else:
+        structure, metas = out
+        out_avals = tuple(None if m is None else (tuple(m[0]), to_np_dtype(m[2])) for m in metas)
+    bases = tuple((t._s.val.shape, t._s.val.dtype) for t in tensors)
+    chains = tuple(t._chain for t in tensors)
+    e.fn = build(info.low, targs, tkw, chains, bases, mut, info.kind == "self_mut", out_avals)
+    e.out = ((structure, metas), mut, info.low.rng, out_avals)
+    e.jit = None
+    e.key = key
+    res = [tuple(bases[m]) for m in mut] if mut else [a for a in out_avals]
+    if info.low.rng:
+        res.append(((2,), np.dtype(np.uint32)))
+    e.res_avals = tuple(None if a is None else (a[0], a[1], _nbytes(a[0], a[1])) for a in res)
+    _CACHE[key] = e
+    return e
+
+
+# --------------------------------------------------------------------------------------------
+# views
+
+def _view(func, info, args, kwargs):
+    from .meta import infer_view
+    base = args[0]
+    if type(base) is not TpuTensor:
+        return _fallback(func, info, args, kwargs, "view of a non-tpu tensor")
+    outs = infer_view(func, args, kwargs)     # [(size, stride, offset, dtype, step)]
+    made = []
+    for size, stride, offset, dtype, step in outs:
+        if step is None:                      # alias
+            chain = base._chain
+        elif step[0] is aten.as_strided.default:
+            chain = (step,)                   # relative to the storage, not to the input view
+        else:
+            chain = base._chain + (step,)
+        made.append(TpuTensor(base._s, chain, size, stride, offset, dtype))
+    if func._schema.returns and str(func._schema.returns[0].type) == "Tensor[]":
+        return made
+    return made[0]
+
+
+# --------------------------------------------------------------------------------------------
+# CPU fallback
+
+_warned: set = set()
+
+
+def _fallback(func, info, args, kwargs, why):
+    from .config import config
+    if not config.cpu_fallback:
+        from .errors import LoweringError
+        raise LoweringError(func, why)
+    reason = "data-dependent shape" if why == "data-dependent shape" else "unlowered op"
+    if state.trace.nodes:
+        state.sync(reason, op=info.name)
+    count_fallback(info.name)
+    if why != "data-dependent shape" and info.name not in _warned:
+        _warned.add(info.name)
+        warnings.warn(f"deferfuse: {info.name} has no lowering to JAX; it runs on CPU (copy in, "
+                      "run, copy out). Counted in deferfuse.metrics()['cpu_fallbacks'].",
+                      stacklevel=3)
+    dev = [0]
+    cpu_of = {}
+
+    def to_host(a):
+        if type(a) is TpuTensor:
+            dev[0] = a._s.device
+            c = to_cpu(a, reason)
+            cpu_of[id(c)] = a
+            return c
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_host(x) for x in a)
+        if isinstance(a, torch.device) and a.type == "tpu":
+            return torch.device("cpu")
+        return a
+    cargs = [to_host(a) for a in args]
+    ckw = {k: to_host(v) for k, v in kwargs.items()}
+    res = func(*cargs, **ckw)
+    # Write back what the op mutated.
+    flat_mut = [cargs[i] for i in info.mut_pos if i < len(cargs)] + [ckw[n] for n in info.mut_kw if n in ckw]
+    for c in flat_mut:
+        for ci in (c if isinstance(c, (list, tuple)) else [c]):
+            t = cpu_of.get(id(ci))
+            if t is not None:
+                copy_into(t, ci)
+
+    def back(r):
+        if isinstance(r, torch.Tensor):
+            t = cpu_of.get(id(r))
+            if t is not None:
+                return t
+            return from_cpu(r, dev[0])
+        if isinstance(r, (list, tuple)):
+            return type(r)(back(x) for x in r)
+        return r
+    return back(res)
+
+
+def from_cpu(c: torch.Tensor, device: int = 0, dtype=None) -> TpuTensor:
+    """A new tpu tensor holding a copy of the CPU tensor ``c``."""
+    if dtype is not None and c.dtype != dtype:
+        c = c.to(dtype)
+    v = transfer.host_value(c, device)
+    return new_tensor(v, device, c.dtype, tuple(c.shape), _contig(c.shape))
+
+
+def _nbytes(shape, dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def _contig(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def copy_into(dst: TpuTensor, src) -> TpuTensor:
+    """``dst.copy_(src)`` for any src (tpu tensor, CPU tensor), through the lowered copy_."""
+    if isinstance(src, torch.Tensor) and type(src) is not TpuTensor:
+        src = from_cpu(src, dst._s.device)
+    return _run(aten.copy_.default, op_info(aten.copy_.default), (dst, src), {})
+
+
+from .specials import SPECIAL as _SPECIAL  # noqa: E402  (specials use the helpers above)

@@ -1,0 +1,114 @@
+"""Shape, stride and dtype of an op's outputs from PyTorch's meta kernels, never by running it.
+
+Results are cached with the op's structural key by the dispatcher, so this runs once per structure.
+"""
+from __future__ import annotations
+
+import torch
+
+from .tensor import TpuTensor
+
+aten = torch.ops.aten
+_META = torch.device("meta")
+
+
+def _to_meta(a):
+    if type(a) is TpuTensor:
+        numel = 1
+        for s in a._s.val.shape:
+            numel *= s
+        if a._chain:
+            # A view: place it in a meta storage as large as its base, at its offset.
+            return torch.empty(max(numel, a.storage_offset() + 1), dtype=a.dtype, device=_META).as_strided(
+                a.shape, a.stride(), a.storage_offset())
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=_META)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return _META
+    if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+        return a
+    return a
+
+
+def _desc(m):
+    if m is None:
+        return None
+    if not isinstance(m, torch.Tensor):
+        raise NotImplementedError(f"non-tensor output {type(m).__name__}")
+    return (tuple(m.shape), tuple(m.stride()), m.dtype)
+
+
+def infer(func, args, kwargs):
+    """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
+    margs = [_to_meta(a) for a in args]
+    mkw = {k: _to_meta(v) for k, v in kwargs.items()}
+    out = func(*margs, **mkw)
+    if isinstance(out, torch.Tensor):
+        return "one", (_desc(out),)
+    if isinstance(out, list):
+        return "list", tuple(_desc(m) for m in out)
+    if isinstance(out, tuple):
+        return "tuple", tuple(_desc(m) for m in out)
+    raise NotImplementedError(f"{func} returned {type(out).__name__}")
+
+
+# Views that return several outputs become one slice/select step per output.
+def _split_steps(func, base, args, kwargs, outs):
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    dim = dim % max(base.dim(), 1)
+    steps = []
+    if func in (aten.unbind.int,):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % max(base.dim(), 1)
+        return [(aten.select.int, (dim, i), ()) for i in range(len(outs))]
+    start = 0
+    for o in outs:
+        n = o.shape[dim]
+        steps.append((aten.slice.Tensor, (dim, start, start + n, 1), ()))
+        start += n
+    return steps
+
+
+_MULTI = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov in (
+    ("split", "Tensor"), ("split_with_sizes", "default"), ("unbind", "int"),
+    ("split", "sizes"), ("tensor_split", "sections"))) if o is not None}
+
+
+def _static(x):
+    if isinstance(x, list):
+        return tuple(_static(y) for y in x)
+    return x
+
+
+def infer_view(func, args, kwargs):
+    """[(size, stride, offset, dtype, step)] of a view op's outputs; step None for an alias."""
+    base = args[0]
+    m = _to_meta(base)
+    out = func(m, *[_to_meta(a) for a in args[1:]], **{k: _to_meta(v) for k, v in kwargs.items()})
+    if func in (aten.detach.default, aten.alias.default, aten.lift_fresh.default):
+        return [(tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, None)]
+    if isinstance(out, (list, tuple)):
+        if func not in _MULTI:
+            raise NotImplementedError(f"multi-output view {func}")
+        steps = _split_steps(func, base, args, kwargs, out)
+        return [(tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype, s)
+                for o, s in zip(out, steps)]
+    if func is aten.as_strided.default:
+        size, stride = _static(args[1]), _static(args[2])
+        off = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
+        off = base.storage_offset() if off is None else off
+        step = (func, (size, stride, off, base._s.val.shape, _base_stride(base)), ())
+    else:
+        step = (func, tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items()))
+    return [(tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, step)]
+
+
+def _base_stride(t):
+    # Strides of the storage's base tensor: the base was created with its meta strides, which
+    # for a fresh storage are contiguous unless the producing op kept a permuted layout.
+    shape = t._s.val.shape
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(st))

@@ -1,0 +1,28 @@
+"""``deferfuse.metrics()`` and ``reset_metrics()``: counters of what ran, compiled and synced."""
+from __future__ import annotations
+
+import copy
+
+from .runtime import memory, stats
+
+
+def metrics() -> dict:
+    """A snapshot of every counter (see README, 'Seeing what happened')."""
+    m = copy.deepcopy(stats.S)
+    m["syncs"] = dict(m["syncs"])
+    m["sync_sites"] = {f"{r} at {s}": n for (r, s), n in m["sync_sites"].items()}
+    m["cpu_fallbacks"] = dict(m["cpu_fallbacks"])
+    m["memory_allocated"] = memory.allocated
+    m["max_memory_allocated"] = memory.peak
+    return m
+
+
+def reset_metrics() -> None:
+    """Zero every counter (compile caches are kept; clear them with ``deferfuse.clear_caches()``)."""
+    stats.reset()
+    memory.reset_peak()
+
+
+def count_fallback(name: str) -> None:
+    stats.S["cpu_fallbacks"][name] += 1
+

@@ -1,0 +1,131 @@
+"""What deferfuse needs to know about an aten op, computed once per op and cached.
+
+How the op runs (``kind``), which arguments are Python numbers that become inputs, which
+arguments it writes, and what it returns.
+"""
+from __future__ import annotations
+
+import torch
+from torch._decomp import decomposition_table
+
+from .runtime.lowering import LOWERINGS
+
+aten = torch.ops.aten
+
+# Ops whose output shape depends on the data: they sync and run on CPU (counted as such).
+DATA_DEPENDENT = {o for o in (
+    getattr(getattr(aten, p, None), ov, None) for p, ov in (
+        ("nonzero", "default"), ("masked_select", "default"), ("_unique2", "default"),
+        ("unique_dim", "default"), ("unique_consecutive", "default"), ("_unique", "default"),
+        ("repeat_interleave", "Tensor"), ("argwhere", "default"), ("nonzero_numpy", "default"),
+        ("equal", "default"), ("allclose", "default"), ("bincount", "default"),
+        ("_assert_async", "msg"), ("_assert_async", "default"))) if o is not None}
+
+_SCALAR_TYPES = ("Scalar", "Scalar?", "float", "float?")
+
+
+class OpInfo:
+    __slots__ = ("func", "kind", "scalar_pos", "scalar_kw", "mut_pos", "mut_kw", "returns",
+                 "functional", "low", "name", "overwrites")
+
+    def __repr__(self):
+        return f"OpInfo({self.name}, {self.kind})"
+
+
+def _functional_of(func):
+    """The functional overload computing what ``func`` (in-place or out=) writes, or None."""
+    schema = func._schema
+    packet_name = schema.name.split("::")[1]
+    ov = func._overloadname
+    if packet_name.endswith("_") and not packet_name.startswith("_") or packet_name.startswith("_foreach") and packet_name.endswith("_"):
+        p = getattr(aten, packet_name[:-1], None)
+        if p is None:
+            return None
+        return getattr(p, ov, None)
+    # out= variant: find the overload with the same non-out arguments
+    keep = [a for a in schema.arguments if not (a.alias_info is not None and a.alias_info.is_write)]
+    p = getattr(aten, packet_name, None)
+    if p is None:
+        return None
+    names = [a.name for a in keep]
+    for other in p.overloads():
+        o = getattr(p, other)
+        if o is func or any(a.alias_info is not None and a.alias_info.is_write for a in o._schema.arguments):
+            continue
+        if [a.name for a in o._schema.arguments] == names:
+            return o
+    return None
+
+
+# In-place ops that overwrite all of self without reading it.
+_OVERWRITE_NAMES = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "exponential_",
+                    "cauchy_", "log_normal_", "geometric_", "bernoulli_"}
+
+_INFOS: dict = {}
+
+
+def op_info(func) -> OpInfo:
+    info = _INFOS.get(func)
+    if info is not None:
+        return info
+    info = OpInfo()
+    schema = func._schema
+    info.func = func
+    info.name = str(func)
+    args = schema.arguments
+    info.scalar_pos = frozenset(i for i, a in enumerate(args)
+                                if not a.kwarg_only and str(a.type) in _SCALAR_TYPES)
+    info.scalar_kw = frozenset(a.name for a in args if str(a.type) in _SCALAR_TYPES)
+    mut = [(i, a) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+    info.mut_pos = tuple(i for i, a in mut if not a.kwarg_only)
+    info.mut_kw = tuple(a.name for i, a in mut if a.kwarg_only)
+    # Which argument each aliasing return is (for mutating ops returning their inputs).
+    rets = []
+    for r in schema.returns:
+        if r.alias_info is None:
+            rets.append(None)
+            continue
+        sets = r.alias_info.before_set
+        for i, a in enumerate(args):
+            if a.alias_info is not None and a.alias_info.before_set == sets:
+                rets.append((i, a.name, a.kwarg_only))
+                break
+        else:
+            rets.append(None)
+    info.returns = tuple(rets)
+    info.functional = None
+    info.low = LOWERINGS.get(func)
+    info.overwrites = schema.name.split("::")[1] in _OVERWRITE_NAMES
+    if func in DATA_DEPENDENT:
+        info.kind = "data_dependent"
+    elif mut:
+        if info.low is not None:
+            info.kind = "self_mut"
+        else:
+            f = _functional_of(func)
+            if f is not None and f in LOWERINGS:
+                info.functional = f
+                info.low = LOWERINGS[f]
+                info.kind = "func_mut"
+            elif func in decomposition_table:
+                info.kind = "decomp"
+            else:
+                info.kind = "fallback"
+    elif func.is_view and info.low is not None:
+        info.kind = "view"
+    elif info.low is not None:
+        info.kind = "lowered"
+    elif func in decomposition_table or torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd"):
+        info.kind = "decomp"
+    else:
+        info.kind = "fallback"
+    _INFOS[func] = info
+    return info
+
+
+def decompose(func, args, kwargs):
+    d = decomposition_table.get(func)
+    if d is not None:
+        return d(*args, **kwargs)
+    return func.decompose(*args, **kwargs)

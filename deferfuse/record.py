@@ -1,0 +1,119 @@
+"""The pending trace of defer mode: record ops as nodes, and at a sync point run them.
+
+Each recorded node extends two rolling hashes: ``h`` over op structure and wiring (the region's
+compile-cache key, so a cache hit never walks the trace again) and ``hops`` over op structure
+alone (loop-body detection).
+"""
+from __future__ import annotations
+
+import weakref
+
+from .config import config
+from .runtime import execute, stats
+from .runtime.transfer import materialize_empty
+from .scheduler import steps
+from .scheduler.records import Node, Value
+
+S = stats.S
+_BODIES: set = set()          # (length, hops) of detected loop bodies
+
+
+class Trace:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.nodes: list[Node] = []
+        self.ext: list[Value] = []
+        self._ext_ids: dict = {}
+        self.scalars: list = []
+        self.h = 0
+        self.hops = 0
+        self.storages: list = []      # weak refs of storages that may hold pending values
+        self.khashes: list = []
+
+    def track(self, storage):
+        self.storages.append(weakref.ref(storage))
+
+    def track_mut(self, storage, v):
+        if v.node is not None:
+            self.storages.append(weakref.ref(storage))
+
+    def record(self, entry, ins, scalars):
+        wiring = []
+        for v in ins:
+            if v is None:
+                wiring.append(None)
+                continue
+            n = v.node
+            if n is not None:
+                if n.pos >= len(self.nodes) or self.nodes[n.pos] is not n:
+                    raise RuntimeError(f"deferfuse internal error: a value of {n.name} recorded at "
+                                       f"{n.src} was dropped by an earlier sync but is still read")
+                wiring.append((n.pos, v.idx))
+                continue
+            if v.array is None:
+                materialize_empty(v, 0)
+            i = self._ext_ids.get(id(v))
+            if i is None:
+                i = self._ext_ids[id(v)] = len(self.ext)
+                self.ext.append(v)
+            wiring.append(i)
+        wiring = tuple(wiring)
+        pos = len(self.nodes)
+        outs = tuple([None if a is None else Value(a[0], a[1], a[2], None, None, k)
+                      for k, a in enumerate(entry.res_avals)])
+        src = _src() if config.source_lines else None
+        node = Node(entry, entry.khash, entry.fn, tuple(ins), wiring, len(self.scalars), scalars,
+                    outs, entry.name, src, pos)
+        for o in outs:
+            if o is not None:
+                o.node = node
+        self.nodes.append(node)
+        if scalars:
+            self.scalars.extend(scalars)
+        self.khashes.append(entry.khash)
+        self.h = hash((self.h, entry.khash, wiring, len(scalars)))
+        self.hops = hops = hash((self.hops, entry.khash))
+        S["ops_recorded"] += 1
+        n = pos + 1
+        if _BODIES and (n, hops) in _BODIES:
+            from .state import sync
+            sync("loop boundary")
+        elif n >= config.trace_limit:
+            self._limit_cut()
+        return outs
+
+    def _limit_cut(self):
+        from .state import sync
+        if config.step_detection:
+            L = steps.find_period(self.khashes)
+            if L is not None:
+                _BODIES.add(steps.body_signature(self.khashes, L))
+        sync("trace limit")
+
+    # ---------------------------------------------------------------------------------------
+    def flush(self, reason: str, src: str):
+        from .runtime.flush import run_trace
+        nodes = self.nodes
+        if not nodes:
+            return
+        # Outputs: pending values that a live storage still holds (weak references).
+        outs, seen = [], set()
+        for r in self.storages:
+            st = r()
+            if st is None:
+                continue
+            v = st.val
+            if v.node is not None and id(v) not in seen:
+                seen.add(id(v))
+                outs.append(v)
+        # Reset first: whatever happens in execution, the trace is consumed exactly once.
+        ext, scalars, h = self.ext, self.scalars, self.h
+        self.reset()
+        run_trace(nodes, ext, scalars, h, outs, reason, src, config.debug, config.cross_check)
+
+
+def _src():
+    from .dispatch import user_frame
+    return user_frame()

@@ -1,0 +1,156 @@
+"""Ops the generic path cannot express: transfers, sync points, allocation, aliasing."""
+from __future__ import annotations
+
+import torch
+
+from . import state
+from .dispatch import _contig, _fallback, _run, copy_into, from_cpu, new_tensor, to_cpu
+from .opinfo import op_info
+from .runtime import transfer
+from .tensor import TpuTensor
+
+aten = torch.ops.aten
+
+
+def _dev_index(device) -> int:
+    if device is None:
+        return 0
+    device = torch.device(device)
+    return device.index or 0
+
+
+def _empty(size, dtype, device: int, stride=None, memory_format=None):
+    dtype = dtype or torch.get_default_dtype()
+    size = tuple(int(s) for s in size)
+    if any(s < 0 for s in size):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    if stride is None:
+        if memory_format is not None and memory_format not in (torch.contiguous_format, torch.preserve_format):
+            stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
+        else:
+            stride = _contig(size)
+    v = transfer.empty_value(size, dtype)
+    return new_tensor(v, device, dtype, size, tuple(stride))
+
+
+def empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+                        memory_format=None):
+    return _empty(size, dtype, _dev_index(device), memory_format=memory_format)
+
+
+def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _empty(size, dtype, _dev_index(device), stride=tuple(stride))
+
+
+def _h_empty(func, args, kwargs):
+    return empty_memory_format(*args, **kwargs)
+
+
+def _h_empty_strided(func, args, kwargs):
+    return empty_strided(*args, **kwargs)
+
+
+def _h_empty_like(func, args, kwargs):
+    self = args[0]
+    m = func(torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta"),
+             *args[1:], **{k: (torch.device("meta") if k == "device" else v) for k, v in kwargs.items()})
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == "cpu":
+        return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+    return _empty(m.shape, m.dtype, self._s.device if dev is None else _dev_index(dev), stride=m.stride())
+
+
+def _h_new_empty(func, args, kwargs):
+    self = args[0]
+    dev = kwargs.get("device")
+    size = args[1]
+    stride = args[2] if func is aten.new_empty_strided.default else None
+    return _empty(size, kwargs.get("dtype") or self.dtype,
+                  self._s.device if dev is None else _dev_index(dev), stride=stride)
+
+
+def _h_copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if type(dst) is not TpuTensor:
+        # tpu -> cpu (or other) copy: read the value to the host, then copy there.
+        with torch._C._DisableTorchDispatch():
+            dst.copy_(to_cpu(src, "cpu"))
+        return dst
+    return copy_into(dst, src)
+
+
+def _h_copy_from(func, args, kwargs):
+    src, dst = args[0], args[1]
+    return _h_copy(aten.copy_.default, (dst, src), {})
+
+
+def _h_to_copy(func, args, kwargs):
+    self = args[0]
+    dev = kwargs.get("device")
+    dtype = kwargs.get("dtype") or self.dtype
+    if dev is not None and torch.device(dev).type != "tpu":
+        out = to_cpu(self, "cpu")
+        out = out.to(dtype=dtype)
+        if kwargs.get("pin_memory"):
+            out = out.pin_memory()
+        mf = kwargs.get("memory_format")
+        if mf is not None and mf != torch.preserve_format:
+            out = out.contiguous(memory_format=mf)
+        elif out.stride() != self.stride() and self.is_non_overlapping_and_dense():
+            out = torch.empty_strided(self.shape, self.stride(), dtype=dtype).copy_(out)
+        return out
+    if dev is not None and _dev_index(dev) != self._s.device:
+        return from_cpu(to_cpu(self, "cpu"), _dev_index(dev), dtype)
+    kw = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
+    kw["dtype"] = dtype
+    return _run(func, op_info(func), (self,), kw)
+
+
+def _h_item(func, args, kwargs):
+    return to_cpu(args[0], "item").item()
+
+
+def _h_resize(func, args, kwargs):
+    self, size = args[0], tuple(args[1])
+    if tuple(self.shape) == size:
+        return self
+    raise RuntimeError(f"cannot resize a tpu tensor of shape {list(self.shape)} to {list(size)} in "
+                       "place; allocate a new tensor (e.g. torch.empty(size, device='tpu')) instead")
+
+
+def _h_set(func, args, kwargs):
+    self = args[0]
+    if len(args) > 1 and type(args[1]) is TpuTensor and tuple(args[1].shape) == tuple(self.shape):
+        src = args[1]
+        self._s, self._chain, self._sig = src._s, src._chain, src._sig
+        return self
+    return _fallback(func, op_info(func), args, kwargs, "set_ with a new shape")
+
+
+def _h_noop_self(func, args, kwargs):
+    return args[0]
+
+
+def _h_is_pinned(func, args, kwargs):
+    return False
+
+
+SPECIAL = {
+    aten.empty.memory_format: _h_empty,
+    aten.empty_strided.default: _h_empty_strided,
+    aten.empty_like.default: _h_empty_like,
+    aten.new_empty.default: _h_new_empty,
+    aten.new_empty_strided.default: _h_new_empty,
+    aten.copy_.default: _h_copy,
+    aten._copy_from.default: _h_copy_from,
+    aten._to_copy.default: _h_to_copy,
+    aten._local_scalar_dense.default: _h_item,
+    aten.resize_.default: _h_resize,
+    aten.set_.source_Tensor: _h_set,
+    aten.is_pinned.default: _h_is_pinned,
+}
+for _name in ("record_stream.default",):
+    _p, _, _ov = _name.partition(".")
+    _o = getattr(getattr(aten, _p, None), _ov, None)
+    if _o is not None:
+        SPECIAL[_o] = _h_noop_self

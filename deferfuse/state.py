@@ -1,0 +1,107 @@
+"""Mode, the pending trace, RNG state: the module state the dispatcher consults on every op."""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import torch
+
+from .config import config
+from .runtime import execute, stats
+from .runtime.dtypes import x64
+from .runtime.transfer import devices, materialize_empty
+
+# Frames inside these folders are never "the user's line".
+SKIP_PREFIXES = tuple({os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+                       os.path.dirname(jax.__file__), os.path.dirname(os.__file__) + os.sep + "contextlib"})
+
+MODE = config.mode          # the current mode; changed only through deferfuse.mode()
+_stack: list = []
+
+
+def set_mode(m: str) -> None:
+    global MODE
+    if MODE == "defer" and m != "defer":
+        sync("mode exit")
+    MODE = m
+
+
+def run_node(entry, ins, scalars, dev):
+    if MODE == "defer":
+        return trace.record(entry, ins, scalars)
+    for v in ins:
+        if v is not None and v.array is None:
+            if v.node is not None:
+                sync("mode exit")
+            else:
+                materialize_empty(v, dev)
+    return execute.run_op(entry, ins, scalars, MODE == "debug")
+
+
+def sync(reason: str, op: str | None = None) -> None:
+    """Run the pending trace now (a sync point), recording why and from which line."""
+    if not trace.nodes:
+        return
+    from .dispatch import user_frame
+    src = user_frame()
+    stats.S["syncs"][reason] += 1
+    stats.S["sync_sites"][(reason, src)] += 1
+    if config.debug >= 1:
+        print(f"[deferfuse] sync: {reason}{' (' + op + ')' if op else ''} at {src}, "
+              f"{len(trace.nodes)} ops", file=sys.stderr)
+    trace.flush(reason, src)
+
+
+# --- RNG: one PRNG key per device, held in a Storage so defer threads it through regions --------
+_rng: dict = {}
+_seed = [0]
+
+
+def rng_storage(dev: int):
+    st = _rng.get(dev)
+    if st is None:
+        st = _rng[dev] = _new_key(_seed[0], dev)
+    return st
+
+
+def _new_key(seed: int, dev: int):
+    from .scheduler.records import Value
+    from .tensor import Storage
+    import numpy as np
+    with x64(True):
+        k = jax.device_put(jax.random.PRNGKey(seed & 0xFFFFFFFFFFFFFFFF), devices()[dev])
+    return Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
+
+
+def manual_seed(seed: int) -> None:
+    sync("manual_seed")
+    _seed[0] = int(seed)
+    for d in list(_rng) or [0]:
+        _rng[d] = _new_key(int(seed), d)
+
+
+def rng_state(dev: int) -> torch.Tensor:
+    st = rng_storage(dev)
+    if st.val.array is None:
+        sync("rng state")
+    import numpy as np
+    return torch.from_numpy(np.asarray(jax.device_get(st.val.array)).astype(np.int64))
+
+
+def set_rng_state(state: torch.Tensor, dev: int) -> None:
+    from .scheduler.records import Value
+    from .tensor import Storage
+    import numpy as np
+    sync("rng state")
+    a = state.detach().cpu().numpy().astype(np.uint32)
+    if a.shape != (2,):
+        raise RuntimeError(f"expected an RNG state of 2 elements from torch.tpu.get_rng_state(), got shape {tuple(a.shape)}")
+    with x64(True):
+        k = jax.device_put(a, devices()[dev])
+    _rng[dev] = Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
+
+
+from .record import Trace  # noqa: E402
+
+trace = Trace()

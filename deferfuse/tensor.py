@@ -1,0 +1,134 @@
+"""The ``tpu`` tensor: a wrapper subclass over a storage holding a JAX value.
+
+NOTE [storage model]: a ``Storage`` holds the current value of one base tensor (a ``Value``: a
+device array, or pending in defer mode). A tensor is a storage plus a chain of view ops read out
+of it (empty for a base). Every view of a base shares its storage; a write through a view becomes
+a functional update of the base (``runtime.viewchain.scatter_chain``) that replaces
+``Storage.val``, so the base and every other view see it. Defer mode records these same updates
+instead of running them, so both modes share one storage model.
+"""
+from __future__ import annotations
+
+import torch
+
+from .scheduler.records import Value
+
+
+class Storage:
+    __slots__ = ("val", "device", "dtype", "__weakref__")
+
+    def __init__(self, val: Value, device: int, dtype: torch.dtype):
+        self.val = val
+        self.device = device
+        self.dtype = dtype
+
+
+_DEVICES: list = []   # torch.device("tpu", i), filled by deferfuse.device
+
+
+class TpuTensor(torch.Tensor):
+    """A tensor on the ``tpu`` device. Its value lives in JAX (see NOTE [storage model])."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, storage: Storage, chain: tuple, size, stride, offset: int, dtype):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, size, stride, storage_offset=offset, dtype=dtype,
+            device=_DEVICES[storage.device], requires_grad=False)
+        t._s = storage
+        t._chain = chain
+        # Everything about this tensor that shapes compiled code, hashed with each op's key.
+        t._sig = (storage.val.shape, storage.dtype, chain, tuple(size), tuple(stride), dtype)
+        return t
+
+    def __init__(self, *a, **k):
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+    # --- host-side conveniences that PyTorch implements with raw data pointers -----------------
+    def __repr__(self, *, tensor_contents=None):
+        from .dispatch import to_cpu
+        cpu = to_cpu(self, "print")
+        s = torch._tensor_str._str(cpu)
+        dev = f"device='{self.device}'"
+        if s.endswith(")"):
+            # Insert the device after the values, where PyTorch puts it for cuda tensors.
+            head, tail = s[:-1], ")"
+            for marker in (", grad_fn=", ", requires_grad=True"):
+                i = head.find(marker)
+                if i >= 0:
+                    head, tail = head[:i], head[i:] + ")"
+                    break
+            return f"{head}, {dev}{tail}"
+        return s
+
+    def __format__(self, spec):
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def tolist(self):
+        from .dispatch import to_cpu
+        return to_cpu(self, "tolist").tolist()
+
+    def numpy(self, *, force=False):
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() "
+                        "to copy the tensor to host memory first.")
+
+    def __array__(self, dtype=None):
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() "
+                        "to copy the tensor to host memory first.")
+
+    def __reduce_ex__(self, proto):
+        # Saved as a plain CPU tensor, so torch.load (weights_only=True by default) reads it back
+        # without knowing deferfuse; move it back with .to("tpu").
+        from .dispatch import to_cpu
+        cpu = to_cpu(self.detach(), "save")
+        if self.requires_grad and self.is_leaf:
+            cpu.requires_grad_(True)
+        return cpu.__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if self.requires_grad:
+            new.requires_grad_(True)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        memo[id(self)] = new
+        return new
+
+    @property
+    def data(self):
+        with torch.no_grad():
+            return self.detach()
+
+    @data.setter
+    def data(self, new):
+        if not isinstance(new, TpuTensor):
+            raise RuntimeError(f"data set to a tensor on {new.device} that isn't on {self.device}; "
+                               "move it with .to('tpu') first")
+        torch._C.TensorBase.data.__set__(self, new)
+        self._s = new._s
+        self._chain = new._chain
+        self._sig = new._sig
+
+    def untyped_storage(self):
+        raise RuntimeError("tpu tensors have no host-addressable storage; call .cpu() first")
+
+    def data_ptr(self):
+        # Unique per storage and view offset, for code that compares pointers (never dereference).
+        return (id(self._s) << 4) + self.storage_offset() * self.element_size()
+
+
+def _dispatch(func, args, kwargs):
+    from .dispatch import dispatch
+    global _dispatch
+    _dispatch = dispatch
+    return dispatch(func, args, kwargs)

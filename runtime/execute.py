@@ -1,0 +1,104 @@
+"""Run work: one op at a time (strict/debug), or a fused region of a trace (defer).
+
+Every call into JAX happens inside ``x64(True)`` so 64-bit dtypes are PyTorch's (see dtypes.py).
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+
+from ..scheduler.records import Value
+from . import stats
+from .dtypes import x64
+from .viewchain import apply_chain
+
+S = stats.S
+
+
+_last: list = [None]   # the latest outputs handed to JAX, for wait_all
+
+
+def wait_all() -> None:
+    """Block until the work already handed to JAX has finished."""
+    if _last[0] is not None:
+        jax.block_until_ready(_last[0])
+        _last[0] = None
+
+
+def _values(res, avals):
+    return [None if r is None else Value(a[0], a[1], a[2], array=r) for r, a in zip(res, avals)]
+
+
+def run_op(entry, ins, scalars, debug: bool):
+    """Run one op now as its own cached jitted program; returns output Values."""
+    j = entry.jit
+    arrays = [None if v is None else v.array for v in ins]
+    with x64(True):
+        if j is None:
+            t0 = time.perf_counter()
+            j = entry.jit = jax.jit(entry.fn)
+            res = j(arrays, scalars)
+            S["compiles"] += 1
+            S["op_compiles"] += 1
+            S["compile_seconds"] += time.perf_counter() - t0
+        else:
+            res = j(arrays, scalars)
+        if debug:
+            jax.block_until_ready(res)
+    _last[0] = res
+    S["ops_eager"] += 1
+    return _values(res, entry.res_avals)
+
+
+_view_jits: dict = {}
+
+
+def read_view(array, chain):
+    j = _view_jits.get(chain)
+    if j is None:
+        j = _view_jits[chain] = jax.jit(lambda a: apply_chain(a, chain))
+    with x64(True):
+        return j(array)
+
+
+def region_function(plan, out_sig):
+    """A pure function (external arrays, scalars) -> outputs running ``plan``'s nodes in order.
+
+    ``plan`` is [(fn, wiring, s0, n_scalars)]; ``out_sig`` lists (node pos, output idx) to return.
+    """
+    def region(ext, scalars):
+        env = {}
+        for pos, (fn, wiring, s0, ns) in enumerate(plan):
+            arrays = [None if w is None else (ext[w] if type(w) is int else env[w]) for w in wiring]
+            outs = fn(arrays, scalars[s0:s0 + ns])
+            for i, o in enumerate(outs):
+                env[(pos, i)] = o
+        return [env[k] for k in out_sig]
+    return region
+
+
+def compile_region(plan, out_sig, ext_arrays, scalars, donate=()):
+    """jit and compile a region for these inputs; returns (compiled callable, seconds)."""
+    t0 = time.perf_counter()
+    fn = region_function(plan, out_sig)
+    with x64(True):
+        lowered = jax.jit(fn, donate_argnums=()).lower(ext_arrays, scalars)
+        compiled = lowered.compile()
+    dt = time.perf_counter() - t0
+    S["compiles"] += 1
+    S["region_compiles"] += 1
+    S["compile_seconds"] += dt
+    return compiled, lowered, dt
+
+
+def run_region(compiled, ext_arrays, scalars, debug: bool = False):
+    t0 = time.perf_counter()
+    with x64(True):
+        res = compiled(ext_arrays, scalars)
+        _last[0] = res
+        if debug:
+            jax.block_until_ready(res)
+    S["execute_seconds"] += time.perf_counter() - t0
+    S["regions_run"] += 1
+    return res

@@ -1,0 +1,168 @@
+"""Run a consumed trace: look the region up in the compile cache (or compile it), execute, bind.
+
+The region key is the trace's rolling structural hash plus which values leave it, so a cache hit
+costs O(outputs), never a walk over the trace.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import execute, stats
+from .errors import RegionError
+
+S = stats.S
+_REGIONS: dict = {}     # key -> _Region
+_STRUCT: dict = {}      # shape-free structure -> number of compiles
+
+
+class _Region:
+    __slots__ = ("compiled", "node_keys", "nops", "summary", "runs", "temp_bytes", "lowered")
+
+
+def clear():
+    _REGIONS.clear()
+    _STRUCT.clear()
+
+
+def _diff(a, b) -> str:
+    """What differs between two op keys, in words."""
+    fa, ta, kwa, sa, sta = a
+    fb, tb, kwb, sb, stb = b
+    if fa != fb:
+        return f"op {fb} where the cached region had {fa}"
+    for i, (x, y) in enumerate(zip(sa, sb)):
+        if x[3] != y[3]:
+            return f"{fb}: input {i} has shape {list(y[3])}, cached {list(x[3])}"
+        if x[5] != y[5]:
+            return f"{fb}: input {i} has dtype {y[5]}, cached {x[5]}"
+        if x[2] != y[2]:
+            return f"{fb}: input {i} is a different view"
+    if ta != tb or kwa != kwb:
+        return f"{fb}: arguments {tb} {dict(kwb)}, cached {ta} {dict(kwa)} (a baked-in value or a static argument changed)"
+    if sta != stb:
+        return f"{fb}: Python scalar types {sta} -> {stb}"
+    return f"{fb}: the wiring between ops differs"
+
+
+def _explain_miss(keys: list) -> str:
+    best, best_same = None, -1
+    for r in _REGIONS.values():
+        if abs(len(r.node_keys) - len(keys)) > 0:
+            continue
+        same = sum(1 for x, y in zip(r.node_keys, keys) if x == y)
+        if same > best_same:
+            best, best_same = r, same
+    if best is None:
+        return "new region structure (no cached region has this many ops)"
+    for x, y in zip(best.node_keys, keys):
+        if x != y:
+            return _diff(x, y)
+    return "same ops, different outputs or wiring"
+
+
+def run_trace(nodes, ext, scalars, h, outs, reason, src, debug_level=0, cross_check=False):
+    out_sig = tuple((v.node.pos, v.idx) for v in outs)
+    key = (h, len(nodes), len(ext), out_sig)
+    ext_arrays = [v.array for v in ext]
+    reg = _REGIONS.get(key)
+    if reg is None:
+        keys = [n.key.key for n in nodes]
+        why = _explain_miss(keys)
+        plan = [(n.fn, n.wiring, n.s0, len(n.scalars)) for n in nodes]
+        try:
+            compiled, lowered, dt = execute.compile_region(plan, out_sig, ext_arrays, scalars)
+        except Exception as e:   # a lowering failed while tracing: find the op
+            _localize(nodes, ext, scalars, e)
+            raise
+        reg = _Region()
+        reg.compiled, reg.node_keys, reg.nops, reg.runs = compiled, keys, len(nodes), 0
+        reg.lowered = lowered
+        reg.summary = f"{len(nodes)} ops ({nodes[0].name} .. {nodes[-1].name}), synced by {reason} at {src}"
+        try:
+            reg.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+        except Exception:
+            reg.temp_bytes = None
+        struct = tuple((k[0], k[1], k[2]) for k in keys)
+        n = _STRUCT.get(struct, 0)
+        if n:
+            S["recompiles"] += 1
+        _STRUCT[struct] = n + 1
+        _REGIONS[key] = reg
+        S["miss_reasons"].append((reg.summary, why, dt))
+        if debug_level >= 2:
+            print(f"[deferfuse] region MISS ({why}): {reg.summary}; compiled in {dt*1e3:.1f} ms",
+                  file=sys.stderr)
+        if debug_level >= 4:
+            print(lowered.as_text(), file=sys.stderr)
+    else:
+        S["cache_hits"] += 1
+        if debug_level >= 2:
+            print(f"[deferfuse] region hit: {reg.summary}", file=sys.stderr)
+    if debug_level >= 3:
+        for n in nodes:
+            print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
+    try:
+        res = execute.run_region(reg.compiled, ext_arrays, scalars)
+    except Exception as e:
+        _localize(nodes, ext, scalars, e)
+        raise
+    reg.runs += 1
+    for v, r in zip(outs, res):
+        v.bind(r)
+    if cross_check:
+        _cross_check(nodes, ext, scalars, outs)
+
+
+def _replay(nodes, ext, scalars, stop_at_error=True):
+    """Run nodes one by one (per-op jits); yields (node, outputs)."""
+    import jax
+    env = {}
+    for n in nodes:
+        arrays = [None if w is None else (ext[w].array if type(w) is int else env[w]) for w in n.wiring]
+        entry = n.key
+        if entry.jit is None:
+            with execute.x64(True):
+                entry.jit = jax.jit(entry.fn)
+        with execute.x64(True):
+            res = entry.jit(arrays, list(n.scalars))
+            jax.block_until_ready(res)
+        for i, o in enumerate(res):
+            env[(n.pos, i)] = o
+        yield n, res, env
+
+
+def _localize(nodes, ext, scalars, err):
+    try:
+        for _ in _replay(nodes, ext, scalars):
+            pass
+    except Exception as e:
+        # the generator stopped at the failing node; find which one by replaying step by step
+        env_nodes = []
+        try:
+            for n, _, _ in _replay(nodes, ext, scalars):
+                env_nodes.append(n)
+        except Exception:
+            failing = nodes[len(env_nodes)]
+            raise RegionError(
+                f"{failing.name} failed inside a fused region, recorded at {failing.src}: "
+                f"{type(e).__name__}: {e}\nRerun with TORCHTPU_MODE=debug (or "
+                "`with deferfuse.mode('debug'):`) to raise at the line that fails.") from e
+    raise RegionError(f"a fused region of {len(nodes)} ops failed ({type(err).__name__}: {err}), but "
+                      "every op succeeds on its own; rerun with TORCHTPU_MODE=strict to compare") from err
+
+
+def _cross_check(nodes, ext, scalars, outs):
+    import numpy as np
+    for n, res, env in _replay(nodes, ext, scalars):
+        for i, (o, r) in enumerate(zip(n.outs, res)):
+            if o is None or r is None or o.array is None:
+                continue
+            a, b = np.asarray(o.array), np.asarray(r)
+            if a.dtype.kind in "fc":
+                ok = np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-4, atol=1e-5, equal_nan=True)
+            else:
+                ok = np.array_equal(a, b)
+            if not ok:
+                raise RegionError(f"cross-check: {n.name} recorded at {n.src} gives different results "
+                                  f"fused and op by op (max abs diff "
+                                  f"{np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))):.3g})")

@@ -1,0 +1,140 @@
+"""View ops: read a view out of its base value. (Writing back is runtime/viewchain.py.)"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import op
+
+
+def _norm(d, n):
+    return d % n if n else 0
+
+
+@op("view.default", "_unsafe_view.default", "reshape.default", "_reshape_alias.default",
+    "view_copy.default")
+def view(x, size, *stride):
+    return jnp.reshape(x, tuple(size))
+
+
+@op("view.dtype")
+def view_dtype(x, dtype):
+    from ..dtypes import to_np_dtype
+    d = to_np_dtype(dtype)
+    if d.itemsize == x.dtype.itemsize:
+        return lax.bitcast_convert_type(x, d)
+    if d.itemsize < x.dtype.itemsize:
+        y = lax.bitcast_convert_type(x, d)   # adds a trailing dim of ratio
+        return y.reshape(x.shape[:-1] + (-1,))
+    r = d.itemsize // x.dtype.itemsize
+    return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (-1, r)), d)
+
+
+@op("alias.default", "detach.default", "lift_fresh.default", "alias_copy.default", "detach_copy.default")
+def alias(x):
+    return x
+
+
+@op("t.default", "t_copy.default")
+def t(x):
+    return x.T if x.ndim == 2 else x
+
+
+@op("transpose.int", "transpose_copy.int")
+def transpose(x, d0, d1):
+    if x.ndim == 0:
+        return x
+    return jnp.swapaxes(x, _norm(d0, x.ndim), _norm(d1, x.ndim))
+
+
+@op("permute.default", "permute_copy.default")
+def permute(x, dims):
+    return jnp.transpose(x, [_norm(d, x.ndim) for d in dims])
+
+
+@op("unsqueeze.default", "unsqueeze_copy.default")
+def unsqueeze(x, dim):
+    return jnp.expand_dims(x, _norm(dim, x.ndim + 1))
+
+
+@op("squeeze.default", "squeeze.dim", "squeeze.dims", "squeeze_copy.default", "squeeze_copy.dim",
+    "squeeze_copy.dims")
+def squeeze(x, dim=None):
+    if x.ndim == 0:
+        return x
+    if dim is None:
+        dims = tuple(i for i, s in enumerate(x.shape) if s == 1)
+    else:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        dims = tuple(d % x.ndim for d in dims if x.shape[d % x.ndim] == 1)
+    return jnp.squeeze(x, dims) if dims else x
+
+
+@op("expand.default", "expand_copy.default")
+def expand(x, size, *, implicit=False):
+    size = list(size)
+    lead = len(size) - x.ndim
+    shape = [x.shape[i - lead] if s == -1 else s for i, s in enumerate(size)]
+    return jnp.broadcast_to(x, shape)
+
+
+@op("slice.Tensor", "slice_copy.Tensor")
+def slice_(x, dim=0, start=None, end=None, step=1):
+    if x.ndim == 0:
+        return x
+    dim = _norm(dim, x.ndim)
+    n = x.shape[dim]
+    start = 0 if start is None else start
+    end = n if end is None else end
+    if start < 0:
+        start += n
+    if end < 0:
+        end += n
+    start = min(max(start, 0), n)
+    end = min(max(end, start), n)
+    return lax.slice_in_dim(x, start, end, step, axis=dim)
+
+
+@op("select.int", "select_copy.int")
+def select(x, dim, index):
+    dim = _norm(dim, x.ndim)
+    return lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
+
+
+@op("diagonal.default", "diagonal_copy.default")
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(x, offset, _norm(dim1, x.ndim), _norm(dim2, x.ndim))
+
+
+@op("unfold.default")
+def unfold(x, dim, size, step):
+    if x.ndim == 0:
+        return x.reshape(1)
+    dim = _norm(dim, x.ndim)
+    n = (x.shape[dim] - size) // step + 1
+    idx = np.arange(n)[:, None] * step + np.arange(size)[None, :]
+    y = jnp.take(x, idx, axis=dim)           # dims: ..., n, size, ...
+    return jnp.moveaxis(y, dim + 1, -1)
+
+
+@op("as_strided.default", "as_strided_copy.default")
+def as_strided(x, size, stride, storage_offset=0, base_shape=None, base_stride=None):
+    # Applied to the storage's base value (see deferfuse/meta.py): gather by flat memory index.
+    flat = x.reshape(-1)
+    idx = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n) * s).reshape(shape)
+    return flat[idx.astype(np.int32)] if flat.size < 2**31 else flat[idx]
+
+
+@op("view_as_real.default")
+def view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@op("view_as_complex.default")
+def view_as_complex(x):
+    return lax.complex(x[..., 0], x[..., 1])

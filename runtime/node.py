@@ -1,0 +1,73 @@
+"""Build the pure JAX function of one recorded op from its structure (the node's key parts).
+
+The function runs only while JAX traces (strict eager's per-op jit, or a fused region), so its
+Python cost is paid once per compile, never per call.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .viewchain import apply_chain, scatter_chain
+
+# Slot markers inside an op's argument template (a hashable tuple): a tensor input or a scalar input.
+TS = "\0tensor"
+SS = "\0scalar"
+
+
+def _fill(x, vals, scalars):
+    if type(x) is tuple:
+        if len(x) == 2 and x[0] is TS:
+            return vals[x[1]]
+        if len(x) == 3 and x[0] is SS:
+            return scalars[x[1]]
+        return tuple(_fill(y, vals, scalars) for y in x)
+    return x
+
+
+def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
+    """The function ``(arrays, scalars) -> outputs`` of one op.
+
+    ``arrays`` are the base values of the tensor inputs (then the RNG key when ``low.rng``);
+    ``chains[i]`` reads input i's view out of its base; ``bases[i]`` is (shape, dtype) of base i.
+    A mutating op (``mut``: the inputs it writes) returns the new base values of those inputs;
+    with ``self_mut`` the lowering itself returns the written values, else the op's functional
+    form does. Other ops return their outputs cast to the dtypes of ``out_avals`` (PyTorch's,
+    from meta inference); a lowering registered with ``meta=True`` receives ``_avals=out_avals``.
+    """
+    rng = low.rng
+    fn = low.fn
+    out_dtypes = [a[1] if a is not None else None for a in out_avals]
+
+    def node_fn(arrays, scalars):
+        arrays = list(arrays)
+        kw = dict(tkwargs)
+        if rng:
+            key, sub = jax.random.split(arrays.pop())
+            kw["key"] = sub
+        if low.meta:
+            kw["_avals"] = out_avals
+        vals = [None if a is None else (apply_chain(a, c) if c else a) for a, c in zip(arrays, chains)]
+        args = [_fill(a, vals, scalars) for a in targs]
+        kw = {k: _fill(v, vals, scalars) for k, v in kw.items()}
+        res = fn(*args, **kw)
+        res = list(res) if isinstance(res, (tuple, list)) else [res]
+        if mut:
+            if not self_mut:
+                res = res[:len(mut)]
+            outs = []
+            for r, m in zip(res, mut):
+                base = arrays[m]
+                if base is None:   # overwritten whole without being read
+                    shape, dt = bases[m]
+                    outs.append(jnp.broadcast_to(jnp.asarray(r), shape).astype(dt))
+                else:
+                    outs.append(scatter_chain(base, chains[m], r))
+        else:
+            outs = [r if r is None or d is None or r.dtype == d else r.astype(d)
+                    for r, d in zip(res, out_dtypes)]
+        if rng:
+            outs.append(key)
+        return outs
+
+    return node_fn

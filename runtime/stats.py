@@ -1,0 +1,37 @@
+"""Counters of everything the runtime does; ``deferfuse.metrics()`` returns a copy."""
+from __future__ import annotations
+
+from collections import Counter
+
+
+def fresh() -> dict:
+    return {
+        "ops_recorded": 0,          # ops appended to a defer trace
+        "ops_eager": 0,             # ops run one by one (strict/debug)
+        "regions_run": 0,           # fused regions executed
+        "compiles": 0,              # compile-cache misses (region or per-op program)
+        "op_compiles": 0,           # ... of which per-op programs (strict/debug)
+        "region_compiles": 0,       # ... of which fused regions
+        "cache_hits": 0,            # in-process region cache hits
+        "disk_cache_hits": 0,       # compiles answered by the persistent cache
+        "recompiles": 0,            # region structures compiled again with new shapes
+        "compile_seconds": 0.0,
+        "execute_seconds": 0.0,
+        "record_seconds": 0.0,      # not measured per op (too costly); see bench/overhead
+        "syncs": Counter(),         # reason -> count
+        "sync_sites": Counter(),    # (reason, 'file:line') -> count
+        "cpu_fallbacks": Counter(),  # op name -> count
+        "shape_fallbacks": 0,       # regions run op by op because their shapes kept changing
+        "donated_bytes": 0,
+        "elided_bytes": 0,          # intermediates never materialised as buffers
+        "peak_region": None,
+        "miss_reasons": [],         # (region summary, what differed) for the report
+    }
+
+
+S = fresh()
+
+
+def reset() -> None:
+    S.clear()
+    S.update(fresh())
