@@ -152,3 +152,15 @@ def register() -> None:
               "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _h_copy_from(None, (src, dst), {}),
               "PrivateUse1")
+    # Lowered factories (no tensor argument) run as ops of their own, never through the
+    # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.
+    from .dispatch import dispatch
+    from .runtime.lowering import LOWERINGS
+    for o in LOWERINGS:
+        args = o._schema.arguments
+        if any("Tensor" in str(a.type) for a in args) or not any(a.name == "device" for a in args):
+            continue
+        if o._schema.name.startswith("aten::empty"):
+            continue
+        _lib.impl(o._schema.name.split("::")[1] + ("." + o._overloadname if o._overloadname != "default" else ""),
+                  (lambda op: lambda *a, **k: dispatch(op, a, k))(o), "PrivateUse1")

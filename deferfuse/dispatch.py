@@ -138,6 +138,8 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             return (TS, len(tensors) - 1)
         raise _device_error(f"tpu:{device[0] or 0}", str(a.device))
     if ta is torch.device and a.type == "tpu":
+        if device[0] is None:
+            device[0] = a.index or 0
         return ("\0dev",)
     return a
 
@@ -293,10 +295,15 @@ def _fallback(func, info, args, kwargs, why):
     dev = [0]
     cpu_of = {}
 
+    mutated = {id(args[i]) for i in info.mut_pos if i < len(args)} | \
+        {id(kwargs[n]) for n in info.mut_kw if n in kwargs}
+
     def to_host(a):
         if type(a) is TpuTensor:
             dev[0] = a._s.device
             c = to_cpu(a, reason)
+            if id(a) in mutated:
+                c = c.clone()    # a resizable CPU buffer for out= ops
             cpu_of[id(c)] = a
             return c
         if isinstance(a, (list, tuple)):

@@ -6,7 +6,7 @@ arguments it writes, and what it returns.
 from __future__ import annotations
 
 import torch
-from torch._decomp import decomposition_table
+from torch._decomp import core_aten_decompositions, decomposition_table
 
 from .runtime.lowering import LOWERINGS
 
@@ -21,7 +21,8 @@ DATA_DEPENDENT = {o for o in (
         ("equal", "default"), ("allclose", "default"), ("bincount", "default"),
         ("_assert_async", "msg"), ("_assert_async", "default"))) if o is not None}
 
-_SCALAR_TYPES = ("Scalar", "Scalar?", "float", "float?")
+# Argument types whose Python numbers become inputs (a number in a Tensor slot included).
+_SCALAR_TYPES = ("Scalar", "Scalar?", "float", "float?", "Tensor", "Tensor?")
 
 
 class OpInfo:
@@ -107,7 +108,7 @@ def op_info(func) -> OpInfo:
                 info.functional = f
                 info.low = LOWERINGS[f]
                 info.kind = "func_mut"
-            elif func in decomposition_table:
+            elif func in _DECOMP:
                 info.kind = "decomp"
             else:
                 info.kind = "fallback"
@@ -115,7 +116,7 @@ def op_info(func) -> OpInfo:
         info.kind = "view"
     elif info.low is not None:
         info.kind = "lowered"
-    elif func in decomposition_table or torch._C._dispatch_has_kernel_for_dispatch_key(
+    elif func in _DECOMP or torch._C._dispatch_has_kernel_for_dispatch_key(
             func.name(), "CompositeImplicitAutograd"):
         info.kind = "decomp"
     else:
@@ -124,8 +125,14 @@ def op_info(func) -> OpInfo:
     return info
 
 
+# Decompositions that stay in aten (never torch._refs, whose prims have no lowering here).
+_DECOMP = {k: v for k, v in decomposition_table.items()
+           if not getattr(v, "__module__", "").startswith("torch._refs")}
+_DECOMP.update(core_aten_decompositions())
+
+
 def decompose(func, args, kwargs):
-    d = decomposition_table.get(func)
+    d = _DECOMP.get(func)
     if d is not None:
         return d(*args, **kwargs)
     return func.decompose(*args, **kwargs)

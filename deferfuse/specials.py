@@ -12,6 +12,17 @@ from .tensor import TpuTensor
 aten = torch.ops.aten
 
 
+def _dense(t) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
 def _dev_index(device) -> int:
     if device is None:
         return 0
@@ -96,7 +107,7 @@ def _h_to_copy(func, args, kwargs):
         mf = kwargs.get("memory_format")
         if mf is not None and mf != torch.preserve_format:
             out = out.contiguous(memory_format=mf)
-        elif out.stride() != self.stride() and self.is_non_overlapping_and_dense():
+        elif out.stride() != self.stride() and _dense(self):
             out = torch.empty_strided(self.shape, self.stride(), dtype=dtype).copy_(out)
         return out
     if dev is not None and _dev_index(dev) != self._s.device:

@@ -11,6 +11,7 @@ from . import execute, stats
 from .errors import RegionError
 
 S = stats.S
+LAST = None            # (nodes as (name, wiring, src), reason, src) of the latest trace
 _REGIONS: dict = {}     # key -> _Region
 _STRUCT: dict = {}      # shape-free structure -> number of compiles
 
@@ -61,6 +62,8 @@ def _explain_miss(keys: list) -> str:
 
 
 def run_trace(nodes, ext, scalars, h, outs, reason, src, debug_level=0, cross_check=False):
+    global LAST
+    LAST = ([(n.name, n.wiring, n.src) for n in nodes], reason, src)
     out_sig = tuple((v.node.pos, v.idx) for v in outs)
     key = (h, len(nodes), len(ext), out_sig)
     ext_arrays = [v.array for v in ext]

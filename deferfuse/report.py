@@ -1,0 +1,86 @@
+"""``deferfuse.report()`` and ``dump_trace()``: what ran, compiled and synced, in words."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from .runtime import flush, memory, stats
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def render() -> str:
+    S = stats.S
+    lines = ["deferfuse report", "================"]
+    nsync = sum(S["syncs"].values())
+    lines.append(f"ops: {S['ops_recorded']} recorded (defer), {S['ops_eager']} run one by one "
+                 f"(strict/debug); {S['regions_run']} fused regions run.")
+    lines.append(f"compiles: {S['compiles']} ({S['region_compiles']} fused regions, {S['op_compiles']} "
+                 f"single-op programs); {S['cache_hits']} region cache hits; "
+                 f"{S['recompiles']} recompiles of a known region structure with new shapes or "
+                 f"constants; {S['disk_cache_hits']} answered from the on-disk cache.")
+    lines.append(f"time: compiling {S['compile_seconds']:.2f} s, executing (dispatch, asynchronous) "
+                 f"{S['execute_seconds']:.2f} s.")
+    lines.append("")
+    lines.append(f"syncs: {nsync}" + ("" if nsync else " (nothing forced the trace to run)"))
+    for reason, n in S["syncs"].most_common():
+        lines.append(f"  {n:6d}  {reason}")
+    if S["sync_sites"]:
+        lines.append("top sync sites (where your code made the device wait):")
+        for (reason, src), n in S["sync_sites"].most_common(8):
+            lines.append(f"  {n:6d}  {reason:22s} {src}")
+    lines.append("")
+    if S["miss_reasons"]:
+        lines.append("what compiled and why (latest 8):")
+        for summary, why, dt in S["miss_reasons"][-8:]:
+            lines.append(f"  {dt * 1e3:8.1f} ms  {summary}")
+            lines.append(f"              because: {why}")
+        lines.append("")
+    if S["cpu_fallbacks"]:
+        lines.append("ops that ran on CPU (no lowering to JAX yet; each costs a sync and two copies):")
+        for name, n in S["cpu_fallbacks"].most_common():
+            lines.append(f"  {n:6d}  {name}")
+        lines.append("")
+    if S["shape_fallbacks"]:
+        lines.append(f"regions run op by op because their shapes kept changing: {S['shape_fallbacks']}")
+    lines.append("memory:")
+    lines.append(f"  live device buffers now {_mb(memory.allocated)}, peak {_mb(memory.peak)}"
+                 + (f" (in {S['peak_region']})" if S["peak_region"] else ""))
+    lines.append(f"  saved by donation {_mb(S['donated_bytes'])}; intermediates never materialised "
+                 f"{_mb(S['elided_bytes'])}")
+    return "\n".join(lines)
+
+
+def dump_trace(path: str) -> str:
+    """Write the last fused trace as Graphviz DOT (networkx), plus a PNG when `dot` exists."""
+    import networkx as nx
+    last = flush.LAST
+    if last is None:
+        raise RuntimeError("no trace has run yet; run something in defer mode first")
+    nodes, reason, src = last
+    g = nx.DiGraph(label=f"trace of {len(nodes)} ops, synced by {reason} at {src}")
+    for pos, (name, wiring, nsrc) in enumerate(nodes):
+        g.add_node(f"n{pos}", label=f"{pos}: {name}\\n{os.path.basename(nsrc or '')}", shape="box")
+        for w in wiring:
+            if w is None:
+                continue
+            if type(w) is int:
+                g.add_node(f"in{w}", label=f"input {w}", shape="ellipse")
+                g.add_edge(f"in{w}", f"n{pos}")
+            else:
+                g.add_edge(f"n{w[0]}", f"n{pos}", label=str(w[1]) if w[1] else "")
+    if not path.endswith(".dot"):
+        path = path + ".dot"
+    with open(path, "w") as f:
+        f.write(f'digraph trace {{\n  label="{g.graph["label"]}";\n')
+        for n, d in g.nodes(data=True):
+            f.write(f'  {n} [label="{d["label"]}", shape={d["shape"]}];\n')
+        for a, b, d in g.edges(data=True):
+            f.write(f'  {a} -> {b}' + (f' [label="{d["label"]}"]' if d.get("label") else "") + ";\n")
+        f.write("}\n")
+    if shutil.which("dot"):
+        subprocess.run(["dot", "-Tpng", path, "-o", path[:-4] + ".png"], check=False)
+    return path

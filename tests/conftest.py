@@ -1,0 +1,29 @@
+"""Every test runs in each mode it supports: strict and defer unless ``@pytest.mark.modes(...)``
+names others. Tests compare tpu results with CPU eager PyTorch on the same inputs."""
+import os
+
+import pytest
+import torch
+
+import deferfuse
+
+ALL_MODES = ("strict", "defer")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "modes(*names): run this test only in these modes")
+
+
+def pytest_generate_tests(metafunc):
+    if "tpu_mode" in metafunc.fixturenames:
+        m = metafunc.definition.get_closest_marker("modes")
+        modes = m.args if m else ALL_MODES
+        metafunc.parametrize("tpu_mode", modes, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def tpu_mode(request):
+    name = getattr(request, "param", "strict")
+    torch.manual_seed(0)
+    with deferfuse.mode(name):
+        yield name

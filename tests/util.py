@@ -1,0 +1,27 @@
+"""Comparison helpers: tpu results against CPU eager, dtype and shape before values."""
+import torch
+
+
+def cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(cpu(y) for y in x)
+    return x
+
+
+def assert_same(got, want, atol=1e-5, rtol=1.3e-6, msg=""):
+    """``got`` (tpu) matches ``want`` (CPU): type, dtype, shape, then values."""
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{msg}: {type(got)} vs {type(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, atol, rtol, f"{msg}[{i}]")
+        return
+    if not isinstance(want, torch.Tensor):
+        assert got == want or (got != got and want != want), f"{msg}: {got} != {want}"
+        return
+    assert isinstance(got, torch.Tensor), f"{msg}: expected a tensor, got {type(got)}"
+    assert got.device.type == "tpu", f"{msg}: result on {got.device}, expected tpu"
+    assert got.dtype == want.dtype, f"{msg}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol, equal_nan=True, msg=msg or None)
