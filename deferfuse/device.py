@@ -133,6 +133,20 @@ def _make_module() -> types.ModuleType:
     return m
 
 
+def _patch_accelerator_synchronize() -> None:
+    # The Python device guard cannot implement synchronizeDevice, so torch.accelerator.synchronize
+    # would raise "Backend doesn't support synchronizing all streams". Route it to ours.
+    acc = torch.accelerator
+    orig = acc.synchronize
+
+    def synchronize(device=None):
+        if device is None or torch.device(device).type == "tpu":
+            return _synchronize(device)
+        return orig(device)
+    synchronize.__doc__ = orig.__doc__
+    acc.synchronize = synchronize
+
+
 def register() -> None:
     global _lib
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -142,6 +156,7 @@ def register() -> None:
     module = _make_module()
     _setup_privateuseone_for_python_backend("tpu", backend_module=module)
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
+    _patch_accelerator_synchronize()
 
     # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
     # (no Python dispatch): give those kernels.

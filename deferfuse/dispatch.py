@@ -14,7 +14,7 @@ import torch
 
 from . import state
 from .metrics import count_fallback
-from .opinfo import DATA_DEPENDENT, decompose, op_info
+from .opinfo import MULTI_VIEWS, decompose, op_info
 from .runtime import execute
 from .runtime.dtypes import to_np_dtype
 from .runtime.lowering import LOWERINGS
@@ -106,6 +106,11 @@ def dispatch(func, args, kwargs):
         return out
     if kind == "data_dependent":
         return _fallback(func, info, args, kwargs, "data-dependent shape")
+    if kind == "unsupported_view":
+        raise NotImplementedError(
+            f"{info.name} is a view op with no lowering on the tpu device; a copy would break "
+            "aliasing, so it is not run on CPU. Call .clone() or .contiguous() on its result's "
+            "input first, or file an issue")
     return _fallback(func, info, args, kwargs, "no lowering")
 
 
@@ -158,7 +163,11 @@ def _run(func, info, args, kwargs):
                     for k, v in kwargs.items() if k not in info.mut_kw or info.kind == "self_mut")
     else:
         tkw = ()
-    kind = info.kind
+    if info.kind == "func_mut" and info.mut_kw:
+        # out= tensors: written, never passed to the functional lowering.
+        for n in info.mut_kw:
+            if n in kwargs:
+                _encode(kwargs[n], False, tensors, scalars, True, device)
     key = (func, targs, tkw, tuple([t._sig for t in tensors]),
            tuple([type(s) for s in scalars]) if scalars else ())
     entry = _CACHE.get(key)
@@ -229,6 +238,13 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
         for o in mut_objs:
             flat.extend(o if isinstance(o, (list, tuple)) else [o])
         mut = tuple(next(j for j, t in enumerate(tensors) if t is o) for o in flat if o is not None)
+        structure, metas = out
+        for m, d in zip(mut, metas):
+            if d is not None and tuple(d[0]) != tuple(tensors[m].shape):
+                raise RuntimeError(
+                    f"{info.name}: the out= tensor has shape {list(tensors[m].shape)} but the result "
+                    f"has shape {list(d[0])}; tpu tensors cannot be resized in place, so pass an out= "
+                    "tensor of the result's shape (or drop out=)")
         out_avals = tuple((tuple(tensors[m].shape), to_np_dtype(tensors[m].dtype)) for m in mut)
         metas = ()
         structure = None
@@ -267,7 +283,7 @@ def _view(func, info, args, kwargs):
         else:
             chain = base._chain + (step,)
         made.append(TpuTensor(base._s, chain, size, stride, offset, dtype))
-    if func._schema.returns and str(func._schema.returns[0].type) == "Tensor[]":
+    if func in MULTI_VIEWS:
         return made
     return made[0]
 

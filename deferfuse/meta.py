@@ -69,9 +69,7 @@ def _split_steps(func, base, args, kwargs, outs):
     return steps
 
 
-_MULTI = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov in (
-    ("split", "Tensor"), ("split_with_sizes", "default"), ("unbind", "int"),
-    ("split", "sizes"), ("tensor_split", "sections"))) if o is not None}
+from .opinfo import MULTI_VIEWS as _MULTI  # noqa: E402
 
 
 def _static(x):

@@ -22,6 +22,11 @@ DATA_DEPENDENT = {o for o in (
         ("_assert_async", "msg"), ("_assert_async", "default"))) if o is not None}
 
 # Argument types whose Python numbers become inputs (a number in a Tensor slot included).
+# Views returning several tensors: each output becomes a slice/select step (deferfuse/meta.py).
+MULTI_VIEWS = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov in (
+    ("split", "Tensor"), ("split_with_sizes", "default"), ("unbind", "int"),
+    ("split", "sizes"), ("tensor_split", "sections"))) if o is not None}
+
 _SCALAR_TYPES = ("Scalar", "Scalar?", "float", "float?", "Tensor", "Tensor?")
 
 
@@ -112,8 +117,12 @@ def op_info(func) -> OpInfo:
                 info.kind = "decomp"
             else:
                 info.kind = "fallback"
-    elif func.is_view and info.low is not None:
+    elif func.is_view and (info.low is not None or func in MULTI_VIEWS):
         info.kind = "view"
+    elif func.is_view:
+        # A copy would silently break aliasing: never fall back to CPU for a view.
+        info.kind = "decomp" if (func in _DECOMP or torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")) else "unsupported_view"
     elif info.low is not None:
         info.kind = "lowered"
     elif func in _DECOMP or torch._C._dispatch_has_kernel_for_dispatch_key(

@@ -1,0 +1,209 @@
+"""The tpu device as PyTorch code sees it: registration, torch.tpu, transfers, errors."""
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deferfuse
+from util import assert_same
+
+
+def test_device_registered():
+    assert torch.device("tpu").type == "tpu"
+    assert torch.accelerator.current_accelerator() == torch.device("tpu")
+    assert torch.tpu.is_available()
+    assert torch.tpu.device_count() >= 1
+    assert torch.tpu.current_device() == 0
+    torch.tpu.set_device(0)
+    assert deferfuse.platform() in ("tpu", "gpu", "cpu")
+
+
+def test_set_device_out_of_range():
+    with pytest.raises(RuntimeError, match="does not exist"):
+        torch.tpu.set_device(torch.tpu.device_count())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_roundtrip_dtypes(dtype):
+    x = (torch.randn(4, 5) * 10).to(dtype)
+    t = x.to("tpu")
+    assert t.dtype == dtype and t.device.type == "tpu"
+    assert_same(t, x)
+    assert torch.equal(t.cpu(), x)
+
+
+def test_to_variants():
+    x = torch.randn(3, 3)
+    assert_same(x.to("tpu", torch.float64), x.to(torch.float64))
+    assert_same(x.tpu(), x)
+    assert_same(x.to("tpu").to(torch.int32), x.to(torch.int32))
+    assert x.to("tpu").to("cpu").device.type == "cpu"
+    assert_same(x.to("tpu:0"), x)
+
+
+def test_item_tolist_repr():
+    x = torch.tensor([[1.5, 2.0], [3.0, 4.25]])
+    t = x.to("tpu")
+    assert t[1, 1].item() == 4.25
+    assert t.tolist() == x.tolist()
+    r = repr(t)
+    assert "device='tpu:0'" in r and "4.2500" in r
+    assert f"{t.sum():.2f}" == f"{x.sum():.2f}"
+    assert repr(t.int()).startswith("tensor([[1, 2]")
+
+
+def test_numpy_raises_like_cuda():
+    with pytest.raises(TypeError, match=r"\.cpu\(\)"):
+        torch.ones(2, device="tpu").numpy()
+
+
+def test_factories():
+    cases = {
+        "zeros": lambda d: torch.zeros(2, 3, device=d),
+        "ones": lambda d: torch.ones(2, 3, device=d, dtype=torch.int64),
+        "full": lambda d: torch.full((2,), 7, device=d),
+        "full_float": lambda d: torch.full((2, 2), 0.25, device=d),
+        "arange": lambda d: torch.arange(10, device=d),
+        "arange_float": lambda d: torch.arange(0, 1, 0.1, device=d),
+        "linspace": lambda d: torch.linspace(-1, 1, 7, device=d),
+        "eye": lambda d: torch.eye(3, 4, device=d),
+        "tensor": lambda d: torch.tensor([[1, 2], [3, 4]], device=d),
+        "tensor_float": lambda d: torch.tensor([1.5, -2.0], device=d),
+        "zeros_like": lambda d: torch.zeros_like(torch.ones(2, 2, device=d)),
+        "ones_like": lambda d: torch.ones_like(torch.ones(2, 2, device=d), dtype=torch.int32),
+        "full_like": lambda d: torch.full_like(torch.ones(2, device=d), 3.5),
+    }
+    for name, f in cases.items():
+        assert_same(f("tpu"), f("cpu"), msg=name)
+    e = torch.empty(3, 4, device="tpu")
+    assert e.shape == (3, 4) and e.dtype == torch.float32 and e.device.type == "tpu"
+    assert torch.empty_like(e).shape == (3, 4)
+
+
+@pytest.mark.parametrize("f", ["rand", "randn", "randint"])
+def test_random_factories_seeded(f):
+    make = {"rand": lambda: torch.rand(1000, device="tpu"),
+            "randn": lambda: torch.randn(1000, device="tpu"),
+            "randint": lambda: torch.randint(0, 10, (1000,), device="tpu")}[f]
+    torch.manual_seed(3)
+    a = make().cpu()
+    torch.manual_seed(3)
+    b = make().cpu()
+    c = make().cpu()
+    assert torch.equal(a, b) and not torch.equal(b, c)
+    want = {"rand": torch.float32, "randn": torch.float32, "randint": torch.int64}[f]
+    assert a.dtype == want
+
+
+def test_rng_state_roundtrip():
+    torch.tpu.manual_seed(5)
+    s = torch.tpu.get_rng_state()
+    a = torch.randn(10, device="tpu").cpu()
+    torch.tpu.set_rng_state(s)
+    b = torch.randn(10, device="tpu").cpu()
+    assert torch.equal(a, b)
+    torch.tpu.manual_seed_all(5)
+    assert torch.equal(torch.randn(10, device="tpu").cpu(), a)
+
+
+def test_mixed_devices_raise():
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(3, device="tpu") + torch.ones(3)
+    # 0-dim CPU tensors mix with any device, as in PyTorch
+    assert_same(torch.ones(3, device="tpu") * torch.tensor(2.0), torch.ones(3) * 2)
+
+
+def test_save_load(tmp_path):
+    m = torch.nn.Linear(3, 2).to("tpu")
+    path = tmp_path / "m.pt"
+    torch.save({"model": m.state_dict(), "t": torch.arange(4, device="tpu")}, path)
+    ck = torch.load(path)                      # weights_only=True default
+    ck2 = torch.load(path, map_location="cpu")
+    for k, v in m.state_dict().items():
+        assert ck["model"][k].device.type == "cpu"
+        assert torch.equal(ck["model"][k], v.cpu())
+        assert torch.equal(ck2["model"][k], v.cpu())
+    assert torch.equal(ck["t"], torch.arange(4))
+    m2 = torch.nn.Linear(3, 2).to("tpu")
+    m2.load_state_dict(ck["model"])
+    assert torch.equal(m2.weight.cpu(), m.weight.cpu())
+
+
+def test_module_to_and_deepcopy():
+    import copy
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to("tpu")
+    assert all(p.device.type == "tpu" for p in m.parameters())
+    assert all(isinstance(p, torch.nn.Parameter) for p in m.parameters())
+    assert all(b.device.type == "tpu" for b in m.buffers())
+    m2 = copy.deepcopy(m)
+    assert torch.equal(m2[0].weight.cpu(), m[0].weight.cpu())
+    with torch.no_grad():
+        m2[0].weight.add_(1)
+    assert not torch.equal(m2[0].weight.cpu(), m[0].weight.cpu())
+    assert m.to("cpu")[0].weight.device.type == "cpu"
+
+
+def test_memory_stats():
+    torch.tpu.reset_peak_memory_stats()
+    before = torch.tpu.memory_allocated()
+    x = torch.ones(1024, 1024, device="tpu")
+    x.sum().item()
+    assert torch.tpu.memory_allocated() >= before + 4 * 2**20
+    assert torch.tpu.max_memory_allocated() >= torch.tpu.memory_allocated()
+    del x
+    assert torch.tpu.memory_allocated() < before + 4 * 2**20
+
+
+def test_synchronize():
+    x = torch.ones(10, device="tpu") * 3
+    torch.tpu.synchronize()
+    torch.accelerator.synchronize()
+    assert x.sum().item() == 30
+
+
+def test_data_assignment():
+    p = torch.nn.Parameter(torch.zeros(3, device="tpu"))
+    p.data = torch.ones(3, device="tpu")
+    assert torch.equal(p.cpu(), torch.ones(3))
+    assert torch.equal(p.data.cpu(), torch.ones(3))
+    d = p.data
+    d.add_(1)                      # .data aliases the parameter, as on CPU
+    assert torch.equal(p.detach().cpu(), torch.full((3,), 2.0))
+
+
+@pytest.mark.modes("strict")
+def test_env_mode_and_bad_mode():
+    with pytest.raises(ValueError, match="defer, strict, debug"):
+        with deferfuse.mode("fast"):
+            pass
+    code = "import deferfuse; print(deferfuse.current_mode())"
+    for m in ("strict", "debug", "defer"):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCHTPU_MODE": m},
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert out == m
+    bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCHTPU_MODE": "nope"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "ValueError" in bad.stderr
+
+
+def test_modes_nest():
+    with deferfuse.mode("strict"):
+        assert deferfuse.current_mode() == "strict"
+        with deferfuse.mode("debug"):
+            assert deferfuse.current_mode() == "debug"
+            with deferfuse.mode():
+                assert deferfuse.current_mode() == "defer"
+            assert deferfuse.current_mode() == "debug"
+        assert deferfuse.current_mode() == "strict"
+
+
+@pytest.mark.modes("strict")
+def test_import_runtime_under_other_name_fails():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pkg in ("runtime", "scheduler"):
+        r = subprocess.run([sys.executable, "-c", f"import {pkg}"], cwd=root, capture_output=True, text=True)
+        assert r.returncode != 0 and "deferfuse" in r.stderr and "ImportError" in r.stderr

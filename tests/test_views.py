@@ -1,0 +1,112 @@
+"""Aliasing through views and in-place writes matches CPU eager exactly."""
+import pytest
+import torch
+
+from util import assert_same
+
+WRITES = {
+    "setitem_row": lambda x: x.__setitem__(0, 1.0),
+    "column_add_": lambda x: x[:, 1].add_(2),
+    "t_mul_": lambda x: x.t().mul_(3),
+    "view_flat_setitem": lambda x: x.view(-1).__setitem__(3, 0.0),
+    "diagonal_zero_": lambda x: x.diagonal().zero_(),
+    "unsqueeze_copy_": lambda x: x[2:4, ::2].unsqueeze(0).copy_(torch.full((1, 2, 3), 7.0)),
+    "split_neg_": lambda x: x.split(2, dim=1)[1].neg_(),
+    "unbind_add_": lambda x: x.unbind(0)[3].add_(100),
+    "narrow_fill_": lambda x: x.narrow(1, 2, 3).fill_(-5),
+    "strided_slice": lambda x: x[::2, 1::2].mul_(-1),
+    "select_neg_idx": lambda x: x[-1, -2:].sub_(9),
+    "chunk_clamp_": lambda x: x.chunk(2, 0)[0].clamp_(0, 10),
+    "permute_view": lambda x: x.view(2, 2, 6).permute(2, 0, 1)[1].add_(1),
+    "index_put": lambda x: x.__setitem__((torch.tensor([0, 2]), torch.tensor([1, 3])), -3.0),
+    "masked_fill_": lambda x: x.masked_fill_(x > 10, 0.0),
+    "unfold_mul_": lambda x: x[0].unfold(0, 2, 2).mul_(10),
+    "as_strided": lambda x: x.as_strided((2, 2), (6, 1), 1).add_(0.5),
+    "transpose_copy_": lambda x: x.transpose(0, 1)[1:3].copy_(torch.zeros(2, 4)),
+    "expand_read": lambda x: x[1:].add_(x[0:1].clone().expand(3, 6)),
+    "squeeze_write": lambda x: x[1:2].squeeze(0).add_(4),
+}
+
+
+def _on(dev, write):
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(dev)
+    other = x[1]                      # a view taken before the write
+    t = x.t()
+    write_dev = write
+
+    def move(a):
+        return a.to(dev) if isinstance(a, torch.Tensor) else a
+    import types
+    orig_full, orig_zeros, orig_tensor = torch.full, torch.zeros, torch.tensor
+    try:
+        torch.full = lambda *a, **k: orig_full(*a, **{**k, "device": dev})
+        torch.zeros = lambda *a, **k: orig_zeros(*a, **{**k, "device": dev})
+        torch.tensor = lambda *a, **k: orig_tensor(*a, **{**k, "device": dev})
+        write_dev(x)
+    finally:
+        torch.full, torch.zeros, torch.tensor = orig_full, orig_zeros, orig_tensor
+    return x, other, t, other * 1
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+def test_write_through_view(name):
+    want = _on("cpu", WRITES[name])
+    got = _on("tpu", WRITES[name])
+    for g, w in zip(got, want):
+        assert_same(g, w, msg=name)
+
+
+def test_view_metadata_matches_cpu():
+    x = torch.randn(4, 6)
+    t = x.to("tpu")
+    for f in (lambda a: a.t(), lambda a: a[:, 1:5:2], lambda a: a.view(2, 12), lambda a: a.permute(1, 0),
+              lambda a: a.unsqueeze(1), lambda a: a[1], lambda a: a.diagonal(), lambda a: a.expand(3, 4, 6),
+              lambda a: a.t().contiguous(), lambda a: a + 1, lambda a: a.t() * 2):
+        w, g = f(x), f(t)
+        assert g.shape == w.shape and g.stride() == w.stride()
+        assert g.storage_offset() == w.storage_offset()
+        assert g.is_contiguous() == w.is_contiguous()
+        assert_same(g, w)
+
+
+def test_view_of_noncontiguous_raises_like_cpu():
+    x = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        x.t().view(-1)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        x.to("tpu").t().view(-1)
+    assert_same(x.to("tpu").t().reshape(-1), x.t().reshape(-1))
+
+
+def test_out_argument():
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    out_cpu = torch.empty(3, 4)
+    out_tpu = torch.empty(3, 4, device="tpu")
+    r = torch.add(a.to("tpu"), b.to("tpu"), out=out_tpu)
+    torch.add(a, b, out=out_cpu)
+    assert r is out_tpu
+    assert_same(out_tpu, out_cpu)
+    view = out_tpu[1]
+    torch.mul(a[0].to("tpu"), 2, out=view)
+    torch.mul(a[0], 2, out=out_cpu[1])
+    assert_same(out_tpu, out_cpu)
+
+
+def test_nn_init_in_place():
+    for init in (torch.nn.init.zeros_, torch.nn.init.ones_, lambda w: torch.nn.init.constant_(w, 0.3),
+                 torch.nn.init.eye_):
+        w_cpu, w = torch.empty(3, 5), torch.empty(3, 5, device="tpu")
+        init(w_cpu)
+        init(w)
+        assert_same(w, w_cpu)
+    w = torch.empty(64, 64, device="tpu")
+    torch.nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+    bound = 1 / 8
+    assert w.abs().max().item() <= bound + 1e-6 and w.std().item() > bound / 3
+
+
+def test_detach_shares_storage():
+    x = torch.zeros(3, device="tpu", requires_grad=True)
+    d = x.detach()
+    d.add_(1)
+    assert torch.equal(x.detach().cpu(), torch.ones(3))
