@@ -82,3 +82,6 @@ def clear_caches() -> None:
 
 _DEFAULT_MODE = config.mode
 _device.register()
+if config.persistent_cache:
+    from .runtime import diskcache as _diskcache
+    _diskcache.enable(config.cache_dir)

@@ -156,7 +156,22 @@ def _run(func, info, args, kwargs):
     low = info.low
     static = low.static
     sp = info.scalar_pos
-    targs = tuple(_encode(a, i in sp, tensors, scalars, static, device) for i, a in enumerate(args))
+    targs = []
+    i = 0
+    for a in args:
+        ta = type(a)
+        if ta is TpuTensor:     # the common case, inlined from _encode
+            d = a._s.device
+            if device[0] is None:
+                device[0] = d
+            elif device[0] != d:
+                raise _device_error(f"tpu:{device[0]}", f"tpu:{d}")
+            targs.append((TS, len(tensors)))
+            tensors.append(a)
+        else:
+            targs.append(_encode(a, i in sp, tensors, scalars, static, device))
+        i += 1
+    targs = tuple(targs)
     if kwargs:
         skw = info.scalar_kw
         tkw = tuple((k, _encode(v, k in skw, tensors, scalars, static, device))
@@ -168,11 +183,21 @@ def _run(func, info, args, kwargs):
         for n in info.mut_kw:
             if n in kwargs:
                 _encode(kwargs[n], False, tensors, scalars, True, device)
-    key = (func, targs, tkw, tuple([t._sig for t in tensors]),
+    # OpInfo, not the OpOverload: OpOverload.__hash__ is Python code, object hashing is not.
+    key = (info, targs, tkw, tuple([t._sig for t in tensors]),
            tuple([type(s) for s in scalars]) if scalars else ())
     entry = _CACHE.get(key)
     if entry is None:
-        entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors)
+        try:
+            entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors)
+        except NotImplementedError as e:
+            # No meta kernel, or an output shape that depends on the data (boolean masks).
+            msg = str(e)
+            why = "data-dependent shape" if ("nonzero" in msg or "data-dependent" in msg
+                                             or "dynamic" in msg.lower()) else "no meta kernel"
+            _CACHE[key] = entry = why
+    if entry.__class__ is str:
+        return _fallback(func, info, args, kwargs, entry)
     dev = device[0] or 0
     # Inputs: each tensor's base value; a mutated input that is overwritten whole is not read.
     mut = entry.out[1]

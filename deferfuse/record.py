@@ -25,12 +25,14 @@ class Trace:
     def reset(self):
         self.nodes: list[Node] = []
         self.ext: list[Value] = []
+        self.ext_uses: list[int] = []  # node inputs reading each external value (donation check)
         self._ext_ids: dict = {}
         self.scalars: list = []
         self.h = 0
         self.hops = 0
         self.storages: list = []      # weak refs of storages that may hold pending values
         self.khashes: list = []
+        self.cut = None               # a cut decided at the last op, made before the next one
 
     def track(self, storage):
         self.storages.append(weakref.ref(storage))
@@ -40,6 +42,9 @@ class Trace:
             self.storages.append(weakref.ref(storage))
 
     def record(self, entry, ins, scalars):
+        if self.cut is not None:
+            # Cut before this op, once the previous op's outputs are bound to their tensors.
+            self._cut_now()
         wiring = []
         for v in ins:
             if v is None:
@@ -58,6 +63,9 @@ class Trace:
             if i is None:
                 i = self._ext_ids[id(v)] = len(self.ext)
                 self.ext.append(v)
+                self.ext_uses.append(1)
+            else:
+                self.ext_uses[i] += 1
             wiring.append(i)
         wiring = tuple(wiring)
         pos = len(self.nodes)
@@ -78,19 +86,19 @@ class Trace:
         S["ops_recorded"] += 1
         n = pos + 1
         if _BODIES and (n, hops) in _BODIES:
-            from .state import sync
-            sync("loop boundary")
+            self.cut = "loop boundary"
         elif n >= config.trace_limit:
-            self._limit_cut()
+            self.cut = "trace limit"
         return outs
 
-    def _limit_cut(self):
+    def _cut_now(self):
         from .state import sync
-        if config.step_detection:
+        reason, self.cut = self.cut, None
+        if reason == "trace limit" and config.step_detection:
             L = steps.find_period(self.khashes)
             if L is not None:
                 _BODIES.add(steps.body_signature(self.khashes, L))
-        sync("trace limit")
+        sync(reason)
 
     # ---------------------------------------------------------------------------------------
     def flush(self, reason: str, src: str):
@@ -109,9 +117,18 @@ class Trace:
                 seen.add(id(v))
                 outs.append(v)
         # Reset first: whatever happens in execution, the trace is consumed exactly once.
-        ext, scalars, h = self.ext, self.scalars, self.h
+        ext, uses, scalars, h = self.ext, self.ext_uses, self.scalars, self.h
         self.reset()
-        run_trace(nodes, ext, scalars, h, outs, reason, src, config.debug, config.cross_check)
+        try:
+            run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,
+                      config.cross_check, config.memory_planner)
+        finally:
+            # Values and nodes reference each other (Value.node, Node.outs): break the cycles so
+            # buffers are released by reference counting, right away, not by the cyclic GC.
+            for n in nodes:
+                n.ins = n.outs = None
+            for v in outs:
+                v.node = None
 
 
 def _src():

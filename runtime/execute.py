@@ -5,6 +5,7 @@ Every call into JAX happens inside ``x64(True)`` so 64-bit dtypes are PyTorch's 
 from __future__ import annotations
 
 import time
+import warnings
 
 import jax
 
@@ -62,12 +63,20 @@ def read_view(array, chain):
         return j(array)
 
 
-def region_function(plan, out_sig):
-    """A pure function (external arrays, scalars) -> outputs running ``plan``'s nodes in order.
+def region_function(plan, out_sig, donate):
+    """A pure function (donated inputs, kept inputs, scalars) -> outputs running ``plan`` in order.
 
-    ``plan`` is [(fn, wiring, s0, n_scalars)]; ``out_sig`` lists (node pos, output idx) to return.
+    ``plan`` is [(fn, wiring, s0, n_scalars)]; ``out_sig`` lists (node pos, output idx) to return;
+    ``donate[i]`` says whether external input i arrives in the donated list.
     """
-    def region(ext, scalars):
+    order = []
+    nd = nk = 0
+    for d in donate:
+        order.append((0, nd) if d else (1, nk))
+        nd, nk = nd + d, nk + (not d)
+
+    def region(don, keep, scalars):
+        ext = [(don if src == 0 else keep)[i] for src, i in order]
         env = {}
         for pos, (fn, wiring, s0, ns) in enumerate(plan):
             arrays = [None if w is None else (ext[w] if type(w) is int else env[w]) for w in wiring]
@@ -78,12 +87,14 @@ def region_function(plan, out_sig):
     return region
 
 
-def compile_region(plan, out_sig, ext_arrays, scalars, donate=()):
-    """jit and compile a region for these inputs; returns (compiled callable, seconds)."""
+def compile_region(plan, out_sig, donate, don, keep, scalars):
+    """jit and compile a region for these inputs; returns (compiled, lowered, seconds)."""
     t0 = time.perf_counter()
-    fn = region_function(plan, out_sig)
-    with x64(True):
-        lowered = jax.jit(fn, donate_argnums=()).lower(ext_arrays, scalars)
+    fn = region_function(plan, out_sig, donate)
+    with x64(True), warnings.catch_warnings():
+        # A donated buffer no output can reuse is still freed early; JAX's warning is noise here.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        lowered = jax.jit(fn, donate_argnums=(0,) if any(donate) else ()).lower(don, keep, scalars)
         compiled = lowered.compile()
     dt = time.perf_counter() - t0
     S["compiles"] += 1
@@ -92,10 +103,10 @@ def compile_region(plan, out_sig, ext_arrays, scalars, donate=()):
     return compiled, lowered, dt
 
 
-def run_region(compiled, ext_arrays, scalars, debug: bool = False):
+def run_region(compiled, don, keep, scalars, debug: bool = False):
     t0 = time.perf_counter()
     with x64(True):
-        res = compiled(ext_arrays, scalars)
+        res = compiled(don, keep, scalars)
         _last[0] = res
         if debug:
             jax.block_until_ready(res)

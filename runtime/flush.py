@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 
 from . import execute, stats
+from . import memory as memory_stats
+from ..scheduler import memory
 from .errors import RegionError
 
 S = stats.S
@@ -17,7 +19,7 @@ _STRUCT: dict = {}      # shape-free structure -> number of compiles
 
 
 class _Region:
-    __slots__ = ("compiled", "node_keys", "nops", "summary", "runs", "temp_bytes", "lowered")
+    __slots__ = ("compiled", "node_keys", "nops", "summary", "runs", "temp_bytes", "lowered", "elided")
 
 
 def clear():
@@ -29,8 +31,9 @@ def _diff(a, b) -> str:
     """What differs between two op keys, in words."""
     fa, ta, kwa, sa, sta = a
     fb, tb, kwb, sb, stb = b
-    if fa != fb:
-        return f"op {fb} where the cached region had {fa}"
+    if fa is not fb:
+        return f"op {fb.name} where the cached region had {fa.name}"
+    fb = fb.name
     for i, (x, y) in enumerate(zip(sa, sb)):
         if x[3] != y[3]:
             return f"{fb}: input {i} has shape {list(y[3])}, cached {list(x[3])}"
@@ -50,7 +53,8 @@ def _explain_miss(keys: list) -> str:
     for r in _REGIONS.values():
         if abs(len(r.node_keys) - len(keys)) > 0:
             continue
-        same = sum(1 for x, y in zip(r.node_keys, keys) if x == y)
+        # Same ops in the same places first, then identical op keys.
+        same = sum(2 * (x[0] is y[0]) + (x == y) for x, y in zip(r.node_keys, keys))
         if same > best_same:
             best, best_same = r, same
     if best is None:
@@ -61,19 +65,40 @@ def _explain_miss(keys: list) -> str:
     return "same ops, different outputs or wiring"
 
 
-def run_trace(nodes, ext, scalars, h, outs, reason, src, debug_level=0, cross_check=False):
+def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,
+              cross_check=False, planner=True):
     global LAST
     LAST = ([(n.name, n.wiring, n.src) for n in nodes], reason, src)
+    # Who else holds each input value: its holders are the ext list, the node inputs reading it
+    # and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
+    getrc = sys.getrefcount
+    held = [getrc(ext[i]) - 2 - ext_uses[i] > 0 for i in range(len(ext))]
+    mplan = memory.plan([memory.InputInfo(v.nbytes, hd) for v, hd in zip(ext, held)],
+                        [v.nbytes for v in outs], 0, None, planner and not cross_check)
+    donate = mplan.donate
     out_sig = tuple((v.node.pos, v.idx) for v in outs)
-    key = (h, len(nodes), len(ext), out_sig)
-    ext_arrays = [v.array for v in ext]
+    key = (h, len(nodes), len(ext), out_sig, donate)
     reg = _REGIONS.get(key)
+    ext_arrays = [v.array for v in ext]
+    don = [a for a, d in zip(ext_arrays, donate) if d]
+    keep = [a for a, d in zip(ext_arrays, donate) if not d]
     if reg is None:
         keys = [n.key.key for n in nodes]
+        struct = tuple((k[0], k[1], k[2]) for k in keys)
+        n_compiled = _STRUCT.get(struct, 0)
+        if n_compiled >= SHAPE_LIMIT[0]:
+            # This structure keeps coming back with new shapes: run it op by op instead.
+            S["shape_fallbacks"] += 1
+            env = None
+            for _, _, env in _replay(nodes, ext, scalars, block=False):
+                pass
+            for v in outs:
+                v.bind(env[(v.node.pos, v.idx)])
+            return
         why = _explain_miss(keys)
         plan = [(n.fn, n.wiring, n.s0, len(n.scalars)) for n in nodes]
         try:
-            compiled, lowered, dt = execute.compile_region(plan, out_sig, ext_arrays, scalars)
+            compiled, lowered, dt = execute.compile_region(plan, out_sig, donate, don, keep, scalars)
         except Exception as e:   # a lowering failed while tracing: find the op
             _localize(nodes, ext, scalars, e)
             raise
@@ -85,11 +110,11 @@ def run_trace(nodes, ext, scalars, h, outs, reason, src, debug_level=0, cross_ch
             reg.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
         except Exception:
             reg.temp_bytes = None
-        struct = tuple((k[0], k[1], k[2]) for k in keys)
-        n = _STRUCT.get(struct, 0)
-        if n:
+        node_bytes = sum(o.nbytes for n in nodes for o in n.outs if o is not None)
+        reg.elided = max(node_bytes - sum(v.nbytes for v in outs), 0)
+        if n_compiled:
             S["recompiles"] += 1
-        _STRUCT[struct] = n + 1
+        _STRUCT[struct] = n_compiled + 1
         _REGIONS[key] = reg
         S["miss_reasons"].append((reg.summary, why, dt))
         if debug_level >= 2:
@@ -105,19 +130,41 @@ def run_trace(nodes, ext, scalars, h, outs, reason, src, debug_level=0, cross_ch
         for n in nodes:
             print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
     try:
-        res = execute.run_region(reg.compiled, ext_arrays, scalars)
+        res = execute.run_region(reg.compiled, don, keep, scalars)
     except Exception as e:
+        _raise_oom(e, reg)
         _localize(nodes, ext, scalars, e)
         raise
     reg.runs += 1
+    S["donated_bytes"] += mplan.donated_bytes
+    S["elided_bytes"] += reg.elided
     for v, r in zip(outs, res):
         v.bind(r)
+    if memory_stats.peak > _peak_seen[0]:
+        _peak_seen[0] = memory_stats.peak
+        S["peak_region"] = reg.summary
     if cross_check:
         _cross_check(nodes, ext, scalars, outs)
 
 
-def _replay(nodes, ext, scalars, stop_at_error=True):
-    """Run nodes one by one (per-op jits); yields (node, outputs)."""
+_peak_seen = [0]
+SHAPE_LIMIT = [8]
+
+
+def _raise_oom(e, reg):
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
+        import torch
+        from . import memory as mem
+        raise torch.OutOfMemoryError(
+            f"tpu out of memory running a fused region ({reg.summary}). Live device buffers "
+            f"{mem.allocated / 2**20:.1f} MB, peak {mem.peak / 2**20:.1f} MB, this region's XLA "
+            f"temporaries {(reg.temp_bytes or 0) / 2**20:.1f} MB. Set DEFERFUSE_MEMORY_BUDGET to split "
+            f"regions, or reduce the batch size. XLA said: {text.splitlines()[0]}") from e
+
+
+def _replay(nodes, ext, scalars, block=True):
+    """Run nodes one by one (per-op jits); yields (node, outputs, env)."""
     import jax
     env = {}
     for n in nodes:
@@ -128,7 +175,8 @@ def _replay(nodes, ext, scalars, stop_at_error=True):
                 entry.jit = jax.jit(entry.fn)
         with execute.x64(True):
             res = entry.jit(arrays, list(n.scalars))
-            jax.block_until_ready(res)
+            if block:
+                jax.block_until_ready(res)
         for i, o in enumerate(res):
             env[(n.pos, i)] = o
         yield n, res, env

@@ -25,5 +25,6 @@ def pytest_generate_tests(metafunc):
 def tpu_mode(request):
     name = getattr(request, "param", "strict")
     torch.manual_seed(0)
+    deferfuse.reset_metrics()
     with deferfuse.mode(name):
         yield name

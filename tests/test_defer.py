@@ -1,0 +1,218 @@
+"""DeferAndFuse: sync points, fusion, the compile cache, step detection, reports, memory plan."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deferfuse
+from util import assert_same
+
+pytestmark = pytest.mark.modes("defer")
+
+
+def _pending(t):
+    return t._s.val.array is None
+
+
+def test_ops_are_recorded_not_run():
+    x = torch.randn(8, 8).to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y = (x.sin() * 2).exp()
+    assert _pending(y)
+    assert y.shape == (8, 8) and y.dtype == torch.float32 and y.device.type == "tpu"
+    assert deferfuse.metrics()["ops_recorded"] >= 3
+    assert deferfuse.metrics()["regions_run"] == 0
+    assert_same(y, (x.cpu().sin() * 2).exp())
+    assert deferfuse.metrics()["regions_run"] == 1
+
+
+@pytest.mark.parametrize("reason,trigger", [
+    ("item", lambda y: y.sum().item()),
+    ("cpu", lambda y: y.cpu()),
+    ("tolist", lambda y: y.tolist()),
+    ("print", lambda y: repr(y)),
+    ("item", lambda y: bool(y.sum() > 0)),
+    ("sync", lambda y: deferfuse.sync()),
+    ("synchronize", lambda y: torch.tpu.synchronize()),
+    ("synchronize", lambda y: torch.accelerator.synchronize()),
+    ("data-dependent shape", lambda y: y.nonzero()),
+    ("data-dependent shape", lambda y: y[y > 0]),
+])
+def test_sync_points_record_reason_and_line(reason, trigger):
+    x = torch.randn(4, 4).to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y = x * 3
+    trigger(y)
+    m = deferfuse.metrics()
+    assert m["syncs"].get(reason, 0) >= 1, m["syncs"]
+    assert any(__file__ in site for site in m["sync_sites"]), m["sync_sites"]
+    assert not _pending(y)
+
+
+def test_mode_exit_syncs():
+    with deferfuse.mode("strict"):
+        pass
+    deferfuse.reset_metrics()
+    with deferfuse.mode("defer"):
+        y = torch.ones(3, device="tpu") * 2
+    assert not _pending(y)
+    assert deferfuse.metrics()["syncs"].get("mode exit", 0) >= 1
+
+
+def test_trace_limit_cuts():
+    with deferfuse.override(trace_limit=50):
+        x = torch.zeros(4, device="tpu")
+        for _ in range(120):
+            x = x + 1
+        syncs = deferfuse.metrics()["syncs"]
+        assert syncs.get("trace limit", 0) >= 1
+        assert syncs.get("trace limit", 0) + syncs.get("loop boundary", 0) >= 2
+        assert_same(x, torch.full((4,), 120.0))
+
+
+def test_dead_values_never_become_outputs():
+    x = torch.randn(256, 256).to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y = x.sin()
+    z = y.cos()
+    del y
+    w = z * 2
+    w.sum().item()
+    m = deferfuse.metrics()
+    # y was dropped before the sync: its 256 KB never became a buffer
+    assert m["elided_bytes"] >= 256 * 256 * 4
+
+
+def test_steady_loop_compiles_nothing_after_second_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)   # lr changes every step
+    x, y = torch.randn(5, 8).to("tpu"), torch.randint(0, 3, (5,)).to("tpu")
+    compiles = []
+    for step in range(5):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        loss.item()
+        compiles.append(deferfuse.metrics()["compiles"])
+    assert compiles[2] == compiles[3] == compiles[4], compiles
+    assert deferfuse.metrics()["cache_hits"] >= 2
+
+
+def test_loop_without_sync_detects_the_step():
+    torch.manual_seed(0)
+    w = torch.randn(16, 16).to("tpu")
+    x = torch.randn(4, 16).to("tpu")
+    with deferfuse.override(trace_limit=400):
+        for _ in range(200):       # 7 ops a step, never a sync
+            x = torch.tanh(x @ w) * 0.5 + x.mean() - 0.1
+        c1 = deferfuse.metrics()["compiles"]
+        for _ in range(200):
+            x = torch.tanh(x @ w) * 0.5 + x.mean() - 0.1
+        c2 = deferfuse.metrics()["compiles"]
+    m = deferfuse.metrics()
+    assert m["syncs"].get("loop boundary", 0) > 100, m["syncs"]
+    assert c2 == c1, "the second run of the loop compiled again"
+    want = torch.randn(0)
+    assert torch.isfinite(x.cpu()).all()
+
+
+def test_scalars_do_not_recompile():
+    x = torch.ones(4).to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    for lr in (0.1, 0.2, 0.3, 0.7):
+        (x * lr + lr).sum().item()
+    assert deferfuse.metrics()["region_compiles"] == 1
+
+
+def test_report_explains_a_recompile():
+    x = torch.ones(4).to("tpu")
+    (x * 3).sum().item()
+    x2 = torch.ones(5).to("tpu")
+    (x2 * 3).sum().item()
+    text = deferfuse.report(file=False)
+    assert "what compiled and why" in text
+    assert re.search(r"shape \[5\], cached \[4\]", text), text
+    assert "sync" in text and __file__ in text
+
+
+def test_dump_trace(tmp_path):
+    x = torch.ones(3).to("tpu")
+    (x.sin() + x.cos()).sum().item()
+    path = deferfuse.dump_trace(str(tmp_path / "trace"))
+    text = open(path).read()
+    assert text.startswith("digraph") and "aten.sin" in text and "->" in text
+
+
+def test_cross_check_passes_on_good_region():
+    with deferfuse.override(cross_check=True):
+        x = torch.randn(16).to("tpu")
+        assert_same((x.exp() * 2).sum(), (x.cpu().exp() * 2).sum(), atol=1e-4)
+
+
+def test_error_in_region_names_op_and_line():
+    from deferfuse.runtime.lowering import LOWERINGS, Lowering
+    op = torch.ops.aten.erfinv.default
+    saved = LOWERINGS.get(op)
+
+    def broken(x):
+        raise ValueError("lowering exploded")
+    try:
+        from deferfuse import opinfo
+        opinfo._INFOS.pop(op, None)
+        LOWERINGS[op] = Lowering(broken)
+        x = torch.rand(4).to("tpu")
+        y = x * 2
+        z = torch.erfinv(y * 0.1)     # the failing line
+        with pytest.raises(deferfuse.RegionError, match=r"(?s)erfinv.*test_defer.py:\d+.*debug"):
+            z.cpu()
+    finally:
+        if saved is None:
+            LOWERINGS.pop(op, None)
+        else:
+            LOWERINGS[op] = saved
+        opinfo._INFOS.pop(op, None)
+        deferfuse.clear_caches()
+
+
+def test_donation_never_exposes_a_dead_buffer():
+    p = torch.randn(1000).to("tpu")
+    view = p[:10]
+    q = torch.randn(1000).to("tpu")
+    deferfuse.sync()
+    p.mul_(2).add_(q)                 # p's old buffer is dead: donated
+    deferfuse.sync()
+    assert deferfuse.metrics()["donated_bytes"] >= 4000
+    assert_same(view, (p.cpu())[:10])
+    # a tensor saved for backward keeps its storage; autograd still sees the right values
+    w = torch.randn(10).to("tpu").requires_grad_()
+    h = w * 3
+    s = (h.exp()).sum()
+    s.backward()
+    assert_same(w.grad, 3 * (3 * w.detach().cpu()).exp(), atol=1e-4, rtol=1e-5)
+
+
+def test_disk_cache_second_process_compiles_nothing(tmp_path):
+    code = ("import torch, deferfuse\n"
+            "x = torch.arange(10.).to('tpu')\n"
+            "print((x.sin() * 3 + x.cos()).sum().item())\n"
+            "m = deferfuse.metrics(); print(m['region_compiles'], m['disk_cache_hits'])\n")
+    env = {**os.environ, "DEFERFUSE_CACHE_DIR": str(tmp_path), "TORCHTPU_MODE": "defer"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split("\n") for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    first_hits = int(runs[0][1].split()[1])
+    second_hits = int(runs[1][1].split()[1])
+    assert first_hits == 0 and second_hits >= 1, runs

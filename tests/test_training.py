@@ -1,0 +1,102 @@
+"""Small models train on tpu with losses and parameters matching CPU eager step for step."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deferfuse
+from util import assert_same
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with causal attention."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=50, d=32, t=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(t, d) * 0.02)
+        self.block = Block(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.block(self.emb(idx) + self.pos[: idx.shape[1]]))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.c1(x)))
+        x = F.max_pool2d(F.relu(self.c2(x)), 2)
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+
+
+MODELS = {
+    "mlp": (_mlp, lambda: (torch.randn(16, 12), torch.randint(0, 5, (16,)))),
+    "transformer": (TinyLM, lambda: (torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16)))),
+    "convnet": (ConvNet, lambda: (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))),
+}
+OPTIMS = {
+    "sgd": lambda p, fe: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4, foreach=fe),
+    "adam": lambda p, fe: torch.optim.Adam(p, lr=1e-2, foreach=fe),
+    "adamw": lambda p, fe: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=fe),
+}
+
+
+def _train(model_name, opt_name, foreach, device, steps=4):
+    make, data = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make()
+    x, y = data()
+    model = model.to(device)
+    x, y = x.to(device), y.to(device)
+    opt = OPTIMS[opt_name](model.parameters(), foreach)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.detach())
+    return losses, list(model.parameters()) + list(model.buffers())
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("opt_name", list(OPTIMS))
+@pytest.mark.parametrize("foreach", [None, False])
+def test_train_matches_cpu(model_name, opt_name, foreach):
+    want_l, want_p = _train(model_name, opt_name, foreach, "cpu")
+    got_l, got_p = _train(model_name, opt_name, foreach, "tpu")
+    for i, (g, w) in enumerate(zip(got_l, want_l)):
+        assert_same(g, w, atol=2e-5, rtol=2e-5, msg=f"loss at step {i}")
+    for g, w in zip(got_p, want_p):
+        assert_same(g.detach(), w.detach(), atol=5e-5, rtol=5e-5)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}, deferfuse.metrics()["cpu_fallbacks"]
