@@ -67,7 +67,7 @@ SETTINGS = {s.name: s for s in [
             "memory planner on (DEFERFUSE_NO_MEMORY_PLANNER=1 turns it off)", in_key=True),
     Setting("memory_budget", "DEFERFUSE_MEMORY_BUDGET", 0, _bytes,
             "bytes a fused region may use at its peak before it is split (0: no limit)"),
-    Setting("shape_bucketing", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 8, int,
+    Setting("shape_recompile_limit", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 8, int,
             "distinct shapes of one region structure compiled before it runs op by op instead"),
 ]}
 

@@ -66,7 +66,7 @@ def _explain_miss(keys: list) -> str:
 
 
 def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,
-              cross_check=False, planner=True):
+              cross_check=False, planner=True, shape_limit=8):
     global LAST
     LAST = ([(n.name, n.wiring, n.src) for n in nodes], reason, src)
     # Who else holds each input value: its holders are the ext list, the node inputs reading it
@@ -86,7 +86,7 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         keys = [n.key.key for n in nodes]
         struct = tuple((k[0], k[1], k[2]) for k in keys)
         n_compiled = _STRUCT.get(struct, 0)
-        if n_compiled >= SHAPE_LIMIT[0]:
+        if n_compiled >= shape_limit:
             # This structure keeps coming back with new shapes: run it op by op instead.
             S["shape_fallbacks"] += 1
             env = None
@@ -148,7 +148,6 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
 
 
 _peak_seen = [0]
-SHAPE_LIMIT = [8]
 
 
 def _raise_oom(e, reg):

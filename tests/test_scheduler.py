@@ -1,0 +1,63 @@
+"""The scheduler is plain Python over records: tested on synthetic traces, nothing compiles."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deferfuse.scheduler import memory, steps
+
+pytestmark = pytest.mark.modes("strict")   # no device work: one mode is enough
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix=st.lists(st.integers(0, 5), max_size=30),
+       body=st.lists(st.integers(0, 1000), min_size=8, max_size=40),
+       reps=st.integers(4, 8), tail=st.integers(0, 7))
+def test_find_period_finds_the_loop_body(prefix, body, reps, tail):
+    trace = prefix + body * reps + body[:tail]
+    L = steps.find_period(trace)
+    assert L is not None
+    # whatever period is found, the last half of the trace repeats with it
+    n = len(trace)
+    assert all(trace[i] == trace[i - L] for i in range(n - n // 2, n))
+    assert L <= len(body) or L % len(body) == 0 or len(set(body)) < len(body)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=0, max_size=200))
+def test_find_period_is_deterministic(trace):
+    assert steps.find_period(list(trace)) == steps.find_period(list(trace))
+
+
+def test_find_period_none_without_repetition():
+    assert steps.find_period(list(range(500))) is None
+    assert steps.find_period([1, 2, 3]) is None
+
+
+def test_body_signature_matches_rolling_hash():
+    ks = [11, 22, 33, 44] * 5
+    L, h = steps.body_signature(ks, 4)
+    hh = 0
+    for k in ks[:4]:
+        hh = steps.rolling(hh, k)
+    assert (L, h) == (4, hh)
+
+
+@given(st.lists(st.tuples(st.integers(0, 10**9), st.booleans()), max_size=50),
+       st.lists(st.integers(0, 10**9), max_size=20), st.booleans())
+def test_memory_plan_donates_only_unheld_inputs(inputs, outs, enabled):
+    infos = [memory.InputInfo(n, held) for n, held in inputs]
+    p = memory.plan(infos, outs, sum(outs) + 5, temp_bytes=7, enabled=enabled)
+    assert len(p.donate) == len(infos)
+    for i, d in zip(infos, p.donate):
+        if d:
+            assert enabled and not i.held and i.nbytes > 0
+        elif enabled:
+            assert i.held or i.nbytes == 0
+    assert p.donated_bytes == sum(i.nbytes for i, d in zip(infos, p.donate) if d)
+    assert p.elided_bytes == 5
+    assert p.peak_estimate >= sum(i.nbytes for i in infos) + 7
+
+
+def test_memory_plan_off_switch():
+    p = memory.plan([memory.InputInfo(100, False)], [100], 100, enabled=False)
+    assert p.donate == (False,) and p.donated_bytes == 0
