@@ -30,7 +30,7 @@ _CACHE: dict = {}       # op key -> _Entry
 
 class _Entry:
     """What one op structure needs at run time, computed on its first call."""
-    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals")
+    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs")
 
 
 def user_frame() -> str:

@@ -8,7 +8,7 @@ import jax
 import torch
 
 from .config import config
-from .runtime import execute, stats
+from .runtime import execute, flush, stats
 from .runtime.dtypes import x64
 from .runtime.transfer import devices, materialize_empty
 
@@ -39,9 +39,14 @@ def run_node(entry, ins, scalars, dev):
     return execute.run_op(entry, ins, scalars, MODE == "debug")
 
 
+_ASYNC_CUTS = ("loop boundary", "trace limit")
+
+
 def sync(reason: str, op: str | None = None) -> None:
     """Run the pending trace now (a sync point), recording why and from which line."""
     if not trace.nodes:
+        if reason not in _ASYNC_CUTS:
+            flush.check_flags()
         return
     from .dispatch import user_frame
     src = user_frame()
@@ -51,6 +56,9 @@ def sync(reason: str, op: str | None = None) -> None:
         print(f"[deferfuse] sync: {reason}{' (' + op + ')' if op else ''} at {src}, "
               f"{len(trace.nodes)} ops", file=sys.stderr)
     trace.flush(reason, src)
+    if reason not in _ASYNC_CUTS:
+        # Values are read now: report an out-of-range index recorded in what just ran.
+        flush.check_flags()
 
 
 # --- RNG: one PRNG key per device, held in a Storage so defer threads it through regions --------

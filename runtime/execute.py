@@ -12,6 +12,7 @@ import jax
 from ..scheduler.records import Value
 from . import stats
 from .dtypes import x64
+from .lowering import take_flags
 from .viewchain import apply_chain
 
 S = stats.S
@@ -31,6 +32,25 @@ def _values(res, avals):
     return [None if r is None else Value(a[0], a[1], a[2], array=r) for r, a in zip(res, avals)]
 
 
+def with_flags(fn, msgs: list):
+    """``fn`` returning (outputs, index-check flags); ``msgs`` gets each flag's (type, message) when
+    it traces (see NOTE [index checks])."""
+    def f(arrays, scalars):
+        take_flags()
+        outs = fn(arrays, scalars)
+        flags = take_flags()
+        msgs[:] = [(e, m) for _, e, m in flags]
+        return outs, [fl for fl, _, _ in flags]
+    return f
+
+
+def raise_flags(flags, msgs, where: str = "") -> None:
+    import numpy as np
+    for fl, (exc, msg) in zip(flags, msgs):
+        if bool(np.asarray(fl)):
+            raise exc(msg + where)
+
+
 def run_op(entry, ins, scalars, debug: bool):
     """Run one op now as its own cached jitted program; returns output Values."""
     j = entry.jit
@@ -38,13 +58,17 @@ def run_op(entry, ins, scalars, debug: bool):
     with x64(True):
         if j is None:
             t0 = time.perf_counter()
-            j = entry.jit = jax.jit(entry.fn)
+            entry.msgs = []
+            j = entry.jit = jax.jit(with_flags(entry.fn, entry.msgs))
             res = j(arrays, scalars)
             S["compiles"] += 1
             S["op_compiles"] += 1
             S["compile_seconds"] += time.perf_counter() - t0
         else:
             res = j(arrays, scalars)
+        res, flags = res
+        if flags:
+            raise_flags(flags, entry.msgs)
         if debug:
             jax.block_until_ready(res)
     _last[0] = res
@@ -78,12 +102,20 @@ def region_function(plan, out_sig, donate):
     def region(don, keep, scalars):
         ext = [(don if src == 0 else keep)[i] for src, i in order]
         env = {}
+        flags = []
+        msgs.clear()
+        take_flags()
         for pos, (fn, wiring, s0, ns) in enumerate(plan):
             arrays = [None if w is None else (ext[w] if type(w) is int else env[w]) for w in wiring]
             outs = fn(arrays, scalars[s0:s0 + ns])
             for i, o in enumerate(outs):
                 env[(pos, i)] = o
-        return [env[k] for k in out_sig]
+            for fl, exc, m in take_flags():
+                flags.append(fl)
+                msgs.append((pos, exc, m))
+        return [env[k] for k in out_sig], flags
+    msgs: list = []     # (node pos, exception type, message) per flag, filled when it traces
+    region.msgs = msgs
     return region
 
 
@@ -91,6 +123,7 @@ def compile_region(plan, out_sig, donate, don, keep, scalars):
     """jit and compile a region for these inputs; returns (compiled, lowered, seconds)."""
     t0 = time.perf_counter()
     fn = region_function(plan, out_sig, donate)
+    msgs = fn.msgs
     with x64(True), warnings.catch_warnings():
         # A donated buffer no output can reuse is still freed early; JAX's warning is noise here.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -100,14 +133,14 @@ def compile_region(plan, out_sig, donate, don, keep, scalars):
     S["compiles"] += 1
     S["region_compiles"] += 1
     S["compile_seconds"] += dt
-    return compiled, lowered, dt
+    return compiled, lowered, dt, msgs
 
 
 def run_region(compiled, don, keep, scalars, debug: bool = False):
     t0 = time.perf_counter()
     with x64(True):
         res = compiled(don, keep, scalars)
-        _last[0] = res
+        _last[0] = res[0]
         if debug:
             jax.block_until_ready(res)
     S["execute_seconds"] += time.perf_counter() - t0

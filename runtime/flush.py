@@ -19,7 +19,8 @@ _STRUCT: dict = {}      # shape-free structure -> number of compiles
 
 
 class _Region:
-    __slots__ = ("compiled", "node_keys", "nops", "summary", "runs", "temp_bytes", "lowered", "elided")
+    __slots__ = ("compiled", "node_keys", "nops", "summary", "runs", "temp_bytes", "lowered", "elided",
+                 "msgs")
 
 
 def clear():
@@ -98,12 +99,14 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         why = _explain_miss(keys)
         plan = [(n.fn, n.wiring, n.s0, len(n.scalars)) for n in nodes]
         try:
-            compiled, lowered, dt = execute.compile_region(plan, out_sig, donate, don, keep, scalars)
+            compiled, lowered, dt, msgs = execute.compile_region(plan, out_sig, donate, don, keep,
+                                                                 scalars)
         except Exception as e:   # a lowering failed while tracing: find the op
             _localize(nodes, ext, scalars, e)
             raise
         reg = _Region()
         reg.compiled, reg.node_keys, reg.nops, reg.runs = compiled, keys, len(nodes), 0
+        reg.msgs = msgs
         reg.lowered = lowered
         reg.summary = f"{len(nodes)} ops ({nodes[0].name} .. {nodes[-1].name}), synced by {reason} at {src}"
         try:
@@ -129,13 +132,17 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
     if debug_level >= 3:
         for n in nodes:
             print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
+    check_flags()
     try:
-        res = execute.run_region(reg.compiled, don, keep, scalars)
+        res, flags = execute.run_region(reg.compiled, don, keep, scalars)
     except Exception as e:
         _raise_oom(e, reg)
         _localize(nodes, ext, scalars, e)
         raise
     reg.runs += 1
+    if flags:
+        _PENDING_FLAGS.append((flags, [(exc, f"{m} ({nodes[pos].name} recorded at {nodes[pos].src})")
+                                       for pos, exc, m in reg.msgs]))
     S["donated_bytes"] += mplan.donated_bytes
     S["elided_bytes"] += reg.elided
     for v, r in zip(outs, res):
@@ -148,6 +155,14 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
 
 
 _peak_seen = [0]
+_PENDING_FLAGS: list = []   # index-check flags of regions already run, read at the next sync
+
+
+def check_flags() -> None:
+    """Raise the error of the first index check that failed in a region run so far."""
+    while _PENDING_FLAGS:
+        flags, msgs = _PENDING_FLAGS.pop(0)
+        execute.raise_flags(flags, msgs)
 
 
 def _raise_oom(e, reg):
@@ -170,10 +185,12 @@ def _replay(nodes, ext, scalars, block=True):
         arrays = [None if w is None else (ext[w].array if type(w) is int else env[w]) for w in n.wiring]
         entry = n.key
         if entry.jit is None:
-            with execute.x64(True):
-                entry.jit = jax.jit(entry.fn)
+            entry.msgs = []
+            entry.jit = jax.jit(execute.with_flags(entry.fn, entry.msgs))
         with execute.x64(True):
-            res = entry.jit(arrays, list(n.scalars))
+            res, flags = entry.jit(arrays, list(n.scalars))
+            if flags:
+                execute.raise_flags(flags, entry.msgs, f" ({n.name} recorded at {n.src})")
             if block:
                 jax.block_until_ready(res)
         for i, o in enumerate(res):

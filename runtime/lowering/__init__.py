@@ -34,6 +34,31 @@ class Lowering:
 LOWERINGS: dict = {}
 MISSING: list[str] = []   # overload names a lowering asked for that this torch lacks
 
+# NOTE [index checks]: XLA never faults on a bad index (gathers clamp, scatters drop). A lowering
+# calls ``check_index`` to compute an out-of-range flag next to its result; the program returns the
+# flags and the runtime raises PyTorch's error when it reads them (at once in strict/debug mode, at
+# the next sync in defer mode, as CUDA reports device asserts).
+_FLAGS: list = []     # per trace: [(flag array, exception type, message)] appended while tracing
+
+
+def check_index(index, size: int, exc=IndexError, message: str = "index out of range in self",
+                allow_negative: bool = True):
+    """Flag ``index`` (an integer array) if any entry is outside [-size, size) (or [0, size))."""
+    import jax.numpy as jnp
+    if not hasattr(index, "dtype") or not jnp.issubdtype(index.dtype, jnp.integer):
+        return
+    if index.size == 0:
+        return
+    lo = -size if allow_negative else 0
+    _FLAGS.append((jnp.any((index < lo) | (index >= size)), exc, message))
+
+
+def take_flags() -> list:
+    """The flags traced since the last call (and forget them)."""
+    out = list(_FLAGS)
+    _FLAGS.clear()
+    return out
+
 
 def resolve(name: str):
     """``"add.Tensor"`` -> ``aten.add.Tensor``, or None when this torch has no such overload."""
