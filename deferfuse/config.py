@@ -12,6 +12,17 @@ from typing import Any, Callable
 
 MODES = ("defer", "strict", "debug")
 
+# Frames inside these folders are never "the user's line" (torch, deferfuse, jax, contextlib).
+def _skip_prefixes() -> tuple:
+    import jax
+    import torch
+    here = os.path.dirname(os.path.abspath(__file__))
+    return tuple({os.path.dirname(torch.__file__), here, os.path.dirname(jax.__file__),
+                  os.path.join(os.path.dirname(os.__file__), "contextlib")})
+
+
+SKIP_PREFIXES = _skip_prefixes()
+
 
 @dataclass(frozen=True, slots=True)
 class Setting:

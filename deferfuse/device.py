@@ -157,6 +157,8 @@ def register() -> None:
     _setup_privateuseone_for_python_backend("tpu", backend_module=module)
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator_synchronize()
+    from . import amp
+    amp.register()
 
     # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
     # (no Python dispatch): give those kernels.

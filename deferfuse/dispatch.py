@@ -40,7 +40,7 @@ def user_frame() -> str:
     while f is not None and f.f_code.co_filename.startswith(skip):
         f = f.f_back
     if f is None:
-        return "<unknown>"
+        return "<backward>"   # autograd's device thread: no user frame on this thread
     return f"{f.f_code.co_filename}:{f.f_lineno}"
 
 

@@ -6,9 +6,10 @@ alone (loop-body detection).
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
-from .config import config
+from .config import SKIP_PREFIXES, config
 from .runtime import execute, stats
 from .runtime.transfer import materialize_empty
 from .scheduler import steps
@@ -71,7 +72,19 @@ class Trace:
         pos = len(self.nodes)
         outs = tuple([None if a is None else Value(a[0], a[1], a[2], None, None, k)
                       for k, a in enumerate(entry.res_avals)])
-        src = _src() if config.source_lines else None
+        if config.source_lines:
+            # NOTE [record depth]: every path into record() passes record, run_node, _run,
+            # dispatch (or a special) and __torch_dispatch__ (or a PrivateUse1 kernel), so the
+            # user's frame is at least 5 frames up: start the walk there.
+            try:
+                f = sys._getframe(5)
+            except ValueError:      # autograd's device thread calls us with no Python caller
+                f = None
+            while f is not None and f.f_code.co_filename.startswith(SKIP_PREFIXES):
+                f = f.f_back
+            src = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<backward>"
+        else:
+            src = None
         node = Node(entry, entry.khash, entry.fn, tuple(ins), wiring, len(self.scalars), scalars,
                     outs, entry.name, src, pos)
         for o in outs:
@@ -129,8 +142,3 @@ class Trace:
                 n.ins = n.outs = None
             for v in outs:
                 v.node = None
-
-
-def _src():
-    from .dispatch import user_frame
-    return user_frame()

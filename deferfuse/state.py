@@ -12,9 +12,7 @@ from .runtime import execute, flush, stats
 from .runtime.dtypes import x64
 from .runtime.transfer import devices, materialize_empty
 
-# Frames inside these folders are never "the user's line".
-SKIP_PREFIXES = tuple({os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-                       os.path.dirname(jax.__file__), os.path.dirname(os.__file__) + os.sep + "contextlib"})
+from .config import SKIP_PREFIXES  # noqa: E402,F401
 
 MODE = config.mode          # the current mode; changed only through deferfuse.mode()
 _stack: list = []
