@@ -9,7 +9,7 @@ import sys
 
 from . import execute, stats
 from . import memory as memory_stats
-from ..scheduler import memory
+from ..scheduler import liveness, memory
 from .errors import RegionError
 
 S = stats.S
@@ -52,7 +52,7 @@ def _diff(a, b) -> str:
 def _explain_miss(keys: list) -> str:
     best, best_same = None, -1
     for r in _REGIONS.values():
-        if abs(len(r.node_keys) - len(keys)) > 0:
+        if r.__class__ is tuple or len(r.node_keys) != len(keys):
             continue
         # Same ops in the same places first, then identical op keys.
         same = sum(2 * (x[0] is y[0]) + (x == y) for x, y in zip(r.node_keys, keys))
@@ -67,7 +67,7 @@ def _explain_miss(keys: list) -> str:
 
 
 def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,
-              cross_check=False, planner=True, shape_limit=8):
+              cross_check=False, planner=True, shape_limit=8, budget=0):
     global LAST
     LAST = ([(n.name, n.wiring, n.src) for n in nodes], reason, src)
     # Who else holds each input value: its holders are the ext list, the node inputs reading it
@@ -78,8 +78,11 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
                         [v.nbytes for v in outs], 0, None, planner and not cross_check)
     donate = mplan.donate
     out_sig = tuple((v.node.pos, v.idx) for v in outs)
-    key = (h, len(nodes), len(ext), out_sig, donate)
+    key = (h, len(nodes), len(ext), out_sig, donate, budget)
     reg = _REGIONS.get(key)
+    if reg.__class__ is tuple:      # split for the memory budget on an earlier run
+        return _run_pieces(nodes, ext, scalars, outs, reg, reason, src, debug_level, planner,
+                           shape_limit, budget)
     ext_arrays = [v.array for v in ext]
     don = [a for a, d in zip(ext_arrays, donate) if d]
     keep = [a for a, d in zip(ext_arrays, donate) if not d]
@@ -113,6 +116,18 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
             reg.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
         except Exception:
             reg.temp_bytes = None
+        if budget and len(nodes) > 1:
+            est = sum(v.nbytes for v in ext) + sum(v.nbytes for v in outs) + (reg.temp_bytes or 0)
+            if est > budget:
+                cuts = _budget_cuts(nodes, ext, held, outs)
+                if len(cuts) > 1:
+                    _REGIONS[key] = cuts
+                    S["budget_splits"] += 1
+                    if debug_level >= 2:
+                        print(f"[deferfuse] region of {len(nodes)} ops needs ~{est / 2**20:.1f} MB "
+                              f"> budget {budget / 2**20:.1f} MB: split at {cuts[:-1]}", file=sys.stderr)
+                    return _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level,
+                                       planner, shape_limit, budget)
         node_bytes = sum(o.nbytes for n in nodes for o in n.outs if o is not None)
         reg.elided = max(node_bytes - sum(v.nbytes for v in outs), 0)
         if n_compiled:
@@ -155,6 +170,72 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
 
 
 _peak_seen = [0]
+
+
+def _budget_cuts(nodes, ext, held, outs) -> tuple:
+    """Where to split a region over budget: at the op after which the fewest bytes are live,
+    within its middle half (then each half is checked again when it compiles)."""
+    wiring = [n.wiring for n in nodes]
+    out_bytes = [[0 if o is None else o.nbytes for o in n.outs] for n in nodes]
+    live_outs = {(v.node.pos, v.idx) for v in outs}
+    live = liveness.simulate(wiring, out_bytes, [v.nbytes for v in ext], held, live_outs)
+    n = len(nodes)
+    lo, hi = max(1, n // 4), max(2, (3 * n) // 4)
+    cut = min(range(lo, min(hi, n)), key=lambda q: (live[q - 1], q)) if n > 1 else n
+    return (cut, n) if 0 < cut < n else (n,)
+
+
+def _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level, planner, shape_limit,
+                budget):
+    """Run consecutive pieces of a trace as regions of their own (memory budget)."""
+    from ..scheduler.records import Node
+    live_ids = {id(v) for v in outs}
+    start = 0
+    for stop in cuts:
+        piece = nodes[start:stop]
+        later = nodes[stop:]
+        # Values of this piece read by later pieces (or held by tensors) leave it.
+        needed = {(w[0], w[1]) for n in later for w in n.wiring if isinstance(w, tuple)}
+        sub_ext, ext_idx, uses, new_nodes = [], {}, [], []
+        s_first = piece[0].s0
+        s_last = piece[-1].s0 + len(piece[-1].scalars)
+        for n in piece:
+            wiring = []
+            for i, w in enumerate(n.wiring):
+                if w is None:
+                    wiring.append(None)
+                    continue
+                if isinstance(w, tuple) and w[0] >= start:
+                    wiring.append((w[0] - start, w[1]))
+                    continue
+                v = ext[w] if type(w) is int else nodes[w[0]].outs[w[1]]
+                j = ext_idx.get(id(v))
+                if j is None:
+                    j = ext_idx[id(v)] = len(sub_ext)
+                    sub_ext.append(v)
+                    uses.append(0)
+                uses[j] += 1
+                wiring.append(j)
+            new_nodes.append(Node(n.key, n.khash, n.fn, n.ins, tuple(wiring), n.s0 - s_first,
+                                  n.scalars, n.outs, n.name, n.src, n.pos - start))
+        piece_outs = []
+        for old, new in zip(piece, new_nodes):
+            for i, o in enumerate(old.outs):
+                if o is not None and (id(o) in live_ids or (old.pos, i) in needed):
+                    piece_outs.append(o)
+        h = 0
+        for n in new_nodes:
+            for o in n.outs:
+                if o is not None:
+                    o.node = n
+            h = hash((h, n.khash, n.wiring, len(n.scalars)))
+        try:
+            run_trace(new_nodes, sub_ext, uses, scalars[s_first:s_last], h, piece_outs,
+                      reason, src, debug_level, False, planner, shape_limit, budget)
+        finally:
+            for n in new_nodes:      # break Value <-> Node cycles (see deferfuse/record.py)
+                n.ins = n.outs = None
+        start = stop
 _PENDING_FLAGS: list = []   # index-check flags of regions already run, read at the next sync
 
 

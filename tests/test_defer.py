@@ -216,3 +216,23 @@ def test_disk_cache_second_process_compiles_nothing(tmp_path):
     first_hits = int(runs[0][1].split()[1])
     second_hits = int(runs[1][1].split()[1])
     assert first_hits == 0 and second_hits >= 1, runs
+
+
+def test_memory_budget_splits_regions_and_matches():
+    x = torch.randn(256, 256)
+
+    def f(t):
+        a = t.sin()
+        b = t @ t
+        c = (b.tanh() * a).sum(0)
+        return ((c[None] * t).cos() @ t + a).sum()
+    want = f(x)
+    xt = x.to("tpu")
+    deferfuse.sync()
+    with deferfuse.override(memory_budget=600_000):      # x alone is 256 KB
+        got = f(xt)
+        assert_same(got, want, atol=1e-2, rtol=1e-4)
+        assert deferfuse.metrics()["budget_splits"] >= 1
+        compiles = deferfuse.metrics()["compiles"]
+        assert_same(f(xt), want, atol=1e-2, rtol=1e-4)   # the split is cached too
+        assert deferfuse.metrics()["compiles"] == compiles

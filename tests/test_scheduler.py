@@ -61,3 +61,16 @@ def test_memory_plan_donates_only_unheld_inputs(inputs, outs, enabled):
 def test_memory_plan_off_switch():
     p = memory.plan([memory.InputInfo(100, False)], [100], 100, enabled=False)
     assert p.donate == (False,) and p.donated_bytes == 0
+
+
+def test_liveness_simulation():
+    from deferfuse.scheduler import liveness
+    # x (ext 0, 100 B, dropped by the user) -> a = f(x) 10 B -> b = g(a) 20 B -> c = h(a, b) 5 B (kept)
+    wiring = [(0,), ((0, 0),), ((0, 0), (1, 0))]
+    out_bytes = [[10], [20], [5]]
+    live = liveness.simulate(wiring, out_bytes, [100], [False], {(2, 0)})
+    assert live == [110, 30, 35]       # x dies after op 0, a after op 2
+    live_held = liveness.simulate(wiring, out_bytes, [100], [True], {(2, 0)})
+    assert live_held == [110, 130, 135]
+    g = liveness.graph(wiring)
+    assert set(g.edges) == {(0, 1), (0, 2), (1, 2)}
