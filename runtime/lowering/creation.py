@@ -1,4 +1,8 @@
-"""Creation and copy ops: fill, copy, dtype conversion, arange, full."""
+"""Creation and copy ops: fill, copy, dtype conversion, arange, linspace, eye, full and friends.
+
+Factories get their output shape and dtype from meta inference (``meta=True``); ops whose shape
+depends on Python numbers (arange, linspace) are ``static=True``.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -28,15 +32,38 @@ def to_copy(x, *, dtype=None, memory_format=None, layout=None, device=None, pin_
     return x
 
 
-@op("full.default", meta=True)
-def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
+def _integral(dt) -> bool:
+    return not jnp.issubdtype(dt, jnp.inexact)
+
+
+@op("full.default", "new_full.default", meta=True)
+def full(*args, _avals, **kw):
+    # full(size, fill_value, ...) / new_full(self, size, fill_value, ...)
     shape, dt = _avals[0]
-    return jnp.full(shape, fill_value, dt)
+    return jnp.full(shape, jnp.asarray(args[-1]).astype(dt), dt)
+
+
+@op("zeros.default", "new_zeros.default", "zeros_like.default", meta=True)
+def zeros(*args, _avals, **kw):
+    shape, dt = _avals[0]
+    return jnp.zeros(shape, dt)
+
+
+@op("ones.default", "new_ones.default", "ones_like.default", meta=True)
+def ones(*args, _avals, **kw):
+    shape, dt = _avals[0]
+    return jnp.ones(shape, dt)
+
+
+@op("full_like.default", meta=True)
+def full_like(x, v, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, _avals):
+    shape, dt = _avals[0]
+    return jnp.full(shape, jnp.asarray(v).astype(dt), dt)
 
 
 @op("scalar_tensor.default", meta=True)
 def scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
-    return jnp.asarray(s, _avals[0][1])
+    return jnp.asarray(s).astype(_avals[0][1])
 
 
 @op("arange.start_step", "arange.start", "arange.default", static=True, meta=True)
@@ -44,22 +71,61 @@ def arange(start, end=None, step=1, *, dtype=None, layout=None, device=None, pin
     shape, dt = _avals[0]
     if end is None:
         start, end = 0, start
-    return (start + step * jnp.arange(shape[0], dtype=np.float64 if isinstance(start + step, float) else np.int64)).astype(dt)
+    if _integral(dt):
+        # PyTorch converts start and step to the integer type first.
+        return (int(start) + int(step) * jnp.arange(shape[0], dtype=np.int64)).astype(dt)
+    # CPU computes start + step * i in double (the accumulate type), then rounds.
+    return (float(start) + float(step) * jnp.arange(shape[0], dtype=np.float64)).astype(dt)
 
 
-@op("full_like.default", meta=True)
-def full_like(x, v, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, _avals):
+def _linspace(start, end, steps, dt):
+    """PyTorch's CPU linspace: from ``start`` up to halfway, from ``end`` down after it."""
+    if steps == 0:
+        return jnp.zeros((0,), dt)
+    if _integral(dt):
+        s, e, ct = jnp.trunc(jnp.asarray(start, np.float64)), jnp.trunc(jnp.asarray(end, np.float64)), np.float64
+    else:
+        ct = np.float32 if np.dtype(dt).itemsize < 4 else dt
+        s, e = jnp.asarray(start).astype(dt).astype(ct), jnp.asarray(end).astype(dt).astype(ct)
+    if steps == 1:
+        return jnp.reshape(s, (1,)).astype(dt)
+    step = (e - s) / (steps - 1)
+    i = jnp.arange(steps)
+    up = s + step * i.astype(ct)
+    down = e - step * (steps - i - 1).astype(ct)
+    return jnp.where(i < steps // 2, up, down).astype(dt)
+
+
+@op("linspace.default", "linspace.Tensor_Tensor", "linspace.Tensor_Scalar", "linspace.Scalar_Tensor",
+    meta=True)
+def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
+    return _linspace(start, end, steps, _avals[0][1])
+
+
+@op("logspace.default", "logspace.Tensor_Tensor", "logspace.Tensor_Scalar", "logspace.Scalar_Tensor",
+    meta=True)
+def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None,
+             _avals):
+    dt = _avals[0][1]
+    if steps == 0:
+        return jnp.zeros((0,), dt)
+    e = _linspace(start, end, steps, np.float64)
+    return jnp.power(jnp.asarray(base, np.float64), e).astype(dt)
+
+
+@op("eye.default", "eye.m", meta=True)
+def eye(n, m=None, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
     shape, dt = _avals[0]
-    return jnp.full(shape, v, dt)
+    return jnp.eye(shape[0], shape[1], dtype=dt)
 
 
-@op("zeros_like.default", meta=True)
-def zeros_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, _avals):
-    shape, dt = _avals[0]
-    return jnp.zeros(shape, dt)
+def _tri_indices(lower):
+    def fn(row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
+        r, c = np.meshgrid(np.arange(row), np.arange(col), indexing="ij")
+        keep = (c - r <= offset) if lower else (c - r >= offset)
+        return jnp.asarray(np.stack([r[keep], c[keep]]).reshape(_avals[0][0]), _avals[0][1])
+    return fn
 
 
-@op("ones_like.default", meta=True)
-def ones_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, _avals):
-    shape, dt = _avals[0]
-    return jnp.ones(shape, dt)
+op("tril_indices.default", meta=True)(_tri_indices(True))
+op("triu_indices.default", meta=True)(_tri_indices(False))

@@ -1,7 +1,467 @@
-"""indexing ops."""
+"""Indexing and shape ops: cat/stack, gather/scatter, advanced indexing, padding, flips, diagonals.
+
+Negative indices follow PyTorch: advanced indexing, index_put, index_fill and take wrap them
+(``i + size``, JAX's default); gather, scatter*, index_select, index_add and index_copy treat them
+as out of range (``wrap_negative_indices=False``). Gathers clamp and scatters drop out-of-range
+entries (JAX semantics); every lowering also calls ``check_index`` so the runtime raises PyTorch's
+error (NOTE [index checks] in __init__.py).
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from . import op
+from . import check_index, op
+
+
+_NOWRAP = {"wrap_negative_indices": False}   # PyTorch rejects negative indices for these ops
+
+
+def _oob(index, size, dim, exc=RuntimeError, allow_negative=False):
+    check_index(index, size, exc, f"index out of bounds for dimension {dim} with size {size}",
+                allow_negative)
+
+
+def _grid(index, dim):
+    """Full index tuple for gather/scatter: ``index`` along ``dim``, iotas along the others."""
+    return tuple(index if d == dim else lax.broadcasted_iota(index.dtype, index.shape, d)
+                 for d in range(index.ndim))
+
+
+def _crop(src, shape):
+    if tuple(src.shape) == tuple(shape):
+        return src
+    return src[tuple(slice(0, s) for s in shape)]
+
+
+def _as1d(x):
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+def _scalar_as(v, dt):
+    return jnp.asarray(v).astype(dt)
+
+
+# --------------------------------------------------------------------------------------------
+# concatenation
+
+@op("cat.default", meta=True)
+def cat(tensors, dim=0, *, _avals):
+    shape, dt = _avals[0]
+    nd = len(shape)
+    d = dim % nd if nd else 0
+    # PyTorch skips legacy 1-D empty tensors (shape (0,)) whatever the other tensors' rank.
+    xs = [t.astype(dt) for t in tensors if t is not None and t.ndim == nd and t.shape[d] != 0]
+    if not xs:
+        return jnp.zeros(shape, dt)
+    if len(xs) == 1:
+        return xs[0]
+    return jnp.concatenate(xs, axis=d)
+
+
+@op("stack.default", meta=True)
+def stack(tensors, dim=0, *, _avals):
+    shape, dt = _avals[0]
+    return jnp.stack([t.astype(dt) for t in tensors], axis=dim % len(shape))
+
+
+# --------------------------------------------------------------------------------------------
+# gather / scatter
+
+@op("gather.default")
+def gather(x, dim, index, *, sparse_grad=False):
+    if index.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    if x.ndim == 0 or index.ndim == 0:
+        return gather(_as1d(x), 0, _as1d(index)).reshape(index.shape)
+    dim %= x.ndim
+    _oob(index, x.shape[dim], dim)
+    # index may be smaller than x in the other dims: crop x to it.
+    x = x[tuple(slice(None) if d == dim else slice(0, n) for d, n in enumerate(index.shape))]
+    return jnp.take_along_axis(x, index, axis=dim, **_NOWRAP)
+
+
+def _scatter_prep(x, dim, index):
+    scalar = x.ndim == 0
+    if scalar:
+        x, index = _as1d(x), _as1d(index)
+    dim %= x.ndim
+    _oob(index, x.shape[dim], dim)
+    return x, dim, index, scalar, _grid(index, dim)
+
+
+def _src(src, index, dt):
+    src = jnp.asarray(src)
+    if src.ndim == 0:
+        return src.astype(dt)
+    if src.ndim != index.ndim:
+        src = _as1d(src)
+    return _crop(src, index.shape).astype(dt)
+
+
+@op("scatter.src", "scatter.value")
+def scatter(x, dim, index, src):
+    if index.size == 0:
+        return x
+    shape = x.shape
+    x, dim, index, _, g = _scatter_prep(x, dim, index)
+    return x.at[g].set(_src(src, index, x.dtype), mode="drop", **_NOWRAP).reshape(shape)
+
+
+@op("scatter.reduce", "scatter.value_reduce")
+def scatter_reduce_legacy(x, dim, index, src, *, reduce):
+    return scatter_reduce(x, dim, index, src, {"add": "sum", "multiply": "prod"}[reduce], True)
+
+
+@op("scatter_add.default")
+def scatter_add(x, dim, index, src):
+    return scatter_reduce(x, dim, index, src, "sum", True)
+
+
+def _lowest(dt):
+    return -jnp.inf if jnp.issubdtype(dt, jnp.inexact) else (jnp.iinfo(dt).min if dt != jnp.bool_ else False)
+
+
+def _highest(dt):
+    return jnp.inf if jnp.issubdtype(dt, jnp.inexact) else (jnp.iinfo(dt).max if dt != jnp.bool_ else True)
+
+
+_IDENT = {"sum": lambda dt: 0, "mean": lambda dt: 0, "prod": lambda dt: 1, "amax": _lowest, "amin": _highest}
+
+
+@op("scatter_reduce.two")
+def scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    if index.size == 0:
+        return x
+    shape = x.shape
+    x, dim, index, _, g = _scatter_prep(x, dim, index)
+    s = _src(src, index, x.dtype)
+    acc = x if include_self else x.at[g].set(_scalar_as(_IDENT[reduce](x.dtype), x.dtype), mode="drop", **_NOWRAP)
+    if reduce in ("sum", "mean"):
+        out = acc.at[g].add(s, mode="drop", **_NOWRAP) if x.dtype != jnp.bool_ else acc.at[g].max(s, mode="drop", **_NOWRAP)
+    elif reduce == "prod":
+        out = acc.at[g].multiply(s, mode="drop", **_NOWRAP) if x.dtype != jnp.bool_ else acc.at[g].min(s, mode="drop", **_NOWRAP)
+    elif reduce == "amax":
+        out = acc.at[g].max(s, mode="drop", **_NOWRAP)
+    elif reduce == "amin":
+        out = acc.at[g].min(s, mode="drop", **_NOWRAP)
+    else:
+        raise ValueError(f"unknown scatter reduction {reduce!r}")
+    if reduce == "mean":
+        cnt = (jnp.ones if include_self else jnp.zeros)(x.shape, jnp.int64)
+        cnt = jnp.maximum(cnt.at[g].add(1, mode="drop", **_NOWRAP), 1)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            out = out / cnt.astype(x.dtype)
+        else:
+            out = jnp.floor_divide(out, cnt).astype(x.dtype)
+    return out.reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# index_* along one dim
+
+def _put(x, idx, v, accumulate=False, wrap=True):
+    """x with ``v`` written (or added) at ``idx``; out-of-range entries are dropped."""
+    kw = {"mode": "drop", "wrap_negative_indices": wrap}
+    v = jnp.asarray(v).astype(x.dtype)
+    if not accumulate:
+        return x.at[idx].set(v, **kw)
+    return x.at[idx].add(v, **kw) if x.dtype != jnp.bool_ else x.at[idx].max(v, **kw)
+
+
+def _along(x, dim, index, exc=RuntimeError, allow_negative=False):
+    """(x as >=1-D, index tuple selecting ``index`` along ``dim``, dim)."""
+    x = _as1d(x)
+    dim %= x.ndim
+    _oob(index, x.shape[dim], dim, exc, allow_negative)
+    return x, (slice(None),) * dim + (_as1d(index).reshape(-1),), dim
+
+
+def _source(src, x, dim, n):
+    """``src`` shaped as x with ``n`` entries along ``dim`` (0-d sources as PyTorch allows)."""
+    src = jnp.asarray(src)
+    want = x.shape[:dim] + (n,) + x.shape[dim + 1:]
+    return src.reshape(want) if src.shape != want and src.size == int(np.prod(want)) else src
+
+
+@op("index_select.default")
+def index_select(x, dim, index):
+    shape = x.shape
+    x1, idx, d = _along(x, dim, index)
+    out = x1.at[idx].get(**_NOWRAP)
+    if len(shape) == 0:
+        return out.reshape(index.shape if index.ndim else ())
+    return out
+
+
+@op("index_add.default")
+def index_add(x, dim, index, source, *, alpha=1):
+    shape = x.shape
+    x1, idx, d = _along(x, dim, index)
+    s = _source(source, x1, d, idx[-1].shape[0])
+    if not (isinstance(alpha, (int, float)) and alpha == 1):
+        s = s * alpha
+    return _put(x1, idx, s, accumulate=True, wrap=False).reshape(shape)
+
+
+@op("index_copy.default")
+def index_copy(x, dim, index, source):
+    shape = x.shape
+    x1, idx, d = _along(x, dim, index, IndexError)
+    return _put(x1, idx, _source(source, x1, d, idx[-1].shape[0]), wrap=False).reshape(shape)
+
+
+@op("index_fill.int_Scalar", "index_fill.int_Tensor")
+def index_fill(x, dim, index, value):
+    shape = x.shape
+    x1, idx, d = _along(x, dim, index, IndexError, True)
+    return _put(x1, idx, value).reshape(shape)
+
+
+@op("take.default")
+def take(x, index):
+    check_index(index, x.size, IndexError, f"out of range: tried to access an index outside a tensor "
+                f"of {x.size} elements")
+    return x.reshape(-1)[index]
+
+
+# --------------------------------------------------------------------------------------------
+# advanced indexing (negative indices wrap: JAX's default, as in PyTorch)
+
+def _is_mask(i):
+    return i is not None and i.dtype in (jnp.bool_, jnp.uint8)
+
+
+def _index_tuple(x, indices):
+    """jnp index tuple for PyTorch ``indices`` (Tensor?[]) of integer tensors; None = full slice.
+    Flags indices outside [-size, size) of their dim."""
+    for d, i in enumerate(indices):
+        if i is not None:
+            _oob(i, x.shape[d], d, IndexError, True)
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+@op("index.Tensor")
+def index(x, indices):
+    if any(_is_mask(i) for i in indices):
+        raise NotImplementedError("index.Tensor with a boolean mask has a data-dependent shape")
+    return x[_index_tuple(x, indices)]
+
+
+def _mask_put(x, indices, values, accumulate):
+    """index_put with boolean masks: masks become padded nonzero() index lists whose padding is out
+    of range (dropped by the scatter); a values dim holding one entry per True is padded to match."""
+    out, d, adv_pos = [], 0, []
+    for i in indices:
+        if i is None:
+            out.append(slice(None))
+            d += 1
+        elif _is_mask(i):
+            m = i.astype(jnp.bool_)
+            nz = jnp.nonzero(m, size=m.size, fill_value=tuple(x.shape[d:d + m.ndim]))
+            for k in range(m.ndim):
+                adv_pos.append(len(out))
+                out.append(nz[k])
+            d += m.ndim
+        else:
+            _oob(i, x.shape[d], d, IndexError, True)
+            adv_pos.append(len(out))
+            out.append(i)
+            d += 1
+    out = tuple(out)
+    # Where the advanced-index dim lands in x[out] (NumPy/PyTorch rule), and its size there.
+    contiguous = adv_pos == list(range(adv_pos[0], adv_pos[0] + len(adv_pos)))
+    pos = adv_pos[0] if contiguous else 0
+    bshape = jnp.broadcast_shapes(*[out[p].shape for p in adv_pos])
+    n_slices = sum(isinstance(o, slice) for o in out) + x.ndim - d
+    v = jnp.asarray(values)
+    vd = v.ndim - (n_slices + len(bshape) - pos)   # values' dim aligned with the advanced dim
+    if len(bshape) == 1 and 0 <= vd < v.ndim and v.shape[vd] not in (1, bshape[0]):
+        pad = [(0, 0)] * v.ndim
+        pad[vd] = (0, bshape[0] - v.shape[vd])
+        v = jnp.pad(v, pad)
+    return _put(x, out, v, accumulate)
+
+
+@op("index_put.default")
+def index_put(x, indices, values, accumulate=False):
+    indices = list(indices)
+    while indices and indices[-1] is None:
+        indices.pop()
+    if not indices:
+        v = jnp.asarray(values).astype(x.dtype)
+        return x + v if accumulate else jnp.broadcast_to(v, x.shape)
+    masks = [i for i in indices if _is_mask(i)]
+    if masks:
+        m = masks[0]
+        if (len(indices) == 1 and jnp.size(values) == 1 and not accumulate
+                and m.shape == x.shape[:m.ndim]):
+            # x[mask] = scalar: a select, no scatter
+            mb = m.astype(jnp.bool_).reshape(m.shape + (1,) * (x.ndim - m.ndim))
+            return jnp.where(mb, jnp.asarray(values).reshape(()).astype(x.dtype), x)
+        return _mask_put(x, indices, values, accumulate)
+    return _put(x, _index_tuple(x, indices), values, accumulate)
+
+
+@op("_index_put_impl_.default")
+def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):
+    return index_put(x, indices, values, accumulate)
+
+
+# --------------------------------------------------------------------------------------------
+# masks
+
+@op("masked_fill.Scalar", "masked_fill.Tensor", meta=True)
+def masked_fill(x, mask, value, *, _avals):
+    shape, dt = _avals[0]
+    return jnp.where(mask, _scalar_as(value, dt), x.astype(dt))
+
+
+@op("masked_scatter.default", meta=True)
+def masked_scatter(x, mask, source, *, _avals):
+    shape, dt = _avals[0]
+    xb = jnp.broadcast_to(x, shape).reshape(-1).astype(dt)
+    mb = jnp.broadcast_to(mask, shape).reshape(-1)
+    if source.size == 0:
+        return xb.reshape(shape)
+    pos = jnp.clip(jnp.cumsum(mb.astype(jnp.int64)) - 1, 0, source.size - 1)
+    vals = source.reshape(-1)[pos].astype(dt)
+    return jnp.where(mb, vals, xb).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# padding
+
+@op("constant_pad_nd.default")
+def constant_pad_nd(x, pad, value=0):
+    pad = list(pad)
+    k = len(pad) // 2
+    cfg = [(0, 0, 0)] * (x.ndim - k)
+    for j in range(k):
+        d = k - 1 - j
+        cfg.append((pad[2 * d], pad[2 * d + 1], 0))
+    return lax.pad(x, _scalar_as(value, x.dtype), cfg)
+
+
+def _pad_cfg(x, padding):
+    k = len(padding) // 2
+    cfg = [(0, 0)] * (x.ndim - k)
+    for j in range(k):
+        d = k - 1 - j
+        cfg.append((padding[2 * d], padding[2 * d + 1]))
+    return cfg
+
+
+def _edge_pad(mode):
+    """Pad by ``mode`` from the input's edges; negative amounts crop (after padding, so reflection
+    still mirrors about the original edges, as PyTorch does)."""
+    def fn(x, padding):
+        cfg = _pad_cfg(x, padding)
+        x = jnp.pad(x, [(max(lo, 0), max(hi, 0)) for lo, hi in cfg], mode=mode)
+        if any(lo < 0 or hi < 0 for lo, hi in cfg):
+            x = lax.pad(x, jnp.zeros((), x.dtype), [(min(lo, 0), min(hi, 0), 0) for lo, hi in cfg])
+        return x
+    return fn
+
+
+_reflect = _edge_pad("reflect")
+_replicate = _edge_pad("edge")
+
+
+op("reflection_pad1d.default", "reflection_pad2d.default", "reflection_pad3d.default")(_reflect)
+op("replication_pad1d.default", "replication_pad2d.default", "replication_pad3d.default")(_replicate)
+
+
+def _pad_backward(fwd):
+    def backward(grad_output, x, padding):
+        _, vjp = jax.vjp(lambda t: fwd(t, padding), x)
+        return vjp(grad_output.astype(x.dtype))[0]
+    return backward
+
+
+op("reflection_pad1d_backward.default", "reflection_pad2d_backward.default",
+   "reflection_pad3d_backward.default")(_pad_backward(_reflect))
+op("replication_pad1d_backward.default", "replication_pad2d_backward.default",
+   "replication_pad3d_backward.default")(_pad_backward(_replicate))
+
+
+# --------------------------------------------------------------------------------------------
+# rearrangements
+
+@op("flip.default")
+def flip(x, dims):
+    dims = tuple(d % x.ndim for d in dims) if x.ndim else ()
+    return jnp.flip(x, dims) if dims else x
+
+
+@op("roll.default")
+def roll(x, shifts, dims=()):
+    shifts, dims = list(shifts), list(dims)
+    if not dims:
+        return jnp.roll(x.reshape(-1), shifts[0]).reshape(x.shape)
+    return jnp.roll(x, tuple(shifts), tuple(d % x.ndim for d in dims))
+
+
+@op("repeat.default")
+def repeat(x, repeats):
+    repeats = tuple(repeats)
+    if x.ndim < len(repeats):
+        x = x.reshape((1,) * (len(repeats) - x.ndim) + x.shape)
+    return jnp.tile(x, repeats)
+
+
+@op("tril.default")
+def tril(x, diagonal=0):
+    return jnp.tril(x, diagonal)
+
+
+@op("triu.default")
+def triu(x, diagonal=0):
+    return jnp.triu(x, diagonal)
+
+
+@op("diag_embed.default")
+def diag_embed(x, offset=0, dim1=-2, dim2=-1):
+    m = x.shape[-1]
+    n = m + abs(offset)
+    nd = x.ndim + 1
+    d1, d2 = dim1 % nd, dim2 % nd
+    rows = np.arange(m) + max(-offset, 0)
+    cols = np.arange(m) + max(offset, 0)
+    out = jnp.zeros(x.shape[:-1] + (n, n), x.dtype).at[..., rows, cols].set(x)
+    return jnp.moveaxis(out, (-2, -1), (d1, d2))
+
+
+@op("diag.default")
+def diag(x, diagonal=0):
+    if x.ndim == 1:
+        return diag_embed(x, diagonal, 0, 1)
+    return jnp.diagonal(x, diagonal)
+
+
+# --------------------------------------------------------------------------------------------
+# sorted search
+
+def _search(seq, v, side, sorter=None):
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    v = jnp.asarray(v)
+    if v.size == 0 or seq.shape[-1] == 0:
+        return jnp.zeros(v.shape, jnp.int64)
+    if seq.ndim == 1:
+        return jnp.searchsorted(seq, v, side=side)
+    seq2 = seq.reshape(-1, seq.shape[-1])
+    v2 = v.reshape(seq2.shape[0], -1)
+    return jax.vmap(lambda s, q: jnp.searchsorted(s, q, side=side))(seq2, v2).reshape(v.shape)
+
+
+@op("searchsorted.Tensor", "searchsorted.Scalar")
+def searchsorted(seq, v, *, out_int32=False, right=False, side=None, sorter=None):
+    return _search(seq, v, "right" if (right or side == "right") else "left", sorter)
+
+
+@op("bucketize.Tensor", "bucketize.Scalar")
+def bucketize(v, boundaries, *, out_int32=False, right=False):
+    return _search(boundaries, v, "right" if right else "left")

@@ -1,23 +1,413 @@
-"""Matrix products."""
+"""Matrix products and linear algebra (factorizations, solves, determinants).
+
+Half-precision products accumulate in float32 (as PyTorch's CPU kernels do); float32 keeps XLA's
+default precision. Factorizations follow LAPACK's conventions where PyTorch exposes them: packed
+LU with 1-based int32 pivots, ``info`` the 1-based index of the first failure (0: success). For
+real input, ``_linalg_det``/``_linalg_slogdet`` factor A^T as PyTorch does for a contiguous A, so
+their LU/pivots outputs match what the backward formulas expect.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from . import op
+
+_LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_solve_tri = lax.linalg.triangular_solve
+
+
+def _is(v, c) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == c
+
+
+def _mat(a, b, spec=None):
+    """a @ b (or an einsum), half precision accumulated in float32."""
+    kw = {"preferred_element_type": jnp.float32} if a.dtype in _LOWP else {}
+    if spec is not None:
+        return jnp.einsum(spec, a, b, **kw)
+    return jnp.matmul(a, b, **kw)
+
+
+def _scalar(s, dt):
+    """``s`` converted as PyTorch's kernel converts it (``Scalar.to<T>()``): integers truncate."""
+    if isinstance(s, bool) or jnp.issubdtype(dt, jnp.inexact) and isinstance(s, (int, float)):
+        return s
+    if isinstance(s, (int, float)):
+        return int(s) if jnp.issubdtype(dt, jnp.integer) else s
+    return s.astype(dt)
+
+
+def _axpby(bias, prod, beta, alpha, dt=None):
+    """beta * bias + alpha * prod; beta == 0 ignores bias (NaN included), as PyTorch does.
+    ``dt``: the dtype alpha and beta are converted to first (integers: always theirs)."""
+    if prod.dtype == jnp.bool_:
+        out = prod if alpha is True or _is(alpha, 1) else prod & bool(alpha)
+        return out if not beta else out | bias
+    if dt is None and jnp.issubdtype(bias.dtype, jnp.integer):
+        dt = bias.dtype
+    if dt is not None:
+        alpha, beta = _scalar(alpha, dt), _scalar(beta, dt)
+    if not _is(alpha, 1):
+        prod = prod * alpha
+    if _is(beta, 0) or beta is False:
+        return prod
+    if not _is(beta, 1):
+        bias = bias * beta
+    return prod + bias
+
+
+def _bmat(a, b, spec):
+    if a.dtype == jnp.bool_:
+        return jnp.einsum(spec, a.astype(jnp.int32), b.astype(jnp.int32)) != 0
+    return _mat(a, b, spec)
 
 
 @op("mm.default", "bmm.default", "matmul.default")
 def mm(a, b):
-    return jnp.matmul(a, b)
+    if a.dtype == jnp.bool_:
+        return jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32)) != 0
+    return _mat(a, b)
+
+
+@op("mm.dtype", "bmm.dtype")
+def mm_dtype(a, b, out_dtype):
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32 if a.dtype in _LOWP else None)
 
 
 @op("addmm.default")
 def addmm(bias, a, b, *, beta=1, alpha=1):
-    out = jnp.matmul(a, b)
-    if not (isinstance(alpha, (int, float)) and alpha == 1):
-        out = out * alpha
-    if isinstance(beta, (int, float)) and beta == 0:
-        return out
-    if not (isinstance(beta, (int, float)) and beta == 1):
-        bias = bias * beta
-    return out + bias
+    return _axpby(bias, _bmat(a, b, "ij,jk->ik"), beta, alpha)
+
+
+@op("addmm.dtype")
+def addmm_dtype(bias, a, b, out_dtype, *, beta=1, alpha=1):
+    return _axpby(bias, _mat(a, b), beta, alpha)
+
+
+@op("addmv.default")
+def addmv(bias, a, v, *, beta=1, alpha=1):
+    return _axpby(bias, _bmat(a, v, "ij,j->i"), beta, alpha)
+
+
+@op("addbmm.default")
+def addbmm(bias, a, b, *, beta=1, alpha=1):
+    return _axpby(bias, _bmat(a, b, "bij,bjk->ik"), beta, alpha)
+
+
+@op("baddbmm.default")
+def baddbmm(bias, a, b, *, beta=1, alpha=1):
+    return _axpby(bias, _bmat(a, b, "bij,bjk->bik"), beta, alpha)
+
+
+@op("baddbmm.dtype")
+def baddbmm_dtype(bias, a, b, out_dtype, *, beta=1, alpha=1):
+    return _axpby(bias, _mat(a, b), beta, alpha)
+
+
+@op("addr.default")
+def addr(bias, u, v, *, beta=1, alpha=1):
+    # PyTorch's addr kernel is pointwise in the tensors' dtype, alpha and beta converted to it.
+    if u.dtype == jnp.bool_:
+        return _axpby(bias, u[:, None] & v[None, :], beta, alpha)
+    dt = jnp.result_type(bias, u, v)
+    alpha, beta = _scalar(alpha, dt), _scalar(beta, dt)
+    prod = u[:, None] if _is(alpha, 1) else alpha * u[:, None]
+    return _axpby(bias, prod * v[None, :], beta, 1)
+
+
+@op("mv.default")
+def mv(a, v):
+    return _bmat(a, v, "ij,j->i")
+
+
+@op("dot.default")
+def dot(a, b):
+    return _bmat(a, b, "i,i->")
+
+
+@op("vdot.default")
+def vdot(a, b):
+    return _mat(jnp.conj(a), b, "i,i->")
+
+
+@op("trace.default")
+def trace(x):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.int64)
+    elif x.dtype in _LOWP:
+        x = x.astype(jnp.float32)
+    return jnp.trace(x)
+
+
+@op("linalg_cross.default")
+def linalg_cross(a, b, *, dim=-1):
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    return jnp.cross(a, b, axis=dim % len(shape))
+
+
+# --------------------------------------------------------------------------------------------
+# factorizations
+
+def _mT(a):
+    return jnp.swapaxes(a, -1, -2)
+
+
+def _mH(a):
+    return jnp.conj(_mT(a)) if jnp.iscomplexobj(a) else _mT(a)
+
+
+def _diag(a):
+    return jnp.diagonal(a, axis1=-2, axis2=-1)
+
+
+def _empty(_avals, i):
+    shape, dt = _avals[i]
+    return jnp.zeros(shape, dt)
+
+
+def _info(bad):
+    """1-based index of the first True along the last axis, 0 when none (LAPACK's ``info``)."""
+    if bad.shape[-1] == 0:
+        return jnp.zeros(bad.shape[:-1], jnp.int32)
+    first = jnp.argmax(bad, axis=-1)
+    return jnp.where(jnp.any(bad, axis=-1), first + 1, 0).astype(jnp.int32)
+
+
+def _lu(a):
+    """(packed LU, 0-based pivots, permutation) with A[..., perm, :] = L @ U."""
+    return lax.linalg.lu(a)
+
+
+def _bcast(*xs, core):
+    """Broadcast the batch dims of matrices ``xs`` (``core[i]`` trailing dims each are kept)."""
+    batch = jnp.broadcast_shapes(*(x.shape[:x.ndim - c] for x, c in zip(xs, core)))
+    return [jnp.broadcast_to(x, batch + x.shape[x.ndim - c:]) for x, c in zip(xs, core)]
+
+
+def _rows(b, perm):
+    return jnp.take_along_axis(b, perm[..., :, None], axis=-2)
+
+
+def _lu_solve(lu, perm, b, left=True, adjoint=False):
+    """Solve with A = P L U given its packed LU and permutation (b: a batch of matrices)."""
+    if not left:   # X A = B  <=>  A^H X^H = B^H ;  X A^H = B  <=>  A X^H = B^H
+        return _mH(_lu_solve(lu, perm, _mH(b), True, not adjoint))
+    lu, perm, b = _bcast(lu, perm, b, core=(2, 1, 2))
+    if not adjoint:
+        y = _solve_tri(lu, _rows(b, perm), left_side=True, lower=True, unit_diagonal=True)
+        return _solve_tri(lu, y, left_side=True, lower=False)
+    cj = jnp.iscomplexobj(lu)
+    y = _solve_tri(lu, b, left_side=True, lower=False, transpose_a=True, conjugate_a=cj)
+    y = _solve_tri(lu, y, left_side=True, lower=True, transpose_a=True, conjugate_a=cj,
+                   unit_diagonal=True)
+    return _rows(y, jnp.argsort(perm, axis=-1))
+
+
+def _perm(pivots, n):
+    """Permutation from LAPACK's 1-based pivots."""
+    return lax.linalg.lu_pivots_to_permutation(pivots - 1, n)
+
+
+def _factor_T(a):
+    """LU of A^T for real A (PyTorch's choice for contiguous input), of A for complex."""
+    t = not jnp.iscomplexobj(a)
+    lu, piv, perm = _lu(_mT(a) if t else a)
+    return lu, piv, perm, t
+
+
+@op("linalg_lu_factor_ex.default")
+def lu_factor_ex(a, *, pivot=True, check_errors=False):
+    lu, piv, _ = _lu(a)
+    return lu, piv + 1, _info(_diag(lu) == 0)
+
+
+@op("linalg_lu.default")
+def linalg_lu(a, *, pivot=True):
+    lu, _, perm = _lu(a)
+    return _unpack(lu, perm)
+
+
+def _unpack(lu, perm):
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    U = jnp.triu(lu[..., :k, :])
+    P = _mT(jnp.eye(m, dtype=lu.dtype)[perm])
+    return P, L, U
+
+
+@op("lu_unpack.default", meta=True)
+def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True, *, _avals):
+    P, L, U = _unpack(lu, _perm(pivots, lu.shape[-2]))
+    return (P if unpack_pivots else _empty(_avals, 0),
+            L if unpack_data else _empty(_avals, 1),
+            U if unpack_data else _empty(_avals, 2))
+
+
+@op("linalg_lu_solve.default")
+def linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    return _lu_solve(lu, _perm(pivots, lu.shape[-1]), b, left, adjoint)
+
+
+@op("_linalg_solve_ex.default")
+def linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    # PyTorch (this version) factors A itself here, unlike _linalg_det/_linalg_slogdet.
+    lu, piv, perm = _lu(a)
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    x = _lu_solve(lu, perm, b[..., None] if vector else b, left)
+    return (x[..., 0] if vector else x), lu, piv + 1, _info(_diag(lu) == 0)
+
+
+@op("linalg_inv_ex.default")
+def linalg_inv_ex(a, *, check_errors=False):
+    lu, _, perm = _lu(a)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    return _lu_solve(lu, perm, eye), _info(_diag(lu) == 0)
+
+
+def _parity(piv):
+    swaps = jnp.sum(piv != jnp.arange(piv.shape[-1], dtype=piv.dtype), axis=-1)
+    return jnp.where(swaps % 2 == 1, -1, 1)
+
+
+@op("_linalg_det.default")
+def linalg_det(a):
+    lu, piv, _, _ = _factor_T(a)
+    det = jnp.prod(_diag(lu), axis=-1) * _parity(piv).astype(lu.dtype)
+    return det, lu, piv + 1
+
+
+@op("_linalg_slogdet.default")
+def linalg_slogdet(a):
+    lu, piv, _, _ = _factor_T(a)
+    d = _diag(lu)
+    ad = jnp.abs(d)
+    if jnp.iscomplexobj(d):
+        unit = jnp.where(ad == 0, 0, d / jnp.where(ad == 0, 1, ad))
+    else:
+        unit = jnp.sign(d)
+    sign = jnp.prod(unit, axis=-1) * _parity(piv).astype(d.dtype)
+    return sign, jnp.sum(jnp.log(ad), axis=-1), lu, piv + 1
+
+
+def _chol_info(a):
+    """LAPACK potrf's ``info`` for a (lower-triangle) matrix whose factorization failed: the order
+    of the first leading minor that is not positive-definite, by an unblocked Cholesky."""
+    n = a.shape[-1]
+    rows = lax.broadcasted_iota(jnp.int32, a.shape[:-1], a.ndim - 2)
+
+    def body(j, carry):
+        L, info = carry
+        lj = L[..., j, :]                                   # row j: columns < j are filled
+        d = jnp.real(a[..., j, j]) - jnp.sum(jnp.abs(lj) ** 2, axis=-1)
+        bad = ~(d > 0)
+        info = jnp.where((info == 0) & bad, j + 1, info)
+        s = jnp.sqrt(jnp.where(bad, 1, d)).astype(a.dtype)
+        col = (a[..., :, j] - jnp.einsum("...ik,...k->...i", L, jnp.conj(lj))) / s[..., None]
+        col = jnp.where(rows > j, col, jnp.where(rows == j, s[..., None], 0))
+        return L.at[..., :, j].set(col), info
+
+    L0 = jnp.zeros_like(a)
+    return lax.fori_loop(0, n, body, (L0, jnp.zeros(a.shape[:-2], jnp.int32)))[1]
+
+
+@op("linalg_cholesky_ex.default")
+def linalg_cholesky_ex(a, *, upper=False, check_errors=False):
+    src = _mH(a) if upper else a            # upper reads A's upper triangle = lower of A^H
+    L = lax.linalg.cholesky(src, symmetrize_input=False)
+    failed = ~jnp.all(jnp.isfinite(L), axis=(-2, -1))
+    if a.shape[-1] == 0:
+        info = jnp.zeros(a.shape[:-2], jnp.int32)
+    else:
+        info = lax.cond(jnp.any(failed), lambda: _chol_info(src),
+                        lambda: jnp.zeros(a.shape[:-2], jnp.int32))
+    return (_mH(L) if upper else L), info
+
+
+@op("cholesky.default")
+def cholesky(a, upper=False):
+    return linalg_cholesky_ex(a, upper=upper)[0]
+
+
+@op("cholesky_solve.default")
+def cholesky_solve(b, L, upper=False):
+    b, L = _bcast(b, L, core=(2, 2))
+    if upper:   # A = U^H U
+        y = _solve_tri(L, b, left_side=True, lower=False, transpose_a=True,
+                       conjugate_a=jnp.iscomplexobj(L))
+        return _solve_tri(L, y, left_side=True, lower=False)
+    y = _solve_tri(L, b, left_side=True, lower=True)
+    return _solve_tri(L, y, left_side=True, lower=True, transpose_a=True,
+                      conjugate_a=jnp.iscomplexobj(L))
+
+
+@op("cholesky_inverse.default")
+def cholesky_inverse(L, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(L.shape[-1], dtype=L.dtype), L.shape)
+    return cholesky_solve(eye, L, upper)
+
+
+@op("triangular_solve.default")
+def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    b, a = _bcast(b, a, core=(2, 2))
+    x = _solve_tri(a, b, left_side=True, lower=not upper, transpose_a=transpose,
+                   unit_diagonal=unitriangular)
+    return x, a
+
+
+@op("linalg_solve_triangular.default")
+def linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    a, b = _bcast(a, b, core=(2, 2))
+    return _solve_tri(a, b, left_side=left, lower=not upper, unit_diagonal=unitriangular)
+
+
+@op("_linalg_eigh.default", meta=True)
+def linalg_eigh(a, UPLO="L", compute_v=True, *, _avals):
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    return w, (v if compute_v else _empty(_avals, 1))
+
+
+@op("linalg_qr.default", meta=True)
+def linalg_qr(a, mode="reduced", *, _avals):
+    if mode == "r":
+        return _empty(_avals, 0), jnp.linalg.qr(a, mode="r")
+    return jnp.linalg.qr(a, mode=mode)
+
+
+@op("_linalg_svd.default", meta=True)
+def linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None, _avals):
+    if not compute_uv:
+        s = jnp.linalg.svd(a, full_matrices=False, compute_uv=False)
+        return _empty(_avals, 0), s, _empty(_avals, 2)
+    return jnp.linalg.svd(a, full_matrices=full_matrices)
+
+
+@op("linalg_matrix_exp.default")
+def linalg_matrix_exp(a):
+    from jax.scipy.linalg import expm
+    return expm(a) if a.shape[-1] else a
+
+
+@op("linalg_pinv.atol_rtol_tensor", meta=True)
+def linalg_pinv(a, atol=None, rtol=None, hermitian=False, *, _avals):
+    """Pseudo-inverse by SVD (eigh when hermitian) with PyTorch's tolerance rule."""
+    if a.size == 0:
+        return _empty(_avals, 0)
+    real = jnp.finfo(a.dtype).dtype
+    if rtol is None:
+        default = jnp.finfo(real).eps * max(a.shape[-2:])
+        rtol = default if atol is None else jnp.where(atol > 0, 0, default)
+    atol = 0 if atol is None else atol
+    atol, rtol = (jnp.asarray(t, real)[..., None] for t in (atol, rtol))
+    if hermitian:
+        s, u = jnp.linalg.eigh(a, symmetrize_input=False)
+        sa = jnp.abs(s)
+        tol = jnp.maximum(atol, rtol * jnp.max(sa, axis=-1, keepdims=True))
+        inv = jnp.where(sa > tol, 1 / s, 0).astype(a.dtype)
+        return jnp.matmul(u * inv[..., None, :], _mH(u))
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    tol = jnp.maximum(atol, rtol * s[..., :1])
+    inv = jnp.where(s > tol, 1 / s, 0).astype(a.dtype)
+    return jnp.matmul(_mH(vh) * inv[..., None, :], _mH(u))

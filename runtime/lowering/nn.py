@@ -1,7 +1,881 @@
-"""nn ops."""
+"""nn ops: convolution, normalization, softmax, losses, pooling, upsampling, embedding, dropout,
+attention, and the backward ops autograd calls for them.
+
+Backward ops of linear or awkward forwards (convolution, pooling, upsampling, glu, attention) are
+``jax.vjp`` of the forward lowering: exact, and XLA drops the cotangents an ``output_mask`` leaves out.
+Reductions over many values (norms, softmax, losses) compute in float32 for 16-bit inputs, as
+PyTorch's CPU kernels do; the caller casts every output to PyTorch's dtype.
+"""
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from . import op
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+def _acc(x):
+    """``x`` in its accumulation dtype: float32 for 16-bit floats and integers, else itself."""
+    if x.dtype in (jnp.float16, jnp.bfloat16) or not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x.astype(jnp.float32)
+    return x
+
+
+def _tup(v, n, default=None):
+    """An int / int[] argument expanded to ``n`` entries (``[]`` -> ``default``)."""
+    if v is None or (isinstance(v, (tuple, list)) and len(v) == 0):
+        v = default
+    if isinstance(v, int):
+        return (v,) * n
+    v = tuple(int(a) for a in v)
+    return v * n if len(v) == 1 else v
+
+
+def _reduce(loss, reduction):
+    """PyTorch's loss reduction: 0 none, 1 mean, 2 sum."""
+    if reduction == 1:
+        return jnp.mean(loss)
+    if reduction == 2:
+        return jnp.sum(loss)
+    return loss
+
+
+def _sum_to(g, shape):
+    """Sum a broadcast gradient back down to ``shape``."""
+    shape = tuple(shape)
+    if g.shape == shape:
+        return g
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(i + lead for i, s in enumerate(shape)
+                                     if s == 1 and g.shape[i + lead] != 1)
+    return jnp.sum(g, axis=axes, keepdims=True).reshape(shape) if axes else g.reshape(shape)
+
+
+def _grad_scale(grad_output, reduction, n):
+    """The cotangent of each element of an unreduced loss of ``n`` elements."""
+    if reduction == 1:
+        return grad_output / n
+    return grad_output
+
+
+def _zeros(aval):
+    return jnp.zeros(aval[0], aval[1])
+
+
+# --------------------------------------------------------------------------------------------
+# convolution
+
+def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    nd = w.ndim - 2
+    unbatched = x.ndim == nd + 1
+    if unbatched:
+        x = x[None]
+    stride, padding = _tup(stride, nd, 1), _tup(padding, nd, 0)
+    dilation, output_padding = _tup(dilation, nd, 1), _tup(output_padding, nd, 0)
+    sp = "DHW"[3 - nd:]
+    spec = ("NC" + sp, "OI" + sp, "NC" + sp)
+    if transposed:
+        # The gradient of a convolution with respect to its input: dilate the input by the
+        # stride, pad by dilation*(k-1)-padding, and convolve with the flipped, I/O-swapped kernel.
+        cin, cout_g, ks = w.shape[0], w.shape[1], w.shape[2:]
+        wt = w.reshape((groups, cin // groups, cout_g) + ks)
+        wt = jnp.swapaxes(wt, 1, 2).reshape((groups * cout_g, cin // groups) + ks)
+        wt = jnp.flip(wt, axis=tuple(range(2, 2 + nd)))
+        pads = [(d * (k - 1) - p, d * (k - 1) - p + op_)
+                for k, p, d, op_ in zip(ks, padding, dilation, output_padding)]
+        dn = lax.conv_dimension_numbers(x.shape, wt.shape, spec)
+        out = lax.conv_general_dilated(x, wt.astype(x.dtype), (1,) * nd, pads, lhs_dilation=stride,
+                                       rhs_dilation=dilation, dimension_numbers=dn,
+                                       feature_group_count=groups)
+    else:
+        dn = lax.conv_dimension_numbers(x.shape, w.shape, spec)
+        out = lax.conv_general_dilated(x, w.astype(x.dtype), stride, [(p, p) for p in padding],
+                                       rhs_dilation=dilation, dimension_numbers=dn,
+                                       feature_group_count=groups)
+    if b is not None:
+        out = out + b.astype(out.dtype).reshape((1, -1) + (1,) * nd)
+    return out[0] if unbatched else out
+
+
+@op("convolution.default", "_convolution.default")
+def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
+                *_flags):
+    return _conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+@op("convolution_backward.default")
+def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+                         transposed, output_padding, groups, output_mask):
+    def f(x, w):
+        return _conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
+    gi = gw = gb = None
+    if output_mask[0] or output_mask[1]:
+        _, vjp = jax.vjp(f, input, weight)
+        gi, gw = vjp(grad_output.astype(input.dtype))
+    if output_mask[2]:
+        axes = (0,) + tuple(range(2, grad_output.ndim))
+        if grad_output.ndim == weight.ndim - 1:          # unbatched
+            axes = tuple(range(1, grad_output.ndim))
+        gb = jnp.sum(_acc(grad_output), axis=axes)
+    return (gi if output_mask[0] else None, gw if output_mask[1] else None, gb)
+
+
+# --------------------------------------------------------------------------------------------
+# softmax
+
+@op("_softmax.default")
+def _softmax(self, dim, half_to_float):
+    if self.ndim == 0:
+        return jnp.ones((), _acc(self).dtype)
+    return jax.nn.softmax(_acc(self), axis=dim)
+
+
+@op("_log_softmax.default")
+def _log_softmax(self, dim, half_to_float):
+    if self.ndim == 0:
+        return jnp.zeros((), _acc(self).dtype)
+    return jax.nn.log_softmax(_acc(self), axis=dim)
+
+
+@op("_softmax_backward_data.default")
+def _softmax_backward_data(grad_output, output, dim, input_dtype):
+    g, y = _acc(grad_output), _acc(output)
+    if y.ndim == 0:
+        return g * 0
+    return y * (g - jnp.sum(g * y, axis=dim, keepdims=True))
+
+
+@op("_log_softmax_backward_data.default")
+def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
+    g, y = _acc(grad_output), _acc(output)
+    if y.ndim == 0:
+        return g * 0
+    return g - jnp.exp(y) * jnp.sum(g, axis=dim, keepdims=True)
+
+
+# --------------------------------------------------------------------------------------------
+# normalization
+
+def _norm_backward(g, xhat, rstd, axes):
+    """d(loss)/dx of xhat = (x - mean(x)) * rstd over ``axes``, given g = d(loss)/d(xhat)."""
+    mg = jnp.mean(g, axis=axes, keepdims=True)
+    mgx = jnp.mean(g * xhat, axis=axes, keepdims=True)
+    return rstd * (g - mg - xhat * mgx)
+
+
+@op("native_layer_norm.default")
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    x = _acc(input)
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out, mean, rstd
+
+
+@op("native_layer_norm_backward.default")
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
+                               output_mask):
+    x, g = _acc(input), _acc(grad_out)
+    k = len(normalized_shape)
+    axes = tuple(range(x.ndim - k, x.ndim))
+    batch = tuple(range(x.ndim - k))
+    xhat = (x - mean) * rstd
+    gi = gw = gb = None
+    if output_mask[0]:
+        gx = g * weight if weight is not None else g
+        gi = _norm_backward(gx, xhat, rstd, axes)
+    if output_mask[1]:
+        gw = jnp.sum(g * xhat, axis=batch)
+    if output_mask[2]:
+        gb = jnp.sum(g, axis=batch)
+    return gi, gw, gb
+
+
+def _per_channel(v, ndim):
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+@op("native_group_norm.default")
+def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    x = _acc(input).reshape(N, group, C // group * HxW)
+    mean = jnp.mean(x, axis=2, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=2, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = ((x - mean) * rstd).reshape(N, C, HxW)
+    if weight is not None:
+        out = out * weight.reshape(1, C, 1)
+    if bias is not None:
+        out = out + bias.reshape(1, C, 1)
+    return out.reshape(input.shape), mean.reshape(N, group), rstd.reshape(N, group)
+
+
+@op("native_group_norm_backward.default")
+def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    x = _acc(input).reshape(N, group, C // group * HxW)
+    g = _acc(grad_out).reshape(N, C, HxW)
+    mean, rstd = mean.reshape(N, group, 1), rstd.reshape(N, group, 1)
+    xhat = (x - mean) * rstd
+    gi = gw = gb = None
+    if output_mask[0]:
+        gx = g * weight.reshape(1, C, 1) if weight is not None else g
+        gi = _norm_backward(gx.reshape(x.shape), xhat, rstd, (2,)).reshape(input.shape)
+    if output_mask[1]:
+        gw = jnp.sum(g * xhat.reshape(N, C, HxW), axis=(0, 2))
+    if output_mask[2]:
+        gb = jnp.sum(g, axis=(0, 2))
+    return gi, gw, gb
+
+
+def _bn_train(x, weight, bias, eps):
+    axes = (0,) + tuple(range(2, x.ndim))
+    mean = jnp.mean(x, axis=axes)
+    var = jnp.mean(jnp.square(x - _per_channel(mean, x.ndim)), axis=axes)
+    invstd = lax.rsqrt(var + eps)
+    return _bn_apply(x, weight, bias, mean, invstd), mean, var, invstd
+
+
+def _bn_apply(x, weight, bias, mean, invstd):
+    out = (x - _per_channel(mean, x.ndim)) * _per_channel(invstd, x.ndim)
+    if weight is not None:
+        out = out * _per_channel(weight, x.ndim)
+    if bias is not None:
+        out = out + _per_channel(bias, x.ndim)
+    return out
+
+
+def _bn_eval(x, weight, bias, running_mean, running_var, eps):
+    invstd = lax.rsqrt(_acc(running_var) + eps)
+    return _bn_apply(x, weight, bias, _acc(running_mean), invstd)
+
+
+def _saved(avals, k, v):
+    """Saved statistic ``k`` as meta shapes it (PyTorch returns empty ones in eval mode)."""
+    shape = avals[k][0]
+    return v if tuple(v.shape) == tuple(shape) else jnp.zeros(shape, avals[k][1])
+
+
+@op("_native_batch_norm_legit_functional.default", meta=True)
+def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training,
+                                        momentum, eps, *, _avals):
+    x = _acc(input)
+    if not training:
+        out = _bn_eval(x, weight, bias, running_mean, running_var, eps)
+        return (out, _zeros(_avals[1]), _zeros(_avals[2]), running_mean, running_var)
+    out, mean, var, invstd = _bn_train(x, weight, bias, eps)
+    n = x.size // x.shape[1]
+    new_mean = (1 - momentum) * running_mean + momentum * mean
+    new_var = (1 - momentum) * running_var + momentum * var * (n / max(n - 1, 1))
+    return out, _saved(_avals, 1, mean), _saved(_avals, 2, invstd), new_mean, new_var
+
+
+@op("_native_batch_norm_legit_no_training.default", meta=True)
+def _native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum,
+                                         eps, *, _avals):
+    out = _bn_eval(_acc(input), weight, bias, running_mean, running_var, eps)
+    return out, _zeros(_avals[1]), _zeros(_avals[2])
+
+
+@op("native_batch_norm_backward.default")
+def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean,
+                               save_invstd, train, eps, output_mask):
+    x, g = _acc(input), _acc(grad_out)
+    nd = x.ndim
+    axes = (0,) + tuple(range(2, nd))
+    if train:
+        mean, invstd = _acc(save_mean), _acc(save_invstd)
+    else:
+        mean, invstd = _acc(running_mean), lax.rsqrt(_acc(running_var) + eps)
+    mean_b, invstd_b = _per_channel(mean, nd), _per_channel(invstd, nd)
+    xhat = (x - mean_b) * invstd_b
+    w = _per_channel(weight, nd) if weight is not None else None
+    gi = gw = gb = None
+    if output_mask[0]:
+        gx = g * w if w is not None else g
+        gi = _norm_backward(gx, xhat, invstd_b, axes) if train else gx * invstd_b
+    if output_mask[1]:
+        gw = jnp.sum(g * xhat, axis=axes)
+    if output_mask[2]:
+        gb = jnp.sum(g, axis=axes)
+    return gi, gw, gb
+
+
+@op("batch_norm_backward.default")
+def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var,
+                        update, eps, output_mask, reserve):
+    # save_var holds the inverse standard deviation (as native_batch_norm saves it).
+    return native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean,
+                                      save_var, update, eps, output_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# embedding
+
+@op("embedding.default")
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+@op("embedding_dense_backward.default")
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    idx = indices.reshape(-1)
+    g = _acc(grad_output).reshape(idx.shape[0], -1)
+    if padding_idx >= 0:
+        g = jnp.where((idx != padding_idx)[:, None], g, 0)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
+        g = g / counts[idx][:, None]
+    return jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(g)
+
+
+@op("embedding_renorm_.default")
+def embedding_renorm_(self, indices, max_norm, norm_type):
+    """Rows of ``self`` that ``indices`` name and whose norm exceeds max_norm, scaled down to it."""
+    x = _acc(self)
+    if isinstance(norm_type, (int, float)) and norm_type == 2:
+        norm = jnp.sqrt(jnp.sum(x * x, axis=1))
+    else:
+        norm = jnp.sum(jnp.abs(x) ** norm_type, axis=1) ** (1.0 / norm_type)
+    hit = jnp.zeros((x.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(hit & (norm > max_norm), max_norm / (norm + 1e-7), 1.0)
+    return x * scale[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# losses
+
+def _nll_parts(x, target, weight, ignore_index):
+    """(picked log-probability, per-element weight, one-hot of the target) for nll losses."""
+    valid = target != ignore_index
+    t = jnp.where(valid, target, 0)
+    cdim = 0 if x.ndim == 1 else 1
+    onehot = jnp.expand_dims(t, cdim) == lax.broadcasted_iota(
+        t.dtype, t.shape[:cdim] + (x.shape[cdim],) + t.shape[cdim:], cdim)
+    picked = jnp.sum(jnp.where(onehot, _acc(x), 0), axis=cdim)
+    w = jnp.take(_acc(weight), t) if weight is not None else jnp.ones(t.shape, picked.dtype)
+    w = jnp.where(valid, w, 0)
+    return picked, w, onehot, cdim
+
+
+@op("nll_loss_forward.default", "nll_loss2d_forward.default")
+def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    picked, w, _, _ = _nll_parts(self, target, weight, ignore_index)
+    loss = -picked * w
+    if reduction == 0:
+        return loss, jnp.zeros((), loss.dtype)
+    total = jnp.sum(w)
+    out = jnp.sum(loss)
+    return (out / total if reduction == 1 else out), total
+
+
+@op("nll_loss_backward.default", "nll_loss2d_backward.default")
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    _, w, onehot, cdim = _nll_parts(self, target, weight, ignore_index)
+    g = _acc(grad_output)
+    if reduction == 1:
+        g = g / total_weight
+    return jnp.where(onehot, jnp.expand_dims(-w * g, cdim), 0)
+
+
+@op("mse_loss.default")
+def mse_loss(self, target, reduction=1):
+    return _reduce(jnp.square(self - target), reduction)
+
+
+@op("mse_loss_backward.default")
+def mse_loss_backward(grad_output, self, target, reduction):
+    d = self - target
+    return _sum_to(2 * d * _grad_scale(grad_output, reduction, d.size), self.shape)
+
+
+@op("l1_loss.default")
+def l1_loss(self, target, reduction=1):
+    return _reduce(jnp.abs(self - target), reduction)
+
+
+@op("smooth_l1_loss.default")
+def smooth_l1_loss(self, target, reduction=1, beta=1.0):
+    d = jnp.abs(self - target)
+    if isinstance(beta, (int, float)) and beta == 0:
+        return _reduce(d, reduction)
+    return _reduce(jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta), reduction)
+
+
+@op("smooth_l1_loss_backward.default")
+def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
+    d = self - target
+    s = jnp.sign(d)
+    if not (isinstance(beta, (int, float)) and beta == 0):
+        s = jnp.where(jnp.abs(d) < beta, d / beta, s)
+    return _sum_to(s * _grad_scale(grad_output, reduction, d.size), self.shape)
+
+
+@op("huber_loss.default")
+def huber_loss(self, target, reduction=1, delta=1.0):
+    d = jnp.abs(self - target)
+    return _reduce(jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta)), reduction)
+
+
+@op("huber_loss_backward.default")
+def huber_loss_backward(grad_output, self, target, reduction, delta):
+    d = self - target
+    s = jnp.clip(d, -delta, delta)
+    return _sum_to(s * _grad_scale(grad_output, reduction, d.size), self.shape)
+
+
+@op("binary_cross_entropy.default")
+def binary_cross_entropy(self, target, weight=None, reduction=1):
+    x, t = _acc(self), _acc(target)
+    loss = -(t * jnp.maximum(jnp.log(x), -100.0) + (1 - t) * jnp.maximum(jnp.log1p(-x), -100.0))
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+@op("binary_cross_entropy_backward.default")
+def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduction=1):
+    x, t = _acc(self), _acc(target)
+    g = _grad_scale(_acc(grad_output), reduction, x.size) * (x - t) / jnp.maximum((1 - x) * x, 1e-12)
+    if weight is not None:
+        g = g * weight
+    return g
+
+
+@op("binary_cross_entropy_with_logits.default")
+def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=1):
+    x, t = _acc(self), _acc(target)
+    ls = jax.nn.log_sigmoid(x)
+    if pos_weight is not None:
+        loss = (1 - t) * x - ((pos_weight - 1) * t + 1) * ls
+    else:
+        loss = (1 - t) * x - ls
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+@op("glu.default")
+def glu(self, dim=-1):
+    a, b = jnp.split(self, 2, axis=dim)
+    return a * jax.nn.sigmoid(b)
+
+
+@op("glu_backward.default")
+def glu_backward(grad_output, self, dim):
+    _, vjp = jax.vjp(lambda x: glu(x, dim), self)
+    return vjp(grad_output.astype(self.dtype))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# pooling
+
+def _lowest(dt):
+    return -jnp.inf if jnp.issubdtype(dt, jnp.inexact) else jnp.iinfo(dt).min
+
+
+def _max_pool(x, kernel_size, stride, padding, dilation, out_spatial):
+    """(values, flat indices into each input plane) of a max pool over the last len(kernel) dims."""
+    nd = len(out_spatial)
+    k = _tup(kernel_size, nd)
+    s = _tup(stride, nd, k)
+    p, d = _tup(padding, nd, 0), _tup(dilation, nd, 1)
+    insp = x.shape[-nd:]
+    pads = [(0, 0)] * (x.ndim - nd)
+    for i in range(nd):
+        need = (out_spatial[i] - 1) * s[i] + d[i] * (k[i] - 1) + 1    # padded extent read
+        pads.append((p[i], max(need - insp[i] - p[i], 0)))
+    xp = jnp.pad(x, pads, constant_values=_lowest(x.dtype))
+    vals, offs = [], []
+    for kk in np.ndindex(*k):
+        sl = [slice(None)] * (x.ndim - nd)
+        for i in range(nd):
+            start = kk[i] * d[i]
+            sl.append(slice(start, start + (out_spatial[i] - 1) * s[i] + 1, s[i]))
+        vals.append(xp[tuple(sl)])
+        offs.append(kk)
+    stack = jnp.stack(vals, axis=-1)
+    which = jnp.argmax(stack, axis=-1)
+    # NaN propagates as PyTorch's kernel does (argmax already picks the NaN).
+    out = jnp.take_along_axis(stack, which[..., None], axis=-1)[..., 0]
+    # Flat input index of each chosen element: sum over dims of (o*s - p + k*d) * plane stride.
+    offs = np.asarray(offs, dtype=np.int64)                            # (K, nd)
+    idx = jnp.zeros(out.shape, jnp.int64)
+    plane = 1
+    for i in reversed(range(nd)):
+        o = lax.broadcasted_iota(jnp.int64, out_spatial, i)
+        o = o.reshape((1,) * (out.ndim - nd) + tuple(out_spatial))
+        pos = o * s[i] - p[i] + jnp.asarray(offs[:, i] * d[i])[which]
+        idx = idx + pos * plane
+        plane *= insp[i]
+    return out, idx
+
+
+def _max_pool_backward(grad_output, x, indices, nd):
+    lead = x.shape[:-nd]
+    b = int(np.prod(lead, dtype=np.int64))
+    g = grad_output.reshape(b, -1)
+    i = indices.reshape(b, -1)
+    plane = int(np.prod(x.shape[-nd:], dtype=np.int64))
+    out = jnp.zeros((b, plane), _acc(g).dtype).at[jnp.arange(b)[:, None], i].add(_acc(g))
+    return out.reshape(x.shape)
+
+
+def _max_pool_ops(nd):
+    def with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False, *,
+                     _avals):
+        return _max_pool(self, _tup(kernel_size, nd), stride, padding, dilation,
+                         _avals[0][0][-nd:])
+
+    def values(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False, *, _avals):
+        return with_indices(self, kernel_size, stride, padding, dilation, ceil_mode,
+                            _avals=_avals)[0]
+
+    def backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        return _max_pool_backward(grad_output, self, indices, nd)
+
+    op(f"max_pool{nd}d_with_indices.default", meta=True)(with_indices)
+    op(f"max_pool{nd}d.default", meta=True)(values)
+    if nd > 1:
+        op(f"max_pool{nd}d_with_indices_backward.default")(backward)
+
+
+for _nd in (1, 2, 3):
+    _max_pool_ops(_nd)
+
+
+def _avg_divisor(insp, outsp, k, s, p, count_include_pad):
+    """Static per-output divisor of an average pool (numpy), as PyTorch's kernel computes it."""
+    div = np.ones((), np.float64)
+    for n, o, kk, ss, pp in zip(insp, outsp, k, s, p):
+        start = np.arange(o) * ss - pp
+        end = np.minimum(start + kk, n + pp)
+        if count_include_pad:
+            c = end - start
+        else:
+            c = np.minimum(end, n) - np.maximum(start, 0)
+        div = np.multiply.outer(div, c.astype(np.float64))
+    return div
+
+
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+              out_spatial):
+    nd = len(out_spatial)
+    k = _tup(kernel_size, nd)
+    s = _tup(stride, nd, k)
+    p = _tup(padding, nd, 0)
+    insp = x.shape[-nd:]
+    xa = _acc(x)
+    pads = [(0, 0)] * (x.ndim - nd)
+    for i in range(nd):
+        need = (out_spatial[i] - 1) * s[i] + k[i]
+        pads.append((p[i], max(need - insp[i] - p[i], 0)))
+    total = lax.reduce_window(jnp.pad(xa, pads), np.array(0, xa.dtype), lax.add,
+                              (1,) * (x.ndim - nd) + k, (1,) * (x.ndim - nd) + s, "VALID")
+    if divisor_override:
+        return total / divisor_override
+    div = _avg_divisor(insp, out_spatial, k, s, p, count_include_pad)
+    return total / jnp.asarray(div, xa.dtype)
+
+
+def _avg_pool_ops(nd):
+    def forward(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None, *, _avals):
+        return _avg_pool(self, _tup(kernel_size, nd), stride, padding, ceil_mode,
+                         count_include_pad, divisor_override, _avals[0][0][-nd:])
+
+    def backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                 divisor_override):
+        def f(x):
+            return _avg_pool(x, _tup(kernel_size, nd), stride, padding, ceil_mode,
+                             count_include_pad, divisor_override, grad_output.shape[-nd:])
+        _, vjp = jax.vjp(f, _acc(self))
+        return vjp(_acc(grad_output))[0]
+
+    op(f"avg_pool{nd}d.default", meta=True)(forward)
+    if nd > 1:
+        op(f"avg_pool{nd}d_backward.default")(backward)
+
+
+def _adaptive_matrix(n_in, n_out):
+    """(n_out, n_in) averaging matrix of PyTorch's adaptive pool bins (static numpy)."""
+    m = np.zeros((n_out, n_in), np.float64)
+    for i in range(n_out):
+        a = (i * n_in) // n_out
+        b = -((-(i + 1) * n_in) // n_out)
+        m[i, a:b] = 1.0 / (b - a)
+    return m
+
+
+def _adaptive_avg(x, out_spatial):
+    nd = len(out_spatial)
+    y = _acc(x)
+    for i in range(nd):
+        ax = x.ndim - nd + i
+        m = jnp.asarray(_adaptive_matrix(x.shape[ax], out_spatial[i]), y.dtype)
+        y = jnp.moveaxis(jnp.tensordot(y, m, axes=([ax], [1]), precision=lax.Precision.HIGHEST),
+                         -1, ax)
+    return y
+
+
+def _adaptive_ops(nd):
+    def forward(self, output_size, *, _avals):
+        return _adaptive_avg(self, _avals[0][0][-nd:])
+
+    def backward(grad_output, self):
+        _, vjp = jax.vjp(lambda y: _adaptive_avg(y, grad_output.shape[-nd:]), _acc(self))
+        return vjp(_acc(grad_output))[0]
+
+    if nd == 1:
+        op("adaptive_avg_pool1d.default", meta=True)(forward)
+        return
+    op(f"_adaptive_avg_pool{nd}d.default", f"adaptive_avg_pool{nd}d.default", meta=True)(forward)
+    op(f"_adaptive_avg_pool{nd}d_backward.default")(backward)
+
+
+for _nd in (1, 2, 3):
+    _avg_pool_ops(_nd)
+    _adaptive_ops(_nd)
+
+
+def _adaptive_bins(n_in, n_out):
+    """(n_out, K) input indices of each adaptive bin, the last one repeated to a common width K."""
+    start = (np.arange(n_out) * n_in) // n_out
+    end = -((-(np.arange(n_out) + 1) * n_in) // n_out)
+    k = int((end - start).max()) if n_out else 1
+    return np.minimum(start[:, None] + np.arange(k)[None, :], end[:, None] - 1)
+
+
+def _adaptive_max_ops(nd):
+    def forward(self, output_size, *, _avals):
+        out_spatial = _avals[0][0][-nd:]
+        insp = self.shape[-nd:]
+        bins = [_adaptive_bins(n, o) for n, o in zip(insp, out_spatial)]
+        vals, flat = [], []
+        for kk in np.ndindex(*[b.shape[1] for b in bins]):
+            v = self
+            pos = np.zeros(out_spatial, np.int64)
+            for i in range(nd):
+                ix = bins[i][:, kk[i]]
+                v = jnp.take(v, jnp.asarray(ix), axis=self.ndim - nd + i)
+                shape = [1] * nd
+                shape[i] = -1
+                pos = pos * insp[i] + ix.reshape(shape)
+            vals.append(v)
+            flat.append(pos)
+        stack = jnp.stack(vals, axis=-1)
+        which = jnp.argmax(stack, axis=-1)
+        out = jnp.take_along_axis(stack, which[..., None], axis=-1)[..., 0]
+        flat = jnp.asarray(np.stack(flat, axis=-1))                   # out_spatial + (K,)
+        idx = jnp.take_along_axis(jnp.broadcast_to(flat, which.shape + flat.shape[-1:]),
+                                  which[..., None], axis=-1)[..., 0]
+        return out, idx
+
+    def backward(grad_output, self, indices):
+        return _max_pool_backward(grad_output, self, indices, nd)
+
+    op(f"adaptive_max_pool{nd}d.default", meta=True)(forward)
+    op(f"adaptive_max_pool{nd}d_backward.default")(backward)
+
+
+for _nd in (2, 3):
+    _adaptive_max_ops(_nd)
+
+
+# --------------------------------------------------------------------------------------------
+# upsampling (registered static: the scales, like the sizes, decide gather indices)
+
+def _scale(n_in, n_out, scale, align_corners=False):
+    """PyTorch's source-index scale (float32, as its CPU kernels compute it)."""
+    if align_corners:
+        return np.float32((n_in - 1) / (n_out - 1)) if n_out > 1 else np.float32(0)
+    if scale is not None and scale > 0:
+        return np.float32(1.0 / scale)
+    return np.float32(n_in) / np.float32(n_out)
+
+
+def _nearest_index(n_in, n_out, scale, exact):
+    dst = np.arange(n_out, dtype=np.float32)
+    if exact:
+        src = np.floor((dst + np.float32(0.5)) * _scale(n_in, n_out, scale))
+    elif n_out == n_in:
+        src = dst
+    elif n_out == 2 * n_in:
+        src = np.floor(dst / 2)
+    else:
+        src = np.floor(dst * _scale(n_in, n_out, scale))
+    return np.minimum(src.astype(np.int64), n_in - 1)
+
+
+def _linear_taps(n_in, n_out, scale, align_corners):
+    """[(source index, weight)] per output position of linear interpolation (static numpy)."""
+    sc = _scale(n_in, n_out, scale, align_corners)
+    dst = np.arange(n_out, dtype=np.float32)
+    src = sc * dst if align_corners else np.maximum(sc * (dst + np.float32(0.5)) - np.float32(0.5), 0)
+    src = src.astype(np.float32)
+    i0 = src.astype(np.int64)
+    lam = np.clip(src - i0.astype(np.float32), 0, 1).astype(np.float32)
+    i1 = np.where(i0 < n_in - 1, i0 + 1, i0)
+    return [(i0, 1 - lam), (i1, lam)]
+
+
+def _cubic_taps(n_in, n_out, scale, align_corners):
+    """The 4 taps of PyTorch's bicubic kernel (A = -0.75, borders clamped)."""
+    sc = _scale(n_in, n_out, scale, align_corners)
+    dst = np.arange(n_out, dtype=np.float32)
+    src = (sc * dst if align_corners else sc * (dst + np.float32(0.5)) - np.float32(0.5))
+    src = src.astype(np.float32)
+    i = np.floor(src).astype(np.int64)
+    t = (src - i.astype(np.float32)).astype(np.float32)
+    A = np.float32(-0.75)
+
+    def near(x):
+        return ((A + 2) * x - (A + 3)) * x * x + 1
+
+    def far(x):
+        return ((A * x - 5 * A) * x + 8 * A) * x - 4 * A
+    ws = [far(t + 1), near(t), near(1 - t), far(2 - t)]
+    return [(np.clip(i + k - 1, 0, n_in - 1), w.astype(np.float32)) for k, w in enumerate(ws)]
+
+
+def _upsample(x, out_spatial, scales, mode, align_corners=False):
+    nd = len(out_spatial)
+    y = x if mode.startswith("nearest") else _acc(x)
+    # Last dim first, as PyTorch's separable kernels interpolate.
+    for i in reversed(range(nd)):
+        ax = x.ndim - nd + i
+        n_in, n_out = x.shape[ax], out_spatial[i]
+        if mode.startswith("nearest"):
+            y = jnp.take(y, jnp.asarray(_nearest_index(n_in, n_out, scales[i], mode == "nearest-exact")),
+                         axis=ax)
+            continue
+        taps = (_linear_taps if mode == "linear" else _cubic_taps)(n_in, n_out, scales[i],
+                                                                  align_corners)
+        shp = (1,) * ax + (n_out,) + (1,) * (x.ndim - ax - 1)
+        acc = None
+        for idx, w in taps:
+            term = jnp.take(y, jnp.asarray(idx), axis=ax) * jnp.asarray(w, y.dtype).reshape(shp)
+            acc = term if acc is None else acc + term
+        y = acc
+    return y
+
+
+def _upsample_ops(name, nd, mode):
+    linear = mode in ("linear", "cubic")
+
+    def forward(input, output_size, *rest, _avals):
+        # (output_size, [align_corners], scale...) or .vec: (output_size, [align_corners], scale_factors)
+        if linear:
+            align_corners, rest = rest[0], rest[1:]
+        else:
+            align_corners = False
+        if len(rest) == 1 and (rest[0] is None or isinstance(rest[0], (tuple, list))):
+            scales = _scales_of(nd, rest[0]) if output_size is None else (None,) * nd
+        else:
+            scales = tuple(rest) + (None,) * (nd - len(rest))
+        return _upsample(input, _avals[0][0][-nd:], scales, mode, align_corners)
+
+    def backward(grad_output, output_size, input_size, *rest):
+        if linear:
+            align_corners, rest = rest[0], rest[1:]
+        else:
+            align_corners = False
+        scales = tuple(rest) + (None,) * (nd - len(rest))
+        x0 = jnp.zeros(tuple(input_size), _acc(grad_output).dtype)
+        _, vjp = jax.vjp(lambda x: _upsample(x, tuple(output_size), scales, mode, align_corners), x0)
+        return vjp(_acc(grad_output))[0]
+
+    op(f"{name}.default", f"{name}.vec", static=True, meta=True)(forward)
+    op(f"{name}_backward.default", static=True)(backward)
+
+
+for _name, _nd, _mode in (("upsample_nearest1d", 1, "nearest"), ("upsample_nearest2d", 2, "nearest"),
+                          ("upsample_nearest3d", 3, "nearest"),
+                          ("_upsample_nearest_exact1d", 1, "nearest-exact"),
+                          ("_upsample_nearest_exact2d", 2, "nearest-exact"),
+                          ("_upsample_nearest_exact3d", 3, "nearest-exact"),
+                          ("upsample_linear1d", 1, "linear"), ("upsample_bilinear2d", 2, "linear"),
+                          ("upsample_trilinear3d", 3, "linear"), ("upsample_bicubic2d", 2, "cubic")):
+    _upsample_ops(_name, _nd, _mode)
+
+
+# --------------------------------------------------------------------------------------------
+# dropout
+
+@op("native_dropout.default", rng=True)
+def native_dropout(input, p, train, *, key):
+    if train is False:
+        return input, jnp.ones(input.shape, jnp.bool_)
+    if isinstance(p, (int, float)):
+        scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+    else:
+        scale = jnp.where(p < 1, 1.0 / (1.0 - p), 0.0)
+    keep = jax.random.bernoulli(key, 1.0 - p, input.shape)
+    return input * keep.astype(input.dtype) * jnp.asarray(scale, _acc(input).dtype), keep
+
+
+@op("native_dropout_backward.default")
+def native_dropout_backward(grad_output, mask, scale):
+    return grad_output * mask.astype(grad_output.dtype) * jnp.asarray(scale, _acc(grad_output).dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# attention (F.scaled_dot_product_attention on a tpu tensor takes PyTorch's math path; these are
+# the fused ops for code that calls them directly)
+
+def _sdpa(q, k, v, attn_mask, is_causal, scale):
+    dt = _acc(q).dtype
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("...le,...se->...ls", q, k) * sc
+    L, S = q.shape[-2], k.shape[-2]
+    if is_causal:
+        s = jnp.where(jnp.tril(jnp.ones((L, S), jnp.bool_)), s, -jnp.inf)
+    if attn_mask is not None:
+        s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    return jnp.einsum("...ls,...se->...le", p, v), lse
+
+
+def _no_dropout(dropout_p):
+    if not (isinstance(dropout_p, (int, float)) and dropout_p == 0):
+        raise NotImplementedError("fused attention with dropout_p > 0 on tpu")
+
+
+@op("_scaled_dot_product_flash_attention_for_cpu.default")
+def sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                   scale=None):
+    _no_dropout(dropout_p)
+    out, lse = _sdpa(query, key, value, attn_mask, is_causal, scale)
+    return out, lse
+
+
+@op("_scaled_dot_product_flash_attention_for_cpu_backward.default")
+def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                            attn_mask=None, scale=None):
+    _no_dropout(dropout_p)
+    _, vjp = jax.vjp(lambda q, k, v: _sdpa(q, k, v, attn_mask, is_causal, scale)[0],
+                     query, key, value)
+    return vjp(_acc(grad_out))
+
+
+@op("_safe_softmax.default")
+def _safe_softmax(self, dim, dtype=None):
+    """softmax that gives 0 (not NaN) on rows that are all -inf (fully masked attention rows)."""
+    x = _acc(self)
+    if x.ndim == 0:
+        return jnp.ones((), x.dtype)
+    dead = jnp.all(x == -jnp.inf, axis=dim, keepdims=True)
+    return jnp.where(dead, 0, jax.nn.softmax(x, axis=dim))

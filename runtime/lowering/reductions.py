@@ -1,12 +1,19 @@
-"""Reductions over dimensions."""
+"""Reductions over dimensions: sums and statistics, extremes and their indices, scans, sorting and
+selection. PyTorch's conventions: NaN propagates and counts as the largest value when ordering,
+ties pick the first index (cummax/cummin and mode: the last), sorts are stable."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import op
 
+_LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 
 def _dims(x, dim):
+    """Normalized reduction axes; None (all) for no dims or a 0-d input."""
     if dim is None or dim == () or dim == []:
         return None
     if isinstance(dim, int):
@@ -14,17 +21,177 @@ def _dims(x, dim):
     return tuple(d % max(x.ndim, 1) for d in dim) if x.ndim else None
 
 
-@op("sum.default", "sum.dim_IntList")
-def sum_(x, dim=None, keepdim=False, *, dtype=None):
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.int64)
-    return jnp.sum(x, axis=_dims(x, dim), keepdims=keepdim)
+def _count(x, axes) -> int:
+    n = 1
+    for a in (range(x.ndim) if axes is None else axes):
+        n *= x.shape[a]
+    return n
 
 
-@op("mean.default", "mean.dim")
-def mean(x, dim=None, keepdim=False, *, dtype=None):
-    return jnp.mean(x, axis=_dims(x, dim), keepdims=keepdim)
+def _isfloat(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
 
+
+def _accum(x, _avals, i=0):
+    """``x`` in the precision its reduction accumulates in: the output dtype (from meta), with
+    half-precision floats accumulated in float32 as PyTorch's CPU kernels do."""
+    dt = jnp.dtype(_avals[i][1])
+    if dt in _LOWP:
+        dt = jnp.dtype(jnp.float32)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(dt, jnp.complexfloating):
+        return x
+    return x.astype(dt)
+
+
+def _up(x):
+    """Floats widened out of half precision; integers and bools as float32."""
+    if not _isfloat(x) or x.dtype in _LOWP:
+        return x.astype(jnp.float32)
+    return x
+
+
+def _idx(shape):
+    return jnp.zeros(shape, jnp.int64)
+
+
+def _nonempty(x, dim, name):
+    """PyTorch's error for a reduction without identity over an empty dim (meta misses some)."""
+    if dim is None:
+        if x.size == 0:
+            raise RuntimeError(f"{name}(): Expected reduction dim to be specified for "
+                               "input.numel() == 0. Specify the reduction dim with the 'dim' "
+                               "argument.")
+    elif x.ndim and x.shape[dim % x.ndim] == 0:
+        raise IndexError(f"{name}(): Expected reduction dim {dim % x.ndim} to have non-zero size.")
+
+
+# --------------------------------------------------------------------------------------------
+# sums, products, means
+
+@op("sum.default", "sum.dim_IntList", meta=True)
+def sum_(x, dim=None, keepdim=False, *, dtype=None, _avals):
+    return jnp.sum(_accum(x, _avals), axis=_dims(x, dim), keepdims=keepdim)
+
+
+@op("nansum.default", meta=True)
+def nansum(x, dim=None, keepdim=False, *, dtype=None, _avals):
+    if _isfloat(x):
+        x = jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), x)
+    return jnp.sum(_accum(x, _avals), axis=_dims(x, dim), keepdims=keepdim)
+
+
+@op("prod.default", meta=True)
+def prod(x, *, dtype=None, _avals):
+    return jnp.prod(_accum(x, _avals))
+
+
+@op("prod.dim_int", meta=True)
+def prod_dim(x, dim, keepdim=False, *, dtype=None, _avals):
+    return jnp.prod(_accum(x, _avals), axis=_dims(x, dim), keepdims=keepdim)
+
+
+@op("mean.default", "mean.dim", meta=True)
+def mean(x, dim=None, keepdim=False, *, dtype=None, _avals):
+    return jnp.mean(_accum(x, _avals), axis=_dims(x, dim), keepdims=keepdim)
+
+
+@op("count_nonzero.default", "count_nonzero.dim_IntList")
+def count_nonzero(x, dim=None):
+    return jnp.sum(x != 0, axis=_dims(x, dim), dtype=jnp.int64)
+
+
+@op("any.default", "any.dim", "any.dims")
+def any_(x, dim=None, keepdim=False):
+    if dim == () or dim == []:     # any/all over no dims reduce nothing (sum's [] means all)
+        return x != 0
+    return jnp.any(x != 0, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@op("all.default", "all.dim", "all.dims")
+def all_(x, dim=None, keepdim=False):
+    if dim == () or dim == []:
+        return x != 0
+    return jnp.all(x != 0, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@op("logsumexp.default")
+def logsumexp(x, dim=(), keepdim=False):
+    x = _up(x)
+    axes = _dims(x, dim)
+    m = jnp.max(x, axis=axes, keepdims=True, initial=-jnp.inf)
+    m = jnp.where(jnp.isinf(m), jnp.zeros((), x.dtype), m)    # all -inf, or an inf: no shift
+    s = jnp.log(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True)) + m
+    return s if keepdim else jnp.squeeze(s, axes)
+
+
+@op("linalg_vector_norm.default", static=True, meta=True)
+def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, _avals):
+    if dtype is not None and not jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = _accum(x, _avals)
+    a = _accum(jnp.abs(x), _avals)
+    axes = _dims(x, dim)
+    ord = float(ord)
+    if ord == float("inf"):
+        return jnp.max(a, axis=axes, keepdims=keepdim)
+    if ord == float("-inf"):
+        return jnp.min(a, axis=axes, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum(a != 0, axis=axes, keepdims=keepdim).astype(a.dtype)
+    if ord == 1:
+        return jnp.sum(a, axis=axes, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=axes, keepdims=keepdim))
+    return jnp.sum(a ** ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+
+
+# --------------------------------------------------------------------------------------------
+# variance and standard deviation
+
+def _moments(x, dim, correction, keepdim):
+    """(variance, mean) over ``dim`` with Bessel's ``correction`` (may be a traced number)."""
+    x = _up(x)
+    axes = _dims(x, dim)
+    n = _count(x, axes)
+    m = jnp.mean(x, axis=axes, keepdims=True)
+    d = x - m
+    if jnp.issubdtype(d.dtype, jnp.complexfloating):
+        sq = jnp.real(d) ** 2 + jnp.imag(d) ** 2
+    else:
+        sq = d * d
+    s = jnp.sum(sq, axis=axes, keepdims=keepdim)
+    if correction is None:
+        correction = 1
+    var = s / jnp.maximum(n - correction, 0)
+    return var, (m if keepdim else jnp.squeeze(m, axes))
+
+
+def _corr(unbiased):
+    return 1 if unbiased else 0
+
+
+def _variants(packet, post):
+    """var/std/var_mean/std_mean over their default, dim and correction overloads."""
+    def default(x, unbiased=True):
+        return post(*_moments(x, None, _corr(unbiased), False))
+
+    def dim_(x, dim=None, unbiased=True, keepdim=False):
+        return post(*_moments(x, dim, _corr(unbiased), keepdim))
+
+    def correction(x, dim=None, *, correction=None, keepdim=False):
+        return post(*_moments(x, dim, correction, keepdim))
+    op(f"{packet}.default")(default)
+    op(f"{packet}.dim")(dim_)
+    op(f"{packet}.correction")(correction)
+
+
+_variants("var", lambda v, m: v)
+_variants("std", lambda v, m: jnp.sqrt(v))
+_variants("var_mean", lambda v, m: (v, m))
+_variants("std_mean", lambda v, m: (jnp.sqrt(v), m))
+
+
+# --------------------------------------------------------------------------------------------
+# extremes
 
 @op("amax.default")
 def amax(x, dim=(), keepdim=False):
@@ -34,3 +201,239 @@ def amax(x, dim=(), keepdim=False):
 @op("amin.default")
 def amin(x, dim=(), keepdim=False):
     return jnp.min(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@op("max.default")
+def max_(x):
+    _nonempty(x, None, "max")
+    return jnp.max(x)
+
+
+@op("min.default")
+def min_(x):
+    _nonempty(x, None, "min")
+    return jnp.min(x)
+
+
+@op("aminmax.default")
+def aminmax(x, *, dim=None, keepdim=False):
+    axes = _dims(x, dim)
+    return jnp.min(x, axis=axes, keepdims=keepdim), jnp.max(x, axis=axes, keepdims=keepdim)
+
+
+def _arg(fn, x, dim, keepdim):
+    if x.ndim == 0:
+        return jnp.zeros((), jnp.int64)
+    if dim is None:
+        r = fn(x.reshape(-1))
+        return r.reshape((1,) * x.ndim) if keepdim else r
+    return fn(x, axis=dim % x.ndim, keepdims=keepdim)
+
+
+@op("argmax.default")
+def argmax(x, dim=None, keepdim=False):
+    # jnp.argmax picks the first NaN, then the first of tied maxima: PyTorch's rule.
+    return _arg(jnp.argmax, x, dim, keepdim)
+
+
+@op("argmin.default")
+def argmin(x, dim=None, keepdim=False):
+    return _arg(jnp.argmin, x, dim, keepdim)
+
+
+@op("max.dim")
+def max_dim(x, dim, keepdim=False):
+    _nonempty(x, dim, "max")
+    if x.ndim == 0:
+        return x, _idx(())
+    return jnp.max(x, axis=dim % x.ndim, keepdims=keepdim), _arg(jnp.argmax, x, dim, keepdim)
+
+
+@op("min.dim")
+def min_dim(x, dim, keepdim=False):
+    _nonempty(x, dim, "min")
+    if x.ndim == 0:
+        return x, _idx(())
+    return jnp.min(x, axis=dim % x.ndim, keepdims=keepdim), _arg(jnp.argmin, x, dim, keepdim)
+
+
+# --------------------------------------------------------------------------------------------
+# scans
+
+@op("cumsum.default", meta=True)
+def cumsum(x, dim, *, dtype=None, _avals):
+    x = _accum(x, _avals)
+    return x if x.ndim == 0 else jnp.cumsum(x, axis=dim % x.ndim)
+
+
+@op("cumprod.default", meta=True)
+def cumprod(x, dim, *, dtype=None, _avals):
+    x = _accum(x, _avals)
+    return x if x.ndim == 0 else jnp.cumprod(x, axis=dim % x.ndim)
+
+
+@op("logcumsumexp.default", "_logcumsumexp.default")
+def logcumsumexp(x, dim):
+    x = _up(x)
+    return x if x.ndim == 0 or x.size == 0 else lax.cumlogsumexp(x, axis=dim % x.ndim)
+
+
+def _cum_extreme(x, dim, better):
+    """Running extreme with its index: NaN wins and sticks, ties take the later index."""
+    if x.ndim == 0:
+        return x, _idx(())
+    dim = dim % x.ndim
+    if x.size == 0:
+        return x, _idx(x.shape)
+    idx = lax.broadcasted_iota(jnp.int64, x.shape, dim)
+    isf = _isfloat(x)
+
+    def comb(a, b):    # a: the earlier run, b: the later one
+        (av, ai), (bv, bi) = a, b
+        take = better(bv, av) | (bv == av)
+        if isf:
+            take = jnp.isnan(bv) | (take & ~jnp.isnan(av))
+        return jnp.where(take, bv, av), jnp.where(take, bi, ai)
+    return lax.associative_scan(comb, (x, idx), axis=dim)
+
+
+@op("cummax.default")
+def cummax(x, dim):
+    return _cum_extreme(x, dim, jnp.greater)
+
+
+@op("cummin.default")
+def cummin(x, dim):
+    return _cum_extreme(x, dim, jnp.less)
+
+
+# --------------------------------------------------------------------------------------------
+# sorting and selection
+
+def _sort(x, dim, descending=False):
+    """Stable sort along ``dim`` (NaN largest): (values, int64 indices)."""
+    if x.ndim == 0:
+        return x, _idx(())
+    dim = dim % x.ndim
+    n = x.shape[dim]
+    if descending:   # stable descending = reverse of the stable ascending sort of the reverse
+        x = jnp.flip(x, dim)
+    key = x
+    if _isfloat(x):
+        key = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x)
+    elif x.dtype == jnp.bool_:
+        key = x.astype(jnp.uint8)
+    idx = lax.broadcasted_iota(jnp.int64, x.shape, dim)
+    k, i = lax.sort((key, idx), dimension=dim, num_keys=1, is_stable=True)
+    v = k.astype(x.dtype)
+    if descending:
+        v, i = jnp.flip(v, dim), (n - 1) - jnp.flip(i, dim)
+    return v, i
+
+
+@op("sort.default")
+def sort(x, dim=-1, descending=False):
+    return _sort(x, dim, descending)
+
+
+@op("sort.stable")
+def sort_stable(x, *, stable=None, dim=-1, descending=False):
+    return _sort(x, dim, descending)
+
+
+@op("topk.default")
+def topk(x, k, dim=-1, largest=True, sorted=True):
+    if x.ndim == 0:
+        return x, _idx(())
+    dim = dim % x.ndim
+    if largest and x.dtype != jnp.bool_:
+        # lax.top_k: NaN largest, ties to the lower index (as the stable sort would).
+        v, i = lax.top_k(jnp.moveaxis(x, dim, -1), k)
+        return jnp.moveaxis(v, -1, dim), jnp.moveaxis(i.astype(jnp.int64), -1, dim)
+    v, i = _sort(x, dim, largest)
+    return lax.slice_in_dim(v, 0, k, axis=dim), lax.slice_in_dim(i, 0, k, axis=dim)
+
+
+def _pick(v, i, k, dim, keepdim):
+    """Entries at position ``k`` (a number, or an array shaped like a keepdim reduction)."""
+    if not isinstance(k, jax.Array):
+        sv = lax.slice_in_dim(v, k, k + 1, axis=dim)
+        si = lax.slice_in_dim(i, k, k + 1, axis=dim)
+    else:
+        sv = jnp.take_along_axis(v, k, axis=dim)
+        si = jnp.take_along_axis(i, k, axis=dim)
+    if not keepdim:
+        sv, si = jnp.squeeze(sv, dim), jnp.squeeze(si, dim)
+    return sv, si
+
+
+@op("kthvalue.default")
+def kthvalue(x, k, dim=-1, keepdim=False):
+    if x.ndim == 0:
+        return x, _idx(())
+    dim = dim % x.ndim
+    v, i = _sort(x, dim)
+    return _pick(v, i, k - 1, dim, keepdim)
+
+
+def _median(x, dim, keepdim, ignore_nan):
+    _nonempty(x, dim, "median")
+    if x.ndim == 0:
+        return x, _idx(())
+    dim = dim % x.ndim
+    n = x.shape[dim]
+    v, i = _sort(x, dim)
+    if not _isfloat(x):
+        return _pick(v, i, (n - 1) // 2, dim, keepdim)
+    nan = jnp.sum(jnp.isnan(x), axis=dim, keepdims=True)
+    if ignore_nan:      # lower median of the non-NaN values; all NaN: a NaN (CPU's is arbitrary)
+        m = n - nan
+        k = jnp.where(m > 0, (m - 1) // 2, 0)
+    else:               # any NaN: the first NaN
+        k = jnp.where(nan > 0, n - nan, (n - 1) // 2)
+    return _pick(v, i, k.astype(jnp.int64), dim, keepdim)
+
+
+@op("median.default")
+def median(x):
+    if x.size == 0:
+        return jnp.full((), jnp.nan, _up(x).dtype)
+    return _median(x.reshape(-1), 0, False, False)[0]
+
+
+@op("nanmedian.default")
+def nanmedian(x):
+    if x.size == 0:
+        return jnp.full((), jnp.nan, _up(x).dtype)
+    return _median(x.reshape(-1), 0, False, True)[0]
+
+
+@op("median.dim")
+def median_dim(x, dim, keepdim=False):
+    return _median(x, dim, keepdim, False)
+
+
+@op("nanmedian.dim")
+def nanmedian_dim(x, dim, keepdim=False):
+    return _median(x, dim, keepdim, True)
+
+
+@op("mode.default")
+def mode(x, dim=-1, keepdim=False):
+    """Most frequent value (ties: the smallest) and the last index where it occurs."""
+    _nonempty(x, dim, "mode")
+    if x.ndim == 0:
+        return x, _idx(())
+    dim = dim % x.ndim
+    v, i = _sort(x, dim)
+    v, i = jnp.moveaxis(v, dim, -1), jnp.moveaxis(i, dim, -1)
+    pos = lax.broadcasted_iota(jnp.int64, v.shape, v.ndim - 1)
+    new = jnp.concatenate([jnp.ones(v.shape[:-1] + (1,), bool), v[..., 1:] != v[..., :-1]], -1)
+    start = lax.cummax(jnp.where(new, pos, 0), axis=v.ndim - 1)
+    best = jnp.argmax(pos - start, axis=-1, keepdims=True)   # end of the first longest run
+    sv = jnp.take_along_axis(v, best, -1)
+    si = jnp.take_along_axis(i, best, -1)
+    sv, si = jnp.moveaxis(sv, -1, dim), jnp.moveaxis(si, -1, dim)
+    if not keepdim:
+        sv, si = jnp.squeeze(sv, dim), jnp.squeeze(si, dim)
+    return sv, si

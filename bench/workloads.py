@@ -1,0 +1,667 @@
+"""The benchmark workloads: one builder per workload for PyTorch systems, and where written, a
+hand-written JAX twin of the same computation (the XLA ceiling).
+
+A PyTorch builder is ``build(ctx, quick) -> Built``; ``ctx`` (a ``Ctx``) says which device to use,
+how to wait for a result and how to wrap a function for a compiling system. A JAX builder is
+``build_jax(quick) -> Built``. Every builder seeds with ``SEED`` and makes its model and inputs on
+CPU first, so every system starts from the same weights and the same data; the JAX twins take their
+weights from the very same PyTorch modules.
+
+``Built.step()`` runs one timed step and returns only once the work is done (a ``.item()`` or an
+explicit device sync), optionally a dict of extra per-step metrics. ``Built.check()`` returns a
+number computed after the timed steps (outside the timing) that should agree across systems.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEED = 0
+
+
+class NotApplicable(Exception):
+    """This system has no sensible way to run this workload (the table says 'n/a' and why)."""
+
+
+@dataclass
+class Built:
+    step: Callable[[], Any]
+    check: Callable[[], float]
+    flops: float = 0.0          # model FLOPs per step (matmul-bound workloads)
+    bytes: float = 0.0          # minimum memory traffic per step (memory-bound workloads)
+    items: tuple | None = None  # (unit, count per step), e.g. ("tok", 64) or ("op", 300)
+    info: dict = field(default_factory=dict)
+    compiles: Callable[[], int] | None = None   # compile count (JAX twins: jit cache size)
+
+
+# --------------------------------------------------------------------------- system context
+class Ctx:
+    """How one system runs PyTorch code: device, waiting for results, compiling a function."""
+
+    def __init__(self, system: str):
+        self.system = system
+        self.tx = None
+        if system in ("eager", "compile"):
+            self.device = "cpu"
+        elif system in ("strict", "debug", "defer"):
+            import deferfuse  # noqa: F401  (registers the device)
+            self.device = "tpu"
+        elif system in ("torchax", "torchax_jit"):
+            import torchax
+            self.tx = torchax
+            self.env = torchax.default_env()
+            self.device = "jax"
+        else:
+            raise ValueError(f"not a PyTorch system: {system}")
+
+    def sync(self, t=None) -> None:
+        """Wait until everything issued so far (and ``t``) is computed."""
+        if self.device == "tpu":
+            import deferfuse
+            deferfuse.sync()
+            torch.tpu.synchronize()
+        elif self.device == "jax" and t is not None:
+            import jax
+            jax.block_until_ready(t.jax() if hasattr(t, "jax") else t._elem)
+
+    def to(self, x):
+        return x.to(self.device)
+
+    def jit(self, fn, what: str = "function"):
+        """``fn`` as this system runs it: compiled for 'compile' / 'torchax_jit', else unchanged."""
+        if self.system == "compile":
+            return torch.compile(fn)
+        if self.system == "torchax_jit":
+            if what != "function":
+                raise NotApplicable(f"torchax_jit: no jitted form written for a {what}")
+            return self.tx.interop.jax_jit(fn)
+        return fn
+
+
+# --------------------------------------------------------------------------- helpers
+def _gen(seed=SEED):
+    return torch.Generator().manual_seed(seed)
+
+
+def _train_built(ctx, model, opt, loss_fn, flops=0.0, info=None):
+    """A training step (zero_grad, forward, loss, backward, optimizer step), synced by .item()."""
+    if ctx.system == "torchax_jit":
+        raise NotApplicable("torchax_jit: a jitted training step needs torchax.train + optax "
+                            "(not written)")
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        return loss
+
+    fn = ctx.jit(train_step, "training step")
+    last = [float("nan")]
+
+    def step():
+        last[0] = fn().item()
+
+    return Built(step=step, check=lambda: last[0], flops=flops, info=info or {})
+
+
+def _sizes(quick, small, big):
+    return small if quick else big
+
+
+# --------------------------------------------------------------------------- mlp_train
+def _mlp_cfg(quick):
+    return _sizes(quick, dict(batch=64, dims=(256, 512, 512, 16)),
+                  dict(batch=256, dims=(1024, 2048, 2048, 16)))
+
+
+def _mlp_make(cfg):
+    torch.manual_seed(SEED)
+    d = cfg["dims"]
+    layers = []
+    for i in range(len(d) - 1):
+        layers.append(nn.Linear(d[i], d[i + 1]))
+        if i < len(d) - 2:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    g = _gen(1)
+    x = torch.randn(cfg["batch"], d[0], generator=g)
+    y = torch.randint(0, d[-1], (cfg["batch"],), generator=g)
+    flops = 6.0 * cfg["batch"] * sum(d[i] * d[i + 1] for i in range(len(d) - 1))
+    return model, x, y, flops
+
+
+def mlp_train(ctx, quick):
+    cfg = _mlp_cfg(quick)
+    model, x, y, flops = _mlp_make(cfg)
+    model = model.to(ctx.device)
+    x, y = ctx.to(x), ctx.to(y)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _train_built(ctx, model, opt, lambda: F.cross_entropy(model(x), y), flops, cfg)
+
+
+# --------------------------------------------------------------------------- gpt_train
+def _gpt_cfg(quick):
+    return _sizes(quick, dict(vocab=256, d=64, layers=2, heads=4, t=32, batch=4),
+                  dict(vocab=1024, d=256, layers=4, heads=4, t=128, batch=8))
+
+
+class _Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class _GPT(nn.Module):
+    def __init__(self, vocab, d, layers, heads, t):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(t, d) * 0.02)
+        self.blocks = nn.Sequential(*[_Block(d, heads) for _ in range(layers)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.blocks(self.emb(idx) + self.pos[: idx.shape[1]]))
+
+
+def _gpt_make(cfg):
+    torch.manual_seed(SEED)
+    model = _GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["t"])
+    g = _gen(1)
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["t"]), generator=g)
+    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["t"]), generator=g)
+    n, d, L, T = cfg["batch"] * cfg["t"], cfg["d"], cfg["layers"], cfg["t"]
+    flops = 6.0 * n * (L * 12 * d * d + d * cfg["vocab"]) + 12.0 * cfg["batch"] * T * T * d * L
+    return model, x, y, flops
+
+
+def gpt_train(ctx, quick):
+    cfg = _gpt_cfg(quick)
+    model, x, y, flops = _gpt_make(cfg)
+    model = model.to(ctx.device)
+    x, y = ctx.to(x), ctx.to(y)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn():
+        out = model(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    return _train_built(ctx, model, opt, loss_fn, flops, cfg)
+
+
+# --------------------------------------------------------------------------- convnet_train
+class _ResBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        h = F.relu(self.b1(self.c1(x)))
+        return F.relu(x + self.b2(self.c2(h)))
+
+
+def convnet_train(ctx, quick):
+    cfg = _sizes(quick, dict(batch=4, c=16, hw=16, blocks=1), dict(batch=16, c=32, hw=32, blocks=2))
+    torch.manual_seed(SEED)
+    c = cfg["c"]
+    model = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                          *[_ResBlock(c) for _ in range(cfg["blocks"])],
+                          nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False),
+                          nn.BatchNorm2d(2 * c), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * c, 10))
+    g = _gen(1)
+    x = torch.randn(cfg["batch"], 3, cfg["hw"], cfg["hw"], generator=g)
+    y = torch.randint(0, 10, (cfg["batch"],), generator=g)
+    model = model.to(ctx.device)
+    x, y = ctx.to(x), ctx.to(y)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    return _train_built(ctx, model, opt, lambda: F.cross_entropy(model(x), y), 0.0,
+                        dict(cfg, optimizer="SGD momentum"))
+
+
+# --------------------------------------------------------------------------- pointwise workloads
+def _ew_n(quick):
+    return _sizes(quick, 1 << 20, 4 << 20)
+
+
+def _ew_fn(x):
+    y = x * 1.5 + 0.25
+    y = y.sin()
+    y = y * x
+    y = y.abs()
+    y = y.sqrt()
+    y = y.tanh()
+    y = y - x
+    return y
+
+
+def elementwise_chain(ctx, quick):
+    n = _ew_n(quick)
+    x = ctx.to(torch.randn(n, generator=_gen(1)))
+    fn = ctx.jit(_ew_fn)
+    out = [None]
+
+    def step():
+        out[0] = fn(x)
+        ctx.sync(out[0])
+
+    return Built(step=step, check=lambda: out[0].sum().item(), bytes=2.0 * 4 * n,
+                 info=dict(n=n, ops=8))
+
+
+def _li_n(quick):
+    return _sizes(quick, 8 << 20, 32 << 20)     # 32 MB / 128 MB of float32
+
+
+def _li_fn(x):
+    a = x.sin()
+    b = x.cos()
+    c = x.exp()
+    return (a * b + c * a - b).sum()
+
+
+def live_intermediates(ctx, quick):
+    n = _li_n(quick)
+    x = ctx.to(torch.randn(n, generator=_gen(1)))
+    fn = ctx.jit(_li_fn)
+    last = [float("nan")]
+
+    def step():
+        last[0] = fn(x).item()
+
+    return Built(step=step, check=lambda: last[0], bytes=4.0 * n, info=dict(n=n, x_mb=4 * n / 2**20))
+
+
+def _ip_n(quick):
+    return _sizes(quick, 2 << 20, 16 << 20)
+
+
+def _ip_fn(x):
+    x.mul_(0.999)
+    x.add_(0.001)
+    x.clamp_(-2.0, 2.0)
+    x.sin_()
+    x.mul_(1.5)
+    x.sub_(0.01)
+    x.abs_()
+    x.sqrt_()
+    return x
+
+
+def inplace_chain(ctx, quick):
+    if ctx.system == "torchax_jit":
+        raise NotApplicable("torchax_jit: in-place updates of a jitted function's input are not "
+                            "written back")
+    n = _ip_n(quick)
+    x = ctx.to(torch.randn(n, generator=_gen(1)))
+    fn = ctx.jit(_ip_fn)
+
+    def step():
+        fn(x)
+        ctx.sync(x)
+
+    return Built(step=step, check=lambda: x.sum().item(), bytes=2.0 * 4 * n, info=dict(n=n, ops=8))
+
+
+def _so_iters(quick):
+    return _sizes(quick, 50, 100)
+
+
+def _so_fn(x, iters):
+    for _ in range(iters):
+        x = (x * 0.9 + 0.1).tanh()
+    return x
+
+
+def small_ops(ctx, quick):
+    iters = _so_iters(quick)
+    x = ctx.to(torch.randn(64, generator=_gen(1)))
+    fn = ctx.jit(lambda t: _so_fn(t, iters))
+    last = [float("nan")]
+
+    def step():
+        last[0] = fn(x).sum().item()
+
+    return Built(step=step, check=lambda: last[0], items=("op", 3 * iters + 1),
+                 info=dict(iters=iters, ops=3 * iters + 1, numel=64))
+
+
+def _ov_k(quick):
+    return _sizes(quick, 200, 1000)
+
+
+def overhead(ctx, quick):
+    """µs per op of a chain of tiny multiplies, timed without the final sync: what recording costs
+    in defer, what dispatching costs in strict, what a CPU op costs in eager."""
+    if ctx.system in ("compile", "torchax_jit"):
+        raise NotApplicable(f"{ctx.system}: per-op overhead is measured op by op only")
+    k = _ov_k(quick)
+    x = ctx.to(torch.randn(16, generator=_gen(1)))
+    out = [None]
+
+    def step():
+        y = x
+        t0 = time.perf_counter()
+        for _ in range(k):
+            y = y * 1.0001
+        t1 = time.perf_counter()
+        ctx.sync(y)
+        out[0] = y
+        return {"us_per_op": (t1 - t0) / k * 1e6}
+
+    return Built(step=step, check=lambda: out[0].sum().item(), items=("op", k), info=dict(ops=k))
+
+
+# --------------------------------------------------------------------------- Hugging Face Llama
+def _llama(quick):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    c = _sizes(quick, dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+               dict(vocab_size=512, hidden_size=128, intermediate_size=256,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    cfg = LlamaConfig(max_position_embeddings=256, bos_token_id=1, eos_token_id=None,
+                      pad_token_id=0, **c)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(cfg)
+    c["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    return model, c
+
+
+def hf_llama_train(ctx, quick):
+    model, c = _llama(quick)
+    b, t = _sizes(quick, (2, 32), (4, 64))
+    ids = torch.randint(2, c["vocab_size"], (b, t), generator=_gen(1))
+    model = model.to(ctx.device)
+    model.train()
+    ids = ctx.to(ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _train_built(ctx, model, opt, lambda: model(input_ids=ids, labels=ids).loss, 0.0,
+                        dict(c, batch=b, seq=t))
+
+
+def _generate(ctx, quick, cache):
+    model, c = _llama(quick)
+    b, t = 2, 16
+    new = _sizes(quick, 8, 32)
+    ids = torch.randint(2, c["vocab_size"], (b, t), generator=_gen(1))
+    model = model.to(ctx.device).eval()
+    if ctx.system == "compile":
+        model.forward = torch.compile(model.forward)
+    elif ctx.system == "torchax_jit":
+        raise NotApplicable("torchax_jit: generate() is a Python loop; no jitted form written")
+    ids = ctx.to(ids)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+              pad_token_id=0, disable_compile=True)   # same Python for every system; 'compile'
+    if cache:                                         # compiles forward itself (above)
+        kw["cache_implementation"] = cache
+    out = [None]
+
+    def step():
+        with torch.no_grad():
+            o = model.generate(ids, **kw)
+        out[0] = o.cpu()                              # the tokens reach the host: a real sync
+
+    return Built(step=step, check=lambda: float(out[0].sum()), items=("tok", b * new),
+                 info=dict(c, batch=b, prompt=t, new_tokens=new, cache=cache or "dynamic"))
+
+
+def hf_generate(ctx, quick):
+    return _generate(ctx, quick, None)
+
+
+def hf_generate_static(ctx, quick):
+    return _generate(ctx, quick, "static")
+
+
+# --------------------------------------------------------------------------- JAX twins
+def _jax():
+    import jax
+    import jax.numpy as jnp
+    return jax, jnp
+
+
+def _params(model):
+    import jax.numpy as jnp
+    return {k: jnp.asarray(v.detach().numpy()) for k, v in model.named_parameters()}
+
+
+def _adamw(jax, jnp, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=1e-2):
+    """torch.optim.AdamW's update, written out (step count traced: no recompiles)."""
+    def init(p):
+        z = jax.tree.map(jnp.zeros_like, p)
+        return dict(m=z, v=jax.tree.map(jnp.zeros_like, p), t=jnp.zeros((), jnp.float32))
+
+    def update(p, g, s):
+        t = s["t"] + 1
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, s["m"], g)
+        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, s["v"], g)
+        p = jax.tree.map(lambda p, m, v: p * (1 - lr * wd) - (lr / bc1) * m /
+                         (jnp.sqrt(v) / jnp.sqrt(bc2) + eps), p, m, v)
+        return p, dict(m=m, v=v, t=t)
+    return init, update
+
+
+def _xent(jax, jnp, logits, y):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return (lse - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]).mean()
+
+
+def _jax_train(params, loss_fn, flops, info):
+    jax, jnp = _jax()
+    init, update = _adamw(jax, jnp)
+
+    def train(p, s):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        p, s = update(p, g, s)
+        return p, s, loss
+
+    train = jax.jit(train, donate_argnums=(0, 1))
+    st = [params, init(params)]
+    last = [float("nan")]
+
+    def step():
+        st[0], st[1], loss = train(st[0], st[1])
+        last[0] = float(loss)
+
+    return Built(step=step, check=lambda: last[0], flops=flops, info=info,
+                 compiles=lambda: train._cache_size())
+
+
+def mlp_train_jax(quick):
+    jax, jnp = _jax()
+    cfg = _mlp_cfg(quick)
+    model, x, y, flops = _mlp_make(cfg)
+    idx = [i for i, m in enumerate(model) if isinstance(m, nn.Linear)]
+    x, y = jnp.asarray(x.numpy()), jnp.asarray(y.numpy())
+
+    def loss_fn(p):
+        h = x
+        for j, i in enumerate(idx):
+            h = h @ p[f"{i}.weight"].T + p[f"{i}.bias"]
+            if j < len(idx) - 1:
+                h = jax.nn.relu(h)
+        return _xent(jax, jnp, h, y)
+
+    return _jax_train(_params(model), loss_fn, flops, cfg)
+
+
+def gpt_train_jax(quick):
+    jax, jnp = _jax()
+    cfg = _gpt_cfg(quick)
+    model, x, y, flops = _gpt_make(cfg)
+    x, y = jnp.asarray(x.numpy()), jnp.asarray(y.numpy())
+    B, T, d, H = cfg["batch"], cfg["t"], cfg["d"], cfg["heads"]
+    hd = d // H
+
+    def ln(h, w, b):
+        mu = h.mean(-1, keepdims=True)
+        var = ((h - mu) ** 2).mean(-1, keepdims=True)
+        return (h - mu) / jnp.sqrt(var + 1e-5) * w + b
+
+    def lin(h, p, name):
+        return h @ p[name + ".weight"].T + p[name + ".bias"]
+
+    causal = jnp.tril(jnp.ones((T, T), bool))
+
+    def loss_fn(p):
+        h = p["emb.weight"][x] + p["pos"][:T]
+        for i in range(cfg["layers"]):
+            pre = f"blocks.{i}."
+            qkv = lin(ln(h, p[pre + "ln1.weight"], p[pre + "ln1.bias"]), p, pre + "qkv")
+            q, k, v = (z.reshape(B, T, H, hd).transpose(0, 2, 1, 3) for z in jnp.split(qkv, 3, -1))
+            att = jnp.where(causal, q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd), -jnp.inf)
+            a = (jax.nn.softmax(att, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, T, d)
+            h = h + lin(a, p, pre + "proj")
+            m = jax.nn.gelu(lin(ln(h, p[pre + "ln2.weight"], p[pre + "ln2.bias"]), p, pre + "mlp.0"),
+                            approximate=False)
+            h = h + lin(m, p, pre + "mlp.2")
+        logits = lin(h, p, "head")
+        return _xent(jax, jnp, logits.reshape(B * T, -1), y.reshape(-1))
+
+    return _jax_train(_params(model), loss_fn, flops, cfg)
+
+
+def _jax_input(n):
+    import jax.numpy as jnp
+    return jnp.asarray(torch.randn(n, generator=_gen(1)).numpy())
+
+
+def elementwise_chain_jax(quick):
+    jax, jnp = _jax()
+    n = _ew_n(quick)
+    x = _jax_input(n)
+
+    @jax.jit
+    def f(x):
+        y = jnp.sqrt(jnp.abs(jnp.sin(x * 1.5 + 0.25) * x))
+        return jnp.tanh(y) - x
+    out = [None]
+
+    def step():
+        out[0] = f(x).block_until_ready()
+
+    return Built(step=step, check=lambda: float(out[0].sum()), bytes=2.0 * 4 * n,
+                 info=dict(n=n, ops=8), compiles=lambda: f._cache_size())
+
+
+def live_intermediates_jax(quick):
+    jax, jnp = _jax()
+    n = _li_n(quick)
+    x = _jax_input(n)
+
+    @jax.jit
+    def f(x):
+        a, b, c = jnp.sin(x), jnp.cos(x), jnp.exp(x)
+        return (a * b + c * a - b).sum()
+    last = [float("nan")]
+
+    def step():
+        last[0] = float(f(x))
+
+    return Built(step=step, check=lambda: last[0], bytes=4.0 * n, info=dict(n=n),
+                 compiles=lambda: f._cache_size())
+
+
+def inplace_chain_jax(quick):
+    jax, jnp = _jax()
+    n = _ip_n(quick)
+    st = [_jax_input(n)]
+
+    def f(x):
+        x = jnp.clip(x * 0.999 + 0.001, -2.0, 2.0)
+        return jnp.sqrt(jnp.abs(jnp.sin(x) * 1.5 - 0.01))
+    f = jax.jit(f, donate_argnums=0)
+
+    def step():
+        st[0] = f(st[0]).block_until_ready()
+
+    return Built(step=step, check=lambda: float(st[0].sum()), bytes=2.0 * 4 * n, info=dict(n=n),
+                 compiles=lambda: f._cache_size())
+
+
+def small_ops_jax(quick):
+    jax, jnp = _jax()
+    iters = _so_iters(quick)
+    x = _jax_input(64)
+
+    @jax.jit
+    def f(x):
+        for _ in range(iters):
+            x = jnp.tanh(x * 0.9 + 0.1)
+        return x.sum()
+    last = [float("nan")]
+
+    def step():
+        last[0] = float(f(x))
+
+    return Built(step=step, check=lambda: last[0], items=("op", 3 * iters + 1),
+                 info=dict(iters=iters), compiles=lambda: f._cache_size())
+
+
+def overhead_jax(quick):
+    jax, jnp = _jax()
+    k = _ov_k(quick)
+    x = _jax_input(16)
+    mul = jax.jit(lambda y, s: y * s)
+    s = jnp.float32(1.0001)
+    out = [None]
+
+    def step():
+        y = x
+        t0 = time.perf_counter()
+        for _ in range(k):
+            y = mul(y, s)
+        t1 = time.perf_counter()
+        out[0] = y.block_until_ready()
+        return {"us_per_op": (t1 - t0) / k * 1e6}
+
+    return Built(step=step, check=lambda: float(out[0].sum()), items=("op", k), info=dict(ops=k),
+                 compiles=lambda: mul._cache_size())
+
+
+# --------------------------------------------------------------------------- registry
+# bound: "memory" (fraction of measured bandwidth), "compute" (fraction of measured FLOP/s) or None
+WORKLOADS = {
+    "mlp_train": dict(torch=mlp_train, jax=mlp_train_jax, bound="compute",
+                      desc="MLP training step, AdamW"),
+    "gpt_train": dict(torch=gpt_train, jax=gpt_train_jax, bound="compute",
+                      desc="small GPT (causal SDPA) training step, AdamW"),
+    "convnet_train": dict(torch=convnet_train, jax=None, bound=None,
+                          desc="small ResNet with BatchNorm, training step, SGD momentum"),
+    "elementwise_chain": dict(torch=elementwise_chain, jax=elementwise_chain_jax, bound="memory",
+                              desc="8 pointwise ops on a few million floats"),
+    "small_ops": dict(torch=small_ops, jax=small_ops_jax, bound=None,
+                      desc="hundreds of tiny ops (dispatch-bound)"),
+    "live_intermediates": dict(torch=live_intermediates, jax=live_intermediates_jax,
+                               bound="memory", desc="sin/cos/exp of a 128 MB x, reduced (peak memory)"),
+    "inplace_chain": dict(torch=inplace_chain, jax=inplace_chain_jax, bound="memory",
+                          desc="8 in-place updates of a large tensor"),
+    "hf_llama_train": dict(torch=hf_llama_train, jax=None, bound=None,
+                           desc="tiny HF LlamaForCausalLM (random weights), training step, AdamW"),
+    "hf_generate": dict(torch=hf_generate, jax=None, bound=None,
+                        desc="tiny HF Llama, greedy generate, dynamic cache"),
+    "hf_generate_static": dict(torch=hf_generate_static, jax=None, bound=None,
+                               desc="tiny HF Llama, greedy generate, static cache"),
+    "overhead": dict(torch=overhead, jax=overhead_jax, bound=None,
+                     desc="per-op overhead: µs per tiny op (recorded / dispatched)"),
+}

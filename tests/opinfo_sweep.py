@@ -1,0 +1,812 @@
+"""The OpInfo sweep: PyTorch's ``op_db`` on the ``tpu`` device against CPU eager PyTorch.
+
+For every OpInfo, mode (``strict``, ``defer``) and dtype its CPU kernels support, each sample input
+is moved to tpu (tensors only, recursively, aliasing kept), the op runs on tpu and on CPU, and the
+results are compared: type/structure, then device, dtype and shape, then values (per-op
+tolerances, ``TOL``); inputs are compared afterwards too (in-place writes). If the CPU call raises,
+the tpu call must raise the same exception type. Random ops (``RANDOM``) are compared by shape and
+dtype only. With ``--backward``, float32 samples of autograd ops also compare the gradients of a
+fixed random-weighted sum of the float outputs with respect to the float inputs.
+
+Each (op, mode, dtype, direction) is classified:
+  pass      every sample matches CPU and nothing ran on CPU fallback
+  fallback  every sample matches, but some aten op ran on CPU (``deferfuse.metrics()['cpu_fallbacks']``)
+  fail      some sample failed; the first failure's cause is its group (``GROUPS``)
+  skip      named in ``SKIP`` (one reason each) or no sample inputs for the dtype
+Ops whose CPU dtypes lack the dtype are not counted for it.
+
+Run from the repository root::
+
+    .venv/bin/python tests/opinfo_sweep.py [--modes strict,defer] [--dtypes float32,...]
+        [--backward] [--ops a,b] [--limit-samples N] [--timeout S] [--out bench/results/opinfo.json]
+
+This file is the whole engine (tests/ is not a package); tests/test_opinfo.py loads it by path.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import deferfuse  # noqa: E402
+from deferfuse.errors import LoweringError, RegionError  # noqa: E402
+
+DEFAULT_OUT = os.path.join("bench", "results", "opinfo.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
+          "float64": torch.float64}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Failure groups, in the order the report lists them.
+GROUPS = ("dtype mismatch", "shape mismatch", "value mismatch", "structure mismatch",
+          "wrong device", "error not raised", "wrong exception type", "lowering error",
+          "timeout", "other")
+
+# ---------------------------------------------------------------------------------------------
+# The named sets
+
+# Ops whose results are random (or undefined memory): compared by shape and dtype only.
+RANDOM = {
+    "cauchy", "exponential", "geometric", "log_normal", "normal.in_place", "uniform",
+    "normal", "normal.number_mean", "bernoulli", "multinomial",
+    "randn", "randn_like", "rand_like", "randint", "randint_like",
+    "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+    "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout.with_train",
+    "nn.functional.rrelu", "nn.functional.fractional_max_pool2d",
+    "nn.functional.fractional_max_pool3d", "svd_lowrank", "pca_lowrank",
+    # uninitialized memory: the values are undefined
+    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
+}
+RANDOM_REASON = "random or uninitialized result: shape and dtype only"
+
+# Ops whose outputs are unique only up to a sign or phase (eigenvectors, singular vectors): both
+# results go through the sample's own ``output_process_fn_grad`` (OpInfo's gauge-invariant view:
+# abs() of the vectors, or the singular values) before comparing.
+GAUGE = {"svd", "linalg.svd", "linalg.eig", "linalg.eigh"}
+
+# Ops not swept, one reason each.
+SKIP = {
+    "to_sparse": "sparse layouts are not supported on the tpu device",
+    "sparse.sampled_addmm": "sparse layouts are not supported on the tpu device",
+    "sparse.mm.reduce": "sparse layouts are not supported on the tpu device",
+    "jiterator_unary": "jiterator: CUDA-only runtime-compiled kernels",
+    "jiterator_binary": "jiterator: CUDA-only runtime-compiled kernels",
+    "jiterator_4inputs_with_extra_args": "jiterator: CUDA-only runtime-compiled kernels",
+    "jiterator_binary_return_by_ref": "jiterator: CUDA-only runtime-compiled kernels",
+    "jiterator_2inputs_2outputs": "jiterator: CUDA-only runtime-compiled kernels",
+    "bmm.triton_optimized": "CUDA-only: exercises a Triton bmm kernel",
+    "torch._scaled_mm": "CUDA-only: float8 scaled matmul",
+    "torch._scaled_mm_v2": "CUDA-only: float8 scaled matmul",
+    "torch.ops.aten._flash_attention_forward": "CUDA-only: flash attention kernel",
+    "torch.ops.aten._efficient_attention_forward": "CUDA-only: memory-efficient attention kernel",
+    "nn.functional.batch_norm.without_cudnn": "CUDA-only: cudnn-disabled variant",
+    "hash_tensor": "hash of the bit pattern: a CPU-kernel-specific reduction, not numerics",
+}
+
+# Per-op tolerances {op: {dtype: (atol, rtol)}} over DEFAULT_TOL, forward and backward.
+# float32 defaults are PyTorch's own (assert_close); loosened per op where XLA's transcendental
+# approximations or a different summation order differ from PyTorch's CPU kernels.
+DEFAULT_TOL = {torch.float32: (1e-5, 1.3e-6), torch.float64: (1e-7, 1e-7),
+               torch.bfloat16: (1e-5, 1.6e-2), torch.float16: (1e-5, 1e-3),
+               torch.complex64: (1e-5, 1.3e-6), torch.complex128: (1e-7, 1e-7)}
+BACKWARD_TOL = {torch.float32: (1e-5, 1e-5)}
+_F32_LOOSE = (1e-5, 1e-5)
+TOL: dict = {}
+BACKWARD_TOL_OP: dict = {}
+
+
+def tolerance(name: str, dtype, backward: bool = False):
+    table = BACKWARD_TOL_OP if backward else TOL
+    t = table.get(name, {}).get(dtype)
+    if t is None and backward:
+        t = TOL.get(name, {}).get(dtype)
+    if t is None:
+        t = (BACKWARD_TOL if backward else {}).get(dtype) or DEFAULT_TOL.get(dtype, (0.0, 0.0))
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# op_db
+
+def op_name(o) -> str:
+    return o.name + ("." + o.variant_test_name if o.variant_test_name else "")
+
+
+def load_ops() -> dict:
+    """{name: OpInfo} of op_db, in op_db order (names are unique with their variant)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.testing._internal.common_methods_invocations import op_db
+    return {op_name(o): o for o in op_db}
+
+
+def supported(o, dtype) -> bool:
+    try:
+        return dtype in o.supported_dtypes("cpu")
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# moving samples, snapshots
+
+def _is_cpu_device(x) -> bool:
+    return (isinstance(x, torch.device) and x.type == "cpu") or (isinstance(x, str) and x == "cpu")
+
+
+def _map(x, f):
+    """Apply f to every leaf of nested lists/tuples/dicts (namedtuples and torch.Size kept)."""
+    if isinstance(x, torch.Tensor):
+        return f(x)
+    if isinstance(x, torch.Size):
+        return x
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*[_map(y, f) for y in x])
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(y, f) for y in x)
+    if isinstance(x, dict):
+        return {k: _map(v, f) for k, v in x.items()}
+    return f(x)
+
+
+def clone_cpu(x, memo: dict):
+    """A fresh CPU copy of the sample (leaf tensors, requires_grad kept, aliasing kept)."""
+    def f(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        c = memo.get(id(t))
+        if c is None:
+            c = t.detach().clone()
+            if t.requires_grad:
+                c.requires_grad_(True)
+            memo[id(t)] = c
+        return c
+    return _map(x, f)
+
+
+def to_tpu(x, memo: dict):
+    """The sample on tpu: tensors copied over (requires_grad kept), CPU devices become tpu."""
+    def f(t):
+        if isinstance(t, torch.Tensor):
+            c = memo.get(id(t))
+            if c is None:
+                c = t.detach().resolve_conj().resolve_neg().to("tpu")
+                if t.requires_grad:
+                    c.requires_grad_(True)
+                memo[id(t)] = c
+            return c
+        if isinstance(t, torch.device) and t.type == "cpu":
+            return torch.device("tpu")
+        if isinstance(t, str) and t == "cpu":
+            return "tpu"
+        return t
+    return _map(x, f)
+
+
+class Snap:
+    """A tensor result seen from CPU: its device, and a CPU copy (taken inside the tpu try)."""
+    __slots__ = ("device", "t")
+
+    def __init__(self, t: torch.Tensor):
+        self.device = t.device.type
+        d = t.detach()
+        if d.layout == torch.strided:
+            d = d.resolve_conj().resolve_neg()
+        self.t = d.cpu() if self.device != "cpu" else d.clone()
+
+
+def snapshot(x):
+    return _map(x, lambda t: Snap(t) if isinstance(t, torch.Tensor) else t)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparison
+
+class Mismatch(Exception):
+    def __init__(self, group: str, msg: str):
+        super().__init__(msg)
+        self.group = group
+
+
+def _fmt(x) -> str:
+    if isinstance(x, Snap):
+        return f"tensor[{x.device}]"
+    if isinstance(x, torch.Tensor):
+        return "tensor"
+    return type(x).__name__
+
+
+def compare(got, want, tol_of, path: str = "out", values: bool = True):
+    """``got`` (snapshot of the tpu result) against ``want`` (the CPU result)."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, Snap):
+            raise Mismatch("structure mismatch", f"{path}: expected a tensor, got {_fmt(got)}")
+        if got.device != "tpu" and want.device.type == "cpu":
+            raise Mismatch("wrong device", f"{path}: result on {got.device}, expected tpu")
+        g = got.t
+        if g.dtype != want.dtype:
+            raise Mismatch("dtype mismatch", f"{path}: dtype {g.dtype} != {want.dtype}")
+        if tuple(g.shape) != tuple(want.shape):
+            raise Mismatch("shape mismatch", f"{path}: shape {tuple(g.shape)} != {tuple(want.shape)}")
+        if not values or want.layout != torch.strided:
+            return
+        w = want.detach().resolve_conj().resolve_neg()
+        atol, rtol = tol_of(want.dtype)
+        try:
+            torch.testing.assert_close(g, w, atol=atol, rtol=rtol, equal_nan=True,
+                                       check_device=False, check_stride=False, check_dtype=False,
+                                       check_layout=False)
+        except AssertionError as e:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            raise Mismatch("value mismatch", f"{path}: " + "; ".join(lines[:4])) from None
+        return
+    if isinstance(want, torch.Size):
+        if not isinstance(got, torch.Size) or tuple(got) != tuple(want):
+            raise Mismatch("structure mismatch", f"{path}: {got!r} != {want!r}")
+        return
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or type(got) is not type(want):
+            raise Mismatch("structure mismatch",
+                           f"{path}: expected {type(want).__name__}, got {type(got).__name__}")
+        if len(got) != len(want):
+            raise Mismatch("structure mismatch", f"{path}: {len(got)} items, expected {len(want)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            compare(g, w, tol_of, f"{path}[{i}]", values)
+        return
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            raise Mismatch("structure mismatch", f"{path}: dict keys differ")
+        for k in want:
+            compare(got[k], want[k], tol_of, f"{path}[{k!r}]", values)
+        return
+    if isinstance(got, Snap):
+        raise Mismatch("structure mismatch", f"{path}: expected {type(want).__name__}, got a tensor")
+    if isinstance(want, bool) or want is None or not isinstance(want, (int, float, complex)):
+        if type(got) is not type(want) or got != want:
+            raise Mismatch("value mismatch" if type(got) is type(want) else "structure mismatch",
+                           f"{path}: {got!r} != {want!r}")
+        return
+    if not isinstance(got, (int, float, complex)) or isinstance(got, bool):
+        raise Mismatch("structure mismatch", f"{path}: expected {type(want).__name__}, got {_fmt(got)}")
+    if not values:
+        return
+    if isinstance(want, int) and isinstance(got, int):
+        if got != want:
+            raise Mismatch("value mismatch", f"{path}: {got} != {want}")
+        return
+    if (got != got and want != want) or got == want:
+        return
+    atol, rtol = tol_of(torch.float32)
+    if not (abs(got - want) <= atol + rtol * abs(want)):
+        raise Mismatch("value mismatch", f"{path}: {got!r} != {want!r}")
+
+
+def _tensors(x, out: list):
+    """Tensor leaves of a nested structure, in order."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# timeouts
+
+class SweepTimeout(BaseException):
+    """Raised by the alarm: a BaseException so that no ``except Exception`` swallows it."""
+
+
+def _on_alarm(signum, frame):
+    raise SweepTimeout()
+
+
+class alarm:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self):
+        self.old = None
+        if self.seconds and self.seconds > 0 and hasattr(signal, "setitimer"):
+            self.old = signal.signal(signal.SIGALRM, _on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# running one sample
+
+def _err_text(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0][:300] if s else ''}"
+
+
+def _classify_error(e: BaseException) -> str:
+    """'lowering error' for failures inside a lowering / JAX, else 'other'."""
+    if isinstance(e, (LoweringError, RegionError)):
+        return "lowering error"
+    tb = traceback.extract_tb(e.__traceback__)
+    for fr in tb:
+        fn = fr.filename.replace("\\", "/")
+        if "/runtime/lowering/" in fn or "/site-packages/jax/" in fn or "/jax/_src/" in fn:
+            return "lowering error"
+    mod = type(e).__module__ or ""
+    if mod.startswith("jax") or mod.startswith("jaxlib"):
+        return "lowering error"
+    return "other"
+
+
+def _same_error_type(t: BaseException, c: BaseException) -> bool:
+    if type(t) is type(c):
+        return True
+    # A fused region re-raises a kernel's RuntimeError as a RegionError (a RuntimeError).
+    return isinstance(t, RegionError) and type(c) is RuntimeError
+
+
+def describe_sample(s) -> str:
+    def d(x):
+        if isinstance(x, torch.Tensor):
+            return f"T{list(x.shape)}:{str(x.dtype).replace('torch.', '')}"
+        if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+            inner = ", ".join(d(y) for y in list(x)[:6]) + (", ..." if len(x) > 6 else "")
+            return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+        r = repr(x)
+        return r if len(r) <= 40 else r[:37] + "..."
+    parts = [d(s.input)] + [d(a) for a in s.args] + [f"{k}={d(v)}" for k, v in s.kwargs.items()]
+    r = ", ".join(parts)
+    return r if len(r) <= 200 else r[:197] + "..."
+
+
+def _call(o, s, inp, args, kwargs):
+    return o.op(inp, *args, **kwargs)
+
+
+def run_forward_sample(o, name: str, s, mode: str, random: bool):
+    """None when the sample passes, else (group, message)."""
+    tol_of = lambda dt: tolerance(name, dt)   # noqa: E731
+    gauge = name in GAUGE
+    cmemo, tmemo = {}, {}
+    c_in, c_args, c_kw = clone_cpu((s.input, s.args, s.kwargs), cmemo)
+    t_in, t_args, t_kw = to_tpu((s.input, s.args, s.kwargs), tmemo)
+    # tpu first (on copies), then CPU on the clones: in-place ops mutate their inputs.
+    t_err = t_out = t_after = None
+    try:
+        with deferfuse.mode(mode):
+            out = _call(o, s, t_in, t_args, t_kw)
+            if gauge:
+                out = s.output_process_fn_grad(out)
+            t_out = snapshot(out)          # .cpu(): in defer mode this runs the trace
+            t_after = [Snap(t) for t in _tensors((t_in, t_args, t_kw), [])]
+            del out
+    except SweepTimeout:
+        raise
+    except Exception as e:
+        t_err = e
+    c_err = c_out = None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            c_out = _call(o, s, c_in, c_args, c_kw)
+            if gauge:
+                c_out = s.output_process_fn_grad(c_out)
+    except SweepTimeout:
+        raise
+    except Exception as e:
+        c_err = e
+    if c_err is not None:
+        if t_err is None:
+            return "error not raised", f"CPU raised {_err_text(c_err)}; tpu did not"
+        if not _same_error_type(t_err, c_err):
+            return ("wrong exception type",
+                    f"CPU raised {_err_text(c_err)}; tpu raised {_err_text(t_err)}")
+        return None
+    if t_err is not None:
+        return _classify_error(t_err), _err_text(t_err)
+    try:
+        compare(t_out, c_out, tol_of, "out", values=not random)
+        compare(t_after, _tensors((c_in, c_args, c_kw), []), tol_of, "input after the op",
+                values=not random)
+    except Mismatch as m:
+        return m.group, str(m)
+    return None
+
+
+def _diff_outputs(out):
+    """Float tensors of a result that autograd can differentiate."""
+    return [t for t in _tensors(out, []) if t.is_floating_point() and t.requires_grad]
+
+
+def _weights(outs, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(t.shape, generator=g, dtype=torch.float32).to(t.dtype) + 0.5 for t in outs]
+
+
+def run_backward_sample(o, name: str, s, mode: str, seed: int):
+    """None when the gradients match, "n/a" when nothing is differentiable, else (group, msg)."""
+    tol_of = lambda dt: tolerance(name, dt, backward=True)   # noqa: E731
+    cmemo, tmemo = {}, {}
+    c_in, c_args, c_kw = clone_cpu((s.input, s.args, s.kwargs), cmemo)
+    leaves = [t for t in _tensors((c_in, c_args, c_kw), []) if t.requires_grad and t.is_leaf]
+    leaves = list({id(t): t for t in leaves}.values())
+    if not leaves:
+        return "n/a"
+    # CPU first: only samples CPU can differentiate are compared.
+    try:
+        with torch.random.fork_rng(devices=[]):
+            c_out = _call(o, s, c_in, c_args, c_kw)
+        c_out = s.output_process_fn_grad(c_out)
+        c_outs = _diff_outputs(c_out)
+        if not c_outs:
+            return "n/a"
+        ws = _weights(c_outs, seed)
+        loss = sum((t * w).sum() for t, w in zip(c_outs, ws))
+        c_grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    except SweepTimeout:
+        raise
+    except Exception:
+        return "n/a"
+    # The tpu copies of the same leaves (the CPU clones map back to the sample's tensors).
+    orig_of = {id(v): k for k, v in cmemo.items()}
+    t_in, t_args, t_kw = to_tpu((s.input, s.args, s.kwargs), tmemo)
+    t_leaves = [tmemo[orig_of[id(t)]] for t in leaves]
+    try:
+        with deferfuse.mode(mode):
+            out = _call(o, s, t_in, t_args, t_kw)
+            out = s.output_process_fn_grad(out)
+            t_outs = _diff_outputs(out)
+            if len(t_outs) != len(c_outs):
+                return ("structure mismatch",
+                        f"{len(t_outs)} differentiable outputs on tpu, {len(c_outs)} on CPU")
+            loss = sum((t * w.to("tpu")).sum() for t, w in zip(t_outs, ws))
+            t_grads = torch.autograd.grad(loss, t_leaves, allow_unused=True)
+            got = [None if g is None else Snap(g) for g in t_grads]
+    except SweepTimeout:
+        raise
+    except Exception as e:
+        return _classify_error(e), _err_text(e)
+    try:
+        for i, (g, w) in enumerate(zip(got, c_grads)):
+            if w is None and g is None:
+                continue
+            if w is None or g is None:
+                raise Mismatch("structure mismatch", f"grad[{i}]: {'None' if g is None else 'a tensor'}"
+                               f" on tpu, {'None' if w is None else 'a tensor'} on CPU")
+            compare(g, w, tol_of, f"grad[{i}]")
+    except Mismatch as m:
+        return m.group, str(m)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# running one op
+
+def gen_samples(o, dtype, requires_grad: bool, limit):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        it = o.sample_inputs("cpu", dtype, requires_grad=requires_grad)
+        return list(itertools.islice(it, limit) if limit else it)
+
+
+def _reset_defer():
+    """After a timeout: drop whatever a half-run op left pending."""
+    try:
+        with deferfuse.mode("strict"):
+            pass
+    except BaseException:
+        pass
+
+
+def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limit=None,
+             timeout: float = 120.0) -> dict:
+    """Run every sample of one op in one mode and dtype; returns its result record."""
+    name = op_name(o)
+    rec = {"status": None, "samples": 0, "passed": 0}
+    if name in SKIP:
+        rec.update(status="skip", reason=SKIP[name])
+        return rec
+    if not supported(o, dtype):
+        rec.update(status="n/a", reason=f"CPU kernels do not support {dtype}")
+        return rec
+    if direction == "backward" and not o.supports_autograd:
+        rec.update(status="n/a", reason="no autograd support")
+        return rec
+    random = name in RANDOM
+    failures = []
+    t0 = time.perf_counter()
+    deferfuse.reset_metrics()
+    try:
+        with alarm(timeout):
+            if samples is None:
+                samples = gen_samples(o, dtype, direction == "backward", limit)
+            n_counted = 0
+            for i, s in enumerate(samples):
+                if direction == "forward":
+                    r = run_forward_sample(o, name, s, mode, random)
+                else:
+                    if random:
+                        r = "n/a"
+                    else:
+                        r = run_backward_sample(o, name, s, mode, seed=i)
+                if r == "n/a":
+                    continue
+                n_counted += 1
+                if r is None:
+                    rec["passed"] += 1
+                else:
+                    failures.append((i, r[0], r[1], s))
+    except SweepTimeout:
+        _reset_defer()
+        failures.append((None, "timeout", f"no result within {timeout:g}s "
+                         f"({rec['passed']} samples passed first)", None))
+        n_counted = rec["passed"] + 1
+    except Exception as e:   # the engine itself, or sample generation
+        failures.append((None, "other", "sweep: " + _err_text(e), None))
+        n_counted = rec["passed"] + 1
+    rec["samples"] = n_counted
+    rec["seconds"] = round(time.perf_counter() - t0, 3)
+    fb = deferfuse.metrics()["cpu_fallbacks"]
+    if fb:
+        rec["fallbacks"] = dict(fb)
+    if random and direction == "forward":
+        rec["note"] = RANDOM_REASON
+    if failures:
+        i, group, msg, s = failures[0]
+        rec.update(status="fail", group=group, error=msg)
+        if s is not None:
+            rec["sample"] = f"#{i}: {describe_sample(s)}"
+        groups = sorted({f[1] for f in failures}, key=GROUPS.index)
+        if len(groups) > 1:
+            rec["groups"] = groups
+    elif n_counted == 0:
+        rec.update(status="skip" if direction == "forward" else "n/a",
+                   reason="no sample inputs" if direction == "forward" else
+                   "no differentiable float sample")
+    elif fb:
+        rec["status"] = "fallback"
+    else:
+        rec["status"] = "pass"
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# the sweep
+
+STATUSES = ("pass", "fail", "fallback", "skip")
+_DIR = {"forward": "fwd", "backward": "bwd"}
+_ABBR = {"pass": "ok", "fail": "FAIL", "fallback": "fb", "skip": "skip", "n/a": "-"}
+
+
+def sweep(ops: dict, modes, dtypes, backward: bool, limit, timeout: float, progress=print,
+          checkpoint=None, every: int = 25):
+    results: dict = {}
+    n = len(ops)
+    t_start = time.perf_counter()
+    for k, (name, o) in enumerate(ops.items()):
+        t0 = time.perf_counter()
+        r = results[name] = {}
+        cells = []
+        for dt in dtypes:
+            dname = DTYPE_NAMES[dt]
+            samples = None
+            if name not in SKIP and supported(o, dt):
+                try:
+                    with alarm(timeout):
+                        samples = gen_samples(o, dt, False, limit)
+                except BaseException as e:   # noqa: B036 (the alarm)
+                    if isinstance(e, KeyboardInterrupt):
+                        raise
+                    samples = e
+            for m in modes:
+                if isinstance(samples, BaseException):
+                    grp = "timeout" if isinstance(samples, SweepTimeout) else "other"
+                    rec = {"status": "fail", "samples": 0, "passed": 0, "group": grp,
+                           "error": "sample generation: " + _err_text(samples)}
+                else:
+                    rec = check_op(o, m, dt, "forward", samples=samples, limit=limit,
+                                   timeout=timeout)
+                r.setdefault(m, {}).setdefault(dname, {})["forward"] = rec
+                cells.append(f"{m[0]}{dname}:{_ABBR[rec['status']]}")
+            if backward and dt in (torch.float32, torch.float64):
+                for m in modes:
+                    rec = check_op(o, m, dt, "backward", limit=limit, timeout=timeout)
+                    r[m][dname]["backward"] = rec
+                    if rec["status"] != "n/a":
+                        cells.append(f"{m[0]}{dname}.bwd:{_ABBR[rec['status']]}")
+        if progress:
+            el = time.perf_counter() - t_start
+            progress(f"[{k + 1:4d}/{n}] {name[:44]:44s} {' '.join(cells)}  "
+                     f"{time.perf_counter() - t0:5.1f}s  (total {el / 60:.1f} min)", flush=True)
+        if checkpoint is not None and (k + 1) % every == 0 and k + 1 < n:
+            checkpoint(results)
+    return results
+
+
+def summarize(results: dict, modes, dtypes, backward: bool) -> dict:
+    """Counts, failure groups and CPU fallbacks per (mode, dtype, direction)."""
+    summary, groups = {}, {}
+    fallback_ops: dict = collections.defaultdict(set)
+    dirs = ("forward", "backward") if backward else ("forward",)
+    for m in modes:
+        for dt in dtypes:
+            dname = DTYPE_NAMES[dt]
+            for d in dirs:
+                c = dict.fromkeys(("ops", "tested") + STATUSES, 0)
+                g: dict = collections.defaultdict(list)
+                for name, r in results.items():
+                    rec = r.get(m, {}).get(dname, {}).get(d)
+                    if rec is None or rec["status"] == "n/a":
+                        continue
+                    st = rec["status"]
+                    c["ops"] += 1
+                    c[st] += 1
+                    if st != "skip":
+                        c["tested"] += 1
+                    if st == "fail":
+                        g[rec["group"]].append(name)
+                    for aten in rec.get("fallbacks", {}):
+                        fallback_ops[aten].add(name)
+                if c["ops"]:
+                    summary.setdefault(m, {}).setdefault(dname, {})[d] = c
+                    groups.setdefault(m, {}).setdefault(dname, {})[d] = {
+                        k: g[k] for k in GROUPS if g.get(k)}
+    fb = {k: sorted(v) for k, v in sorted(fallback_ops.items(), key=lambda kv: (-len(kv[1]), kv[0]))}
+    return {"summary": summary, "groups": groups, "fallback_aten_ops": fb}
+
+
+def render(results: dict, summ: dict, modes, dtypes, backward: bool, top_fallbacks: int = 30) -> str:
+    lines = []
+    hdr = f"{'mode':7s} {'dtype':9s} {'dir':4s} {'ops':>5s} {'tested':>6s} {'pass':>5s} {'fail':>5s} " \
+          f"{'fallback':>8s} {'skip':>5s}"
+    lines += ["", hdr, "-" * len(hdr)]
+    for m, per in summ["summary"].items():
+        for dname, perd in per.items():
+            for d, c in perd.items():
+                lines.append(f"{m:7s} {dname:9s} {_DIR[d]:4s} {c['ops']:5d} {c['tested']:6d} "
+                             f"{c['pass']:5d} {c['fail']:5d} {c['fallback']:8d} {c['skip']:5d}")
+    # Failure groups, merged over modes: an op failing in only some modes says which.
+    for dt in dtypes:
+        dname = DTYPE_NAMES[dt]
+        for d in (("forward", "backward") if backward else ("forward",)):
+            by_group: dict = collections.defaultdict(dict)
+            for m in modes:
+                for grp, names in summ["groups"].get(m, {}).get(dname, {}).get(d, {}).items():
+                    for nm in names:
+                        by_group[grp].setdefault(nm, []).append(m)
+            if not by_group:
+                continue
+            lines += ["", f"failures, {dname} {d} (op[mode] when not in every mode):"]
+            for grp in GROUPS:
+                if grp not in by_group:
+                    continue
+                ops = by_group[grp]
+                shown = [nm if len(ms) == len(modes) else f"{nm}[{','.join(ms)}]"
+                         for nm, ms in ops.items()]
+                lines.append(f"  {grp} ({len(ops)}): " + ", ".join(shown))
+    fb = summ["fallback_aten_ops"]
+    if fb:
+        lines += ["", f"CPU fallbacks: aten op -> OpInfo ops that used it (top {top_fallbacks}):"]
+        for aten, names in list(fb.items())[:top_fallbacks]:
+            more = f", ... (+{len(names) - 8})" if len(names) > 8 else ""
+            lines.append(f"  {aten} ({len(names)}): {', '.join(names[:8])}{more}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="strict,defer")
+    ap.add_argument("--dtypes", default="float32",
+                    help=f"comma-separated, of {', '.join(DTYPES)}")
+    ap.add_argument("--backward", action="store_true", help="also compare gradients (float32)")
+    ap.add_argument("--ops", default="", help="comma-separated op names (with or without "
+                    "variant: 'max' selects every max variant)")
+    ap.add_argument("--limit-samples", type=int, default=0, help="first N samples per op (0: all)")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds per op, mode, dtype and direction before it counts as 'timeout'")
+    ap.add_argument("--out", default=None, help=f"JSON results (default {DEFAULT_OUT} for a full "
+                    "sweep; a sweep restricted with --ops writes only when --out is given)")
+    ap.add_argument("--quiet", action="store_true", help="no per-op progress lines")
+    a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    for m in modes:
+        if m not in deferfuse.MODES:
+            ap.error(f"unknown mode {m!r}")
+    try:
+        dtypes = [DTYPES[d] for d in a.dtypes.split(",") if d]
+    except KeyError as e:
+        ap.error(f"unknown dtype {e}")
+    warnings.simplefilter("ignore")
+    t0 = time.time()
+    all_ops = load_ops()
+    if a.ops:
+        want = [x.strip() for x in a.ops.split(",") if x.strip()]
+        ops = {n: o for n, o in all_ops.items() if n in want or o.name in want}
+        missing = [w for w in want if not any(n == w or o.name == w for n, o in ops.items())]
+        if missing:
+            print(f"unknown ops: {', '.join(missing)}", file=sys.stderr)
+            return 2
+    else:
+        ops = all_ops
+    out = a.out if a.out is not None else (None if a.ops else DEFAULT_OUT)
+    print(f"OpInfo sweep: {len(ops)} ops, modes {','.join(modes)}, dtypes "
+          f"{','.join(DTYPE_NAMES[d] for d in dtypes)}{', backward' if a.backward else ''}, "
+          f"limit {a.limit_samples or 'all'} samples, timeout {a.timeout:g}s "
+          f"(deferfuse on JAX '{deferfuse.platform()}')", flush=True)
+    def write(results, partial: bool):
+        import jax
+        summ = summarize(results, modes, dtypes, a.backward)
+        doc = {
+            "meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - t0, 1),
+                     "partial": partial, "command": " ".join(["tests/opinfo_sweep.py"] + list(
+                         argv if argv is not None else sys.argv[1:])),
+                     "torch": torch.__version__, "jax": jax.__version__,
+                     "python": platform.python_version(), "jax_platform": deferfuse.platform(),
+                     "modes": modes, "dtypes": [DTYPE_NAMES[d] for d in dtypes],
+                     "backward": a.backward, "limit_samples": a.limit_samples or None,
+                     "timeout_s": a.timeout, "ops": len(ops), "ops_done": len(results),
+                     "statuses": {"pass": "every sample matches CPU, no CPU fallback",
+                                  "fallback": "every sample matches CPU, some aten op ran on CPU",
+                                  "fail": "a sample failed (group: the first failure's cause)",
+                                  "skip": "named skip set or no sample inputs",
+                                  "n/a": "the dtype/direction does not apply (not counted)"}},
+            **summ,
+            "skip": SKIP,
+            "random": sorted(RANDOM),
+            "gauge": sorted(GAUGE),
+            "tolerances": {"default": {DTYPE_NAMES[k]: v for k, v in DEFAULT_TOL.items()
+                                       if k in DTYPE_NAMES},
+                           "backward_default": {DTYPE_NAMES[k]: v for k, v in BACKWARD_TOL.items()},
+                           "per_op": {n: {DTYPE_NAMES[k]: v for k, v in t.items()}
+                                      for n, t in sorted(TOL.items())},
+                           "per_op_backward": {n: {DTYPE_NAMES[k]: v for k, v in t.items()}
+                                               for n, t in sorted(BACKWARD_TOL_OP.items())}},
+            "ops": results,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(tmp, out)
+        return summ
+
+    results = sweep(ops, modes, dtypes, a.backward, a.limit_samples or None, a.timeout,
+                    progress=None if a.quiet else print,
+                    checkpoint=(lambda r: write(r, True)) if out else None)
+    summ = summarize(results, modes, dtypes, a.backward)
+    print(render(results, summ, modes, dtypes, a.backward))
+    print(f"done in {(time.time() - t0) / 60:.1f} min")
+    if out:
+        write(results, False)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Factories and *_like ops against CPU eager (dtype and values), then the _foreach ops and the
+optimizers' foreach / for-loop paths step for step against CPU."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deferfuse
+from util import assert_same
+
+T = "tpu"
+
+
+def same_factory(fn, atol=0.0, rtol=0.0):
+    """fn(device) on tpu and on CPU: same dtype, shape and values."""
+    assert_same(fn(T), fn("cpu"), atol=atol, rtol=rtol)
+
+
+def fallbacks():
+    deferfuse.sync()
+    return dict(deferfuse.metrics()["cpu_fallbacks"])
+
+
+def test_zeros_ones_full_tensor():
+    deferfuse.reset_metrics()
+    same_factory(lambda d: torch.zeros(3, device=d))
+    same_factory(lambda d: torch.zeros(2, 3, dtype=torch.int32, device=d))
+    same_factory(lambda d: torch.ones(2, 0, 4, device=d))
+    same_factory(lambda d: torch.ones((), dtype=torch.bool, device=d))
+    same_factory(lambda d: torch.full((2,), 7, device=d, dtype=torch.int64))
+    same_factory(lambda d: torch.full((2, 2), 1.5, device=d))
+    same_factory(lambda d: torch.full((3,), 7, device=d))            # int fill -> int64
+    same_factory(lambda d: torch.full((3,), True, device=d))
+    same_factory(lambda d: torch.tensor([1.5, 2, 3], device=d))
+    same_factory(lambda d: torch.tensor([[1, 2], [3, 4]], device=d))
+    same_factory(lambda d: torch.tensor(3.25, device=d, dtype=torch.float64))
+    same_factory(lambda d: torch.scalar_tensor(4, device=d))
+    same_factory(lambda d: torch.scalar_tensor(4, dtype=torch.int32, device=d))
+    assert fallbacks() == {}
+
+
+def test_arange_linspace_logspace():
+    deferfuse.reset_metrics()
+    same_factory(lambda d: torch.arange(0, 1, 0.1, device=d))
+    same_factory(lambda d: torch.arange(5, device=d))
+    same_factory(lambda d: torch.arange(2, 11, 3, device=d))
+    same_factory(lambda d: torch.arange(1, 2.5, 0.3, device=d))
+    same_factory(lambda d: torch.arange(10, 0, -1.5, device=d, dtype=torch.float64))
+    same_factory(lambda d: torch.arange(0.5, 5, 1.5, device=d, dtype=torch.int64))
+    same_factory(lambda d: torch.arange(-3, 3, device=d, dtype=torch.float32))
+    same_factory(lambda d: torch.arange(0, 0, device=d))
+    same_factory(lambda d: torch.linspace(0, 1, 7, device=d), atol=1e-7)
+    same_factory(lambda d: torch.linspace(-2.5, 10, 50, device=d), atol=1e-6)
+    same_factory(lambda d: torch.linspace(3, 3, 1, device=d))
+    same_factory(lambda d: torch.linspace(0, 1, 0, device=d))
+    same_factory(lambda d: torch.linspace(0.5, 10.7, 5, dtype=torch.int64, device=d))
+    same_factory(lambda d: torch.logspace(0, 2, 5, device=d), rtol=1e-6)
+    same_factory(lambda d: torch.logspace(-1, 1, 6, base=2, device=d), rtol=1e-6)
+    start, end = torch.tensor(1.0), torch.tensor(4.0)
+    same_factory(lambda d: torch.linspace(start.to(d), end.to(d), 4, device=d), atol=1e-6)
+    assert fallbacks() == {}
+
+
+def test_eye_tri_indices():
+    deferfuse.reset_metrics()
+    same_factory(lambda d: torch.eye(3, device=d))
+    same_factory(lambda d: torch.eye(3, 4, device=d))
+    same_factory(lambda d: torch.eye(4, 2, dtype=torch.int64, device=d))
+    same_factory(lambda d: torch.eye(2, dtype=torch.bool, device=d))
+    same_factory(lambda d: torch.tril_indices(4, 3, device=d))
+    same_factory(lambda d: torch.tril_indices(3, 5, 1, device=d))
+    same_factory(lambda d: torch.triu_indices(4, 4, -1, device=d))
+    same_factory(lambda d: torch.triu_indices(3, 2, device=d, dtype=torch.int32))
+    assert fallbacks() == {}
+
+
+def test_like_and_new():
+    deferfuse.reset_metrics()
+    x = torch.randn(2, 3)
+    i = torch.arange(4, dtype=torch.int32)
+    for src in (x, i):
+        same_factory(lambda d: torch.zeros_like(src.to(d)))
+        same_factory(lambda d: torch.ones_like(src.to(d), dtype=torch.float64))
+        same_factory(lambda d: torch.full_like(src.to(d), 3))
+        same_factory(lambda d: torch.full_like(src.to(d), 2.5, dtype=torch.float32))
+        same_factory(lambda d: src.to(d).new_zeros(2, 2))
+        same_factory(lambda d: src.to(d).new_ones((3,), dtype=torch.bool))
+        same_factory(lambda d: src.to(d).new_full((2, 1), 9))
+        same_factory(lambda d: src.to(d).new_tensor([1, 2]))
+        assert torch.empty_like(src.to(T)).dtype == src.dtype
+        assert torch.empty_like(src.to(T)).shape == src.shape
+    same_factory(lambda d: torch.zeros_like(x.t().to(d)))
+    assert fallbacks() == {}
+
+
+def test_factories_with_indexing_users():
+    # composite ops that build index tensors with factories on the tensor's device
+    deferfuse.reset_metrics()
+    i = torch.tensor([[0, 4], [2, 1]])
+    assert_same(F.one_hot(i.to(T), 5), F.one_hot(i, 5))
+    assert_same(F.one_hot(i.to(T)), F.one_hot(i))
+    v = torch.randn(3)
+    assert_same(torch.diag(v.to(T)), torch.diag(v))
+    assert_same(torch.block_diag(v.to(T), v[:2].to(T)), torch.block_diag(v, v[:2]))
+    assert fallbacks().keys() <= {"aten.max.default"}   # one_hot without num_classes reads max()
+
+
+# --------------------------------------------------------------------------------------------
+# foreach
+
+def _lists(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 4), (5,), (2, 2, 2)][:n]
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def _tpu(xs):
+    return [x.to(T) for x in xs]
+
+
+def test_foreach_functional_and_inplace():
+    a, b, c = _lists(), _lists(seed=1), [x.abs() + 0.5 for x in _lists(seed=2)]
+    ta, tb, tc = _tpu(a), _tpu(b), _tpu(c)
+    cases = [
+        lambda a, b, c: torch._foreach_add(a, b, alpha=0.3),
+        lambda a, b, c: torch._foreach_sub(a, 1.25),
+        lambda a, b, c: torch._foreach_mul(a, [0.5, -2.0, 3.0]),
+        lambda a, b, c: torch._foreach_mul(a, torch.tensor(1.7, device=a[0].device)),
+        lambda a, b, c: torch._foreach_div(a, c),
+        lambda a, b, c: torch._foreach_maximum(a, b),
+        lambda a, b, c: torch._foreach_clamp_max(a, 0.2),
+        lambda a, b, c: torch._foreach_pow(c, 2.5),
+        lambda a, b, c: torch._foreach_sqrt(c),
+        lambda a, b, c: torch._foreach_neg(a),
+        lambda a, b, c: torch._foreach_addcmul(a, b, c, value=0.1),
+        lambda a, b, c: torch._foreach_addcdiv(a, b, c, [0.1, 0.2, -0.3]),
+        lambda a, b, c: torch._foreach_lerp(a, b, 0.3),
+        lambda a, b, c: torch._foreach_lerp(a, b, 0.8),
+        lambda a, b, c: torch._foreach_lerp(a, b, c),
+        lambda a, b, c: torch._foreach_norm(a),
+        lambda a, b, c: torch._foreach_norm(a, float("inf")),
+        lambda a, b, c: torch._foreach_norm(a, 1),
+        lambda a, b, c: torch._foreach_max(a),
+    ]
+    for k, f in enumerate(cases):
+        assert_same(f(ta, tb, tc), f(a, b, c), atol=1e-5, rtol=1e-5, msg=f"case {k}")
+
+    def inplace(a, b, c):
+        a = [x.clone() for x in a]
+        torch._foreach_mul_(a, 0.9)
+        torch._foreach_add_(a, b, alpha=-0.1)
+        torch._foreach_addcdiv_(a, b, c, value=0.5)
+        torch._foreach_lerp_(a, b, 0.25)
+        torch._foreach_maximum_(a, c)
+        torch._foreach_sqrt_(a)
+        torch._foreach_div_(a, [2.0, 3.0, 4.0])
+        torch._foreach_mul_(a, torch.tensor(0.5, device=a[0].device))
+        torch._foreach_zero_(a[:1])
+        return a
+    assert_same(inplace(ta, tb, tc), inplace(a, b, c), atol=1e-5, rtol=1e-5)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _train(model, opt_cls, kw, device, steps=3, clip=False):
+    model = copy.deepcopy(model).to(device)
+    opt = opt_cls(model.parameters(), **kw)
+    g = torch.Generator().manual_seed(1)
+    params = []
+    for _ in range(steps):
+        x = torch.randn(5, 4, generator=g).to(device)
+        y = torch.randn(5, 2, generator=g).to(device)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        params.append([p.detach().cpu().clone() for p in model.parameters()])
+    return params
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.1)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1)),
+    (torch.optim.Adam, dict(lr=0.01)),
+    (torch.optim.Adam, dict(lr=0.01, amsgrad=True, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=0.01)),
+    (torch.optim.AdamW, dict(lr=0.01, amsgrad=True)),
+]
+
+
+# On tpu, optimizers pick their for-loop path unless told foreach=True: torch.optim's default
+# (_default_to_fused_or_foreach) only takes foreach for parameters of type Tensor/Parameter.
+VARIANTS = {"foreach=True": ({"foreach": True}, OPTIMIZERS),
+            "foreach=False": ({"foreach": False}, OPTIMIZERS[1::2]),
+            "default": ({}, OPTIMIZERS[1::3]),
+            "fused=False": ({"fused": False}, OPTIMIZERS[4:5])}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_optimizers_match_cpu(variant):
+    model = _model()
+    extra, configs = VARIANTS[variant]
+    for k, (cls, kw) in enumerate(configs):
+        kw = dict(kw, **extra)
+        clip = k % 2 == 1
+        got = _train(model, cls, kw, T, clip=clip)
+        want = _train(model, cls, kw, "cpu", clip=clip)
+        for step, (gs, ws) in enumerate(zip(got, want)):
+            for g, w in zip(gs, ws):
+                torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-5,
+                                           msg=lambda m: f"{cls.__name__} {kw} step {step}: {m}")
+
+
+def test_optimizer_foreach_runs_on_jax():
+    deferfuse.reset_metrics()
+    model = _model()
+    for cls, kw in OPTIMIZERS[1::2]:
+        _train(model, cls, dict(kw, foreach=True), T, steps=2, clip=True)
+    assert not {k for k in fallbacks() if "_foreach" in k}

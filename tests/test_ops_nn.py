@@ -1,0 +1,230 @@
+"""nn ops (runtime/lowering/nn.py): forward and gradients against CPU eager, and no CPU fallbacks."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deferfuse
+from util import assert_same
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _tpu(x):
+    if isinstance(x, torch.Tensor):
+        y = x.detach().to("tpu")
+        return y.requires_grad_() if x.requires_grad else y
+    return x
+
+
+class Const:
+    """An input of ``check`` that gets no gradient."""
+    def __init__(self, x):
+        self.x = x
+
+
+def check(fn, *inputs, tol=TOL, module=None):
+    """Run ``fn(module, *inputs)`` on CPU and on tpu; compare outputs, input grads, param grads.
+    Floating inputs get gradients unless wrapped in ``Const``."""
+    cpu_in = [x.x if isinstance(x, Const) else
+              x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
+              else x for x in inputs]
+    tpu_in = [_tpu(x) for x in cpu_in]
+    cpu_m = module
+    tpu_m = copy.deepcopy(module).to("tpu") if module is not None else None
+    deferfuse.reset_metrics()
+    want = fn(cpu_m, *cpu_in)
+    got = fn(tpu_m, *tpu_in)
+    assert_same(got, want, **tol, msg="output")
+    wants = want if isinstance(want, (tuple, list)) else [want]
+    gots = got if isinstance(got, (tuple, list)) else [got]
+    cots = [torch.randn(w.shape) for w in wants]
+    sum((w * c).sum() for w, c in zip(wants, cots)).backward()
+    sum((g * c.to("tpu")).sum() for g, c in zip(gots, cots)).backward()
+    for i, (c, t) in enumerate(zip(cpu_in, tpu_in)):
+        if isinstance(c, torch.Tensor) and c.requires_grad:
+            assert_same(t.grad, c.grad, **tol, msg=f"grad of input {i}")
+    if module is not None:
+        for (n, pc), pt in zip(cpu_m.named_parameters(), tpu_m.parameters()):
+            assert_same(pt.grad, pc.grad, **tol, msg=f"grad of {n}")
+        for (n, bc), bt in zip(cpu_m.named_buffers(), tpu_m.buffers()):
+            assert_same(bt, bc, **tol, msg=f"buffer {n}")
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}, deferfuse.metrics()["cpu_fallbacks"]
+    return got
+
+
+def run_module(m, *xs):
+    return m(*xs)
+
+
+# ------------------------------------------------------------------------------------ conv
+
+def test_conv2d_groups_stride_padding():
+    m = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+    check(run_module, torch.randn(2, 4, 7, 7), module=m)
+
+
+def test_conv_transpose2d():
+    m = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2)
+    check(run_module, torch.randn(2, 4, 5, 5), module=m)
+
+
+def test_conv1d():
+    m = nn.Conv1d(3, 5, 3, padding=2, dilation=2, bias=False)
+    check(run_module, torch.randn(2, 3, 10), module=m)
+
+
+# ------------------------------------------------------------------------------------ norms
+
+def test_layer_norm():
+    check(run_module, torch.randn(3, 4, 6), module=nn.LayerNorm((4, 6)))
+
+
+def test_group_norm():
+    m = nn.GroupNorm(2, 6)
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    check(run_module, torch.randn(2, 6, 3, 3), module=m)
+
+
+def test_batch_norm_train_updates_running_stats():
+    m = nn.BatchNorm2d(3, momentum=0.2)
+    with torch.no_grad():
+        m.running_mean.fill_(0.5)
+        m.running_var.fill_(2.0)
+    mt = copy.deepcopy(m).to("tpu")
+    for _ in range(2):
+        x = torch.randn(4, 3, 5, 5) * 3 + 1
+        xc, xt = x.clone().requires_grad_(), x.to("tpu").requires_grad_()
+        yc, yt = m(xc), mt(xt)
+        assert_same(yt, yc, **TOL)
+        cot = torch.randn(yc.shape)
+        (yc * cot).sum().backward()
+        (yt * cot.to("tpu")).sum().backward()
+        assert_same(xt.grad, xc.grad, **TOL)
+    assert_same(mt.weight.grad, m.weight.grad, **TOL)
+    assert_same(mt.bias.grad, m.bias.grad, **TOL)
+    assert_same(mt.running_mean, m.running_mean, **TOL)
+    assert_same(mt.running_var, m.running_var, **TOL)     # unbiased variance, as on CPU
+    assert_same(mt.num_batches_tracked, m.num_batches_tracked)
+
+
+def test_batch_norm_eval():
+    m = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        m.running_mean.copy_(torch.randn(3))
+        m.running_var.copy_(torch.rand(3) + 0.5)
+        m.weight.normal_()
+    m.eval()
+    check(run_module, torch.randn(2, 3, 4, 4), module=m)
+
+
+# ------------------------------------------------------------------------------------ embedding
+
+def test_embedding_padding_idx():
+    m = nn.Embedding(10, 4, padding_idx=2)
+    idx = torch.tensor([[0, 2, 5], [5, 9, 2]])
+    out = check(lambda mod, i: mod(i), idx, module=m)
+    assert out.shape == (2, 3, 4)
+    check(lambda mod, i: mod(i), idx, module=nn.Embedding(10, 3, scale_grad_by_freq=True))
+
+
+# ------------------------------------------------------------------------------------ losses
+
+@pytest.mark.parametrize("kw", [dict(ignore_index=1), dict(label_smoothing=0.2, reduction="sum")])
+def test_cross_entropy(kw):
+    x = torch.randn(6, 5)
+    t = torch.tensor([0, 1, 4, 1, 3, 2])
+    w = torch.rand(5) + 0.5
+    check(lambda _, a, b, c: F.cross_entropy(a, b, weight=c, **kw), x, t, Const(w))
+
+
+def test_cross_entropy_2d_and_probs():
+    x = torch.randn(2, 4, 3, 3)
+    t = torch.randint(0, 4, (2, 3, 3))
+    t[0, 0, 0] = -100
+    check(lambda _, a, b: F.cross_entropy(a, b, reduction="none"), x, t)
+    check(lambda _, a, b: F.cross_entropy(a, b.softmax(1), label_smoothing=0.1), x,
+          torch.randn(2, 4, 3, 3))
+
+
+def test_regression_losses():
+    x, y = torch.randn(4, 5), torch.randn(4, 5)
+    check(lambda _, a, b: (F.mse_loss(a, b), F.mse_loss(a, b, reduction="none"),
+                           F.smooth_l1_loss(a, b, reduction="sum", beta=0.5),
+                           F.huber_loss(a, b, delta=0.7)), x, y)
+
+
+def test_binary_cross_entropy():
+    x, y, w = torch.rand(4, 3) * 0.9 + 0.05, torch.rand(4, 3), torch.rand(4, 3)
+    check(lambda _, a, b, c: F.binary_cross_entropy(a, b, weight=c), x, Const(y), Const(w))
+    check(lambda _, a, b, c: F.binary_cross_entropy_with_logits(a, b, pos_weight=c[0]),
+          torch.randn(4, 3), y, Const(w))
+
+
+# ------------------------------------------------------------------------------------ pooling
+
+def test_pooling():
+    x = torch.randn(2, 3, 7, 7)
+    check(lambda _, a: (F.max_pool2d(a, 3, stride=2, padding=1),
+                        F.max_pool2d(a, 2, ceil_mode=True),
+                        F.avg_pool2d(a, 3, stride=2, padding=1),
+                        F.avg_pool2d(a, 3, stride=2, padding=1, count_include_pad=False,
+                                     ceil_mode=True),
+                        F.adaptive_avg_pool2d(a, (3, 2))), x)
+
+
+def test_max_pool_indices():
+    x = torch.randn(2, 2, 6, 6)
+    want = F.max_pool2d(x, 3, stride=2, padding=1, dilation=1, return_indices=True)
+    got = F.max_pool2d(x.to("tpu"), 3, stride=2, padding=1, dilation=1, return_indices=True)
+    assert_same(got, want)
+
+
+# ------------------------------------------------------------------------------------ attention, softmax
+
+def test_sdpa_causal_and_float_mask():
+    q, k, v = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    mask = torch.randn(5, 6)
+    check(lambda _, a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k[..., :5, :],
+          v[..., :5, :])
+    check(lambda _, a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m, scale=0.3),
+          q, k, v, mask)
+
+
+def test_softmax_dims():
+    x = torch.randn(3, 4, 5)
+    check(lambda _, a: (F.softmax(a, 0), F.softmax(a, -1), F.log_softmax(a, 1), F.log_softmax(a, 2)), x)
+
+
+# ------------------------------------------------------------------------------------ dropout
+
+def test_dropout_statistics():
+    x = torch.rand(100, 100).to("tpu") + 1
+    y = F.dropout(x, 0.3, training=True)
+    assert y.device.type == "tpu" and y.dtype == x.dtype and y.shape == x.shape
+    yc, xc = y.cpu(), x.cpu()
+    zero = yc == 0
+    assert abs(zero.float().mean().item() - 0.3) < 0.03
+    torch.testing.assert_close(yc[~zero], xc[~zero] / 0.7)
+
+
+def test_dropout_grad_and_seed():
+    x = torch.randn(20, 30).to("tpu").requires_grad_()
+    torch.manual_seed(3)
+    y1 = F.dropout(x, 0.5, training=True)
+    torch.manual_seed(3)
+    y2 = F.dropout(x, 0.5, training=True)
+    assert torch.equal(y1.cpu(), y2.cpu())
+    y1.sum().backward()
+    keep = (y1.cpu() != 0).float()
+    torch.testing.assert_close(x.grad.cpu(), keep * 2)
+
+
+def test_dropout_eval_identity():
+    m = nn.Dropout(0.4).eval()
+    x = torch.randn(5, 5).to("tpu")
+    assert_same(m(x), x.cpu())

@@ -1,0 +1,129 @@
+"""Random ops: shape and dtype as CPU, the right distribution (moments of a large sample),
+reproducible under torch.manual_seed, different across consecutive calls, no CPU fallback."""
+import math
+
+import pytest
+import torch
+
+import deferfuse
+
+T = "tpu"
+N = 20000
+
+
+@pytest.fixture(autouse=True)
+def no_fallbacks():
+    deferfuse.reset_metrics()
+    yield
+    deferfuse.sync()
+    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+
+
+def like_cpu(fn):
+    """fn(device) on tpu: same shape/dtype as on CPU, reproducible under manual_seed, and a second
+    call draws different numbers. Returns the first tpu draw (on CPU)."""
+    want = fn("cpu")
+    torch.manual_seed(123)
+    t = fn(T)
+    assert t.device.type == "tpu"
+    assert t.dtype == want.dtype and t.shape == want.shape, (t.dtype, want.dtype, t.shape, want.shape)
+    a = t.cpu()
+    b = fn(T).cpu()
+    torch.manual_seed(123)
+    a2 = fn(T).cpu()
+    assert torch.equal(a, a2), "not reproducible under torch.manual_seed"
+    if a.numel() > 8:
+        assert not torch.equal(a, b), "two consecutive draws are equal"
+    return a
+
+
+def moments(x, mean, std, tol=0.05):
+    x = x.double()
+    assert abs(x.mean().item() - mean) < tol * max(std, 1e-3) * 3 + 1e-3, (x.mean().item(), mean)
+    assert abs(x.std().item() - std) < tol * std + 1e-3, (x.std().item(), std)
+
+
+def test_uniform_normal_factories():
+    moments(like_cpu(lambda d: torch.rand(N, device=d)), 0.5, 1 / math.sqrt(12))
+    moments(like_cpu(lambda d: torch.randn(N, device=d)), 0.0, 1.0)
+    x = like_cpu(lambda d: torch.randn(N, device=d, dtype=torch.bfloat16))
+    moments(x.float(), 0.0, 1.0)
+    moments(like_cpu(lambda d: torch.empty(N, device=d).uniform_(-2, 4)), 1.0, 6 / math.sqrt(12))
+    moments(like_cpu(lambda d: torch.normal(2.0, 3.0, (N,), device=d)), 2.0, 3.0)
+    y = like_cpu(lambda d: torch.empty(4, N, device=d, dtype=torch.float64)[1].normal_(3, 0.5))
+    moments(y, 3.0, 0.5)                                                   # a view, written back
+
+
+def test_like_and_normal_tensor_overloads():
+    base = torch.zeros(N)
+    moments(like_cpu(lambda d: torch.rand_like(base.to(d))), 0.5, 1 / math.sqrt(12))
+    moments(like_cpu(lambda d: torch.randn_like(base.to(d), dtype=torch.float64)), 0.0, 1.0)
+    mean = torch.full((N,), 5.0)
+    std = torch.full((N,), 2.0)
+    moments(like_cpu(lambda d: torch.normal(mean.to(d), 0.5)), 5.0, 0.5)
+    moments(like_cpu(lambda d: torch.normal(-1.0, std.to(d))), -1.0, 2.0)
+    moments(like_cpu(lambda d: torch.normal(mean.to(d), std.to(d))), 5.0, 2.0)
+
+
+def test_integers():
+    x = like_cpu(lambda d: torch.randint(0, 10, (N,), device=d))
+    assert x.min() == 0 and x.max() == 9
+    moments(x.double(), 4.5, math.sqrt(99 / 12))
+    x = like_cpu(lambda d: torch.randint(-5, 5, (N,), device=d, dtype=torch.int32))
+    assert x.min() == -5 and x.max() == 4
+    base = torch.zeros(N, dtype=torch.int16)
+    x = like_cpu(lambda d: torch.randint_like(base.to(d), 7))
+    assert x.min() == 0 and x.max() == 6
+    x = like_cpu(lambda d: torch.empty(N, device=d).random_(-3, 3))
+    assert x.min() == -3 and x.max() == 2
+    x = like_cpu(lambda d: torch.empty(N, dtype=torch.uint8, device=d).random_())
+    assert x.min() == 0 and x.max() == 255
+    x = like_cpu(lambda d: torch.empty(N, dtype=torch.float32, device=d).random_())
+    assert x.min() >= 0 and x.max() <= 2 ** 24 and x.max() > 2 ** 23 and torch.equal(x, x.round())
+    x = like_cpu(lambda d: torch.empty(N, dtype=torch.int64, device=d).random_())
+    assert x.min() >= 0 and x.max() > 2 ** 60
+    x = like_cpu(lambda d: torch.empty(N, dtype=torch.int64, device=d).random_(-2 ** 40, None))
+    assert x.min() >= -2 ** 40 and x.max() > 2 ** 60
+
+
+def test_bernoulli():
+    x = like_cpu(lambda d: torch.empty(N, device=d).bernoulli_(0.3))
+    assert set(x.unique().tolist()) <= {0.0, 1.0}
+    moments(x, 0.3, math.sqrt(0.21))
+    p = torch.linspace(0, 1, N)
+    x = like_cpu(lambda d: torch.bernoulli(p.to(d)))
+    assert x[:100].sum() < 10 and x[-100:].sum() > 90
+    moments(x, 0.5, 0.5, tol=0.1)
+    x = like_cpu(lambda d: torch.empty(N, dtype=torch.bool, device=d).bernoulli_(p.to(d)))
+    moments(x.double(), 0.5, 0.5, tol=0.1)
+    x = like_cpu(lambda d: torch.bernoulli(torch.zeros(N, device=d), 0.8))
+    moments(x, 0.8, 0.4)
+
+
+def test_other_distributions():
+    moments(like_cpu(lambda d: torch.empty(N, device=d).exponential_(2.0)), 0.5, 0.5)
+    p = 0.3
+    x = like_cpu(lambda d: torch.empty(N, device=d).geometric_(p))
+    assert x.min() >= 1 and torch.equal(x, x.round())
+    moments(x, 1 / p, math.sqrt(1 - p) / p)
+    x = like_cpu(lambda d: torch.empty(N, device=d).log_normal_(0.0, 0.25))
+    moments(x.log(), 0.0, 0.25)
+    x = like_cpu(lambda d: torch.empty(N, device=d).cauchy_(1.0, 2.0))
+    assert abs(x.median().item() - 1.0) < 0.1
+    q = (x - 1.0).abs().median().item()     # the half-width at the median is sigma
+    assert abs(q - 2.0) < 0.15
+
+
+def test_randperm_multinomial():
+    x = like_cpu(lambda d: torch.randperm(1000, device=d))
+    assert torch.equal(x.sort().values, torch.arange(1000))
+    w = torch.tensor([[1.0, 0.0, 3.0, 6.0], [0.0, 0.0, 5.0, 5.0]])
+    x = like_cpu(lambda d: torch.multinomial(w.to(d), 5000, replacement=True))
+    freq = torch.stack([torch.bincount(r, minlength=4) for r in x]).double() / 5000
+    torch.testing.assert_close(freq, w.double() / w.sum(1, keepdim=True), atol=0.03, rtol=0)
+    x = like_cpu(lambda d: torch.multinomial(w[0].to(d), 3))
+    assert sorted(x.tolist()) == [0, 2, 3]
+    # without replacement, the first draw follows the weights
+    first = like_cpu(lambda d: torch.multinomial(w[:1].expand(N, 4).contiguous().to(d), 2))[:, 0]
+    freq = torch.bincount(first, minlength=4).double() / N
+    torch.testing.assert_close(freq, w[0].double() / w[0].sum(), atol=0.02, rtol=0)
