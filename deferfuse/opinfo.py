@@ -48,7 +48,12 @@ def _functional_of(func):
         if p is None:
             return None
         return getattr(p, ov, None)
-    # out= variant: find the overload with the same non-out arguments
+    # out= variant: find the overload with the same non-out arguments. Only when every written
+    # argument is keyword-only (out=): an op writing a positional argument (batch norm's running
+    # stats) is not an out= variant of anything.
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if any(not a.kwarg_only for a in written):
+        return None
     keep = [a for a in schema.arguments if not (a.alias_info is not None and a.alias_info.is_write)]
     p = getattr(aten, packet_name, None)
     if p is None:

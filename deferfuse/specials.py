@@ -5,7 +5,8 @@ import torch
 
 from . import state
 from .dispatch import _contig, _fallback, _run, copy_into, from_cpu, new_tensor, to_cpu
-from .opinfo import op_info
+from .opinfo import decompose, op_info
+from .runtime.lowering import LOWERINGS
 from .runtime import transfer
 from .tensor import TpuTensor
 
@@ -146,6 +147,23 @@ def _h_is_pinned(func, args, kwargs):
     return False
 
 
+_BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+
+
+def _h_batch_norm(func, args, kwargs):
+    """native_batch_norm / _native_batch_norm_legit write running_mean/var in place (the former
+    without an alias annotation): run the lowered functional op, then write the stats back."""
+    a = dict(zip(_BN_ARGS, args), **kwargs)
+    fn = aten._native_batch_norm_legit_functional.default
+    if a.get("running_mean") is None or a.get("running_var") is None or fn not in LOWERINGS:
+        return decompose(func, args, kwargs)
+    out, mean, invstd, new_mean, new_var = _run(fn, op_info(fn), tuple(a[n] for n in _BN_ARGS), {})
+    if a["training"]:
+        copy_into(a["running_mean"], new_mean)
+        copy_into(a["running_var"], new_var)
+    return out, mean, invstd
+
+
 SPECIAL = {
     aten.empty.memory_format: _h_empty,
     aten.empty_strided.default: _h_empty_strided,
@@ -159,6 +177,8 @@ SPECIAL = {
     aten.resize_.default: _h_resize,
     aten.set_.source_Tensor: _h_set,
     aten.is_pinned.default: _h_is_pinned,
+    aten.native_batch_norm.default: _h_batch_norm,
+    aten._native_batch_norm_legit.default: _h_batch_norm,
 }
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")
