@@ -22,14 +22,15 @@ test-full: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "slow or not slow"
 
 sweep: $(STAMP)
-	$(BIN)/python -m tests.opinfo_sweep
+	$(BIN)/python tests/opinfo_sweep.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/run.py $(ARGS)
 
 bench-quick: $(STAMP)
-	$(BIN)/python bench/run.py --quick $(ARGS)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python bench/run.py --quick --systems eager,strict,defer,jax $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow

@@ -342,6 +342,9 @@ def summarize(runs: list[dict], limits: dict) -> dict:
                     for k, v in r.get("cpu_fallbacks", {}).items():
                         fb[k] = max(fb.get(k, 0), v)
                 c["cpu_fallbacks"] = fb
+                d = [r["peak_rss_mb"] - r["rss_before_mb"] for r in ok
+                     if r.get("peak_rss_mb") is not None and r.get("rss_before_mb")]
+                c["rss_step_growth_mb"] = max(0.0, max(d)) if d else None
                 ex = {}
                 for k in (ok[0].get("extras") or {}):
                     ex[k] = statistics.median(r["extras"][k] for r in ok if k in r.get("extras", {}))
@@ -409,13 +412,13 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
          "included. compiles: compile-cache misses after warm-up (deferfuse metrics; jit cache size "
          "for jax; new dynamo graphs for compile) — 0 in a steady loop. runtime peak: the runtime's "
          "own count (torch.tpu.max_memory_allocated for deferfuse). peak RSS: VmHWM after "
-         "clear_refs, steady steps. % limit: minimum bytes moved (memory-bound) or model FLOPs "
+         "clear_refs, steady steps (in brackets: how far it rose above the RSS before them). % limit: minimum bytes moved (memory-bound) or model FLOPs "
          "(matmul-bound) per step over the measured machine limit. check: relative difference of "
          "the workload's final number (loss, sum) from eager.", "",
          "| workload | system | median ms | IQR ms | first step s | compiles | runtime peak MB "
          "| peak RSS MB | % limit | throughput | CPU fallbacks | check | notes |",
          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
-    errors = []
+    errors: dict = {}
     for w in workloads:
         for s in systems:
             c = summ.get(w, {}).get(s)
@@ -425,7 +428,7 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
                 txt = c.get("error") or c["status"]
                 tag = "n/a" if c["status"] == "n/a" else "ERROR"
                 if tag == "ERROR":
-                    errors.append(f"- {w} / {s}: {txt}")
+                    errors.setdefault(txt, []).append((w, s))
                 L.append(f"| {w} | {s} | {tag} | | | | | | | | | | {txt[:90]} |")
                 continue
             fb = c.get("cpu_fallbacks") or {}
@@ -441,7 +444,7 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
             if c.get("compile_seconds_warmup"):
                 notes.append(f"warm-up compiles {c.get('compiles_warmup')} in "
                              f"{c['compile_seconds_warmup']:.1f} s")
-            if c.get("syncs_per_step") is not None:
+            if s == "defer" and c.get("syncs_per_step") is not None:
                 notes.append(f"{c['syncs_per_step']:.3g} syncs/step")
             if c.get("error"):
                 notes.append(f"{c['repeats'] - c['ok_repeats']} repeat(s) failed: {c['error'][:60]}")
@@ -449,7 +452,7 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
             chk = "–" if chk is None else (f"{chk:.0e}" if chk < 1e-3 else f"**{chk:.2g} DIFFERS**")
             L.append(f"| {w} | {s} | {_ms(c['median_ms'])} | {_ms(c['p75_ms'] - c['p25_ms'])} | "
                      f"{_f(c['first_step_s'])} | {_f(c.get('compiles_after_warmup'), '{}')} | "
-                     f"{_f(c.get('runtime_peak_mb'), '{:.3g}')} | {_f(c.get('peak_rss_mb'), '{:.0f}')} | "
+                     f"{_f(c.get('runtime_peak_mb'), '{:.3g}')} | {_f(c.get('peak_rss_mb'), '{:.0f}')}{_f(c.get('rss_step_growth_mb'), ' (+{:.0f})', '')} | "
                      f"{lim} | {thr} | {fbt} | {chk} | {'; '.join(notes)} |")
     L += ["", "## defer's speedup (other system's median / defer's median; > 1: defer is faster)", "",
           "| workload | " + " | ".join(f"vs {o}" for o in RATIO_TO) + " |",
@@ -463,7 +466,16 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
                      if isinstance(c, dict) and c.get("info")), None)
         L.append(f"- **{w}**: {W.WORKLOADS[w]['desc']}" + (f" — {json.dumps(info)}" if info else ""))
     if errors:
-        L += ["", "## Errors (first line; a dead child's log tail is in latest.json)", ""] + errors
+        L += ["", "## Errors (first line; a dead child's log tail is in latest.json)", ""]
+        for txt, cells in errors.items():
+            sy = sorted({c[1] for c in cells}, key=SYSTEMS.index)
+            if len(cells) > 1 and set(cells) == {(w, s) for w in workloads for s in sy}:
+                where = f"{', '.join(sy)} (every workload)"
+            else:
+                where = ", ".join(f"{w} / {s}" for w, s in cells)
+            L.append(f"- {where}: {txt}")
+    if meta.get("merged"):
+        L += ["", f"_Merged run: {meta['merged']}_"]
     return "\n".join(L) + "\n"
 
 
@@ -496,7 +508,8 @@ def draw_png(path: str, summ: dict, workloads: list[str], systems: list[str]) ->
                     if y:
                         xs.append(i + (j - (len(shown) - 1) / 2) * width)
                         ys.append(y)
-            ax.bar(xs, ys, width, label=s, color=f"C{SYSTEMS.index(s)}")
+            if xs:
+                ax.bar(xs, ys, width, label=s, color=f"C{SYSTEMS.index(s)}")
         ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xticks(range(len(workloads)))
@@ -529,6 +542,25 @@ def rerender() -> int:
     print(md)
     print(why or "wrote latest.md, latest.png")
     return 0
+
+
+def _merge(runs: list, meta: dict) -> tuple[list, dict]:
+    """Keep latest.json's cells that this run did not redo (``--merge``)."""
+    path = os.path.join(RESULTS, "latest.json")
+    if not os.path.exists(path):
+        return runs, meta
+    with open(path) as f:
+        old = json.load(f)
+    redone = {(r["workload"], r["system"]) for r in runs}
+    kept = [r for r in old["runs"] if (r["workload"], r["system"]) not in redone]
+    om = old["meta"]
+    meta = dict(om, merged=f"cells {', '.join(f'{w}/{s}' for w, s in sorted(redone))} rerun on "
+                f"{meta['machine']['date']} (load {meta['machine']['loadavg_start'][0]:.1f}) into the "
+                f"run of {om['machine']['date']}" + (f"; {om['merged']}" if om.get("merged") else ""))
+    meta["workloads"] = om["workloads"] + [w for w in {r["workload"] for r in runs}
+                                           if w not in om["workloads"]]
+    meta["systems"] = [s for s in SYSTEMS if s in set(om["systems"]) | {r["system"] for r in runs}]
+    return kept + runs, meta
 
 
 def parent(a) -> int:
@@ -597,10 +629,12 @@ def parent(a) -> int:
                 line += f"{res['status'].upper()}: {res.get('error', '')[:110]}"
             print(line + f"  ({time.time() - t0:.0f} s)", flush=True)
         machine["loadavg_end"] = os.getloadavg()
-        summ = summarize(runs, limits)
         meta = dict(machine=machine, limits=limits, quick=a.quick, repeats=repeats, warmup=warmup,
                     steps=steps, timeout_s=timeout, workloads=workloads, systems=systems,
                     wall_s=time.time() - t_start, argv=sys.argv[1:])
+        if a.merge:
+            runs, meta = _merge(runs, meta)
+        summ = summarize(runs, meta["limits"])
         md, why = write_outputs(meta, summ, runs)
         print()
         print(md)
@@ -613,6 +647,7 @@ def parent(a) -> int:
 
 
 def main() -> int:
+    global RESULTS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (smoke run)")
     p.add_argument("--workloads", help="comma-separated subset of workloads")
@@ -621,6 +656,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, help="warm-up steps per process (default 3, quick 2)")
     p.add_argument("--steps", type=int, help="timed steps per process (default 10, quick 3)")
     p.add_argument("--timeout", type=float, help="seconds per cell (default 900, quick 300)")
+    p.add_argument("--results", default=RESULTS,
+                   help="folder for latest.json / latest.md / latest.png (default bench/results)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep latest.json's other cells; replace only the cells run now")
     p.add_argument("--rerender", action="store_true",
                    help="only redraw latest.md / latest.png from latest.json")
     p.add_argument("--cell", nargs=2, metavar=("WORKLOAD", "SYSTEM"), help=argparse.SUPPRESS)
@@ -628,6 +667,7 @@ def main() -> int:
     p.add_argument("--limits", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cell-out", help=argparse.SUPPRESS)
     a = p.parse_args()
+    RESULTS = os.path.abspath(a.results)
     if a.cell:
         child_cell(a)
         return 0

@@ -74,6 +74,16 @@ RANDOM = {
 }
 RANDOM_REASON = "random or uninitialized result: shape and dtype only"
 
+# Ops random only for some samples (dropout > 0 while training): those samples shape and dtype only.
+RANDOM_SAMPLES = {
+    "nn.functional.scaled_dot_product_attention": lambda s: s.kwargs.get("dropout_p", 0.0) > 0,
+    "nn.functional.multi_head_attention_forward":
+        lambda s: len(s.args) > 9 and s.args[9] > 0 and s.kwargs.get("training", True),
+}
+
+# Ops whose tensor args (not the input) PyTorch requires on CPU, whatever the input's device.
+CPU_ARGS = {"tensor_split": "the indices_or_sections tensor must be a CPU tensor"}
+
 # Ops whose outputs are unique only up to a sign or phase (eigenvectors, singular vectors): both
 # results go through the sample's own ``output_process_fn_grad`` (OpInfo's gauge-invariant view:
 # abs() of the vectors, or the singular values) before comparing.
@@ -96,6 +106,7 @@ SKIP = {
     "torch.ops.aten._efficient_attention_forward": "CUDA-only: memory-efficient attention kernel",
     "nn.functional.batch_norm.without_cudnn": "CUDA-only: cudnn-disabled variant",
     "hash_tensor": "hash of the bit pattern: a CPU-kernel-specific reduction, not numerics",
+    "chalf": "complex32 (chalf) has no JAX dtype: not a tpu dtype",
 }
 
 # Per-op tolerances {op: {dtype: (atol, rtol)}} over DEFAULT_TOL, forward and backward.
@@ -105,9 +116,24 @@ DEFAULT_TOL = {torch.float32: (1e-5, 1.3e-6), torch.float64: (1e-7, 1e-7),
                torch.bfloat16: (1e-5, 1.6e-2), torch.float16: (1e-5, 1e-3),
                torch.complex64: (1e-5, 1.3e-6), torch.complex128: (1e-7, 1e-7)}
 BACKWARD_TOL = {torch.float32: (1e-5, 1e-5)}
-_F32_LOOSE = (1e-5, 1e-5)
 TOL: dict = {}
 BACKWARD_TOL_OP: dict = {}
+
+# Contractions (matmul, convolutions): XLA's dot/conv emitters sum in a different order than
+# MKL/oneDNN, so float32 results differ by a few times the rounding of the sum.
+for _n in ("addbmm", "baddbmm", "addmm", "addmm.decomposed", "addmv", "addr", "bmm", "mm", "mv",
+           "matmul", "__rmatmul__", "dot", "vdot", "inner", "tensordot", "einsum",
+           "linalg.multi_dot", "linalg.vecdot", "nn.functional.linear", "nn.functional.bilinear",
+           "nn.functional.conv1d", "nn.functional.conv2d", "nn.functional.conv3d",
+           "nn.functional.conv_transpose1d", "nn.functional.conv_transpose2d",
+           "nn.functional.conv_transpose3d", "cdist", "nn.functional.pdist"):
+    TOL[_n] = {torch.float32: (1e-4, 1e-5)}
+# polygamma: XLA evaluates it through a zeta series; results differ from PyTorch's by ~2e-5
+# relative for large values (about 150 ulp), not a lowering bug.
+for _n in ("polygamma.polygamma_n_0", "polygamma.polygamma_n_1", "polygamma.polygamma_n_2",
+           "polygamma.polygamma_n_3", "polygamma.polygamma_n_4",
+           "special.polygamma.special_polygamma_n_0"):
+    TOL[_n] = {torch.float32: (1e-5, 1e-4)}
 
 
 def tolerance(name: str, dtype, backward: bool = False):
@@ -144,10 +170,6 @@ def supported(o, dtype) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # moving samples, snapshots
-
-def _is_cpu_device(x) -> bool:
-    return (isinstance(x, torch.device) and x.type == "cpu") or (isinstance(x, str) and x == "cpu")
-
 
 def _map(x, f):
     """Apply f to every leaf of nested lists/tuples/dicts (namedtuples and torch.Size kept)."""
@@ -198,6 +220,13 @@ def to_tpu(x, memo: dict):
     return _map(x, f)
 
 
+def place(name: str, s, memo: dict):
+    """(input, args, kwargs) of sample ``s`` for the tpu run."""
+    if name in CPU_ARGS:
+        return to_tpu(s.input, memo), clone_cpu(s.args, {}), to_tpu(s.kwargs, memo)
+    return to_tpu((s.input, s.args, s.kwargs), memo)
+
+
 class Snap:
     """A tensor result seen from CPU: its device, and a CPU copy (taken inside the tpu try)."""
     __slots__ = ("device", "t")
@@ -231,12 +260,12 @@ def _fmt(x) -> str:
     return type(x).__name__
 
 
-def compare(got, want, tol_of, path: str = "out", values: bool = True):
+def compare(got, want, tol_of, path: str = "out", values: bool = True, device: bool = True):
     """``got`` (snapshot of the tpu result) against ``want`` (the CPU result)."""
     if isinstance(want, torch.Tensor):
         if not isinstance(got, Snap):
             raise Mismatch("structure mismatch", f"{path}: expected a tensor, got {_fmt(got)}")
-        if got.device != "tpu" and want.device.type == "cpu":
+        if device and got.device != "tpu" and want.device.type == "cpu":
             raise Mismatch("wrong device", f"{path}: result on {got.device}, expected tpu")
         g = got.t
         if g.dtype != want.dtype:
@@ -266,13 +295,13 @@ def compare(got, want, tol_of, path: str = "out", values: bool = True):
         if len(got) != len(want):
             raise Mismatch("structure mismatch", f"{path}: {len(got)} items, expected {len(want)}")
         for i, (g, w) in enumerate(zip(got, want)):
-            compare(g, w, tol_of, f"{path}[{i}]", values)
+            compare(g, w, tol_of, f"{path}[{i}]", values, device)
         return
     if isinstance(want, dict):
         if not isinstance(got, dict) or set(got) != set(want):
             raise Mismatch("structure mismatch", f"{path}: dict keys differ")
         for k in want:
-            compare(got[k], want[k], tol_of, f"{path}[{k!r}]", values)
+            compare(got[k], want[k], tol_of, f"{path}[{k!r}]", values, device)
         return
     if isinstance(got, Snap):
         raise Mismatch("structure mismatch", f"{path}: expected {type(want).__name__}, got a tensor")
@@ -392,7 +421,7 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
     gauge = name in GAUGE
     cmemo, tmemo = {}, {}
     c_in, c_args, c_kw = clone_cpu((s.input, s.args, s.kwargs), cmemo)
-    t_in, t_args, t_kw = to_tpu((s.input, s.args, s.kwargs), tmemo)
+    t_in, t_args, t_kw = place(name, s, tmemo)
     # tpu first (on copies), then CPU on the clones: in-place ops mutate their inputs.
     t_err = t_out = t_after = None
     try:
@@ -428,8 +457,9 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
         return _classify_error(t_err), _err_text(t_err)
     try:
         compare(t_out, c_out, tol_of, "out", values=not random)
+        # (inputs stay where they were placed: CPU_ARGS keeps some on CPU)
         compare(t_after, _tensors((c_in, c_args, c_kw), []), tol_of, "input after the op",
-                values=not random)
+                values=not random, device=False)
     except Mismatch as m:
         return m.group, str(m)
     return None
@@ -471,7 +501,7 @@ def run_backward_sample(o, name: str, s, mode: str, seed: int):
         return "n/a"
     # The tpu copies of the same leaves (the CPU clones map back to the sample's tensors).
     orig_of = {id(v): k for k, v in cmemo.items()}
-    t_in, t_args, t_kw = to_tpu((s.input, s.args, s.kwargs), tmemo)
+    t_in, t_args, t_kw = place(name, s, tmemo)
     t_leaves = [tmemo[orig_of[id(t)]] for t in leaves]
     try:
         with deferfuse.mode(mode):
@@ -545,10 +575,11 @@ def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limi
                 samples = gen_samples(o, dtype, direction == "backward", limit)
             n_counted = 0
             for i, s in enumerate(samples):
+                rnd = random or (name in RANDOM_SAMPLES and RANDOM_SAMPLES[name](s))
                 if direction == "forward":
-                    r = run_forward_sample(o, name, s, mode, random)
+                    r = run_forward_sample(o, name, s, mode, rnd)
                 else:
-                    if random:
+                    if rnd:
                         r = "n/a"
                     else:
                         r = run_backward_sample(o, name, s, mode, seed=i)

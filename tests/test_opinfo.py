@@ -33,7 +33,7 @@ def _load_engine():
 
 sweep = _load_engine()
 
-LIMIT = 3          # samples per op
+LIMIT = 3          # samples per op (the full sweep: python tests/opinfo_sweep.py)
 TIMEOUT = 90.0     # seconds per op and mode
 
 # op_db names (with variant), across families.
@@ -61,7 +61,11 @@ SUBSET = [
 ]
 
 # op -> (reason, modes it fails in, or None for every mode). Each runs as xfail(strict=True).
-KNOWN_FAIL: dict = {}
+KNOWN_FAIL: dict = {
+    "matmul": ("1-d @ 2-d unsqueezes, multiplies, then calls the in-place view op squeeze_, which "
+               "the dispatcher treats as an out= write of a different shape and rejects (core: "
+               "in-place view ops squeeze_/unsqueeze_/transpose_ must change the view chain)", None),
+}
 
 
 def _params():
@@ -86,6 +90,7 @@ def _describe(rec) -> str:
     return " ".join(parts)
 
 
+@pytest.mark.modes("strict")
 def test_subset_names_exist():
     ops = _ops()
     missing = [n for n in SUBSET + list(KNOWN_FAIL) if n not in ops]

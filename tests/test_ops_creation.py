@@ -196,7 +196,7 @@ OPTIMIZERS = [
 
 # On tpu, optimizers pick their for-loop path unless told foreach=True: torch.optim's default
 # (_default_to_fused_or_foreach) only takes foreach for parameters of type Tensor/Parameter.
-VARIANTS = {"foreach=True": ({"foreach": True}, OPTIMIZERS),
+VARIANTS = {"foreach=True": ({"foreach": True}, [OPTIMIZERS[k] for k in (1, 2, 4, 5)]),
             "foreach=False": ({"foreach": False}, OPTIMIZERS[1::2]),
             "default": ({}, OPTIMIZERS[1::3]),
             "fused=False": ({"fused": False}, OPTIMIZERS[4:5])}
@@ -220,6 +220,9 @@ def test_optimizers_match_cpu(variant):
 def test_optimizer_foreach_runs_on_jax():
     deferfuse.reset_metrics()
     model = _model()
-    for cls, kw in OPTIMIZERS[1::2]:
+    for cls, kw in (OPTIMIZERS[1], OPTIMIZERS[4]):
         _train(model, cls, dict(kw, foreach=True), T, steps=2, clip=True)
-    assert not {k for k in fallbacks() if "_foreach" in k}
+    ran_on_cpu = {k for k in fallbacks() if "_foreach" in k}
+    # In-place _foreach_*_ ops return nothing (schema "-> ()"): meta inference and the dispatcher
+    # must accept that, else they run on CPU.
+    assert not ran_on_cpu, f"foreach ops ran on CPU: {sorted(ran_on_cpu)}"

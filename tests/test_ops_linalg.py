@@ -192,6 +192,16 @@ def test_singular_and_not_positive_definite():
         torch.linalg.inv(A.to("tpu"))
     with pytest.raises(torch.linalg.LinAlgError):
         torch.linalg.cholesky(N.to("tpu"))
+    # check_errors=True raises from the program's flags (defer mode: at the next sync)
+    for f in (lambda: torch.linalg.inv_ex(A.to("tpu"), check_errors=True),
+              lambda: torch.linalg.cholesky_ex(N.to("tpu"), check_errors=True),
+              lambda: torch.linalg.solve_ex(A.to("tpu"), N[:3, :3].to("tpu"), check_errors=True)):
+        with pytest.raises(torch.linalg.LinAlgError):
+            f()
+            deferfuse.sync()
+    with pytest.raises(RuntimeError):
+        torch.linalg.lu_factor_ex(A.to("tpu"), check_errors=True)
+        deferfuse.sync()
 
 
 @pytest.mark.modes("defer")

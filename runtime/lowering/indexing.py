@@ -131,32 +131,38 @@ def _highest(dt):
 _IDENT = {"sum": lambda dt: 0, "mean": lambda dt: 0, "prod": lambda dt: 1, "amax": _lowest, "amin": _highest}
 
 
+def _reduce_into(x, g, s, reduce, include_self):
+    """x with ``s`` reduced into the positions ``g`` (PyTorch's scatter_reduce/index_reduce)."""
+    at = lambda a: a.at[g]  # noqa: E731
+    kw = {"mode": "drop", **_NOWRAP}
+    acc = x if include_self else at(x).set(_scalar_as(_IDENT[reduce](x.dtype), x.dtype), **kw)
+    if reduce in ("sum", "mean"):
+        out = at(acc).add(s, **kw) if x.dtype != jnp.bool_ else at(acc).max(s, **kw)
+    elif reduce == "prod":
+        out = at(acc).multiply(s, **kw) if x.dtype != jnp.bool_ else at(acc).min(s, **kw)
+    elif reduce == "amax":
+        out = at(acc).max(s, **kw)
+    elif reduce == "amin":
+        out = at(acc).min(s, **kw)
+    else:
+        raise ValueError(f"unknown reduction {reduce!r}")
+    if reduce == "mean":
+        cnt = (jnp.ones if include_self else jnp.zeros)(x.shape, jnp.int64)
+        cnt = jnp.maximum(at(cnt).add(jnp.ones(jnp.shape(s), jnp.int64), **kw), 1)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            out = out / cnt.astype(x.dtype)
+        else:
+            out = jnp.floor_divide(out, cnt).astype(x.dtype)
+    return out
+
+
 @op("scatter_reduce.two")
 def scatter_reduce(x, dim, index, src, reduce, include_self=True):
     if index.size == 0:
         return x
     shape = x.shape
     x, dim, index, _, g = _scatter_prep(x, dim, index)
-    s = _src(src, index, x.dtype)
-    acc = x if include_self else x.at[g].set(_scalar_as(_IDENT[reduce](x.dtype), x.dtype), mode="drop", **_NOWRAP)
-    if reduce in ("sum", "mean"):
-        out = acc.at[g].add(s, mode="drop", **_NOWRAP) if x.dtype != jnp.bool_ else acc.at[g].max(s, mode="drop", **_NOWRAP)
-    elif reduce == "prod":
-        out = acc.at[g].multiply(s, mode="drop", **_NOWRAP) if x.dtype != jnp.bool_ else acc.at[g].min(s, mode="drop", **_NOWRAP)
-    elif reduce == "amax":
-        out = acc.at[g].max(s, mode="drop", **_NOWRAP)
-    elif reduce == "amin":
-        out = acc.at[g].min(s, mode="drop", **_NOWRAP)
-    else:
-        raise ValueError(f"unknown scatter reduction {reduce!r}")
-    if reduce == "mean":
-        cnt = (jnp.ones if include_self else jnp.zeros)(x.shape, jnp.int64)
-        cnt = jnp.maximum(cnt.at[g].add(1, mode="drop", **_NOWRAP), 1)
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            out = out / cnt.astype(x.dtype)
-        else:
-            out = jnp.floor_divide(out, cnt).astype(x.dtype)
-    return out.reshape(shape)
+    return _reduce_into(x, g, _src(src, index, x.dtype), reduce, include_self).reshape(shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,6 +210,14 @@ def index_add(x, dim, index, source, *, alpha=1):
     if not (isinstance(alpha, (int, float)) and alpha == 1):
         s = s * alpha
     return _put(x1, idx, s, accumulate=True, wrap=False).reshape(shape)
+
+
+@op("index_reduce.default")
+def index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    shape = x.shape
+    x1, idx, d = _along(x, dim, index, IndexError)
+    s = _source(source, x1, d, idx[-1].shape[0]).astype(x1.dtype)
+    return _reduce_into(x1, idx, s, reduce, include_self).reshape(shape)
 
 
 @op("index_copy.default")

@@ -9,9 +9,10 @@ their LU/pivots outputs match what the backward formulas expect.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import torch
 from jax import lax
 
-from . import op
+from . import _FLAGS, op
 
 _LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _solve_tri = lax.linalg.triangular_solve
@@ -175,6 +176,18 @@ def _info(bad):
     return jnp.where(jnp.any(bad, axis=-1), first + 1, 0).astype(jnp.int32)
 
 
+def _check(info, check_errors, exc, message):
+    """``check_errors=True``: raise PyTorch's error when any ``info`` is nonzero (through the
+    runtime's flags: at once in strict mode, at the next sync in defer mode). The message cannot
+    name the failing element: it is fixed when the program is traced."""
+    if check_errors and info.size:
+        _FLAGS.append((jnp.any(info != 0), exc, message))
+
+
+_SINGULAR = "the input matrix is singular"
+_NOT_PD = "the input is not positive-definite"
+
+
 def _lu(a):
     """(packed LU, 0-based pivots, permutation) with A[..., perm, :] = L @ U."""
     return lax.linalg.lu(a)
@@ -220,7 +233,10 @@ def _factor_T(a):
 @op("linalg_lu_factor_ex.default")
 def lu_factor_ex(a, *, pivot=True, check_errors=False):
     lu, piv, _ = _lu(a)
-    return lu, piv + 1, _info(_diag(lu) == 0)
+    info = _info(_diag(lu) == 0)
+    _check(info, check_errors, RuntimeError, "torch.linalg.lu_factor_ex: a diagonal element of U "
+           "is zero and using it on lu_solve would result in a division by zero.")
+    return lu, piv + 1, info
 
 
 @op("linalg_lu.default")
@@ -257,14 +273,20 @@ def linalg_solve_ex(a, b, *, left=True, check_errors=False):
     lu, piv, perm = _lu(a)
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
     x = _lu_solve(lu, perm, b[..., None] if vector else b, left)
-    return (x[..., 0] if vector else x), lu, piv + 1, _info(_diag(lu) == 0)
+    info = _info(_diag(lu) == 0)
+    _check(info, check_errors, torch.linalg.LinAlgError,
+           f"torch.linalg.solve_ex: The solver failed because {_SINGULAR}.")
+    return (x[..., 0] if vector else x), lu, piv + 1, info
 
 
 @op("linalg_inv_ex.default")
 def linalg_inv_ex(a, *, check_errors=False):
     lu, _, perm = _lu(a)
     eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
-    return _lu_solve(lu, perm, eye), _info(_diag(lu) == 0)
+    info = _info(_diag(lu) == 0)
+    _check(info, check_errors, torch.linalg.LinAlgError, "linalg.inv_ex: A diagonal element is "
+           f"zero, the inversion could not be completed because {_SINGULAR}.")
+    return _lu_solve(lu, perm, eye), info
 
 
 def _parity(piv):
@@ -323,6 +345,8 @@ def linalg_cholesky_ex(a, *, upper=False, check_errors=False):
     else:
         info = lax.cond(jnp.any(failed), lambda: _chol_info(src),
                         lambda: jnp.zeros(a.shape[:-2], jnp.int32))
+    _check(info, check_errors, torch.linalg.LinAlgError, "linalg.cholesky_ex: The factorization "
+           f"could not be completed because {_NOT_PD}.")
     return (_mH(L) if upper else L), info
 
 

@@ -260,8 +260,8 @@ def sinc(x):
 
 @_unary("special_spherical_bessel_j0.default")
 def spherical_j0(x):
-    safe = jnp.where(x == 0, 1, x)
-    return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
+    safe = jnp.where((x == 0) | jnp.isinf(x), 1, x)
+    return jnp.where(x == 0, jnp.ones_like(x), jnp.where(jnp.isinf(x), jnp.zeros_like(x), jnp.sin(safe) / safe))
 
 
 _ZETA_MAX_SHIFT = 2.0 ** 20
@@ -287,7 +287,10 @@ def _zeta(x, q):
     res = jnp.where(shift & (-q > _ZETA_MAX_SHIFT), jnp.nan, res)
     inf = jnp.full_like(res, jnp.inf)
     nan = jnp.full_like(res, jnp.nan)
-    res = jnp.where(qint, inf, jnp.where((q < 0) & (x != jnp.floor(x)), nan, res))
+    res = jnp.where((q < 0) & (x != jnp.floor(x)), nan, res)
+    # x = +inf (Cephes' series): 1 at q == 1, nan for q > 1, inf otherwise.
+    res = jnp.where(x == jnp.inf, jnp.where(q == 1, 1.0, jnp.where(q > 1, jnp.nan, jnp.inf)), res)
+    res = jnp.where(qint, inf, jnp.where(jnp.isnan(q), nan, res))
     return jnp.where(x == 1, inf, jnp.where(x < 1, nan, res)).astype(dt)
 
 
@@ -484,6 +487,7 @@ def conj_physical(x):
 
 @op("bitwise_not.default")
 def bitwise_not(x):
+    _integral_only("bitwise_not", x.dtype)
     return jnp.logical_not(x) if x.dtype == _BOOL else jnp.bitwise_not(x)
 
 
@@ -617,17 +621,23 @@ def pow_(x, y):
             return lax.integer_pow(xc, int(y))
         return _ipow(xc, _cast(y, cd))
     cd = _opmath(ct)
+    xc, yc = _cast(x, cd), _cast(y, cd)
     if _py(y) and not _py(x):
-        xc = _cast(x, cd)
-        if y == 2:
-            return xc * xc
-        if y == 0.5:
-            return jnp.sqrt(xc)
-        if y == -1:
-            return 1 / xc
-        if y == 1:
-            return xc
-    return jnp.power(_cast(x, cd), _cast(y, cd))
+        special = _POW_SPECIAL.get(y)
+        return special(xc) if special is not None else jnp.power(xc, yc)
+    if not _py(x) and _weak(y) and not _iscomplex(cd):
+        # A traced scalar exponent: PyTorch's CPU kernel special-cases these exponents (they differ
+        # from pow at -0 and -inf); pick the branch at run time.
+        branches = [lambda b: jnp.power(b, yc)] + [_POW_SPECIAL[k] for k in _POW_KEYS]
+        idx = sum(jnp.where(yc == k, i + 1, 0) for i, k in enumerate(_POW_KEYS))
+        return lax.switch(idx, branches, xc)
+    return jnp.power(xc, yc)
+
+
+_POW_SPECIAL = {0: lambda b: jnp.ones_like(b), 1: lambda b: b, 2: lambda b: b * b,
+                3: lambda b: b * b * b, -2: lambda b: 1 / (b * b), 0.5: jnp.sqrt, -0.5: lax.rsqrt,
+                -1: lambda b: 1 / b}
+_POW_KEYS = (3, -2, -0.5)     # traced exponents worth a branch (the others arrive as Python numbers)
 
 
 @op("atan2.default")
@@ -710,9 +720,16 @@ def ldexp(x, y):
 # --------------------------------------------------------------------------------------------
 # bitwise, logical, comparison
 
+def _integral_only(name, dt):
+    """PyTorch's kernels reject float inputs here, after meta inference accepted them."""
+    if _isinexact(dt):
+        raise RuntimeError(f'"{name}" not implemented for \'{NP_TO_TORCH[np.dtype(dt)]}\'')
+
+
 def _bitwise(f):
     def low(x, y):
-        _, (x, y) = _common(x, y, opmath=False)
+        ct, (x, y) = _common(x, y, opmath=False)
+        _integral_only(f.__name__, ct)
         return f(x, y)
     low.__name__ = f.__name__
     return low
@@ -839,13 +856,15 @@ def heaviside(x, v):
 
 @op("gcd.default")
 def gcd(x, y):
-    _, (x, y) = _common(x, y, opmath=False)
+    ct, (x, y) = _common(x, y, opmath=False)
+    _integral_only("gcd", ct)
     return jnp.gcd(x, y)
 
 
 @op("lcm.default")
 def lcm(x, y):
-    _, (x, y) = _common(x, y, opmath=False)
+    ct, (x, y) = _common(x, y, opmath=False)
+    _integral_only("lcm", ct)
     g = jnp.gcd(x, y)
     return jnp.where(g == 0, jnp.zeros_like(x), jnp.abs(x // jnp.where(g == 0, 1, g) * y))
 
@@ -868,16 +887,26 @@ def zeta(x, q):
     return _zeta(x, q)
 
 
+def _igamma_edges(a, x, v, lower):
+    """PyTorch's (SciPy's) boundary values for the regularized incomplete gamma functions."""
+    one, zero = (1.0, 0.0) if lower else (0.0, 1.0)
+    v = jnp.where(jnp.isinf(x), one, v)
+    v = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), jnp.nan, zero), v)
+    v = jnp.where(x == 0, zero, v)
+    v = jnp.where(a == 0, jnp.where(x > 0, one, jnp.nan), v)
+    return jnp.where((x < 0) | (a < 0), jnp.nan, v)
+
+
 @op("igamma.default")
 def igamma(a, x):
     _, (a, x) = _common(a, x, float_=True)
-    return jss.gammainc(a, x)
+    return _igamma_edges(a, x, jss.gammainc(a, x), True)
 
 
 @op("igammac.default")
 def igammac(a, x):
     _, (a, x) = _common(a, x, float_=True)
-    return jss.gammaincc(a, x)
+    return _igamma_edges(a, x, jss.gammaincc(a, x), False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -973,8 +1002,8 @@ def hardswish(x):
 
 @op("hardshrink.default")
 def hardshrink(x, lambd=0.5):
+    lam = _cast(_cast(lambd, x.dtype), _opmath(np.dtype(x.dtype)))   # PyTorch rounds lambd to x's dtype
     x = _act(x)
-    lam = _cast(lambd, x.dtype)
     return jnp.where((x >= -lam) & (x <= lam), jnp.zeros_like(x), x)
 
 
@@ -1001,7 +1030,7 @@ def _gx(g, x):
 
 @op("threshold_backward.default")
 def threshold_backward(g, x, threshold):
-    _, (g, x) = _common(g, x, opmath=False)
+    g, x = _gx(g, x)
     return jnp.where(x <= _cast(threshold, x.dtype), jnp.zeros_like(g), g)
 
 
@@ -1079,7 +1108,7 @@ def softplus_backward(g, x, beta, threshold):
 @op("hardswish_backward.default")
 def hardswish_backward(g, x):
     g, x = _gx(g, x)
-    return jnp.where(x < -3, jnp.zeros_like(g), jnp.where(x <= 3, g * (x / 3 + 0.5), g))
+    return jnp.where(x <= -3, jnp.zeros_like(g), jnp.where(x < 3, g * (x / 3 + 0.5), g))
 
 
 @op("hardsigmoid_backward.default")
@@ -1098,8 +1127,9 @@ def mish_backward(g, x):
 
 @op("hardshrink_backward.default", "softshrink_backward.default")
 def shrink_backward(g, x, lambd):
+    ct = _rt(g, x)
+    lam = _cast(_cast(lambd, ct), _opmath(ct))       # PyTorch rounds lambd to the tensors' dtype
     g, x = _gx(g, x)
-    lam = _cast(lambd, x.dtype)
     return jnp.where((x >= -lam) & (x <= lam), jnp.zeros_like(g), g)
 
 
