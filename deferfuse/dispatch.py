@@ -254,7 +254,8 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
     out = infer(func, args, kwargs)
     e = _Entry()
     e.name = info.name
-    e.khash = hash(key)
+    # hash(-1) == hash(-2) in CPython: mix in the text of the key so such keys never collide.
+    e.khash = hash((key, repr(key)))
     mut = ()
     if info.kind in ("self_mut", "func_mut"):
         mut_objs = [args[i] for i in info.mut_pos if i < len(args)] + \
