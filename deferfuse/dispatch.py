@@ -224,6 +224,8 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
             st.val = outs[k]
             state.trace.track_mut(st, outs[k])
         rets = info.returns
+        if not rets:
+            return None
         res = []
         for r in rets:
             if r is None:

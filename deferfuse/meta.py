@@ -44,6 +44,8 @@ def infer(func, args, kwargs):
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
     out = func(*margs, **mkw)
+    if not func._schema.returns:      # in-place ops declared "-> ()" (_foreach_add_ ...)
+        return "none", ()
     if isinstance(out, torch.Tensor):
         return "one", (_desc(out),)
     if isinstance(out, list):

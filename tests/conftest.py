@@ -38,7 +38,6 @@ KNOWN_FAILURES = {
     "test_opinfo[strict-transpose]": "transpose OpInfo sample mismatch (under investigation)",
     "test_opinfo[defer-transpose]": "transpose OpInfo sample mismatch (under investigation)",
     "test_optimizer_foreach_runs_on_jax[defer]": "a foreach op falls back in defer mode",
-    "test_cat_stack[strict]": "cat/stack edge case differs from CPU",
     "test_binary[defer-int32-int64]": "int32/int64 binary op dtype edge case",
 }
 
