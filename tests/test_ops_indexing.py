@@ -11,14 +11,15 @@ T = "tpu"
 
 
 def both(fn, *args, **kw):
-    """fn on CPU args and on the same args moved to tpu."""
-    def mv(a):
+    """fn on the same args moved to tpu and on CPU copies (fn may write its inputs)."""
+    def mv(a, dev):
         if isinstance(a, torch.Tensor):
-            return a.to(T)
+            return a.to(dev) if dev == T else a.clone()
         if isinstance(a, (list, tuple)):
-            return type(a)(mv(x) for x in a)
+            return type(a)(mv(x, dev) for x in a)
         return a
-    return fn(*[mv(a) for a in args], **{k: mv(v) for k, v in kw.items()}), fn(*args, **kw)
+    got = fn(*[mv(a, T) for a in args], **{k: mv(v, T) for k, v in kw.items()})
+    return got, fn(*[mv(a, "cpu") for a in args], **{k: mv(v, "cpu") for k, v in kw.items()})
 
 
 def check(fn, *args, atol=1e-5, rtol=1.3e-6, **kw):
@@ -59,7 +60,7 @@ def test_gather_scatter():
     check(lambda x, i, s: x.scatter(1, i, s, reduce="multiply"), x, idx, src)
     dup = torch.tensor([[0, 0, 1], [2, 2, 2]])
     check(lambda x, i, s: x.scatter_add(1, i, s), x, dup, src)
-    check(lambda x, i, s: torch.zeros(3, 5, dtype=torch.long).to(s.device).scatter_add_(1, i, s), x, dup,
+    check(lambda z, i, s: z.scatter_add_(1, i, s), torch.zeros(3, 5, dtype=torch.long), dup,
           torch.ones(2, 3, dtype=torch.long))
 
 
@@ -108,8 +109,8 @@ def test_index_put():
     check(lambda x, i: x.index_put((i,), torch.ones_like(x[:4]), accumulate=True), x, dup)
     check(lambda x, i: x.index_put((i, i), torch.full((4,), 2.0, device=x.device), accumulate=True),
           x, dup)
-    check(lambda x, j: torch.ops.aten.index_put.default(x, [None, j], torch.tensor(7.0, device=x.device)),
-          x, torch.tensor([3, 0]))
+    check(lambda x, j, v: torch.ops.aten.index_put.default(x, [None, j], v), x, torch.tensor([3, 0]),
+          torch.tensor(7.0))
 
     def setitem(x, i):
         x = x.clone()
@@ -165,6 +166,32 @@ def test_index_add_copy_fill():
     check(lambda x, i: x.index_fill(1, i, -2.0), x, torch.tensor([0, -1]))
     check(lambda x, i: x.index_fill(0, i, torch.tensor(3.0, device=x.device)), x, u)
     check(lambda x, i, s: x.clone().index_add_(0, i, s), x, i, s)
+    for red in ("prod", "mean", "amax"):
+        check(lambda x, i, s: x.index_reduce(0, i, s, red, include_self=False), x, i, s, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gather", "scatter_add", "index_select", "index", "index_put",
+                                  "take", "index_fill"])
+def test_out_of_range_indices_raise(case):
+    x = torch.randn(4, 5)
+    bad = torch.tensor([[0, 5]]) if case in ("gather", "scatter_add") else torch.tensor([1, -6])
+    fns = {
+        "gather": lambda x, i: torch.gather(x, 1, i),
+        "scatter_add": lambda x, i: x.scatter_add(1, i, torch.ones(1, 2, device=x.device)),
+        "index_select": lambda x, i: x.index_select(1, i),
+        "index": lambda x, i: x[:, i],
+        "index_put": lambda x, i: torch.ops.aten.index_put.default(x, [None, i],
+                                                                   torch.tensor(1.0, device=x.device)),
+        "take": lambda x, i: torch.take(x, i * 4),
+        "index_fill": lambda x, i: x.index_fill(1, i, 0.0),
+    }
+    f = fns[case]
+    with pytest.raises(Exception) as cpu_err:
+        f(x, bad)
+    with pytest.raises(type(cpu_err.value)):
+        f(x.to(T), bad.to(T)).cpu()
+    # the device keeps working afterwards
+    assert_same(f(x.to(T), (bad % 4).to(T)), f(x, bad % 4))
 
 
 def test_masked():

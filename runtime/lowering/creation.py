@@ -18,7 +18,9 @@ def copy_(self, src, non_blocking=False):
 
 @op("fill_.Scalar", "fill_.Tensor")
 def fill_(self, value):
-    return jnp.broadcast_to(jnp.asarray(value).astype(self.dtype), self.shape) if self is not None else value
+    if self is None:        # overwritten whole: the runtime broadcasts the value
+        return value
+    return jnp.broadcast_to(jnp.asarray(value).astype(self.dtype), self.shape)
 
 
 @op("zero_.default")
@@ -56,7 +58,8 @@ def ones(*args, _avals, **kw):
 
 
 @op("full_like.default", meta=True)
-def full_like(x, v, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, _avals):
+def full_like(x, v, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None,
+              _avals):
     shape, dt = _avals[0]
     return jnp.full(shape, jnp.asarray(v).astype(dt), dt)
 
@@ -66,16 +69,28 @@ def scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None, _
     return jnp.asarray(s).astype(_avals[0][1])
 
 
+_CONST_LIMIT = 1 << 16   # arange values computed at trace time and baked in up to this length
+
+
 @op("arange.start_step", "arange.start", "arange.default", static=True, meta=True)
 def arange(start, end=None, step=1, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
     shape, dt = _avals[0]
+    n = shape[0]
     if end is None:
         start, end = 0, start
     if _integral(dt):
         # PyTorch converts start and step to the integer type first.
-        return (int(start) + int(step) * jnp.arange(shape[0], dtype=np.int64)).astype(dt)
-    # CPU computes start + step * i in double (the accumulate type), then rounds.
-    return (float(start) + float(step) * jnp.arange(shape[0], dtype=np.float64)).astype(dt)
+        start, step = int(start), int(step)
+        last = start + step * max(n - 1, 0)
+        it = np.int32 if max(abs(start), abs(last)) < 2 ** 31 else np.int64
+        return (start + step * jnp.arange(n, dtype=it)).astype(dt)
+    if n <= _CONST_LIMIT:
+        # CPU computes start + step * i in double, then rounds: do exactly that, at trace time, so
+        # no float64 arithmetic runs on the device.
+        return jnp.asarray((float(start) + float(step) * np.arange(n, dtype=np.float64)).astype(dt))
+    # long float ranges: in the output's precision (float32 for half types, as CUDA's kernel does)
+    ct = np.float64 if np.dtype(dt) == np.float64 else np.float32
+    return (ct(start) + ct(step) * jnp.arange(n, dtype=ct)).astype(dt)
 
 
 def _linspace(start, end, steps, dt):
@@ -83,7 +98,8 @@ def _linspace(start, end, steps, dt):
     if steps == 0:
         return jnp.zeros((0,), dt)
     if _integral(dt):
-        s, e, ct = jnp.trunc(jnp.asarray(start, np.float64)), jnp.trunc(jnp.asarray(end, np.float64)), np.float64
+        ct = np.float64
+        s, e = jnp.trunc(jnp.asarray(start, ct)), jnp.trunc(jnp.asarray(end, ct))
     else:
         ct = np.float32 if np.dtype(dt).itemsize < 4 else dt
         s, e = jnp.asarray(start).astype(dt).astype(ct), jnp.asarray(end).astype(dt).astype(ct)
@@ -109,8 +125,10 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=No
     dt = _avals[0][1]
     if steps == 0:
         return jnp.zeros((0,), dt)
-    e = _linspace(start, end, steps, np.float64)
-    return jnp.power(jnp.asarray(base, np.float64), e).astype(dt)
+    # The exponents as PyTorch computes them (in the output type; double for integer outputs).
+    ct = np.float64 if (_integral(dt) or np.dtype(dt) == np.float64) else np.float32
+    e = _linspace(start, end, steps, ct)
+    return jnp.power(jnp.asarray(base, ct), e).astype(dt)
 
 
 @op("eye.default", "eye.m", meta=True)

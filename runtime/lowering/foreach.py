@@ -132,7 +132,8 @@ for _name, _fn in (("add", _add), ("sub", _sub), ("mul", _mul), ("div", _div),
                    ("clamp_max", _minimum), ("pow", _pow)):
     _l, _s, _sl = _binary(_fn)
     op(f"_foreach_{_name}.List")(_l)
-    op(f"_foreach_{_name}.Scalar", *([f"_foreach_{_name}.Tensor"] if _name in ("add", "mul", "div") else []))(_s)
+    op(f"_foreach_{_name}.Scalar", *([f"_foreach_{_name}.Tensor"] if _name in ("add", "mul", "div")
+                                      else []))(_s)
     op(f"_foreach_{_name}.ScalarList")(_sl)
 
 

@@ -19,9 +19,14 @@ from . import check_index, op
 _NOWRAP = {"wrap_negative_indices": False}   # PyTorch rejects negative indices for these ops
 
 
-def _oob(index, size, dim, exc=RuntimeError, allow_negative=False):
+def _checked(index, size, dim, exc=RuntimeError, allow_negative=False):
+    """``index`` flagged if out of range for a dim of ``size``, then narrowed to int32 (64-bit
+    integer arithmetic is emulated on accelerators; a valid index always fits)."""
     check_index(index, size, exc, f"index out of bounds for dimension {dim} with size {size}",
                 allow_negative)
+    if index.dtype == jnp.int64 and size < 2 ** 31:
+        index = index.astype(jnp.int32)
+    return index
 
 
 def _grid(index, dim):
@@ -77,7 +82,7 @@ def gather(x, dim, index, *, sparse_grad=False):
     if x.ndim == 0 or index.ndim == 0:
         return gather(_as1d(x), 0, _as1d(index)).reshape(index.shape)
     dim %= x.ndim
-    _oob(index, x.shape[dim], dim)
+    index = _checked(index, x.shape[dim], dim)
     # index may be smaller than x in the other dims: crop x to it.
     x = x[tuple(slice(None) if d == dim else slice(0, n) for d, n in enumerate(index.shape))]
     return jnp.take_along_axis(x, index, axis=dim, **_NOWRAP)
@@ -88,7 +93,7 @@ def _scatter_prep(x, dim, index):
     if scalar:
         x, index = _as1d(x), _as1d(index)
     dim %= x.ndim
-    _oob(index, x.shape[dim], dim)
+    index = _checked(index, x.shape[dim], dim)
     return x, dim, index, scalar, _grid(index, dim)
 
 
@@ -121,14 +126,19 @@ def scatter_add(x, dim, index, src):
 
 
 def _lowest(dt):
-    return -jnp.inf if jnp.issubdtype(dt, jnp.inexact) else (jnp.iinfo(dt).min if dt != jnp.bool_ else False)
+    if jnp.issubdtype(dt, jnp.inexact):
+        return -jnp.inf
+    return False if dt == jnp.bool_ else jnp.iinfo(dt).min
 
 
 def _highest(dt):
-    return jnp.inf if jnp.issubdtype(dt, jnp.inexact) else (jnp.iinfo(dt).max if dt != jnp.bool_ else True)
+    if jnp.issubdtype(dt, jnp.inexact):
+        return jnp.inf
+    return True if dt == jnp.bool_ else jnp.iinfo(dt).max
 
 
-_IDENT = {"sum": lambda dt: 0, "mean": lambda dt: 0, "prod": lambda dt: 1, "amax": _lowest, "amin": _highest}
+_IDENT = {"sum": lambda dt: 0, "mean": lambda dt: 0, "prod": lambda dt: 1, "amax": _lowest,
+          "amin": _highest}
 
 
 def _reduce_into(x, g, s, reduce, include_self):
@@ -147,8 +157,8 @@ def _reduce_into(x, g, s, reduce, include_self):
     else:
         raise ValueError(f"unknown reduction {reduce!r}")
     if reduce == "mean":
-        cnt = (jnp.ones if include_self else jnp.zeros)(x.shape, jnp.int64)
-        cnt = jnp.maximum(at(cnt).add(jnp.ones(jnp.shape(s), jnp.int64), **kw), 1)
+        cnt = (jnp.ones if include_self else jnp.zeros)(x.shape, jnp.int32)
+        cnt = jnp.maximum(at(cnt).add(jnp.ones(jnp.shape(s), jnp.int32), **kw), 1)
         if jnp.issubdtype(x.dtype, jnp.inexact):
             out = out / cnt.astype(x.dtype)
         else:
@@ -181,7 +191,7 @@ def _along(x, dim, index, exc=RuntimeError, allow_negative=False):
     """(x as >=1-D, index tuple selecting ``index`` along ``dim``, dim)."""
     x = _as1d(x)
     dim %= x.ndim
-    _oob(index, x.shape[dim], dim, exc, allow_negative)
+    index = _checked(index, x.shape[dim], dim, exc, allow_negative)
     return x, (slice(None),) * dim + (_as1d(index).reshape(-1),), dim
 
 
@@ -251,10 +261,8 @@ def _is_mask(i):
 def _index_tuple(x, indices):
     """jnp index tuple for PyTorch ``indices`` (Tensor?[]) of integer tensors; None = full slice.
     Flags indices outside [-size, size) of their dim."""
-    for d, i in enumerate(indices):
-        if i is not None:
-            _oob(i, x.shape[d], d, IndexError, True)
-    return tuple(slice(None) if i is None else i for i in indices)
+    return tuple(slice(None) if i is None else _checked(i, x.shape[d], d, IndexError, True)
+                 for d, i in enumerate(indices))
 
 
 @op("index.Tensor")
@@ -280,9 +288,8 @@ def _mask_put(x, indices, values, accumulate):
                 out.append(nz[k])
             d += m.ndim
         else:
-            _oob(i, x.shape[d], d, IndexError, True)
             adv_pos.append(len(out))
-            out.append(i)
+            out.append(_checked(i, x.shape[d], d, IndexError, True))
             d += 1
     out = tuple(out)
     # Where the advanced-index dim lands in x[out] (NumPy/PyTorch rule), and its size there.
@@ -340,7 +347,8 @@ def masked_scatter(x, mask, source, *, _avals):
     mb = jnp.broadcast_to(mask, shape).reshape(-1)
     if source.size == 0:
         return xb.reshape(shape)
-    pos = jnp.clip(jnp.cumsum(mb.astype(jnp.int64)) - 1, 0, source.size - 1)
+    ct = jnp.int32 if mb.size < 2 ** 31 else jnp.int64
+    pos = jnp.clip(jnp.cumsum(mb.astype(ct)) - 1, 0, source.size - 1)
     vals = source.reshape(-1)[pos].astype(dt)
     return jnp.where(mb, vals, xb).reshape(shape)
 

@@ -118,8 +118,8 @@ def _randint(key, shape, dt, lo, hi):
     bits = jax.random.bits(key, shape, jnp.uint64)
     if n < 2 ** 64:
         bits = bits % np.uint64(n)
-    v = lax.bitcast_convert_type(bits + np.uint64(lo % 2 ** 64), jnp.int64)
-    return v.astype(dt)
+    # lo + bits, wrapping modulo 2**64 (the result lies in [lo, hi])
+    return (bits + np.uint64(lo % 2 ** 64)).astype(jnp.int64).astype(dt)
 
 
 @op("random_.default", rng=True, meta=True)
@@ -162,7 +162,8 @@ def rand(*args, key, _avals, **kw):
     return _uniform(key, shape, dt).astype(dt)
 
 
-@op("randn.default", "randn.generator", "randn_like.default", "randn_like.generator", rng=True, meta=True)
+@op("randn.default", "randn.generator", "randn_like.default", "randn_like.generator", rng=True,
+    meta=True)
 def randn(*args, key, _avals, **kw):
     shape, dt = _avals[0]
     return _normal(key, shape, dt).astype(dt)
