@@ -62,10 +62,14 @@ MODELS = {
     "transformer": (TinyLM, lambda: (torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16)))),
     "convnet": (ConvNet, lambda: (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))),
 }
+# Adam divides by sqrt(v) + eps: a parameter whose true gradient is zero (a conv bias before batch
+# norm, the key bias of attention) gets rounding noise of ~1e-9 as its gradient, which eps=1e-8 turns
+# into a full lr-sized step in a random direction on either device. eps=1e-4 keeps those noise steps
+# negligible while real gradients (~1e-2) still take normal Adam steps.
 OPTIMS = {
     "sgd": lambda p, fe: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4, foreach=fe),
-    "adam": lambda p, fe: torch.optim.Adam(p, lr=1e-2, foreach=fe),
-    "adamw": lambda p, fe: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=fe),
+    "adam": lambda p, fe: torch.optim.Adam(p, lr=1e-2, eps=1e-4, foreach=fe),
+    "adamw": lambda p, fe: torch.optim.AdamW(p, lr=1e-2, eps=1e-4, weight_decay=0.1, foreach=fe),
 }
 
 
