@@ -147,6 +147,17 @@ def _patch_accelerator_synchronize() -> None:
     acc.synchronize = synchronize
 
 
+def _enable_foreach() -> None:
+    # Optimizers and clip_grad_norm_ pick their foreach (multi-tensor) path only for parameter types
+    # in these lists; tpu parameters are TpuTensor, so add it (one fused op per group, not per tensor).
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+    from .tensor import TpuTensor
+    for types_ in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
+        if TpuTensor not in types_:
+            types_.append(TpuTensor)
+
+
 def register() -> None:
     global _lib
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -157,6 +168,7 @@ def register() -> None:
     _setup_privateuseone_for_python_backend("tpu", backend_module=module)
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator_synchronize()
+    _enable_foreach()
     from . import amp
     amp.register()
 

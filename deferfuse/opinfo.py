@@ -27,7 +27,8 @@ MULTI_VIEWS = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov i
     ("split", "Tensor"), ("split_with_sizes", "default"), ("unbind", "int"),
     ("split", "sizes"), ("tensor_split", "sections"))) if o is not None}
 
-_SCALAR_TYPES = ("Scalar", "Scalar?", "number", "number?", "float", "float?", "Tensor", "Tensor?")
+_SCALAR_TYPES = ("Scalar", "Scalar?", "number", "number?", "float", "float?", "Tensor", "Tensor?",
+                 "List[number]")   # List[number]: the per-tensor step sizes of foreach optimizers
 
 
 class OpInfo:

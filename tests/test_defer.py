@@ -91,10 +91,13 @@ def test_dead_values_never_become_outputs():
     assert m["elided_bytes"] >= 256 * 256 * 4
 
 
-def test_steady_loop_compiles_nothing_after_second_step():
+@pytest.mark.parametrize("foreach", [None, False])
+def test_steady_loop_compiles_nothing_after_second_step(foreach):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to("tpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # foreach=None picks the multi-tensor path for tpu parameters; its per-step bias corrections
+    # arrive as a list of Python floats (List[number]), which must become inputs, not constants
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)   # lr changes every step
     x, y = torch.randn(5, 8).to("tpu"), torch.randint(0, 3, (5,)).to("tpu")
     compiles = []

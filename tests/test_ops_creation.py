@@ -194,8 +194,8 @@ OPTIMIZERS = [
 ]
 
 
-# On tpu, optimizers pick their for-loop path unless told foreach=True: torch.optim's default
-# (_default_to_fused_or_foreach) only takes foreach for parameters of type Tensor/Parameter.
+# The default (foreach=None) takes the multi-tensor path on tpu: deferfuse adds TpuTensor to the
+# types torch.optim's _default_to_fused_or_foreach accepts (test_optimizer_default_is_foreach).
 VARIANTS = {"foreach=True": ({"foreach": True}, [OPTIMIZERS[k] for k in (1, 2, 4, 5)]),
             "foreach=False": ({"foreach": False}, OPTIMIZERS[1::2]),
             "default": ({}, OPTIMIZERS[1::3]),
@@ -215,6 +215,14 @@ def test_optimizers_match_cpu(variant):
             for g, w in zip(gs, ws):
                 torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-5,
                                            msg=lambda m: f"{cls.__name__} {kw} step {step}: {m}")
+
+
+def test_optimizer_default_is_foreach():
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from torch.utils._foreach_utils import _has_foreach_support
+    params = list(torch.nn.Linear(3, 2).to(T).parameters())
+    assert _default_to_fused_or_foreach(params, differentiable=False) == (False, True)
+    assert _has_foreach_support(params, torch.device(T))
 
 
 def test_optimizer_foreach_runs_on_jax():
