@@ -56,7 +56,7 @@ def sync() -> None:
 
 def report(file=None) -> str:
     """Print (and return) a human-readable summary of what ran, compiled and synced, and why."""
-    from .report import render
+    from .reporting import render
     text = render()
     if file is not False:
         print(text, file=file)
@@ -66,7 +66,7 @@ def report(file=None) -> str:
 def dump_trace(path: str) -> str:
     """Write the last trace with its regions and cuts as a Graphviz DOT file (and a PNG if Graphviz
     is installed); returns the path written."""
-    from .report import dump_trace as _dump
+    from .reporting import dump_trace as _dump
     return _dump(path)
 
 

@@ -44,6 +44,9 @@ def render() -> str:
         for name, n in S["cpu_fallbacks"].most_common():
             lines.append(f"  {n:6d}  {name}")
         lines.append("")
+    if S["shape_splits"]:
+        lines.append(f"regions split because some of their ops kept changing shape: "
+                     f"{S['shape_splits']} (the rest stays fused and cached)")
     if S["shape_fallbacks"]:
         lines.append(f"regions run op by op because their shapes kept changing: {S['shape_fallbacks']}")
     lines.append("memory:")
