@@ -15,7 +15,7 @@ from .errors import RegionError
 S = stats.S
 LAST = None            # (nodes as (name, wiring, src), reason, src) of the latest trace
 _REGIONS: dict = {}     # key -> _Region
-_STRUCT: dict = {}      # shape-free structure -> number of compiles
+_STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
 
 
 class _Region:
@@ -35,12 +35,15 @@ def _diff(a, b) -> str:
     if fa is not fb:
         return f"op {fb.name} where the cached region had {fa.name}"
     fb = fb.name
+    # a tensor's signature: (base shape, base dtype, view chain, shape, strides, dtype)
     for i, (x, y) in enumerate(zip(sa, sb)):
         if x[3] != y[3]:
             return f"{fb}: input {i} has shape {list(y[3])}, cached {list(x[3])}"
         if x[5] != y[5]:
             return f"{fb}: input {i} has dtype {y[5]}, cached {x[5]}"
-        if x[2] != y[2]:
+        if x[0] != y[0]:
+            return f"{fb}: input {i} is a view of a tensor of shape {list(y[0])}, cached {list(x[0])}"
+        if x[2] != y[2] or x[4] != y[4]:
             return f"{fb}: input {i} is a different view"
     if ta != tb or kwa != kwb:
         return f"{fb}: arguments {tb} {dict(kwb)}, cached {ta} {dict(kwa)} (a baked-in value or a static argument changed)"
@@ -88,10 +91,22 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
     keep = [a for a, d in zip(ext_arrays, donate) if not d]
     if reg is None:
         keys = [n.key.key for n in nodes]
-        struct = tuple((k[0], k[1], k[2]) for k in keys)
-        n_compiled = _STRUCT.get(struct, 0)
+        # The structure: which ops, wired how; shapes, dtypes and static arguments left out.
+        struct = tuple([(k[0], n.wiring) for k, n in zip(keys, nodes)])
+        seen = _STRUCT.get(struct)
+        n_compiled = seen[0] if seen else 0
         if n_compiled >= shape_limit:
-            # This structure keeps coming back with new shapes: run it op by op instead.
+            # NOTE [shape churn]: this structure keeps coming back with new shapes (generate()
+            # growing its sequence and KV cache by one token per step). Split it: runs of ops whose
+            # keys never changed become regions of their own, compiled once; the ops whose shapes
+            # change run apart (as regions until those too churn, then op by op).
+            vary = seen[2]
+            vary.update(i for i, (a, b) in enumerate(zip(seen[1], keys)) if a != b)
+            cuts = [i for i in range(1, len(nodes)) if (i in vary) != (i - 1 in vary)]
+            if len(vary) < len(nodes) and cuts:
+                S["shape_splits"] += 1
+                return _run_pieces(nodes, ext, scalars, outs, tuple(cuts) + (len(nodes),), reason,
+                                   src, debug_level, planner, shape_limit, budget)
             S["shape_fallbacks"] += 1
             env = None
             for _, _, env in _replay(nodes, ext, scalars, block=False):
@@ -132,7 +147,10 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         reg.elided = max(node_bytes - sum(v.nbytes for v in outs), 0)
         if n_compiled:
             S["recompiles"] += 1
-        _STRUCT[struct] = n_compiled + 1
+        if seen:
+            seen[0] += 1
+        else:
+            _STRUCT[struct] = [1, keys, set()]
         _REGIONS[key] = reg
         S["miss_reasons"].append((reg.summary, why, dt))
         if debug_level >= 2:
@@ -187,7 +205,7 @@ def _budget_cuts(nodes, ext, held, outs) -> tuple:
 
 def _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level, planner, shape_limit,
                 budget):
-    """Run consecutive pieces of a trace as regions of their own (memory budget)."""
+    """Run consecutive pieces of a trace as regions of their own (memory budget, shape churn)."""
     from ..scheduler.records import Node
     live_ids = {id(v) for v in outs}
     start = 0

@@ -151,6 +151,29 @@ def test_report_explains_a_recompile():
     assert "sync" in text and __file__ in text
 
 
+def test_growing_shape_splits_region_and_stays_correct():
+    # generate()-like: a stable computation plus a sequence that grows by one each step. After
+    # shape_recompile_limit versions the growing ops are split off; the rest compiles once.
+    def run(dev):
+        torch.manual_seed(0)
+        w, h = torch.randn(8, 8).to(dev), torch.randn(2, 8).to(dev)
+        seq, out, region_compiles = torch.zeros(2, 1, dtype=torch.long).to(dev), [], []
+        for _ in range(10):
+            h = torch.tanh(h @ w) * 0.9 + h.mean()
+            seq = torch.cat([seq, h.argmax(-1, keepdim=True)], 1)
+            out.append((seq * 2).sum().item() + h.sum().item())
+            region_compiles.append(deferfuse.metrics()["region_compiles"])
+        return out, region_compiles, seq
+    want, _, want_seq = run("cpu")
+    got, region_compiles, got_seq = run("tpu")
+    assert got == pytest.approx(want, rel=1e-5)
+    assert_same(got_seq, want_seq)
+    assert deferfuse.metrics()["shape_splits"] > 0
+    assert region_compiles[6] == region_compiles[-1], region_compiles
+    text = deferfuse.report(file=False)    # a second call: report() stays the function
+    assert "input 0 has shape" in text or "is a view of a tensor of shape" in text, text
+
+
 def test_dump_trace(tmp_path):
     x = torch.ones(3).to("tpu")
     (x.sin() + x.cos()).sum().item()
