@@ -16,6 +16,7 @@ S = stats.S
 LAST = None            # (nodes as (name, wiring, src), reason, src) of the latest trace
 _REGIONS: dict = {}     # key -> _Region
 _STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
+_ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
 
 
 class _Region:
@@ -26,6 +27,7 @@ class _Region:
 def clear():
     _REGIONS.clear()
     _STRUCT.clear()
+    _ONCE.clear()
 
 
 def _diff(a, b) -> str:
@@ -95,11 +97,14 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         struct = tuple([(k[0], n.wiring) for k, n in zip(keys, nodes)])
         seen = _STRUCT.get(struct)
         n_compiled = seen[0] if seen else 0
-        if n_compiled >= shape_limit:
+        if n_compiled >= shape_limit and key not in _ONCE:
             # NOTE [shape churn]: this structure keeps coming back with new shapes (generate()
             # growing its sequence and KV cache by one token per step). Split it: runs of ops whose
             # keys never changed become regions of their own, compiled once; the ops whose shapes
-            # change run apart (as regions until those too churn, then op by op).
+            # change run apart (as regions until those too churn, then op by op). A version that
+            # comes back (a bucketed batch shape, the same prompt length again) compiles whole on
+            # its second run.
+            _ONCE.add(key)
             vary = seen[2]
             vary.update(i for i, (a, b) in enumerate(zip(seen[1], keys)) if a != b)
             cuts = [i for i in range(1, len(nodes)) if (i in vary) != (i - 1 in vary)]

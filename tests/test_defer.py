@@ -174,6 +174,24 @@ def test_growing_shape_splits_region_and_stays_correct():
     assert "input 0 has shape" in text or "is a view of a tensor of shape" in text, text
 
 
+def test_recurring_shapes_compile_whole_on_their_second_run():
+    # Bucketed batch shapes: more shapes than shape_recompile_limit, each coming back. Buckets past
+    # the limit run split the first time they are seen and compile whole the second time; after
+    # that every bucket runs as one cached region.
+    w = torch.randn(6, 6).to("tpu")
+    for rnd in range(4):
+        before = dict(deferfuse.metrics())
+        for n in (2, 3, 4, 5):
+            x = torch.ones(n, 6).to("tpu")
+            got = ((x @ w).relu() * 2 - 1).sum(0)
+            assert_same(got, ((torch.ones(n, 6) @ w.cpu()).relu() * 2 - 1).sum(0), rtol=1e-5)
+        m = deferfuse.metrics()
+        if rnd == 3:
+            assert m["region_compiles"] == before["region_compiles"]
+            assert m["shape_splits"] + m["shape_fallbacks"] == \
+                before["shape_splits"] + before["shape_fallbacks"]
+
+
 def test_dump_trace(tmp_path):
     x = torch.ones(3).to("tpu")
     (x.sin() + x.cos()).sum().item()
