@@ -72,10 +72,11 @@ def dump_trace(path: str) -> str:
 
 def clear_caches() -> None:
     """Drop every in-process compile cache (per-op programs, regions, meta inference)."""
-    from .dispatch import _CACHE
+    from .dispatch import _CACHE, _VIEWS
     from .runtime import flush, execute
     _state.sync("sync")
     _CACHE.clear()
+    _VIEWS.clear()
     flush.clear()
     execute._view_jits.clear()
 

@@ -89,11 +89,19 @@ def _const_value(cpu: torch.Tensor, device: int) -> Value:
 # --------------------------------------------------------------------------------------------
 # the generic op path
 
+_ROUTE: dict = {}   # id(OpOverload) -> (special handler or None, OpInfo, the OpOverload itself)
+
+
 def dispatch(func, args, kwargs):
-    h = _SPECIAL.get(func)
+    # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The entry
+    # keeps the OpOverload alive, so its id is never reused.
+    r = _ROUTE.get(id(func))
+    if r is None:
+        r = _ROUTE[id(func)] = (_SPECIAL.get(func), op_info(func), func)
+    h = r[0]
     if h is not None:
         return h(func, args, kwargs)
-    info = op_info(func)
+    info = r[1]
     kind = info.kind
     if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
         return _run(func, info, args, kwargs)
@@ -296,12 +304,34 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
 # --------------------------------------------------------------------------------------------
 # views
 
+_VIEWS: dict = {}
+
+
 def _view(func, info, args, kwargs):
     from .meta import infer_view
     base = args[0]
     if type(base) is not TpuTensor:
         return _fallback(func, info, args, kwargs, "view of a non-tpu tensor")
-    outs = infer_view(func, args, kwargs)     # [(size, stride, offset, dtype, step)]
+    # [(size, stride, offset, dtype, step)]: a function of the op, the input's signature (its
+    # storage's shape and dtype and its view chain) and the static arguments, so cached.
+    key = [info, base._sig]     # OpInfo: object hashing (OpOverload.__hash__ is Python)
+    for a in args[1:]:
+        ta = type(a)
+        if ta is list:
+            a = tuple(a)
+        elif isinstance(a, torch.Tensor):
+            key = None
+            break
+        key.append(a)
+    if key is not None and kwargs:
+        key.append(tuple(kwargs.items()))
+    if key is not None:
+        key = tuple(key)
+        outs = _VIEWS.get(key)
+        if outs is None:
+            outs = _VIEWS[key] = infer_view(func, args, kwargs)
+    else:
+        outs = infer_view(func, args, kwargs)
     made = []
     for size, stride, offset, dtype, step in outs:
         if step is None:                      # alias
