@@ -164,7 +164,33 @@ def _h_batch_norm(func, args, kwargs):
     return out, mean, invstd
 
 
+_NO_PYTHON = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | \
+    torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+def _h_inplace_view(func, args, kwargs):
+    """squeeze_, unsqueeze_, transpose_, t_, as_strided_ ...: the tensor itself becomes the view.
+    Its view chain comes from the functional view op; its sizes and strides are set below Python
+    dispatch (the TensorImpl of a wrapper subclass holds them, no data)."""
+    self = args[0]
+    v = _INPLACE_VIEWS[func](*args, **kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON):
+        aten.as_strided_.default(self, v.shape, v.stride(), v.storage_offset())
+    self._chain, self._sig = v._chain, v._sig
+    return self
+
+
+_INPLACE_VIEWS = {}
+for _p in ("squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_"):
+    _pk = getattr(aten, _p, None)
+    for _ov in (_pk.overloads() if _pk is not None else ()):
+        # transpose_.default is transpose.int
+        _fn = getattr(getattr(aten, _p[:-1]), _ov, None) or getattr(getattr(aten, _p[:-1]), "int", None)
+        if _fn is not None:
+            _INPLACE_VIEWS[getattr(_pk, _ov)] = _fn
+
 SPECIAL = {
+    **{f: _h_inplace_view for f in _INPLACE_VIEWS},
     aten.empty.memory_format: _h_empty,
     aten.empty_strided.default: _h_empty_strided,
     aten.empty_like.default: _h_empty_like,

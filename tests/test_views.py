@@ -69,6 +69,35 @@ def test_view_metadata_matches_cpu():
         assert_same(g, w)
 
 
+def test_inplace_view_ops_change_the_tensor_itself():
+    def run(dev):
+        x = torch.arange(24, dtype=torch.float32).reshape(1, 4, 6).to(dev)
+        base = x
+        y = x[0:1]                 # a view taken before the in-place view ops
+        x.squeeze_(0)
+        x.t_()
+        x.unsqueeze_(1)
+        x.transpose_(0, 2)
+        x.swapdims_(1, 2)
+        x.mul_(2)                  # a write through the reshaped tensor reaches y
+        meta = (tuple(x.shape), x.stride(), x.storage_offset(), x is base)
+        return meta, x, y
+    (wm, w, wy), (gm, g, gy) = run("cpu"), run("tpu")
+    assert gm == wm
+    assert_same(g, w)
+    assert_same(gy, wy)
+
+
+def test_vector_matrix_products():
+    # at::matmul lowers 1-D @ 2-D through unsqueeze(0) ... squeeze_(0)
+    v, m = torch.randn(3), torch.randn(3, 4)
+    assert_same(v.to("tpu") @ m.to("tpu"), v @ m, rtol=1e-5)
+    assert_same(m.t().to("tpu") @ v.to("tpu"), m.t() @ v, rtol=1e-5)
+    b = torch.randn(2, 5, 3)
+    assert_same(b.to("tpu") @ v.to("tpu"), b @ v, rtol=1e-5)
+    assert_same(v.to("tpu") @ b.transpose(1, 2).to("tpu"), v @ b.transpose(1, 2), rtol=1e-5)
+
+
 def test_view_of_noncontiguous_raises_like_cpu():
     x = torch.randn(4, 6)
     with pytest.raises(RuntimeError, match="view size is not compatible"):
