@@ -292,8 +292,9 @@ def _probe_torchax(tmp: str) -> str | None:
     """None if torchax imports here, else why not (probed once, in a subprocess)."""
     if _version("torchax") is None:
         return "torchax is not installed (pip install -c constraints.txt torchax)"
-    r = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True,
-                       timeout=300, cwd=tmp)
+    r = subprocess.run([sys.executable, "-c", "import workloads; workloads.import_torchax()"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__))))
     if r.returncode == 0:
         return None
     last = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -41,6 +41,28 @@ class Built:
 
 
 # --------------------------------------------------------------------------- system context
+def import_torchax():
+    """(torchax, its default environment). torchax 0.0.13 names aten overloads taking dimension
+    names (aten.prod.dim_Dimname ...) that torch 2.13 removed; while it loads, such a lookup gives
+    a placeholder instead of failing (torchax never dispatches them: tensors have no names)."""
+    import torch._ops as ops
+    orig = ops.OpOverloadPacket.__getattr__
+
+    def lookup(self, key):
+        try:
+            return orig(self, key)
+        except AttributeError:
+            if key.startswith("__") or "name" not in key.lower():
+                raise
+            return object()
+    ops.OpOverloadPacket.__getattr__ = lookup
+    try:
+        import torchax
+        return torchax, torchax.default_env()
+    finally:
+        ops.OpOverloadPacket.__getattr__ = orig
+
+
 class Ctx:
     """How one system runs PyTorch code: device, waiting for results, compiling a function."""
 
@@ -53,9 +75,7 @@ class Ctx:
             import deferfuse  # noqa: F401  (registers the device)
             self.device = "tpu"
         elif system in ("torchax", "torchax_jit"):
-            import torchax
-            self.tx = torchax
-            self.env = torchax.default_env()
+            self.tx, self.env = import_torchax()
             self.device = "jax"
         else:
             raise ValueError(f"not a PyTorch system: {system}")
