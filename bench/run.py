@@ -9,7 +9,7 @@ times ``--warmup`` steps (the first one is reported as "first step", compile inc
 ends with a real sync. Results: bench/results/latest.{json,md,png}.
 
 Systems: eager (PyTorch CPU), compile (torch.compile, Inductor, CPU), strict / debug / defer
-(deferfuse on device "tpu"), torchax (op by op) and torchax_jit (jax_jit, where written), jax (a
+(deferfuse on device "tpu"; defer_noplan: defer with DEFERFUSE_NO_MEMORY_PLANNER=1), torchax (op by op) and torchax_jit (jax_jit, where written), jax (a
 hand-written JAX program of the same workload under jax.jit: the XLA ceiling).
 """
 from __future__ import annotations
@@ -30,8 +30,9 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "torchax", "torchax_jit", "jax"]
-DEFERFUSE = ("strict", "debug", "defer")
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "defer_noplan", "torchax", "torchax_jit",
+           "jax"]
+DEFERFUSE = ("strict", "debug", "defer", "defer_noplan")   # defer_noplan: memory planner off
 RATIO_TO = ["strict", "eager", "compile", "torchax", "torchax_jit", "jax"]
 
 
@@ -102,7 +103,7 @@ def _measure(w: str, s: str, quick: bool, warmup: int, steps: int) -> dict:
         if s in DEFERFUSE:
             import deferfuse as df
             df.reset_metrics()
-            scope = df.mode(s)
+            scope = df.mode("defer" if s == "defer_noplan" else s)
             out["deferfuse_platform"] = df.platform()
         elif ctx.tx is not None:
             scope = ctx.env
@@ -445,7 +446,7 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
             if c.get("compile_seconds_warmup"):
                 notes.append(f"warm-up compiles {c.get('compiles_warmup')} in "
                              f"{c['compile_seconds_warmup']:.1f} s")
-            if s == "defer" and c.get("syncs_per_step") is not None:
+            if s in ("defer", "defer_noplan") and c.get("syncs_per_step") is not None:
                 notes.append(f"{c['syncs_per_step']:.3g} syncs/step")
             if c.get("error"):
                 notes.append(f"{c['repeats'] - c['ok_repeats']} repeat(s) failed: {c['error'][:60]}")
@@ -610,6 +611,8 @@ def parent(a) -> int:
                 env = {"DEFERFUSE_CACHE_DIR": os.path.join(cache, "deferfuse"),
                        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
                        "PYTHONWARNINGS": "ignore"}
+                if s == "defer_noplan":
+                    env["DEFERFUSE_NO_MEMORY_PLANNER"] = "1"
                 args = ["--cell", w, s, "--repeat", str(r), "--warmup", str(warmup),
                         "--steps", str(steps)] + (["--quick"] if a.quick else [])
                 res, why = _spawn(args, timeout, env, tmp)
