@@ -171,6 +171,7 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         for n in nodes:
             print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
     check_flags()
+    memory_stats.transient((reg.temp_bytes or 0) + sum(v.nbytes for v in outs) - mplan.donated_bytes)
     try:
         res, flags = execute.run_region(reg.compiled, don, keep, scalars)
     except Exception as e:
@@ -183,6 +184,13 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
                                        for pos, exc, m in reg.msgs]))
     S["donated_bytes"] += mplan.donated_bytes
     S["elided_bytes"] += reg.elided
+    if don:
+        # Donated buffers now belong to the outputs (no storage holds those values: see
+        # NOTE [donation safety]): stop counting them before the outputs are counted.
+        for v, d in zip(ext, donate):
+            if d and v.array is not None:
+                v.array = None
+                memory_stats.account(-v.nbytes)
     for v, r in zip(outs, res):
         v.bind(r)
     if memory_stats.peak > _peak_seen[0]:

@@ -14,6 +14,14 @@ def account(delta: int) -> None:
         peak = allocated
 
 
+def transient(nbytes: int) -> None:
+    """A region is about to run: it needs ``nbytes`` beyond what is allocated (its XLA temporaries
+    and the outputs that do not reuse donated inputs) until it returns."""
+    global peak
+    if allocated + nbytes > peak:
+        peak = allocated + nbytes
+
+
 def reset_peak() -> None:
     global peak
     peak = allocated
