@@ -228,3 +228,22 @@ def test_dropout_eval_identity():
     m = nn.Dropout(0.4).eval()
     x = torch.randn(5, 5).to("tpu")
     assert_same(m(x), x.cpu())
+
+
+@pytest.mark.parametrize("case", ["embedding", "embedding_negative", "cross_entropy", "nll_loss"])
+def test_out_of_range_class_or_row_raises_index_error(case):
+    fns = {
+        "embedding": lambda d: F.embedding(torch.tensor([1, 7], device=d), torch.ones(5, 3, device=d)),
+        "embedding_negative": lambda d: F.embedding(torch.tensor([-1], device=d),
+                                                    torch.ones(5, 3, device=d)),
+        "cross_entropy": lambda d: F.cross_entropy(torch.ones(2, 4, device=d),
+                                                   torch.tensor([1, 9], device=d)),
+        "nll_loss": lambda d: F.nll_loss(torch.ones(2, 4, device=d), torch.tensor([1, -3], device=d)),
+    }
+    with pytest.raises(IndexError):
+        fns[case]("cpu")
+    with pytest.raises(IndexError, match="out of"):
+        fns[case]("tpu").sum().item()     # defer: raised at the sync
+    # ignore_index entries are never checked
+    got = F.cross_entropy(torch.ones(2, 4, device="tpu"), torch.tensor([1, -100], device="tpu"))
+    assert_same(got, F.cross_entropy(torch.ones(2, 4), torch.tensor([1, -100])))

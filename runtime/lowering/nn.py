@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import op
+from . import check_index, op
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,6 +325,7 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save
 
 @op("embedding.default")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    check_index(indices, weight.shape[0], allow_negative=False)
     return jnp.take(weight, indices, axis=0)
 
 
@@ -371,6 +372,9 @@ def _nll_parts(x, target, weight, ignore_index):
 
 @op("nll_loss_forward.default", "nll_loss2d_forward.default")
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    check_index(jnp.where(target == ignore_index, 0, target), self.shape[0 if self.ndim == 1 else 1],
+                IndexError, "Target is out of bounds (a class index outside [0, C)).",
+                allow_negative=False)
     picked, w, _, _ = _nll_parts(self, target, weight, ignore_index)
     loss = -picked * w
     if reduction == 0:
