@@ -9,7 +9,7 @@ import sys
 
 from . import execute, stats
 from . import memory as memory_stats
-from ..scheduler import liveness, memory
+from ..scheduler import cut, memory
 from .errors import RegionError
 
 S = stats.S
@@ -105,13 +105,11 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
             # comes back (a bucketed batch shape, the same prompt length again) compiles whole on
             # its second run.
             _ONCE.add(key)
-            vary = seen[2]
-            vary.update(i for i, (a, b) in enumerate(zip(seen[1], keys)) if a != b)
-            cuts = [i for i in range(1, len(nodes)) if (i in vary) != (i - 1 in vary)]
-            if len(vary) < len(nodes) and cuts:
+            cuts = cut.churn_cuts(seen[1], keys, seen[2])
+            if cuts is not None:
                 S["shape_splits"] += 1
-                return _run_pieces(nodes, ext, scalars, outs, tuple(cuts) + (len(nodes),), reason,
-                                   src, debug_level, planner, shape_limit, budget)
+                return _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level,
+                                   planner, shape_limit, budget)
             S["shape_fallbacks"] += 1
             env = None
             for _, _, env in _replay(nodes, ext, scalars, block=False):
@@ -204,16 +202,9 @@ _peak_seen = [0]
 
 
 def _budget_cuts(nodes, ext, held, outs) -> tuple:
-    """Where to split a region over budget: at the op after which the fewest bytes are live,
-    within its middle half (then each half is checked again when it compiles)."""
-    wiring = [n.wiring for n in nodes]
-    out_bytes = [[0 if o is None else o.nbytes for o in n.outs] for n in nodes]
-    live_outs = {(v.node.pos, v.idx) for v in outs}
-    live = liveness.simulate(wiring, out_bytes, [v.nbytes for v in ext], held, live_outs)
-    n = len(nodes)
-    lo, hi = max(1, n // 4), max(2, (3 * n) // 4)
-    cut = min(range(lo, min(hi, n)), key=lambda q: (live[q - 1], q)) if n > 1 else n
-    return (cut, n) if 0 < cut < n else (n,)
+    return cut.budget_cut([n.wiring for n in nodes],
+                          [[0 if o is None else o.nbytes for o in n.outs] for n in nodes],
+                          [v.nbytes for v in ext], held, {(v.node.pos, v.idx) for v in outs})
 
 
 def _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level, planner, shape_limit,

@@ -3,7 +3,7 @@
 The trace is a DAG (networkx): nodes are ops in recording order, edges carry values. A value is
 live from the op that produces it to its last reader, or to the end when a live tensor holds it.
 ``simulate`` walks the ops in order and reports live bytes after each; the runtime cuts a region
-over its memory budget where the fewest bytes are live (runtime/flush.py). Runs on a compile-cache
+over its memory budget where the fewest bytes are live (scheduler/cut.py). Runs on a compile-cache
 miss only; decisions depend on sizes and order, never on time.
 """
 from __future__ import annotations

@@ -74,3 +74,23 @@ def test_liveness_simulation():
     assert live_held == [110, 130, 135]
     g = liveness.graph(wiring)
     assert set(g.edges) == {(0, 1), (0, 2), (1, 2)}
+
+
+def test_churn_cuts_separate_changing_ops_from_stable_runs():
+    from deferfuse.scheduler import cut
+    first = ["a", "b", "c", "d", "e", "f"]
+    vary: set = set()
+    assert cut.churn_cuts(first, first, vary) is None                 # nothing changed
+    assert cut.churn_cuts(first, ["a", "B", "c", "d", "E", "f"], vary) == (1, 2, 4, 5, 6)
+    # positions that changed once stay apart, even when a later version matches the first again
+    assert cut.churn_cuts(first, ["a", "b", "c", "D", "e", "f"], vary) == (1, 2, 3, 5, 6)
+    assert cut.churn_cuts(first, list("ABCDEF"), set()) is None        # every op changed
+
+
+def test_budget_cut_picks_the_least_live_point():
+    from deferfuse.scheduler import cut
+    # a chain 0 -> 1 -> 2 -> 3 with a big value produced by op 0 read by op 3
+    wiring = [(0,), ((0, 0),), ((1, 0),), ((2, 0), (0, 0))]
+    out_bytes = [[100], [10], [10], [10]]
+    pieces = cut.budget_cut(wiring, out_bytes, [4], [True], {(3, 0)})
+    assert pieces[-1] == 4 and len(pieces) == 2 and 1 <= pieces[0] <= 3
