@@ -17,6 +17,7 @@ from .scheduler.records import Node, Value
 
 S = stats.S
 _BODIES: set = set()          # (length, hops) of detected loop bodies
+_SKIP_CODE: dict = {}         # code object -> inside torch or deferfuse (not the user's line)
 
 
 class Trace:
@@ -80,7 +81,12 @@ class Trace:
                 f = sys._getframe(5)
             except ValueError:      # autograd's device thread calls us with no Python caller
                 f = None
-            while f is not None and f.f_code.co_filename.startswith(SKIP_PREFIXES):
+            while f is not None:
+                skip = _SKIP_CODE.get(f.f_code)
+                if skip is None:
+                    skip = _SKIP_CODE[f.f_code] = f.f_code.co_filename.startswith(SKIP_PREFIXES)
+                if not skip:
+                    break
                 f = f.f_back
             src = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<backward>"
         else:
