@@ -246,6 +246,8 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
             return res[0]
         return tuple(res)
     structure, metas = out_meta
+    if structure == "none":     # an op declared "-> ()" (_linalg_check_errors ...)
+        return None
     made = []
     for m, v in zip(metas, outs):
         if m is None:

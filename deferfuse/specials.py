@@ -180,6 +180,26 @@ def _h_inplace_view(func, args, kwargs):
     return self
 
 
+def _h_linalg_check_errors(func, args, kwargs):
+    # LAPACK's info is checked on JAX (a flag), but PyTorch raises LinAlgError at the call on
+    # every device (CUDA syncs for it), so code can catch it there: a sync point in defer mode.
+    _run(func, op_info(func), args, kwargs)
+    state.sync("linalg error check", op=op_info(func).name)
+
+
+def _h_equal(func, args, kwargs):
+    a, b = args[0], args[1]
+    if a.shape != b.shape:
+        return False
+    return bool(aten.eq.Tensor(a, b).all().item())
+
+
+def _h_allclose(func, args, kwargs):
+    a, b = args[0], args[1]
+    rest = dict(zip(("rtol", "atol", "equal_nan"), args[2:]), **kwargs)
+    return bool(aten.isclose.default(a, b, **rest).all().item())
+
+
 _INPLACE_VIEWS = {}
 for _p in ("squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_"):
     _pk = getattr(aten, _p, None)
@@ -191,6 +211,9 @@ for _p in ("squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_
 
 SPECIAL = {
     **{f: _h_inplace_view for f in _INPLACE_VIEWS},
+    aten._linalg_check_errors.default: _h_linalg_check_errors,
+    aten.equal.default: _h_equal,         # return a Python bool: computed on JAX, then read
+    aten.allclose.default: _h_allclose,
     aten.empty.memory_format: _h_empty,
     aten.empty_strided.default: _h_empty_strided,
     aten.empty_like.default: _h_empty_like,

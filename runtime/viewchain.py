@@ -74,6 +74,7 @@ _INVERSE[aten.t.default] = _t_back
 _INVERSE[aten.permute.default] = _permute_back
 _INVERSE[aten.slice.Tensor] = _slice_back
 _INVERSE[aten.select.int] = _select_back
+_INVERSE[aten._conj.default] = lambda b, n: jnp.conj(n)   # writing through a conj view
 
 
 def _scatter_back(b, n, step):

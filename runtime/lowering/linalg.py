@@ -9,6 +9,7 @@ their LU/pivots outputs match what the backward formulas expect.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -411,7 +412,9 @@ def linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None, _avals):
 @op("linalg_matrix_exp.default")
 def linalg_matrix_exp(a):
     from jax.scipy.linalg import expm
-    return expm(a) if a.shape[-1] else a
+    if not a.shape[-1]:
+        return a
+    return expm(a.astype(jnp.float32)).astype(a.dtype) if a.dtype in _LOWP else expm(a)
 
 
 @op("linalg_pinv.atol_rtol_tensor", meta=True)
@@ -435,3 +438,157 @@ def linalg_pinv(a, atol=None, rtol=None, hermitian=False, *, _avals):
     tol = jnp.maximum(atol, rtol * s[..., :1])
     inv = jnp.where(s > tol, 1 / s, 0).astype(a.dtype)
     return jnp.matmul(_mH(vh) * inv[..., None, :], _mH(u))
+
+
+@op("_linalg_check_errors.default")
+def linalg_check_errors(info, api_name, *, is_matrix):
+    """Raise ``torch.linalg.LinAlgError`` when any ``info`` is nonzero (through the flags)."""
+    _check(info, True, torch.linalg.LinAlgError,
+           f"{api_name}: the factorization could not be completed (LAPACK info != 0: the input is "
+           "singular or not positive-definite)")
+    return ()
+
+
+# --------------------------------------------------------------------------------------------
+# FFT. ``normalization``: 0 none, 1 by 1/sqrt(n), 2 by 1/n (n: the signal's size over ``dim``).
+# jnp.fft's ``norm`` names where the 1/n goes, so a forward and an inverse transform map apart.
+
+_FWD_NORM = {0: "backward", 1: "ortho", 2: "forward"}
+_INV_NORM = {0: "forward", 1: "ortho", 2: "backward"}
+
+
+@op("_fft_r2c.default")
+def fft_r2c(x, dim, normalization, onesided):
+    dim = [d % x.ndim for d in dim]
+    if onesided:
+        return jnp.fft.rfftn(x, axes=dim, norm=_FWD_NORM[normalization])
+    return jnp.fft.fftn(x, axes=dim, norm=_FWD_NORM[normalization])
+
+
+@op("_fft_c2c.default")
+def fft_c2c(x, dim, normalization, forward):
+    dim = [d % x.ndim for d in dim]
+    if forward:
+        return jnp.fft.fftn(x, axes=dim, norm=_FWD_NORM[normalization])
+    return jnp.fft.ifftn(x, axes=dim, norm=_INV_NORM[normalization])
+
+
+@op("_fft_c2r.default")
+def fft_c2r(x, dim, normalization, last_dim_size):
+    dim = [d % x.ndim for d in dim]
+    s = [x.shape[d] for d in dim[:-1]] + [last_dim_size]
+    return jnp.fft.irfftn(x, s=s, axes=dim, norm=_INV_NORM[normalization])
+
+
+# --------------------------------------------------------------------------------------------
+# distances and _trilinear
+
+def _pnorm_dist(d, p):
+    """The p-norm over the last axis of differences ``d`` (p a Python number)."""
+    a = jnp.abs(d)
+    if p == 0:
+        return jnp.sum(a != 0, axis=-1).astype(d.dtype)
+    if p == float("inf"):
+        return jnp.max(a, axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(a, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=-1))
+    return jnp.sum(a ** p, axis=-1) ** (1 / p)
+
+
+@op("_cdist_forward.default", static=True)
+def cdist_forward(x1, x2, p, compute_mode=None):
+    x1, x2 = _bcast(x1, x2, core=(2, 2))
+    return _pnorm_dist(x1[..., :, None, :] - x2[..., None, :, :], p)
+
+
+@op("_pdist_forward.default", static=True)
+def pdist_forward(x, p=2):
+    i, j = np.triu_indices(x.shape[0], 1)
+    return _pnorm_dist(x[i] - x[j], p)
+
+
+@op("_trilinear.default")
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """Each input with size-1 dims inserted at ``expand*``, multiplied, summed over ``sumdim``:
+    an einsum in which an input leaves out its expanded dims."""
+    nd = i1.ndim + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:nd]
+    subs = ["".join(c for d, c in enumerate(letters) if d not in e)
+            for e in (set(expand1), set(expand2), set(expand3))]
+    kept = [d for d in range(nd) if d not in set(sumdim)]
+    absent = [d for d in kept if all(letters[d] not in sub for sub in subs)]   # size 1 in all
+    out = "".join(letters[d] for d in kept if d not in absent)
+    r = jnp.einsum(f"{subs[0]},{subs[1]},{subs[2]}->{out}", i1, i2, i3)
+    return jnp.expand_dims(r, [kept.index(d) for d in absent]) if absent else r
+
+
+# --------------------------------------------------------------------------------------------
+# Householder (LAPACK's geqrf format: R on and above the diagonal, reflectors below, ``tau``)
+
+@op("geqrf.default")
+def geqrf(a):
+    # XLA's geqrf primitive is not exported by jax.lax.linalg (only used by its qr)
+    f = getattr(lax.linalg, "geqrf", None)
+    if f is None:
+        from jax._src.lax.linalg import geqrf as f
+    return f(a)
+
+
+@op("linalg_householder_product.default")
+def householder_product(a, tau):
+    return lax.linalg.householder_product(a, tau)
+
+
+@op("ormqr.default")
+def ormqr(a, tau, other, left=True, transpose=False):
+    """op(Q) @ other (or other @ op(Q)), Q the m x m product of the reflectors in ``a``."""
+    m, k = a.shape[-2], tau.shape[-1]
+    a = a[..., :, :k]
+    pad = [(0, 0)] * (a.ndim - 1) + [(0, m - k)]
+    q = lax.linalg.householder_product(jnp.pad(a, pad), jnp.pad(tau, pad[1:]))
+    if transpose:
+        q = _mH(q)
+    return jnp.matmul(q, other) if left else jnp.matmul(other, q)
+
+
+# --------------------------------------------------------------------------------------------
+# distance backwards (PyTorch's formulas: 0 where the distance is 0)
+
+def _pnorm_dist_grad(diff, d, g, p):
+    """d(dist)/d(x1) times ``g``, per pair of rows (``diff`` = x1_i - x2_j)."""
+    g, d = g[..., None], d[..., None]
+    safe = jnp.where(d == 0, 1, d)
+    if p == 0:
+        return jnp.zeros_like(diff)
+    if p == 1:
+        return g * jnp.sign(diff)
+    if p == float("inf"):
+        return g * jnp.sign(diff) * (jnp.abs(diff) == d)
+    if p == 2:
+        r = diff / safe
+    else:
+        r = jnp.sign(diff) * (jnp.abs(diff) / safe) ** (p - 1)
+    return jnp.where(d == 0, 0, g * r)
+
+
+def _sum_to(x, shape):
+    lead = x.ndim - len(shape)
+    x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+@op("_cdist_backward.default", static=True)
+def cdist_backward(grad, x1, x2, p, cdist):
+    a, b = _bcast(x1, x2, core=(2, 2))
+    diff = a[..., :, None, :] - b[..., None, :, :]
+    return _sum_to(jnp.sum(_pnorm_dist_grad(diff, cdist, grad, p), axis=-2), x1.shape)
+
+
+@op("_pdist_backward.default", static=True)
+def pdist_backward(grad, x, p, pdist):
+    i, j = np.triu_indices(x.shape[0], 1)
+    c = _pnorm_dist_grad(x[i] - x[j], pdist, grad, p)
+    return jnp.zeros_like(x).at[i].add(c).at[j].add(-c)
