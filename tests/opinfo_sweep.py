@@ -5,7 +5,9 @@ is moved to tpu (tensors only, recursively, aliasing kept), the op runs on tpu a
 results are compared: type/structure, then device, dtype and shape, then values (per-op
 tolerances, ``TOL``); inputs are compared afterwards too (in-place writes). If the CPU call raises,
 the tpu call must raise the same exception type. Random ops (``RANDOM``) are compared by shape and
-dtype only. With ``--backward``, float32 samples of autograd ops also compare the gradients of a
+dtype, and must give the same values again under the same ``torch.manual_seed``; indices that may
+pick any of several equal values (``TIES``: sort, topk...) are compared through the values they
+select. With ``--backward``, float32 samples of autograd ops also compare the gradients of a
 fixed random-weighted sum of the float outputs with respect to the float inputs.
 
 Each (op, mode, dtype, direction) is classified:
@@ -18,7 +20,18 @@ Ops whose CPU dtypes lack the dtype are not counted for it.
 Run from the repository root::
 
     .venv/bin/python tests/opinfo_sweep.py [--modes strict,defer] [--dtypes float32,...]
-        [--backward] [--ops a,b] [--limit-samples N] [--timeout S] [--out bench/results/opinfo.json]
+        [--backward | --backward-only] [--ops a,b] [--limit-samples N] [--timeout S]
+        [--out bench/results/opinfo.json] [--md bench/results/opinfo.md]
+    .venv/bin/python tests/opinfo_sweep.py --merge fwd.json,bwd.json,dtypes.json \
+        --out bench/results/opinfo.json --md bench/results/opinfo.md
+
+Forward, backward and other dtypes are separate runs (each its own JSON); ``--merge`` combines
+them (a later file's cells replace an earlier one's, so a targeted rerun with ``--ops`` can be
+merged last) and writes the markdown table.
+
+The full float32 forward sweep in both modes takes ~25 min on two busy cores with
+``--limit-samples 3`` and a warm compile cache (~70 min cold). The JSON is rewritten every 25 ops
+(``meta.partial``) so an interrupted sweep leaves its results.
 
 This file is the whole engine (tests/ is not a package); tests/test_opinfo.py loads it by path.
 """
@@ -28,7 +41,6 @@ import argparse
 import collections
 import itertools
 import json
-import math
 import os
 import platform
 import signal
@@ -54,8 +66,9 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # Failure groups, in the order the report lists them.
 GROUPS = ("dtype mismatch", "shape mismatch", "value mismatch", "structure mismatch",
-          "wrong device", "error not raised", "wrong exception type", "lowering error",
-          "timeout", "other")
+          "wrong device", "error not raised", "wrong exception type", "not reproducible",
+          "lowering error",
+          "timeout", "crash", "other")
 
 # ---------------------------------------------------------------------------------------------
 # The named sets
@@ -72,7 +85,10 @@ RANDOM = {
     # uninitialized memory: the values are undefined
     "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
 }
-RANDOM_REASON = "random or uninitialized result: shape and dtype only"
+RANDOM_REASON = ("random or uninitialized result: shape and dtype only, and (random ops) the same "
+                 "values again under the same torch.manual_seed")
+UNINITIALIZED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                 "empty_permuted"}
 
 # Ops random only for some samples (dropout > 0 while training): those samples shape and dtype only.
 RANDOM_SAMPLES = {
@@ -88,6 +104,52 @@ CPU_ARGS = {"tensor_split": "the indices_or_sections tensor must be a CPU tensor
 # results go through the sample's own ``output_process_fn_grad`` (OpInfo's gauge-invariant view:
 # abs() of the vectors, or the singular values) before comparing.
 GAUGE = {"svd", "linalg.svd", "linalg.eig", "linalg.eigh"}
+
+# Ops whose indices output is unspecified among equal values (CPU's unstable sort, topk and
+# kthvalue pick any of the tied elements): the indices are compared through the input values they
+# select (``ties_view``), so a different choice among ties is no mismatch. {op: (index of the
+# indices output, position of ``dim`` in args)}.
+TIES = {"sort": (1, 0), "argsort": (None, 0), "topk": (1, 1), "kthvalue": (1, 1)}
+
+
+def ties_view(name: str, s, inp, out):
+    """``out`` with its indices replaced by the input values they select (see ``TIES``)."""
+    k, pos = TIES[name]
+    if s.kwargs.get("stable"):
+        return out
+    dim = s.args[pos] if len(s.args) > pos else s.kwargs.get("dim", -1)
+    idx = out if k is None else out[k]
+    if not isinstance(idx, torch.Tensor) or inp.dim() == 0:
+        return out
+    keep = idx.dim() == inp.dim()
+    sel = torch.take_along_dim(inp, idx if keep else idx.unsqueeze(dim), dim)
+    sel = sel if keep else sel.squeeze(dim)
+    if k is None:
+        return sel
+    return type(out)(*[sel if i == k else o for i, o in enumerate(out)])
+
+
+# Why the known failures fail, {op: (group, cause)} (for the table; the sweep does not use it).
+CAUSES = {
+    "native_batch_norm": (
+        "shape mismatch", "eval mode: PyTorch's decomposition returns (C,) saved stats where the CPU "
+        "kernel returns (0,) (core: lower native_batch_norm once an op may mutate and return)"),
+    "_native_batch_norm_legit": ("shape mismatch", "as native_batch_norm"),
+    "matrix_exp": (
+        "value mismatch", "a ~1e5 float32 result: XLA's and PyTorch's expm both differ from the "
+        "float64 result by float32 rounding, more than atol 1e-5 (tpu no less accurate)"),
+    "logcumsumexp": (
+        "value mismatch", "backward of a 1e4-valued sample: CPU and tpu both ~5e-3 from float64 "
+        "(tpu closer)"),
+    "as_strided.partial_views": (
+        "error not raised", "core: as_strided does not check the view against the storage size"),
+    "resize_": ("other", "core: tpu tensors are not resized in place (by design, a clear error)"),
+    "sgn": ("other", "backward makes aten::_efficientzerotensor, which has no tpu kernel (core)"),
+    "native_layer_norm": (
+        "dtype mismatch", "half input: meta gives float32 mean/rstd, CPU the input dtype (core)"),
+    "complex": ("other", "float16 input makes complex32, which JAX lacks (see SKIP chalf)"),
+    "view_as_complex": ("lowering error", "float16 input makes complex32, which JAX lacks"),
+}
 
 # Ops not swept, one reason each.
 SKIP = {
@@ -424,11 +486,16 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
     t_in, t_args, t_kw = place(name, s, tmemo)
     # tpu first (on copies), then CPU on the clones: in-place ops mutate their inputs.
     t_err = t_out = t_after = None
+    reseed = random and name not in UNINITIALIZED
     try:
         with deferfuse.mode(mode):
+            if reseed:
+                torch.manual_seed(1234)
             out = _call(o, s, t_in, t_args, t_kw)
             if gauge:
                 out = s.output_process_fn_grad(out)
+            if name in TIES:
+                out = ties_view(name, s, t_in, out)
             t_out = snapshot(out)          # .cpu(): in defer mode this runs the trace
             t_after = [Snap(t) for t in _tensors((t_in, t_args, t_kw), [])]
             del out
@@ -442,6 +509,8 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
             c_out = _call(o, s, c_in, c_args, c_kw)
             if gauge:
                 c_out = s.output_process_fn_grad(c_out)
+            if name in TIES:
+                c_out = ties_view(name, s, c_in, c_out)
     except SweepTimeout:
         raise
     except Exception as e:
@@ -455,6 +524,18 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
         return None
     if t_err is not None:
         return _classify_error(t_err), _err_text(t_err)
+    if reseed:
+        # Reproducibility: the same seed gives the same values (on fresh copies of the inputs).
+        try:
+            with deferfuse.mode(mode):
+                torch.manual_seed(1234)
+                again = snapshot(_call(o, s, *place(name, s, {})))
+            compare(again, _map(t_out, lambda x: x.t if isinstance(x, Snap) else x),
+                    lambda dt: (0.0, 0.0), "out (same seed again)")
+        except Mismatch as m:
+            return "not reproducible", str(m)
+        except Exception as e:
+            return _classify_error(e), "second run: " + _err_text(e)
     try:
         compare(t_out, c_out, tol_of, "out", values=not random)
         # (inputs stay where they were placed: CPU_ARGS keeps some on CPU)
@@ -632,19 +713,37 @@ _DIR = {"forward": "fwd", "backward": "bwd"}
 _ABBR = {"pass": "ok", "fail": "FAIL", "fallback": "fb", "skip": "skip", "n/a": "-"}
 
 
-def sweep(ops: dict, modes, dtypes, backward: bool, limit, timeout: float, progress=print,
-          checkpoint=None, every: int = 25):
+def sweep(ops: dict, modes, dtypes, directions=("forward",), limit=None, timeout: float = 120.0,
+          progress=print, emit=None, skip_cells=frozenset(), index0: int = 0, total=None,
+          elapsed0: float = 0.0):
+    """Every op in ``ops`` per dtype, mode and direction ('forward', 'backward'), in this process;
+    returns {op: {mode: {dtype: {direction: record}}}} (records: ``check_op``).
+
+    ``emit(kind, payload)``, if given, hears 'start' before each (op, mode, dtype, direction) cell
+    runs, 'cell' with its record, and 'op' when an op is done; cells in ``skip_cells`` are not run.
+    """
     results: dict = {}
-    n = len(ops)
-    t_start = time.perf_counter()
+    n = total or len(ops)
+    t_start = time.perf_counter() - elapsed0
+    emit = emit or (lambda kind, payload: None)
     for k, (name, o) in enumerate(ops.items()):
         t0 = time.perf_counter()
         r = results[name] = {}
         cells = []
+
+        def done(m, dname, d, rec):
+            r.setdefault(m, {}).setdefault(dname, {})[d] = rec
+            emit("cell", {"op": name, "mode": m, "dtype": dname, "direction": d, "rec": rec})
+            if rec["status"] != "n/a" or d == "forward":
+                cells.append(f"{m[0]}{dname}{'.bwd' if d == 'backward' else ''}:{_ABBR[rec['status']]}")
+
         for dt in dtypes:
             dname = DTYPE_NAMES[dt]
+            fwd = [m for m in modes if "forward" in directions
+                   and (name, m, dname, "forward") not in skip_cells]
             samples = None
-            if name not in SKIP and supported(o, dt):
+            if fwd and name not in SKIP and supported(o, dt):
+                emit("start", [name, fwd[0], dname, "forward"])
                 try:
                     with alarm(timeout):
                         samples = gen_samples(o, dt, False, limit)
@@ -652,7 +751,8 @@ def sweep(ops: dict, modes, dtypes, backward: bool, limit, timeout: float, progr
                     if isinstance(e, KeyboardInterrupt):
                         raise
                     samples = e
-            for m in modes:
+            for m in fwd:
+                emit("start", [name, m, dname, "forward"])
                 if isinstance(samples, BaseException):
                     grp = "timeout" if isinstance(samples, SweepTimeout) else "other"
                     rec = {"status": "fail", "samples": 0, "passed": 0, "group": grp,
@@ -660,28 +760,145 @@ def sweep(ops: dict, modes, dtypes, backward: bool, limit, timeout: float, progr
                 else:
                     rec = check_op(o, m, dt, "forward", samples=samples, limit=limit,
                                    timeout=timeout)
-                r.setdefault(m, {}).setdefault(dname, {})["forward"] = rec
-                cells.append(f"{m[0]}{dname}:{_ABBR[rec['status']]}")
-            if backward and dt in (torch.float32, torch.float64):
+                done(m, dname, "forward", rec)
+            if "backward" in directions and dt in (torch.float32, torch.float64):
                 for m in modes:
-                    rec = check_op(o, m, dt, "backward", limit=limit, timeout=timeout)
-                    r[m][dname]["backward"] = rec
-                    if rec["status"] != "n/a":
-                        cells.append(f"{m[0]}{dname}.bwd:{_ABBR[rec['status']]}")
+                    if (name, m, dname, "backward") in skip_cells:
+                        continue
+                    emit("start", [name, m, dname, "backward"])
+                    done(m, dname, "backward",
+                         check_op(o, m, dt, "backward", limit=limit, timeout=timeout))
+        emit("op", name)
         if progress:
             el = time.perf_counter() - t_start
-            progress(f"[{k + 1:4d}/{n}] {name[:44]:44s} {' '.join(cells)}  "
+            progress(f"[{index0 + k + 1:4d}/{n}] {name[:44]:44s} {' '.join(cells)}  "
                      f"{time.perf_counter() - t0:5.1f}s  (total {el / 60:.1f} min)", flush=True)
-        if checkpoint is not None and (k + 1) % every == 0 and k + 1 < n:
-            checkpoint(results)
     return results
 
 
-def summarize(results: dict, modes, dtypes, backward: bool) -> dict:
+# ---------------------------------------------------------------------------------------------
+# crash isolation: the sweep runs in a worker process; a worker that dies (a C++ abort, a
+# segfault) or hangs where the alarm cannot reach (inside native code) costs one cell, recorded
+# as 'crash' or 'timeout', and a new worker resumes after it.
+
+def _worker(jobfile: str) -> int:
+    with open(jobfile) as f:
+        job = json.load(f)
+    warnings.simplefilter("ignore")
+    all_ops = load_ops()
+    ops = {n: all_ops[n] for n in job["ops"]}
+
+    def emit(kind, payload):
+        print(f"@@{kind} {json.dumps(payload, default=str)}", flush=True)
+
+    skip = {tuple(c) for c in job["skip_cells"]}
+    sweep(ops, job["modes"], [DTYPES[d] for d in job["dtypes"]], tuple(job["directions"]),
+          job["limit"], job["timeout"], progress=print, emit=emit, skip_cells=skip,
+          index0=job["index0"], total=job["total"], elapsed0=job["elapsed"])
+    print("@@end null", flush=True)
+    return 0
+
+
+def select_ops(ops: dict, want: list) -> list:
+    """Names in {name: OpInfo} matching ``want`` (a name with its variant, or a base name: every
+    variant of it)."""
+    return [n for n, o in ops.items() if n in want or o.name in want]
+
+
+def sweep_isolated(names: list, modes, dtypes, directions, limit, timeout: float,
+                   progress=print, checkpoint=None, every: int = 25) -> dict:
+    """``sweep`` over op_db ``names`` in worker processes (restarted after a crash or a hang)."""
+    import queue
+    import subprocess
+    import tempfile
+    import threading
+
+    results = {n: {} for n in names}
+    done_ops: set = set()
+    skip_cells: set = set()
+    dnames = [DTYPE_NAMES[d] for d in dtypes]
+    n_since = 0
+    t_start = time.perf_counter()
+    while True:
+        todo = [n for n in names if n not in done_ops]
+        if not todo:
+            break
+        job = {"ops": todo, "modes": list(modes), "dtypes": dnames, "directions": list(directions),
+               "limit": limit, "timeout": timeout, "index0": len(done_ops), "total": len(names),
+               "elapsed": time.perf_counter() - t_start,
+               "skip_cells": [list(c) for c in skip_cells if c[0] in set(todo)]}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as jf:
+            json.dump(job, jf)
+        errf = tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", jf.name],
+                                stdout=subprocess.PIPE, stderr=errf, text=True, cwd=ROOT)
+        lines: queue.Queue = queue.Queue()
+
+        def pump(stream=proc.stdout, q=lines):
+            for ln in stream:
+                q.put(ln)
+            q.put(None)
+        threading.Thread(target=pump, daemon=True).start()
+        current, hung, progressed, ended = None, False, False, False
+        while True:
+            # Startup (op_db import) is slow on busy machines; a cell has its alarm plus slack.
+            wait = 1800.0 if current is None else timeout * 2 + 120.0
+            try:
+                ln = lines.get(timeout=wait)
+            except queue.Empty:
+                hung = True
+                proc.kill()
+                break
+            if ln is None:
+                break
+            if ln.startswith("@@start "):
+                current = tuple(json.loads(ln[8:]))
+            elif ln.startswith("@@cell "):
+                c = json.loads(ln[7:])
+                results[c["op"]].setdefault(c["mode"], {}).setdefault(c["dtype"], {})[
+                    c["direction"]] = c["rec"]
+                skip_cells.add((c["op"], c["mode"], c["dtype"], c["direction"]))
+                current, progressed = None, True
+            elif ln.startswith("@@op "):
+                done_ops.add(json.loads(ln[5:]))
+                current, progressed = None, True
+                n_since += 1
+                if checkpoint is not None and n_since >= every:
+                    n_since = 0
+                    checkpoint({k: v for k, v in results.items() if k in done_ops})
+            elif ln.startswith("@@end"):
+                ended = True
+            elif progress:
+                progress(ln.rstrip("\n"), flush=True)
+        rc = proc.wait()
+        os.unlink(jf.name)
+        errf.seek(0)
+        tail = [x.strip() for x in errf.read().splitlines() if x.strip()][-3:]
+        errf.close()
+        if ended and rc == 0:
+            continue
+        why = (f"worker hung (no output for {wait:g}s)" if hung else
+               f"worker died (exit {rc}{', ' + signal.Signals(-rc).name if rc < 0 else ''})")
+        if current is None:
+            if not progressed:
+                raise RuntimeError(f"opinfo sweep: {why} before running any op: {' | '.join(tail)}")
+            continue
+        name, m, dname, d = current
+        rec = {"status": "fail", "samples": 0, "passed": 0,
+               "group": "timeout" if hung else "crash",
+               "error": f"{why}: {' | '.join(tail)[:400]}"}
+        results[name].setdefault(m, {}).setdefault(dname, {})[d] = rec
+        skip_cells.add(tuple(current))
+        if progress:
+            progress(f"       {name} [{m} {dname} {d}]: {why}; restarting the worker", flush=True)
+    return results
+
+
+def summarize(results: dict, modes, dtypes, directions=("forward",)) -> dict:
     """Counts, failure groups and CPU fallbacks per (mode, dtype, direction)."""
     summary, groups = {}, {}
     fallback_ops: dict = collections.defaultdict(set)
-    dirs = ("forward", "backward") if backward else ("forward",)
+    dirs = directions
     for m in modes:
         for dt in dtypes:
             dname = DTYPE_NAMES[dt]
@@ -709,7 +926,8 @@ def summarize(results: dict, modes, dtypes, backward: bool) -> dict:
     return {"summary": summary, "groups": groups, "fallback_aten_ops": fb}
 
 
-def render(results: dict, summ: dict, modes, dtypes, backward: bool, top_fallbacks: int = 30) -> str:
+def render(results: dict, summ: dict, modes, dtypes, directions=("forward",),
+           top_fallbacks: int = 30) -> str:
     lines = []
     hdr = f"{'mode':7s} {'dtype':9s} {'dir':4s} {'ops':>5s} {'tested':>6s} {'pass':>5s} {'fail':>5s} " \
           f"{'fallback':>8s} {'skip':>5s}"
@@ -722,7 +940,7 @@ def render(results: dict, summ: dict, modes, dtypes, backward: bool, top_fallbac
     # Failure groups, merged over modes: an op failing in only some modes says which.
     for dt in dtypes:
         dname = DTYPE_NAMES[dt]
-        for d in (("forward", "backward") if backward else ("forward",)):
+        for d in directions:
             by_group: dict = collections.defaultdict(dict)
             for m in modes:
                 for grp, names in summ["groups"].get(m, {}).get(dname, {}).get(d, {}).items():
@@ -748,6 +966,156 @@ def render(results: dict, summ: dict, modes, dtypes, backward: bool, top_fallbac
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# merging runs (forward, backward, other dtypes are separate runs) and the markdown table
+
+def merge_results(docs: list) -> tuple:
+    """(results, modes, dtype names, directions) of several sweep JSON documents; a later
+    document's cell replaces an earlier one's."""
+    results: dict = {}
+    modes, dnames, dirs = [], [], []
+    for doc in docs:
+        for name, r in doc["ops"].items():
+            for m, per in r.items():
+                for dname, perd in per.items():
+                    for d, rec in perd.items():
+                        results.setdefault(name, {}).setdefault(m, {}).setdefault(dname, {})[d] = rec
+                        modes += [m] if m not in modes else []
+                        dnames += [dname] if dname not in dnames else []
+                        dirs += [d] if d not in dirs else []
+    order = list(DTYPES)
+    return (results, [m for m in ("strict", "defer") if m in modes] + [m for m in modes if m not in
+            ("strict", "defer")], sorted(dnames, key=order.index),
+            [d for d in ("forward", "backward") if d in dirs])
+
+
+def _rate(a: int, b: int) -> str:
+    return f"{100.0 * a / b:.1f}%" if b else "-"
+
+
+def render_md(results: dict, summ: dict, runs: list) -> str:
+    """The human-readable table: counts per mode, dtype and direction, the non-random pass rate,
+    failures by cause and the CPU fallbacks."""
+    L = ["# OpInfo sweep: deferfuse `tpu` vs CPU eager PyTorch", "",
+         "Generated by `tests/opinfo_sweep.py` (see its docstring); data in `opinfo.json`. "
+         "`pass`: every sample matches CPU (dtype, shape, values) and nothing ran on CPU; "
+         "`fallback`: matches, but some aten op ran on CPU; `fail`: a sample differs or raises; "
+         "`skip`: a named skip (one reason each) or no samples. Random ops (shape and dtype only) "
+         "are excluded from the `non-random pass` rate; `correct` counts pass + fallback.", "",
+         "Runs:", ""]
+    L += [f"- `{r['command']}` ({r['date']}, {r['seconds'] / 60:.0f} min, limit "
+          f"{r.get('limit_samples') or 'all'} samples/op)" for r in runs]
+    L += ["", "| mode | dtype | dir | ops | tested | pass | fail | fallback | skip | "
+          "non-random pass | correct |", "|" + "---|" * 11]
+    for m, per in summ["summary"].items():
+        for dname, perd in per.items():
+            for d, c in perd.items():
+                nr = [r.get(m, {}).get(dname, {}).get(d) for n, r in results.items()
+                      if n not in RANDOM]
+                nr = [x for x in nr if x and x["status"] not in ("n/a", "skip")]
+                npass = sum(x["status"] == "pass" for x in nr)
+                L.append(f"| {m} | {dname} | {_DIR[d]} | {c['ops']} | {c['tested']} | {c['pass']} | "
+                         f"{c['fail']} | {c['fallback']} | {c['skip']} | "
+                         f"{_rate(npass, len(nr))} ({npass}/{len(nr)}) | "
+                         f"{_rate(c['pass'] + c['fallback'], c['tested'])} |")
+    L += ["", "## Failures by cause", "",
+          "`op[mode]`: fails only in that mode. First failing sample's error, per op, in "
+          "`opinfo.json`.", ""]
+    for (dname, d) in sorted({(dn, d) for per in summ["groups"].values() for dn, perd in per.items()
+                              for d in perd}, key=lambda k: (list(DTYPES).index(k[0]), k[1] != "forward")):
+        by_group: dict = collections.defaultdict(dict)
+        ms = [m for m in summ["groups"] if d in summ["groups"][m].get(dname, {})]
+        for m in ms:
+            for grp, names in summ["groups"][m][dname][d].items():
+                for nm in names:
+                    by_group[grp].setdefault(nm, []).append(m)
+        if not by_group:
+            continue
+        L += [f"**{dname} {d}**", ""]
+        for grp in GROUPS:
+            if grp in by_group:
+                shown = [nm if len(v) == len(ms) else f"{nm}[{','.join(v)}]"
+                         for nm, v in by_group[grp].items()]
+                L.append(f"- {grp} ({len(shown)}): " + ", ".join(shown))
+                L += [f"  - {nm}: {CAUSES[nm][1]}" for nm in by_group[grp]
+                      if nm in CAUSES and CAUSES[nm][0] == grp]
+        L.append("")
+    L += ["Low-precision value mismatches not listed above (conv_transpose, batch/instance norm, "
+          "addbmm, bilinear, logit, grid_sample, huber_loss): a few elements one or two bf16/f16 "
+          "ulps apart, from computing in float32 and rounding once where the CPU kernel rounds "
+          "intermediates (PyTorch's own CUDA-vs-CPU check, test_compare_cpu, uses atol=rtol=1e-3 "
+          "for them; this sweep keeps assert_close's defaults).", ""]
+    fb = summ["fallback_aten_ops"]
+    if fb:
+        L += ["## CPU fallbacks (aten op: OpInfo ops that used it, all runs)", ""]
+        L += [f"- `{aten}` ({len(names)}): {', '.join(names)}" for aten, names in fb.items()]
+        L.append("")
+    return "\n".join(L)
+
+
+STATUS_TEXT = {"pass": "every sample matches CPU, no CPU fallback",
+               "fallback": "every sample matches CPU, some aten op ran on CPU",
+               "fail": "a sample failed (group: the first failure's cause)",
+               "skip": "named skip set or no sample inputs",
+               "n/a": "the dtype/direction does not apply (not counted)"}
+
+
+def make_doc(results: dict, summ: dict, meta: dict) -> dict:
+    return {
+        "meta": {**meta, "statuses": STATUS_TEXT},
+        **summ,
+        "skip": SKIP,
+        "random": sorted(RANDOM),
+        "gauge": sorted(GAUGE),
+        "tolerances": {"default": {DTYPE_NAMES[k]: v for k, v in DEFAULT_TOL.items()
+                                   if k in DTYPE_NAMES},
+                       "backward_default": {DTYPE_NAMES[k]: v for k, v in BACKWARD_TOL.items()},
+                       "per_op": {n: {DTYPE_NAMES[k]: v for k, v in t.items()}
+                                  for n, t in sorted(TOL.items())},
+                       "per_op_backward": {n: {DTYPE_NAMES[k]: v for k, v in t.items()}
+                                           for n, t in sorted(BACKWARD_TOL_OP.items())}},
+        "ops": results,
+    }
+
+
+def _write(text: str, path: str):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(doc: dict, path: str):
+    _write(json.dumps(doc, indent=1, default=str) + "\n", path)
+
+
+def write_md(results: dict, summ: dict, runs: list, path: str):
+    _write(render_md(results, summ, runs) + "\n", path)
+
+
+def merge_main(paths: list, out: str, md) -> int:
+    """``--merge``: one document (and table) from several runs' JSON."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    results, modes, dnames, dirs = merge_results(docs)
+    summ = summarize(results, modes, [DTYPES[d] for d in dnames], dirs)
+    runs = [r for d in docs for r in (d["meta"].get("runs") or [d["meta"]])]
+    for r in runs:
+        r.pop("statuses", None)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "merged": True, "runs": runs,
+            "modes": modes, "dtypes": dnames, "directions": dirs}
+    print(render(results, summ, modes, [DTYPES[d] for d in dnames], dirs))
+    write_json(make_doc(results, summ, meta), out)
+    print(f"wrote {out}")
+    if md:
+        write_md(results, summ, runs, md)
+        print(f"wrote {md}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -755,6 +1123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32",
                     help=f"comma-separated, of {', '.join(DTYPES)}")
     ap.add_argument("--backward", action="store_true", help="also compare gradients (float32)")
+    ap.add_argument("--backward-only", action="store_true", help="gradients only, no forward")
     ap.add_argument("--ops", default="", help="comma-separated op names (with or without "
                     "variant: 'max' selects every max variant)")
     ap.add_argument("--limit-samples", type=int, default=0, help="first N samples per op (0: all)")
@@ -763,7 +1132,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help=f"JSON results (default {DEFAULT_OUT} for a full "
                     "sweep; a sweep restricted with --ops writes only when --out is given)")
     ap.add_argument("--quiet", action="store_true", help="no per-op progress lines")
+    ap.add_argument("--in-process", action="store_true",
+                    help="no worker process: faster to start, but a crash ends the sweep")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--merge", default="", metavar="A.json,B.json",
+                    help="run nothing: merge the results of earlier runs (forward, backward, "
+                    "other dtypes) into --out (default %s) and --md" % DEFAULT_OUT)
+    ap.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.worker:
+        return _worker(a.worker)
+    if a.merge:
+        return merge_main([p for p in a.merge.split(",") if p], a.out or DEFAULT_OUT, a.md)
+    directions = (("backward",) if a.backward_only else
+                  ("forward", "backward") if a.backward else ("forward",))
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
         if m not in deferfuse.MODES:
@@ -777,8 +1159,8 @@ def main(argv=None) -> int:
     all_ops = load_ops()
     if a.ops:
         want = [x.strip() for x in a.ops.split(",") if x.strip()]
-        ops = {n: o for n, o in all_ops.items() if n in want or o.name in want}
-        missing = [w for w in want if not any(n == w or o.name == w for n, o in ops.items())]
+        ops = {n: all_ops[n] for n in select_ops(all_ops, want)}
+        missing = [w for w in want if not select_ops(ops, [w])]
         if missing:
             print(f"unknown ops: {', '.join(missing)}", file=sys.stderr)
             return 2
@@ -786,52 +1168,35 @@ def main(argv=None) -> int:
         ops = all_ops
     out = a.out if a.out is not None else (None if a.ops else DEFAULT_OUT)
     print(f"OpInfo sweep: {len(ops)} ops, modes {','.join(modes)}, dtypes "
-          f"{','.join(DTYPE_NAMES[d] for d in dtypes)}{', backward' if a.backward else ''}, "
+          f"{','.join(DTYPE_NAMES[d] for d in dtypes)}{', ' + '+'.join(directions)}, "
           f"limit {a.limit_samples or 'all'} samples, timeout {a.timeout:g}s "
           f"(deferfuse on JAX '{deferfuse.platform()}')", flush=True)
     def write(results, partial: bool):
         import jax
-        summ = summarize(results, modes, dtypes, a.backward)
-        doc = {
-            "meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - t0, 1),
-                     "partial": partial, "command": " ".join(["tests/opinfo_sweep.py"] + list(
-                         argv if argv is not None else sys.argv[1:])),
-                     "torch": torch.__version__, "jax": jax.__version__,
-                     "python": platform.python_version(), "jax_platform": deferfuse.platform(),
-                     "modes": modes, "dtypes": [DTYPE_NAMES[d] for d in dtypes],
-                     "backward": a.backward, "limit_samples": a.limit_samples or None,
-                     "timeout_s": a.timeout, "ops": len(ops), "ops_done": len(results),
-                     "statuses": {"pass": "every sample matches CPU, no CPU fallback",
-                                  "fallback": "every sample matches CPU, some aten op ran on CPU",
-                                  "fail": "a sample failed (group: the first failure's cause)",
-                                  "skip": "named skip set or no sample inputs",
-                                  "n/a": "the dtype/direction does not apply (not counted)"}},
-            **summ,
-            "skip": SKIP,
-            "random": sorted(RANDOM),
-            "gauge": sorted(GAUGE),
-            "tolerances": {"default": {DTYPE_NAMES[k]: v for k, v in DEFAULT_TOL.items()
-                                       if k in DTYPE_NAMES},
-                           "backward_default": {DTYPE_NAMES[k]: v for k, v in BACKWARD_TOL.items()},
-                           "per_op": {n: {DTYPE_NAMES[k]: v for k, v in t.items()}
-                                      for n, t in sorted(TOL.items())},
-                           "per_op_backward": {n: {DTYPE_NAMES[k]: v for k, v in t.items()}
-                                               for n, t in sorted(BACKWARD_TOL_OP.items())}},
-            "ops": results,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        tmp = out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-            f.write("\n")
-        os.replace(tmp, out)
+        summ = summarize(results, modes, dtypes, directions)
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - t0, 1),
+                "partial": partial, "command": " ".join(["tests/opinfo_sweep.py"] + list(
+                    argv if argv is not None else sys.argv[1:])),
+                "torch": torch.__version__, "jax": jax.__version__,
+                "python": platform.python_version(), "jax_platform": deferfuse.platform(),
+                "modes": modes, "dtypes": [DTYPE_NAMES[d] for d in dtypes],
+                "directions": list(directions), "limit_samples": a.limit_samples or None,
+                "timeout_s": a.timeout, "ops": len(ops), "ops_done": len(results)}
+        write_json(make_doc(results, summ, meta), out)
+        if a.md:
+            write_md(results, summ, [meta], a.md)
         return summ
 
-    results = sweep(ops, modes, dtypes, a.backward, a.limit_samples or None, a.timeout,
-                    progress=None if a.quiet else print,
-                    checkpoint=(lambda r: write(r, True)) if out else None)
-    summ = summarize(results, modes, dtypes, a.backward)
-    print(render(results, summ, modes, dtypes, a.backward))
+    progress = None if a.quiet else print
+    if a.in_process:
+        results = sweep(ops, modes, dtypes, directions, a.limit_samples or None, a.timeout,
+                        progress=progress)
+    else:
+        results = sweep_isolated(list(ops), modes, dtypes, directions, a.limit_samples or None,
+                                 a.timeout, progress=progress,
+                                 checkpoint=(lambda r: write(r, True)) if out else None)
+    summ = summarize(results, modes, dtypes, directions)
+    print(render(results, summ, modes, dtypes, directions))
     print(f"done in {(time.time() - t0) / 60:.1f} min")
     if out:
         write(results, False)

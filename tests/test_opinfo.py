@@ -1,7 +1,8 @@
 """A fixed representative subset of PyTorch's OpInfo database on the tpu device, against CPU eager.
 
-One test per op and mode (conftest's ``tpu_mode``), float32, forward, the first few sample inputs
-of each op (``LIMIT``). The engine is tests/opinfo_sweep.py (``check_op``): it moves each sample to
+One test per op and mode (conftest's ``tpu_mode``): float32 forward (``SUBSET``, the first
+``LIMIT`` sample inputs), float32 gradients (``BACKWARD``), other dtypes (``DTYPES``) and random ops
+(``RANDOM``: shape, dtype and reproducibility under the same seed). The engine is tests/opinfo_sweep.py (``check_op``): it moves each sample to
 tpu, runs the op on tpu and on CPU, and compares structure, device, dtype, shape and values (and the
 inputs afterwards), or that both raise the same exception type. A test passes only when every
 sample matches CPU AND no aten op ran on CPU fallback. The full sweep over all of op_db is
@@ -58,14 +59,37 @@ SUBSET = [
     "unsqueeze",
     # creation
     "full", "arange", "zeros_like",
+    # spectral and special functions, distances, segment and scatter ops (each once a CPU fallback)
+    "fft.fft", "fft.rfft", "fft.irfft", "fft.ifft", "fft.fft2", "special.chebyshev_polynomial_t",
+    "special.hermite_polynomial_h", "special.legendre_polynomial_p", "cdist",
+    "nn.functional.pdist", "nn.functional.bilinear", "histc", "_segment_reduce.lengths",
+    "diagonal_scatter", "as_strided_scatter", "put", "nonzero_static", "complex", "polar",
+    "special.modified_bessel_k0", "special.scaled_modified_bessel_k1", "nn.functional.embedding_bag",
+    "ormqr", "linalg.householder_product",
 ]
 
-# op -> (reason, modes it fails in, or None for every mode). Each runs as xfail(strict=True).
-KNOWN_FAIL: dict = {
-    "matmul": ("1-d @ 2-d unsqueezes, multiplies, then calls the in-place view op squeeze_, which "
-               "the dispatcher treats as an out= write of a different shape and rejects (core: "
-               "in-place view ops squeeze_/unsqueeze_/transpose_ must change the view chain)", None),
+# Gradients (float32, ``BACKWARD_LIMIT`` samples): the sweep's --backward check.
+BACKWARD = ["mul", "exp", "sum", "mm", "nn.functional.linear", "softmax",
+            "nn.functional.layer_norm", "nn.functional.conv2d", "nn.functional.cross_entropy",
+            "gather", "cumsum", "cdist", "_segment_reduce.lengths", "take"]
+BACKWARD_LIMIT = 2
+
+# Other dtypes (forward, ``DTYPE_LIMIT`` samples).
+DTYPES = {
+    "bfloat16": ["add", "sum", "mm", "softmax", "nn.functional.layer_norm", "sort"],
+    "float16": ["exp", "mean", "mm", "argsort"],
+    "int64": ["add", "sum", "cumsum", "topk", "gather"],
+    "int32": ["mul", "amax", "kthvalue"],
+    "bool": ["logical_and", "any", "where", "sort"],
 }
+DTYPE_LIMIT = 1
+
+# Random ops: shape and dtype against CPU, and the same values again under the same seed.
+RANDOM = ["normal", "uniform", "bernoulli", "nn.functional.dropout", "randn", "randint_like",
+          "multinomial"]
+
+# op -> (reason, modes it fails in, or None for every mode). Each runs as xfail(strict=True).
+KNOWN_FAIL: dict = {}
 
 
 def _params():
@@ -93,10 +117,12 @@ def _describe(rec) -> str:
 @pytest.mark.modes("strict")
 def test_subset_names_exist():
     ops = _ops()
-    missing = [n for n in SUBSET + list(KNOWN_FAIL) if n not in ops]
+    names = SUBSET + BACKWARD + RANDOM + [n for v in DTYPES.values() for n in v]
+    missing = [n for n in names + list(KNOWN_FAIL) if n not in ops]
     assert not missing, f"not in op_db: {missing}"
-    assert not set(SUBSET) & sweep.RANDOM, "random ops are compared by shape only; keep them out"
-    assert not set(SUBSET) & set(sweep.SKIP)
+    assert not set(SUBSET + BACKWARD) & sweep.RANDOM, "random ops: keep them in RANDOM"
+    assert set(RANDOM) <= sweep.RANDOM
+    assert not set(names) & set(sweep.SKIP)
 
 
 @pytest.mark.parametrize("name", _params())
@@ -110,3 +136,28 @@ def test_opinfo(name, tpu_mode, request):
     assert rec["samples"] > 0, f"{name}: no samples were compared ({rec})"
     assert rec["status"] == "pass", f"{name} [{tpu_mode}] {_describe(rec)}"
     assert rec["passed"] == rec["samples"]
+
+
+def _check(name, mode, dtype, direction, limit):
+    o = _ops()[name]
+    assert dtype in o.supported_dtypes("cpu"), f"{name}: CPU kernels lack {dtype}"
+    rec = sweep.check_op(o, mode, dtype, direction, limit=limit, timeout=TIMEOUT)
+    assert rec["samples"] > 0, f"{name}: no samples were compared ({rec})"
+    assert rec["status"] == "pass", f"{name} [{mode} {dtype} {direction}] {_describe(rec)}"
+    assert rec["passed"] == rec["samples"]
+
+
+@pytest.mark.parametrize("name", BACKWARD)
+def test_opinfo_backward(name, tpu_mode):
+    _check(name, tpu_mode, torch.float32, "backward", BACKWARD_LIMIT)
+
+
+@pytest.mark.parametrize("dtype,name", [pytest.param(d, n, id=f"{d}-{n}")
+                                        for d, ns in DTYPES.items() for n in ns])
+def test_opinfo_dtype(dtype, name, tpu_mode):
+    _check(name, tpu_mode, sweep.DTYPES[dtype], "forward", DTYPE_LIMIT)
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_opinfo_random(name, tpu_mode):
+    _check(name, tpu_mode, torch.float32, "forward", 2)

@@ -251,6 +251,34 @@ def take(x, index):
     return x.reshape(-1)[index]
 
 
+@op("put.default")
+def put(x, index, source, accumulate=False):
+    check_index(index, x.size, IndexError, f"out of range: tried to access an index outside a tensor "
+                f"of {x.size} elements")
+    flat = _put(x.reshape(-1), index.reshape(-1), jnp.asarray(source).reshape(-1), accumulate)
+    return flat.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# *_scatter: the value of a view overwritten (static index arrays over the flat input)
+
+@op("diagonal_scatter.default")
+def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    idx = np.diagonal(np.arange(x.size).reshape(x.shape), offset, dim1 % x.ndim, dim2 % x.ndim)
+    return x.reshape(-1).at[idx.astype(np.int32)].set(src.astype(x.dtype)).reshape(x.shape)
+
+
+@op("as_strided_scatter.default")
+def as_strided_scatter(x, src, size, stride, storage_offset=None):
+    # x's value is its (contiguous) storage, as the as_strided lowering reads it.
+    idx = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
+    for d, (n, st) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n) * st).reshape(shape)
+    return x.reshape(-1).at[idx.astype(np.int32)].set(src.astype(x.dtype)).reshape(x.shape)
+
+
 # --------------------------------------------------------------------------------------------
 # advanced indexing (negative indices wrap: JAX's default, as in PyTorch)
 
@@ -487,3 +515,11 @@ def searchsorted(seq, v, *, out_int32=False, right=False, side=None, sorter=None
 @op("bucketize.Tensor", "bucketize.Scalar")
 def bucketize(v, boundaries, *, out_int32=False, right=False):
     return _search(boundaries, v, "right" if right else "left")
+
+
+@op("nonzero_static.default")
+def nonzero_static(x, *, size, fill_value=-1):
+    if x.size == 0 or x.ndim == 0:
+        return jnp.full((size, x.ndim), fill_value, jnp.int64)
+    idx = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(idx, axis=1)

@@ -883,3 +883,49 @@ def _safe_softmax(self, dim, dtype=None):
         return jnp.ones((), x.dtype)
     dead = jnp.all(x == -jnp.inf, axis=dim, keepdims=True)
     return jnp.where(dead, 0, jax.nn.softmax(x, axis=dim))
+
+
+# --------------------------------------------------------------------------------------------
+# embedding_bag: bags of rows summed / averaged / maxed (PyTorch's CPU kernel: indices equal to
+# ``padding_idx`` are left out, an empty bag is zeros; the aux outputs are what its backward reads)
+
+def _fit(v, aval):
+    """``v`` when meta gives it this shape, else zeros of meta's shape (an output the mode does
+    not define)."""
+    return v if tuple(v.shape) == tuple(aval[0]) else _zeros(aval)
+
+
+@op("_embedding_bag_forward_only.default", "_embedding_bag.default", meta=True)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1, *, _avals):
+    if indices.ndim == 2:
+        b, l = indices.shape
+        offsets = jnp.arange(0, b * l, l, dtype=indices.dtype) if l else jnp.zeros(b, indices.dtype)
+        indices = indices.reshape(-1)
+    n, nb = indices.shape[0], _avals[0][0][0]
+    pos = jnp.arange(n)
+    bag = jnp.searchsorted(offsets[:nb], pos, side="right") - 1
+    valid = (bag >= 0) & (indices != padding_idx) if padding_idx >= 0 else bag >= 0
+    if include_last_offset:
+        valid = valid & (pos < offsets[-1])
+    bag = jnp.where(valid, bag, nb)                  # nb: dropped by the segment ops
+    count = jax.ops.segment_sum(valid.astype(jnp.int64), bag, nb)
+    rows = _acc(weight)[indices]
+    if mode == 2:
+        out = jax.ops.segment_max(jnp.where(valid[:, None], rows, -jnp.inf), bag, nb)
+        out = jnp.where(count[:, None] > 0, out, 0)
+        hit = (rows == out[jnp.clip(bag, 0, nb - 1)]) & valid[:, None]
+        # the first index attaining the max, per bag and column
+        first = jax.ops.segment_min(jnp.where(hit, pos[:, None], n), bag, nb)
+        arg = jnp.where(count[:, None] > 0, indices[jnp.clip(first, 0, max(n - 1, 0))], 0)
+    else:
+        if per_sample_weights is not None:
+            rows = rows * _acc(per_sample_weights)[:, None]
+        out = jax.ops.segment_sum(jnp.where(valid[:, None], rows, 0), bag, nb)
+        if mode == 1:
+            out = out / jnp.maximum(count, 1)[:, None].astype(out.dtype)
+        arg = jnp.zeros_like(count)
+    offset2bag = jnp.searchsorted(offsets[:nb], pos, side="right") - 1
+    size = count if mode else jnp.zeros_like(count)
+    return (out, _fit(offset2bag.astype(jnp.int64), _avals[1]), _fit(size, _avals[2]),
+            _fit(arg.astype(jnp.int64), _avals[3]))

@@ -437,3 +437,131 @@ def mode(x, dim=-1, keepdim=False):
     if not keepdim:
         sv, si = jnp.squeeze(sv, dim), jnp.squeeze(si, dim)
     return sv, si
+
+
+def _edges(lo, hi, bins, dt):
+    """torch.linspace(lo, hi, bins + 1): from the left for the first half, from the right for
+    the second."""
+    i = jnp.arange(bins + 1, dtype=dt)
+    step = (hi - lo) / bins
+    return jnp.where(i < (bins + 1) // 2, lo + step * i, hi - step * (bins - i))
+
+
+def _bin_counts(x, edges, weight=None):
+    """Counts (or weights) of ``x`` per bin: a value on an inner edge goes to the bin on its right,
+    the last edge to the last bin, values outside the edges are not counted."""
+    bins = edges.shape[0] - 1
+    pos = jnp.clip(jnp.searchsorted(edges, x, side="right") - 1, 0, bins - 1)
+    ok = (x >= edges[0]) & (x <= edges[-1])
+    w = ok.astype(edges.dtype) if weight is None else jnp.where(ok, weight.reshape(-1), 0)
+    return jnp.zeros(bins, edges.dtype).at[pos].add(w.astype(edges.dtype))
+
+
+def _data_range(x, lo, hi, widen):
+    """[lo, hi], the data's range when lo == hi, widened each way when that is one value."""
+    if x.size:
+        same = lo == hi
+        lo, hi = jnp.where(same, jnp.min(x), lo), jnp.where(same, jnp.max(x), hi)
+    one = lo == hi
+    return jnp.where(one, lo - widen, lo), jnp.where(one, hi + widen, hi)
+
+
+@op("histc.default")
+def histc(x, bins=100, min=0, max=0):
+    """PyTorch's CPU histc: ``bins`` equal bins over [min, max] (the data's range when min ==
+    max, widened by 1 each way when that is one value)."""
+    x = x.reshape(-1)
+    lo, hi = _data_range(x, jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype), 1)
+    return _bin_counts(x, _edges(lo, hi, bins, x.dtype))
+
+
+def _density(hist, edges, density):
+    if not density:
+        return hist
+    return hist / (jnp.sum(hist) * (edges[1:] - edges[:-1]))
+
+
+@op("histogram.bin_ct")
+def histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
+    x = x.reshape(-1)
+    lo, hi = (x.dtype.type(0), x.dtype.type(0)) if range is None else range
+    lo, hi = _data_range(x, jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype), 0.5)
+    edges = _edges(lo, hi, bins, x.dtype)
+    return _density(_bin_counts(x, edges, weight), edges, density), edges
+
+
+@op("histogram.bins_tensor")
+def histogram_bins_tensor(x, bins, *, weight=None, density=False):
+    edges = bins.astype(x.dtype)
+    return _density(_bin_counts(x.reshape(-1), edges, weight), edges, density), edges
+
+
+def _segments_1d(data, lengths, reduce, initial):
+    """segment_reduce along axis 0 of ``data`` with 1-D ``lengths`` (PyTorch's CPU kernel: the
+    reduction starts from ``initial`` when given; an empty segment is ``initial``, else the
+    reduction's identity, NaN for mean)."""
+    import jax.ops as jops
+    s = lengths.shape[0]
+    ids = jnp.searchsorted(jnp.cumsum(lengths), jnp.arange(data.shape[0]), side="right")
+    n = lengths.reshape((s,) + (1,) * (data.ndim - 1)).astype(data.dtype)
+    if reduce in ("sum", "mean"):
+        v = jops.segment_sum(data, ids, s)
+        if initial is not None:
+            v = v + initial
+        if reduce == "mean":
+            empty = jnp.asarray(jnp.nan if initial is None else initial, data.dtype)
+            v = jnp.where(n > 0, v / jnp.where(n > 0, n, 1), empty)
+        return v
+    if reduce == "prod":
+        v = jops.segment_prod(data, ids, s)
+        return v if initial is None else v * initial
+    f, g = (jops.segment_max, jnp.maximum) if reduce == "max" else (jops.segment_min, jnp.minimum)
+    v = f(data, ids, s)
+    # NaN propagates as in PyTorch's kernel (XLA's scatter-max may drop it)
+    nan = jops.segment_max(jnp.isnan(data).astype(jnp.int8), ids, s) > 0
+    v = jnp.where(nan, jnp.nan, v)
+    return v if initial is None else g(v, jnp.asarray(initial, data.dtype))
+
+
+@op("segment_reduce.default")
+def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                   initial=None):
+    if lengths is None:
+        lengths = offsets[..., 1:] - offsets[..., :-1]
+    axis %= data.ndim
+    f = lambda d, l: _segments_1d(d, l, reduce, initial)   # noqa: E731
+    for _ in range(lengths.ndim - 1):                     # batch dims before ``axis``
+        f = jax.vmap(f)
+    return f(data, lengths)
+
+
+@op("_segment_reduce_backward.default")
+def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0,
+                            initial=None):
+    if lengths is None:
+        lengths = offsets[..., 1:] - offsets[..., :-1]
+    grad = grad.astype(data.dtype)
+    if reduce != "prod":      # JAX's own gradients match PyTorch's (max/min: ties share evenly)
+        def fwd(d):
+            return segment_reduce(d, reduce, lengths=lengths, axis=axis, initial=initial)
+        return jax.vjp(fwd, data)[1](grad)[0]
+
+    def prod_1d(g, d, l):
+        # d/dx_i of the product: the product of the others (a lone zero's is the nonzero product)
+        import jax.ops as jops
+        s = l.shape[0]
+        ids = jnp.searchsorted(jnp.cumsum(l), jnp.arange(d.shape[0]), side="right")
+        zero = d == 0
+        nz = jops.segment_prod(jnp.where(zero, 1, d), ids, s)
+        if initial is not None:
+            nz = nz * initial
+        nzero = jops.segment_sum(zero.astype(jnp.int32), ids, s)
+        gi, nzi, nzeroi = (jnp.take(a, ids, axis=0, mode="fill", fill_value=0)
+                           for a in (g, nz, nzero))
+        others = jnp.where(zero, jnp.where(nzeroi == 1, nzi, 0),
+                           jnp.where(nzeroi > 0, 0, nzi / jnp.where(zero, 1, d)))
+        return gi * others
+    f = prod_1d
+    for _ in range(lengths.ndim - 1):
+        f = jax.vmap(f)
+    return f(grad, data, lengths)

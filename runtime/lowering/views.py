@@ -138,3 +138,10 @@ def view_as_real(x):
 @op("view_as_complex.default")
 def view_as_complex(x):
     return lax.complex(x[..., 0], x[..., 1])
+
+
+@op("_conj.default")
+def conj_view(x):
+    # The conj bit as a view: read as a conjugated copy. Writing through one needs
+    # its own inverse in runtime/viewchain.py (the generic index scatter would write it unchanged).
+    return jnp.conj(x) if jnp.iscomplexobj(x) else x
