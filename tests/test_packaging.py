@@ -21,7 +21,8 @@ def test_wheel_installs_and_imports(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for pkg in ("deferfuse/__init__.py", "deferfuse/runtime/__init__.py",
                 "deferfuse/runtime/lowering/__init__.py", "deferfuse/runtime/lowering/pointwise.py",
-                "deferfuse/scheduler/__init__.py", "deferfuse/scheduler/records.py"):
+                "deferfuse/runtime/lowering/activations.py", "deferfuse/scheduler/__init__.py",
+                "deferfuse/scheduler/records.py", "deferfuse/scheduler/cut.py"):
         assert pkg in names, f"{pkg} missing from the wheel"
     assert not any(n.startswith(("runtime/", "scheduler/", "tests/")) for n in names)
     # A clean venv that sees this environment's torch/jax (so nothing is downloaded), but not the
