@@ -10,6 +10,11 @@ from .tensor import TpuTensor
 
 aten = torch.ops.aten
 _META = torch.device("meta")
+_GROUPED_MM = getattr(getattr(aten, "_grouped_mm", None), "default", None)
+try:
+    from torch._meta_registrations import _create_grouped_mm_output_tensor as _grouped_mm_out
+except ImportError:     # another torch: its own meta kernel decides
+    _grouped_mm_out = None
 
 
 def _to_meta(a):
@@ -43,6 +48,13 @@ def infer(func, args, kwargs):
     """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
+    if func is _GROUPED_MM and _grouped_mm_out is not None:
+        # Its meta kernel copies CUDA's bfloat16-only check; CPU eager (and the lowering) take
+        # any float dtype, and transformers' MoE layers call it on tpu: use the shape rule alone.
+        a, b = margs[0], margs[1]
+        offs = margs[2] if len(margs) > 2 else mkw.get("offs")
+        dt = (margs[4] if len(margs) > 4 else mkw.get("out_dtype")) or a.dtype
+        return "one", (_desc(_grouped_mm_out(a, b, offs, dt)),)
     out = func(*margs, **mkw)
     if not func._schema.returns:      # in-place ops declared "-> ()" (_foreach_add_ ...)
         return "none", ()

@@ -100,6 +100,27 @@ WIDER = {
                                                   pad_token_id=1, bos_token_id=0, eos_token_id=2)),
     "mbart": ("seq2seq", "mbart", dict(_BART, decoder_start_token_id=2)),
     "pegasus": ("seq2seq", "pegasus", dict(_BART, decoder_start_token_id=0)),
+    "marian": ("seq2seq", "marian", dict(_BART, decoder_start_token_id=0, decoder_vocab_size=VOCAB)),
+    "qwen3_moe": ("causal", "qwen3_moe", dict(_LLAMA, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32)),
+    "olmoe": ("causal", "olmoe", dict(_LLAMA, num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("causal", "gpt_oss", dict(_LLAMA, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=4)),
+    "deepseek_v3": ("causal", "deepseek_v3", dict(_LLAMA, num_key_value_heads=4, moe_intermediate_size=32,
+                                                  n_shared_experts=1, n_routed_experts=4,
+                                                  num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                  first_k_dense_replace=1, kv_lora_rank=16,
+                                                  q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8,
+                                                  qk_nope_head_dim=4)),
+    "modernbert": ("masked", "modernbert", dict(_BERT, global_attn_every_n_layers=2, local_attention=4,
+                                                pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                cls_token_id=1, sep_token_id=2)),
+    "whisper": ("speech2seq", "whisper", dict(encoder_layers=2, decoder_layers=2, d_model=32,
+                                              encoder_attention_heads=4, decoder_attention_heads=4,
+                                              encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                                              max_source_positions=SEQ, max_target_positions=64,
+                                              decoder_start_token_id=1, suppress_tokens=[],
+                                              begin_suppress_tokens=[])),
 }
 ARCHS = {**CORE, **WIDER}
 
@@ -117,7 +138,8 @@ def build(name, attn="eager"):
     import transformers
     kind = ARCHS[name][0]
     auto = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
-            "seq2seq": transformers.AutoModelForSeq2SeqLM}[kind]
+            "seq2seq": transformers.AutoModelForSeq2SeqLM,
+            "speech2seq": transformers.AutoModelForSpeechSeq2Seq}[kind]
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -135,9 +157,20 @@ def inputs(name):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-    if ARCHS[name][0] == "seq2seq":
+    kind = ARCHS[name][0]
+    if kind in ("seq2seq", "speech2seq"):
         batch["labels"] = torch.randint(3, VOCAB, (BATCH, SEQ - 2), generator=g)
+    if kind == "speech2seq":  # log-mel features: the encoder's two convolutions halve 2*SEQ frames
+        del batch["input_ids"], batch["attention_mask"]
+        batch["input_features"] = torch.randn(BATCH, ARCHS[name][2]["num_mel_bins"], 2 * SEQ, generator=g)
     return batch
+
+
+def _prompt(batch):
+    """generate()'s inputs from a batch: the token prompt and its mask, or speech features."""
+    if "input_features" in batch:
+        return dict(input_features=batch["input_features"])
+    return dict(inputs=batch["input_ids"], attention_mask=batch["attention_mask"])
 
 
 def _dev(batch, device):
@@ -200,8 +233,7 @@ def cpu_generate(name, cache=None, attn="eager"):
     model, batch = cpu_reference(name, attn)[:2]
     kw = _cache_kwargs(cache)
     with torch.no_grad():
-        return model.generate(batch["input_ids"], attention_mask=batch["attention_mask"],
-                              **_gen_kwargs(do_sample=False, **kw))
+        return model.generate(**_prompt(batch), **_gen_kwargs(do_sample=False, **kw))
 
 
 def check_generate(name, cache=None, attn="eager", tm=None):
@@ -212,23 +244,22 @@ def check_generate(name, cache=None, attn="eager", tm=None):
     batch = _dev(cpu_reference(name, attn)[1], "tpu")
     kw = _cache_kwargs(cache)
     with torch.no_grad():
-        got = tm.generate(batch["input_ids"], attention_mask=batch["attention_mask"],
-                          **_gen_kwargs(do_sample=False, **kw))
+        got = tm.generate(**_prompt(batch), **_gen_kwargs(do_sample=False, **kw))
     assert_same(got, want, 0, 0, f"{name} greedy tokens (cache={cache})")
 
 
-def check_sample(name, attn="eager", tm=None):
+def check_sample(name, attn="eager", tm=None, cache=None):
     """Sampled generation gives valid tokens of CPU's shape (values differ by design: JAX RNG)."""
     model, batch = cpu_reference(name, attn)[:2]
     tm = to_tpu(model) if tm is None else tm
     tb = _dev(batch, "tpu")
     torch.manual_seed(0)
     with torch.no_grad():
-        got = tm.generate(tb["input_ids"], attention_mask=tb["attention_mask"],
-                          **_gen_kwargs(do_sample=True, top_k=20, top_p=0.9, temperature=0.8))
+        got = tm.generate(**_prompt(tb), **_gen_kwargs(do_sample=True, top_k=20, top_p=0.9,
+                                                        temperature=0.8, **_cache_kwargs(cache)))
     assert got.device.type == "tpu" and got.dtype == torch.int64, (got.device, got.dtype)
     got = got.cpu()
-    assert got.shape[0] == BATCH and got.shape[1] <= batch["input_ids"].shape[1] + NEW_TOKENS + 1, got.shape
+    assert got.shape[0] == BATCH and got.shape[1] <= SEQ + NEW_TOKENS + 1, got.shape
     assert int(got.min()) >= 0 and int(got.max()) < VOCAB, got
     if ARCHS[name][0] == "causal":
         assert torch.equal(got[:, :SEQ], batch["input_ids"]), "prompt not kept"
@@ -284,12 +315,12 @@ def run_one(name, mode, gen=True, attn="eager"):
         if tm is not None:
             tm.zero_grad(set_to_none=True)
         stage("gen", lambda: check_generate(name, None, attn, tm))
-        if kind == "causal":
-            try:
-                cpu_generate(name, "static", attn)
-                stage("static", lambda: check_generate(name, "static", attn, tm))
-            except Exception as e:  # noqa: BLE001 - static cache unsupported on CPU too
-                row["errors"]["static"] = f"n/a on CPU: {_first_line(e)}"
+        try:  # the static cache, for decoder-only and encoder-decoder models alike
+            cpu_generate(name, "static", attn)
+        except Exception as e:  # noqa: BLE001 - static cache unsupported on CPU too
+            row["errors"]["static"] = f"n/a on CPU: {_first_line(e)}"
+        else:
+            stage("static", lambda: check_generate(name, "static", attn, tm))
         stage("sample", lambda: check_sample(name, attn, tm))
     row.update(seconds=time.time() - t0, cpu_seconds=time.process_time() - c0, fallbacks=fb)
     return row
@@ -309,9 +340,57 @@ def print_table(rows, file=sys.stdout):
               f"{_mark(r['static']):<6} {_mark(r['sample']):<6} {r['seconds']:5.0f} {r['cpu_seconds']:5.0f}  fallbacks: {fb}"
               + (f"\n{'':<12} {'':<6} error {r['error']}" if r["error"] else ""), file=file)
     n = len(rows)
-    ok = sum(1 for r in rows.values() if r["fwd"] and r["bwd"] and r["gen"] is not False
-             and r["static"] is not False and r["sample"] is not False)
+    ok = sum(1 for r in rows.values() if _row_ok(r))
     print(f"\n{ok}/{n} architecture-mode rows pass every stage they run", file=file)
+
+
+def _md_cell(r, key):
+    return {True: "ok", False: "**FAIL**", None: "–"}[r[key]] if not (
+        key == "static" and r[key] is None and "static" in r["errors"]) else "n/a"
+
+
+def write_markdown(rows, path, command):
+    """The table as markdown (bench/results/hf_models.md): one row per architecture and mode."""
+    import datetime
+    import platform
+
+    import jax
+    import transformers
+    lines = ["# Hugging Face models on tpu", "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+             f"- command: `{command}`",
+             f"- versions: torch {torch.__version__}, transformers {transformers.__version__}, "
+             f"jax {jax.__version__}, python {platform.python_version()}; deferfuse on "
+             f"{deferfuse.platform()}",
+             f"- models: tiny configs (2 layers, hidden 32, vocab {VOCAB}), random weights, batch "
+             f"{BATCH} x {SEQ} tokens; {NEW_TOKENS} new tokens per generate",
+             "- fwd: logits and loss match CPU eager (atol=rtol=1e-4); bwd: every parameter's "
+             "gradient matches; greedy: generate(do_sample=False) gives CPU's tokens with the "
+             "default dynamic cache; static: the same with cache_implementation='static'; "
+             "sampled: do_sample=True (top-k, top-p, temperature) gives valid tokens (values come "
+             "from JAX's RNG). –: not applicable (masked LMs do not generate).",
+             "- seconds: wall / process CPU for the row on a shared 2-core machine (defer-mode "
+             "generation recompiles for each new sequence length).", "",
+             "| arch | kind | mode | fwd | bwd | greedy | static | sampled | wall s | cpu s | CPU fallbacks | first error |",
+             "|---|---|---|---|---|---|---|---|---:|---:|---|---|"]
+    for (name, mode), r in rows.items():
+        fb = ", ".join(f"{k} x{v}" if v else k for k, v in sorted(r["fallbacks"].items())) or "none"
+        err = r["error"].replace("|", "\\|")
+        lines.append(f"| {name} | {ARCHS[name][0]} | {mode} | {_md_cell(r, 'fwd')} | {_md_cell(r, 'bwd')} | "
+                     f"{_md_cell(r, 'gen')} | {_md_cell(r, 'static')} | {_md_cell(r, 'sample')} | "
+                     f"{r['seconds']:.0f} | {r['cpu_seconds']:.0f} | {fb} | {err} |")
+    ok = sum(1 for r in rows.values() if _row_ok(r))
+    archs = {n for n, _ in rows}
+    ok_archs = sum(1 for n in archs if all(_row_ok(r) for (m, _), r in rows.items() if m == n))
+    lines += ["", f"**{ok}/{len(rows)} architecture-mode rows pass every stage they run; "
+              f"{ok_archs}/{len(archs)} architectures pass in every mode.**", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def _row_ok(r):
+    return bool(r["fwd"] and r["bwd"] and r["gen"] is not False and r["static"] is not False
+                and r["sample"] is not False)
 
 
 def main(argv=None):
@@ -320,6 +399,7 @@ def main(argv=None):
     p.add_argument("--modes", default="strict,defer")
     p.add_argument("--no-gen", action="store_true", help="forward/backward only")
     p.add_argument("--attn", default="eager", help="attn_implementation: eager or sdpa")
+    p.add_argument("--md", metavar="PATH", help="also write the table as markdown to PATH")
     a = p.parse_args(argv)
     names = {"all": list(ARCHS), "core": list(CORE), "wider": list(WIDER)}.get(a.archs)
     names = names or a.archs.split(",")
@@ -345,6 +425,9 @@ def main(argv=None):
                     print(f"    [{k}] {e}", flush=True)
     print(flush=True)
     print_table(rows)
+    if a.md:
+        cmd = " ".join(["python", "tests/hf_matrix.py", *(sys.argv[1:] if argv is None else argv)])
+        write_markdown(rows, a.md, cmd)
     return rows
 
 

@@ -1,8 +1,9 @@
 """Hugging Face transformers models train and generate on tpu exactly like CPU eager.
 
 Tiny models built from config classes with random weights (no hub access; see hf_matrix.py for the
-builders and the wider standalone table). Each test runs in strict and defer modes (conftest).
-The default run covers gpt2 and llama; the other architectures are marked slow
+builders and the standalone table, bench/results/hf_models.md for its latest output). Each test
+runs in strict and defer modes (conftest). The default run covers gpt2 and llama; the other
+architectures (hf_matrix.CORE, then forward/backward of hf_matrix.WIDER) are marked slow
 (``pytest -m slow tests/test_hf_models.py``).
 """
 import os
@@ -62,7 +63,14 @@ def test_greedy_generate(arch, tpu_mode):
     _check_fallbacks(arch)
 
 
-@pytest.mark.parametrize("arch", _params(CAUSAL, XFAIL_GENERATE, fast={"llama"}))
+@pytest.mark.parametrize("arch", _params(hm.WIDER, XFAIL_TRAIN, fast=()))
+def test_forward_backward_wider(arch, tpu_mode):
+    """The same check for the wider set of architectures (mixture-of-experts included)."""
+    hm.check_forward_backward(arch)
+    _check_fallbacks(arch)
+
+
+@pytest.mark.parametrize("arch", _params(GENERATIVE, XFAIL_GENERATE, fast={"llama"}))
 def test_greedy_generate_static_cache(arch, tpu_mode):
     """generate(cache_implementation='static') (decode step not compiled) gives CPU's tokens."""
     hm.check_generate(arch, "static")
@@ -74,6 +82,13 @@ def test_sampled_generate(arch, tpu_mode):
     """generate(do_sample=True) gives in-vocabulary tokens of the right shape (values differ from
     CPU by design: the tpu device draws from JAX's RNG)."""
     hm.check_sample(arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_sampled_generate_static_cache(arch, tpu_mode):
+    """Sampling with cache_implementation='static' (decode step not compiled)."""
+    hm.check_sample(arch, cache="static")
 
 
 @pytest.mark.slow

@@ -259,3 +259,26 @@ def test_factorizations_float64():
     check(lambda A, B, S: (torch.linalg.solve(A, B), torch.linalg.slogdet(A),
                            torch.linalg.cholesky(S), torch.linalg.qr(A), torch.linalg.eigvalsh(S),
                            torch.linalg.svdvals(A)), A, B, S, tol=(1e-8, 1e-8))
+
+
+@pytest.mark.parametrize("case", ["2d_3d", "2d_2d", "3d_2d", "3d_3d"])
+def test_grouped_mm_matches_cpu_with_gradients(case):
+    # Mixture-of-experts layers (transformers' grouped-mm path); offs holds each group's end,
+    # with an empty group.
+    torch.manual_seed(0)
+    offs = torch.tensor([8, 8, 20, 24], dtype=torch.int32)
+    a, b = {"2d_3d": (torch.randn(24, 8), torch.randn(4, 8, 12)),
+            "2d_2d": (torch.randn(12, 24), torch.randn(24, 16)),
+            "3d_2d": (torch.randn(4, 12, 8), torch.randn(8, 24)),
+            "3d_3d": (torch.randn(4, 12, 8), torch.randn(4, 8, 16))}[case]
+    o = None if case == "3d_3d" else offs
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    want = torch._grouped_mm(a1, b1, offs=o)
+    want.square().sum().backward()
+    a2, b2 = a.to("tpu").requires_grad_(), b.to("tpu").requires_grad_()
+    got = torch._grouped_mm(a2, b2, offs=None if o is None else o.to("tpu"))
+    got.square().sum().backward()
+    assert_same(got, want.detach(), atol=1e-4, rtol=1e-4)
+    assert_same(a2.grad, a1.grad, atol=1e-4, rtol=1e-4)
+    assert_same(b2.grad, b1.grad, atol=1e-4, rtol=1e-4)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}

@@ -592,3 +592,34 @@ def pdist_backward(grad, x, p, pdist):
     i, j = np.triu_indices(x.shape[0], 1)
     c = _pnorm_dist_grad(x[i] - x[j], pdist, grad, p)
     return jnp.zeros_like(x).at[i].add(c).at[j].add(-c)
+
+
+# --------------------------------------------------------------------------------------------
+# grouped matmul (mixture-of-experts layers)
+
+def _group_of(offs, n):
+    """The group of each of ``n`` positions; ``offs`` holds each group's end (cumulative), and
+    positions past the last end get ``len(offs)`` (no group)."""
+    return jnp.searchsorted(offs, jnp.arange(n, dtype=offs.dtype), side="right")
+
+
+@op("_grouped_mm.default")
+def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """Mixture-of-experts products. ``offs`` splits the grouped dim: the rows of a 2-D ``a``
+    against a 3-D ``b`` (one matrix per group: ``lax.ragged_dot``), the shared dim of two 2-D
+    operands (one output matrix per group: the weight gradient), the columns of a 2-D ``b``
+    against a 3-D ``a``; 3-D by 3-D is a batched product. Positions past the last end give 0.
+    (``bias`` is always None: meta inference rejects one.)"""
+    kw = {"preferred_element_type": jnp.float32} if a.dtype in _LOWP else {}
+    if a.ndim == 3 and b.ndim == 3:
+        return _mat(a, b)
+    if a.ndim == 2 and b.ndim == 3:
+        sizes = jnp.diff(offs, prepend=jnp.zeros((1,), offs.dtype)).astype(jnp.int32)
+        return lax.ragged_dot(a, b, sizes, **kw)
+    if a.ndim == 2:
+        hot = _group_of(offs, a.shape[1])[None, :] == jnp.arange(offs.shape[0])[:, None]
+        return jnp.einsum("mk,gk,kn->gmn", a, hot.astype(a.dtype), b, **kw)
+    gid = _group_of(offs, b.shape[1])                                    # each column's group
+    full = _mat(a, b, "gmk,kn->gmn")
+    pick = jnp.take_along_axis(full, jnp.minimum(gid, a.shape[0] - 1)[None, None, :], axis=0)[0]
+    return jnp.where(gid[None, :] < a.shape[0], pick, 0)
