@@ -127,3 +127,30 @@ def test_randperm_multinomial():
     first = like_cpu(lambda d: torch.multinomial(w[:1].expand(N, 4).contiguous().to(d), 2))[:, 0]
     freq = torch.bincount(first, minlength=4).double() / N
     torch.testing.assert_close(freq, w[0].double() / w[0].sum(), atol=0.02, rtol=0)
+
+
+@pytest.mark.modes("strict")
+def test_same_seed_same_numbers_in_every_mode_and_no_recompile():
+    import deferfuse
+
+    def draws(mode):
+        with deferfuse.mode(mode):
+            torch.manual_seed(7)
+            x = torch.ones(64, 32).to("tpu")
+            out = []
+            for _ in range(4):
+                y = torch.nn.functional.dropout(x, 0.3, training=True) + torch.randn(64, 32, device="tpu")
+                out.append(y.cpu())
+            return out
+    strict, defer = draws("strict"), draws("defer")
+    for a, b in zip(strict, defer):
+        assert torch.equal(a, b)
+    assert not torch.equal(strict[0], strict[1])       # a new step draws new numbers
+    with deferfuse.mode("defer"):
+        torch.manual_seed(7)
+        x = torch.ones(64, 32).to("tpu")
+        compiles = []
+        for _ in range(5):
+            torch.nn.functional.dropout(x, 0.3, training=True).sum().item()
+            compiles.append(deferfuse.metrics()["region_compiles"])
+    assert compiles[1] == compiles[-1], compiles
