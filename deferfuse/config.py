@@ -78,6 +78,9 @@ SETTINGS = {s.name: s for s in [
             "memory planner on (DEFERFUSE_NO_MEMORY_PLANNER=1 turns it off)", in_key=True),
     Setting("memory_budget", "DEFERFUSE_MEMORY_BUDGET", 0, _bytes,
             "bytes a fused region may use at its peak before it is split (0: no limit)"),
+    Setting("max_regions", "DEFERFUSE_MAX_REGIONS", 4096, int,
+            "compiled regions kept in process; past it all are dropped (with JAX's own caches) so "
+            "a long-running process does not exhaust the CPU JIT's memory mappings"),
     Setting("shape_recompile_limit", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 2, int,
             "versions of one region structure compiled before its shape-changing ops are split "
             "off (and, if every op changes, before it runs op by op)"),

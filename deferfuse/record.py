@@ -121,7 +121,8 @@ class Trace:
 
     # ---------------------------------------------------------------------------------------
     def flush(self, reason: str, src: str):
-        from .runtime.flush import run_trace
+        from .runtime.flush import MAX_REGIONS, run_trace
+        MAX_REGIONS[0] = config.max_regions
         nodes = self.nodes
         if not nodes:
             return

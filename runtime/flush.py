@@ -17,6 +17,7 @@ LAST = None            # (nodes as (name, wiring, src), reason, src) of the late
 _REGIONS: dict = {}     # key -> _Region
 _STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
 _ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
+MAX_REGIONS = [4096]    # set from deferfuse's config (DEFERFUSE_MAX_REGIONS)
 
 
 class _Region:
@@ -28,6 +29,19 @@ def clear():
     _REGIONS.clear()
     _STRUCT.clear()
     _ONCE.clear()
+
+
+def _evict() -> None:
+    """Drop every compiled region and JAX's in-process executables: each compiled program holds
+    memory mappings of XLA's CPU JIT, and a process that compiles thousands (generate() over many
+    prompt lengths, a model zoo in one process) would otherwise run out of them and abort. The
+    on-disk cache makes recompiling what comes back cheap."""
+    import jax
+    _REGIONS.clear()
+    _STRUCT.clear()
+    _ONCE.clear()
+    jax.clear_caches()
+    S["region_evictions"] += 1
 
 
 def _diff(a, b) -> str:
@@ -117,6 +131,8 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
             for v in outs:
                 v.bind(env[(v.node.pos, v.idx)])
             return
+        if len(_REGIONS) >= MAX_REGIONS[0]:
+            _evict()
         why = _explain_miss(keys)
         plan = [(n.fn, n.wiring, n.s0, len(n.scalars)) for n in nodes]
         try:

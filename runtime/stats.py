@@ -22,6 +22,7 @@ def fresh() -> dict:
         "sync_sites": Counter(),    # (reason, 'file:line') -> count
         "cpu_fallbacks": Counter(),  # op name -> count
         "shape_fallbacks": 0,       # regions run op by op because their shapes kept changing
+        "region_evictions": 0,      # times every compiled region was dropped (max_regions)
         "shape_splits": 0,          # regions split into shape-stable and shape-changing pieces
         "budget_splits": 0,         # regions split to stay under DEFERFUSE_MEMORY_BUDGET
         "donated_bytes": 0,

@@ -280,3 +280,14 @@ def test_memory_budget_splits_regions_and_matches():
         compiles = deferfuse.metrics()["compiles"]
         assert_same(f(xt), want, atol=1e-2, rtol=1e-4)   # the split is cached too
         assert deferfuse.metrics()["compiles"] == compiles
+
+
+def test_max_regions_drops_compiled_programs_and_stays_correct():
+    # A long-running process that compiles many distinct regions drops them all past max_regions
+    # (and JAX's own caches) instead of exhausting the CPU JIT's memory mappings.
+    with deferfuse.override(max_regions=3):
+        for n in range(2, 9):
+            x = torch.arange(float(n))
+            got = (x.to("tpu") * 2 + 1).sum()
+            assert_same(got, (x * 2 + 1).sum())
+    assert deferfuse.metrics()["region_evictions"] >= 1
