@@ -8,21 +8,13 @@ import pytest
 import torch
 
 import deferfuse
-from util import assert_same
+from util import assert_same, to_tpu as tpu
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-10, 1e-10),
        torch.bfloat16: (5e-2, 1.6e-2), torch.int64: (0, 0)}
 # linalg.inv/solve/cholesky check LAPACK's ``info`` through _linalg_check_errors, which has no
 # lowering (it must read the value to raise): it runs on CPU until the core handles it.
 CHECK_ERRORS = "aten._linalg_check_errors.default"
-
-
-def tpu(x):
-    if isinstance(x, torch.Tensor):
-        return x.to("tpu")
-    if isinstance(x, (list, tuple)):
-        return type(x)(tpu(y) for y in x)
-    return x
 
 
 def check(fn, *inputs, tol=None):

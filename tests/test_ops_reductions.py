@@ -9,19 +9,11 @@ import pytest
 import torch
 
 import deferfuse
-from util import assert_same
+from util import assert_same, to_tpu as tpu
 
 # (atol, rtol) per dtype, about what PyTorch's own device tests allow for reductions.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-10, 1e-10),
        torch.bfloat16: (1e-2, 1.6e-2)}
-
-
-def tpu(x):
-    if isinstance(x, torch.Tensor):
-        return x.to("tpu")
-    if isinstance(x, (list, tuple)):
-        return type(x)(tpu(y) for y in x)
-    return x
 
 
 def check(fn, *inputs, tol=None):

@@ -25,3 +25,12 @@ def assert_same(got, want, atol=1e-5, rtol=1.3e-6, msg=""):
     assert got.dtype == want.dtype, f"{msg}: dtype {got.dtype} != {want.dtype}"
     assert got.shape == want.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol, equal_nan=True, msg=msg or None)
+
+
+def to_tpu(x):
+    """``x`` with every tensor in it (lists and tuples included) moved to tpu."""
+    if isinstance(x, torch.Tensor):
+        return x.to("tpu")
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_tpu(y) for y in x)
+    return x
