@@ -481,7 +481,9 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
     return "\n".join(L) + "\n"
 
 
-def draw_png(path: str, summ: dict, workloads: list[str], systems: list[str]) -> str | None:
+def draw_png(path: str, summ: dict, workloads: list[str], systems: list[str],
+             merged=()) -> str | None:
+    """Speedups only for cells timed in the same run as strict (``--merge`` cells were not)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -493,7 +495,8 @@ def draw_png(path: str, summ: dict, workloads: list[str], systems: list[str]) ->
         return summ.get(w, {}).get("strict", {}).get("median_ms")
 
     panels = [("speedup over strict eager (strict median / system median; ×, log)",
-               lambda w, c: strict_ms(w) / c["median_ms"] if strict_ms(w) else None),
+               lambda w, c: strict_ms(w) / c["median_ms"] if strict_ms(w) and c["_ws"] not in merged
+               else None),
               ("peak RSS of the process, steady steps (MB, log)", lambda w, c: c.get("peak_rss_mb")),
               ("peak memory as the runtime counts it (MB, log; deferfuse: "
                "torch.tpu.max_memory_allocated)", lambda w, c: c.get("runtime_peak_mb"))]
@@ -506,7 +509,7 @@ def draw_png(path: str, summ: dict, workloads: list[str], systems: list[str]) ->
             xs, ys = [], []
             for i, w in enumerate(workloads):
                 if ok(w, s):
-                    y = get(w, summ[w][s])
+                    y = get(w, dict(summ[w][s], _ws=(w, s)))
                     if y:
                         xs.append(i + (j - (len(shown) - 1) / 2) * width)
                         ys.append(y)
@@ -531,7 +534,8 @@ def write_outputs(meta: dict, summ: dict, runs: list) -> tuple[str, str | None]:
         json.dump(dict(meta=meta, summary=summ, runs=runs), f, indent=1, default=str)
     with open(os.path.join(RESULTS, "latest.md"), "w") as f:
         f.write(md)
-    why = draw_png(os.path.join(RESULTS, "latest.png"), summ, meta["workloads"], meta["systems"])
+    why = draw_png(os.path.join(RESULTS, "latest.png"), summ, meta["workloads"], meta["systems"],
+                   {tuple(c) for c in meta.get("merged_cells", [])})
     return md, why
 
 
@@ -559,6 +563,7 @@ def _merge(runs: list, meta: dict) -> tuple[list, dict]:
     meta = dict(om, merged=f"cells {', '.join(f'{w}/{s}' for w, s in sorted(redone))} rerun on "
                 f"{meta['machine']['date']} (load {meta['machine']['loadavg_start'][0]:.1f}) into the "
                 f"run of {om['machine']['date']}" + (f"; {om['merged']}" if om.get("merged") else ""))
+    meta["merged_cells"] = sorted({tuple(c) for c in om.get("merged_cells", [])} | redone)
     meta["workloads"] = om["workloads"] + [w for w in {r["workload"] for r in runs}
                                            if w not in om["workloads"]]
     meta["systems"] = [s for s in SYSTEMS if s in set(om["systems"]) | {r["system"] for r in runs}]
