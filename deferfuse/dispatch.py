@@ -20,6 +20,7 @@ from .runtime.dtypes import to_np_dtype
 from .runtime.lowering import LOWERINGS
 from .runtime.node import SS, TS, build
 from .runtime import transfer
+from .record import user_site
 from .scheduler.records import Value
 from .tensor import Storage, TpuTensor
 
@@ -35,13 +36,7 @@ class _Entry:
 
 def user_frame() -> str:
     """'file:line' of the innermost caller outside torch and deferfuse."""
-    f = sys._getframe(1)
-    skip = state.SKIP_PREFIXES
-    while f is not None and f.f_code.co_filename.startswith(skip):
-        f = f.f_back
-    if f is None:
-        return "<backward>"   # autograd's device thread: no user frame on this thread
-    return f"{f.f_code.co_filename}:{f.f_lineno}"
+    return user_site(sys._getframe(1))
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,20 @@ _BODIES: set = set()          # (length, hops) of detected loop bodies
 _SKIP_CODE: dict = {}         # code object -> inside torch or deferfuse (not the user's line)
 
 
+def user_site(f) -> str:
+    """'file:line' of the first frame from ``f`` outward that is outside torch and deferfuse;
+    '<backward>' if none (autograd's device thread has no user frame)."""
+    while f is not None:
+        code = f.f_code
+        skip = _SKIP_CODE.get(code)
+        if skip is None:
+            skip = _SKIP_CODE[code] = code.co_filename.startswith(SKIP_PREFIXES)
+        if not skip:
+            return f"{code.co_filename}:{f.f_lineno}"
+        f = f.f_back
+    return "<backward>"
+
+
 class Trace:
     def __init__(self):
         self.reset()
@@ -81,14 +95,7 @@ class Trace:
                 f = sys._getframe(5)
             except ValueError:      # autograd's device thread calls us with no Python caller
                 f = None
-            while f is not None:
-                skip = _SKIP_CODE.get(f.f_code)
-                if skip is None:
-                    skip = _SKIP_CODE[f.f_code] = f.f_code.co_filename.startswith(SKIP_PREFIXES)
-                if not skip:
-                    break
-                f = f.f_back
-            src = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<backward>"
+            src = user_site(f)
         else:
             src = None
         node = Node(entry, entry.khash, entry.fn, tuple(ins), wiring, len(self.scalars), scalars,

@@ -12,8 +12,6 @@ from .runtime import execute, flush, stats
 from .runtime.dtypes import x64
 from .runtime.transfer import devices, materialize_empty
 
-from .config import SKIP_PREFIXES  # noqa: E402,F401
-
 MODE = config.mode          # the current mode; changed only through deferfuse.mode()
 _stack: list = []
 
