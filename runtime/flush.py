@@ -22,7 +22,7 @@ MAX_REGIONS = [4096]    # set from deferfuse's config (DEFERFUSE_MAX_REGIONS)
 
 class _Region:
     __slots__ = ("compiled", "node_keys", "nops", "summary", "runs", "temp_bytes", "lowered", "elided",
-                 "msgs")
+                 "msgs", "transient")
 
 
 def clear():
@@ -37,9 +37,7 @@ def _evict() -> None:
     prompt lengths, a model zoo in one process) would otherwise run out of them and abort. The
     on-disk cache makes recompiling what comes back cheap."""
     import jax
-    _REGIONS.clear()
-    _STRUCT.clear()
-    _ONCE.clear()
+    clear()
     jax.clear_caches()
     S["region_evictions"] += 1
 
@@ -150,8 +148,9 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
             reg.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
         except Exception:
             reg.temp_bytes = None
+        out_bytes = sum(v.nbytes for v in outs)
         if budget and len(nodes) > 1:
-            est = sum(v.nbytes for v in ext) + sum(v.nbytes for v in outs) + (reg.temp_bytes or 0)
+            est = sum(v.nbytes for v in ext) + out_bytes + (reg.temp_bytes or 0)
             if est > budget:
                 cuts = _budget_cuts(nodes, ext, held, outs)
                 if len(cuts) > 1:
@@ -163,7 +162,9 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
                     return _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level,
                                        planner, shape_limit, budget)
         node_bytes = sum(o.nbytes for n in nodes for o in n.outs if o is not None)
-        reg.elided = max(node_bytes - sum(v.nbytes for v in outs), 0)
+        reg.elided = max(node_bytes - out_bytes, 0)
+        # What running it needs beyond what is allocated (outputs and donation are in the key).
+        reg.transient = (reg.temp_bytes or 0) + out_bytes - mplan.donated_bytes
         if n_compiled:
             S["recompiles"] += 1
         if seen:
@@ -185,7 +186,7 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         for n in nodes:
             print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
     check_flags()
-    memory_stats.transient((reg.temp_bytes or 0) + sum(v.nbytes for v in outs) - mplan.donated_bytes)
+    memory_stats.transient(reg.transient)
     try:
         res, flags = execute.run_region(reg.compiled, don, keep, scalars)
     except Exception as e:
