@@ -28,3 +28,12 @@ def tpu_mode(request):
     deferfuse.reset_metrics()
     with deferfuse.mode(name):
         yield name
+
+
+@pytest.fixture
+def no_cpu_fallbacks():
+    """The test ran every op on JAX (for test modules that mark themselves with it)."""
+    deferfuse.reset_metrics()
+    yield
+    deferfuse.sync()
+    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}

@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import deferfuse
 from util import assert_same
 
 T = "tpu"
@@ -27,12 +26,7 @@ def check(fn, *args, atol=1e-5, rtol=1.3e-6, **kw):
     assert_same(got, want, atol=atol, rtol=rtol)
 
 
-@pytest.fixture(autouse=True)
-def no_fallbacks():
-    deferfuse.reset_metrics()
-    yield
-    deferfuse.sync()
-    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+pytestmark = pytest.mark.usefixtures("no_cpu_fallbacks")
 
 
 def test_cat_stack():

@@ -11,12 +11,7 @@ T = "tpu"
 N = 20000
 
 
-@pytest.fixture(autouse=True)
-def no_fallbacks():
-    deferfuse.reset_metrics()
-    yield
-    deferfuse.sync()
-    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+pytestmark = pytest.mark.usefixtures("no_cpu_fallbacks")
 
 
 def like_cpu(fn):
@@ -131,8 +126,6 @@ def test_randperm_multinomial():
 
 @pytest.mark.modes("strict")
 def test_same_seed_same_numbers_in_every_mode_and_no_recompile():
-    import deferfuse
-
     def draws(mode):
         with deferfuse.mode(mode):
             torch.manual_seed(7)
