@@ -8,7 +8,8 @@ import numpy as np
 
 
 def find_period(khashes: list[int], min_len: int = 8) -> int | None:
-    """The smallest L >= min_len such that the last half of the trace repeats with period L."""
+    """The smallest L >= min_len such that the last half of the trace, and the L ops before it,
+    repeat with period L (so the loop body shows at least one full period before the last half)."""
     n = len(khashes)
     w = n // 2
     if w < 2 * min_len:
