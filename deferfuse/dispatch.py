@@ -6,8 +6,10 @@ it up, and either call the cached per-op jit or append a node to the pending tra
 """
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -22,16 +24,20 @@ from .runtime.node import SS, TS, build
 from .runtime import transfer
 from .record import user_site
 from .scheduler.records import Value
-from .tensor import Storage, TpuTensor
+from .tensor import Storage, TpuTensor, make
 
 aten = torch.ops.aten
+_trace = state.trace
+_weakref = weakref.ref
+_SIG = operator.attrgetter("_sig")
+_VAL = operator.attrgetter("_s.val")
 _SPECIAL_SCALARS = {0, 1, -1, 2, 0.5, 0.0, 1.0, -1.0, 2.0}
 _CACHE: dict = {}       # op key -> _Entry
 
 
 class _Entry:
     """What one op structure needs at run time, computed on its first call."""
-    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs")
+    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast")
 
 
 def user_frame() -> str:
@@ -44,7 +50,7 @@ def user_frame() -> str:
 
 def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0, storage=None):
     st = storage if storage is not None else Storage(val, device, dtype)
-    t = TpuTensor(st, chain, size, stride, offset, dtype)
+    t = make(st, chain, size, stride, offset, dtype)
     if storage is None and val.node is not None:
         state.trace.track(st)
     return t
@@ -84,37 +90,56 @@ def _const_value(cpu: torch.Tensor, device: int) -> Value:
 # --------------------------------------------------------------------------------------------
 # the generic op path
 
-_ROUTE: dict = {}   # id(OpOverload) -> (special handler or None, OpInfo, the OpOverload itself)
+_ROUTE: dict = {}   # id(OpOverload) -> (handler(func, info, args, kwargs), OpInfo, the OpOverload)
 
 
-def dispatch(func, args, kwargs):
+def torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper)."""
     # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The entry
     # keeps the OpOverload alive, so its id is never reused.
     r = _ROUTE.get(id(func))
     if r is None:
-        r = _ROUTE[id(func)] = (_SPECIAL.get(func), op_info(func), func)
-    h = r[0]
+        r = _ROUTE[id(func)] = _route(func)
+    return r[0](func, r[1], args, kwargs or {})
+
+
+def dispatch(func, args, kwargs):
+    return torch_dispatch(None, func, None, args, kwargs)
+
+
+def _route(func):
+    info = op_info(func)
+    h = _SPECIAL.get(func)
     if h is not None:
-        return h(func, args, kwargs)
-    info = r[1]
+        return (lambda func, info, args, kwargs: h(func, args, kwargs)), info, func
     kind = info.kind
     if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
-        return _run(func, info, args, kwargs)
+        return _run, info, func
     if kind == "view":
-        return _view(func, info, args, kwargs)
+        return _view, info, func
     if kind == "decomp":
-        out = decompose(func, args, kwargs)
-        if out is NotImplemented:
-            return _fallback(func, info, args, kwargs, "no lowering")
-        return out
+        return _decomp, info, func
     if kind == "data_dependent":
-        return _fallback(func, info, args, kwargs, "data-dependent shape")
+        return (lambda func, info, args, kwargs:
+                _fallback(func, info, args, kwargs, "data-dependent shape")), info, func
     if kind == "unsupported_view":
-        raise NotImplementedError(
-            f"{info.name} is a view op with no lowering on the tpu device; a copy would break "
-            "aliasing, so it is not run on CPU. Call .clone() or .contiguous() on its result's "
-            "input first, or file an issue")
-    return _fallback(func, info, args, kwargs, "no lowering")
+        return _unsupported_view, info, func
+    return (lambda func, info, args, kwargs: _fallback(func, info, args, kwargs, "no lowering")), \
+        info, func
+
+
+def _decomp(func, info, args, kwargs):
+    out = decompose(func, args, kwargs)
+    if out is NotImplemented:
+        return _fallback(func, info, args, kwargs, "no lowering")
+    return out
+
+
+def _unsupported_view(func, info, args, kwargs):
+    raise NotImplementedError(
+        f"{info.name} is a view op with no lowering on the tpu device; a copy would break "
+        "aliasing, so it is not run on CPU. Call .clone() or .contiguous() on its result's "
+        "input first, or file an issue")
 
 
 def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, device: list):
@@ -187,8 +212,7 @@ def _run(func, info, args, kwargs):
             if n in kwargs:
                 _encode(kwargs[n], False, tensors, scalars, True, device)
     # OpInfo, not the OpOverload: OpOverload.__hash__ is Python code, object hashing is not.
-    key = (info, targs, tkw, tuple([t._sig for t in tensors]),
-           tuple([type(s) for s in scalars]) if scalars else ())
+    key = (info, targs, tkw, tuple(map(_SIG, tensors)), tuple(map(type, scalars)) if scalars else ())
     entry = _CACHE.get(key)
     if entry is None:
         try:
@@ -204,11 +228,17 @@ def _run(func, info, args, kwargs):
     dev = device[0] or 0
     # Inputs: each tensor's base value; a mutated input that is overwritten whole is not read.
     mut = entry.out[1]
-    ins = [t._s.val for t in tensors]
+    ins = list(map(_VAL, tensors))
     if info.overwrites and mut:
         for m in mut:
             if not tensors[m]._chain:
                 ins[m] = None
+    fast = entry.fast
+    if fast is not None and state.MODE == "defer":
+        # The common case, inlined from run_node and _bind: record an op with one new output.
+        st = Storage(_trace.record(entry, ins, scalars)[0], dev, fast[0])
+        _trace.storages.append(_weakref(st))
+        return make(st, (), fast[1], fast[2], 0, fast[0], fast[3])
     if low.rng:
         ins.append(state.rng_storage(dev).val)
     outs = state.run_node(entry, ins, scalars, dev)
@@ -294,6 +324,13 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
     if info.low.rng:
         res.append(((2,), np.dtype(np.uint32)))
     e.res_avals = tuple(None if a is None else (a[0], a[1], _nbytes(a[0], a[1])) for a in res)
+    # One new output and nothing written or random: _run's fast path in defer mode takes
+    # (dtype, size, stride or None when contiguous, the output tensor's _sig).
+    e.fast = None
+    if not mut and not info.low.rng and structure == "one" and metas[0] is not None:
+        size, stride, dtype = tuple(metas[0][0]), tuple(metas[0][1]), metas[0][2]
+        e.fast = (dtype, size, None if stride == _contig(size) else stride,
+                  (size, dtype, (), size, stride, dtype))
     _CACHE[key] = e
     return e
 
@@ -337,7 +374,7 @@ def _view(func, info, args, kwargs):
             chain = (step,)                   # relative to the storage, not to the input view
         else:
             chain = base._chain + (step,)
-        made.append(TpuTensor(base._s, chain, size, stride, offset, dtype))
+        made.append(make(base._s, chain, size, stride, offset, dtype))
     if func in MULTI_VIEWS:
         return made
     return made[0]
@@ -436,3 +473,5 @@ def copy_into(dst: TpuTensor, src) -> TpuTensor:
 
 
 from .specials import SPECIAL as _SPECIAL  # noqa: E402  (specials use the helpers above)
+
+TpuTensor.__torch_dispatch__ = classmethod(torch_dispatch)

@@ -9,6 +9,8 @@ from .runtime import memory, stats
 def metrics() -> dict:
     """A snapshot of every counter (see README, 'Seeing what happened')."""
     m = copy.deepcopy(stats.S)
+    # Recorded ops are counted when their trace runs (not per op, which costs on the hot path).
+    m["ops_recorded"] += _pending()
     m["syncs"] = dict(m["syncs"])
     m["sync_sites"] = {f"{r} at {s}": n for (r, s), n in m["sync_sites"].items()}
     m["cpu_fallbacks"] = dict(m["cpu_fallbacks"])
@@ -21,6 +23,13 @@ def reset_metrics() -> None:
     """Zero every counter (compile caches are kept; clear them with ``deferfuse.clear_caches()``)."""
     stats.reset()
     memory.reset_peak()
+    from .state import trace
+    trace.counted = len(trace.nodes)
+
+
+def _pending() -> int:
+    from .state import trace
+    return len(trace.nodes) - trace.counted
 
 
 def count_fallback(name: str) -> None:

@@ -49,6 +49,7 @@ class Trace:
         self.storages: list = []      # weak refs of storages that may hold pending values
         self.khashes: list = []
         self.cut = None               # a cut decided at the last op, made before the next one
+        self.counted = 0              # nodes already in S["ops_recorded"] (see metrics._pending)
 
     def track(self, storage):
         self.storages.append(weakref.ref(storage))
@@ -58,9 +59,13 @@ class Trace:
             self.storages.append(weakref.ref(storage))
 
     def record(self, entry, ins, scalars):
+        """Append one op; its output Values (pending, None for an absent output). The hot path of
+        defer mode: keep it lean (see DESIGN.md's hot-path budget)."""
         if self.cut is not None:
             # Cut before this op, once the previous op's outputs are bound to their tensors.
             self._cut_now()
+        nodes = self.nodes
+        pos = len(nodes)
         wiring = []
         for v in ins:
             if v is None:
@@ -68,54 +73,63 @@ class Trace:
                 continue
             n = v.node
             if n is not None:
-                if n.pos >= len(self.nodes) or self.nodes[n.pos] is not n:
+                p = n.pos
+                if p >= pos or nodes[p] is not n:
                     raise RuntimeError(f"deferfuse internal error: a value of {n.name} recorded at "
                                        f"{n.src} was dropped by an earlier sync but is still read")
-                wiring.append((n.pos, v.idx))
+                wiring.append((p, v.idx))
                 continue
-            if v.array is None:
-                materialize_empty(v, 0)
-            i = self._ext_ids.get(id(v))
-            if i is None:
-                i = self._ext_ids[id(v)] = len(self.ext)
-                self.ext.append(v)
-                self.ext_uses.append(1)
-            else:
-                self.ext_uses[i] += 1
-            wiring.append(i)
+            wiring.append(self._external(v))
         wiring = tuple(wiring)
-        pos = len(self.nodes)
-        outs = tuple([None if a is None else Value(a[0], a[1], a[2], None, None, k)
-                      for k, a in enumerate(entry.res_avals)])
+        res = entry.res_avals
+        if len(res) == 1:
+            a = res[0]
+            outs = (Value(a[0], a[1], a[2], None, None, 0),)
+        else:
+            outs = tuple([None if a is None else Value(a[0], a[1], a[2], None, None, k)
+                          for k, a in enumerate(res)])
         if config.source_lines:
-            # NOTE [record depth]: every path into record() passes record, run_node, _run,
-            # dispatch (or a special) and __torch_dispatch__ (or a PrivateUse1 kernel), so the
-            # user's frame is at least 5 frames up: start the walk there.
+            # NOTE [record depth]: every path into record() passes record, _run (or run_node and
+            # _run) and dispatch.torch_dispatch (the __torch_dispatch__ itself, or a special, or a
+            # PrivateUse1 kernel), so the user's frame is at least 3 frames up: start there.
             try:
-                f = sys._getframe(5)
+                f = sys._getframe(3)
             except ValueError:      # autograd's device thread calls us with no Python caller
                 f = None
             src = user_site(f)
         else:
             src = None
-        node = Node(entry, entry.khash, entry.fn, tuple(ins), wiring, len(self.scalars), scalars,
+        khash = entry.khash
+        node = Node(entry, khash, entry.fn, ins, wiring, len(self.scalars), scalars,
                     outs, entry.name, src, pos)
         for o in outs:
             if o is not None:
                 o.node = node
-        self.nodes.append(node)
+        nodes.append(node)
         if scalars:
             self.scalars.extend(scalars)
-        self.khashes.append(entry.khash)
-        self.h = hash((self.h, entry.khash, wiring, len(scalars)))
-        self.hops = hops = hash((self.hops, entry.khash))
-        S["ops_recorded"] += 1
-        n = pos + 1
-        if _BODIES and (n, hops) in _BODIES:
+        self.khashes.append(khash)
+        self.h = hash((self.h, khash, wiring, len(scalars)))
+        self.hops = hops = hash((self.hops, khash))
+        pos += 1
+        if _BODIES and (pos, hops) in _BODIES:
             self.cut = "loop boundary"
-        elif n >= config.trace_limit:
+        elif pos >= config.trace_limit:
             self.cut = "trace limit"
         return outs
+
+    def _external(self, v) -> int:
+        """The external-input index of the concrete value ``v``."""
+        if v.array is None:
+            materialize_empty(v, 0)
+        i = self._ext_ids.get(id(v))
+        if i is None:
+            i = self._ext_ids[id(v)] = len(self.ext)
+            self.ext.append(v)
+            self.ext_uses.append(1)
+        else:
+            self.ext_uses[i] += 1
+        return i
 
     def _cut_now(self):
         from .state import sync
@@ -145,6 +159,7 @@ class Trace:
                 outs.append(v)
         # Reset first: whatever happens in execution, the trace is consumed exactly once.
         ext, uses, scalars, h = self.ext, self.ext_uses, self.scalars, self.h
+        S["ops_recorded"] += len(nodes) - self.counted
         self.reset()
         try:
             run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,

@@ -33,21 +33,16 @@ class TpuTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage: Storage, chain: tuple, size, stride, offset: int, dtype):
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, size, stride, storage_offset=offset, dtype=dtype,
-            device=_DEVICES[storage.device], requires_grad=False)
-        t._s = storage
-        t._chain = chain
-        # Everything about this tensor that shapes compiled code, hashed with each op's key.
-        t._sig = (storage.val.shape, storage.dtype, chain, tuple(size), tuple(stride), dtype)
-        return t
+        return make(storage, chain, size, stride, offset, dtype)
 
     def __init__(self, *a, **k):
         pass
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        # Replaced by dispatch.torch_dispatch when deferfuse.dispatch is imported.
+        from .dispatch import torch_dispatch
+        return torch_dispatch(cls, func, types, args, kwargs)
 
     # --- host-side conveniences that PyTorch implements with raw data pointers -----------------
     def __repr__(self, *, tensor_contents=None):
@@ -127,8 +122,20 @@ class TpuTensor(torch.Tensor):
         return (id(self._s) << 4) + self.storage_offset() * self.element_size()
 
 
-def _dispatch(func, args, kwargs):
-    from .dispatch import dispatch
-    global _dispatch
-    _dispatch = dispatch
-    return dispatch(func, args, kwargs)
+_wrap = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+
+
+def make(storage: Storage, chain: tuple, size, stride, offset: int, dtype, sig=None):
+    """A TpuTensor, without ``TpuTensor(...)``'s type call and ``__init__`` (this runs for every
+    op's output). ``stride=None`` means contiguous; ``sig`` is ``_sig`` when the caller has it
+    cached (see ``dispatch._Entry.fast``)."""
+    # Positional arguments: (cls, size, strides, storage_offset, memory_format, dtype, layout,
+    # device); PyTorch parses these faster than keywords.
+    t = _wrap(TpuTensor, size, stride, offset or None, None, dtype, _STRIDED, _DEVICES[storage.device])
+    t._s = storage
+    t._chain = chain
+    # Everything about this tensor that shapes compiled code, hashed with each op's key.
+    t._sig = sig if sig is not None else (
+        storage.val.shape, storage.dtype, chain, tuple(size), tuple(t.stride()), dtype)
+    return t
