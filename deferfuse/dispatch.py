@@ -23,7 +23,7 @@ from .runtime.lowering import LOWERINGS
 from .runtime.node import SS, TS, build
 from .runtime import transfer
 from .record import user_site
-from .scheduler.records import Value
+from .scheduler.records import Value, sig_id
 from .tensor import Storage, TpuTensor, make
 
 aten = torch.ops.aten
@@ -196,6 +196,12 @@ def _run(func, info, args, kwargs):
                 raise _device_error(f"tpu:{device[0]}", f"tpu:{d}")
             targs.append((TS, len(tensors)))
             tensors.append(a)
+        elif ta is float or ta is int:     # inlined from _encode too
+            if i in sp and not static and a not in _SPECIAL_SCALARS:
+                targs.append((SS, len(scalars), ta))
+                scalars.append(a)
+            else:
+                targs.append(a)
         else:
             targs.append(_encode(a, i in sp, tensors, scalars, static, device))
         i += 1
@@ -330,7 +336,7 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
     if not mut and not info.low.rng and structure == "one" and metas[0] is not None:
         size, stride, dtype = tuple(metas[0][0]), tuple(metas[0][1]), metas[0][2]
         e.fast = (dtype, size, None if stride == _contig(size) else stride,
-                  (size, dtype, (), size, stride, dtype))
+                  sig_id((size, dtype, (), size, stride, dtype)))
     _CACHE[key] = e
     return e
 
@@ -346,8 +352,8 @@ def _view(func, info, args, kwargs):
     base = args[0]
     if type(base) is not TpuTensor:
         return _fallback(func, info, args, kwargs, "view of a non-tpu tensor")
-    # [(size, stride, offset, dtype, step)]: a function of the op, the input's signature (its
-    # storage's shape and dtype and its view chain) and the static arguments, so cached.
+    # The views made (see _views_of): a function of the op, the input's signature (its storage's
+    # shape and dtype and its view chain) and the static arguments, so cached.
     key = [info, base._sig]     # OpInfo: object hashing (OpOverload.__hash__ is Python)
     for a in args[1:]:
         ta = type(a)
@@ -361,12 +367,21 @@ def _view(func, info, args, kwargs):
         key.append(tuple(kwargs.items()))
     if key is not None:
         key = tuple(key)
-        outs = _VIEWS.get(key)
-        if outs is None:
-            outs = _VIEWS[key] = infer_view(func, args, kwargs)
+        views = _VIEWS.get(key)
+        if views is None:
+            views = _VIEWS[key] = _views_of(func, base, infer_view(func, args, kwargs))
     else:
-        outs = infer_view(func, args, kwargs)
-    made = []
+        views = _views_of(func, base, infer_view(func, args, kwargs))
+    st = base._s
+    made = [make(st, chain, size, stride, offset, dtype, sig)
+            for size, stride, offset, dtype, chain, sig in views[0]]
+    return made if views[1] else made[0]
+
+
+def _views_of(func, base, outs):
+    """([(size, stride, offset, dtype, view chain, signature)], returns a list) of a view op's
+    results on ``base``, from its meta results [(size, stride, offset, dtype, step)]."""
+    views = []
     for size, stride, offset, dtype, step in outs:
         if step is None:                      # alias
             chain = base._chain
@@ -374,10 +389,9 @@ def _view(func, info, args, kwargs):
             chain = (step,)                   # relative to the storage, not to the input view
         else:
             chain = base._chain + (step,)
-        made.append(make(base._s, chain, size, stride, offset, dtype))
-    if func in MULTI_VIEWS:
-        return made
-    return made[0]
+        sig = sig_id((base._s.val.shape, base._s.dtype, chain, tuple(size), tuple(stride), dtype))
+        views.append((size, stride, offset, dtype, chain, sig))
+    return views, func in MULTI_VIEWS
 
 
 # --------------------------------------------------------------------------------------------

@@ -96,12 +96,14 @@ class Trace:
                 f = sys._getframe(3)
             except ValueError:      # autograd's device thread calls us with no Python caller
                 f = None
-            src = user_site(f)
+            if f is not None and _SKIP_CODE.get(f.f_code) is False:    # user_site, inlined
+                src = f"{f.f_code.co_filename}:{f.f_lineno}"
+            else:
+                src = user_site(f)
         else:
             src = None
         khash = entry.khash
-        node = Node(entry, khash, entry.fn, ins, wiring, len(self.scalars), scalars,
-                    outs, entry.name, src, pos)
+        node = Node(entry, ins, wiring, len(self.scalars), scalars, outs, src, pos)
         for o in outs:
             if o is not None:
                 o.node = node

@@ -65,7 +65,8 @@ def dump_trace(path: str) -> str:
         raise RuntimeError("no trace has run yet; run something in defer mode first")
     nodes, reason, src = last
     g = nx.DiGraph(label=f"trace of {len(nodes)} ops, synced by {reason} at {src}")
-    for pos, (name, wiring, nsrc) in enumerate(nodes):
+    for pos, n in enumerate(nodes):
+        name, wiring, nsrc = n.name, n.wiring, n.src
         g.add_node(f"n{pos}", label=f"{pos}: {name}\\n{os.path.basename(nsrc or '')}", shape="box")
         for w in wiring:
             if w is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .scheduler.records import Value
+from .scheduler.records import Value, sig_id
 
 
 class Storage:
@@ -129,13 +129,13 @@ _STRIDED = torch.strided
 def make(storage: Storage, chain: tuple, size, stride, offset: int, dtype, sig=None):
     """A TpuTensor, without ``TpuTensor(...)``'s type call and ``__init__`` (this runs for every
     op's output). ``stride=None`` means contiguous; ``sig`` is ``_sig`` when the caller has it
-    cached (see ``dispatch._Entry.fast``)."""
+    cached (see ``dispatch._Entry.fast``): an interned signature, see ``records.sig_id``."""
     # Positional arguments: (cls, size, strides, storage_offset, memory_format, dtype, layout,
     # device); PyTorch parses these faster than keywords.
     t = _wrap(TpuTensor, size, stride, offset or None, None, dtype, _STRIDED, _DEVICES[storage.device])
     t._s = storage
     t._chain = chain
     # Everything about this tensor that shapes compiled code, hashed with each op's key.
-    t._sig = sig if sig is not None else (
-        storage.val.shape, storage.dtype, chain, tuple(size), tuple(t.stride()), dtype)
+    t._sig = sig if sig is not None else sig_id(
+        (storage.val.shape, storage.dtype, chain, tuple(size), tuple(t.stride()), dtype))
     return t

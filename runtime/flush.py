@@ -10,10 +10,11 @@ import sys
 from . import execute, stats
 from . import memory as memory_stats
 from ..scheduler import cut, memory
+from ..scheduler.records import SIG_OF
 from .errors import RegionError
 
 S = stats.S
-LAST = None            # (nodes as (name, wiring, src), reason, src) of the latest trace
+LAST = None            # (nodes, reason, src) of the latest trace
 _REGIONS: dict = {}     # key -> _Region
 _STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
 _ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
@@ -51,6 +52,7 @@ def _diff(a, b) -> str:
     fb = fb.name
     # a tensor's signature: (base shape, base dtype, view chain, shape, strides, dtype)
     for i, (x, y) in enumerate(zip(sa, sb)):
+        x, y = SIG_OF[x], SIG_OF[y]
         if x[3] != y[3]:
             return f"{fb}: input {i} has shape {list(y[3])}, cached {list(x[3])}"
         if x[5] != y[5]:
@@ -86,7 +88,7 @@ def _explain_miss(keys: list) -> str:
 def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,
               cross_check=False, planner=True, shape_limit=8, budget=0):
     global LAST
-    LAST = ([(n.name, n.wiring, n.src) for n in nodes], reason, src)
+    LAST = (nodes, reason, src)     # nodes keep their name, wiring and source line only
     # Who else holds each input value: its holders are the ext list, the node inputs reading it
     # and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
     getrc = sys.getrefcount
@@ -255,8 +257,8 @@ def _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level, plann
                     uses.append(0)
                 uses[j] += 1
                 wiring.append(j)
-            new_nodes.append(Node(n.key, n.khash, n.fn, n.ins, tuple(wiring), n.s0 - s_first,
-                                  n.scalars, n.outs, n.name, n.src, n.pos - start))
+            new_nodes.append(Node(n.key, n.ins, tuple(wiring), n.s0 - s_first, n.scalars, n.outs,
+                                  n.src, n.pos - start))
         piece_outs = []
         for old, new in zip(piece, new_nodes):
             for i, o in enumerate(old.outs):

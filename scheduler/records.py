@@ -12,6 +12,20 @@ from typing import Any, Callable
 _account: list = [None]
 
 
+# Tensor signatures, interned: a tensor's ``_sig`` is a small int (cheap to hash in every op's
+# key); ``SIG_OF[i]`` is the tuple (base shape, base dtype, view chain, shape, strides, dtype).
+SIGS: dict = {}
+SIG_OF: list = []
+
+
+def sig_id(sig: tuple) -> int:
+    i = SIGS.get(sig)
+    if i is None:
+        i = SIGS[sig] = len(SIG_OF)
+        SIG_OF.append(sig)
+    return i
+
+
 class Value:
     """One SSA value: a device array (``array``) or pending, as output ``idx`` of ``node``."""
 
@@ -45,23 +59,26 @@ class Value:
 
 
 class Node:
-    """One recorded op. ``key`` is its structure (hashable); ``fn(arrays, scalars)`` its lowering."""
+    """One recorded op. ``key`` is its op cache entry (``dispatch._Entry``: the op's structural
+    key, its hash, its lowering ``fn(arrays, scalars)`` and its name)."""
 
-    __slots__ = ("key", "khash", "fn", "ins", "wiring", "s0", "scalars", "outs", "name", "src", "pos")
+    __slots__ = ("key", "ins", "wiring", "s0", "scalars", "outs", "src", "pos")
 
-    def __init__(self, key, khash: int, fn: Callable, ins: tuple, wiring: tuple, s0: int,
-                 scalars: tuple, outs: tuple, name: str, src, pos: int):
-        self.key = key          # the op's structural key (also the cache entry's)
-        self.khash = khash
-        self.fn = fn
+    def __init__(self, key, ins: list, wiring: tuple, s0: int, scalars: list, outs: tuple, src,
+                 pos: int):
+        self.key = key
         self.ins = ins          # input Values (None: a mutated input overwritten without a read)
         self.wiring = wiring    # per input: int = external input index, (pos, idx) = node output
         self.s0 = s0            # this node's scalars start at trace.scalars[s0]
         self.scalars = scalars
         self.outs = outs
-        self.name = name
         self.src = src
         self.pos = pos
+
+    # Read at compile time and in messages only: not stored per node (recording is the hot path).
+    khash = property(lambda self: self.key.khash)
+    fn = property(lambda self: self.key.fn)
+    name = property(lambda self: self.key.name)
 
 
 @dataclass(frozen=True, slots=True)
