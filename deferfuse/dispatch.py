@@ -218,7 +218,8 @@ def _run(func, info, args, kwargs):
             if n in kwargs:
                 _encode(kwargs[n], False, tensors, scalars, True, device)
     # OpInfo, not the OpOverload: OpOverload.__hash__ is Python code, object hashing is not.
-    key = (info, targs, tkw, tuple(map(_SIG, tensors)), tuple(map(type, scalars)) if scalars else ())
+    # Scalar inputs' types are in targs/tkw already: (SS, index, type).
+    key = (info, targs, tkw, tuple(map(_SIG, tensors)))
     entry = _CACHE.get(key)
     if entry is None:
         try:

@@ -47,7 +47,6 @@ class Trace:
         self.h = 0
         self.hops = 0
         self.storages: list = []      # weak refs of storages that may hold pending values
-        self.khashes: list = []
         self.cut = None               # a cut decided at the last op, made before the next one
         self.counted = 0              # nodes already in S["ops_recorded"] (see metrics._pending)
 
@@ -84,7 +83,7 @@ class Trace:
         res = entry.res_avals
         if len(res) == 1:
             a = res[0]
-            outs = (Value(a[0], a[1], a[2], None, None, 0),)
+            outs = (Value(a[0], a[1], a[2]),)
         else:
             outs = tuple([None if a is None else Value(a[0], a[1], a[2], None, None, k)
                           for k, a in enumerate(res)])
@@ -110,7 +109,6 @@ class Trace:
         nodes.append(node)
         if scalars:
             self.scalars.extend(scalars)
-        self.khashes.append(khash)
         self.h = hash((self.h, khash, wiring, len(scalars)))
         self.hops = hops = hash((self.hops, khash))
         pos += 1
@@ -137,9 +135,10 @@ class Trace:
         from .state import sync
         reason, self.cut = self.cut, None
         if reason == "trace limit" and config.step_detection:
-            L = steps.find_period(self.khashes)
+            khashes = [n.key.khash for n in self.nodes]
+            L = steps.find_period(khashes)
             if L is not None:
-                _BODIES.add(steps.body_signature(self.khashes, L))
+                _BODIES.add(steps.body_signature(khashes, L))
         sync(reason)
 
     # ---------------------------------------------------------------------------------------

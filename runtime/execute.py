@@ -8,6 +8,7 @@ import time
 import warnings
 
 import jax
+import numpy as np
 
 from ..scheduler.records import Value
 from . import stats
@@ -87,11 +88,50 @@ def read_view(array, chain):
         return j(array)
 
 
-def region_function(plan, out_sig, donate):
+# NOTE [packed scalars]: a region's Python scalars (learning rates, step counts, the constants of
+# a chain of ops) reach it as two arrays, the floats as float64 and the ints as int64, so a call
+# costs two host-to-device transfers, not one per scalar (~3 µs each on CPU). Inside, each element
+# becomes a weakly typed scalar again, exactly what JAX makes of a Python scalar argument, so
+# dtype promotion and the compiled code are unchanged. Which scalar is a float is a function of
+# the region's key (each op's key has its scalars' types).
+try:
+    from jax._src.lax.lax import _convert_element_type as _weak_cast   # private: guarded
+except ImportError:     # pragma: no cover (a JAX without it: scalars are passed one by one)
+    _weak_cast = None
+
+
+_F64, _I64 = np.dtype(np.float64), np.dtype(np.int64)
+
+
+def pack_scalars(scalars: list):
+    """The scalars of a region call: (floats as float64, ints as int64) (see NOTE [packed scalars])."""
+    if _weak_cast is None or not scalars:
+        return scalars
+    return (np.array([s for s in scalars if type(s) is float], np.float64),
+            np.array([s for s in scalars if type(s) is not float], np.int64))
+
+
+def _unpack_scalars(packed, is_float: tuple) -> list:
+    if _weak_cast is None or not is_float:
+        return packed
+    fl, it = packed
+    out, a, b = [], 0, 0
+    for f in is_float:
+        if f:
+            out.append(_weak_cast(fl[a], _F64, weak_type=True))
+            a += 1
+        else:
+            out.append(_weak_cast(it[b], _I64, weak_type=True))
+            b += 1
+    return out
+
+
+def region_function(plan, out_sig, donate, is_float=()):
     """A pure function (donated inputs, kept inputs, scalars) -> outputs running ``plan`` in order.
 
     ``plan`` is [(fn, wiring, s0, n_scalars)]; ``out_sig`` lists (node pos, output idx) to return;
-    ``donate[i]`` says whether external input i arrives in the donated list.
+    ``donate[i]`` says whether external input i arrives in the donated list; ``is_float[i]`` whether
+    scalar i is a float (the scalars arrive packed, see NOTE [packed scalars]).
     """
     order = []
     nd = nk = 0
@@ -99,7 +139,8 @@ def region_function(plan, out_sig, donate):
         order.append((0, nd) if d else (1, nk))
         nd, nk = nd + d, nk + (not d)
 
-    def region(don, keep, scalars):
+    def region(don, keep, packed):
+        scalars = _unpack_scalars(packed, is_float)
         ext = [(don if src == 0 else keep)[i] for src, i in order]
         env = {}
         flags = []
@@ -122,8 +163,9 @@ def region_function(plan, out_sig, donate):
 def compile_region(plan, out_sig, donate, don, keep, scalars):
     """jit and compile a region for these inputs; returns (compiled, lowered, seconds)."""
     t0 = time.perf_counter()
-    fn = region_function(plan, out_sig, donate)
+    fn = region_function(plan, out_sig, donate, tuple(type(s) is float for s in scalars))
     msgs = fn.msgs
+    scalars = pack_scalars(scalars)
     with x64(True), warnings.catch_warnings():
         # A donated buffer no output can reuse is still freed early; JAX's warning is noise here.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -139,7 +181,7 @@ def compile_region(plan, out_sig, donate, don, keep, scalars):
 def run_region(compiled, don, keep, scalars, debug: bool = False):
     t0 = time.perf_counter()
     with x64(True):
-        res = compiled(don, keep, scalars)
+        res = compiled(don, keep, pack_scalars(scalars))
         _last[0] = res[0]
         if debug:
             jax.block_until_ready(res)

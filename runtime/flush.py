@@ -45,8 +45,8 @@ def _evict() -> None:
 
 def _diff(a, b) -> str:
     """What differs between two op keys, in words."""
-    fa, ta, kwa, sa, sta = a
-    fb, tb, kwb, sb, stb = b
+    fa, ta, kwa, sa = a
+    fb, tb, kwb, sb = b
     if fa is not fb:
         return f"op {fb.name} where the cached region had {fa.name}"
     fb = fb.name
@@ -62,9 +62,8 @@ def _diff(a, b) -> str:
         if x[2] != y[2] or x[4] != y[4]:
             return f"{fb}: input {i} is a different view"
     if ta != tb or kwa != kwb:
-        return f"{fb}: arguments {tb} {dict(kwb)}, cached {ta} {dict(kwa)} (a baked-in value or a static argument changed)"
-    if sta != stb:
-        return f"{fb}: Python scalar types {sta} -> {stb}"
+        # Python scalars that are inputs appear as (slot, index, type): only a type change shows.
+        return f"{fb}: arguments {tb} {dict(kwb)}, cached {ta} {dict(kwa)} (a baked-in value, a static argument or a Python scalar's type changed)"
     return f"{fb}: the wiring between ops differs"
 
 
