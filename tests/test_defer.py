@@ -140,6 +140,27 @@ def test_scalars_do_not_recompile():
     assert deferfuse.metrics()["region_compiles"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_packed_scalars_keep_pytorch_promotion(dtype):
+    # A region's Python scalars arrive packed (floats and ints as two arrays, see execute.py):
+    # interleaved floats and ints, on narrow dtypes, must still promote as Python numbers do.
+    x = (torch.arange(12, dtype=torch.float32) * 0.37 - 2).to(dtype)
+    xt = x.to("tpu")
+    deferfuse.sync()
+    deferfuse.clear_caches()    # the other dtypes' versions of this structure would count as churn
+    deferfuse.reset_metrics()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6     # XLA fuses: one rounding, not five
+    for a, k in ((1.3, 3), (0.7, 5), (-2.9, 11)):
+        fn = lambda t: ((t * a + k) * k - a).div(k).sub(a * 0.5) + 7  # noqa: E731
+        assert_same(fn(xt), fn(x), atol=tol, rtol=tol)
+    assert deferfuse.metrics()["region_compiles"] == 1, deferfuse.metrics()["miss_reasons"]
+    # Weakly typed, as Python numbers are: no arithmetic on the tensor happened in float64.
+    from deferfuse.runtime import flush
+    (region,) = flush._REGIONS.values()
+    hlo = region.lowered.as_text()
+    assert "tensor<f64>" in hlo and "tensor<12xf64>" not in hlo
+
+
 def test_report_explains_a_recompile():
     x = torch.ones(4).to("tpu")
     (x * 3).sum().item()
