@@ -161,7 +161,7 @@ def _enable_foreach() -> None:
 def register() -> None:
     global _lib
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-    from . import dispatch  # noqa: F401  (loads specials after the helpers they use)
+    from .dispatch import dispatch  # (loads specials after the helpers they use)
     from .specials import empty_memory_format, empty_strided, _h_copy_from
 
     module = _make_module()
@@ -183,7 +183,6 @@ def register() -> None:
               "PrivateUse1")
     # Lowered factories (no tensor argument) run as ops of their own, never through the
     # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.
-    from .dispatch import dispatch
     from .runtime.lowering import LOWERINGS
     for o in LOWERINGS:
         args = o._schema.arguments

@@ -19,7 +19,6 @@ from .metrics import count_fallback
 from .opinfo import MULTI_VIEWS, decompose, op_info
 from .runtime import execute
 from .runtime.dtypes import to_np_dtype
-from .runtime.lowering import LOWERINGS
 from .runtime.node import SS, TS, build
 from .runtime import transfer
 from .record import user_site
@@ -115,6 +114,8 @@ def _route(func):
     kind = info.kind
     if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
         return _run, info, func
+    if func in _ALIAS_OPS:
+        return _alias, info, func
     if kind == "view":
         return _view, info, func
     if kind == "decomp":
@@ -377,6 +378,23 @@ def _view(func, info, args, kwargs):
     made = [make(st, chain, size, stride, offset, dtype, sig)
             for size, stride, offset, dtype, chain, sig in views[0]]
     return made if views[1] else made[0]
+
+
+_ALIAS_OPS = (aten.detach.default, aten.alias.default)
+_ALIASES: dict = {}     # signature -> (size, stride, offset)
+
+
+def _alias(func, info, args, kwargs):
+    """detach and alias: the same view of the same storage (autograd detaches every tensor it
+    saves, so this is common enough for a path of its own)."""
+    base = args[0]
+    if type(base) is not TpuTensor:
+        return _view(func, info, args, kwargs)
+    sig = base._sig
+    m = _ALIASES.get(sig)
+    if m is None:
+        m = _ALIASES[sig] = (tuple(base.shape), tuple(base.stride()), base.storage_offset())
+    return make(base._s, base._chain, m[0], m[1], m[2], base.dtype, sig)
 
 
 def _views_of(func, base, outs):

@@ -10,7 +10,7 @@ import sys
 import weakref
 
 from .config import SKIP_PREFIXES, config
-from .runtime import execute, stats
+from .runtime import stats
 from .runtime.transfer import materialize_empty
 from .scheduler import steps
 from .scheduler.records import Node, Value

@@ -1,7 +1,6 @@
 """Mode, the pending trace, RNG state: the module state the dispatcher consults on every op."""
 from __future__ import annotations
 
-import os
 import sys
 
 import jax

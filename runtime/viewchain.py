@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .lowering import LOWERINGS, aten
 

@@ -6,7 +6,7 @@ node of the current trace) and is bound to a device array when the region that p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # Memory accounting hook: the runtime installs a callable taking a byte delta (see runtime.memory).
 _account: list = [None]
