@@ -72,12 +72,13 @@ def dump_trace(path: str) -> str:
 
 def clear_caches() -> None:
     """Drop every in-process compile cache (per-op programs, regions, meta inference)."""
-    from .dispatch import _ALIASES, _CACHE, _ROUTE, _VIEWS
+    from .dispatch import _CACHE, _ROUTE
+    from .views import ALIASES, VIEWS
     from .runtime import flush, execute
     _state.sync("sync")
     _CACHE.clear()
-    _VIEWS.clear()
-    _ALIASES.clear()
+    VIEWS.clear()
+    ALIASES.clear()
     _ROUTE.clear()
     flush.clear()
     execute._view_jits.clear()

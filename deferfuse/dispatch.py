@@ -1,8 +1,8 @@
-"""Every aten op on a ``tpu`` tensor comes here: meta inference, views, writes, and then the op runs
-(strict/debug eager) or is recorded (defer).
+"""Every aten op on a ``tpu`` tensor comes here: meta inference, writes, and then the op runs
+(strict/debug eager) or is recorded (defer); view ops go on to ``views.py``.
 
-The hot path is ``dispatch`` -> ``_run``: build the op's structural key by hand (no tree_map), look
-it up, and either call the cached per-op jit or append a node to the pending trace.
+The hot path is ``torch_dispatch`` -> ``_run``: build the op's structural key by hand (no
+tree_map), look it up, and either call the cached per-op jit or append a node to the pending trace.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from . import state
 from .metrics import count_fallback
-from .opinfo import MULTI_VIEWS, decompose, op_info
+from .opinfo import decompose, op_info
 from .runtime import execute
 from .runtime.dtypes import to_np_dtype
 from .runtime.node import SS, TS, build
@@ -24,6 +24,7 @@ from .runtime import transfer
 from .record import user_site
 from .scheduler.records import Value, sig_id
 from .tensor import Storage, TpuTensor, make
+from .views import ALIAS_OPS, run_alias, run_view
 
 aten = torch.ops.aten
 _trace = state.trace
@@ -114,10 +115,10 @@ def _route(func):
     kind = info.kind
     if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
         return _run, info, func
-    if func in _ALIAS_OPS:
-        return _alias, info, func
+    if func in ALIAS_OPS:
+        return run_alias, info, func
     if kind == "view":
-        return _view, info, func
+        return run_view, info, func
     if kind == "decomp":
         return _decomp, info, func
     if kind == "data_dependent":
@@ -341,76 +342,6 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
                   sig_id((size, dtype, (), size, stride, dtype)))
     _CACHE[key] = e
     return e
-
-
-# --------------------------------------------------------------------------------------------
-# views
-
-_VIEWS: dict = {}
-
-
-def _view(func, info, args, kwargs):
-    from .meta import infer_view
-    base = args[0]
-    if type(base) is not TpuTensor:
-        return _fallback(func, info, args, kwargs, "view of a non-tpu tensor")
-    # The views made (see _views_of): a function of the op, the input's signature (its storage's
-    # shape and dtype and its view chain) and the static arguments, so cached.
-    key = [info, base._sig]     # OpInfo: object hashing (OpOverload.__hash__ is Python)
-    for a in args[1:]:
-        ta = type(a)
-        if ta is list:
-            a = tuple(a)
-        elif isinstance(a, torch.Tensor):
-            key = None
-            break
-        key.append(a)
-    if key is not None and kwargs:
-        key.append(tuple(kwargs.items()))
-    if key is not None:
-        key = tuple(key)
-        views = _VIEWS.get(key)
-        if views is None:
-            views = _VIEWS[key] = _views_of(func, base, infer_view(func, args, kwargs))
-    else:
-        views = _views_of(func, base, infer_view(func, args, kwargs))
-    st = base._s
-    made = [make(st, chain, size, stride, offset, dtype, sig)
-            for size, stride, offset, dtype, chain, sig in views[0]]
-    return made if views[1] else made[0]
-
-
-_ALIAS_OPS = (aten.detach.default, aten.alias.default)
-_ALIASES: dict = {}     # signature -> (size, stride, offset)
-
-
-def _alias(func, info, args, kwargs):
-    """detach and alias: the same view of the same storage (autograd detaches every tensor it
-    saves, so this is common enough for a path of its own)."""
-    base = args[0]
-    if type(base) is not TpuTensor:
-        return _view(func, info, args, kwargs)
-    sig = base._sig
-    m = _ALIASES.get(sig)
-    if m is None:
-        m = _ALIASES[sig] = (tuple(base.shape), tuple(base.stride()), base.storage_offset())
-    return make(base._s, base._chain, m[0], m[1], m[2], base.dtype, sig)
-
-
-def _views_of(func, base, outs):
-    """([(size, stride, offset, dtype, view chain, signature)], returns a list) of a view op's
-    results on ``base``, from its meta results [(size, stride, offset, dtype, step)]."""
-    views = []
-    for size, stride, offset, dtype, step in outs:
-        if step is None:                      # alias
-            chain = base._chain
-        elif step[0] is aten.as_strided.default:
-            chain = (step,)                   # relative to the storage, not to the input view
-        else:
-            chain = base._chain + (step,)
-        sig = sig_id((base._s.val.shape, base._s.dtype, chain, tuple(size), tuple(stride), dtype))
-        views.append((size, stride, offset, dtype, chain, sig))
-    return views, func in MULTI_VIEWS
 
 
 # --------------------------------------------------------------------------------------------
