@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .meta import infer_view
 from .opinfo import MULTI_VIEWS
 from .scheduler.records import sig_id
 from .tensor import TpuTensor, make
@@ -16,7 +17,6 @@ VIEWS: dict = {}
 
 
 def run_view(func, info, args, kwargs):
-    from .meta import infer_view
     base = args[0]
     if type(base) is not TpuTensor:
         from .dispatch import _fallback
@@ -42,9 +42,11 @@ def run_view(func, info, args, kwargs):
     else:
         views = _views_of(func, base, infer_view(func, args, kwargs))
     st = base._s
-    made = [make(st, chain, size, stride, offset, dtype, sig)
-            for size, stride, offset, dtype, chain, sig in views[0]]
-    return made if views[1] else made[0]
+    if views[1]:
+        return [make(st, chain, size, stride, offset, dtype, sig)
+                for size, stride, offset, dtype, chain, sig in views[0]]
+    size, stride, offset, dtype, chain, sig = views[0][0]
+    return make(st, chain, size, stride, offset, dtype, sig)
 
 
 ALIAS_OPS = (aten.detach.default, aten.alias.default)

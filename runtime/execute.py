@@ -46,7 +46,6 @@ def with_flags(fn, msgs: list):
 
 
 def raise_flags(flags, msgs, where: str = "") -> None:
-    import numpy as np
     for fl, (exc, msg) in zip(flags, msgs):
         if bool(np.asarray(fl)):
             raise exc(msg + where)
