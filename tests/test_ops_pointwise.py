@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import deferfuse
-from util import assert_same
+from util import assert_same, to_tpu as tpu
 
 aten = torch.ops.aten
 NAN, INF = float("nan"), float("inf")
@@ -29,14 +29,6 @@ def tol(*ts):
         if isinstance(t, torch.Tensor) and t.dtype in TOL:
             a, r = max(a, TOL[t.dtype][0]), max(r, TOL[t.dtype][1])
     return a, r
-
-
-def tpu(x):
-    if isinstance(x, torch.Tensor):
-        return x.to("tpu")
-    if isinstance(x, (list, tuple)):
-        return type(x)(tpu(y) for y in x)
-    return x
 
 
 def fallbacks():

@@ -127,16 +127,18 @@ for _k in "tuvw":
     "special_hermite_polynomial_h.n_scalar")
 def hermite_h(x, n):
     x, n = _poly_args(x, n)
-    v = _recur(x, n, x + x, lambda m, p, q: (x + x) * q - (m + m - 2) * p)
-    limit = 512 if x.dtype == np.float64 else 128
-    return jnp.where(n < 0, 0, jnp.where(n > limit, jnp.nan, v))
+    return _hermite(x, n, _recur(x, n, x + x, lambda m, p, q: (x + x) * q - (m + m - 2) * p))
 
 
 @op("special_hermite_polynomial_he.default", "special_hermite_polynomial_he.x_scalar",
     "special_hermite_polynomial_he.n_scalar")
 def hermite_he(x, n):
     x, n = _poly_args(x, n)
-    v = _recur(x, n, x, lambda m, p, q: x * q - (m - 1) * p)
+    return _hermite(x, n, _recur(x, n, x, lambda m, p, q: x * q - (m - 1) * p))
+
+
+def _hermite(x, n, v):
+    """Both Hermite kinds: 0 for n < 0 and, as PyTorch, nan past its degree limit."""
     limit = 512 if x.dtype == np.float64 else 128
     return jnp.where(n < 0, 0, jnp.where(n > limit, jnp.nan, v))
 
