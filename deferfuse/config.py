@@ -76,6 +76,9 @@ SETTINGS = {s.name: s for s in [
             "run ops with no lowering on CPU (copy in, run, copy out) instead of raising"),
     Setting("memory_planner", "DEFERFUSE_NO_MEMORY_PLANNER", True, lambda s: not _bool(s),
             "memory planner on (DEFERFUSE_NO_MEMORY_PLANNER=1 turns it off)", in_key=True),
+    Setting("needed_first", "DEFERFUSE_NEEDED_FIRST", True, _bool,
+            "at a sync that reads one value (.item(), .cpu()), run the ops it needs first and the "
+            "rest as a second region the host does not wait for"),
     Setting("memory_budget", "DEFERFUSE_MEMORY_BUDGET", 0, _bytes,
             "bytes a fused region may use at its peak before it is split (0: no limit)"),
     Setting("max_regions", "DEFERFUSE_MAX_REGIONS", 4096, int,

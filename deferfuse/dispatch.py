@@ -72,7 +72,7 @@ def read(t: TpuTensor):
 def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
     """A CPU copy of ``t`` (a sync point in defer mode)."""
     if t._s.val.node is not None:
-        state.sync(reason)
+        state.sync(reason, want=t._s.val)
     arr = read(t)
     out = transfer.to_torch(arr, t.dtype)
     return out.reshape(t.shape) if out.shape != t.shape else out

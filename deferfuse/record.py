@@ -142,7 +142,7 @@ class Trace:
         sync(reason)
 
     # ---------------------------------------------------------------------------------------
-    def flush(self, reason: str, src: str):
+    def flush(self, reason: str, src: str, want=None):
         from .runtime.flush import MAX_REGIONS, run_trace
         MAX_REGIONS[0] = config.max_regions
         nodes = self.nodes
@@ -160,12 +160,14 @@ class Trace:
                 outs.append(v)
         # Reset first: whatever happens in execution, the trace is consumed exactly once.
         ext, uses, scalars, h = self.ext, self.ext_uses, self.scalars, self.h
+        want = ((want.node.pos,) if want is not None and want.node is not None
+                and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
         self.reset()
         try:
             run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,
                       config.cross_check, config.memory_planner, config.shape_recompile_limit,
-                      config.memory_budget)
+                      config.memory_budget, want)
         finally:
             # Values and nodes reference each other (Value.node, Node.outs): break the cycles so
             # buffers are released by reference counting, right away, not by the cyclic GC.

@@ -47,6 +47,9 @@ def render() -> str:
     if S["shape_splits"]:
         lines.append(f"regions split because some of their ops kept changing shape: "
                      f"{S['shape_splits']} (the rest stays fused and cached)")
+    if S["needed_first_splits"]:
+        lines.append(f"syncs that waited only for the ops their value needed (the rest of the trace "
+                     f"ran as a second region behind them): {S['needed_first_splits']}")
     if S["shape_fallbacks"]:
         lines.append(f"regions run op by op because their shapes kept changing: {S['shape_fallbacks']}")
     lines.append("memory:")
@@ -63,11 +66,19 @@ def dump_trace(path: str) -> str:
     last = flush.LAST
     if last is None:
         raise RuntimeError("no trace has run yet; run something in defer mode first")
-    nodes, reason, src = last
-    g = nx.DiGraph(label=f"trace of {len(nodes)} ops, synced by {reason} at {src}")
+    nodes, reason, src, pieces = last
+    region = {}
+    for k, pos in enumerate(pieces or ()):
+        region.update((p, k) for p in pos)
+    label = f"trace of {len(nodes)} ops, synced by {reason} at {src}"
+    if pieces:
+        label += f", run as {len(pieces)} regions in order (r0, r1, ...)"
+    g = nx.DiGraph(label=label)
     for pos, n in enumerate(nodes):
         name, wiring, nsrc = n.name, n.wiring, n.src
-        g.add_node(f"n{pos}", label=f"{pos}: {name}\\n{os.path.basename(nsrc or '')}", shape="box")
+        r = f"r{region[pos]} " if pos in region else ""
+        g.add_node(f"n{pos}", label=f"{r}{pos}: {name}\\n{os.path.basename(nsrc or '')}",
+                   shape="box")
         for w in wiring:
             if w is None:
                 continue

@@ -37,11 +37,13 @@ def run_node(entry, ins, scalars, dev):
 _ASYNC_CUTS = ("loop boundary", "trace limit")
 
 
-def sync(reason: str, op: str | None = None) -> None:
-    """Run the pending trace now (a sync point), recording why and from which line."""
+def sync(reason: str, op: str | None = None, want=None) -> None:
+    """Run the pending trace now (a sync point), recording why and from which line. ``want``: the
+    one pending Value the caller reads (``.item()``, ``.cpu()``), when that is all it needs (see
+    NOTE [needed first] in runtime/flush.py)."""
     if not trace.nodes:
         if reason not in _ASYNC_CUTS:
-            flush.check_flags()
+            flush.check_flags(later=want is None)
         return
     from .dispatch import user_frame
     src = user_frame()
@@ -50,10 +52,11 @@ def sync(reason: str, op: str | None = None) -> None:
     if config.debug >= 1:
         print(f"[deferfuse] sync: {reason}{' (' + op + ')' if op else ''} at {src}, "
               f"{len(trace.nodes)} ops", file=sys.stderr)
-    trace.flush(reason, src)
+    trace.flush(reason, src, want)
     if reason not in _ASYNC_CUTS:
-        # Values are read now: report an out-of-range index recorded in what just ran.
-        flush.check_flags()
+        # Values are read now: report an out-of-range index recorded in what just ran (in what
+        # the read waited for, when it read one value).
+        flush.check_flags(later=want is None)
 
 
 # --- RNG: one PRNG key per device, held in a Storage so defer threads it through regions --------

@@ -14,8 +14,11 @@ from ..scheduler.records import SIG_OF
 from .errors import RegionError
 
 S = stats.S
-LAST = None            # (nodes, reason, src) of the latest trace
+LAST = None            # [nodes, reason, src, pieces] of the latest trace; pieces: the node positions
+                       # of each region when it ran split (None: one region)
 _REGIONS: dict = {}     # key -> _Region
+_SPLITS: dict = {}      # (trace hash, length, wanted nodes) -> needed-first order or None
+_PLANS: dict = {}       # (trace hash, length, cuts, order) -> [_Piece]
 _STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
 _ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
 MAX_REGIONS = [4096]    # set from deferfuse's config (DEFERFUSE_MAX_REGIONS)
@@ -28,6 +31,8 @@ class _Region:
 
 def clear():
     _REGIONS.clear()
+    _SPLITS.clear()
+    _PLANS.clear()
     _STRUCT.clear()
     _ONCE.clear()
 
@@ -85,22 +90,37 @@ def _explain_miss(keys: list) -> str:
 
 
 def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,
-              cross_check=False, planner=True, shape_limit=8, budget=0):
+              cross_check=False, planner=True, shape_limit=8, budget=0, want=None, held=None,
+              later=False, out_sig=None):
+    """Run ``nodes`` (a whole trace, or a piece of one). ``want``: positions of the nodes whose
+    values the sync reads (see NOTE [needed first]); ``held``: per external input, whether anything
+    outside this run still holds it (worked out here from reference counts when not given);
+    ``later``: this run's index checks are read at the next sync, not this one."""
     global LAST
-    LAST = (nodes, reason, src)     # nodes keep their name, wiring and source line only
-    # Who else holds each input value: its holders are the ext list, the node inputs reading it
-    # and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
-    getrc = sys.getrefcount
-    held = [getrc(ext[i]) - 2 - ext_uses[i] > 0 for i in range(len(ext))]
+    if held is None:
+        LAST = [nodes, reason, src, None]   # nodes keep their name, wiring and source line only
+        # Who else holds each input value: its holders are the ext list, the node inputs reading
+        # it and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
+        getrc = sys.getrefcount
+        held = [getrc(ext[i]) - 2 - ext_uses[i] > 0 for i in range(len(ext))]
+    if want is not None and not cross_check:
+        sk = (h, len(nodes), want)
+        split = _SPLITS.get(sk, 0)
+        if split == 0:
+            split = _SPLITS[sk] = cut.needed_first([n.wiring for n in nodes], want)
+        if split is not None:
+            return _run_needed_first(nodes, ext, outs, split, held, h, reason, src,
+                                     debug_level, planner, shape_limit, budget)
     mplan = memory.plan([memory.InputInfo(v.nbytes, hd) for v, hd in zip(ext, held)],
                         [v.nbytes for v in outs], 0, None, planner and not cross_check)
     donate = mplan.donate
-    out_sig = tuple((v.node.pos, v.idx) for v in outs)
+    if out_sig is None:
+        out_sig = tuple((v.node.pos, v.idx) for v in outs)
     key = (h, len(nodes), len(ext), out_sig, donate, budget)
     reg = _REGIONS.get(key)
     if reg.__class__ is tuple:      # split for the memory budget on an earlier run
-        return _run_pieces(nodes, ext, scalars, outs, reg, reason, src, debug_level, planner,
-                           shape_limit, budget)
+        return _run_pieces(nodes, ext, outs, reg, reason, src, debug_level, planner,
+                           shape_limit, budget, held, h)
     ext_arrays = [v.array for v in ext]
     don = [a for a, d in zip(ext_arrays, donate) if d]
     keep = [a for a, d in zip(ext_arrays, donate) if not d]
@@ -121,8 +141,8 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
             cuts = cut.churn_cuts(seen[1], keys, seen[2])
             if cuts is not None:
                 S["shape_splits"] += 1
-                return _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level,
-                                   planner, shape_limit, budget)
+                return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level,
+                                   planner, shape_limit, budget, held, h)
             S["shape_fallbacks"] += 1
             env = None
             for _, _, env in _replay(nodes, ext, scalars, block=False):
@@ -160,8 +180,8 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
                     if debug_level >= 2:
                         print(f"[deferfuse] region of {len(nodes)} ops needs ~{est / 2**20:.1f} MB "
                               f"> budget {budget / 2**20:.1f} MB: split at {cuts[:-1]}", file=sys.stderr)
-                    return _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level,
-                                       planner, shape_limit, budget)
+                    return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level,
+                                       planner, shape_limit, budget, held, h)
         node_bytes = sum(o.nbytes for n in nodes for o in n.outs if o is not None)
         reg.elided = max(node_bytes - out_bytes, 0)
         # What running it needs beyond what is allocated (outputs and donation are in the key).
@@ -196,8 +216,7 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         raise
     reg.runs += 1
     if flags:
-        _PENDING_FLAGS.append((flags, [(exc, f"{m} ({nodes[pos].name} recorded at {nodes[pos].src})")
-                                       for pos, exc, m in reg.msgs]))
+        (_LATER_FLAGS if later else _PENDING_FLAGS).append((flags, reg.msgs, nodes))
     S["donated_bytes"] += mplan.donated_bytes
     S["elided_bytes"] += reg.elided
     if don:
@@ -225,65 +244,182 @@ def _budget_cuts(nodes, ext, held, outs) -> tuple:
                           [v.nbytes for v in ext], held, {(v.node.pos, v.idx) for v in outs})
 
 
-def _run_pieces(nodes, ext, scalars, outs, cuts, reason, src, debug_level, planner, shape_limit,
-                budget):
-    """Run consecutive pieces of a trace as regions of their own (memory budget, shape churn)."""
-    from ..scheduler.records import Node
-    live_ids = {id(v) for v in outs}
+class _Piece:
+    """One piece of a split trace, worked out once per trace structure and cut: which original
+    nodes it runs (``pos``, in order), their wiring renumbered within the piece, its structural
+    hash, where each of its inputs comes from (an external input index, or (pos, idx): an output
+    of an earlier piece) and whether a later piece reads that input too, and the outputs later
+    pieces read."""
+    __slots__ = ("pos", "wiring", "h", "src", "later", "needed")
+
+
+def _plan_pieces(nodes, order, cuts) -> list:
+    n = len(nodes)
+    piece_of, local = [0] * n, [0] * n
     start = 0
-    for stop in cuts:
-        piece = nodes[start:stop]
-        later = nodes[stop:]
-        # Values of this piece read by later pieces (or held by tensors) leave it.
-        needed = {(w[0], w[1]) for n in later for w in n.wiring if isinstance(w, tuple)}
-        sub_ext, ext_idx, uses, new_nodes = [], {}, [], []
-        s_first = piece[0].s0
-        s_last = piece[-1].s0 + len(piece[-1].scalars)
-        for n in piece:
+    for k, stop in enumerate(cuts):
+        for j in range(start, stop):
+            piece_of[order[j]], local[order[j]] = k, j - start
+        start = stop
+    last_read: dict = {}    # input source -> the last piece that reads it
+    for p in order:
+        for w in nodes[p].wiring:
+            if w is not None:
+                last_read[w] = piece_of[p]
+    plan, start = [], 0
+    for k, stop in enumerate(cuts):
+        pc = _Piece()
+        pc.pos = order[start:stop]
+        pc.wiring, pc.src, pc.later, idx, h = [], [], [], {}, 0
+        for p in pc.pos:
             wiring = []
-            for i, w in enumerate(n.wiring):
+            for w in nodes[p].wiring:
                 if w is None:
                     wiring.append(None)
-                    continue
-                if isinstance(w, tuple) and w[0] >= start:
-                    wiring.append((w[0] - start, w[1]))
-                    continue
-                v = ext[w] if type(w) is int else nodes[w[0]].outs[w[1]]
-                j = ext_idx.get(id(v))
-                if j is None:
-                    j = ext_idx[id(v)] = len(sub_ext)
-                    sub_ext.append(v)
-                    uses.append(0)
-                uses[j] += 1
-                wiring.append(j)
-            new_nodes.append(Node(n.key, n.ins, tuple(wiring), n.s0 - s_first, n.scalars, n.outs,
-                                  n.src, n.pos - start))
-        piece_outs = []
-        for old, new in zip(piece, new_nodes):
-            for i, o in enumerate(old.outs):
-                if o is not None and (id(o) in live_ids or (old.pos, i) in needed):
-                    piece_outs.append(o)
-        h = 0
-        for n in new_nodes:
-            for o in n.outs:
-                if o is not None:
-                    o.node = n
-            h = hash((h, n.khash, n.wiring, len(n.scalars)))
-        try:
-            run_trace(new_nodes, sub_ext, uses, scalars[s_first:s_last], h, piece_outs,
-                      reason, src, debug_level, False, planner, shape_limit, budget)
-        finally:
-            for n in new_nodes:      # break Value <-> Node cycles (see deferfuse/record.py)
-                n.ins = n.outs = None
+                elif w.__class__ is tuple and piece_of[w[0]] == k:
+                    wiring.append((local[w[0]], w[1]))
+                else:
+                    j = idx.get(w)
+                    if j is None:
+                        j = idx[w] = len(pc.src)
+                        pc.src.append(w)
+                        pc.later.append(last_read[w] > k)
+                    wiring.append(j)
+            wiring = tuple(wiring)
+            pc.wiring.append(wiring)
+            h = hash((h, nodes[p].key.khash, wiring, len(nodes[p].scalars)))
+        pc.h = h
+        pc.needed = [(j, i) for j, p in enumerate(pc.pos) for i, o in enumerate(nodes[p].outs)
+                     if o is not None and last_read.get((p, i), -1) > k]     # (local pos, idx)
+        plan.append(pc)
         start = stop
+    return plan
+
+
+class _PieceNodes:
+    """A piece's nodes, renumbered, built only when something needs them whole (a compile-cache
+    miss, an error, debug output): a cache hit needs only their count. Indexing before that gives
+    the original node (its name and source line are the same)."""
+    __slots__ = ("orig", "pc", "built")
+
+    def __init__(self, orig, pc):
+        self.orig, self.pc, self.built = orig, pc, None
+
+    def __len__(self):
+        return len(self.pc.pos)
+
+    def __getitem__(self, i):
+        if self.built is not None:
+            return self.built[i]
+        return self.orig[self.pc.pos[i]]
+
+    def __iter__(self):
+        if self.built is None:
+            from ..scheduler.records import Node
+            built, s0 = [], 0
+            for j, (p, wiring) in enumerate(zip(self.pc.pos, self.pc.wiring)):
+                n = self.orig[p]
+                m = Node(n.key, n.ins, wiring, s0, n.scalars, n.outs, n.src, j)
+                s0 += len(n.scalars)
+                for o in n.outs or ():
+                    if o is not None and o.array is None:
+                        o.node = m
+                built.append(m)
+            self.built = built
+        return iter(self.built)
+
+    def release(self):
+        if self.built is not None:      # break Value <-> Node cycles (see deferfuse/record.py)
+            for m in self.built:
+                m.ins = m.outs = None
+
+
+def _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner, shape_limit, budget,
+                held, h, order=None, later_from=None):
+    """Run pieces of a trace as regions of their own, one after another: ``nodes`` in ``order``
+    (a topological order; trace order when None) cut at ``cuts``. For the memory budget, shape
+    churn and needed first. ``held[i]``: external input i is held outside the trace (never
+    donated); pieces from index ``later_from`` on have their index checks read at the next sync.
+    The plan is cached by structure, so a piece that hits the compile cache costs O(its inputs
+    and outputs), not a walk over its nodes."""
+    pk = (h, len(nodes), cuts, order)
+    plan = _PLANS.get(pk)
+    if plan is None:
+        if nodes.__class__ is _PieceNodes:
+            iter(nodes)         # the plan reads wiring: build the renumbered nodes
+        plan = _PLANS[pk] = _plan_pieces(nodes, order or range(len(nodes)), cuts)
+    if LAST is not None and LAST[0] is nodes:
+        LAST[3] = [pc.pos for pc in plan]
+    live = {}       # id(node) -> its outputs that tensors hold (a node: see _PieceNodes)
+    for v in outs:
+        live.setdefault(id(v.node), []).append(v)
+    live_ids = {id(v) for v in outs}
+    for k, pc in enumerate(plan):
+        sub_ext, sub_held = [], []
+        for w, later in zip(pc.src, pc.later):
+            if w.__class__ is int:
+                sub_ext.append(ext[w])
+                sub_held.append(later or held[w])
+            else:
+                v = nodes[w[0]].outs[w[1]]
+                sub_ext.append(v)
+                sub_held.append(later or id(v) in live_ids)
+        sc, piece_outs, sig = [], [], []
+        for j, p in enumerate(pc.pos):
+            n = nodes[p]
+            if n.scalars:
+                sc.extend(n.scalars)
+            lv = live.get(id(n))
+            if lv is not None:
+                piece_outs.extend(lv)
+                sig.extend((j, v.idx) for v in lv)
+        if pc.needed:
+            have = {id(v) for v in piece_outs}
+            for j, i in pc.needed:
+                v = nodes[pc.pos[j]].outs[i]
+                if id(v) not in have:
+                    piece_outs.append(v)
+                    sig.append((j, i))
+        sub = _PieceNodes(nodes, pc)
+        try:
+            run_trace(sub, sub_ext, None, sc, pc.h, piece_outs, reason, src, debug_level, False,
+                      planner, shape_limit, budget, None, sub_held,
+                      later_from is not None and k >= later_from, tuple(sig))
+        finally:
+            sub.release()
+
+
 _PENDING_FLAGS: list = []   # index-check flags of regions already run, read at the next sync
+_LATER_FLAGS: list = []     # those of regions the sync did not wait for (NOTE [needed first])
 
 
-def check_flags() -> None:
-    """Raise the error of the first index check that failed in a region run so far."""
+def check_flags(later: bool = True) -> None:
+    """Raise the error of the first index check that failed in a region run so far; with
+    ``later=False`` only in regions that a sync waited for."""
+    if later and _LATER_FLAGS:
+        _PENDING_FLAGS.extend(_LATER_FLAGS)
+        _LATER_FLAGS.clear()
     while _PENDING_FLAGS:
-        flags, msgs = _PENDING_FLAGS.pop(0)
-        execute.raise_flags(flags, msgs)
+        flags, msgs, nodes = _PENDING_FLAGS.pop(0)
+        execute.raise_flags(flags, ((exc, f"{m} ({nodes[pos].name} recorded at {nodes[pos].src})")
+                                    for pos, exc, m in msgs))
+
+
+def _run_needed_first(nodes, ext, outs, split, held, h, reason, src, debug_level, planner,
+                      shape_limit, budget):
+    """NOTE [needed first]: a sync that reads one value (``loss.item()`` after a training step)
+    needs only the ops that value depends on: the forward pass, not the backward pass and the
+    optimizer step recorded after it. Those run first, as one region; the rest follows as a second
+    region that the host does not wait for, so it executes while Python records the next step
+    (strict mode gets this overlap from JAX's asynchronous dispatch; one fused region would make
+    the host wait for all of it). Values the second region reads from the first leave the first
+    as outputs. The split depends only on the trace's structure, so it is cached with it and both
+    regions hit the compile cache from the second step on. Index checks of the second region are
+    read at the next sync."""
+    order, n_first = split
+    S["needed_first_splits"] += 1
+    _run_pieces(nodes, ext, outs, (n_first, len(nodes)), reason, src, debug_level, planner,
+                shape_limit, budget, held, h, order, later_from=1)
 
 
 def _raise_oom(e, reg):

@@ -24,6 +24,7 @@ def fresh() -> dict:
         "shape_fallbacks": 0,       # regions run op by op because their shapes kept changing
         "region_evictions": 0,      # times every compiled region was dropped (max_regions)
         "shape_splits": 0,          # regions split into shape-stable and shape-changing pieces
+        "needed_first_splits": 0,   # syncs that waited only for the ops the value read needs
         "budget_splits": 0,         # regions split to stay under DEFERFUSE_MEMORY_BUDGET
         "donated_bytes": 0,
         "elided_bytes": 0,          # intermediates never materialised as buffers

@@ -1,10 +1,12 @@
 """Where to cut a region into pieces that run one after another: pure Python over trace records.
 
-Two reasons to cut, both decided on a compile-cache miss only:
+Three reasons to cut:
 
 - memory budget: cut where the fewest bytes are live (``budget_cut``, from ``liveness.simulate``);
 - shape churn: a structure that keeps coming back with new shapes is cut between the ops whose keys
-  changed and those that never did (``churn_cuts``), so the unchanging runs compile once.
+  changed and those that never did (``churn_cuts``), so the unchanging runs compile once;
+- a sync that reads one value (``.item()``): the ops it needs run first and the rest after, so the
+  host waits for the first piece only (``needed_first``; see NOTE [needed first] in flush.py).
 
 A cut list is the end index of each piece, the last one being the trace length.
 """
@@ -32,3 +34,31 @@ def churn_cuts(first: list, keys: list, vary: set) -> tuple | None:
     if len(vary) >= n or not cuts:
         return None
     return tuple(cuts) + (n,)
+
+
+# A trace is split for a sync that reads one value only when the ops the value does not need are
+# at least this share of it (and this many): the backward pass and optimizer step of a training
+# step whose loss is read, not the few bookkeeping ops after a generate step's logits.
+NEEDED_FIRST_MIN_SHARE = 0.25
+NEEDED_FIRST_MIN_OPS = 8
+
+
+def needed_first(wiring: list, want) -> tuple | None:
+    """A topological order that puts the ops ``want`` (node positions) depend on first, each part
+    in trace order, and the length of that first part; None when the rest is too small to be worth
+    a program of its own."""
+    n = len(wiring)
+    need = [False] * n
+    stack = list(want)
+    for p in stack:
+        need[p] = True
+    while stack:
+        for w in wiring[stack.pop()]:
+            if w.__class__ is tuple and not need[w[0]]:
+                need[w[0]] = True
+                stack.append(w[0])
+    first = [i for i in range(n) if need[i]]
+    rest = n - len(first)
+    if rest < NEEDED_FIRST_MIN_OPS or rest < NEEDED_FIRST_MIN_SHARE * n:
+        return None
+    return tuple(first + [i for i in range(n) if not need[i]]), len(first)

@@ -1,4 +1,5 @@
 """DeferAndFuse: sync points, fusion, the compile cache, step detection, reports, memory plan."""
+import copy
 import os
 import re
 import subprocess
@@ -113,6 +114,58 @@ def test_steady_loop_compiles_nothing_after_second_step(foreach):
     assert deferfuse.metrics()["cache_hits"] >= 2
 
 
+def test_item_waits_only_for_the_ops_it_reads():
+    # NOTE [needed first]: loss.item() after a training step runs the forward pass as one region,
+    # and the backward pass and optimizer step as a second region that it does not wait for.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model = copy.deepcopy(ref).to("tpu")
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    xt, yt = x.to("tpu"), y.to("tpu")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    for step in range(4):
+        losses = []
+        for m, opt, a, b in ((model, opts[0], xt, yt), (ref, opts[1], x, y)):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(a), b)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
+    m = deferfuse.metrics()
+    assert m["needed_first_splits"] == 4 and m["regions_run"] == 8, m
+    assert m["donated_bytes"] > 0       # the optimizer step still updates its buffers in place
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5, rtol=1e-4)
+    deferfuse.reset_metrics()
+    with deferfuse.override(needed_first=False):      # the switch: one region again
+        opts[0].zero_grad()
+        loss = F.cross_entropy(model(xt), yt)
+        loss.backward()
+        opts[0].step()
+        loss.item()
+    m = deferfuse.metrics()
+    assert m["needed_first_splits"] == 0 and m["regions_run"] == 1, m
+
+
+def test_index_error_in_ops_a_read_skips_is_raised_at_the_next_sync():
+    w = torch.randn(10, 4).to("tpu")
+    idx = torch.tensor([3, 12]).to("tpu")
+    x = torch.randn(4).to("tpu")
+    deferfuse.sync()
+    s = x.sum()
+    z = F.embedding(idx, w)        # out of range, in ops that s.item() does not need
+    for _ in range(10):
+        z = z * 2
+    assert s.item() == pytest.approx(float(x.cpu().sum()), rel=1e-6)
+    assert deferfuse.metrics()["needed_first_splits"] >= 1
+    with pytest.raises(IndexError, match="embedding"):
+        deferfuse.sync()
+    del z
+
+
 def test_loop_without_sync_detects_the_step():
     torch.manual_seed(0)
     w = torch.randn(16, 16).to("tpu")
@@ -219,6 +272,15 @@ def test_dump_trace(tmp_path):
     path = deferfuse.dump_trace(str(tmp_path / "trace"))
     text = open(path).read()
     assert text.startswith("digraph") and "aten.sin" in text and "->" in text
+    # a trace run as two regions (see NOTE [needed first]) shows which op ran in which
+    s = x.sum()
+    z = x
+    for _ in range(10):
+        z = z.exp()
+    s.item()
+    text = open(deferfuse.dump_trace(str(tmp_path / "split"))).read()
+    assert "run as 2 regions" in text and "r1 " in text and "aten.exp" in text
+    del z
 
 
 def test_cross_check_passes_on_good_region():

@@ -97,3 +97,16 @@ def test_budget_cut_picks_the_least_live_point():
     out_bytes = [[100], [10], [10], [10]]
     pieces = cut.budget_cut(wiring, out_bytes, [4], [True], {(3, 0)})
     assert pieces[-1] == 4 and len(pieces) == 2 and 1 <= pieces[0] <= 3
+
+
+def test_needed_first_orders_the_read_value_s_ops_first():
+    from deferfuse.scheduler import cut
+    # op 0 reads input 0; ops 1..10 form a chain from op 0 that the read value (op 11) never uses;
+    # op 11 reads op 0 only
+    wiring = [(0,)] + [((i - 1, 0),) for i in range(1, 11)] + [((0, 0), 1)]
+    order, n_first = cut.needed_first(wiring, (11,))
+    assert n_first == 2 and order[:2] == (0, 11)
+    assert order[2:] == tuple(range(1, 11))            # the rest, in trace order
+    # a value that needs everything, or a rest too small to be worth a program: no split
+    assert cut.needed_first(wiring, (10,)) is None
+    assert cut.needed_first(wiring[:3] + [((0, 0),)], (3,)) is None
