@@ -37,7 +37,7 @@ _CACHE: dict = {}       # op key -> _Entry
 
 class _Entry:
     """What one op structure needs at run time, computed on its first call."""
-    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast")
+    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast", "made")
 
 
 def user_frame() -> str:
@@ -161,7 +161,19 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             return (SS, len(scalars) - 1, ta)
         return a
     if ta is list or ta is tuple:
-        return tuple(_encode(x, info_scalar, tensors, scalars, static, device) for x in a)
+        out = []
+        for x in a:
+            if type(x) is TpuTensor:    # lists of tensors (foreach ops, cat): inlined
+                d = x._s.device
+                if device[0] is None:
+                    device[0] = d
+                elif device[0] != d:
+                    raise _device_error(f"tpu:{device[0]}", f"tpu:{d}")
+                out.append((TS, len(tensors)))
+                tensors.append(x)
+            else:
+                out.append(_encode(x, info_scalar, tensors, scalars, static, device))
+        return tuple(out)
     if isinstance(a, torch.Tensor):
         if isinstance(a, TpuTensor):
             tensors.append(a)
@@ -261,10 +273,12 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
         st.val = outs[-1]
         state.trace.track_mut(st, outs[-1])
     if mut:
+        storages = state.trace.storages
         for k, m in enumerate(mut):
             st = tensors[m]._s
-            st.val = outs[k]
-            state.trace.track_mut(st, outs[k])
+            st.val = v = outs[k]
+            if v.node is not None:
+                storages.append(_weakref(st))
         rets = info.returns
         if not rets:
             return None
@@ -283,11 +297,15 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
     if structure == "none":     # an op declared "-> ()" (_linalg_check_errors ...)
         return None
     made = []
-    for m, v in zip(metas, outs):
+    storages = state.trace.storages
+    for m, v in zip(entry.made, outs):     # (dtype, size, stride or None, _sig) per output
         if m is None:
             made.append(None)
-        else:
-            made.append(new_tensor(v, dev, m[2], m[0], m[1]))
+            continue
+        st = Storage(v, dev, m[0])
+        if v.node is not None:
+            storages.append(_weakref(st))
+        made.append(make(st, (), m[1], m[2], 0, m[0], m[3]))
     if structure == "one":
         return made[0]
     if structure == "list":
@@ -335,11 +353,18 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
     e.res_avals = tuple(None if a is None else (a[0], a[1], _nbytes(a[0], a[1])) for a in res)
     # One new output and nothing written or random: _run's fast path in defer mode takes
     # (dtype, size, stride or None when contiguous, the output tensor's _sig).
+    made = []
+    for m in metas:
+        if m is None:
+            made.append(None)
+            continue
+        size, stride, dtype = tuple(m[0]), tuple(m[1]), m[2]
+        made.append((dtype, size, None if stride == _contig(size) else stride,
+                     sig_id((size, dtype, (), size, stride, dtype))))
+    e.made = tuple(made)
     e.fast = None
-    if not mut and not info.low.rng and structure == "one" and metas[0] is not None:
-        size, stride, dtype = tuple(metas[0][0]), tuple(metas[0][1]), metas[0][2]
-        e.fast = (dtype, size, None if stride == _contig(size) else stride,
-                  sig_id((size, dtype, (), size, stride, dtype)))
+    if not mut and not info.low.rng and structure == "one" and made[0] is not None:
+        e.fast = made[0]
     _CACHE[key] = e
     return e
 
