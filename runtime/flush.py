@@ -9,7 +9,7 @@ import sys
 
 from . import execute, stats
 from . import memory as memory_stats
-from ..scheduler import cut, memory
+from ..scheduler import cut, memory, pieces
 from ..scheduler.records import SIG_OF
 from .errors import RegionError
 
@@ -18,7 +18,7 @@ LAST = None            # [nodes, reason, src, pieces] of the latest trace; piece
                        # of each region when it ran split (None: one region)
 _REGIONS: dict = {}     # key -> _Region
 _SPLITS: dict = {}      # (trace hash, length, wanted nodes) -> needed-first order or None
-_PLANS: dict = {}       # (trace hash, length, cuts, order) -> [_Piece]
+_PLANS: dict = {}       # (trace hash, length, cuts, order) -> [pieces.Piece]
 _STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
 _ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
 MAX_REGIONS = [4096]    # set from deferfuse's config (DEFERFUSE_MAX_REGIONS)
@@ -244,96 +244,6 @@ def _budget_cuts(nodes, ext, held, outs) -> tuple:
                           [v.nbytes for v in ext], held, {(v.node.pos, v.idx) for v in outs})
 
 
-class _Piece:
-    """One piece of a split trace, worked out once per trace structure and cut: which original
-    nodes it runs (``pos``, in order), their wiring renumbered within the piece, its structural
-    hash, where each of its inputs comes from (an external input index, or (pos, idx): an output
-    of an earlier piece) and whether a later piece reads that input too, and the outputs later
-    pieces read."""
-    __slots__ = ("pos", "wiring", "h", "src", "later", "needed")
-
-
-def _plan_pieces(nodes, order, cuts) -> list:
-    n = len(nodes)
-    piece_of, local = [0] * n, [0] * n
-    start = 0
-    for k, stop in enumerate(cuts):
-        for j in range(start, stop):
-            piece_of[order[j]], local[order[j]] = k, j - start
-        start = stop
-    last_read: dict = {}    # input source -> the last piece that reads it
-    for p in order:
-        for w in nodes[p].wiring:
-            if w is not None:
-                last_read[w] = piece_of[p]
-    plan, start = [], 0
-    for k, stop in enumerate(cuts):
-        pc = _Piece()
-        pc.pos = order[start:stop]
-        pc.wiring, pc.src, pc.later, idx, h = [], [], [], {}, 0
-        for p in pc.pos:
-            wiring = []
-            for w in nodes[p].wiring:
-                if w is None:
-                    wiring.append(None)
-                elif w.__class__ is tuple and piece_of[w[0]] == k:
-                    wiring.append((local[w[0]], w[1]))
-                else:
-                    j = idx.get(w)
-                    if j is None:
-                        j = idx[w] = len(pc.src)
-                        pc.src.append(w)
-                        pc.later.append(last_read[w] > k)
-                    wiring.append(j)
-            wiring = tuple(wiring)
-            pc.wiring.append(wiring)
-            h = hash((h, nodes[p].key.khash, wiring, len(nodes[p].scalars)))
-        pc.h = h
-        pc.needed = [(j, i) for j, p in enumerate(pc.pos) for i, o in enumerate(nodes[p].outs)
-                     if o is not None and last_read.get((p, i), -1) > k]     # (local pos, idx)
-        plan.append(pc)
-        start = stop
-    return plan
-
-
-class _PieceNodes:
-    """A piece's nodes, renumbered, built only when something needs them whole (a compile-cache
-    miss, an error, debug output): a cache hit needs only their count. Indexing before that gives
-    the original node (its name and source line are the same)."""
-    __slots__ = ("orig", "pc", "built")
-
-    def __init__(self, orig, pc):
-        self.orig, self.pc, self.built = orig, pc, None
-
-    def __len__(self):
-        return len(self.pc.pos)
-
-    def __getitem__(self, i):
-        if self.built is not None:
-            return self.built[i]
-        return self.orig[self.pc.pos[i]]
-
-    def __iter__(self):
-        if self.built is None:
-            from ..scheduler.records import Node
-            built, s0 = [], 0
-            for j, (p, wiring) in enumerate(zip(self.pc.pos, self.pc.wiring)):
-                n = self.orig[p]
-                m = Node(n.key, n.ins, wiring, s0, n.scalars, n.outs, n.src, j)
-                s0 += len(n.scalars)
-                for o in n.outs or ():
-                    if o is not None and o.array is None:
-                        o.node = m
-                built.append(m)
-            self.built = built
-        return iter(self.built)
-
-    def release(self):
-        if self.built is not None:      # break Value <-> Node cycles (see deferfuse/record.py)
-            for m in self.built:
-                m.ins = m.outs = None
-
-
 def _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner, shape_limit, budget,
                 held, h, order=None, later_from=None):
     """Run pieces of a trace as regions of their own, one after another: ``nodes`` in ``order``
@@ -345,12 +255,12 @@ def _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner, shape
     pk = (h, len(nodes), cuts, order)
     plan = _PLANS.get(pk)
     if plan is None:
-        if nodes.__class__ is _PieceNodes:
+        if nodes.__class__ is pieces.PieceNodes:
             iter(nodes)         # the plan reads wiring: build the renumbered nodes
-        plan = _PLANS[pk] = _plan_pieces(nodes, order or range(len(nodes)), cuts)
+        plan = _PLANS[pk] = pieces.plan(nodes, order or range(len(nodes)), cuts)
     if LAST is not None and LAST[0] is nodes:
         LAST[3] = [pc.pos for pc in plan]
-    live = {}       # id(node) -> its outputs that tensors hold (a node: see _PieceNodes)
+    live = {}       # id(node) -> its outputs that tensors hold (a node: see pieces.PieceNodes)
     for v in outs:
         live.setdefault(id(v.node), []).append(v)
     live_ids = {id(v) for v in outs}
@@ -380,7 +290,7 @@ def _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner, shape
                 if id(v) not in have:
                     piece_outs.append(v)
                     sig.append((j, i))
-        sub = _PieceNodes(nodes, pc)
+        sub = pieces.PieceNodes(nodes, pc)
         try:
             run_trace(sub, sub_ext, None, sc, pc.h, piece_outs, reason, src, debug_level, False,
                       planner, shape_limit, budget, None, sub_held,

@@ -110,3 +110,23 @@ def test_needed_first_orders_the_read_value_s_ops_first():
     # a value that needs everything, or a rest too small to be worth a program: no split
     assert cut.needed_first(wiring, (10,)) is None
     assert cut.needed_first(wiring[:3] + [((0, 0),)], (3,)) is None
+
+
+def test_pieces_plan_renumbers_and_finds_what_crosses():
+    from types import SimpleNamespace as NS
+    from deferfuse.scheduler import pieces
+    from deferfuse.scheduler.records import Value
+
+    def node(wiring, n_out=1, scalars=()):
+        return NS(wiring=wiring, key=NS(khash=len(wiring)), scalars=list(scalars), src="x.py:1",
+                  ins=[], outs=tuple(Value((1,), "f4", 4) for _ in range(n_out)))
+    # op 0 reads input 0; op 1 reads op 0; op 2 reads input 1 and op 0 (and has a scalar)
+    nodes = [node((0,)), node(((0, 0),)), node((1, (0, 0)), scalars=[2.5])]
+    first, second = pieces.plan(nodes, (0, 2, 1), (2, 3))      # ops 0 and 2 first, then op 1
+    assert list(first.pos) == [0, 2] and list(second.pos) == [1]
+    assert first.wiring == [(0,), (1, (0, 0))] and first.src == [0, 1]
+    assert first.needed == [(0, 0)]                  # op 0's output leaves: op 1 reads it later
+    assert second.src == [(0, 0)] and second.wiring == [(0,)] and second.needed == []
+    built = list(pieces.PieceNodes(nodes, first))
+    assert [m.pos for m in built] == [0, 1] and [m.s0 for m in built] == [0, 0]
+    assert built[1].scalars == [2.5] and nodes[0].outs[0].node is built[0]
