@@ -9,7 +9,8 @@ times ``--warmup`` steps (the first one is reported as "first step", compile inc
 ends with a real sync. Results: bench/results/latest.{json,md,png}.
 
 Systems: eager (PyTorch CPU), compile (torch.compile, Inductor, CPU), strict / debug / defer
-(deferfuse on device "tpu"; defer_noplan: defer with DEFERFUSE_NO_MEMORY_PLANNER=1), torchax (op by op) and torchax_jit (jax_jit, where written), jax (a
+(deferfuse on device "tpu"; defer_noplan: defer with DEFERFUSE_NO_MEMORY_PLANNER=1; defer_onepiece: defer
+with DEFERFUSE_NEEDED_FIRST=0, every trace one region), torchax (op by op) and torchax_jit (jax_jit, where written), jax (a
 hand-written JAX program of the same workload under jax.jit: the XLA ceiling).
 """
 from __future__ import annotations
@@ -30,9 +31,13 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "defer_noplan", "torchax", "torchax_jit",
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "defer_noplan", "defer_onepiece", "torchax",
+           "torchax_jit",
            "jax"]
-DEFERFUSE = ("strict", "debug", "defer", "defer_noplan")   # defer_noplan: memory planner off
+# defer with one setting changed, for side-by-side comparisons: system -> environment
+DEFER_VARIANTS = {"defer_noplan": {"DEFERFUSE_NO_MEMORY_PLANNER": "1"},      # memory planner off
+                  "defer_onepiece": {"DEFERFUSE_NEEDED_FIRST": "0"}}         # no needed-first split
+DEFERFUSE = ("strict", "debug", "defer") + tuple(DEFER_VARIANTS)
 RATIO_TO = ["strict", "eager", "compile", "torchax", "torchax_jit", "jax"]
 
 
@@ -103,7 +108,7 @@ def _measure(w: str, s: str, quick: bool, warmup: int, steps: int) -> dict:
         if s in DEFERFUSE:
             import deferfuse as df
             df.reset_metrics()
-            scope = df.mode("defer" if s == "defer_noplan" else s)
+            scope = df.mode("defer" if s in DEFER_VARIANTS else s)
             out["deferfuse_platform"] = df.platform()
         elif ctx.tx is not None:
             scope = ctx.env
@@ -446,7 +451,7 @@ def render_md(meta: dict, summ: dict, workloads: list[str], systems: list[str]) 
             if c.get("compile_seconds_warmup"):
                 notes.append(f"warm-up compiles {c.get('compiles_warmup')} in "
                              f"{c['compile_seconds_warmup']:.1f} s")
-            if s in ("defer", "defer_noplan") and c.get("syncs_per_step") is not None:
+            if (s == "defer" or s in DEFER_VARIANTS) and c.get("syncs_per_step") is not None:
                 notes.append(f"{c['syncs_per_step']:.3g} syncs/step")
             if c.get("error"):
                 notes.append(f"{c['repeats'] - c['ok_repeats']} repeat(s) failed: {c['error'][:60]}")
@@ -616,8 +621,7 @@ def parent(a) -> int:
                 env = {"DEFERFUSE_CACHE_DIR": os.path.join(cache, "deferfuse"),
                        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
                        "PYTHONWARNINGS": "ignore"}
-                if s == "defer_noplan":
-                    env["DEFERFUSE_NO_MEMORY_PLANNER"] = "1"
+                env.update(DEFER_VARIANTS.get(s, {}))
                 args = ["--cell", w, s, "--repeat", str(r), "--warmup", str(warmup),
                         "--steps", str(steps)] + (["--quick"] if a.quick else [])
                 res, why = _spawn(args, timeout, env, tmp)

@@ -71,7 +71,7 @@ class Ctx:
         self.tx = None
         if system in ("eager", "compile"):
             self.device = "cpu"
-        elif system in ("strict", "debug", "defer", "defer_noplan"):
+        elif system in ("strict", "debug") or system.startswith("defer"):
             import deferfuse  # noqa: F401  (registers the device)
             self.device = "tpu"
         elif system in ("torchax", "torchax_jit"):
