@@ -17,7 +17,6 @@ def fresh() -> dict:
         "recompiles": 0,            # region structures compiled again with new shapes
         "compile_seconds": 0.0,
         "execute_seconds": 0.0,
-        "record_seconds": 0.0,      # not measured per op (too costly); see bench/overhead
         "syncs": Counter(),         # reason -> count
         "sync_sites": Counter(),    # (reason, 'file:line') -> count
         "cpu_fallbacks": Counter(),  # op name -> count
