@@ -48,9 +48,10 @@ def user_frame() -> str:
 # --------------------------------------------------------------------------------------------
 # building blocks
 
-def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0, storage=None):
+def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0, storage=None,
+               sig=None):
     st = storage if storage is not None else Storage(val, device, dtype)
-    t = make(st, chain, size, stride, offset, dtype)
+    t = make(st, chain, size, stride, offset, dtype, sig)
     if storage is None and val.node is not None:
         state.trace.track(st)
     return t
@@ -161,19 +162,7 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             return (SS, len(scalars) - 1, ta)
         return a
     if ta is list or ta is tuple:
-        out = []
-        for x in a:
-            if type(x) is TpuTensor:    # lists of tensors (foreach ops, cat): inlined
-                d = x._s.device
-                if device[0] is None:
-                    device[0] = d
-                elif device[0] != d:
-                    raise _device_error(f"tpu:{device[0]}", f"tpu:{d}")
-                out.append((TS, len(tensors)))
-                tensors.append(x)
-            else:
-                out.append(_encode(x, info_scalar, tensors, scalars, static, device))
-        return tuple(out)
+        return tuple([_encode(x, info_scalar, tensors, scalars, static, device) for x in a])
     if isinstance(a, torch.Tensor):
         if isinstance(a, TpuTensor):
             tensors.append(a)
@@ -273,12 +262,10 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
         st.val = outs[-1]
         state.trace.track_mut(st, outs[-1])
     if mut:
-        storages = state.trace.storages
         for k, m in enumerate(mut):
             st = tensors[m]._s
-            st.val = v = outs[k]
-            if v.node is not None:
-                storages.append(_weakref(st))
+            st.val = outs[k]
+            state.trace.track_mut(st, outs[k])
         rets = info.returns
         if not rets:
             return None
@@ -296,16 +283,9 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
     structure, metas = out_meta
     if structure == "none":     # an op declared "-> ()" (_linalg_check_errors ...)
         return None
-    made = []
-    storages = state.trace.storages
-    for m, v in zip(entry.made, outs):     # (dtype, size, stride or None, _sig) per output
-        if m is None:
-            made.append(None)
-            continue
-        st = Storage(v, dev, m[0])
-        if v.node is not None:
-            storages.append(_weakref(st))
-        made.append(make(st, (), m[1], m[2], 0, m[0], m[3]))
+    # entry.made: (dtype, size, stride or None, _sig) per output
+    made = [None if m is None else new_tensor(v, dev, m[0], m[1], m[2], sig=m[3])
+            for m, v in zip(entry.made, outs)]
     if structure == "one":
         return made[0]
     if structure == "list":
