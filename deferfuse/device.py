@@ -181,6 +181,10 @@ def register() -> None:
               "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _h_copy_from(None, (src, dst), {}),
               "PrivateUse1")
+    # one_hot is composite: without a backend kernel PyTorch decomposes it above Python dispatch,
+    # skipping its range check on PrivateUse1. This kernel is never called (tpu tensors reach
+    # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).
+    _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
     # Lowered factories (no tensor argument) run as ops of their own, never through the
     # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.
     from .runtime.lowering import LOWERINGS

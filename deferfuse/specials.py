@@ -164,6 +164,19 @@ def _h_batch_norm(func, args, kwargs):
     return out, mean, invstd
 
 
+def _h_one_hot(func, args, kwargs):
+    """One op whose range check raises as on CPU (PyTorch's composite one_hot skips the check on
+    PrivateUse1, so a class out of range gave a row of zeros). Without num_classes, the output's
+    shape is max() + 1: a sync, as on every device."""
+    x = args[0]
+    n = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if n == -1:
+        if x.numel() == 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        n = int(aten.max.default(x).item()) + 1
+    return _run(func, op_info(func), (x, n), {})
+
+
 _NO_PYTHON = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | \
     torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot)
 
@@ -228,6 +241,7 @@ SPECIAL = {
     aten.is_pinned.default: _h_is_pinned,
     aten.native_batch_norm.default: _h_batch_norm,
     aten._native_batch_norm_legit.default: _h_batch_norm,
+    aten.one_hot.default: _h_one_hot,
 }
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")

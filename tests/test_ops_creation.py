@@ -103,8 +103,20 @@ def test_factories_with_indexing_users():
     v = torch.randn(3)
     assert_same(torch.diag(v.to(T)), torch.diag(v))
     assert_same(torch.block_diag(v.to(T), v[:2].to(T)), torch.block_diag(v, v[:2]))
-    assert fallbacks().keys() <= {"aten.max.default"}   # one_hot without num_classes reads max()
+    assert fallbacks() == {}
 
+
+
+@pytest.mark.parametrize("bad", [[0, 3, 5], [0, -1, 2]])
+def test_one_hot_class_out_of_range_raises_as_on_cpu(bad):
+    # PyTorch's composite one_hot skips its range check on PrivateUse1: without one of our own, a
+    # class >= num_classes became a row of zeros.
+    with pytest.raises(RuntimeError) as cpu_err:
+        F.one_hot(torch.tensor(bad), 4)
+    with pytest.raises(RuntimeError, match=str(cpu_err.value)):
+        F.one_hot(torch.tensor(bad).to(T), 4).cpu()
+    ok = torch.tensor([[0, 3], [2, 1]])
+    assert_same(F.one_hot(ok.to(T), 4), F.one_hot(ok, 4))
 
 # --------------------------------------------------------------------------------------------
 # foreach

@@ -259,6 +259,14 @@ def put(x, index, source, accumulate=False):
     return flat.reshape(x.shape)
 
 
+@op("one_hot.default", static=True)
+def one_hot(x, num_classes=-1):
+    # num_classes=-1 (a shape read from the data) is decomposed before it gets here.
+    check_index(x, 2 ** 62, RuntimeError, "Class values must be non-negative.", False)
+    check_index(x, num_classes, RuntimeError, "Class values must be smaller than num_classes.")
+    return (x[..., None] == jnp.arange(num_classes, dtype=x.dtype)).astype(jnp.int64)
+
+
 # --------------------------------------------------------------------------------------------
 # *_scatter: the value of a view overwritten (static index arrays over the flat input)
 
