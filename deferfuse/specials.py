@@ -159,9 +159,20 @@ def _h_batch_norm(func, args, kwargs):
         return decompose(func, args, kwargs)
     out, mean, invstd, new_mean, new_var = _run(fn, op_info(fn), tuple(a[n] for n in _BN_ARGS), {})
     if a["training"]:
-        copy_into(a["running_mean"], new_mean)
-        copy_into(a["running_var"], new_var)
+        _write_stat(a["running_mean"], new_mean)
+        _write_stat(a["running_var"], new_var)
     return out, mean, invstd
+
+
+def _write_stat(dst, new) -> None:
+    """``dst.copy_(new)``: a running statistic (a whole base tensor, as BatchNorm's buffers are)
+    takes the new value itself, with no copy op recorded or run; anything else is copied."""
+    if dst._chain or dst.dtype != new.dtype or dst.shape != new.shape or new._chain:
+        copy_into(dst, new)
+        return
+    st = dst._s
+    st.val = new._s.val
+    state.trace.track_mut(st, st.val)
 
 
 def _h_one_hot(func, args, kwargs):
