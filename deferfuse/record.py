@@ -17,7 +17,20 @@ from .scheduler.records import Node, Value
 
 S = stats.S
 _BODIES: set = set()          # (length, hops) of detected loop bodies
-_SKIP_CODE: dict = {}         # code object -> inside torch or deferfuse (not the user's line)
+# id(code) -> (code, inside torch or deferfuse, {f_lasti: 'file:line'}). Keyed by id: hashing a code
+# object hashes its contents, and f_lineno decodes the line table; both cost more than recording
+# the op. The entry keeps its code object alive, so an id is never reused while it is here.
+_CODES: dict = {}
+
+
+def _code_entry(code):
+    e = _CODES[id(code)] = (code, code.co_filename.startswith(SKIP_PREFIXES), {})
+    return e
+
+
+def _site(e, f) -> str:
+    s = e[2][f.f_lasti] = f"{e[0].co_filename}:{f.f_lineno}"
+    return s
 
 
 def user_site(f) -> str:
@@ -25,11 +38,11 @@ def user_site(f) -> str:
     '<backward>' if none (autograd's device thread has no user frame)."""
     while f is not None:
         code = f.f_code
-        skip = _SKIP_CODE.get(code)
-        if skip is None:
-            skip = _SKIP_CODE[code] = code.co_filename.startswith(SKIP_PREFIXES)
-        if not skip:
-            return f"{code.co_filename}:{f.f_lineno}"
+        e = _CODES.get(id(code))
+        if e is None or e[0] is not code:
+            e = _code_entry(code)
+        if not e[1]:
+            return e[2].get(f.f_lasti) or _site(e, f)
         f = f.f_back
     return "<backward>"
 
@@ -95,9 +108,12 @@ class Trace:
                 f = sys._getframe(3)
             except ValueError:      # autograd's device thread calls us with no Python caller
                 f = None
-            if f is not None and _SKIP_CODE.get(f.f_code) is False:    # user_site, inlined
-                src = f"{f.f_code.co_filename}:{f.f_lineno}"
-            else:
+            src = None
+            if f is not None:       # user_site's first step, inlined
+                e = _CODES.get(id(f.f_code))
+                if e is not None and not e[1] and e[0] is f.f_code:
+                    src = e[2].get(f.f_lasti)
+            if src is None:
                 src = user_site(f)
         else:
             src = None
