@@ -8,6 +8,7 @@ same functions in both modes), in-place/out= write-back (which the two modes do 
 in both, and a strict-mode smoke test runs a representative subset op by op. Inputs share one
 shape, (2, 12), so checks of the same op and dtype reuse one compiled program.
 """
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -456,3 +457,39 @@ def test_strict_smoke():
 def test_float_input_to_integer_op_raises():
     with pytest.raises(RuntimeError, match="not implemented"):
         torch.bitwise_and(torch.ones(3).to("tpu"), torch.ones(3).to("tpu")).cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# sin/cos/tan: the vectorized lowering (runtime/lowering/trig.py), as XLA's CPU routine is scalar
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3, 1e7])
+@pytest.mark.parametrize("f", [torch.sin, torch.cos, torch.tan], ids=["sin", "cos", "tan"])
+def test_sin_cos_within_one_ulp_of_cpu(f, scale):
+    import jax.numpy as jnp
+    from deferfuse.runtime.dtypes import x64
+    from deferfuse.runtime.lowering import trig
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(trig.FAST_MIN_SIZE, generator=g) * scale
+    x[:5] = torch.tensor([0.0, -0.0, NAN, 1e-30, -3.1415927])
+    want = f(x)
+    ulp = torch.nextafter(want.abs(), torch.tensor(INF)) - want.abs()
+    fast = {torch.sin: trig._fast_sin, torch.cos: trig._fast_cos, torch.tan: trig._fast_tan}[f]
+    with x64(True):     # the polynomial itself, and the op on the device (which picks it here)
+        direct = torch.from_numpy(np.asarray(fast(jnp.asarray(x.numpy()))).copy())
+    for got in (direct, f(tpu(x)).cpu()):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.signbit(), want.signbit())
+        err = ((got.double() - want.double()).abs() / ulp.double()).nan_to_num()
+        assert err.max().item() <= 1.0
+    assert fallbacks() == {}
+
+
+@pytest.mark.parametrize("f", [torch.sin, torch.cos, torch.tan], ids=["sin", "cos", "tan"])
+def test_sin_cos_of_huge_values_and_infinities_take_the_exact_routine(f):
+    from deferfuse.runtime.lowering import trig
+    x = torch.linspace(-4, 4, trig.FAST_MIN_SIZE)
+    for special in (1e20, -3e38, INF, -INF):
+        y = x.clone()
+        y[7] = special
+        assert_same(f(tpu(y)), f(y))
+        assert f(tpu(y)).cpu()[7].isnan().item() == f(y)[7].isnan().item()

@@ -22,7 +22,7 @@ import torch
 from jax import lax
 
 from ..dtypes import NP_TO_TORCH, TORCH_TO_NP
-from . import LOWERINGS, Lowering, op
+from . import LOWERINGS, Lowering, op, trig
 
 # --------------------------------------------------------------------------------------------
 # dtype helpers (all static: they look at dtypes and Python values, never at traced data)
@@ -213,7 +213,7 @@ _SIMPLE_UNARY = {
     "exp.default": jnp.exp, "exp2.default": jnp.exp2, "expm1.default": jnp.expm1,
     "log.default": jnp.log, "log2.default": jnp.log2, "log10.default": jnp.log10,
     "log1p.default": jnp.log1p, "sqrt.default": jnp.sqrt, "rsqrt.default": lax.rsqrt,
-    "sin.default": jnp.sin, "cos.default": jnp.cos, "tan.default": jnp.tan,
+    "sin.default": trig.sin, "cos.default": trig.cos, "tan.default": trig.tan,
     "asin.default": jnp.arcsin, "acos.default": jnp.arccos, "atan.default": jnp.arctan,
     "sinh.default": jnp.sinh, "cosh.default": jnp.cosh, "tanh.default": jnp.tanh,
     "asinh.default": jnp.arcsinh, "acosh.default": jnp.arccosh, "atanh.default": jnp.arctanh,
