@@ -11,7 +11,8 @@ to 2**26 was checked once, by hand):
 - Taylor polynomials of sin and cos on |r| <= pi/4 in float64 (error below 1e-11), the result
   picked by the quadrant j mod 4 (tan: sin/cos or -cos/sin) and rounded once to the output dtype.
 
-Past |x| > 2**26 the float64 reduction loses bits, so an input holding any such value (or an inf)
+CPU only: TPUs and GPUs evaluate these in hardware or vectorized libraries, and float64 is slow
+(TPU: emulated) there. Past |x| > 2**26 the float64 reduction loses bits, so an input holding any such value (or an inf)
 takes XLA's exact routine instead, through ``lax.cond`` (one check of the whole input). Small
 inputs go straight to XLA's routine too: the check and the conditional are not worth it there.
 """
@@ -23,6 +24,8 @@ from decimal import Decimal, localcontext
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from .. import platform
 
 FAST_MIN_SIZE = 1 << 14     # elements below which XLA's own routine is used
 _LIMIT = float(2 ** 26)     # |x| beyond which the reduction below is not exact enough
@@ -80,7 +83,7 @@ def _fast_tan(x):
 
 def _guarded(fast, exact):
     def f(x):
-        if (x.dtype != jnp.float32 or x.size < FAST_MIN_SIZE
+        if (x.dtype != jnp.float32 or x.size < FAST_MIN_SIZE or platform.name() != "cpu"
                 or jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64):   # no float64
             return exact(x)
         return lax.cond(jnp.any(jnp.abs(x) > _LIMIT), exact, fast, x)
