@@ -494,3 +494,31 @@ def test_sin_cos_of_huge_values_and_infinities_take_the_exact_routine(f):
         y[7] = special
         assert_same(f(tpu(y)), f(y))
         assert f(tpu(y)).cpu()[7].isnan().item() == f(y)[7].isnan().item()
+
+
+@pytest.mark.parametrize("f", [torch.atan, torch.asin, torch.acos], ids=["atan", "asin", "acos"])
+def test_inverse_trig_within_one_ulp_of_cpu(f):
+    import jax.numpy as jnp
+    from deferfuse.runtime.dtypes import x64
+    from deferfuse.runtime.lowering import trig
+    g = torch.Generator().manual_seed(4)
+    n = trig.FAST_MIN_SIZE
+    if f is torch.atan:     # every magnitude from 1e-30 to 1e30 (normal floats: XLA flushes subnormals)
+        x = torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 60 - 30)
+        x[:6] = torch.tensor([0.0, -0.0, NAN, INF, -INF, 3e38])
+    else:                   # [-1.05, 1.05], and the ends
+        x = torch.rand(n, generator=g) * 2.1 - 1.05
+        x[:8] = torch.tensor([0.0, -0.0, NAN, 1.0, -1.0, 0.99999994, -0.99999994, 1e-30])
+    want = f(x)
+    fast = {torch.atan: trig._fast_atan, torch.asin: trig._fast_asin, torch.acos: trig._fast_acos}[f]
+    with x64(True):
+        direct = torch.from_numpy(np.asarray(fast(jnp.asarray(x.numpy()))).copy())
+    assert torch.equal(direct.isnan(), want.isnan())
+    num = ~want.isnan()     # (a NaN's sign bit is not specified)
+    assert torch.equal(direct[num].signbit(), want[num].signbit())
+    ulp = torch.nextafter(want.abs(), torch.tensor(INF)) - want.abs()
+    assert ((direct.double() - want.double()).abs() / ulp.double()).nan_to_num().max().item() <= 1.0
+    got = f(tpu(x))
+    assert_same(got, want)
+    assert torch.equal(got.cpu()[num].signbit(), want[num].signbit())
+    assert fallbacks() == {}

@@ -214,7 +214,7 @@ _SIMPLE_UNARY = {
     "log.default": jnp.log, "log2.default": jnp.log2, "log10.default": jnp.log10,
     "log1p.default": jnp.log1p, "sqrt.default": jnp.sqrt, "rsqrt.default": lax.rsqrt,
     "sin.default": trig.sin, "cos.default": trig.cos, "tan.default": trig.tan,
-    "asin.default": jnp.arcsin, "acos.default": jnp.arccos, "atan.default": jnp.arctan,
+    "asin.default": trig.asin, "acos.default": trig.acos, "atan.default": trig.atan,
     "sinh.default": jnp.sinh, "cosh.default": jnp.cosh, "tanh.default": jnp.tanh,
     "asinh.default": jnp.arcsinh, "acosh.default": jnp.arccosh, "atanh.default": jnp.arctanh,
     "erf.default": lax.erf, "erfc.default": lax.erfc, "erfinv.default": lax.erf_inv,
