@@ -44,8 +44,55 @@ def _desc(m):
     return (tuple(m.shape), tuple(m.stride()), m.dtype)
 
 
+def _empty_reduction_error(func, args, kwargs):
+    """The error CPU raises for a reduction without identity (max, min, median, mode ...) over an
+    empty dim, from shapes alone, raised at the call in every mode (meta kernels raise another
+    type or none, and a lowering's own check would only fire inside a region, at the sync)."""
+    name, pos, default, as_given = _EMPTY_CHECKED[func]
+    shape = tuple(args[0].shape)
+    dims = None
+    if pos is not None:
+        dims = args[pos] if len(args) > pos else kwargs.get("dim", default)
+        if isinstance(dims, int):
+            dims = (dims,)
+        dims = tuple(dims) if dims else None
+    if dims is None:
+        if any(s == 0 for s in shape):
+            if func in (aten.argmax.default, aten.argmin.default):
+                return IndexError(f"{name}(): Expected reduction dim to be specified for "
+                                  "input.numel() == 0.")
+            if func is aten.aminmax.default:
+                return RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as "
+                                    "the operation has no identity.")
+            return RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() "
+                                "== 0. Specify the reduction dim with the 'dim' argument.")
+        return None
+    for d in dims:
+        if shape and -len(shape) <= d < len(shape) and shape[d] == 0:
+            what = "aminmax:" if func is aten.aminmax.default else f"{name}():"   # (CPU's wording)
+            return IndexError(f"{what} Expected reduction dim {d if as_given else d % len(shape)} "
+                              "to have non-zero size.")
+    return None
+
+
+# op -> (name in the message, position of dim (None: all dims), its default, dim printed as given)
+_EMPTY_CHECKED = {
+    aten.max.default: ("max", None, None, False), aten.min.default: ("min", None, None, False),
+    aten.max.dim: ("max", 1, None, False), aten.min.dim: ("min", 1, None, False),
+    aten.amax.default: ("amax", 1, (), True), aten.amin.default: ("amin", 1, (), True),
+    aten.aminmax.default: ("aminmax", 99, None, False),     # dim is keyword-only
+    aten.median.dim: ("median", 1, None, False), aten.nanmedian.dim: ("median", 1, None, False),
+    aten.mode.default: ("mode", 1, -1, False), aten.kthvalue.default: ("kthvalue", 2, -1, False),
+    aten.argmax.default: ("argmax", 1, None, False), aten.argmin.default: ("argmin", 1, None, False),
+}
+
+
 def infer(func, args, kwargs):
     """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
+    if func in _EMPTY_CHECKED:
+        err = _empty_reduction_error(func, args, kwargs)
+        if err is not None:
+            raise err
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
     if func is _GROUPED_MM and _grouped_mm_out is not None:

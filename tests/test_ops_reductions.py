@@ -116,15 +116,20 @@ def test_zero_dim_and_empty():
                      s.cummax(0), s.logsumexp(0), s.median(), s.kthvalue(1)), s)
     e = torch.randn(3, 0)
     check(lambda e: (e.sum(1), e.prod(1), e.mean(0), e.any(1), e.all(1), e.logsumexp(1),
-                     e.amax(0), e.sort(1), e.norm(dim=1)), e)
+                     e.amax(0), e.sort(1), e.norm(dim=1), e.argmax(0), e.max(0)[0]), e)
     check(lambda e: e.median(), torch.empty(0))
     for f in (lambda e: e.amax(1), lambda e: e.max(1), lambda e: e.argmax(1),
-              lambda e: e.median(1), lambda e: e.mode(1)):
-        with pytest.raises(IndexError):
+              lambda e: e.median(1), lambda e: e.mode(1), lambda e: e.amin(-1),
+              lambda e: torch.aminmax(e, dim=1), lambda e: e.amax(), lambda e: e.max(),
+              lambda e: e.min(), lambda e: torch.aminmax(e), lambda e: e.nanmedian(-1),
+              lambda e: e.kthvalue(1, 1), lambda e: e.max(-1), lambda e: e.argmin()):
+        with pytest.raises((IndexError, RuntimeError)) as cpu_err:
             f(e)
-        with pytest.raises((IndexError, RuntimeError)):   # meta raises RuntimeError for amax
+        # the same type and words, at the call
+        with pytest.raises(type(cpu_err.value)) as err:
             f(e.to("tpu"))
             deferfuse.sync()
+        assert str(cpu_err.value) in str(err.value)
 
 
 def test_under_autograd():
