@@ -1,0 +1,494 @@
+"""Elementwise ops of two or more inputs: binary arithmetic with PyTorch's type promotion,
+bitwise, logical and comparison ops, clamp and friends, and the ``prims.*`` elementwise ops that
+PyTorch's decompositions land in (mapped onto these lowerings and the unary ones in pointwise.py).
+The dtype helpers they share come from pointwise.py.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import jax.scipy.special as jss
+import numpy as np
+import torch
+from jax import lax
+
+from . import LOWERINGS, Lowering, op
+from .pointwise import (_BOOL, _I64, _bc, _cast, _common, _integral_only, _iscomplex, _isfloat,
+                        _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
+                        _zeta, abs_, bitwise_not, conj_physical, frexp, isfinite, neg, round_, sign,
+                        signbit)
+
+# --------------------------------------------------------------------------------------------
+# binary arithmetic
+
+@op("add.Tensor", "add.Scalar")
+def add(x, y, alpha=1):
+    ct, (x, y) = _common(x, y)
+    if ct == _BOOL:
+        return jnp.logical_or(x, jnp.logical_and(y, _nz(alpha)))
+    return x + _scale(y, alpha)
+
+
+@op("sub.Tensor", "sub.Scalar")
+def sub(x, y, alpha=1):
+    ct, (x, y) = _common(x, y)
+    return x - _scale(y, alpha)
+
+
+@op("rsub.Tensor", "rsub.Scalar")
+def rsub(x, y, alpha=1):
+    ct, (x, y) = _common(x, y)
+    return y - _scale(x, alpha)
+
+
+@op("mul.Tensor", "mul.Scalar")
+def mul(x, y):
+    ct, (x, y) = _common(x, y)
+    if ct == _BOOL:
+        return jnp.logical_and(x, y)
+    return x * y
+
+
+@op("div.Tensor", "div.Scalar", "true_divide.Tensor", "true_divide.Scalar")
+def div(x, y):
+    ct, (x, y) = _common(x, y, float_=True)
+    return x / y
+
+
+def _int_like(ct):
+    return _I64 if ct == _BOOL else ct
+
+
+def _floordiv(x, y):
+    """PyTorch's floor division (c10 div_floor_*) on same-dtype compute values."""
+    dt = np.dtype(x.dtype)
+    if _isint(dt):
+        q = _tdiv(x, y)
+        if not jnp.issubdtype(dt, jnp.signedinteger):
+            return q
+        r = _rem(x, y)
+        return jnp.where((r != 0) & ((r < 0) != (y < 0)), q - 1, q)
+    mod = _rem(x, y)
+    d = (x - mod) / y
+    d = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), d - 1, d)
+    fl = jnp.floor(d)
+    fl = jnp.where(d - fl > 0.5, fl + 1, fl)
+    res = jnp.where(d != 0, fl, jnp.copysign(jnp.zeros((), dt), x / y))
+    return jnp.where(y == 0, x / y, res)
+
+
+@op("div.Tensor_mode", "div.Scalar_mode")
+def div_mode(x, y, *, rounding_mode=None):
+    if rounding_mode is None:
+        return div(x, y)
+    ct = _int_like(_rt(x, y))
+    x, y = _cast(x, _opmath(ct)), _cast(y, _opmath(ct))
+    if rounding_mode == "floor":
+        return _floordiv(x, y)
+    if _isint(ct):
+        return _tdiv(x, y)
+    return jnp.trunc(x / y)
+
+
+@op("floor_divide.default", "floor_divide.Scalar", "floor_divide_.Tensor")
+def floor_divide(x, y):
+    ct = _int_like(_rt(x, y))
+    return _floordiv(_cast(x, _opmath(ct)), _cast(y, _opmath(ct)))
+
+
+@op("remainder.Tensor", "remainder.Scalar", "remainder.Scalar_Tensor")
+def remainder(x, y):
+    ct = _int_like(_rt(x, y))
+    x, y = _cast(x, _opmath(ct)), _cast(y, _opmath(ct))
+    r = _rem(x, y)
+    if _isint(ct) and not jnp.issubdtype(ct, jnp.signedinteger):
+        return r
+    return jnp.where((r != 0) & ((r < 0) != (y < 0)), r + y, r)
+
+
+@op("fmod.Tensor", "fmod.Scalar")
+def fmod(x, y):
+    ct = _int_like(_rt(x, y))
+    return _rem(_cast(x, _opmath(ct)), _cast(y, _opmath(ct)))
+
+
+def _ipow(a, b):
+    """PyTorch's integer power (c10 powi): wrapping square-and-multiply; b < 0 gives 0 unless |a| is 1."""
+    dt = np.dtype(a.dtype)
+    a, b = jnp.broadcast_arrays(a, b)
+    signed = jnp.issubdtype(dt, jnp.signedinteger)
+    bits = dt.itemsize * 8 - (1 if signed else 0)
+
+    def body(_, c):
+        r, base, e = c
+        r = jnp.where((e & 1) != 0, r * base, r)
+        return r, base * base, e >> 1
+
+    e = jnp.maximum(b, 0) if signed else b
+    r, _, _ = lax.fori_loop(0, bits, body, (jnp.ones_like(a), a, e))
+    if not signed:
+        return r
+    one = jnp.ones_like(a)
+    neg = jnp.where(a == 1, one, jnp.where(a == -1, jnp.where((b & 1) != 0, -one, one), jnp.zeros_like(a)))
+    return jnp.where(b < 0, neg, r)
+
+
+@op("pow.Tensor_Tensor", "pow.Tensor_Scalar", "pow.Scalar", "pow_.Tensor")
+def pow_(x, y):
+    ct = _rt(x, y)
+    if ct == _BOOL or _isint(ct):
+        cd = _int_like(ct)
+        xc = _cast(x, cd)
+        if _py(y) and not isinstance(y, bool) and y >= 0:
+            return lax.integer_pow(xc, int(y))
+        return _ipow(xc, _cast(y, cd))
+    cd = _opmath(ct)
+    xc, yc = _cast(x, cd), _cast(y, cd)
+    if _py(y) and not _py(x):
+        special = _POW_SPECIAL.get(y)
+        return special(xc) if special is not None else jnp.power(xc, yc)
+    if not _py(x) and _weak(y) and not _iscomplex(cd):
+        # A traced scalar exponent: PyTorch's CPU kernel special-cases these exponents (they differ
+        # from pow at -0 and -inf); pick the branch at run time.
+        branches = [lambda b: jnp.power(b, yc)] + [_POW_SPECIAL[k] for k in _POW_KEYS]
+        idx = sum(jnp.where(yc == k, i + 1, 0) for i, k in enumerate(_POW_KEYS))
+        return lax.switch(idx, branches, xc)
+    return jnp.power(xc, yc)
+
+
+_POW_SPECIAL = {0: lambda b: jnp.ones_like(b), 1: lambda b: b, 2: lambda b: b * b,
+                3: lambda b: b * b * b, -2: lambda b: 1 / (b * b), 0.5: jnp.sqrt, -0.5: lax.rsqrt,
+                -1: lambda b: 1 / b}
+_POW_KEYS = (3, -2, -0.5)     # traced exponents worth a branch (the others arrive as Python numbers)
+
+
+@op("atan2.default")
+def atan2(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    return jnp.arctan2(x, y)
+
+
+@op("hypot.default")
+def hypot(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    return jnp.hypot(x, y)
+
+
+@op("maximum.default", "max.other")
+def maximum(x, y):
+    ct, (x, y) = _common(x, y, opmath=False)
+    if ct == _BOOL:
+        return jnp.logical_or(x, y)
+    return jnp.maximum(x, y)
+
+
+@op("minimum.default", "min.other")
+def minimum(x, y):
+    ct, (x, y) = _common(x, y, opmath=False)
+    if ct == _BOOL:
+        return jnp.logical_and(x, y)
+    return jnp.minimum(x, y)
+
+
+@op("fmax.default")
+def fmax(x, y):
+    ct, (x, y) = _common(x, y, opmath=False)
+    if ct == _BOOL:
+        return jnp.logical_or(x, y)
+    return jnp.fmax(x, y) if _isfloat(ct) else jnp.maximum(x, y)
+
+
+@op("fmin.default")
+def fmin(x, y):
+    ct, (x, y) = _common(x, y, opmath=False)
+    if ct == _BOOL:
+        return jnp.logical_and(x, y)
+    return jnp.fmin(x, y) if _isfloat(ct) else jnp.minimum(x, y)
+
+
+@op("copysign.Tensor", "copysign.Scalar")
+def copysign(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    return jnp.copysign(x, y)
+
+
+@op("nextafter.default")
+def nextafter(x, y):
+    _, (x, y) = _common(x, y, float_=True, opmath=False)
+    return lax.nextafter(*_bc(x, y))
+
+
+@op("logaddexp.default")
+def logaddexp(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    m = jnp.maximum(x, y)
+    return jnp.where(jnp.isinf(x) & (x == y), x, m + jnp.log1p(jnp.exp(-jnp.abs(x - y))))
+
+
+@op("logaddexp2.default")
+def logaddexp2(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    m = jnp.maximum(x, y)
+    return jnp.where(jnp.isinf(x) & (x == y), x,
+                     m + jnp.log1p(jnp.exp2(-jnp.abs(x - y))) * (1 / math.log(2)))
+
+
+@op("ldexp.Tensor")
+def ldexp(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    return x * jnp.exp2(y)
+
+
+# --------------------------------------------------------------------------------------------
+# bitwise, logical, comparison
+
+def _bitwise(f):
+    def low(x, y):
+        ct, (x, y) = _common(x, y, opmath=False)
+        _integral_only(f.__name__, ct)
+        return f(x, y)
+    low.__name__ = f.__name__
+    return low
+
+
+op("bitwise_and.Tensor", "bitwise_and.Scalar", "bitwise_and.Scalar_Tensor",
+   "__and__.Tensor", "__and__.Scalar")(_bitwise(jnp.bitwise_and))
+op("bitwise_or.Tensor", "bitwise_or.Scalar", "bitwise_or.Scalar_Tensor",
+   "__or__.Tensor", "__or__.Scalar")(_bitwise(jnp.bitwise_or))
+op("bitwise_xor.Tensor", "bitwise_xor.Scalar", "bitwise_xor.Scalar_Tensor",
+   "__xor__.Tensor", "__xor__.Scalar")(_bitwise(jnp.bitwise_xor))
+
+
+def _shift_left(x, y):
+    nbits = np.dtype(x.dtype).itemsize * 8
+    x, y = _bc(x, y.astype(x.dtype))
+    out = (y < 0) | (y >= nbits) if jnp.issubdtype(x.dtype, jnp.signedinteger) else (y >= nbits)
+    return jnp.where(out, jnp.zeros_like(x), lax.shift_left(x, jnp.where(out, 0, y).astype(x.dtype)))
+
+
+def _shift_right(x, y):
+    dt = np.dtype(x.dtype)
+    nbits = dt.itemsize * 8
+    x, y = _bc(x, y.astype(dt))
+    if jnp.issubdtype(dt, jnp.signedinteger):
+        out = (y < 0) | (y >= nbits)
+        return lax.shift_right_arithmetic(x, jnp.where(out, nbits - 1, y).astype(dt))
+    out = y >= nbits
+    return jnp.where(out, jnp.zeros_like(x), lax.shift_right_logical(x, jnp.where(out, 0, y).astype(dt)))
+
+
+op("bitwise_left_shift.Tensor", "bitwise_left_shift.Tensor_Scalar", "bitwise_left_shift.Scalar_Tensor",
+   "__lshift__.Tensor", "__lshift__.Scalar")(_bitwise(_shift_left))
+op("bitwise_right_shift.Tensor", "bitwise_right_shift.Tensor_Scalar", "bitwise_right_shift.Scalar_Tensor",
+   "__rshift__.Tensor", "__rshift__.Scalar")(_bitwise(_shift_right))
+
+
+@op("logical_and.default")
+def logical_and(x, y):
+    return jnp.logical_and(_nz(x), _nz(y))
+
+
+@op("logical_or.default")
+def logical_or(x, y):
+    return jnp.logical_or(_nz(x), _nz(y))
+
+
+@op("logical_xor.default")
+def logical_xor(x, y):
+    return jnp.logical_xor(_nz(x), _nz(y))
+
+
+def _compare(f):
+    def low(x, y):
+        _, (x, y) = _common(x, y, opmath=False)
+        return f(x, y)
+    low.__name__ = f.__name__
+    return low
+
+
+op("eq.Tensor", "eq.Scalar")(_compare(jnp.equal))
+op("ne.Tensor", "ne.Scalar")(_compare(jnp.not_equal))
+op("lt.Tensor", "lt.Scalar")(_compare(jnp.less))
+op("le.Tensor", "le.Scalar")(_compare(jnp.less_equal))
+op("gt.Tensor", "gt.Scalar")(_compare(jnp.greater))
+op("ge.Tensor", "ge.Scalar")(_compare(jnp.greater_equal))
+
+
+@op("where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar")
+def where(c, x, y):
+    _, (x, y) = _common(x, y, opmath=False)
+    return jnp.where(_nz(c), x, y)
+
+
+# --------------------------------------------------------------------------------------------
+# clamp and friends
+
+@op("clamp.default", "clamp.Tensor")
+def clamp(x, min=None, max=None):
+    _, (x, lo, hi) = _common(x, min, max, opmath=False)
+    if lo is not None:
+        x = jnp.maximum(x, lo)
+    if hi is not None:
+        x = jnp.minimum(x, hi)
+    return x
+
+
+@op("clamp_min.default", "clamp_min.Tensor")
+def clamp_min(x, min):
+    return clamp(x, min, None)
+
+
+@op("clamp_max.default", "clamp_max.Tensor")
+def clamp_max(x, max):
+    return clamp(x, None, max)
+
+
+@op("lerp.Scalar", "lerp.Tensor")
+def lerp(x, end, weight):
+    _, (x, end, w) = _common(x, end, weight)
+    small = jnp.abs(w) < 0.5
+    return jnp.where(small, x + w * (end - x), end - (end - x) * (1 - w))
+
+
+@op("addcmul.default")
+def addcmul(x, t1, t2, *, value=1):
+    ct, (x, t1, t2) = _common(x, t1, t2)
+    if ct == _BOOL:
+        return jnp.logical_or(x, jnp.logical_and(t1, t2) & _nz(value))
+    return x + _scale(t1, value) * t2
+
+
+@op("addcdiv.default")
+def addcdiv(x, t1, t2, *, value=1):
+    _, (x, t1, t2) = _common(x, t1, t2)
+    return x + _scale(t1, value) / t2
+
+
+@op("heaviside.default")
+def heaviside(x, v):
+    ct, (x, v) = _common(x, v, opmath=False)
+    return jnp.where(x == 0, v, (x > 0).astype(ct))
+
+
+@op("gcd.default")
+def gcd(x, y):
+    ct, (x, y) = _common(x, y, opmath=False)
+    _integral_only("gcd", ct)
+    return jnp.gcd(x, y)
+
+
+@op("lcm.default")
+def lcm(x, y):
+    ct, (x, y) = _common(x, y, opmath=False)
+    _integral_only("lcm", ct)
+    g = jnp.gcd(x, y)
+    return jnp.where(g == 0, jnp.zeros_like(x), jnp.abs(x // jnp.where(g == 0, 1, g) * y))
+
+
+@op("xlogy.Tensor", "xlogy.Scalar_Self", "xlogy.Scalar_Other")
+def xlogy(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * jnp.log(y)))
+
+
+@op("special_xlog1py.default", "special_xlog1py.self_scalar", "special_xlog1py.other_scalar")
+def xlog1py(x, y):
+    _, (x, y) = _common(x, y, float_=True)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * jnp.log1p(y)))
+
+
+@op("special_zeta.default", "special_zeta.self_scalar", "special_zeta.other_scalar")
+def zeta(x, q):
+    _, (x, q) = _common(x, q, float_=True)
+    return _zeta(x, q)
+
+
+@op("complex.default")
+def complex_(real, imag):
+    return lax.complex(*_bc(real, imag))
+
+
+@op("polar.default")
+def polar(r, theta):
+    r, theta = _bc(r, theta)
+    return lax.complex(r * jnp.cos(theta), r * jnp.sin(theta))
+
+
+def _igamma_edges(a, x, v, lower):
+    """PyTorch's (SciPy's) boundary values for the regularized incomplete gamma functions."""
+    one, zero = (1.0, 0.0) if lower else (0.0, 1.0)
+    v = jnp.where(jnp.isinf(x), one, v)
+    v = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), jnp.nan, zero), v)
+    v = jnp.where(x == 0, zero, v)
+    v = jnp.where(a == 0, jnp.where(x > 0, one, jnp.nan), v)
+    return jnp.where((x < 0) | (a < 0), jnp.nan, v)
+
+
+@op("igamma.default")
+def igamma(a, x):
+    _, (a, x) = _common(a, x, float_=True)
+    return _igamma_edges(a, x, jss.gammainc(a, x), True)
+
+
+@op("igammac.default")
+def igammac(a, x):
+    _, (a, x) = _common(a, x, float_=True)
+    return _igamma_edges(a, x, jss.gammaincc(a, x), False)
+
+
+# --------------------------------------------------------------------------------------------
+# prims.* elementwise ops (where decompositions land): inputs already share one dtype.
+
+def _prims_div(x, y):
+    ct = _rt(x, y)
+    if ct == _BOOL or _isint(ct):
+        ct = _int_like(ct)
+        return _tdiv(_cast(x, ct), _cast(y, ct))
+    return div(x, y)
+
+
+def _prims_where(c, x, y):
+    return where(c, x, y)
+
+
+def _unary_low(name):
+    return LOWERINGS[getattr(torch.ops.aten, name).default].fn
+
+
+_PRIMS = {
+    "abs": abs_, "neg": neg, "sign": sign, "signbit": signbit, "floor": _unary_low("floor"),
+    "ceil": _unary_low("ceil"), "trunc": _unary_low("trunc"), "round": round_,
+    "bitwise_not": bitwise_not, "isfinite": isfinite, "conj_physical": conj_physical,
+    "reciprocal": _unary_low("reciprocal"), "digamma": _unary_low("digamma"),
+    "exp": _unary_low("exp"), "exp2": _unary_low("exp2"), "expm1": _unary_low("expm1"),
+    "log": _unary_low("log"), "log2": _unary_low("log2"), "log10": _unary_low("log10"),
+    "log1p": _unary_low("log1p"), "sqrt": _unary_low("sqrt"), "rsqrt": _unary_low("rsqrt"),
+    "sin": _unary_low("sin"), "cos": _unary_low("cos"), "tan": _unary_low("tan"),
+    "asin": _unary_low("asin"), "acos": _unary_low("acos"), "atan": _unary_low("atan"),
+    "sinh": _unary_low("sinh"), "cosh": _unary_low("cosh"), "tanh": _unary_low("tanh"),
+    "asinh": _unary_low("asinh"), "acosh": _unary_low("acosh"), "atanh": _unary_low("atanh"),
+    "erf": _unary_low("erf"), "erfc": _unary_low("erfc"), "erf_inv": _unary_low("erfinv"),
+    "lgamma": _unary_low("lgamma"), "bessel_i0": _unary_low("i0"),
+    "bessel_i0e": _unary_low("special_i0e"), "bessel_i1": _unary_low("special_i1"),
+    "bessel_i1e": _unary_low("special_i1e"), "ndtri": _unary_low("special_ndtri"),
+    "erfcx": _unary_low("special_erfcx"),
+    "spherical_bessel_j0": _unary_low("special_spherical_bessel_j0"),
+    "cbrt": lambda x: jnp.cbrt(_uf(x)),
+    "frexp": frexp,
+    "add": add, "sub": sub, "mul": mul, "div": _prims_div, "remainder": remainder, "fmod": fmod,
+    "pow": pow_, "atan2": atan2, "hypot": hypot, "maximum": maximum, "minimum": minimum,
+    "fmax": fmax, "fmin": fmin, "nextafter": nextafter, "gcd": gcd, "zeta": zeta,
+    "igamma": igamma, "igammac": igammac,
+    "bitwise_and": _bitwise(jnp.bitwise_and), "bitwise_or": _bitwise(jnp.bitwise_or),
+    "bitwise_xor": _bitwise(jnp.bitwise_xor), "shift_left": _bitwise(_shift_left),
+    "shift_right_arithmetic": _bitwise(_shift_right),
+    "eq": _compare(jnp.equal), "ne": _compare(jnp.not_equal), "lt": _compare(jnp.less),
+    "le": _compare(jnp.less_equal), "gt": _compare(jnp.greater), "ge": _compare(jnp.greater_equal),
+    "where": _prims_where,
+}
+for _name, _fn in _PRIMS.items():
+    _p = getattr(torch.ops.prims, _name, None)
+    _o = getattr(_p, "default", None) if _p is not None else None
+    if _o is not None and _o not in LOWERINGS:
+        LOWERINGS[_o] = Lowering(_fn)
