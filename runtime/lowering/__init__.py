@@ -84,7 +84,7 @@ def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False)
     return deco
 
 
-FAMILIES = ("pointwise", "binary", "special", "activations", "reductions", "views", "linalg", "creation", "nn",
-            "pooling", "indexing", "random", "foreach")
+FAMILIES = ("pointwise", "binary", "special", "activations", "reductions", "views", "linalg",
+            "creation", "nn", "pooling", "indexing", "random", "foreach")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")

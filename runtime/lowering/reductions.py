@@ -54,17 +54,6 @@ def _idx(shape):
     return jnp.zeros(shape, jnp.int64)
 
 
-def _nonempty(x, dim, name):
-    """PyTorch's error for a reduction without identity over an empty dim (meta misses some)."""
-    if dim is None:
-        if x.size == 0:
-            raise RuntimeError(f"{name}(): Expected reduction dim to be specified for "
-                               "input.numel() == 0. Specify the reduction dim with the 'dim' "
-                               "argument.")
-    elif x.ndim and x.shape[dim % x.ndim] == 0:
-        raise IndexError(f"{name}(): Expected reduction dim {dim % x.ndim} to have non-zero size.")
-
-
 # --------------------------------------------------------------------------------------------
 # sums, products, means
 
@@ -205,13 +194,11 @@ def amin(x, dim=(), keepdim=False):
 
 @op("max.default")
 def max_(x):
-    _nonempty(x, None, "max")
     return jnp.max(x)
 
 
 @op("min.default")
 def min_(x):
-    _nonempty(x, None, "min")
     return jnp.min(x)
 
 
@@ -243,7 +230,6 @@ def argmin(x, dim=None, keepdim=False):
 
 @op("max.dim")
 def max_dim(x, dim, keepdim=False):
-    _nonempty(x, dim, "max")
     if x.ndim == 0:
         return x, _idx(())
     return jnp.max(x, axis=dim % x.ndim, keepdims=keepdim), _arg(jnp.argmax, x, dim, keepdim)
@@ -251,7 +237,6 @@ def max_dim(x, dim, keepdim=False):
 
 @op("min.dim")
 def min_dim(x, dim, keepdim=False):
-    _nonempty(x, dim, "min")
     if x.ndim == 0:
         return x, _idx(())
     return jnp.min(x, axis=dim % x.ndim, keepdims=keepdim), _arg(jnp.argmin, x, dim, keepdim)
@@ -377,7 +362,6 @@ def kthvalue(x, k, dim=-1, keepdim=False):
 
 
 def _median(x, dim, keepdim, ignore_nan):
-    _nonempty(x, dim, "median")
     if x.ndim == 0:
         return x, _idx(())
     dim = dim % x.ndim
@@ -421,7 +405,6 @@ def nanmedian_dim(x, dim, keepdim=False):
 @op("mode.default")
 def mode(x, dim=-1, keepdim=False):
     """Most frequent value (ties: the smallest) and the last index where it occurs."""
-    _nonempty(x, dim, "mode")
     if x.ndim == 0:
         return x, _idx(())
     dim = dim % x.ndim

@@ -1,10 +1,11 @@
-"""sin, cos, tan, asin, acos and atan for float32 (and the 16-bit floats, computed in float32): vectorizable jnp code.
+"""sin, cos, tan, asin, acos and atan for float32 (16-bit floats compute in float32): vectorizable
+jnp code.
 
 XLA's CPU backend emits a scalar routine per element for ``sine``/``cosine``/``tan``: 4-9 ms per
-million float32 values here, where PyTorch's vectorized kernels take 0.3-0.5 ms and every other unary op
-about as long as a copy. This is a plain polynomial XLA fuses and vectorizes (0.7 ms), within 1 ulp
-of PyTorch's CPU results (tests/test_ops_pointwise.py; every float32 nearest a multiple of pi/2 up
-to 2**26 was checked once, by hand):
+million float32 values here, where PyTorch's vectorized kernels take 0.3-0.5 ms and every other
+unary op about as long as a copy. This is a plain polynomial XLA fuses and vectorizes (0.7 ms),
+within 1 ulp of PyTorch's CPU results (tests/test_ops_pointwise.py; every float32 nearest a
+multiple of pi/2 up to 2**26 was checked once, by hand):
 
 - range reduction in float64: j = round(x * 2/pi), r = x - j*pi/2 with pi/2 split into four parts
   (Cody and Waite), the first three of 27 bits so that j times each is exact for |j| < 2**26;
@@ -16,9 +17,10 @@ and asin and acos are atan(a / sqrt((1-a)(1+a))): exact everywhere, so no check 
 9-17 ms per million, these 3.5-7, PyTorch 0.35-0.5).
 
 CPU only: TPUs and GPUs evaluate these in hardware or vectorized libraries, and float64 is slow
-(TPU: emulated) there. Past |x| > 2**26 the float64 reduction loses bits, so an input holding any such value (or an inf)
-takes XLA's exact routine instead, through ``lax.cond`` (one check of the whole input). Small
-inputs go straight to XLA's routine too: the check and the conditional are not worth it there.
+(TPU: emulated) there. Past |x| > 2**26 the float64 reduction loses bits, so an input holding any
+such value (or an inf) takes XLA's exact routine instead, through ``lax.cond`` (one check of the
+whole input). Small inputs go straight to XLA's routine too: the check and the conditional are not
+worth it there.
 """
 from __future__ import annotations
 
@@ -107,41 +109,39 @@ def _fast_atan(x):
     return jnp.copysign(_atan64(jnp.abs(xd)), xd).astype(x.dtype)
 
 
+def _asin64(xd):
+    """asin(|x|) of a float64 array."""
+    a = jnp.abs(xd)
+    return _atan64(a / jnp.sqrt((1 - a) * (1 + a)))
+
+
 def _fast_asin(x):
     xd = x.astype(jnp.float64)
-    a = jnp.abs(xd)
-    return jnp.copysign(_atan64(a / jnp.sqrt((1 - a) * (1 + a))), xd).astype(x.dtype)
+    return jnp.copysign(_asin64(xd), xd).astype(x.dtype)
 
 
 def _fast_acos(x):
     xd = x.astype(jnp.float64)
-    a = jnp.abs(xd)
-    asin = _atan64(a / jnp.sqrt((1 - a) * (1 + a)))
+    asin = _asin64(xd)
     return jnp.where(xd < 0, math.pi / 2 + asin, math.pi / 2 - asin).astype(x.dtype)
 
 
-def _guarded(fast, exact):
+def _cpu_fast(fast, exact, limit=None):
+    """``fast`` for float32 inputs of FAST_MIN_SIZE elements or more on the CPU backend with float64
+    on, else ``exact``; with a ``limit``, an input holding any |x| > limit takes ``exact``."""
     def f(x):
         if (x.dtype != jnp.float32 or x.size < FAST_MIN_SIZE or platform.name() != "cpu"
                 or jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64):   # no float64
             return exact(x)
-        return lax.cond(jnp.any(jnp.abs(x) > _LIMIT), exact, fast, x)
+        if limit is None:
+            return fast(x)
+        return lax.cond(jnp.any(jnp.abs(x) > limit), exact, fast, x)
     return f
 
 
-def _plain(fast, exact):
-    """No range check: the functions below are exact for every float32 input."""
-    def f(x):
-        if (x.dtype != jnp.float32 or x.size < FAST_MIN_SIZE or platform.name() != "cpu"
-                or jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64):
-            return exact(x)
-        return fast(x)
-    return f
-
-
-sin = _guarded(_fast_sin, jnp.sin)
-cos = _guarded(_fast_cos, jnp.cos)
-tan = _guarded(_fast_tan, jnp.tan)
-atan = _plain(_fast_atan, jnp.arctan)
-asin = _plain(_fast_asin, jnp.arcsin)
-acos = _plain(_fast_acos, jnp.arccos)
+sin = _cpu_fast(_fast_sin, jnp.sin, _LIMIT)
+cos = _cpu_fast(_fast_cos, jnp.cos, _LIMIT)
+tan = _cpu_fast(_fast_tan, jnp.tan, _LIMIT)
+atan = _cpu_fast(_fast_atan, jnp.arctan)      # exact for every input: no range check
+asin = _cpu_fast(_fast_asin, jnp.arcsin)
+acos = _cpu_fast(_fast_acos, jnp.arccos)
