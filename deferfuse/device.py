@@ -169,8 +169,9 @@ def register() -> None:
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator_synchronize()
     _enable_foreach()
-    from . import amp
+    from . import amp, attention
     amp.register()
+    attention.register()
 
     # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
     # (no Python dispatch): give those kernels.

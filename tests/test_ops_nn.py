@@ -195,6 +195,81 @@ def test_sdpa_causal_and_float_mask():
           q, k, v, mask)
 
 
+
+def _grad_fn(t):
+    return type(t.grad_fn).__name__
+
+
+@pytest.mark.parametrize("case", ["causal", "bool_mask_2d", "float_mask_4d", "gqa", "plain",
+                                  "causal_and_mask", "row_all_masked"])
+def test_sdpa_takes_cpus_flash_op(case):
+    """Where CPU eager runs its flash kernel, tpu runs the same single op (one grad_fn, one backward
+    op), not the 20-odd ops of the math path; values and gradients match CPU."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    kw, extra = {}, ()
+    if case == "causal":
+        k, v, kw = k[..., :5, :], v[..., :5, :], dict(is_causal=True)
+    elif case == "bool_mask_2d":
+        extra = (Const(torch.rand(5, 6) > 0.3),)
+    elif case == "float_mask_4d":
+        extra = (Const(torch.randn(2, 1, 5, 6)),)
+    elif case == "gqa":
+        k, v, kw = k[:, :2], v[:, :2], dict(enable_gqa=True, scale=0.25)
+    elif case == "causal_and_mask":     # CPU's flash kernel applies both
+        extra, kw = (Const(torch.rand(5, 6) > 0.3),), dict(is_causal=True)
+    elif case == "row_all_masked":      # a row that attends to nothing is zeros, not NaN
+        m = torch.rand(2, 4, 5, 6) > 0.3
+        m[:, :, 1] = False
+        extra = (Const(m),)
+    want_fn = F.scaled_dot_product_attention(q.requires_grad_(), k, v,
+                                             *[e.x for e in extra], **kw)
+    q.requires_grad_(False)
+    deferfuse.reset_metrics()
+    got = check(lambda _, a, b, c, *m: F.scaled_dot_product_attention(a, b, c, *m, **kw),
+                q, k, v, *extra)
+    assert _grad_fn(got) == _grad_fn(want_fn) == "ScaledDotProductFlashAttentionForCpuBackward0"
+    deferfuse.sync()
+    n = deferfuse.metrics()["ops_recorded"]
+    assert n < 20, f"{n} ops recorded for one attention forward and backward"
+
+
+@pytest.mark.parametrize("case", ["3d", "dropout", "mask_needs_grad", "flash_disabled"])
+def test_sdpa_math_path_where_cpu_takes_it(case):
+    """Inputs CPU's flash kernel does not take go through PyTorch's math path, as on CPU."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    if case == "3d":
+        check(lambda _, a, b, c: F.scaled_dot_product_attention(a, b, c), q[0], k[0], v[0])
+    elif case == "mask_needs_grad":
+        got = check(lambda _, a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m),
+                    q, k, v, torch.randn(5, 6))
+        assert _grad_fn(got) != "ScaledDotProductFlashAttentionForCpuBackward0"
+    elif case == "flash_disabled":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            got = check(lambda _, a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v)
+        assert _grad_fn(got) != "ScaledDotProductFlashAttentionForCpuBackward0"
+    else:
+        out = F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), v.to("tpu"), dropout_p=0.5)
+        assert out.shape == (2, 4, 5, 8) and out.dtype == torch.float32
+        assert torch.isfinite(out.cpu()).all()
+
+
+def test_sdpa_errors_as_cpu():
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    bad = [dict(attn_mask=torch.randn(5, 5, requires_grad=True), is_causal=True),
+           dict(kv=(k.double(), v)), dict(kv=(k[:, :3], v[:, :3])),
+           dict(kv=(k[:, :2], v[:, :2]))]
+    for kw in bad:
+        kk, vv = kw.pop("kv", (k, v))
+        with pytest.raises(RuntimeError) as want:
+            F.scaled_dot_product_attention(q, kk, vv, **kw)
+        tkw = {n: _tpu(x) for n, x in kw.items()}
+        with pytest.raises(RuntimeError) as got:
+            F.scaled_dot_product_attention(q.to("tpu"), kk.to("tpu"), vv.to("tpu"), **tkw)
+            deferfuse.sync()
+        assert str(want.value).split("\n")[0] in str(got.value), (str(want.value), str(got.value))
+
+
 def test_softmax_dims():
     x = torch.randn(3, 4, 5)
     check(lambda _, a: (F.softmax(a, 0), F.softmax(a, -1), F.log_softmax(a, 1), F.log_softmax(a, 2)), x)

@@ -502,12 +502,14 @@ def native_dropout_backward(grad_output, mask, scale):
 
 
 # --------------------------------------------------------------------------------------------
-# attention (F.scaled_dot_product_attention on a tpu tensor takes PyTorch's math path; these are
-# the fused ops for code that calls them directly)
+# attention: F.scaled_dot_product_attention on tpu tensors comes here where CPU eager takes its
+# flash kernel (deferfuse/attention.py), else PyTorch's math path
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale):
     dt = _acc(q).dtype
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    if k.ndim == 4 and k.shape[1] != q.shape[1]:    # grouped-query attention (enable_gqa)
+        k, v = (jnp.repeat(z, q.shape[1] // k.shape[1], axis=1) for z in (k, v))
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = jnp.einsum("...le,...se->...ls", q, k) * sc
     L, S = q.shape[-2], k.shape[-2]
@@ -516,7 +518,8 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
     if attn_mask is not None:
         s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
     lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - lse[..., None])
+    # A row with every key masked out attends to nothing: zeros, as CPU's flash kernel gives.
+    p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0, lse)[..., None])
     return jnp.einsum("...ls,...se->...le", p, v), lse
 
 
