@@ -206,7 +206,10 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
     if debug_level >= 3:
         for n in nodes:
             print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
-    check_flags()
+    if not later:
+        # A piece the sync does not wait for runs without waiting on the pieces before it: their
+        # checks are read after the sync has dispatched everything (state.sync).
+        check_flags()
     memory_stats.transient(reg.transient)
     try:
         res, flags = execute.run_region(reg.compiled, don, keep, scalars)

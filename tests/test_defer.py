@@ -166,6 +166,24 @@ def test_index_error_in_ops_a_read_skips_is_raised_at_the_next_sync():
     del z
 
 
+
+def test_index_error_in_the_ops_a_read_needs_is_raised_at_the_read():
+    # The piece the read waits for and the piece after it are both dispatched before the first
+    # one's index checks are read: the error still comes at the read, naming the op.
+    w = torch.randn(10, 4).to("tpu")
+    idx = torch.tensor([3, 12]).to("tpu")
+    xc = torch.randn(4)
+    x = xc.to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    s = F.embedding(idx, w).sum()
+    for _ in range(10):            # ops the read does not need: the second piece
+        x = x * 2
+    with pytest.raises(IndexError, match="embedding"):
+        s.item()
+    assert deferfuse.metrics()["needed_first_splits"] == 1
+    torch.testing.assert_close(x.cpu(), xc * 1024)     # the other piece ran: its values are right
+
 def test_loop_without_sync_detects_the_step():
     torch.manual_seed(0)
     w = torch.randn(16, 16).to("tpu")
