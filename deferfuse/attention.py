@@ -7,6 +7,12 @@ softmax). CPU eager, for the same inputs, calls ``_scaled_dot_product_flash_atte
 one op, one backward op. A kernel for the AutogradPrivateUse1 key makes tpu do what CPU does: the
 same flash op (lowered in ``runtime/lowering/nn.py``) on the inputs CPU's flash kernel takes, and
 PyTorch's own composite (the math path) on every other input, so errors and gradients are CPU's.
+
+The inference fast paths of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``
+(``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``: taken under ``no_grad`` in
+eval mode, on every device PyTorch supports, PrivateUse1 included) are single CPU kernels with no
+composite; ``DECOMPOSITIONS`` writes them as the ops CPU's kernels run, so they are recorded and
+fused instead of running on CPU. Nested tensors still go to CPU.
 """
 from __future__ import annotations
 
@@ -53,6 +59,75 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, s
         return _FLASH(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
     return _SDPA._op_dk(_COMPOSITE, query, key, value, attn_mask, dropout_p, is_causal,
                         scale=scale, enable_gqa=enable_gqa)
+
+
+def _heads(x, b, h, dh):
+    return x.reshape(b, -1, h, dh).transpose(1, 2)
+
+
+def native_mha(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,
+               proj_bias, mask=None, need_weights=True, average_attn_weights=True, mask_type=None):
+    """CPU's math path of ``_native_multi_head_attention`` (the projection, scores scaled by
+    1/sqrt(head dim), a boolean mask where True hides a key; a row with every key hidden is NaN,
+    as on CPU): (output, attention weights averaged over heads when asked, or None when not
+    needed)."""
+    if query.is_nested or key.is_nested or value.is_nested:
+        return NotImplemented
+    b, d, h = query.shape[0], embed_dim, num_head
+    dh = d // h
+    w, bias = qkv_weight, qkv_bias
+    q = aten.linear(query, w[:d], bias[:d])
+    k = aten.linear(key, w[d:2 * d], bias[d:2 * d])
+    v = aten.linear(value, w[2 * d:], bias[2 * d:])
+    q, k, v = _heads(q, b, h, dh) * (dh ** -0.5), _heads(k, b, h, dh), _heads(v, b, h, dh)
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            mask = mask.to(torch.bool)
+        if mask_type == 1:      # key padding: (batch, keys)
+            mask = mask.reshape(mask.shape[0], 1, 1, mask.shape[-1])
+        scores = scores.masked_fill(mask, float("-inf"))
+    p = aten._softmax(scores, -1, False)
+    out = (p @ v).transpose(1, 2).reshape(b, -1, d)
+    out = aten.linear(out, proj_weight, proj_bias)
+    if not need_weights:
+        return out, None        # an undefined tensor, as CPU's kernel returns
+    if average_attn_weights:
+        p = p.sum(1) / h
+    return out, p
+
+
+def transformer_encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
+                              proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1,
+                              norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2,
+                              ffn_bias_2, mask=None, mask_type=None):
+    """CPU's ``_transformer_encoder_layer_fwd``: attention and feed-forward blocks, each with a
+    residual, layer norm before (``norm_first``) or after."""
+    if src.is_nested:
+        return NotImplemented
+    if src.numel() == 0:
+        return torch.empty_like(src)
+
+    def norm(x, w, b):
+        return aten.layer_norm(x, [embed_dim], w, b, eps)
+    x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
+    x = native_mha(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                   mask, False, True, mask_type)[0] + src
+    if not norm_first:
+        x = norm(x, norm_weight_1, norm_bias_1)
+    res = x
+    if norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    x = aten.linear(x, ffn_weight_1, ffn_bias_1)
+    x = aten.gelu(x) if use_gelu else aten.relu(x)
+    x = aten.linear(x, ffn_weight_2, ffn_bias_2) + res
+    if not norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    return x
+
+
+DECOMPOSITIONS = {aten._native_multi_head_attention.default: native_mha,
+                  aten._transformer_encoder_layer_fwd.default: transformer_encoder_layer}
 
 
 def register() -> None:

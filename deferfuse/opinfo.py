@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch._decomp import core_aten_decompositions, decomposition_table
 
+from .attention import DECOMPOSITIONS as ATTENTION_DECOMPOSITIONS
 from .runtime.lowering import LOWERINGS
 
 aten = torch.ops.aten
@@ -144,6 +145,7 @@ def op_info(func) -> OpInfo:
 _DECOMP = {k: v for k, v in decomposition_table.items()
            if not getattr(v, "__module__", "").startswith("torch._refs")}
 _DECOMP.update(core_aten_decompositions())
+_DECOMP.update(ATTENTION_DECOMPOSITIONS)
 
 
 def decompose(func, args, kwargs):

@@ -270,6 +270,59 @@ def test_sdpa_errors_as_cpu():
         assert str(want.value).split("\n")[0] in str(got.value), (str(want.value), str(got.value))
 
 
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("masks", ["none", "padding", "causal", "both", "row_all_masked"])
+def test_transformer_encoder_inference_fast_path(norm_first, masks):
+    """nn.TransformerEncoderLayer in eval mode under no_grad takes PyTorch's fused kernel
+    (_transformer_encoder_layer_fwd, with _native_multi_head_attention inside): it runs on JAX
+    like CPU's kernel, NaN rows included (a sequence whose keys are all padding)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, norm_first=norm_first,
+                                       activation="gelu" if norm_first else "relu")
+    m = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 10, 32)
+    pad = torch.zeros(2, 10, dtype=torch.bool)
+    pad[0, 6:] = True
+    if masks == "row_all_masked":
+        pad[1] = True
+    kw = {"none": {}, "padding": dict(src_key_padding_mask=pad),
+          "causal": dict(mask=nn.Transformer.generate_square_subsequent_mask(10)),
+          "both": dict(mask=nn.Transformer.generate_square_subsequent_mask(10),
+                       src_key_padding_mask=pad),
+          "row_all_masked": dict(src_key_padding_mask=pad)}[masks]
+    mt = copy.deepcopy(m).to("tpu")
+    with torch.no_grad():
+        want = m(x, **kw)
+        deferfuse.reset_metrics()
+        got = mt(x.to("tpu"), **{k: v.to("tpu") for k, v in kw.items()})
+        assert_same(got, want, **TOL)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("kw", [{}, dict(key_padding_mask=True), dict(need_weights=False),
+                                dict(average_attn_weights=False)])
+def test_multihead_attention_inference_fast_path(kw):
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    if "key_padding_mask" in kw:
+        pad = torch.zeros(2, 5, dtype=torch.bool)
+        pad[1, 3:] = True
+        kw = dict(key_padding_mask=pad)
+    mt = copy.deepcopy(m).to("tpu")
+    xt = x.to("tpu")
+    with torch.no_grad():
+        want = m(x, x, x, **kw)
+        deferfuse.reset_metrics()
+        got = mt(xt, xt, xt, **{k: v.to("tpu") if torch.is_tensor(v) else v for k, v in kw.items()})
+        assert_same(got[0], want[0], **TOL)
+        if want[1] is None:
+            assert got[1] is None
+        else:
+            assert_same(got[1], want[1], **TOL)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
 def test_softmax_dims():
     x = torch.randn(3, 4, 5)
     check(lambda _, a: (F.softmax(a, 0), F.softmax(a, -1), F.log_softmax(a, 1), F.log_softmax(a, 2)), x)
