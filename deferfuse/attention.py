@@ -5,7 +5,7 @@ cannot register one: on PrivateUse1 it always takes the math path, 20-25 small o
 many backward (scale, transpose, matmuls as expand/view/bmm, a causal mask built and filled,
 softmax). CPU eager, for the same inputs, calls ``_scaled_dot_product_flash_attention_for_cpu``:
 one op, one backward op. A kernel for the AutogradPrivateUse1 key makes tpu do what CPU does: the
-same flash op (lowered in ``runtime/lowering/nn.py``) on the inputs CPU's flash kernel takes, and
+same flash op (lowered in ``runtime/lowering/attention.py``) on the inputs CPU's flash kernel takes, and
 PyTorch's own composite (the math path) on every other input, so errors and gradients are CPU's.
 
 The inference fast paths of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``
@@ -26,10 +26,11 @@ _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _lib = None
 
 
-def _flash_ok(q, k, v, mask, dropout_p, is_causal, enable_gqa) -> bool:
+def _flash_ok(q, k, v, mask, dropout_p, enable_gqa) -> bool:
     """CPU's rule for its flash kernel (``use_flash_attention_cpp`` in PyTorch's sdp_utils_cpp):
     dense 4-D inputs of one floating dtype, equal head dims, no dropout, nonzero lengths, heads
-    equal (or a multiple, with enable_gqa), a 2-D or 4-D mask that needs no gradient."""
+    equal (or a multiple, with enable_gqa), a 2-D or 4-D mask that needs no gradient (with
+    is_causal too: the kernel applies both)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or dropout_p != 0.0:
         return False
     if not torch._C._get_flash_sdp_enabled():
@@ -55,7 +56,7 @@ def _flash_ok(q, k, v, mask, dropout_p, is_causal, enable_gqa) -> bool:
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
          enable_gqa=False):
-    if _flash_ok(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+    if _flash_ok(query, key, value, attn_mask, dropout_p, enable_gqa):
         return _FLASH(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
     return _SDPA._op_dk(_COMPOSITE, query, key, value, attn_mask, dropout_p, is_causal,
                         scale=scale, enable_gqa=enable_gqa)
