@@ -9,7 +9,6 @@ from __future__ import annotations
 import operator
 import sys
 import warnings
-import weakref
 
 import numpy as np
 import torch
@@ -28,9 +27,10 @@ from .views import ALIAS_OPS, run_alias, run_view
 
 aten = torch.ops.aten
 _trace = state.trace
-_weakref = weakref.ref
 _SIG = operator.attrgetter("_sig")
 _VAL = operator.attrgetter("_s.val")
+_DEV = operator.attrgetter("_s.device")
+_TPU_ONLY = {TpuTensor}
 _SPECIAL_SCALARS = {0, 1, -1, 2, 0.5, 0.0, 1.0, -1.0, 2.0}
 _CACHE: dict = {}       # op key -> _Entry
 
@@ -162,6 +162,14 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             return (SS, len(scalars) - 1, ta)
         return a
     if ta is list or ta is tuple:
+        if a and type(a[0]) is TpuTensor and set(map(type, a)) == _TPU_ONLY:
+            # A tensor list on one device (foreach ops: a whole optimizer group): one pass.
+            d = a[0]._s.device
+            if (device[0] is None or device[0] == d) and len(set(map(_DEV, a))) == 1:
+                device[0] = d
+                n = len(tensors)
+                tensors.extend(a)
+                return _ts_range(n, len(a))
         return tuple([_encode(x, info_scalar, tensors, scalars, static, device) for x in a])
     if isinstance(a, torch.Tensor):
         if isinstance(a, TpuTensor):
@@ -178,6 +186,17 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             device[0] = a.index or 0
         return ("\0dev",)
     return a
+
+
+_TS_RANGES: dict = {}
+
+
+def _ts_range(start: int, n: int) -> tuple:
+    """The template of a tensor list that is tensor inputs start .. start+n-1 (cached)."""
+    r = _TS_RANGES.get((start, n))
+    if r is None:
+        r = _TS_RANGES[(start, n)] = tuple([(TS, i) for i in range(start, start + n)])
+    return r
 
 
 def _run(func, info, args, kwargs):
@@ -247,7 +266,7 @@ def _run(func, info, args, kwargs):
     if fast is not None and state.MODE == "defer":
         # The common case, inlined from run_node and _bind: record an op with one new output.
         st = Storage(_trace.record(entry, ins, scalars)[0], dev, fast[0])
-        _trace.storages.append(_weakref(st))
+        _trace.storages.append(st.wr)
         return make(st, (), fast[1], fast[2], 0, fast[0], fast[3])
     if low.rng:
         ins.append(state.rng_storage(dev).val)

@@ -7,7 +7,6 @@ alone (loop-body detection).
 from __future__ import annotations
 
 import sys
-import weakref
 
 from .config import SKIP_PREFIXES, config
 from .runtime import stats
@@ -62,13 +61,21 @@ class Trace:
         self.storages: list = []      # weak refs of storages that may hold pending values
         self.cut = None               # a cut decided at the last op, made before the next one
         self.counted = 0              # nodes already in S["ops_recorded"] (see metrics._pending)
+        Trace.epoch += 1              # storages taken by an earlier trace are taken again
+
+    epoch = 0
 
     def track(self, storage):
-        self.storages.append(weakref.ref(storage))
+        """Keep ``storage`` (weakly) among those whose pending values the next flush reads back;
+        once per trace, however many ops write it (an optimizer writes each state many times)."""
+        if storage.ep != Trace.epoch:
+            storage.ep = Trace.epoch
+            self.storages.append(storage.wr)
 
     def track_mut(self, storage, v):
-        if v.node is not None:
-            self.storages.append(weakref.ref(storage))
+        if v.node is not None and storage.ep != Trace.epoch:
+            storage.ep = Trace.epoch
+            self.storages.append(storage.wr)
 
     def record(self, entry, ins, scalars):
         """Append one op; its output Values (pending, None for an absent output). The hot path of

@@ -9,18 +9,24 @@ instead of running them, so both modes share one storage model.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .scheduler.records import Value, sig_id
 
 
 class Storage:
-    __slots__ = ("val", "device", "dtype", "__weakref__")
+    # wr: a weak reference to itself, made once (the pending trace keeps one per storage it may
+    # have to read back); ep: the trace epoch that last took it (see Trace.track).
+    __slots__ = ("val", "device", "dtype", "wr", "ep", "__weakref__")
 
     def __init__(self, val: Value, device: int, dtype: torch.dtype):
         self.val = val
         self.device = device
         self.dtype = dtype
+        self.wr = weakref.ref(self)
+        self.ep = 0
 
 
 _DEVICES: list = []   # torch.device("tpu", i), filled by deferfuse.device
