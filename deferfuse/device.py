@@ -169,9 +169,10 @@ def register() -> None:
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator_synchronize()
     _enable_foreach()
-    from . import amp, attention
+    from . import amp, attention, linear
     amp.register()
     attention.register()
+    linear.register()
 
     # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
     # (no Python dispatch): give those kernels.

@@ -268,6 +268,96 @@ def test_sdpa_errors_as_cpu():
         assert str(want.value).split("\n")[0] in str(got.value), (str(want.value), str(got.value))
 
 
+@pytest.mark.parametrize("shape", [(5,), (4, 5), (2, 3, 5), (2, 2, 3, 5)])
+@pytest.mark.parametrize("grads", ["all", "frozen_weight", "bias_only", "no_bias", "weight_only"])
+def test_linear_is_one_op_each_way(shape, grads):
+    """F.linear (every nn.Linear) records one op forward and one backward (deferfuse/linear.py),
+    for every rank and every set of inputs that need gradients; values and gradients match CPU."""
+    x, w, b = torch.randn(*shape), torch.randn(6, 5), torch.randn(6)
+    need = {"all": "xwb", "frozen_weight": "xb", "bias_only": "b", "no_bias": "xw",
+            "weight_only": "w"}[grads]
+    args = [x if "x" in need else Const(x), w if "w" in need else Const(w)]
+    if grads != "no_bias":
+        args.append(b if "b" in need else Const(b))
+    got = check(lambda _, *a: F.linear(*a), *args)
+    assert _grad_fn(got) == "LinearBackward"
+    tpu = [a.x.to("tpu") if isinstance(a, Const) else a.to("tpu").requires_grad_() for a in args]
+    y = F.linear(*tpu)
+    grad = torch.randn(y.shape).to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y.backward(grad)
+    deferfuse.sync()
+    m = deferfuse.metrics()
+    assert m["ops_recorded"] + m["ops_eager"] == 1     # linear_backward (linear ran before)
+
+
+def test_linear_without_grad_is_one_op():
+    x, w, b = torch.randn(2, 3, 5), torch.randn(6, 5), torch.randn(6)
+    xt, wt, bt = x.to("tpu"), w.to("tpu").requires_grad_(), b.to("tpu")
+    deferfuse.sync()
+    with torch.no_grad():
+        deferfuse.reset_metrics()
+        got = F.linear(xt, wt, bt)
+        deferfuse.sync()
+        m = deferfuse.metrics()
+        assert m["ops_recorded"] + m["ops_eager"] == 1
+    assert got.grad_fn is None and not got.requires_grad
+    assert_same(got, F.linear(x, w, b), **TOL)
+
+
+def test_linear_double_backward():
+    """create_graph=True through a linear layer (a gradient penalty) differentiates twice."""
+    def penalty(x, w, b):
+        y = torch.tanh(F.linear(x, w, b)).sum()
+        gx, = torch.autograd.grad(y, x, create_graph=True)
+        return (gx ** 2).sum()
+    check(lambda _, *a: penalty(*a), torch.randn(4, 5), torch.randn(6, 5), torch.randn(6))
+
+
+def test_linear_half_precision():
+    x, w, b = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
+    for dt in (torch.bfloat16, torch.float16):
+        check(lambda _, *a: F.linear(*a), x.to(dt), w.to(dt), b.to(dt), tol=dict(atol=2e-2, rtol=2e-2))
+
+
+def test_linear_other_inputs_take_cpus_composite():
+    """Integer operands, a 2-D bias and a 1-D weight are left to PyTorch's composite, as on CPU."""
+    xi, wi = torch.randint(-3, 3, (4, 5)), torch.randint(-3, 3, (6, 5))
+    assert_same(F.linear(xi.to("tpu"), wi.to("tpu")), F.linear(xi, wi))
+    x, w, b2 = torch.randn(4, 5), torch.randn(6, 5), torch.randn(4, 6)
+    got = check(lambda _, *a: F.linear(*a), x, w, b2)
+    assert _grad_fn(got) != "LinearBackward"
+    check(lambda _, *a: F.linear(*a), x, torch.randn(5))
+
+
+def test_linear_errors_as_cpu():
+    """Mismatched shapes and dtypes raise CPU's error, in every mode (never a promoted result)."""
+    x = torch.randn(4, 5)
+    bad = [(x, torch.randn(6, 4)), (x, torch.randn(6, 5).double()), (x, torch.randn(6, 5), torch.randn(5)),
+           (x, torch.randn(6, 5), torch.randn(6).double()), (torch.randn(2, 3, 5), torch.randn(6, 4))]
+    for args in bad:
+        with pytest.raises(RuntimeError) as want:
+            F.linear(*args)
+        with pytest.raises(RuntimeError) as got:
+            F.linear(*[a.to("tpu") for a in args])
+            deferfuse.sync()
+        assert str(got.value) == str(want.value)
+
+
+def test_linear_input_modified_in_place_after_use():
+    """Writing in place to an input the backward needs raises CPU's error at backward."""
+    def run(dev):
+        x = torch.randn(4, 5).to(dev)
+        w = torch.randn(6, 5).to(dev).requires_grad_()
+        y = F.linear(x, w)
+        x.add_(1)
+        with pytest.raises(RuntimeError) as e:
+            y.sum().backward()
+        return str(e.value).split(";")[0]
+    assert run("tpu").split(":")[0] == run("cpu").split(":")[0]
+
+
 
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("masks", ["none", "padding", "causal", "both", "row_all_masked"])
