@@ -139,3 +139,36 @@ def test_detach_shares_storage():
     d = x.detach()
     d.add_(1)
     assert torch.equal(x.detach().cpu(), torch.ones(3))
+
+
+@pytest.mark.parametrize("case", ["slice", "slice_step_neg", "slice_clamped", "select", "select_neg"])
+def test_slice_and_select_backward_and_scatter_are_one_op(case, no_cpu_fallbacks):
+    """The gradient of a slice or a selected row, and slice_scatter/select_scatter, record one op
+    each (they were composites: new_zeros and a copy through a view), with CPU's values."""
+    import deferfuse
+    read, scatter = {
+        "slice": (lambda x: x[:, 1:5], lambda x, s: torch.slice_scatter(x, s, 1, 1, 5)),
+        "slice_step_neg": (lambda x: x[-3:, ::2], lambda x, s: torch.slice_scatter(x, s, 0, -3, None, 1)),
+        "slice_clamped": (lambda x: x[2:100], lambda x, s: torch.slice_scatter(x, s, 0, 2, 100)),
+        "select": (lambda x: x[:, 0], lambda x, s: torch.select_scatter(x, s, 1, 0)),
+        "select_neg": (lambda x: x[-1], lambda x, s: torch.select_scatter(x, s, 0, -1)),
+    }[case]
+    x = torch.randn(4, 6)
+    src = torch.randn(read(x).shape)
+    g = torch.randn(read(x).shape)
+    xc = x.clone().requires_grad_()
+    read(xc).backward(g)
+    xt = x.to("tpu").requires_grad_()
+    gt = g.to("tpu")
+    y = read(xt)
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y.backward(gt)
+    deferfuse.sync()
+    m = deferfuse.metrics()
+    assert m["ops_recorded"] + m["ops_eager"] == (2 if case == "slice_step_neg" else 1)  # a slice each
+    assert_same(xt.grad, xc.grad)
+    # slice_scatter's source has the slice's shape: for "slice_step_neg" the rows -3: whole
+    if case == "slice_step_neg":
+        src = torch.randn(3, 6)
+    assert_same(scatter(x.to("tpu"), src.to("tpu")), scatter(x, src))

@@ -79,12 +79,8 @@ def expand(x, size, *, implicit=False):
     return jnp.broadcast_to(x, shape)
 
 
-@op("slice.Tensor", "slice_copy.Tensor")
-def slice_(x, dim=0, start=None, end=None, step=1):
-    if x.ndim == 0:
-        return x
-    dim = _norm(dim, x.ndim)
-    n = x.shape[dim]
+def _bounds(n, start, end):
+    """PyTorch's slice bounds: None as the ends, negatives from the end, clamped to [0, n]."""
     start = 0 if start is None else start
     end = n if end is None else end
     if start < 0:
@@ -92,8 +88,45 @@ def slice_(x, dim=0, start=None, end=None, step=1):
     if end < 0:
         end += n
     start = min(max(start, 0), n)
-    end = min(max(end, start), n)
+    return start, min(max(end, start), n)
+
+
+@op("slice.Tensor", "slice_copy.Tensor")
+def slice_(x, dim=0, start=None, end=None, step=1):
+    if x.ndim == 0:
+        return x
+    dim = _norm(dim, x.ndim)
+    start, end = _bounds(x.shape[dim], start, end)
     return lax.slice_in_dim(x, start, end, step, axis=dim)
+
+
+# Writing a slice or a row into a whole (and the backward of slicing or selecting: the gradient
+# written into zeros) as one op each, not the composites' new_zeros + copy through a view.
+@op("slice_scatter.default", static=True)
+def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    dim = _norm(dim, x.ndim)
+    start, end = _bounds(x.shape[dim], start, end)
+    idx = [slice(None)] * x.ndim
+    idx[dim] = slice(start, end, step)
+    return x.at[tuple(idx)].set(src.astype(x.dtype))
+
+
+@op("slice_backward.default", static=True)
+def slice_backward(g, input_sizes, dim, start, end, step):
+    return slice_scatter(jnp.zeros(tuple(input_sizes), g.dtype), g, dim, start, end, step)
+
+
+@op("select_scatter.default", static=True)
+def select_scatter(x, src, dim, index):
+    dim = _norm(dim, x.ndim)
+    idx = [slice(None)] * x.ndim
+    idx[dim] = index % x.shape[dim]
+    return x.at[tuple(idx)].set(src.astype(x.dtype))
+
+
+@op("select_backward.default", static=True)
+def select_backward(g, input_sizes, dim, index):
+    return select_scatter(jnp.zeros(tuple(input_sizes), g.dtype), g, dim, index)
 
 
 @op("select.int", "select_copy.int")
