@@ -87,12 +87,39 @@ _EMPTY_CHECKED = {
 }
 
 
+# Products whose CPU kernels require one dtype; their meta kernels check shapes only, so mixed
+# float/double operands would be silently promoted (mm, addmm, mv ...) or refused in other words.
+_SAME_DTYPE = {getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv",
+                                                  "addmv", "dot", "vdot", "matmul")}
+
+
+def _stand_in(a):
+    """A CPU tensor of ``a``'s shape and dtype with no memory behind it (zero strides)."""
+    if isinstance(a, torch.Tensor):
+        return torch.zeros((), dtype=a.dtype).expand(a.shape)
+    return a
+
+
+def _mixed_dtype_error(func, args, kwargs):
+    """CPU's own error for operands of mixed dtypes: the op run on CPU stand-ins, whose checks
+    raise before any arithmetic."""
+    try:
+        func(*[_stand_in(a) for a in args], **{k: _stand_in(v) for k, v in kwargs.items()})
+    except RuntimeError as e:
+        return e
+    return None
+
+
 def infer(func, args, kwargs):
     """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
     if func in _EMPTY_CHECKED:
         err = _empty_reduction_error(func, args, kwargs)
         if err is not None:
             raise err
+    if func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
+        err = _mixed_dtype_error(func, args, kwargs)
+        if err is not None:
+            raise RuntimeError(str(err))
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
     if func is _GROUPED_MM and _grouped_mm_out is not None:

@@ -276,3 +276,22 @@ def test_grouped_mm_matches_cpu_with_gradients(case):
     assert_same(a2.grad, a1.grad, atol=1e-4, rtol=1e-4)
     assert_same(b2.grad, b1.grad, atol=1e-4, rtol=1e-4)
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("name", ["mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot",
+                                  "matmul"])
+def test_mixed_dtype_products_raise_as_cpu(name):
+    """float with double: CPU's kernels refuse; tpu raises CPU's own message in every mode
+    (the meta kernels check shapes only, and mm/addmm/mv used to promote silently)."""
+    f, d = torch.randn, (lambda *s: torch.randn(*s, dtype=torch.float64))
+    args = {"mm": (f(4, 5), d(5, 6)), "addmm": (f(6), f(4, 5), d(5, 6)),
+            "bmm": (f(2, 4, 5), d(2, 5, 6)), "baddbmm": (f(2, 4, 6), f(2, 4, 5), d(2, 5, 6)),
+            "addbmm": (f(4, 6), f(2, 4, 5), d(2, 5, 6)), "mv": (f(4, 5), d(5)),
+            "addmv": (f(4), f(4, 5), d(5)), "dot": (f(5), d(5)), "matmul": (f(3, 4, 5), d(5, 6))}[name]
+    fn = getattr(torch, name)
+    with pytest.raises(RuntimeError) as want:
+        fn(*args)
+    with pytest.raises(RuntimeError) as got:
+        fn(*[a.to("tpu") for a in args])
+        deferfuse.sync()
+    assert str(got.value) == str(want.value)
