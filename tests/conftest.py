@@ -1,6 +1,5 @@
 """Every test runs in each mode it supports: strict and defer unless ``@pytest.mark.modes(...)``
 names others. Tests compare tpu results with CPU eager PyTorch on the same inputs."""
-import os
 
 import pytest
 import torch

@@ -1,5 +1,4 @@
 """The tpu device as PyTorch code sees it: registration, torch.tpu, transfers, errors."""
-import io
 import os
 import subprocess
 import sys

@@ -36,7 +36,6 @@ def _on(dev, write):
 
     def move(a):
         return a.to(dev) if isinstance(a, torch.Tensor) else a
-    import types
     orig_full, orig_zeros, orig_tensor = torch.full, torch.zeros, torch.tensor
     try:
         torch.full = lambda *a, **k: orig_full(*a, **{**k, "device": dev})
