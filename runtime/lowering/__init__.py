@@ -85,6 +85,6 @@ def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False)
 
 
 FAMILIES = ("pointwise", "binary", "special", "activations", "reductions", "views", "linalg",
-            "linear", "creation", "nn", "attention", "pooling", "indexing", "random", "foreach")
+            "factorizations", "linear", "creation", "nn", "attention", "pooling", "indexing", "random", "foreach")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")

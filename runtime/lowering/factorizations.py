@@ -1,0 +1,492 @@
+"""Factorizations, solves and determinants (LU, Cholesky, QR, eigen and singular values ...).
+
+They follow LAPACK's conventions where PyTorch exposes them: packed LU with 1-based int32 pivots,
+``info`` the 1-based index of the first failure (0: success). For real input,
+``_linalg_det``/``_linalg_slogdet`` factor A^T as PyTorch does for a contiguous A, so their
+LU/pivots outputs match what the backward formulas expect.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from . import _FLAGS, op
+from .linalg import _LOWP, _mat
+
+_solve_tri = lax.linalg.triangular_solve
+
+
+
+def _mT(a):
+    return jnp.swapaxes(a, -1, -2)
+
+
+def _mH(a):
+    return jnp.conj(_mT(a)) if jnp.iscomplexobj(a) else _mT(a)
+
+
+def _diag(a):
+    return jnp.diagonal(a, axis1=-2, axis2=-1)
+
+
+def _empty(_avals, i):
+    shape, dt = _avals[i]
+    return jnp.zeros(shape, dt)
+
+
+def _info(bad):
+    """1-based index of the first True along the last axis, 0 when none (LAPACK's ``info``)."""
+    if bad.shape[-1] == 0:
+        return jnp.zeros(bad.shape[:-1], jnp.int32)
+    first = jnp.argmax(bad, axis=-1)
+    return jnp.where(jnp.any(bad, axis=-1), first + 1, 0).astype(jnp.int32)
+
+
+def _check(info, check_errors, exc, message):
+    """``check_errors=True``: raise PyTorch's error when any ``info`` is nonzero (through the
+    runtime's flags: at once in strict mode, at the next sync in defer mode). The message cannot
+    name the failing element: it is fixed when the program is traced."""
+    if check_errors and info.size:
+        _FLAGS.append((jnp.any(info != 0), exc, message))
+
+
+_SINGULAR = "the input matrix is singular"
+_NOT_PD = "the input is not positive-definite"
+
+
+def _lu(a):
+    """(packed LU, 0-based pivots, permutation) with A[..., perm, :] = L @ U."""
+    return lax.linalg.lu(a)
+
+
+def _bcast(*xs, core):
+    """Broadcast the batch dims of matrices ``xs`` (``core[i]`` trailing dims each are kept)."""
+    batch = jnp.broadcast_shapes(*(x.shape[:x.ndim - c] for x, c in zip(xs, core)))
+    return [jnp.broadcast_to(x, batch + x.shape[x.ndim - c:]) for x, c in zip(xs, core)]
+
+
+def _rows(b, perm):
+    return jnp.take_along_axis(b, perm[..., :, None], axis=-2)
+
+
+def _lu_solve(lu, perm, b, left=True, adjoint=False):
+    """Solve with A = P L U given its packed LU and permutation (b: a batch of matrices)."""
+    if not left:   # X A = B  <=>  A^H X^H = B^H ;  X A^H = B  <=>  A X^H = B^H
+        return _mH(_lu_solve(lu, perm, _mH(b), True, not adjoint))
+    lu, perm, b = _bcast(lu, perm, b, core=(2, 1, 2))
+    if not adjoint:
+        y = _solve_tri(lu, _rows(b, perm), left_side=True, lower=True, unit_diagonal=True)
+        return _solve_tri(lu, y, left_side=True, lower=False)
+    cj = jnp.iscomplexobj(lu)
+    y = _solve_tri(lu, b, left_side=True, lower=False, transpose_a=True, conjugate_a=cj)
+    y = _solve_tri(lu, y, left_side=True, lower=True, transpose_a=True, conjugate_a=cj,
+                   unit_diagonal=True)
+    return _rows(y, jnp.argsort(perm, axis=-1))
+
+
+def _perm(pivots, n):
+    """Permutation from LAPACK's 1-based pivots."""
+    return lax.linalg.lu_pivots_to_permutation(pivots - 1, n)
+
+
+def _factor_T(a):
+    """LU of A^T for real A (PyTorch's choice for contiguous input), of A for complex."""
+    t = not jnp.iscomplexobj(a)
+    lu, piv, perm = _lu(_mT(a) if t else a)
+    return lu, piv, perm, t
+
+
+@op("linalg_lu_factor_ex.default")
+def lu_factor_ex(a, *, pivot=True, check_errors=False):
+    lu, piv, _ = _lu(a)
+    info = _info(_diag(lu) == 0)
+    _check(info, check_errors, RuntimeError, "torch.linalg.lu_factor_ex: a diagonal element of U "
+           "is zero and using it on lu_solve would result in a division by zero.")
+    return lu, piv + 1, info
+
+
+@op("linalg_lu.default")
+def linalg_lu(a, *, pivot=True):
+    lu, _, perm = _lu(a)
+    return _unpack(lu, perm)
+
+
+def _unpack(lu, perm):
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    U = jnp.triu(lu[..., :k, :])
+    P = _mT(jnp.eye(m, dtype=lu.dtype)[perm])
+    return P, L, U
+
+
+@op("lu_unpack.default", meta=True)
+def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True, *, _avals):
+    P, L, U = _unpack(lu, _perm(pivots, lu.shape[-2]))
+    return (P if unpack_pivots else _empty(_avals, 0),
+            L if unpack_data else _empty(_avals, 1),
+            U if unpack_data else _empty(_avals, 2))
+
+
+@op("linalg_lu_solve.default")
+def linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    return _lu_solve(lu, _perm(pivots, lu.shape[-1]), b, left, adjoint)
+
+
+@op("_linalg_solve_ex.default")
+def linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    # PyTorch (this version) factors A itself here, unlike _linalg_det/_linalg_slogdet.
+    lu, piv, perm = _lu(a)
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    x = _lu_solve(lu, perm, b[..., None] if vector else b, left)
+    info = _info(_diag(lu) == 0)
+    _check(info, check_errors, torch.linalg.LinAlgError,
+           f"torch.linalg.solve_ex: The solver failed because {_SINGULAR}.")
+    return (x[..., 0] if vector else x), lu, piv + 1, info
+
+
+@op("linalg_inv_ex.default")
+def linalg_inv_ex(a, *, check_errors=False):
+    lu, _, perm = _lu(a)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    info = _info(_diag(lu) == 0)
+    _check(info, check_errors, torch.linalg.LinAlgError, "linalg.inv_ex: A diagonal element is "
+           f"zero, the inversion could not be completed because {_SINGULAR}.")
+    return _lu_solve(lu, perm, eye), info
+
+
+def _parity(piv):
+    swaps = jnp.sum(piv != jnp.arange(piv.shape[-1], dtype=piv.dtype), axis=-1)
+    return jnp.where(swaps % 2 == 1, -1, 1)
+
+
+@op("_linalg_det.default")
+def linalg_det(a):
+    lu, piv, _, _ = _factor_T(a)
+    det = jnp.prod(_diag(lu), axis=-1) * _parity(piv).astype(lu.dtype)
+    return det, lu, piv + 1
+
+
+@op("_linalg_slogdet.default")
+def linalg_slogdet(a):
+    lu, piv, _, _ = _factor_T(a)
+    d = _diag(lu)
+    ad = jnp.abs(d)
+    if jnp.iscomplexobj(d):
+        unit = jnp.where(ad == 0, 0, d / jnp.where(ad == 0, 1, ad))
+    else:
+        unit = jnp.sign(d)
+    sign = jnp.prod(unit, axis=-1) * _parity(piv).astype(d.dtype)
+    return sign, jnp.sum(jnp.log(ad), axis=-1), lu, piv + 1
+
+
+def _chol_info(a):
+    """LAPACK potrf's ``info`` for a (lower-triangle) matrix whose factorization failed: the order
+    of the first leading minor that is not positive-definite, by an unblocked Cholesky."""
+    n = a.shape[-1]
+    rows = lax.broadcasted_iota(jnp.int32, a.shape[:-1], a.ndim - 2)
+
+    def body(j, carry):
+        L, info = carry
+        lj = L[..., j, :]                                   # row j: columns < j are filled
+        d = jnp.real(a[..., j, j]) - jnp.sum(jnp.abs(lj) ** 2, axis=-1)
+        bad = ~(d > 0)
+        info = jnp.where((info == 0) & bad, j + 1, info)
+        s = jnp.sqrt(jnp.where(bad, 1, d)).astype(a.dtype)
+        col = (a[..., :, j] - jnp.einsum("...ik,...k->...i", L, jnp.conj(lj))) / s[..., None]
+        col = jnp.where(rows > j, col, jnp.where(rows == j, s[..., None], 0))
+        return L.at[..., :, j].set(col), info
+
+    L0 = jnp.zeros_like(a)
+    return lax.fori_loop(0, n, body, (L0, jnp.zeros(a.shape[:-2], jnp.int32)))[1]
+
+
+@op("linalg_cholesky_ex.default")
+def linalg_cholesky_ex(a, *, upper=False, check_errors=False):
+    src = _mH(a) if upper else a            # upper reads A's upper triangle = lower of A^H
+    L = lax.linalg.cholesky(src, symmetrize_input=False)
+    failed = ~jnp.all(jnp.isfinite(L), axis=(-2, -1))
+    if a.shape[-1] == 0:
+        info = jnp.zeros(a.shape[:-2], jnp.int32)
+    else:
+        info = lax.cond(jnp.any(failed), lambda: _chol_info(src),
+                        lambda: jnp.zeros(a.shape[:-2], jnp.int32))
+    _check(info, check_errors, torch.linalg.LinAlgError, "linalg.cholesky_ex: The factorization "
+           f"could not be completed because {_NOT_PD}.")
+    return (_mH(L) if upper else L), info
+
+
+@op("cholesky.default")
+def cholesky(a, upper=False):
+    return linalg_cholesky_ex(a, upper=upper)[0]
+
+
+@op("cholesky_solve.default")
+def cholesky_solve(b, L, upper=False):
+    b, L = _bcast(b, L, core=(2, 2))
+    if upper:   # A = U^H U
+        y = _solve_tri(L, b, left_side=True, lower=False, transpose_a=True,
+                       conjugate_a=jnp.iscomplexobj(L))
+        return _solve_tri(L, y, left_side=True, lower=False)
+    y = _solve_tri(L, b, left_side=True, lower=True)
+    return _solve_tri(L, y, left_side=True, lower=True, transpose_a=True,
+                      conjugate_a=jnp.iscomplexobj(L))
+
+
+@op("cholesky_inverse.default")
+def cholesky_inverse(L, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(L.shape[-1], dtype=L.dtype), L.shape)
+    return cholesky_solve(eye, L, upper)
+
+
+@op("triangular_solve.default")
+def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    b, a = _bcast(b, a, core=(2, 2))
+    x = _solve_tri(a, b, left_side=True, lower=not upper, transpose_a=transpose,
+                   unit_diagonal=unitriangular)
+    return x, a
+
+
+@op("linalg_solve_triangular.default")
+def linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    a, b = _bcast(a, b, core=(2, 2))
+    return _solve_tri(a, b, left_side=left, lower=not upper, unit_diagonal=unitriangular)
+
+
+@op("_linalg_eigh.default", meta=True)
+def linalg_eigh(a, UPLO="L", compute_v=True, *, _avals):
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    return w, (v if compute_v else _empty(_avals, 1))
+
+
+@op("linalg_qr.default", meta=True)
+def linalg_qr(a, mode="reduced", *, _avals):
+    if mode == "r":
+        return _empty(_avals, 0), jnp.linalg.qr(a, mode="r")
+    return jnp.linalg.qr(a, mode=mode)
+
+
+@op("_linalg_svd.default", meta=True)
+def linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None, _avals):
+    if not compute_uv:
+        s = jnp.linalg.svd(a, full_matrices=False, compute_uv=False)
+        return _empty(_avals, 0), s, _empty(_avals, 2)
+    return jnp.linalg.svd(a, full_matrices=full_matrices)
+
+
+@op("linalg_matrix_exp.default")
+def linalg_matrix_exp(a):
+    from jax.scipy.linalg import expm
+    if not a.shape[-1]:
+        return a
+    return expm(a.astype(jnp.float32)).astype(a.dtype) if a.dtype in _LOWP else expm(a)
+
+
+@op("linalg_pinv.atol_rtol_tensor", meta=True)
+def linalg_pinv(a, atol=None, rtol=None, hermitian=False, *, _avals):
+    """Pseudo-inverse by SVD (eigh when hermitian) with PyTorch's tolerance rule."""
+    if a.size == 0:
+        return _empty(_avals, 0)
+    real = jnp.finfo(a.dtype).dtype
+    if rtol is None:
+        default = jnp.finfo(real).eps * max(a.shape[-2:])
+        rtol = default if atol is None else jnp.where(atol > 0, 0, default)
+    atol = 0 if atol is None else atol
+    atol, rtol = (jnp.asarray(t, real)[..., None] for t in (atol, rtol))
+    if hermitian:
+        s, u = jnp.linalg.eigh(a, symmetrize_input=False)
+        sa = jnp.abs(s)
+        tol = jnp.maximum(atol, rtol * jnp.max(sa, axis=-1, keepdims=True))
+        inv = jnp.where(sa > tol, 1 / s, 0).astype(a.dtype)
+        return jnp.matmul(u * inv[..., None, :], _mH(u))
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    tol = jnp.maximum(atol, rtol * s[..., :1])
+    inv = jnp.where(s > tol, 1 / s, 0).astype(a.dtype)
+    return jnp.matmul(_mH(vh) * inv[..., None, :], _mH(u))
+
+
+@op("_linalg_check_errors.default")
+def linalg_check_errors(info, api_name, *, is_matrix):
+    """Raise ``torch.linalg.LinAlgError`` when any ``info`` is nonzero (through the flags)."""
+    _check(info, True, torch.linalg.LinAlgError,
+           f"{api_name}: the factorization could not be completed (LAPACK info != 0: the input is "
+           "singular or not positive-definite)")
+    return ()
+
+
+# --------------------------------------------------------------------------------------------
+# FFT. ``normalization``: 0 none, 1 by 1/sqrt(n), 2 by 1/n (n: the signal's size over ``dim``).
+# jnp.fft's ``norm`` names where the 1/n goes, so a forward and an inverse transform map apart.
+
+_FWD_NORM = {0: "backward", 1: "ortho", 2: "forward"}
+_INV_NORM = {0: "forward", 1: "ortho", 2: "backward"}
+
+
+@op("_fft_r2c.default")
+def fft_r2c(x, dim, normalization, onesided):
+    dim = [d % x.ndim for d in dim]
+    if onesided:
+        return jnp.fft.rfftn(x, axes=dim, norm=_FWD_NORM[normalization])
+    return jnp.fft.fftn(x, axes=dim, norm=_FWD_NORM[normalization])
+
+
+@op("_fft_c2c.default")
+def fft_c2c(x, dim, normalization, forward):
+    dim = [d % x.ndim for d in dim]
+    if forward:
+        return jnp.fft.fftn(x, axes=dim, norm=_FWD_NORM[normalization])
+    return jnp.fft.ifftn(x, axes=dim, norm=_INV_NORM[normalization])
+
+
+@op("_fft_c2r.default")
+def fft_c2r(x, dim, normalization, last_dim_size):
+    dim = [d % x.ndim for d in dim]
+    s = [x.shape[d] for d in dim[:-1]] + [last_dim_size]
+    return jnp.fft.irfftn(x, s=s, axes=dim, norm=_INV_NORM[normalization])
+
+
+# --------------------------------------------------------------------------------------------
+# distances and _trilinear
+
+def _pnorm_dist(d, p):
+    """The p-norm over the last axis of differences ``d`` (p a Python number)."""
+    a = jnp.abs(d)
+    if p == 0:
+        return jnp.sum(a != 0, axis=-1).astype(d.dtype)
+    if p == float("inf"):
+        return jnp.max(a, axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(a, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=-1))
+    return jnp.sum(a ** p, axis=-1) ** (1 / p)
+
+
+@op("_cdist_forward.default", static=True)
+def cdist_forward(x1, x2, p, compute_mode=None):
+    x1, x2 = _bcast(x1, x2, core=(2, 2))
+    return _pnorm_dist(x1[..., :, None, :] - x2[..., None, :, :], p)
+
+
+@op("_pdist_forward.default", static=True)
+def pdist_forward(x, p=2):
+    i, j = np.triu_indices(x.shape[0], 1)
+    return _pnorm_dist(x[i] - x[j], p)
+
+
+@op("_trilinear.default")
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """Each input with size-1 dims inserted at ``expand*``, multiplied, summed over ``sumdim``:
+    an einsum in which an input leaves out its expanded dims."""
+    nd = i1.ndim + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:nd]
+    subs = ["".join(c for d, c in enumerate(letters) if d not in e)
+            for e in (set(expand1), set(expand2), set(expand3))]
+    kept = [d for d in range(nd) if d not in set(sumdim)]
+    absent = [d for d in kept if all(letters[d] not in sub for sub in subs)]   # size 1 in all
+    out = "".join(letters[d] for d in kept if d not in absent)
+    r = jnp.einsum(f"{subs[0]},{subs[1]},{subs[2]}->{out}", i1, i2, i3)
+    return jnp.expand_dims(r, [kept.index(d) for d in absent]) if absent else r
+
+
+# --------------------------------------------------------------------------------------------
+# Householder (LAPACK's geqrf format: R on and above the diagonal, reflectors below, ``tau``)
+
+@op("geqrf.default")
+def geqrf(a):
+    # XLA's geqrf primitive is not exported by jax.lax.linalg (only used by its qr)
+    f = getattr(lax.linalg, "geqrf", None)
+    if f is None:
+        from jax._src.lax.linalg import geqrf as f
+    return f(a)
+
+
+@op("linalg_householder_product.default")
+def householder_product(a, tau):
+    return lax.linalg.householder_product(a, tau)
+
+
+@op("ormqr.default")
+def ormqr(a, tau, other, left=True, transpose=False):
+    """op(Q) @ other (or other @ op(Q)), Q the m x m product of the reflectors in ``a``."""
+    m, k = a.shape[-2], tau.shape[-1]
+    a = a[..., :, :k]
+    pad = [(0, 0)] * (a.ndim - 1) + [(0, m - k)]
+    q = lax.linalg.householder_product(jnp.pad(a, pad), jnp.pad(tau, pad[1:]))
+    if transpose:
+        q = _mH(q)
+    return jnp.matmul(q, other) if left else jnp.matmul(other, q)
+
+
+# --------------------------------------------------------------------------------------------
+# distance backwards (PyTorch's formulas: 0 where the distance is 0)
+
+def _pnorm_dist_grad(diff, d, g, p):
+    """d(dist)/d(x1) times ``g``, per pair of rows (``diff`` = x1_i - x2_j)."""
+    g, d = g[..., None], d[..., None]
+    safe = jnp.where(d == 0, 1, d)
+    if p == 0:
+        return jnp.zeros_like(diff)
+    if p == 1:
+        return g * jnp.sign(diff)
+    if p == float("inf"):
+        return g * jnp.sign(diff) * (jnp.abs(diff) == d)
+    if p == 2:
+        r = diff / safe
+    else:
+        r = jnp.sign(diff) * (jnp.abs(diff) / safe) ** (p - 1)
+    return jnp.where(d == 0, 0, g * r)
+
+
+def _sum_to(x, shape):
+    lead = x.ndim - len(shape)
+    x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+@op("_cdist_backward.default", static=True)
+def cdist_backward(grad, x1, x2, p, cdist):
+    a, b = _bcast(x1, x2, core=(2, 2))
+    diff = a[..., :, None, :] - b[..., None, :, :]
+    return _sum_to(jnp.sum(_pnorm_dist_grad(diff, cdist, grad, p), axis=-2), x1.shape)
+
+
+@op("_pdist_backward.default", static=True)
+def pdist_backward(grad, x, p, pdist):
+    i, j = np.triu_indices(x.shape[0], 1)
+    c = _pnorm_dist_grad(x[i] - x[j], pdist, grad, p)
+    return jnp.zeros_like(x).at[i].add(c).at[j].add(-c)
+
+
+# --------------------------------------------------------------------------------------------
+# grouped matmul (mixture-of-experts layers)
+
+def _group_of(offs, n):
+    """The group of each of ``n`` positions; ``offs`` holds each group's end (cumulative), and
+    positions past the last end get ``len(offs)`` (no group)."""
+    return jnp.searchsorted(offs, jnp.arange(n, dtype=offs.dtype), side="right")
+
+
+@op("_grouped_mm.default")
+def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """Mixture-of-experts products. ``offs`` splits the grouped dim: the rows of a 2-D ``a``
+    against a 3-D ``b`` (one matrix per group: ``lax.ragged_dot``), the shared dim of two 2-D
+    operands (one output matrix per group: the weight gradient), the columns of a 2-D ``b``
+    against a 3-D ``a``; 3-D by 3-D is a batched product. Positions past the last end give 0.
+    (``bias`` is always None: meta inference rejects one.)"""
+    kw = {"preferred_element_type": jnp.float32} if a.dtype in _LOWP else {}
+    if a.ndim == 3 and b.ndim == 3:
+        return _mat(a, b)
+    if a.ndim == 2 and b.ndim == 3:
+        sizes = jnp.diff(offs, prepend=jnp.zeros((1,), offs.dtype)).astype(jnp.int32)
+        return lax.ragged_dot(a, b, sizes, **kw)
+    if a.ndim == 2:
+        hot = _group_of(offs, a.shape[1])[None, :] == jnp.arange(offs.shape[0])[:, None]
+        return jnp.einsum("mk,gk,kn->gmn", a, hot.astype(a.dtype), b, **kw)
+    gid = _group_of(offs, b.shape[1])                                    # each column's group
+    full = _mat(a, b, "gmk,kn->gmn")
+    pick = jnp.take_along_axis(full, jnp.minimum(gid, a.shape[0] - 1)[None, None, :], axis=0)[0]
+    return jnp.where(gid[None, :] < a.shape[0], pick, 0)
