@@ -12,7 +12,7 @@ AutogradPrivateUse1 key makes it one recorded op (``aten.linear``, lowered in
 Only inputs CPU's composite takes without complaint come here: a floating input of at least one
 dimension, a 2-D weight of its dtype whose columns match, no bias or a 1-D bias of the output size.
 Everything else (and forward-mode AD, functorch transforms, nested tensors) goes through PyTorch's
-own composite; mismatched shapes or dtypes raise CPU's own error (``_cpu_error``). With ``create_graph=True`` the backward computes with
+own composite; mismatched shapes or dtypes raise CPU's own error (``meta.cpu_error``). With ``create_graph=True`` the backward computes with
 differentiable ops (matmul, mm, sum), so a second backward works.
 
 The difference a user can see: ``grad_fn`` is ``LinearBackward`` where CPU shows
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from torch.autograd import forward_ad
+
+from .meta import cpu_error
 
 aten = torch.ops.aten
 _LINEAR = aten.linear.default
@@ -80,19 +82,6 @@ class Linear(torch.autograd.Function):
 _apply = super(torch.autograd.Function, Linear).apply
 
 
-def _cpu_error(x, w, b):
-    """CPU's error for these mismatched operands, or None: CPU's composite run on zero-stride
-    stand-ins of the same shapes and dtypes (no memory; its checks raise before any arithmetic).
-    The composite on tpu would raise the meta kernels' wording, or promote mixed dtypes."""
-    def stand_in(t):
-        return None if t is None else torch.zeros((), dtype=t.dtype).expand(t.shape)
-    try:
-        torch.nn.functional.linear(stand_in(x), stand_in(w), stand_in(b))
-    except RuntimeError as e:
-        return e
-    return None
-
-
 def linear(input, weight, bias=None):
     """The AutogradPrivateUse1 kernel of ``aten::linear``."""
     if not _fused_ok(input, weight, bias):
@@ -100,7 +89,8 @@ def linear(input, weight, bias=None):
                 input.dtype != weight.dtype or input.shape[-1] != weight.shape[-1]
                 or (bias is not None and (bias.dtype != input.dtype or bias.dim() and (
                     bias.shape[-1] not in (1, weight.shape[0]))))):
-            err = _cpu_error(input, weight, bias)
+            # CPU's composite's own message (on tpu: the meta kernels' wording).
+            err = cpu_error(torch.nn.functional.linear, (input, weight, bias))
             if err is not None:
                 raise type(err)(str(err))
         return _LINEAR._op_dk(_COMPOSITE, input, weight, bias)

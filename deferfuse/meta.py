@@ -100,11 +100,11 @@ def _stand_in(a):
     return a
 
 
-def _mixed_dtype_error(func, args, kwargs):
-    """CPU's own error for operands of mixed dtypes: the op run on CPU stand-ins, whose checks
-    raise before any arithmetic."""
+def cpu_error(fn, args, kwargs=None):
+    """CPU's own error for these operands, or None: ``fn`` run on CPU stand-ins of the same shapes
+    and dtypes, whose checks raise before any arithmetic (only call it for operands CPU refuses)."""
     try:
-        func(*[_stand_in(a) for a in args], **{k: _stand_in(v) for k, v in kwargs.items()})
+        fn(*[_stand_in(a) for a in args], **{k: _stand_in(v) for k, v in (kwargs or {}).items()})
     except RuntimeError as e:
         return e
     return None
@@ -117,7 +117,7 @@ def infer(func, args, kwargs):
         if err is not None:
             raise err
     if func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
-        err = _mixed_dtype_error(func, args, kwargs)
+        err = cpu_error(func, args, kwargs)
         if err is not None:
             raise RuntimeError(str(err))
     margs = [_to_meta(a) for a in args]

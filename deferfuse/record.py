@@ -73,9 +73,8 @@ class Trace:
             self.storages.append(storage.wr)
 
     def track_mut(self, storage, v):
-        if v.node is not None and storage.ep != Trace.epoch:
-            storage.ep = Trace.epoch
-            self.storages.append(storage.wr)
+        if v.node is not None:
+            self.track(storage)
 
     def record(self, entry, ins, scalars):
         """Append one op; its output Values (pending, None for an absent output). The hot path of

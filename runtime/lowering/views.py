@@ -100,15 +100,19 @@ def slice_(x, dim=0, start=None, end=None, step=1):
     return lax.slice_in_dim(x, start, end, step, axis=dim)
 
 
+def _write(x, src, dim, key):
+    """``x`` with ``src`` written at ``key`` (a slice or an index) along ``dim``."""
+    idx = [slice(None)] * x.ndim
+    idx[dim] = key
+    return x.at[tuple(idx)].set(src.astype(x.dtype))
+
+
 # Writing a slice or a row into a whole (and the backward of slicing or selecting: the gradient
 # written into zeros) as one op each, not the composites' new_zeros + copy through a view.
 @op("slice_scatter.default", static=True)
 def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     dim = _norm(dim, x.ndim)
-    start, end = _bounds(x.shape[dim], start, end)
-    idx = [slice(None)] * x.ndim
-    idx[dim] = slice(start, end, step)
-    return x.at[tuple(idx)].set(src.astype(x.dtype))
+    return _write(x, src, dim, slice(*_bounds(x.shape[dim], start, end), step))
 
 
 @op("slice_backward.default", static=True)
@@ -119,9 +123,7 @@ def slice_backward(g, input_sizes, dim, start, end, step):
 @op("select_scatter.default", static=True)
 def select_scatter(x, src, dim, index):
     dim = _norm(dim, x.ndim)
-    idx = [slice(None)] * x.ndim
-    idx[dim] = index % x.shape[dim]
-    return x.at[tuple(idx)].set(src.astype(x.dtype))
+    return _write(x, src, dim, index % x.shape[dim])
 
 
 @op("select_backward.default", static=True)
