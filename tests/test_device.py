@@ -206,3 +206,28 @@ def test_import_runtime_under_other_name_fails():
     for pkg in ("runtime", "scheduler"):
         r = subprocess.run([sys.executable, "-c", f"import {pkg}"], cwd=root, capture_output=True, text=True)
         assert r.returncode != 0 and "deferfuse" in r.stderr and "ImportError" in r.stderr
+
+
+@pytest.mark.modes("strict")
+def test_gc_threshold():
+    """NOTE [gc threshold]: import raises Python's default young-generation threshold; a
+    threshold the program set is kept, and 0 leaves it alone."""
+    import gc
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        deferfuse._tune_gc(20000)
+        assert gc.get_threshold() == (20000, 10, 10)
+        gc.set_threshold(1234, 5, 6)
+        deferfuse._tune_gc(20000)
+        assert gc.get_threshold() == (1234, 5, 6)
+        gc.set_threshold(700, 10, 10)
+        deferfuse._tune_gc(0)
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*old)
+    code = "import gc, deferfuse; print(gc.get_threshold())"
+    out = subprocess.run([sys.executable, "-c", code],
+                         env={**os.environ, "DEFERFUSE_GC_THRESHOLD": "5000"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "(5000, 10, 10)"
