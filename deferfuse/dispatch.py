@@ -31,6 +31,7 @@ _SIG = operator.attrgetter("_sig")
 _VAL = operator.attrgetter("_s.val")
 _DEV = operator.attrgetter("_s.device")
 _TPU_ONLY = {TpuTensor}
+_PLAIN = {int, float, bool, type(None)}     # list items _encode keeps as they are (static)
 _SPECIAL_SCALARS = {0, 1, -1, 2, 0.5, 0.0, 1.0, -1.0, 2.0}
 _CACHE: dict = {}       # op key -> _Entry
 
@@ -170,6 +171,8 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
                 n = len(tensors)
                 tensors.extend(a)
                 return _ts_range(n, len(a))
+        elif (static or not info_scalar) and set(map(type, a)) <= _PLAIN:
+            return tuple(a)     # sizes, strides, dims: what the loop below would give, in one call
         return tuple([_encode(x, info_scalar, tensors, scalars, static, device) for x in a])
     if isinstance(a, torch.Tensor):
         if isinstance(a, TpuTensor):
