@@ -111,8 +111,8 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         if split is not None:
             return _run_needed_first(nodes, ext, outs, split, held, h, reason, src,
                                      debug_level, planner, shape_limit, budget)
-    mplan = memory.plan([memory.InputInfo(v.nbytes, hd) for v, hd in zip(ext, held)],
-                        [v.nbytes for v in outs], 0, None, planner and not cross_check)
+    mplan = memory.plan([v.nbytes for v in ext], held, [v.nbytes for v in outs], 0, None,
+                        planner and not cross_check)
     donate = mplan.donate
     if out_sig is None:
         out_sig = tuple((v.node.pos, v.idx) for v in outs)
@@ -225,12 +225,18 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
     if don:
         # Donated buffers now belong to the outputs (no storage holds those values: see
         # NOTE [donation safety]): stop counting them before the outputs are counted.
+        freed = 0
         for v, d in zip(ext, donate):
             if d and v.array is not None:
                 v.array = None
-                memory_stats.account(-v.nbytes)
-    for v, r in zip(outs, res):
-        v.bind(r)
+                freed += v.nbytes
+        memory_stats.account(-freed)
+    n = 0
+    for v, r in zip(outs, res):     # Value.bind, with one account() for all
+        v.array = r
+        v.node = None
+        n += v.nbytes
+    memory_stats.account(n)
     if memory_stats.peak > _peak_seen[0]:
         _peak_seen[0] = memory_stats.peak
         S["peak_region"] = reg.summary
@@ -285,7 +291,7 @@ def _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner, shape
             lv = live.get(id(n))
             if lv is not None:
                 piece_outs.extend(lv)
-                sig.extend((j, v.idx) for v in lv)
+                sig.extend([(j, v.idx) for v in lv])
         if pc.needed:
             have = {id(v) for v in piece_outs}
             for j, i in pc.needed:

@@ -14,12 +14,6 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class InputInfo:
-    nbytes: int
-    held: bool          # a live storage (or anything outside the trace) still holds this value
-
-
-@dataclass(frozen=True, slots=True)
 class MemoryPlan:
     donate: tuple[bool, ...]      # per external input
     donated_bytes: int
@@ -28,20 +22,22 @@ class MemoryPlan:
     peak_estimate: int            # inputs kept + outputs + XLA temporaries (when known)
 
 
-def plan(inputs: list[InputInfo], out_bytes: list[int], all_node_out_bytes: int,
+def plan(in_bytes: list[int], held: list[bool], out_bytes: list[int], all_node_out_bytes: int,
          temp_bytes: int | None = None, enabled: bool = True) -> MemoryPlan:
-    """Decide donation for one region run.
+    """Decide donation for one region run (it runs at every sync: plain lists, no records).
 
-    ``out_bytes``: bytes of the values the region must return (held by live tensors);
-    ``all_node_out_bytes``: bytes of every value the region's ops produce.
+    ``in_bytes`` and ``held``: per external input, its bytes and whether a live storage (or
+    anything outside the trace) still holds it; ``out_bytes``: bytes of the values the region
+    must return (held by live tensors); ``all_node_out_bytes``: bytes of every value the region's
+    ops produce.
     """
     if enabled:
-        donate = tuple(not i.held and i.nbytes > 0 for i in inputs)
+        donate = tuple([not h and n > 0 for n, h in zip(in_bytes, held)])
     else:
-        donate = tuple(False for _ in inputs)
-    donated = sum(i.nbytes for i, d in zip(inputs, donate) if d)
+        donate = (False,) * len(in_bytes)
+    donated = sum([n for n, d in zip(in_bytes, donate) if d])
     outs = sum(out_bytes)
-    ins = sum(i.nbytes for i in inputs)
+    ins = sum(in_bytes)
     # Donated inputs are reused for outputs (when shapes allow); the estimate counts them once.
     peak = ins + max(outs - donated, 0) + (temp_bytes or 0)
     return MemoryPlan(donate, donated, outs, max(all_node_out_bytes - outs, 0), peak)

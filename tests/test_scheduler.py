@@ -48,21 +48,21 @@ def test_body_signature_matches_rolling_hash():
 @given(st.lists(st.tuples(st.integers(0, 10**9), st.booleans()), max_size=50),
        st.lists(st.integers(0, 10**9), max_size=20), st.booleans())
 def test_memory_plan_donates_only_unheld_inputs(inputs, outs, enabled):
-    infos = [memory.InputInfo(n, held) for n, held in inputs]
-    p = memory.plan(infos, outs, sum(outs) + 5, temp_bytes=7, enabled=enabled)
-    assert len(p.donate) == len(infos)
-    for i, d in zip(infos, p.donate):
+    p = memory.plan([n for n, _ in inputs], [h for _, h in inputs], outs, sum(outs) + 5,
+                    temp_bytes=7, enabled=enabled)
+    assert len(p.donate) == len(inputs)
+    for (n, held), d in zip(inputs, p.donate):
         if d:
-            assert enabled and not i.held and i.nbytes > 0
+            assert enabled and not held and n > 0
         elif enabled:
-            assert i.held or i.nbytes == 0
-    assert p.donated_bytes == sum(i.nbytes for i, d in zip(infos, p.donate) if d)
+            assert held or n == 0
+    assert p.donated_bytes == sum(n for (n, _), d in zip(inputs, p.donate) if d)
     assert p.elided_bytes == 5
-    assert p.peak_estimate >= sum(i.nbytes for i in infos) + 7
+    assert p.peak_estimate >= sum(n for n, _ in inputs) + 7
 
 
 def test_memory_plan_off_switch():
-    p = memory.plan([memory.InputInfo(100, False)], [100], 100, enabled=False)
+    p = memory.plan([100], [False], [100], 100, enabled=False)
     assert p.donate == (False,) and p.donated_bytes == 0
 
 
