@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full bench bench-quick sweep wheel-test clean
+.PHONY: demo test test-full bench bench-quick bench-paired sweep wheel-test clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/run.py --quick --systems eager,strict,defer,jax $(ARGS)
+
+bench-paired: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python bench/paired.py --quick $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow

@@ -264,15 +264,16 @@ def machine_info() -> dict:
                                                     "transformers", "torchax", "matplotlib")})
 
 
-def _spawn(args: list[str], timeout: float, env_extra: dict, tmp: str) -> tuple[dict | None, str]:
-    """Run this script in a child; returns (its JSON or None, why not)."""
+def _spawn(args: list[str], timeout: float, env_extra: dict, tmp: str,
+           script: str = __file__) -> tuple[dict | None, str]:
+    """Run ``script`` (this one by default) in a child; returns (its JSON or None, why not)."""
     out = os.path.join(tmp, "cell.json")
     if os.path.exists(out):
         os.remove(out)
     env = dict(os.environ, **env_extra)
     log = os.path.join(tmp, "cell.log")
     with open(log, "w") as lf:
-        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args, "--cell-out", out],
+        p = subprocess.Popen([sys.executable, os.path.abspath(script), *args, "--cell-out", out],
                              stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = p.wait(timeout=timeout)

@@ -1,0 +1,242 @@
+"""defer against strict eager and CPU eager, step for step in one process.
+
+    python bench/paired.py [--quick] [--workloads a,b] [--systems eager,strict,defer] [--rounds N]
+
+``run.py`` runs each (workload, system) in its own process, minutes apart. This machine's speed
+drifts by 2-3x over minutes, so a ratio of two medians from different processes is good to about
+±30%. Here one process per workload builds the workload once for each system, warms each up, and
+then runs rounds: one step of every system, the order reversed every other round, so both sides of
+each ratio see the same machine within milliseconds. For each round it takes (other system's step
+time) / (defer's step time) and reports the median of these paired ratios and their quartiles.
+Results: bench/results/paired.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import run as R
+
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer"]
+GOAL = 1.5          # issue 3: defer at least 1.5x faster than strict eager on every workload
+
+
+def _q(xs, q):
+    return R._pct(xs, q)
+
+
+# =========================================================================== child: one workload
+def child(a) -> None:
+    import faulthandler
+    faulthandler.enable()
+    res = dict(workload=a.cell, status="error")
+    try:
+        res.update(_measure(a.cell, a.systems.split(","), a.quick, a.warmup, a.rounds))
+        res["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - a failing workload records why
+        res.update(error=R._first_line(e), traceback=traceback.format_exc()[-4000:])
+    with open(a.cell_out, "w") as f:
+        json.dump(res, f)
+
+
+def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int) -> dict:
+    import contextlib
+
+    import torch
+    import workloads as W
+    df = None
+    if set(systems) & set(R.DEFERFUSE):
+        import deferfuse as df
+    built, scopes, out = {}, {}, {"na": {}}
+    for s in systems:
+        torch.manual_seed(W.SEED)
+        ctx = W.Ctx(s)
+        scopes[s] = (lambda s=s: df.mode(s)) if s in R.DEFERFUSE else contextlib.nullcontext
+        try:
+            with scopes[s]():
+                built[s] = W.WORKLOADS[w]["torch"](ctx, quick)
+                for _ in range(warmup):
+                    built[s].step()
+        except W.NotApplicable as e:
+            out["na"][s] = str(e)
+    live = [s for s in systems if s in built]
+    if df is not None:
+        df.reset_metrics()
+    times = {s: [] for s in live}
+    extras = {s: [] for s in live}
+    for r in range(rounds):
+        for s in (live if r % 2 == 0 else live[::-1]):
+            with scopes[s]():
+                t0 = time.perf_counter()
+                x = built[s].step()
+                times[s].append(time.perf_counter() - t0)
+            if isinstance(x, dict) and "us_per_op" in x:
+                extras[s].append(x["us_per_op"])
+    if df is not None:
+        m = df.metrics()
+        out["deferfuse_compiles_after_warmup"] = m["compiles"]
+        out["cpu_fallbacks"] = dict(m["cpu_fallbacks"])
+    out["times_s"] = times
+    out["us_per_op"] = {s: statistics.median(v) for s, v in extras.items() if v}
+    out["check"] = {s: built[s].check() for s in live}
+    out["info"] = built[live[0]].info if live else {}
+    return out
+
+
+# =========================================================================== parent
+def summarize(res: dict) -> dict:
+    """Per system: median ms; per other system: the paired ratios other/defer."""
+    t = res["times_s"]
+    c = {"median_ms": {s: statistics.median(v) * 1e3 for s, v in t.items()}, "paired": {}}
+    if "defer" in t:
+        for s, v in t.items():
+            if s == "defer":
+                continue
+            r = [a / b for a, b in zip(v, t["defer"])]
+            c["paired"][s] = dict(median=statistics.median(r), p25=_q(r, .25), p75=_q(r, .75),
+                                  rounds=len(r), at_goal=sum(x >= GOAL for x in r) / len(r))
+    ref = res["check"].get("eager")
+    if ref is not None:
+        c["check_rel_diff"] = {s: abs(v - ref) / max(abs(ref), 1e-6)
+                               for s, v in res["check"].items() if s != "eager"}
+    return c
+
+
+def render_md(meta: dict, results: dict) -> str:
+    m = meta["machine"]
+    others = [s for s in meta["systems"] if s != "defer"]
+    L = ["# deferfuse paired benchmark: every system step for step in one process", "",
+         f"- date: {m['date']}; {m['nproc']} CPUs ({m['cpu']}); load average "
+         f"{', '.join(f'{x:.1f}' for x in m['loadavg_start'])} at start, "
+         f"{', '.join(f'{x:.1f}' for x in m.get('loadavg_end', ()))} at end",
+         "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
+         f"- protocol: {'quick' if meta['quick'] else 'full'} sizes; one process per workload holds "
+         f"every system; {meta['warmup']} warm-up steps each, then {meta['rounds']} rounds of one "
+         "step per system (order reversed every other round); every step ends with a real sync.",
+         "- paired ratio: (other system's step) / (defer's step in the same round); median "
+         f"[25th-75th percentile] over the rounds; > 1: defer is faster. 'at {GOAL}x': the share of "
+         "rounds where defer was at least that much faster.", "",
+         "| workload | " + " | ".join(f"{s} ms" for s in meta["systems"]) + " | "
+         + " | ".join(f"{s} / defer (paired)" for s in others) + f" | rounds at {GOAL}x vs strict |"
+         + " compiles after warm-up | check |",
+         "|---|" + "---:|" * (len(meta["systems"]) + len(others) + 2) + "---|"]
+    ratios = []
+    for w in meta["workloads"]:
+        r = results.get(w)
+        if r is None or r["status"] != "ok":
+            L.append(f"| {w} | ERROR: {(r or {}).get('error', 'not run')[:100]} |")
+            continue
+        c = summarize(r)
+        cells = [R._ms(c["median_ms"].get(s)) if s in c["median_ms"] else
+                 ("n/a" if s in r["na"] else "–") for s in meta["systems"]]
+        pr = []
+        for s in others:
+            p = c["paired"].get(s)
+            pr.append(f"{p['median']:.2f}x [{p['p25']:.2f}-{p['p75']:.2f}]" if p else "–")
+        st = c["paired"].get("strict")
+        if st:
+            ratios.append(st["median"])
+        diffs = c.get("check_rel_diff", {})
+        worst = max(diffs.values()) if diffs else None
+        chk = "–" if worst is None else (f"{worst:.0e}" if worst < 1e-3 else f"**{worst:.2g} DIFFERS**")
+        share = "–" if not st else f"{st['at_goal'] * 100:.0f}%"
+        L.append(f"| {w} | " + " | ".join(cells + pr) + f" | {share} | "
+                 f"{r.get('deferfuse_compiles_after_warmup', '–')} | {chk} |")
+    if ratios:
+        g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        L += ["", f"Geometric mean of the paired strict/defer medians: **{g:.2f}x**; "
+              f"{sum(x >= GOAL for x in ratios)} of {len(ratios)} workloads at {GOAL}x or more."]
+    ops = {w: results[w].get("us_per_op") for w in results if results[w].get("us_per_op")}
+    for w, u in ops.items():
+        L.append(f"- {w}: recording / dispatch cost per op (loop only): "
+                 + ", ".join(f"{s} {v:.1f} µs" for s, v in u.items()))
+    return "\n".join(L) + "\n"
+
+
+def parent(a) -> int:
+    import workloads as W
+    workloads = a.workloads.split(",") if a.workloads else list(W.WORKLOADS)
+    systems = a.systems.split(",")
+    for s in systems:
+        if s not in SYSTEMS:
+            sys.exit(f"unknown system {s!r}; paired runs take {', '.join(SYSTEMS)}")
+    for w in workloads:
+        if w not in W.WORKLOADS:
+            sys.exit(f"unknown workload {w!r}; known: {', '.join(W.WORKLOADS)}")
+    rounds = a.rounds or (20 if a.quick else 30)
+    warmup = a.warmup or 3
+    os.makedirs(R.RESULTS, exist_ok=True)
+    machine = R.machine_info()
+    t_start = time.time()
+    print(f"paired bench: {machine['date']}, load {machine['loadavg_start'][0]:.1f}; systems "
+          f"{', '.join(systems)}; {rounds} rounds", flush=True)
+    results = {}
+    tmp = tempfile.mkdtemp(prefix="deferfuse-paired-")
+    try:
+        for w in workloads:
+            t0 = time.time()
+            env = {"DEFERFUSE_CACHE_DIR": os.path.join(tmp, w, "deferfuse"),
+                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, w, "inductor"),
+                   "PYTHONWARNINGS": "ignore"}
+            args = ["--cell", w, "--systems", ",".join(systems), "--rounds", str(rounds),
+                    "--warmup", str(warmup)] + (["--quick"] if a.quick else [])
+            res, why = R._spawn(args, a.timeout or (600 if a.quick else 1800), env, tmp,
+                                script=os.path.abspath(__file__))
+            if res is None:
+                res = dict(workload=w, status="error", error=why.partition("\n")[0])
+            results[w] = res
+            line = f"{w:<20}"
+            if res["status"] == "ok":
+                c = summarize(res)
+                line += "  ".join(f"{s} {v:.2f} ms" for s, v in c["median_ms"].items())
+                if "strict" in c["paired"]:
+                    line += f"  strict/defer {c['paired']['strict']['median']:.2f}x"
+            else:
+                line += f"ERROR: {res.get('error', '')[:120]}"
+            print(line + f"  ({time.time() - t0:.0f} s)", flush=True)
+    finally:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    machine["loadavg_end"] = os.getloadavg()
+    meta = dict(machine=machine, quick=a.quick, rounds=rounds, warmup=warmup, systems=systems,
+                workloads=workloads, wall_s=time.time() - t_start, argv=sys.argv[1:])
+    md = render_md(meta, results)
+    with open(os.path.join(R.RESULTS, "paired.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1, default=str)
+    with open(os.path.join(R.RESULTS, "paired.md"), "w") as f:
+        f.write(md)
+    print()
+    print(md)
+    print(f"wrote {os.path.relpath(R.RESULTS)}/paired.json, paired.md in {time.time() - t_start:.0f} s")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes (as run.py --quick)")
+    p.add_argument("--workloads", help="comma-separated subset of workloads")
+    p.add_argument("--systems", default="eager,strict,defer",
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default eager,strict,defer)")
+    p.add_argument("--rounds", type=int, help="timed rounds (default 30, quick 20)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per system (default 3)")
+    p.add_argument("--timeout", type=float, help="seconds per workload (default 1800, quick 600)")
+    p.add_argument("--results", default=R.RESULTS, help="folder for paired.json / paired.md")
+    p.add_argument("--cell", help=argparse.SUPPRESS)
+    p.add_argument("--cell-out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    R.RESULTS = os.path.abspath(a.results)
+    if a.cell:
+        child(a)
+        return 0
+    return parent(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
