@@ -224,6 +224,22 @@ def _h_allclose(func, args, kwargs):
     return bool(aten.isclose.default(a, b, **rest).all().item())
 
 
+def _h_not_left_aligned(func, args, kwargs):
+    """``torch._nested_tensor_from_mask_left_aligned``: its one caller, ``nn.TransformerEncoder``,
+    asks it whether to turn a padded batch into a nested tensor (eval, no_grad, a padding mask).
+    tpu has no nested tensors, so the answer is False: PyTorch then runs its padded path, as CPU
+    does for a mask that is not left-aligned. The valid positions are CPU's; the padded ones hold
+    computed values where CPU's nested path gives zeros."""
+    return False
+
+
+def _h_nested_from_mask(func, args, kwargs):
+    raise NotImplementedError(
+        "nested tensors are not supported on the tpu device; nn.TransformerEncoder makes one in "
+        "eval mode with a src_key_padding_mask when mask_check=False: keep mask_check=True (the "
+        "default) or build it with enable_nested_tensor=False")
+
+
 _INPLACE_VIEWS = {}
 for _p in ("squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_"):
     _pk = getattr(aten, _p, None)
@@ -253,6 +269,8 @@ SPECIAL = {
     aten.native_batch_norm.default: _h_batch_norm,
     aten._native_batch_norm_legit.default: _h_batch_norm,
     aten.one_hot.default: _h_one_hot,
+    aten._nested_tensor_from_mask_left_aligned.default: _h_not_left_aligned,
+    aten._nested_tensor_from_mask.default: _h_nested_from_mask,
 }
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")

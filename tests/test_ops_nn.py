@@ -388,6 +388,39 @@ def test_transformer_encoder_inference_fast_path(norm_first, masks):
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
 
 
+@pytest.mark.parametrize("left_aligned", [True, False])
+def test_transformer_encoder_nested_fast_path_declined(left_aligned):
+    """With enable_nested_tensor=True (the default), eval, no_grad and a padding mask, CPU turns a
+    left-aligned batch into a nested tensor; tpu has none, so it runs PyTorch's padded path: the
+    valid positions are CPU's, and for a mask that is not left-aligned (CPU's padded path too)
+    every position is."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+    m = nn.TransformerEncoder(layer, 2).eval()
+    x = torch.randn(2, 6, 16)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    if left_aligned:
+        pad[1, 4:] = True
+    else:
+        pad[1, 1] = True
+    mt = copy.deepcopy(m).to("tpu")
+    with torch.no_grad():
+        want = m(x, src_key_padding_mask=pad)
+        deferfuse.reset_metrics()
+        got = mt(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
+        deferfuse.sync()
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+    if left_aligned:
+        assert_same(got[~pad.to("tpu")], want[~pad], **TOL)
+        assert torch.equal(want[pad], torch.zeros_like(want[pad]))   # CPU's nested path
+    else:
+        assert_same(got, want, **TOL)
+    m2 = copy.deepcopy(mt)
+    m2.mask_check = False       # straight to torch._nested_tensor_from_mask: a clear error
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
+        m2(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
+
+
 @pytest.mark.parametrize("kw", [{}, dict(key_padding_mask=True), dict(need_weights=False),
                                 dict(average_attn_weights=False)])
 def test_multihead_attention_inference_fast_path(kw):
