@@ -268,9 +268,21 @@ def _run(func, info, args, kwargs):
     fast = entry.fast
     if fast is not None and state.MODE == "defer":
         # The common case, inlined from run_node and _bind: record an op with one new output.
-        st = Storage(_trace.record(entry, ins, scalars)[0], dev, fast[0])
-        _trace.storages.append(st.wr)
-        return make(st, (), fast[1], fast[2], 0, fast[0], fast[3])
+        if fast.__class__ is tuple:
+            st = Storage(_trace.record(entry, ins, scalars)[0], dev, fast[0])
+            _trace.storages.append(st.wr)
+            return make(st, (), fast[1], fast[2], 0, fast[0], fast[3])
+        # Several new outputs (layer norm, a backward op, a foreach op): the same, per output.
+        stor = _trace.storages
+        res = []
+        for m, v in zip(fast, _trace.record(entry, ins, scalars)):
+            if m is None:
+                res.append(None)
+            else:
+                st = Storage(v, dev, m[0])
+                stor.append(st.wr)
+                res.append(make(st, (), m[1], m[2], 0, m[0], m[3]))
+        return res if entry.out[0][0] == "list" else tuple(res)
     if low.rng:
         ins.append(state.rng_storage(dev).val)
     outs = state.run_node(entry, ins, scalars, dev)
@@ -364,9 +376,13 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
         made.append((dtype, size, None if stride == _contig(size) else stride,
                      sig_id((size, dtype, (), size, stride, dtype))))
     e.made = tuple(made)
+    made = list(made)
     e.fast = None
-    if not mut and not info.low.rng and structure == "one" and made[0] is not None:
-        e.fast = made[0]
+    if not mut and not info.low.rng:
+        if structure == "one" and made[0] is not None:
+            e.fast = made[0]        # a tuple (dtype, size, stride, sig)
+        elif structure in ("tuple", "list"):
+            e.fast = made           # a list: one such tuple (or None) per output
     _CACHE[key] = e
     return e
 
