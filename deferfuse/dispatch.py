@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import operator
 import sys
-import warnings
 
 import numpy as np
 import torch
 
 from . import state
-from .metrics import count_fallback
 from .opinfo import decompose, op_info
 from .runtime import execute
 from .runtime.dtypes import to_np_dtype
@@ -387,68 +385,6 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
     return e
 
 
-# --------------------------------------------------------------------------------------------
-# CPU fallback
-
-_warned: set = set()
-
-
-def _fallback(func, info, args, kwargs, why):
-    from .config import config
-    if not config.cpu_fallback:
-        from .errors import LoweringError
-        raise LoweringError(func, why)
-    reason = "data-dependent shape" if why == "data-dependent shape" else "unlowered op"
-    if state.trace.nodes:
-        state.sync(reason, op=info.name)
-    count_fallback(info.name)
-    if why != "data-dependent shape" and info.name not in _warned:
-        _warned.add(info.name)
-        warnings.warn(f"deferfuse: {info.name} has no lowering to JAX; it runs on CPU (copy in, "
-                      "run, copy out). Counted in deferfuse.metrics()['cpu_fallbacks'].",
-                      stacklevel=3)
-    dev = [0]
-    cpu_of = {}
-
-    mutated = {id(args[i]) for i in info.mut_pos if i < len(args)} | \
-        {id(kwargs[n]) for n in info.mut_kw if n in kwargs}
-
-    def to_host(a):
-        if type(a) is TpuTensor:
-            dev[0] = a._s.device
-            c = to_cpu(a, reason)
-            if id(a) in mutated:
-                c = c.clone()    # a resizable CPU buffer for out= ops
-            cpu_of[id(c)] = a
-            return c
-        if isinstance(a, (list, tuple)):
-            return type(a)(to_host(x) for x in a)
-        if isinstance(a, torch.device) and a.type == "tpu":
-            return torch.device("cpu")
-        return a
-    cargs = [to_host(a) for a in args]
-    ckw = {k: to_host(v) for k, v in kwargs.items()}
-    res = func(*cargs, **ckw)
-    # Write back what the op mutated.
-    flat_mut = [cargs[i] for i in info.mut_pos if i < len(cargs)] + [ckw[n] for n in info.mut_kw if n in ckw]
-    for c in flat_mut:
-        for ci in (c if isinstance(c, (list, tuple)) else [c]):
-            t = cpu_of.get(id(ci))
-            if t is not None:
-                copy_into(t, ci)
-
-    def back(r):
-        if isinstance(r, torch.Tensor):
-            t = cpu_of.get(id(r))
-            if t is not None:
-                return t
-            return from_cpu(r, dev[0])
-        if isinstance(r, (list, tuple)):
-            return type(r)(back(x) for x in r)
-        return r
-    return back(res)
-
-
 def from_cpu(c: torch.Tensor, device: int = 0, dtype=None) -> TpuTensor:
     """A new tpu tensor holding a copy of the CPU tensor ``c``."""
     if dtype is not None and c.dtype != dtype:
@@ -479,6 +415,7 @@ def copy_into(dst: TpuTensor, src) -> TpuTensor:
     return _run(aten.copy_.default, op_info(aten.copy_.default), (dst, src), {})
 
 
+from .fallback import fallback as _fallback  # noqa: E402  (it uses the helpers above)
 from .specials import SPECIAL as _SPECIAL  # noqa: E402  (specials use the helpers above)
 
 TpuTensor.__torch_dispatch__ = classmethod(torch_dispatch)
