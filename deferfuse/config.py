@@ -114,7 +114,7 @@ config = _Config()
 
 @contextlib.contextmanager
 def override(**kw):
-    """Change settings for a block: ``with deferfuse.config.override(cross_check=True): ...``."""
+    """Change settings for a block: ``with deferfuse.override(cross_check=True): ...``."""
     old = {k: getattr(config, k) for k in kw}
     try:
         for k, v in kw.items():
