@@ -1,6 +1,7 @@
 """Mode, the pending trace, RNG state: the module state the dispatcher consults on every op."""
 from __future__ import annotations
 
+import gc
 import sys
 
 import jax
@@ -13,6 +14,10 @@ from .runtime.transfer import devices, materialize_empty
 
 MODE = config.mode          # the current mode; changed only through deferfuse.mode()
 _stack: list = []
+# NOTE [gc threshold] (deferfuse/__init__.py): Python's young-generation threshold before deferfuse
+# raised it, and the raised one (0, 0: left alone). Raised in defer mode only.
+YOUNG_GC = 0
+RAISED_GC = 0
 
 
 def set_mode(m: str) -> None:
@@ -20,6 +25,11 @@ def set_mode(m: str) -> None:
     if MODE == "defer" and m != "defer":
         sync("mode exit")
     MODE = m
+    if YOUNG_GC:
+        t = gc.get_threshold()
+        want = RAISED_GC if m == "defer" else YOUNG_GC
+        if t[0] != want and t[0] in (YOUNG_GC, RAISED_GC):     # not one the program set since
+            gc.set_threshold(want, *t[1:])
 
 
 def run_node(entry, ins, scalars, dev):
@@ -53,6 +63,10 @@ def sync(reason: str, op: str | None = None, want=None) -> None:
         print(f"[deferfuse] sync: {reason}{' (' + op + ')' if op else ''} at {src}, "
               f"{len(trace.nodes)} ops", file=sys.stderr)
     trace.flush(reason, src, want)
+    if YOUNG_GC and gc.get_count()[0] > YOUNG_GC:
+        # The trace is gone: collect what Python's own threshold would have by now (cyclic
+        # garbage holding device buffers must not wait for the raised one).
+        gc.collect(0)
     if reason not in _ASYNC_CUTS:
         # Values are read now: report an out-of-range index recorded in what just ran (in what
         # the read waited for, when it read one value).

@@ -210,24 +210,69 @@ def test_import_runtime_under_other_name_fails():
 
 @pytest.mark.modes("strict")
 def test_gc_threshold():
-    """NOTE [gc threshold]: import raises Python's default young-generation threshold; a
-    threshold the program set is kept, and 0 leaves it alone."""
+    """NOTE [gc threshold]: import raises Python's default young-generation threshold for defer
+    mode (strict and debug keep it); a threshold the program set is kept, and 0 leaves it alone."""
     import gc
-    old = gc.get_threshold()
+    from deferfuse import state
+    old, old_state = gc.get_threshold(), (state.YOUNG_GC, state.RAISED_GC)
     try:
         gc.set_threshold(700, 10, 10)
+        state.YOUNG_GC = state.RAISED_GC = 0
         deferfuse._tune_gc(20000)
-        assert gc.get_threshold() == (20000, 10, 10)
-        gc.set_threshold(1234, 5, 6)
-        deferfuse._tune_gc(20000)
-        assert gc.get_threshold() == (1234, 5, 6)
+        assert (state.YOUNG_GC, state.RAISED_GC) == (700, 20000)
+        assert gc.get_threshold() == (700, 10, 10)             # this test runs in strict mode
+        with deferfuse.mode("defer"):
+            assert gc.get_threshold() == (20000, 10, 10)
+            with deferfuse.mode("debug"):
+                assert gc.get_threshold() == (700, 10, 10)
+            assert gc.get_threshold() == (20000, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+        gc.set_threshold(1234, 5, 6)                         # the program's own: kept
+        with deferfuse.mode("defer"):
+            assert gc.get_threshold() == (1234, 5, 6)
+        state.YOUNG_GC = state.RAISED_GC = 0
         gc.set_threshold(700, 10, 10)
         deferfuse._tune_gc(0)
-        assert gc.get_threshold() == (700, 10, 10)
+        assert state.YOUNG_GC == 0
+        with deferfuse.mode("defer"):
+            assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*old)
+        state.YOUNG_GC, state.RAISED_GC = old_state
     code = "import gc, deferfuse; print(gc.get_threshold())"
     out = subprocess.run([sys.executable, "-c", code],
                          env={**os.environ, "DEFERFUSE_GC_THRESHOLD": "5000"},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "(5000, 10, 10)"
+
+
+@pytest.mark.modes("defer")
+def test_cyclic_garbage_collected_at_sync():
+    """NOTE [gc threshold]: with the raised threshold, reference cycles that hold tpu tensors are
+    still collected at the next sync once 700 objects were added, as Python's default would."""
+    import gc
+    import weakref
+    from deferfuse import state
+    old, old_young = gc.get_threshold(), state.YOUNG_GC
+    x = torch.ones(3).to("tpu")
+
+    def make_cycles(n):
+        refs = []
+        for _ in range(n):
+            c = [x.detach()]        # a new tensor, nothing recorded
+            c.append(c)
+            refs.append(weakref.ref(c[0]))
+        return refs
+    try:
+        gc.collect()
+        gc.set_threshold(20000, 10, 10)
+        for young, alive in ((0, True), (700, False)):
+            state.YOUNG_GC = young
+            refs = make_cycles(800)
+            (x + 1).sum()           # something pending, so that the sync runs a trace
+            deferfuse.sync()
+            assert any(r() is not None for r in refs) == alive
+            gc.collect()
+    finally:
+        gc.set_threshold(*old)
+        state.YOUNG_GC = old_young
