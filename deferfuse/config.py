@@ -88,8 +88,9 @@ SETTINGS = {s.name: s for s in [
             "versions of one region structure compiled before its shape-changing ops are split "
             "off (and, if every op changes, before it runs op by op)"),
     Setting("gc_threshold", "DEFERFUSE_GC_THRESHOLD", 20000, int,
-            "Python's young-generation garbage-collection threshold, set at import when it is "
-            "still Python's default of 700 (0: leave it); see NOTE [gc threshold] in __init__.py"),
+            "Python's young-generation garbage-collection threshold in defer mode, read at import "
+            "and used when the threshold is still Python's default of 700 (0: leave it); see "
+            "NOTE [gc threshold] in __init__.py"),
 ]}
 
 

@@ -374,7 +374,6 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
         made.append((dtype, size, None if stride == _contig(size) else stride,
                      sig_id((size, dtype, (), size, stride, dtype))))
     e.made = tuple(made)
-    made = list(made)
     e.fast = None
     if not mut and not info.low.rng:
         if structure == "one" and made[0] is not None:
