@@ -84,7 +84,8 @@ def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False)
     return deco
 
 
-FAMILIES = ("pointwise", "binary", "special", "activations", "reductions", "views", "linalg",
-            "factorizations", "linear", "creation", "nn", "attention", "pooling", "indexing", "random", "foreach")
+FAMILIES = ("pointwise", "binary", "special", "activations", "reductions", "sorting", "views",
+            "linalg", "factorizations", "linear", "creation", "nn", "losses", "attention", "pooling",
+            "indexing", "random", "foreach")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")
