@@ -86,6 +86,6 @@ def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False)
 
 FAMILIES = ("pointwise", "binary", "special", "activations", "reductions", "sorting", "views",
             "linalg", "factorizations", "linear", "creation", "nn", "losses", "attention", "pooling",
-            "indexing", "random", "foreach")
+            "indexing", "rearrange", "random", "foreach")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")
