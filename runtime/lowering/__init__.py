@@ -84,8 +84,8 @@ def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False)
     return deco
 
 
-FAMILIES = ("pointwise", "binary", "special", "activations", "reductions", "sorting", "views",
-            "linalg", "factorizations", "linear", "creation", "nn", "losses", "attention", "pooling",
-            "indexing", "rearrange", "random", "foreach")
+FAMILIES = ("pointwise", "unary_int", "binary", "special", "activations", "reductions", "sorting",
+            "views", "linalg", "factorizations", "linear", "creation", "nn", "losses", "attention",
+            "pooling", "indexing", "rearrange", "random", "foreach")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")

@@ -16,8 +16,8 @@ from jax import lax
 from . import LOWERINGS, Lowering, op
 from .pointwise import (_BOOL, _I64, _bc, _cast, _common, _integral_only, _iscomplex, _isfloat,
                         _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
-                        _zeta, abs_, bitwise_not, conj_physical, frexp, isfinite, neg, round_, sign,
-                        signbit)
+                        _zeta, frexp)
+from .unary_int import abs_, bitwise_not, conj_physical, isfinite, neg, round_, sign, signbit
 
 # --------------------------------------------------------------------------------------------
 # binary arithmetic
