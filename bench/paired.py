@@ -32,10 +32,6 @@ SYSTEMS = ["eager", "compile", "strict", "debug", "defer"]
 GOAL = 1.5          # issue 3: defer at least 1.5x faster than strict eager on every workload
 
 
-def _q(xs, q):
-    return R._pct(xs, q)
-
-
 # =========================================================================== child: one workload
 def child(a) -> None:
     import faulthandler
@@ -110,7 +106,7 @@ def summarize(res: dict) -> dict:
             if s == "defer":
                 continue
             r = [a / b for a, b in zip(v, t["defer"])]
-            c["paired"][s] = dict(median=statistics.median(r), p25=_q(r, .25), p75=_q(r, .75),
+            c["paired"][s] = dict(median=statistics.median(r), p25=R._pct(r, .25), p75=R._pct(r, .75),
                                   rounds=len(r), at_goal=sum(x >= GOAL for x in r) / len(r))
     ref = res["check"].get("eager")
     if ref is not None:

@@ -12,8 +12,9 @@ AutogradPrivateUse1 key makes it one recorded op (``aten.linear``, lowered in
 Only inputs CPU's composite takes without complaint come here: a floating input of at least one
 dimension, a 2-D weight of its dtype whose columns match, no bias or a 1-D bias of the output size.
 Everything else (and forward-mode AD, functorch transforms, nested tensors) goes through PyTorch's
-own composite; mismatched shapes or dtypes raise CPU's own error (``meta.cpu_error``). With ``create_graph=True`` the backward computes with
-differentiable ops (matmul, mm, sum), so a second backward works.
+own composite; mismatched shapes or dtypes raise CPU's own error (``meta.cpu_error``). With
+``create_graph=True`` the backward computes with differentiable ops (matmul, mm, sum), so a second
+backward works.
 
 The difference a user can see: ``grad_fn`` is ``LinearBackward`` where CPU shows
 ``AddmmBackward0`` or ``ViewBackward0``.
