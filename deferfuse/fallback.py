@@ -29,9 +29,9 @@ def fallback(func, info, args, kwargs, why):
     count_fallback(info.name)
     if why != "data-dependent shape" and info.name not in _warned:
         _warned.add(info.name)
-        warnings.warn(f"deferfuse: {info.name} has no lowering to JAX; it runs on CPU (copy in, "
-                      "run, copy out). Counted in deferfuse.metrics()['cpu_fallbacks'].",
-                      stacklevel=3)
+        what = "no lowering to JAX" if why == "no lowering" else why
+        warnings.warn(f"deferfuse: {info.name} has {what}; it runs on CPU (copy in, run, copy "
+                      "out). Counted in deferfuse.metrics()['cpu_fallbacks'].", stacklevel=3)
     dev = [0]
     cpu_of = {}
 

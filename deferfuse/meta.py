@@ -129,9 +129,13 @@ def infer(func, args, kwargs):
         offs = margs[2] if len(margs) > 2 else mkw.get("offs")
         dt = (margs[4] if len(margs) > 4 else mkw.get("out_dtype")) or a.dtype
         return "one", (_desc(_grouped_mm_out(a, b, offs, dt)),)
-    out = func(*margs, **mkw)
     if not func._schema.returns:      # in-place ops declared "-> ()" (_foreach_add_ ...)
+        try:
+            func(*margs, **mkw)           # checks the arguments; there is nothing to infer
+        except NotImplementedError:
+            pass                          # no meta kernel (_fused_sgd_, _fused_adagrad_)
         return "none", ()
+    out = func(*margs, **mkw)
     if isinstance(out, torch.Tensor):
         return "one", (_desc(out),)
     if isinstance(out, list):

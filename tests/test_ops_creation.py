@@ -1,5 +1,5 @@
 """Factories and *_like ops against CPU eager (dtype and values), then the _foreach ops and the
-optimizers' foreach / for-loop paths step for step against CPU."""
+optimizers' foreach / for-loop / fused paths and GradScaler step for step against CPU."""
 import copy
 
 import pytest
@@ -178,14 +178,14 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
-def _train(model, opt_cls, kw, device, steps=3, clip=False):
-    model = copy.deepcopy(model).to(device)
+def _train(model, opt_cls, kw, device, steps=3, clip=False, dtype=torch.float32):
+    model = copy.deepcopy(model).to(device, dtype)
     opt = opt_cls(model.parameters(), **kw)
     g = torch.Generator().manual_seed(1)
     params = []
     for _ in range(steps):
-        x = torch.randn(5, 4, generator=g).to(device)
-        y = torch.randn(5, 2, generator=g).to(device)
+        x = torch.randn(5, 4, generator=g).to(device, dtype)
+        y = torch.randn(5, 2, generator=g).to(device, dtype)
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         if clip:
@@ -246,3 +246,89 @@ def test_optimizer_foreach_runs_on_jax():
     # In-place _foreach_*_ ops return nothing (schema "-> ()"): meta inference and the dispatcher
     # must accept that, else they run on CPU.
     assert not ran_on_cpu, f"foreach ops ran on CPU: {sorted(ran_on_cpu)}"
+
+
+# fused=True: one op per parameter group (aten._fused_adam_ and friends), run on JAX.
+FUSED = [
+    (torch.optim.SGD, dict(lr=0.1)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (torch.optim.SGD, dict(lr=torch.tensor(0.1), momentum=0.9, dampening=0.1, maximize=True)),
+    (torch.optim.Adam, dict(lr=0.01)),
+    (torch.optim.Adam, dict(lr=0.01, amsgrad=True, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=torch.tensor(0.02), weight_decay=0.05)),
+    (torch.optim.AdamW, dict(lr=0.01, amsgrad=True, maximize=True)),
+    (torch.optim.Adagrad, dict(lr=0.1)),
+    (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("k", range(len(FUSED)))
+def test_fused_optimizers_match_cpu(k):
+    cls, kw = FUSED[k]
+    kw = dict(kw, fused=True)
+    deferfuse.reset_metrics()
+    got = _train(_model(), cls, kw, T, steps=4, clip=k % 2 == 1)
+    want = _train(_model(), cls, kw, "cpu", steps=4, clip=k % 2 == 1)
+    for step, (gs, ws) in enumerate(zip(got, want)):
+        for g, w in zip(gs, ws):
+            torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-5,
+                                       msg=lambda m: f"{cls.__name__} {kw} step {step}: {m}")
+    assert not fallbacks(), f"{cls.__name__}(fused=True) ran ops on CPU"
+
+
+def test_fused_adamw_bfloat16():
+    """Half types compute in float32 and store back rounded, as CPU's fused kernel does."""
+    g = torch.Generator().manual_seed(2)
+    init = [[torch.randn(3, 5, generator=g).abs().bfloat16() for _ in range(2)] for _ in range(4)]
+    init.append([torch.tensor(3.0), torch.tensor(3.0)])
+
+    def state(device):
+        return [[t.to(device) for t in ts] for ts in init]
+
+    def step(ts):
+        torch._fused_adamw_(ts[0], ts[1], ts[2], ts[3], [], ts[4], lr=0.01, beta1=0.9,
+                            beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+        return ts[0] + ts[2] + ts[3]
+
+    got, want = step(state(T)), step(state("cpu"))
+    assert_same(got, want, atol=1e-5, rtol=1.6e-2)
+
+
+def _scaled_train(device, opt_cls, fused):
+    """GradScaler with a scale that grows every 2 steps; step 3's loss is inf, so that step is
+    skipped and the scale backs off. Returns per step: weights, gradients, scale, growth count."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(device)
+    opt = opt_cls(model.parameters(), lr=0.01, **({"fused": True} if fused else {}))
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=2)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(5):
+        x = torch.randn(5, 4, generator=g)
+        if i == 3:
+            x[0, 0] = float("inf")
+        x = x.to(device)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), torch.zeros(5, 2, device=device))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        out.append([t.detach().cpu().clone() for t in (model.weight, model.weight.grad,
+                                                        scaler._scale, scaler._growth_tracker)])
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD], ids=["AdamW", "SGD"])
+def test_grad_scaler_matches_cpu(opt_cls, fused):
+    """torch.amp.GradScaler: unscaling, the inf check and the scale update run on JAX; a fused
+    optimizer takes grad_scale and found_inf itself, so a step needs no sync."""
+    deferfuse.reset_metrics()
+    got = _scaled_train(T, opt_cls, fused)
+    want = _scaled_train("cpu", opt_cls, fused)
+    for step, (gs, ws) in enumerate(zip(got, want)):
+        for name, g, w in zip(("weight", "grad", "scale", "growth tracker"), gs, ws):
+            torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-5, equal_nan=True,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+    assert [s[2].item() for s in want] == [1024.0, 2048.0, 2048.0, 1024.0, 1024.0]
+    assert not fallbacks(), "GradScaler ran ops on CPU"
