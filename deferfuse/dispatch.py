@@ -291,13 +291,13 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
     out_meta, mut, rng = entry.out[0], entry.out[1], entry.out[2]
     if rng:
         st = state.rng_storage(dev)
-        st.val = outs[-1]
         state.trace.track_mut(st, outs[-1])
+        st.val = outs[-1]
     if mut:
         for k, m in enumerate(mut):
             st = tensors[m]._s
-            st.val = outs[k]
             state.trace.track_mut(st, outs[k])
+            st.val = outs[k]
         rets = info.returns
         if not rets:
             return None

@@ -70,11 +70,16 @@ class Trace:
         once per trace, however many ops write it (an optimizer writes each state many times)."""
         if storage.ep != Trace.epoch:
             storage.ep = Trace.epoch
+            storage.prev = 0
             self.storages.append(storage.wr)
 
     def track_mut(self, storage, v):
-        if v.node is not None:
-            self.track(storage)
+        """Called just before an op writes the pending value ``v`` into ``storage``: remember
+        (by id, holding no reference) the value it held before this trace first wrote it."""
+        if v.node is not None and storage.ep != Trace.epoch:
+            storage.ep = Trace.epoch
+            storage.prev = id(storage.val)
+            self.storages.append(storage.wr)
 
     def record(self, entry, ins, scalars):
         """Append one op; its output Values (pending, None for an absent output). The hot path of
@@ -171,7 +176,8 @@ class Trace:
         if not nodes:
             return
         # Outputs: pending values that a live storage still holds (weak references).
-        outs, seen = [], set()
+        # partner: output -> id of the value its storage held before this trace wrote it.
+        outs, seen, partner = [], set(), {}
         for r in self.storages:
             st = r()
             if st is None:
@@ -180,6 +186,8 @@ class Trace:
             if v.node is not None and id(v) not in seen:
                 seen.add(id(v))
                 outs.append(v)
+                if st.prev:
+                    partner[id(v)] = st.prev
         # Reset first: whatever happens in execution, the trace is consumed exactly once.
         ext, uses, scalars, h = self.ext, self.ext_uses, self.scalars, self.h
         want = ((want.node.pos,) if want is not None and want.node is not None
@@ -189,7 +197,7 @@ class Trace:
         try:
             run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,
                       config.cross_check, config.memory_planner, config.shape_recompile_limit,
-                      config.memory_budget, want)
+                      config.memory_budget, want, partner=partner)
         finally:
             # Values and nodes reference each other (Value.node, Node.outs): break the cycles so
             # buffers are released by reference counting, right away, not by the cyclic GC.

@@ -171,8 +171,8 @@ def _write_stat(dst, new) -> None:
         copy_into(dst, new)
         return
     st = dst._s
+    state.trace.track_mut(st, new._s.val)
     st.val = new._s.val
-    state.trace.track_mut(st, st.val)
 
 
 def _h_one_hot(func, args, kwargs):

@@ -18,8 +18,9 @@ from .scheduler.records import Value, sig_id
 
 class Storage:
     # wr: a weak reference to itself, made once (the pending trace keeps one per storage it may
-    # have to read back); ep: the trace epoch that last took it (see Trace.track).
-    __slots__ = ("val", "device", "dtype", "wr", "ep", "__weakref__")
+    # have to read back); ep: the trace epoch that last took it (see Trace.track); prev: id() of
+    # the value it held before that trace first wrote it (see NOTE [alias order]).
+    __slots__ = ("val", "device", "dtype", "wr", "ep", "prev", "__weakref__")
 
     def __init__(self, val: Value, device: int, dtype: torch.dtype):
         self.val = val
@@ -27,6 +28,7 @@ class Storage:
         self.dtype = dtype
         self.wr = weakref.ref(self)
         self.ep = 0
+        self.prev = 0
 
 
 _DEVICES: list = []   # torch.device("tpu", i), filled by deferfuse.device
