@@ -20,66 +20,69 @@ def _is_zero(a) -> bool:
     return isinstance(a, (int, float)) and a == 0
 
 
+def _double():
+    """PyTorch's double for these coefficients: float64 (float32 where JAX runs without 64-bit
+    types; deferfuse turns them on while it traces)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+
+
+def _f64(x):
+    """A scalar (a number, or a 0-d or one-element array) as a double."""
+    return jnp.asarray(x, _double()).reshape(())
+
+
 def _scaled(grads, grad_scale):
     """The gradients in compute precision, divided by ``grad_scale`` when given."""
     gs = [_up(g) for g in grads]
     if grad_scale is not None:
-        gs = [g / grad_scale.astype(g.dtype) for g in gs]
+        gs = [g / grad_scale.reshape(()).astype(g.dtype) for g in gs]
     return gs
 
 
-def _skip(found_inf, new: list, old: list) -> list:
-    """``new`` unless ``found_inf`` is set (AMP found an inf or nan: the step is skipped)."""
+def _finish(new: list, old: list, found_inf) -> list:
+    """``new`` in ``old``'s dtypes, or ``old`` itself where ``found_inf`` is set (AMP found an inf
+    or a nan in the gradients: the step is skipped)."""
+    new = [n.astype(o.dtype) for n, o in zip(new, old)]
     if found_inf is None:
         return new
     skip = found_inf.reshape(()) == 1
-    return [jnp.where(skip, o, n.astype(o.dtype)) for n, o in zip(new, old)]
+    return [jnp.where(skip, o, n) for n, o in zip(new, old)]
 
 
-def _cast(new: list, old: list) -> list:
-    return [n.astype(o.dtype) for n, o in zip(new, old)]
-
-
-def _f64(x):
-    """A scalar (a number, or a 0-d or one-element array) in float64, PyTorch's double for these
-    coefficients (float32 where JAX runs without 64-bit types)."""
-    return jnp.asarray(x, jax.dtypes.canonicalize_dtype(jnp.float64)).reshape(())
+def _decayed(x, d, weight_decay, ct):
+    """L2 weight decay folded into the gradient ``d`` (Adam, SGD, Adagrad)."""
+    return d if _is_zero(weight_decay) else d + x * _f64(weight_decay).astype(ct)
 
 
 def _adam(decoupled):
     def lower(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1,
               beta2, weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None):
         gs = _scaled(grads, grad_scale)
+        lr, b1, b2, eps = _f64(lr), _f64(beta1), _f64(beta2), _f64(eps)
         new_p, new_m, new_v, new_mx = [], [], [], []
         for i, (p, g, m, v, step) in enumerate(zip(params, gs, exp_avgs, exp_avg_sqs,
                                                    state_steps)):
             ct = g.dtype
             x = _up(p)
             d = -g if maximize else g
-            if not _is_zero(weight_decay):
-                if decoupled:
-                    x = x * (1 - _f64(lr) * _f64(weight_decay)).astype(ct)
-                else:
-                    d = d + x * _f64(weight_decay).astype(ct)
+            if not decoupled:
+                d = _decayed(x, d, weight_decay, ct)
+            elif not _is_zero(weight_decay):
+                x = x * (1 - lr * _f64(weight_decay)).astype(ct)
             t = _f64(step)
-            b1, b2 = _f64(beta1), _f64(beta2)
-            step_size = (_f64(lr) / (1 - b1 ** t)).astype(ct)
+            step_size = (lr / (1 - b1 ** t)).astype(ct)
             bc2_sqrt = jnp.sqrt(1 - b2 ** t).astype(ct)
             m = _lerp(m, d, (1 - b1).astype(ct))
             v = _up(v) * b2.astype(ct) + d * d * (1 - b2).astype(ct)
             if amsgrad:
-                mx = jnp.maximum(_up(max_exp_avg_sqs[i]), v)
-                new_mx.append(mx)
-                denom = jnp.sqrt(mx) / bc2_sqrt + _f64(eps).astype(ct)
-            else:
-                denom = jnp.sqrt(v) / bc2_sqrt + _f64(eps).astype(ct)
+                v_max = jnp.maximum(_up(max_exp_avg_sqs[i]), v)
+                new_mx.append(v_max)
+            denom = jnp.sqrt(v_max if amsgrad else v) / bc2_sqrt + eps.astype(ct)
             new_p.append(x - step_size * m / denom)
             new_m.append(m)
             new_v.append(v)
-        old = list(params) + list(grads) + list(exp_avgs) + list(exp_avg_sqs) + list(max_exp_avg_sqs)
-        new = _cast(new_p, params) + _cast(gs, grads) + _cast(new_m, exp_avgs) + \
-            _cast(new_v, exp_avg_sqs) + _cast(new_mx, max_exp_avg_sqs)
-        return _skip(found_inf, new, old)
+        return _finish(new_p + gs + new_m + new_v + new_mx,
+                       [*params, *grads, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs], found_inf)
     return lower
 
 
@@ -91,47 +94,40 @@ op("_fused_adamw_.default", "_fused_adamw_.tensor_lr")(_adam(True))
 def _fused_sgd_(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening,
                 nesterov, maximize, is_first_step, grad_scale=None, found_inf=None):
     gs = _scaled(grads, grad_scale)
+    lr, momentum, dampening = _f64(lr), _f64(momentum), _f64(dampening)
     new_p, new_buf = [], []
     for i, (p, g) in enumerate(zip(params, gs)):
         ct = g.dtype
         x = _up(p)
-        d = -g if maximize else g
-        if not _is_zero(weight_decay):
-            d = d + x * _f64(weight_decay).astype(ct)
+        d = _decayed(x, -g if maximize else g, weight_decay, ct)
         if momentum_buffer_list:        # empty exactly when momentum == 0
-            mom = _f64(momentum).astype(ct)
-            if is_first_step:
-                buf = d
-            else:
-                buf = _up(momentum_buffer_list[i]) * mom + d * (1 - _f64(dampening)).astype(ct)
+            mom = momentum.astype(ct)
+            buf = d if is_first_step else (_up(momentum_buffer_list[i]) * mom
+                                           + d * (1 - dampening).astype(ct))
             new_buf.append(buf)
             d = d + buf * mom if nesterov else buf
-        new_p.append(x - d * _f64(lr).astype(ct))
-    old = list(params) + list(grads) + list(momentum_buffer_list)
-    new = _cast(new_p, params) + _cast(gs, grads) + _cast(new_buf, momentum_buffer_list)
-    return _skip(found_inf, new, old)
+        new_p.append(x - d * lr.astype(ct))
+    return _finish(new_p + gs + new_buf, [*params, *grads, *momentum_buffer_list], found_inf)
 
 
 def _adagrad(steps_written):
     def lower(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps,
               maximize, grad_scale=None, found_inf=None):
         gs = _scaled(grads, grad_scale)
+        lr, lr_decay, eps = _f64(lr), _f64(lr_decay), _f64(eps)
         new_p, new_s = [], []
         for p, g, s, step in zip(params, gs, state_sums, state_steps):
             ct = g.dtype
             x = _up(p)
-            d = -g if maximize else g
-            if not _is_zero(weight_decay):
-                d = d + x * _f64(weight_decay).astype(ct)
-            clr = (_f64(lr) / (1 + (_f64(step) - 1) * _f64(lr_decay))).astype(ct)
+            d = _decayed(x, -g if maximize else g, weight_decay, ct)
+            clr = (lr / (1 + (_f64(step) - 1) * lr_decay)).astype(ct)
             s = _up(s) + d * d
             new_s.append(s)
-            new_p.append(x - clr * d / (jnp.sqrt(s) + _f64(eps).astype(ct)))
-        old = list(params) + list(grads) + list(state_sums)
-        new = _cast(new_p, params) + _cast(gs, grads) + _cast(new_s, state_sums)
+            new_p.append(x - clr * d / (jnp.sqrt(s) + eps.astype(ct)))
+        new, old = new_p + gs + new_s, [*params, *grads, *state_sums]
         if steps_written:       # the default overload's schema marks state_steps written
-            old, new = old + list(state_steps), new + list(state_steps)
-        return _skip(found_inf, new, old)
+            new, old = new + list(state_steps), old + list(state_steps)
+        return _finish(new, old, found_inf)
     return lower
 
 
@@ -161,8 +157,8 @@ def _amp_update_scale_(scale, growth_tracker, found_inf, scale_growth_factor,
     """After an inf: scale times the backoff factor, tracker reset. Otherwise the tracker counts
     the step, and at ``growth_interval`` steps the scale grows (if that stays finite)."""
     found = found_inf.reshape(scale.shape) != 0
-    up = (scale.astype(_f64(1).dtype) * _f64(scale_growth_factor)).astype(scale.dtype)
-    down = (scale.astype(_f64(1).dtype) * _f64(scale_backoff_factor)).astype(scale.dtype)
+    up = (scale.astype(_double()) * _f64(scale_growth_factor)).astype(scale.dtype)
+    down = (scale.astype(_double()) * _f64(scale_backoff_factor)).astype(scale.dtype)
     succ = growth_tracker + 1
     grow = succ == growth_interval
     new_scale = jnp.where(found, down, jnp.where(grow & jnp.isfinite(up), up, scale))
