@@ -260,9 +260,11 @@ def _alias_order(outs, ext, donate, partner):
     were first written: the gradients (backward), then the parameters and optimizer states (the
     optimizer step). So a parameter's donated buffer went to its gradient, and XLA copied the old
     parameter out first (the backward pass and the update still read it), then copied the gradient
-    in: two copies of every parameter per step (measured: the MLP step's second region, 2.3 ms).
-    Outputs that are a storage's new value, whose old value is a donated input, come first here, in
-    the order of those inputs, so each takes its own storage's buffer and is written in place.
+    in: two copies of every parameter per step. Outputs that are a storage's new value, whose old
+    value is a donated input, come first here, in the order of those inputs, so each takes its own
+    storage's buffer and is written in place (measured: the MLP step's optimizer region went from 12
+    copies to 2; the full-size MLP step took 54.8 ms against 58.5, alternating in one process; at
+    quick sizes the difference is within noise).
     Returns the output order (indices into ``outs``), or None to keep it."""
     if not partner or not any(donate):
         return None
