@@ -31,6 +31,7 @@ _LINEAR = aten.linear.default
 _BACKWARD = aten.linear_backward.default
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _functorch_level = torch._C._functorch.maybe_current_level
 _lib = None
@@ -41,6 +42,11 @@ def _fused_ok(x, w, b) -> bool:
         return False
     dt = x.dtype
     if dt not in _FLOATS or w.dtype != dt or x.shape[-1] != w.shape[1]:
+        return False
+    if b is not None and dt in _HALF and x.dim() != 2 and not x.is_contiguous():
+        # CPU's composite fuses the bias into the product (addmm: one rounding) for a 2-D or a
+        # contiguous input, and otherwise adds it to the rounded product (matmul, then add): the
+        # composite does the same here, so half-precision results match CPU's bit for bit.
         return False
     if b is not None and (b.dim() != 1 or b.dtype != dt or b.shape[0] != w.shape[0]):
         return False

@@ -496,3 +496,35 @@ def test_out_of_range_class_or_row_raises_index_error(case):
     # ignore_index entries are never checked
     got = F.cross_entropy(torch.ones(2, 4, device="tpu"), torch.tensor([1, -100], device="tpu"))
     assert_same(got, F.cross_entropy(torch.ones(2, 4), torch.tensor([1, -100])))
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(16,), (5, 16), (3, 5, 16), (2, 3, 5, 16)])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_linear_half_precision_rounds_as_cpu(dt, shape, contiguous):
+    """Half precision with a bias is rounded once (addmm) for a 2-D or contiguous input and twice
+    (product, then bias) otherwise, as CPU's composite does: results equal CPU's bit for bit.
+    Integer inputs make every float32 sum exact, so only the rounding can differ; their range
+    makes the sums too large for the half type's mantissa."""
+    g = torch.Generator().manual_seed(7)
+    r = 21 if dt == torch.bfloat16 else 51
+    if contiguous:
+        make = lambda t: t
+        full = torch.randint(1 - r, r, shape, generator=g).to(dt)
+    elif len(shape) == 1:
+        make = lambda t: t[::2]
+        full = torch.randint(1 - r, r, (32,), generator=g).to(dt)
+    else:
+        make = lambda t: t.transpose(-1, -2)
+        full = torch.randint(1 - r, r, shape[:-2] + shape[:-3:-1], generator=g).to(dt)
+    x = make(full)
+    w = torch.randint(1 - r, r, (8, 16), generator=g).to(dt)
+    b = (torch.randint(-3, 4, (8,), generator=g) + 0.5).to(dt)
+    once = (x.float() @ w.float().t() + b.float()).to(dt)
+    twice = ((x.float() @ w.float().t()).to(dt).float() + b.float()).to(dt)
+    assert not torch.equal(once, twice)     # these inputs tell the two roundings apart
+    want = F.linear(x, w, b)
+    xt = make(full.to("tpu"))
+    assert xt.shape == x.shape and xt.is_contiguous() == x.is_contiguous()
+    got = F.linear(xt, w.to("tpu").requires_grad_(), b.to("tpu"))
+    assert torch.equal(got.cpu(), want)

@@ -1,9 +1,9 @@
 """``aten.linear`` and ``aten.linear_backward``: a linear layer as one op each way (the ops
 ``deferfuse/linear.py`` sends here instead of linear's composite of views, ``t`` and ``addmm``).
 
-Rounding follows CPU's composite: for 2-D and 3-D inputs it is one ``addmm`` (product and bias
-summed before the one rounding to half precision), for other ranks a ``matmul`` rounded and then
-the bias added.
+Rounding follows CPU's composite, which is one ``addmm`` (product and bias summed before the one
+rounding to half precision) for a 2-D or a contiguous input; the inputs it computes as a rounded
+``matmul`` and then adds the bias to never reach this op (see ``deferfuse/linear.py``).
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ from .linalg import _LOWP, _mat
 
 @op("linear.default")
 def linear(x, w, b=None):
+    # Half precision rounds once, after the bias, as CPU's addmm does. The inputs CPU rounds twice
+    # for (product, then bias: a non-contiguous input of rank other than 2) never come here:
+    # deferfuse/linear.py sends them through PyTorch's composite (matmul, then add).
     y = _mat(x, w, "...i,oi->...o")
-    if b is None:
-        return y
-    if x.dtype in _LOWP and x.ndim not in (2, 3):
-        y = y.astype(x.dtype)
-    return y + b
+    return y if b is None else y + b
 
 
 @op("linear_backward.default")
