@@ -52,7 +52,7 @@ def _empty_reduction_error(func, args, kwargs):
     shape = tuple(args[0].shape)
     dims = None
     if pos is not None:
-        dims = args[pos] if len(args) > pos else kwargs.get("dim", default)
+        dims = args[pos] if pos is not _KW and len(args) > pos else kwargs.get("dim", default)
         if isinstance(dims, int):
             dims = (dims,)
         dims = tuple(dims) if dims else None
@@ -75,12 +75,14 @@ def _empty_reduction_error(func, args, kwargs):
     return None
 
 
-# op -> (name in the message, position of dim (None: all dims), its default, dim printed as given)
+_KW = "keyword-only"
+# op -> (name in the message, position of dim (None: all dims; _KW: a keyword-only dim), its
+# default, dim printed as given)
 _EMPTY_CHECKED = {
     aten.max.default: ("max", None, None, False), aten.min.default: ("min", None, None, False),
     aten.max.dim: ("max", 1, None, False), aten.min.dim: ("min", 1, None, False),
     aten.amax.default: ("amax", 1, (), True), aten.amin.default: ("amin", 1, (), True),
-    aten.aminmax.default: ("aminmax", 99, None, False),     # dim is keyword-only
+    aten.aminmax.default: ("aminmax", _KW, None, False),
     aten.median.dim: ("median", 1, None, False), aten.nanmedian.dim: ("median", 1, None, False),
     aten.mode.default: ("mode", 1, -1, False), aten.kthvalue.default: ("kthvalue", 2, -1, False),
     aten.argmax.default: ("argmax", 1, None, False), aten.argmin.default: ("argmin", 1, None, False),
