@@ -83,6 +83,12 @@ def _explain_miss(keys: list) -> str:
             best, best_same = r, same
     if best is None:
         return "new region structure (no cached region has this many ops)"
+    for k, (x, y) in enumerate(zip(best.node_keys, keys)):
+        if x[0] is not y[0]:
+            # Other ops, not other shapes: name the first op that differs, never a shape
+            # difference between two unrelated regions that happen to start alike.
+            return (f"new region structure (no cached region runs these ops; the closest one of "
+                    f"this length has {x[0].name} where this has {y[0].name}, op {k})")
     for x, y in zip(best.node_keys, keys):
         if x != y:
             return _diff(x, y)

@@ -278,6 +278,19 @@ def test_report_explains_a_recompile():
     assert "sync" in text and __file__ in text
 
 
+def test_report_names_new_ops_not_a_shape_of_another_region():
+    """A region with other ops is explained as a new structure, even when the closest cached region
+    of its length starts with the same op on other shapes."""
+    a, b = torch.ones(4).to("tpu"), torch.ones(5).to("tpu")
+    deferfuse.sync()
+    (a * 3).exp().sum().item()
+    deferfuse.reset_metrics()
+    (b * 3).sin().sum().item()
+    why = deferfuse.metrics()["miss_reasons"][-1][1]
+    assert why.startswith("new region structure") and "aten.exp" in why and "aten.sin" in why, why
+    assert "shape" not in why, why
+
+
 def test_growing_shape_splits_region_and_stays_correct():
     # generate()-like: a stable computation plus a sequence that grows by one each step. After
     # shape_recompile_limit versions the growing ops are split off; the rest compiles once.
