@@ -83,16 +83,16 @@ def _explain_miss(keys: list) -> str:
             best, best_same = r, same
     if best is None:
         return "new region structure (no cached region has this many ops)"
+    first = None    # the first op key that differs, when every op is the same
     for k, (x, y) in enumerate(zip(best.node_keys, keys)):
         if x[0] is not y[0]:
             # Other ops, not other shapes: name the first op that differs, never a shape
             # difference between two unrelated regions that happen to start alike.
             return (f"new region structure (no cached region runs these ops; the closest one of "
                     f"this length has {x[0].name} where this has {y[0].name}, op {k})")
-    for x, y in zip(best.node_keys, keys):
-        if x != y:
-            return _diff(x, y)
-    return "same ops, different outputs or wiring"
+        if first is None and x != y:
+            first = (x, y)
+    return _diff(*first) if first else "same ops, different outputs or wiring"
 
 
 def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,

@@ -287,7 +287,8 @@ def test_report_names_new_ops_not_a_shape_of_another_region():
     deferfuse.reset_metrics()
     (b * 3).sin().sum().item()
     why = deferfuse.metrics()["miss_reasons"][-1][1]
-    assert why.startswith("new region structure") and "aten.exp" in why and "aten.sin" in why, why
+    # (the closest cached region may be another test's: only this region's own op is certain)
+    assert why.startswith("new region structure") and "where this has aten.sin" in why, why
     assert "shape" not in why, why
 
 
