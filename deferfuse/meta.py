@@ -112,8 +112,55 @@ def cpu_error(fn, args, kwargs=None):
     return None
 
 
+def _rnn_cell_check(name, gates, hidden_gates, prev, factor):
+    if gates.dim() != 2 or tuple(gates.shape) != tuple(hidden_gates.shape) or prev.dim() != 2 \
+            or gates.shape[1] != factor * prev.shape[1] or gates.shape[0] != prev.shape[0]:
+        raise RuntimeError(
+            f"{name}: expected 2-D input and hidden gates of one shape [B, {factor}*H] and a 2-D "
+            f"previous state [B, H], got {list(gates.shape)}, {list(hidden_gates.shape)} and "
+            f"{list(prev.shape)}")
+
+
+def _lstm_cell_rule(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    _rnn_cell_check("_thnn_fused_lstm_cell", input_gates, hidden_gates, cx, 4)
+    dt, c = input_gates.dtype, tuple(cx.shape)
+    g = tuple(input_gates.shape)
+    return "tuple", ((c, (c[1], 1), dt), (c, (c[1], 1), dt), (g, (g[1], 1), dt))
+
+
+def _lstm_cell_backward_rule(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    if grad_hy is None and grad_cy is None:
+        return "tuple", (None, None, None)
+    dt, c, w = workspace.dtype, tuple(cx.shape), tuple(workspace.shape)
+    return "tuple", ((w, (w[1], 1), dt), (c, (c[1], 1), dt), ((w[1],), (1,), dt) if has_bias else None)
+
+
+def _gru_cell_rule(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    _rnn_cell_check("_thnn_fused_gru_cell", input_gates, hidden_gates, hx, 3)
+    dt, h = input_gates.dtype, tuple(hx.shape)
+    return "tuple", ((h, (h[1], 1), dt), ((h[0], 5 * h[1]), (5 * h[1], 1), dt))
+
+
+def _gru_cell_backward_rule(grad_hy, workspace, has_bias):
+    dt, h = workspace.dtype, tuple(grad_hy.shape)
+    g = (h[0], 3 * h[1])
+    b = ((g[1],), (1,), dt) if has_bias else None
+    return "tuple", ((g, (g[1], 1), dt), (g, (g[1], 1), dt), (h, (h[1], 1), dt), b, b)
+
+
+# Ops whose meta kernel is missing (GRU) or fails on valid input (LSTM without biases): shape
+# rules here, as PyTorch's CUDA kernels shape their outputs (see runtime/lowering/rnn.py).
+_RULES = {aten._thnn_fused_lstm_cell.default: _lstm_cell_rule,
+          aten._thnn_fused_lstm_cell_backward_impl.default: _lstm_cell_backward_rule,
+          aten._thnn_fused_gru_cell.default: _gru_cell_rule,
+          aten._thnn_fused_gru_cell_backward.default: _gru_cell_backward_rule}
+
+
 def infer(func, args, kwargs):
     """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
+    rule = _RULES.get(func)
+    if rule is not None:
+        return rule(*args, **kwargs)
     if func in _EMPTY_CHECKED:
         err = _empty_reduction_error(func, args, kwargs)
         if err is not None:

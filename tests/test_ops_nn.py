@@ -528,3 +528,70 @@ def test_linear_half_precision_rounds_as_cpu(dt, shape, contiguous):
     assert xt.shape == x.shape and xt.is_contiguous() == x.is_contiguous()
     got = F.linear(xt, w.to("tpu").requires_grad_(), b.to("tpu"))
     assert torch.equal(got.cpu(), want)
+
+
+# ------------------------------------------------------------------------------------ recurrent
+
+def _flat(out):
+    """An RNN's (output, state) as one list: the output, then each state tensor."""
+    y, state = out
+    return [y, *(state if isinstance(state, tuple) else (state,))]
+
+
+@pytest.mark.parametrize("kind,kw", [
+    ("LSTM", dict(num_layers=2, batch_first=True)),
+    ("LSTM", dict(bidirectional=True, bias=False)),
+    ("LSTM", dict(proj_size=3)),
+    ("GRU", dict(num_layers=2, bidirectional=True)),
+    ("GRU", dict(bias=False, batch_first=True)),
+])
+def test_recurrent_layers(kind, kw):
+    # On an accelerator PyTorch's LSTM and GRU run a fused cell per step (CPU runs unfused ops):
+    # the lowerings in runtime/lowering/rnn.py, against CPU's arithmetic, gradients included.
+    m = getattr(nn, kind)(5, 6, **kw)
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    x = torch.randn(3, 4, 5)
+    h0 = torch.randn(layers, 4 if not kw.get("batch_first") else 3, kw.get("proj_size") or 6)
+    if kind == "LSTM":
+        c0 = torch.randn(layers, h0.shape[1], 6)
+        check(lambda m, x, h, c: _flat(m(x, (h, c))), x, h0, c0, module=m)
+    else:
+        check(lambda m, x, h: _flat(m(x, h)), x, h0, module=m)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("use", ["both", "h", "c"])
+def test_lstm_cell(bias, use):
+    # "h" / "c": the backward gets no gradient for the other state (an absent grad_cy / grad_hy).
+    m = nn.LSTMCell(5, 6, bias=bias)
+    pick = {"both": lambda o: list(o), "h": lambda o: o[0], "c": lambda o: o[1]}[use]
+    check(lambda m, x, h, c: pick(m(x, (h, c))), torch.randn(4, 5), torch.randn(4, 6),
+          torch.randn(4, 6), module=m)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gru_cell(bias):
+    check(lambda m, x, h: m(x, h), torch.randn(4, 5), torch.randn(4, 6),
+          module=nn.GRUCell(5, 6, bias=bias))
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+def test_recurrent_cell_double_backward(kind):
+    # create_graph=True: PyTorch's differentiable cell backward (ordinary ops) instead of the fused one.
+    m = getattr(nn, kind)(3, 4)
+    x = torch.randn(2, 3)
+
+    def grad_norm(m, x):
+        y = m(x)
+        y = y[0] if isinstance(y, tuple) else y
+        (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        return g.pow(2).sum()
+    check(grad_norm, x, module=m)
+
+
+def test_recurrent_cell_bad_shapes_raise():
+    gates, h = torch.randn(4, 24).to("tpu"), torch.randn(4, 5).to("tpu")
+    with pytest.raises(RuntimeError, match=r"\[B, 4\*H\]"):
+        torch.ops.aten._thnn_fused_lstm_cell(gates, gates, h)
+    with pytest.raises(RuntimeError, match=r"\[B, 3\*H\]"):
+        torch.ops.aten._thnn_fused_gru_cell(gates, gates[:, :12], h)
