@@ -158,6 +158,20 @@ def _enable_foreach() -> None:
             types_.append(TpuTensor)
 
 
+def _ctc_loss_cpu_lengths(log_probs, targets, input_lengths, target_lengths, blank=0,
+                          reduction=1, zero_infinity=False):
+    """``F.ctc_loss`` with lengths given as CPU tensors, as CUDA takes them: its kernel reads them
+    as lists of ints. PyTorch's composite for tensor subclasses instead divides the tpu loss by the
+    CPU target lengths, a device mismatch; lengths on CPU go through the int-list overload here."""
+    if input_lengths.device.type == "cpu" and target_lengths.device.type == "cpu":
+        return torch.ops.aten.ctc_loss.IntList(log_probs, targets, input_lengths.tolist(),
+                                               target_lengths.tolist(), blank, reduction,
+                                               zero_infinity)
+    return torch.ops.aten.ctc_loss.Tensor._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd,
+                                                 log_probs, targets, input_lengths, target_lengths,
+                                                 blank, reduction, zero_infinity)
+
+
 def register() -> None:
     global _lib
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -187,6 +201,7 @@ def register() -> None:
     # skipping its range check on PrivateUse1. This kernel is never called (tpu tensors reach
     # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).
     _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
+    _lib.impl("ctc_loss.Tensor", _ctc_loss_cpu_lengths, "AutogradPrivateUse1")
     # Lowered factories (no tensor argument) run as ops of their own, never through the
     # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.
     from .runtime.lowering import LOWERINGS

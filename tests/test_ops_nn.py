@@ -595,3 +595,22 @@ def test_recurrent_cell_bad_shapes_raise():
         torch.ops.aten._thnn_fused_lstm_cell(gates, gates, h)
     with pytest.raises(RuntimeError, match=r"\[B, 3\*H\]"):
         torch.ops.aten._thnn_fused_gru_cell(gates, gates[:, :12], h)
+
+
+@pytest.mark.parametrize("lengths_on", ["cpu", "tpu"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ctc_loss_lengths_on_cpu_or_tpu(lengths_on, reduction):
+    # CUDA takes the lengths as CPU tensors (speech recipes pass them so); PyTorch's composite for
+    # tensor subclasses divided the tpu loss by the CPU lengths and raised a device mismatch.
+    lp = torch.randn(10, 4, 6).log_softmax(-1).requires_grad_()
+    tg = torch.randint(1, 6, (4, 3))
+    il, tl = torch.full((4,), 10), torch.tensor([3, 2, 3, 1])
+    want = F.ctc_loss(lp, tg, il, tl, reduction=reduction)
+    (g_want,) = torch.autograd.grad(want.sum(), lp)
+    lpt = lp.detach().to("tpu").requires_grad_()
+    if lengths_on == "tpu":
+        il, tl = il.to("tpu"), tl.to("tpu")
+    got = F.ctc_loss(lpt, tg.to("tpu"), il, tl, reduction=reduction)
+    (g_got,) = torch.autograd.grad(got.sum(), lpt)
+    assert_same(got, want, atol=1e-5, rtol=1e-5)
+    assert_same(g_got, g_want, atol=1e-5, rtol=1e-5)
