@@ -183,8 +183,9 @@ def register() -> None:
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator_synchronize()
     _enable_foreach()
-    from . import amp, attention, linear
+    from . import amp, attention, linear, serialization
     amp.register()
+    serialization.register()
     attention.register()
     linear.register()
 

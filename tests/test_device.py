@@ -132,6 +132,45 @@ def test_save_load(tmp_path):
     assert torch.equal(m2.weight.cpu(), m.weight.cpu())
 
 
+@pytest.mark.parametrize("where", ["tpu", "tpu:0", "device", "dict"])
+def test_load_with_map_location_tpu(tmp_path, where):
+    # map_location=device is how device-agnostic code loads a checkpoint; it made a storage on tpu
+    # for every tensor and crashed the interpreter (PrivateUse1 has no allocator for Python).
+    m = torch.nn.Linear(3, 2)
+    path = tmp_path / "m.pt"
+    p = torch.nn.Parameter(torch.randn(2))
+    torch.save({"model": m.state_dict(), "t": [torch.arange(4), (p, p)], "step": 7}, path)
+    loc = {"tpu": "tpu", "tpu:0": "tpu:0", "device": torch.device("tpu"),
+           "dict": {"cpu": "tpu"}}[where]
+    ck = torch.load(path, map_location=loc, weights_only=False)
+    for k, v in m.state_dict().items():
+        assert ck["model"][k].device.type == "tpu"
+        assert_same(ck["model"][k], v)
+    assert type(ck["model"]) is type(m.state_dict())
+    assert ck["model"]._metadata == m.state_dict()._metadata     # load_state_dict's versions
+    assert_same(ck["t"][0], torch.arange(4))
+    q, q2 = ck["t"][1]
+    assert q is q2 and isinstance(q, torch.nn.Parameter) and q.requires_grad
+    assert_same(q.detach(), p.detach())
+    assert ck["step"] == 7
+    m2 = torch.nn.Linear(3, 2).to("tpu")
+    m2.load_state_dict(ck["model"])
+    assert_same(m2.weight.detach(), m.weight.detach())
+    # a whole module saved with torch.save(model) comes back on tpu too
+    torch.save(m, path)
+    m3 = torch.load(path, map_location="tpu", weights_only=False)
+    assert m3.weight.device.type == "tpu" and isinstance(m3.weight, torch.nn.Parameter)
+
+
+def test_storage_on_tpu_raises_instead_of_crashing():
+    for make in (lambda: torch.UntypedStorage(4, device="tpu"),
+                 lambda: torch.UntypedStorage(4).to(device="tpu"),
+                 lambda: torch.ones(2).untyped_storage().to(device="tpu")):
+        with pytest.raises(RuntimeError, match="no PyTorch storage"):
+            make()
+    assert torch.UntypedStorage(4).device.type == "cpu"
+
+
 def test_module_to_and_deepcopy():
     import copy
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to("tpu")
