@@ -6,6 +6,7 @@ tpu tensor aborts the interpreter.
 """
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
@@ -147,6 +148,45 @@ def _patch_accelerator_synchronize() -> None:
     acc.synchronize = synchronize
 
 
+def _keep_tied_parameters() -> None:
+    """``module.to("tpu")`` keeps a parameter that several modules share (tied input and output
+    embeddings) one parameter, as on CUDA. PyTorch converts a parameter in place (``param.data =``)
+    only when the new tensor's type is compatible with the old one, which a wrapper subclass is
+    not; otherwise each module's slot gets a new Parameter of its own, so tied weights came apart
+    and trained as two. After the conversion, the slots that shared one parameter share again the
+    parameter the first of them got (the others' copies are dropped)."""
+    orig = torch.nn.Module._apply
+    if getattr(orig, "_deferfuse", False):
+        return
+
+    def _apply(self, fn, recurse=True):
+        if getattr(_APPLYING, "on", False):
+            return orig(self, fn, recurse)
+        slots: dict = {}
+        for mod in (self.modules() if recurse else (self,)):
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    slots.setdefault(id(p), []).append((mod, name))
+        _APPLYING.on = True
+        try:
+            out = orig(self, fn, recurse)
+        finally:
+            _APPLYING.on = False
+        for group in slots.values():
+            if len(group) > 1:
+                mod, name = group[0]
+                p = mod._parameters[name]
+                for mod, name in group[1:]:
+                    mod._parameters[name] = p
+        return out
+    _apply._deferfuse = True
+    _apply.__doc__ = orig.__doc__
+    torch.nn.Module._apply = _apply
+
+
+_APPLYING = threading.local()
+
+
 def _enable_foreach() -> None:
     # Optimizers and clip_grad_norm_ pick their foreach (multi-tensor) path only for parameter types
     # in these lists; tpu parameters are TpuTensor, so add it (one fused op per group, not per tensor).
@@ -183,6 +223,7 @@ def register() -> None:
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator_synchronize()
     _enable_foreach()
+    _keep_tied_parameters()
     from . import amp, attention, linear, serialization
     amp.register()
     serialization.register()

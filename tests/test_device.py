@@ -1,10 +1,12 @@
 """The tpu device as PyTorch code sees it: registration, torch.tpu, transfers, errors."""
+import copy
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import deferfuse
 from util import assert_same
@@ -317,3 +319,26 @@ def test_cyclic_garbage_collected_at_sync():
     finally:
         gc.set_threshold(*old)
         state.YOUNG_GC = old_young
+
+
+def test_tied_parameters_stay_tied():
+    # A wrapper subclass is not "shallow-copy compatible" with a CPU tensor, so Module._apply gave
+    # each module its own new Parameter and tied embeddings trained as two (CUDA keeps one).
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    m = torch.nn.Sequential(emb, torch.nn.Tanh(), head)
+    mt = copy.deepcopy(m).to("tpu")
+    assert mt[0].weight is mt[2].weight
+    assert [p.device.type for p in mt.parameters()] == ["tpu"]
+    opts = [torch.optim.SGD(x.parameters(), lr=0.5) for x in (m, mt)]
+    idx = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    for _ in range(3):
+        for model, opt, dev in ((m, opts[0], "cpu"), (mt, opts[1], "tpu")):
+            opt.zero_grad()
+            F.cross_entropy(model(idx.to(dev)).flatten(0, 1), idx.flatten().to(dev)).backward()
+            opt.step()
+    assert_same(mt[0].weight.detach(), m[0].weight.detach(), atol=1e-5, rtol=1e-5)
+    # a module converted on its own, and parameters that are not tied, are untouched
+    lin = torch.nn.Linear(3, 3).to("tpu")
+    assert lin.weight is not lin.bias and lin.weight.device.type == "tpu"
