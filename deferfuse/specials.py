@@ -188,6 +188,13 @@ def _h_one_hot(func, args, kwargs):
     return _run(func, op_info(func), (x, n), {})
 
 
+def _h_pack_padded_sequence(func, args, kwargs):
+    """PyTorch's own kernel (CompositeExplicitAutograd): it reads the lengths (a CPU tensor) and
+    cuts the tpu input with ordinary ops, so the packed data is on tpu and ``batch_sizes`` stays a
+    CPU tensor, as ``PackedSequence`` requires (a CPU fallback brought both back to tpu)."""
+    return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+
+
 _NO_PYTHON = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | \
     torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot)
 
@@ -269,6 +276,7 @@ SPECIAL = {
     aten.native_batch_norm.default: _h_batch_norm,
     aten._native_batch_norm_legit.default: _h_batch_norm,
     aten.one_hot.default: _h_one_hot,
+    aten._pack_padded_sequence.default: _h_pack_padded_sequence,
     aten._nested_tensor_from_mask_left_aligned.default: _h_not_left_aligned,
     aten._nested_tensor_from_mask.default: _h_nested_from_mask,
 }

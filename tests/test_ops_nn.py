@@ -614,3 +614,20 @@ def test_ctc_loss_lengths_on_cpu_or_tpu(lengths_on, reduction):
     (g_got,) = torch.autograd.grad(got.sum(), lpt)
     assert_same(got, want, atol=1e-5, rtol=1e-5)
     assert_same(g_got, g_want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("enforce_sorted", [True, False])
+def test_packed_sequence_through_lstm(enforce_sorted):
+    # pack_padded_sequence keeps batch_sizes on CPU (PackedSequence requires it; a CPU fallback
+    # had brought it to tpu and the LSTM refused it); the packed LSTM runs on tpu.
+    m = nn.LSTM(4, 5, batch_first=True)
+    lens = torch.tensor([6, 4, 2]) if enforce_sorted else torch.tensor([2, 6, 4])
+
+    def run(m, x):
+        p = nn.utils.rnn.pack_padded_sequence(x, lens, batch_first=True,
+                                              enforce_sorted=enforce_sorted)
+        assert p.batch_sizes.device.type == "cpu"
+        out, (h, c) = m(p)
+        y, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return [y, h, c]
+    check(run, torch.randn(3, 6, 4), module=m)
