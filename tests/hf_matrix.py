@@ -7,8 +7,7 @@ cache), sampled generate ok, the ops that fell back to CPU, and the first line o
 
 Every model is built from its config class with tiny sizes and random weights (torch.manual_seed(0));
 nothing is fetched from a hub. The tpu copy holds the same weights (deepcopy, then ``.to("tpu")``,
-then ``tie_weights()``: ``Module.to`` re-creates parameters for a PrivateUse1 device, which unties
-shared weights, as with torch_xla).
+which keeps tied weights tied: see ``device._keep_tied_parameters``).
 """
 from __future__ import annotations
 
@@ -148,9 +147,7 @@ def build(name, attn="eager"):
 
 
 def to_tpu(model):
-    m = copy.deepcopy(model).to("tpu")
-    m.tie_weights()  # Module.to unties shared parameters on a PrivateUse1 device (see module doc)
-    return m
+    return copy.deepcopy(model).to("tpu")
 
 
 def inputs(name):

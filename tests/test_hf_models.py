@@ -108,9 +108,9 @@ def test_static_cache_generate_autocompile(tpu_mode):
     assert got.shape == (hm.BATCH, hm.SEQ + 4)
 
 
-def test_to_device_keeps_tied_weights_after_tie_weights(tpu_mode):
+def test_to_device_keeps_tied_weights(tpu_mode):
     """Module.to('tpu') re-creates parameters (PrivateUse1 tensors aren't shallow-copy compatible
-    with CPU ones), which unties gpt2's lm_head from wte; tie_weights() ties them again."""
+    with CPU ones); gpt2's lm_head stays tied to wte with no tie_weights() call."""
     model = hm.cpu_reference("gpt2")[0]
     assert model.lm_head.weight is model.transformer.wte.weight
     tm = hm.to_tpu(model)
