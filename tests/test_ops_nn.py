@@ -631,3 +631,11 @@ def test_packed_sequence_through_lstm(enforce_sorted):
         y, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
         return [y, h, c]
     check(run, torch.randn(3, 6, 4), module=m)
+
+
+@pytest.mark.parametrize("dim", [0, 2])
+def test_weight_norm_gradients(dim):
+    # _weight_norm_interface_backward is lowered (it ran on CPU before): weight-normalized convs
+    # (HiFi-GAN, wav2vec2's positional conv) train without a CPU round trip.
+    m = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 4, 3), dim=dim)
+    check(run_module, torch.randn(2, 3, 5), module=m)

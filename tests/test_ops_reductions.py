@@ -212,3 +212,13 @@ def test_degenerate_and_views():
 def test_bfloat16_sum_accumulates_wide():
     x = torch.full((4096,), 1.0, dtype=torch.bfloat16) + torch.rand(4096).to(torch.bfloat16) * 0.01
     check(lambda x: (x.sum(), x.mean()), x, tol=(1e-2, 1e-2))
+
+
+@pytest.mark.parametrize("values", [[True, True], [True, False], [False, False], []])
+def test_is_all_true_and_is_any_true(values):
+    # torch.distributions checks its arguments with these (then .item()); they ran on CPU before.
+    t = torch.tensor(values, dtype=torch.bool)
+    for f in (torch._is_all_true, torch._is_any_true):
+        assert_same(f(tpu(t)), f(t))
+    deferfuse.sync()
+    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}

@@ -125,6 +125,17 @@ def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding
     return (gi if output_mask[0] else None, gw if output_mask[1] else None, gb)
 
 
+@op("_weight_norm_interface_backward.default")
+def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    # w = v * g / |v| (norms over every dim but ``dim``, kept as size 1), as PyTorch's CPU kernel.
+    axes = tuple(i for i in range(saved_v.ndim) if i != dim % saved_v.ndim)
+    gw, v, g, n = _acc(grad_w), _acc(saved_v), _acc(saved_g), _acc(saved_norms)
+    s = jnp.sum(gw * v, axis=axes, keepdims=True)
+    grad_g = s / n
+    grad_v = (g / n) * gw - (g / n) * (grad_g / n) * v
+    return grad_v.astype(saved_v.dtype), grad_g.astype(saved_g.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # softmax
 

@@ -104,6 +104,17 @@ def all_(x, dim=None, keepdim=False):
     return jnp.all(x != 0, axis=_dims(x, dim), keepdims=keepdim)
 
 
+@op("_is_all_true.default")
+def _is_all_true(x):
+    # A 0-dim bool: torch.distributions' argument checks call it before .item().
+    return jnp.all(x)
+
+
+@op("_is_any_true.default")
+def _is_any_true(x):
+    return jnp.any(x)
+
+
 @op("logsumexp.default")
 def logsumexp(x, dim=(), keepdim=False):
     x = _up(x)
