@@ -126,6 +126,8 @@ def _make_module() -> types.ModuleType:
     m.reset_peak_memory_stats = _reset_peak_memory_stats
     m.reset_max_memory_allocated = _reset_peak_memory_stats
     m.memory_stats = _memory_stats
+    m.memory_reserved = _memory_allocated        # nothing is cached: reserved is allocated
+    m.max_memory_reserved = _max_memory_allocated
     m.empty_cache = lambda: None
     m.get_device_name = lambda device=None: f"deferfuse tpu on JAX {platform.name()}"
     m.is_bf16_supported = lambda *a, **k: True
@@ -146,6 +148,35 @@ def _patch_accelerator_synchronize() -> None:
         return orig(device)
     synchronize.__doc__ = orig.__doc__
     acc.synchronize = synchronize
+    # Its memory counters ask for a C++ DeviceAllocator (an internal assert for a Python backend):
+    # with tpu the accelerator they read ours. Nothing is cached, so reserved is allocated.
+    for name, ours in (("memory_allocated", _memory_allocated),
+                       ("max_memory_allocated", _max_memory_allocated),
+                       ("memory_reserved", _memory_allocated),
+                       ("max_memory_reserved", _max_memory_allocated),
+                       ("reset_peak_memory_stats", _reset_peak_memory_stats),
+                       ("reset_accumulated_memory_stats", lambda device=None: None),
+                       ("memory_stats", _memory_stats)):
+        if hasattr(acc, name):
+            setattr(acc, name, _on_tpu_or(getattr(acc, name), ours))
+    if hasattr(acc, "empty_cache"):
+        acc.empty_cache = _on_tpu_or(acc.empty_cache, lambda: None, takes_device=False)
+
+
+def _on_tpu_or(orig, ours, takes_device=True):
+    """``orig`` (a torch.accelerator function) calling ``ours`` when tpu is the accelerator."""
+    def fn(*args):
+        dev = args[0] if args else None
+        if dev is None:
+            tpu = torch.accelerator.current_accelerator().type == "tpu"
+        else:
+            tpu = isinstance(dev, int) or torch.device(dev).type == "tpu"
+            tpu = tpu and torch.accelerator.current_accelerator().type == "tpu"
+        if tpu:
+            return ours(*args) if takes_device else ours()
+        return orig(*args)
+    fn.__name__, fn.__doc__ = orig.__name__, orig.__doc__
+    return fn
 
 
 def _keep_tied_parameters() -> None:
@@ -198,6 +229,18 @@ def _enable_foreach() -> None:
             types_.append(TpuTensor)
 
 
+def _pin_memory(self, device=None):
+    """``Tensor.pin_memory()`` (and ``DataLoader(pin_memory=True)``) with ``tpu`` the accelerator:
+    PyTorch asks the accelerator's hooks for a pinned-memory allocator, which a Python backend
+    cannot provide, so it raised. Transfers to JAX need no pinned memory: this is an ordinary CPU
+    copy (``is_pinned()`` stays False). Pinning for another device goes on as before."""
+    target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+    if target is not None and target.type == "tpu":
+        return self.clone()
+    return torch.ops.aten._pin_memory.default._op_dk(
+        torch._C.DispatchKey.CompositeExplicitAutograd, self, device)
+
+
 def _ctc_loss_cpu_lengths(log_probs, targets, input_lengths, target_lengths, blank=0,
                           reduction=1, zero_infinity=False):
     """``F.ctc_loss`` with lengths given as CPU tensors, as CUDA takes them: its kernel reads them
@@ -244,6 +287,7 @@ def register() -> None:
     # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).
     _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
     _lib.impl("ctc_loss.Tensor", _ctc_loss_cpu_lengths, "AutogradPrivateUse1")
+    _lib.impl("_pin_memory", _pin_memory, "CPU")
     # Lowered factories (no tensor argument) run as ops of their own, never through the
     # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.
     from .runtime.lowering import LOWERINGS

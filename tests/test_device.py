@@ -342,3 +342,31 @@ def test_tied_parameters_stay_tied():
     # a module converted on its own, and parameters that are not tied, are untouched
     lin = torch.nn.Linear(3, 3).to("tpu")
     assert lin.weight is not lin.bias and lin.weight.device.type == "tpu"
+
+
+def test_pin_memory_and_dataloader_pinning():
+    # With tpu the accelerator, pin_memory() asked its hooks for a pinned allocator (which a Python
+    # backend cannot register) and raised: DataLoader(pin_memory=True) failed on its first batch.
+    x = torch.randn(3, 4)
+    p = x.pin_memory()
+    assert p.device.type == "cpu" and torch.equal(p, x) and p.data_ptr() != x.data_ptr()
+    ds = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.arange(10))
+    got = [(xb.to("tpu", non_blocking=True), yb.to("tpu"))
+           for xb, yb in torch.utils.data.DataLoader(ds, batch_size=4, pin_memory=True)]
+    assert_same(torch.cat([g[0] for g in got]), ds.tensors[0])
+    assert_same(torch.cat([g[1] for g in got]), ds.tensors[1])
+
+
+def test_accelerator_memory_counters():
+    # torch.accelerator's counters asked for a C++ DeviceAllocator (an internal assert): they read
+    # the runtime's own counters, as torch.tpu's do.
+    x = torch.ones(1000, device="tpu")
+    deferfuse.sync()
+    acc = torch.accelerator
+    assert acc.memory_allocated() == torch.tpu.memory_allocated() >= x.numel() * 4
+    assert acc.memory_reserved(0) == acc.memory_allocated("tpu")
+    assert acc.max_memory_allocated() >= acc.memory_allocated()
+    assert acc.memory_stats()["allocated_bytes.all.current"] == acc.memory_allocated()
+    acc.reset_peak_memory_stats()
+    assert acc.max_memory_allocated() == acc.memory_allocated()
+    acc.empty_cache()
