@@ -156,11 +156,28 @@ _RULES = {aten._thnn_fused_lstm_cell.default: _lstm_cell_rule,
           aten._thnn_fused_gru_cell_backward.default: _gru_cell_backward_rule}
 
 
+# Ops whose meta kernel takes any ``dim`` (the lowering then failed inside a region, or sort took
+# the dim modulo the rank and answered): (position of dim, its default); CPU raises IndexError.
+_DIM_CHECKED = {aten._softmax.default: (1, None), aten.sort.default: (1, -1),
+                aten.sort.stable: (_KW, -1)}
+
+
+def _check_dim(func, args, kwargs) -> None:
+    pos, default = _DIM_CHECKED[func]
+    dim = args[pos] if pos is not _KW and len(args) > pos else kwargs.get("dim", default)
+    n = max(args[0].dim(), 1)
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], "
+                         f"but got {dim})")
+
+
 def infer(func, args, kwargs):
     """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
     rule = _RULES.get(func)
     if rule is not None:
         return rule(*args, **kwargs)
+    if func in _DIM_CHECKED:
+        _check_dim(func, args, kwargs)
     if func in _EMPTY_CHECKED:
         err = _empty_reduction_error(func, args, kwargs)
         if err is not None:

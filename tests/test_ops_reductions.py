@@ -222,3 +222,25 @@ def test_is_all_true_and_is_any_true(values):
         assert_same(f(tpu(t)), f(t))
     deferfuse.sync()
     assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+
+
+_DIM_OPS = {
+    "softmax": lambda x, d: x.softmax(d), "log_softmax": lambda x, d: x.log_softmax(d),
+    "sort": lambda x, d: x.sort(d), "sort_stable": lambda x, d: x.sort(dim=d, stable=True),
+    "argsort": lambda x, d: x.argsort(d), "sum": lambda x, d: x.sum(d),
+    "cumsum": lambda x, d: x.cumsum(d), "topk": lambda x, d: x.topk(1, d),
+    "max": lambda x, d: x.max(d), "logsumexp": lambda x, d: x.logsumexp(d),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DIM_OPS))
+@pytest.mark.parametrize("shape,dim", [((2, 3), 5), ((2, 3), -3), ((), 1)])
+def test_dim_out_of_range_raises_as_cpu(name, shape, dim):
+    # softmax and sort took any dim: softmax failed later inside a fused region, sort answered
+    # along dim % rank; CPU raises IndexError at the call.
+    f = _DIM_OPS[name]
+    with pytest.raises(IndexError) as want:
+        f(torch.ones(shape), dim)
+    with pytest.raises(IndexError) as got:
+        f(torch.ones(shape, device="tpu"), dim)
+    assert str(got.value) == str(want.value)
