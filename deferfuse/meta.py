@@ -162,6 +162,12 @@ _DIM_CHECKED = {aten._softmax.default: (1, None), aten.sort.default: (1, -1),
                 aten.sort.stable: (_KW, -1)}
 
 
+# std and var refuse integer tensors on CPU; their meta kernels take them (var_mean then fails on
+# mean's dtype with another message).
+_FLOAT_ONLY = {getattr(aten, n).correction for n in ("var", "std", "var_mean", "std_mean")
+               if hasattr(aten, n)}
+
+
 def _check_dim(func, args, kwargs) -> None:
     pos, default = _DIM_CHECKED[func]
     dim = args[pos] if pos is not _KW and len(args) > pos else kwargs.get("dim", default)
@@ -178,6 +184,10 @@ def infer(func, args, kwargs):
         return rule(*args, **kwargs)
     if func in _DIM_CHECKED:
         _check_dim(func, args, kwargs)
+    if func in _FLOAT_ONLY and not (args[0].is_floating_point() or args[0].is_complex()):
+        err = cpu_error(func, args, kwargs)     # their meta kernels take integer tensors
+        if err is not None:
+            raise err
     if func in _EMPTY_CHECKED:
         err = _empty_reduction_error(func, args, kwargs)
         if err is not None:

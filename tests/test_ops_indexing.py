@@ -257,3 +257,16 @@ def test_searchsorted_bucketize():
     check(lambda s, v, p: torch.searchsorted(s, v, sorter=p), seq[torch.argsort(perm)], vals, perm)
     check(lambda v, b: torch.bucketize(v, b), vals, seq)
     check(lambda v, b: torch.bucketize(v, b, right=True), seq, seq)
+
+
+@pytest.mark.parametrize("shape,dim", [((3,), 0), ((2, 3), 0), ((2, 3), 1), ((2, 3, 4), 1),
+                                       ((2, 3, 4), 2), ((2, 3), -1)])
+def test_index_select_out_of_range_raises_as_cpu(shape, dim):
+    # CPU raises IndexError, except its kernel for dim 1 (RuntimeError); this raised RuntimeError
+    # for every case.
+    idx = torch.tensor([0, 9])
+    with pytest.raises((IndexError, RuntimeError)) as want:
+        torch.ones(shape).index_select(dim, idx)
+    with pytest.raises((IndexError, RuntimeError)) as got:
+        torch.ones(shape, device="tpu").index_select(dim, idx.to("tpu")).cpu()
+    assert type(got.value) is type(want.value)

@@ -147,3 +147,13 @@ def test_same_seed_same_numbers_in_every_mode_and_no_recompile():
             torch.nn.functional.dropout(x, 0.3, training=True).sum().item()
             compiles.append(deferfuse.metrics()["region_compiles"])
     assert compiles[1] == compiles[-1], compiles
+
+
+@pytest.mark.parametrize("probs,msg", [([-1.0, 2.0], "element < 0"), ([float("nan"), 1.0], "nan"),
+                                       ([float("inf"), 1.0], "inf"), ([0.0, 0.0], "sum of probabilities")])
+def test_multinomial_invalid_probabilities_raise(probs, msg):
+    # CPU checks the distribution (CUDA with a device assert); this sampled from it anyway.
+    with pytest.raises(RuntimeError, match=msg):
+        torch.tensor(probs).multinomial(1)
+    with pytest.raises(RuntimeError, match=msg):
+        torch.tensor(probs, device="tpu").multinomial(1).cpu()

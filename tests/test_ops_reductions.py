@@ -244,3 +244,14 @@ def test_dim_out_of_range_raises_as_cpu(name, shape, dim):
     with pytest.raises(IndexError) as got:
         f(torch.ones(shape, device="tpu"), dim)
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("f", [lambda x: x.var(), lambda x: x.std(0), lambda x: torch.var_mean(x),
+                               lambda x: x.var(unbiased=False)])
+def test_var_std_of_integers_raise_as_cpu(f):
+    # Their meta kernels take integer tensors; CPU refuses them.
+    with pytest.raises(RuntimeError) as want:
+        f(torch.ones(3, dtype=torch.long))
+    with pytest.raises(RuntimeError) as got:
+        f(torch.ones(3, dtype=torch.long, device="tpu"))
+    assert str(got.value) == str(want.value)

@@ -53,6 +53,12 @@ def check_index(index, size: int, exc=IndexError, message: str = "index out of r
     _FLAGS.append((jnp.any((index < lo) | (index >= size)), exc, message))
 
 
+def check(bad, exc=RuntimeError, message: str = "invalid argument"):
+    """Flag ``bad`` (a boolean array: any True entry raises ``exc(message)``), as check_index."""
+    import jax.numpy as jnp
+    _FLAGS.append((jnp.any(bad), exc, message))
+
+
 def take_flags() -> list:
     """The flags traced since the last call (and forget them)."""
     out = list(_FLAGS)

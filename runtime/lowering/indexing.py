@@ -19,10 +19,10 @@ from . import check_index, op
 _NOWRAP = {"wrap_negative_indices": False}   # PyTorch rejects negative indices for these ops
 
 
-def _checked(index, size, dim, exc=RuntimeError, allow_negative=False):
+def _checked(index, size, dim, exc=RuntimeError, allow_negative=False, msg=None):
     """``index`` flagged if out of range for a dim of ``size``, then narrowed to int32 (64-bit
     integer arithmetic is emulated on accelerators; a valid index always fits)."""
-    check_index(index, size, exc, f"index out of bounds for dimension {dim} with size {size}",
+    check_index(index, size, exc, msg or f"index out of bounds for dimension {dim} with size {size}",
                 allow_negative)
     if index.dtype == jnp.int64 and size < 2 ** 31:
         index = index.astype(jnp.int32)
@@ -187,11 +187,11 @@ def _put(x, idx, v, accumulate=False, wrap=True):
     return x.at[idx].add(v, **kw) if x.dtype != jnp.bool_ else x.at[idx].max(v, **kw)
 
 
-def _along(x, dim, index, exc=RuntimeError, allow_negative=False):
+def _along(x, dim, index, exc=RuntimeError, allow_negative=False, msg=None):
     """(x as >=1-D, index tuple selecting ``index`` along ``dim``, dim)."""
     x = _as1d(x)
     dim %= x.ndim
-    index = _checked(index, x.shape[dim], dim, exc, allow_negative)
+    index = _checked(index, x.shape[dim], dim, exc, allow_negative, msg)
     return x, (slice(None),) * dim + (_as1d(index).reshape(-1),), dim
 
 
@@ -205,7 +205,9 @@ def _source(src, x, dim, n):
 @op("index_select.default")
 def index_select(x, dim, index):
     shape = x.shape
-    x1, idx, d = _along(x, dim, index)
+    # CPU raises IndexError, except from its kernel for dim 1 of an input of 2 or more dims.
+    x1, idx, d = (_along(x, dim, index) if x.ndim > 1 and dim % x.ndim == 1 else
+                  _along(x, dim, index, IndexError, msg="index out of range in self"))
     out = x1.at[idx].get(**_NOWRAP)
     if len(shape) == 0:
         return out.reshape(index.shape if index.ndim else ())

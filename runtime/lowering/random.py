@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import op
+from . import check, op
 
 
 def _ct(dt):
@@ -210,6 +210,11 @@ def multinomial(p, num_samples, replacement=False, *, generator=None, key, _aval
     shape, dt = _avals[0]
     ct = np.float64 if p.dtype == np.float64 else np.float32
     w = p.reshape(-1, p.shape[-1]).astype(ct)
+    # CPU's checks (CUDA's are device asserts), raised when the flags are read.
+    check((w < 0) | ~jnp.isfinite(w), RuntimeError,
+          "probability tensor contains either `inf`, `nan` or element < 0")
+    check(jnp.sum(jnp.where(w > 0, w, 0), axis=-1) <= 0, RuntimeError,
+          "invalid multinomial distribution (sum of probabilities <= 0)")
     logits = jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1)), -jnp.inf)
     if replacement:
         s = jax.random.categorical(key, logits, axis=-1, shape=(num_samples, w.shape[0])).T
