@@ -67,6 +67,10 @@ def fallback(func, info, args, kwargs, why):
             t = cpu_of.get(id(r))
             if t is not None:
                 return t
+            if r.layout != torch.strided:
+                raise NotImplementedError(
+                    f"{info.name} gives a {r.layout} tensor; tpu tensors are dense (strided) "
+                    "only. Keep sparse and other layouts on CPU, and move dense tensors to tpu")
             return from_cpu(r, dev[0])
         if isinstance(r, (list, tuple)):
             return type(r)(back(x) for x in r)

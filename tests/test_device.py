@@ -370,3 +370,11 @@ def test_accelerator_memory_counters():
     acc.reset_peak_memory_stats()
     assert acc.max_memory_allocated() == acc.memory_allocated()
     acc.empty_cache()
+
+
+def test_sparse_layouts_raise_not_implemented():
+    # A CPU fallback that returned a sparse tensor failed converting it (a TypeError about numpy).
+    for make in (lambda: torch.ones(2, 2, device="tpu").to_sparse(),
+                 lambda: torch.ones(2, 2).to_sparse().to("tpu")):
+        with pytest.raises(NotImplementedError, match="dense"):
+            make()
