@@ -197,7 +197,8 @@ class Trace:
         try:
             run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,
                       config.cross_check, config.memory_planner, config.shape_recompile_limit,
-                      config.memory_budget, want, partner=partner)
+                      config.memory_budget, want, partner=partner,
+                      loop_split=config.step_detection)
         finally:
             # Values and nodes reference each other (Value.node, Node.outs): break the cycles so
             # buffers are released by reference counting, right away, not by the cyclic GC.

@@ -47,6 +47,9 @@ def render() -> str:
     if S["shape_splits"]:
         lines.append(f"regions split because some of their ops kept changing shape: "
                      f"{S['shape_splits']} (the rest stays fused and cached)")
+    if S["loop_splits"]:
+        lines.append(f"traces holding many iterations of a loop, run as one cached region per "
+                     f"iteration instead of one long program: {S['loop_splits']}")
     if S["needed_first_splits"]:
         lines.append(f"syncs that waited only for the ops their value needed (the rest of the trace "
                      f"ran as a second region behind them): {S['needed_first_splits']}")

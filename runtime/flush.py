@@ -9,7 +9,7 @@ import sys
 
 from . import execute, stats
 from . import memory as memory_stats
-from ..scheduler import cut, memory, pieces
+from ..scheduler import cut, memory, pieces, steps
 from ..scheduler.records import SIG_OF
 from .errors import RegionError
 
@@ -18,6 +18,7 @@ LAST = None            # [nodes, reason, src, pieces] of the latest trace; piece
                        # of each region when it ran split (None: one region)
 _REGIONS: dict = {}     # key -> _Region
 _SPLITS: dict = {}      # (trace hash, length, wanted nodes) -> needed-first order or None
+_LOOP_CUTS: dict = {}   # (trace hash, length) -> loop-split cuts or None (NOTE [loop split])
 _PLANS: dict = {}       # (trace hash, length, cuts, order) -> [pieces.Piece]
 _STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
 _ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
@@ -32,6 +33,7 @@ class _Region:
 def clear():
     _REGIONS.clear()
     _SPLITS.clear()
+    _LOOP_CUTS.clear()
     _PLANS.clear()
     _STRUCT.clear()
     _ONCE.clear()
@@ -97,7 +99,7 @@ def _explain_miss(keys: list) -> str:
 
 def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,
               cross_check=False, planner=True, shape_limit=8, budget=0, want=None, held=None,
-              later=False, out_sig=None, partner=None):
+              later=False, out_sig=None, partner=None, loop_split=False):
     """Run ``nodes`` (a whole trace, or a piece of one). ``want``: positions of the nodes whose
     values the sync reads (see NOTE [needed first]); ``held``: per external input, whether anything
     outside this run still holds it (worked out here from reference counts when not given);
@@ -111,6 +113,15 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         # it and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
         getrc = sys.getrefcount
         held = [getrc(ext[i]) - 2 - ext_uses[i] > 0 for i in range(len(ext))]
+        if loop_split and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS and not cross_check:
+            lk = (h, len(nodes))
+            cuts = _LOOP_CUTS.get(lk, 0)
+            if cuts == 0:
+                cuts = _LOOP_CUTS[lk] = steps.periodic_cuts([n.key.khash for n in nodes])
+            if cuts is not None:        # see NOTE [loop split] in scheduler/steps.py
+                S["loop_splits"] += 1
+                return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner,
+                                   shape_limit, budget, held, h, partner=partner)
     if want is not None and not cross_check:
         sk = (h, len(nodes), want)
         split = _SPLITS.get(sk, 0)

@@ -24,6 +24,7 @@ def fresh() -> dict:
         "region_evictions": 0,      # times every compiled region was dropped (max_regions)
         "shape_splits": 0,          # regions split into shape-stable and shape-changing pieces
         "needed_first_splits": 0,   # syncs that waited only for the ops the value read needs
+        "loop_splits": 0,           # traces of many loop iterations run one region per iteration
         "budget_splits": 0,         # regions split to stay under DEFERFUSE_MEMORY_BUDGET
         "donated_bytes": 0,
         "elided_bytes": 0,          # intermediates never materialised as buffers

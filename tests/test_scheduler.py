@@ -36,6 +36,32 @@ def test_find_period_none_without_repetition():
     assert steps.find_period([1, 2, 3]) is None
 
 
+@settings(max_examples=60, deadline=None)
+@given(prefix=st.lists(st.integers(0, 5), max_size=30),
+       body=st.lists(st.integers(6, 1000), min_size=8, max_size=40, unique=True),
+       reps=st.integers(3, 40), tail=st.lists(st.integers(2000, 3000), max_size=40, unique=True))
+def test_periodic_cuts_give_one_piece_per_repetition(prefix, body, reps, tail):
+    trace = prefix + body * reps + tail
+    cuts = steps.periodic_cuts(trace)
+    if len(trace) < steps.LOOP_SPLIT_MIN_OPS or len(body) * reps < len(trace) / 2:
+        assert cuts is None
+        return
+    assert cuts is not None and cuts[-1] == len(trace) and list(cuts) == sorted(set(cuts))
+    # every piece of the period's length has the same op structure (one compile for all)
+    starts = (0,) + cuts[:-1]
+    pieces = [tuple(trace[a:b]) for a, b in zip(starts, cuts)]
+    same = [p for p in pieces if len(p) == len(body)]
+    assert len(same) >= reps - 1 and len(set(same)) == 1
+
+
+def test_periodic_cuts_leave_short_and_single_step_traces_whole():
+    assert steps.periodic_cuts([1, 2, 3] * 50) is None          # shorter than the threshold
+    assert steps.periodic_cuts(list(range(1000))) is None        # no repetition
+    layer = list(range(200, 215))                                # one step of a deep model: the
+    one = [1, 2] + layer * 24 + [3, 4] + list(range(300, 700))   # layers cover under half of it
+    assert steps.periodic_cuts(one) is None
+
+
 def test_body_signature_matches_rolling_hash():
     ks = [11, 22, 33, 44] * 5
     L, h = steps.body_signature(ks, 4)
