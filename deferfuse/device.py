@@ -87,6 +87,20 @@ def _memory_stats(device=None) -> dict:
     return {"allocated_bytes.all.current": memory.allocated, "allocated_bytes.all.peak": memory.peak}
 
 
+def _mem_get_info(device=None) -> tuple:
+    """(free bytes, total bytes) of the device, as ``torch.cuda.mem_get_info``: XLA's own limit
+    and use where the platform reports them (TPU, GPU), else the host's memory (JAX's CPU)."""
+    import os
+    from .runtime.transfer import devices
+    d = devices()[_idx(device)]
+    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        total = stats["bytes_limit"]
+        return total - stats.get("bytes_in_use", 0), total
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 class _DeviceCtx:
     """``torch.tpu.device(i)``: a context that makes tpu:i current."""
 
@@ -127,6 +141,7 @@ def _make_module() -> types.ModuleType:
     m.reset_max_memory_allocated = _reset_peak_memory_stats
     m.memory_stats = _memory_stats
     m.memory_reserved = _memory_allocated        # nothing is cached: reserved is allocated
+    m.mem_get_info = _mem_get_info
     m.max_memory_reserved = _max_memory_allocated
     m.empty_cache = lambda: None
     m.get_device_name = lambda device=None: f"deferfuse tpu on JAX {platform.name()}"
@@ -159,6 +174,8 @@ def _patch_accelerator_synchronize() -> None:
                        ("memory_stats", _memory_stats)):
         if hasattr(acc, name):
             setattr(acc, name, _on_tpu_or(getattr(acc, name), ours))
+    if hasattr(acc, "get_memory_info"):
+        acc.get_memory_info = _on_tpu_or(acc.get_memory_info, _mem_get_info)
     if hasattr(acc, "empty_cache"):
         acc.empty_cache = _on_tpu_or(acc.empty_cache, lambda: None, takes_device=False)
 

@@ -378,3 +378,11 @@ def test_sparse_layouts_raise_not_implemented():
                  lambda: torch.ones(2, 2).to_sparse().to("tpu")):
         with pytest.raises(NotImplementedError, match="dense"):
             make()
+
+
+def test_mem_get_info():
+    # torch.cuda.mem_get_info's counterpart (scripts size batches with it), and torch.accelerator's
+    # get_memory_info, which hit PyTorch's internal assert for a Python backend.
+    free, total = torch.tpu.mem_get_info()
+    assert 0 < free <= total
+    assert torch.accelerator.get_memory_info()[1] == total == torch.tpu.mem_get_info("tpu:0")[1]
