@@ -6,6 +6,7 @@ tpu tensor aborts the interpreter.
 """
 from __future__ import annotations
 
+import os
 import threading
 import types
 
@@ -90,7 +91,6 @@ def _memory_stats(device=None) -> dict:
 def _mem_get_info(device=None) -> tuple:
     """(free bytes, total bytes) of the device, as ``torch.cuda.mem_get_info``: XLA's own limit
     and use where the platform reports them (TPU, GPU), else the host's memory (JAX's CPU)."""
-    import os
     from .runtime.transfer import devices
     d = devices()[_idx(device)]
     stats = d.memory_stats() if hasattr(d, "memory_stats") else None
@@ -151,7 +151,7 @@ def _make_module() -> types.ModuleType:
     return m
 
 
-def _patch_accelerator_synchronize() -> None:
+def _patch_accelerator() -> None:
     # The Python device guard cannot implement synchronizeDevice, so torch.accelerator.synchronize
     # would raise "Backend doesn't support synchronizing all streams". Route it to ours.
     acc = torch.accelerator
@@ -184,12 +184,8 @@ def _on_tpu_or(orig, ours, takes_device=True):
     """``orig`` (a torch.accelerator function) calling ``ours`` when tpu is the accelerator."""
     def fn(*args):
         dev = args[0] if args else None
-        if dev is None:
-            tpu = torch.accelerator.current_accelerator().type == "tpu"
-        else:
-            tpu = isinstance(dev, int) or torch.device(dev).type == "tpu"
-            tpu = tpu and torch.accelerator.current_accelerator().type == "tpu"
-        if tpu:
+        if torch.accelerator.current_accelerator().type == "tpu" and (
+                dev is None or isinstance(dev, int) or torch.device(dev).type == "tpu"):
             return ours(*args) if takes_device else ours()
         return orig(*args)
     fn.__name__, fn.__doc__ = orig.__name__, orig.__doc__
@@ -281,7 +277,7 @@ def register() -> None:
     module = _make_module()
     _setup_privateuseone_for_python_backend("tpu", backend_module=module)
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
-    _patch_accelerator_synchronize()
+    _patch_accelerator()
     _enable_foreach()
     _keep_tied_parameters()
     from . import amp, attention, linear, serialization
