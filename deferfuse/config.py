@@ -38,6 +38,10 @@ def _bool(s: str) -> bool:
     return s.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _auto_bool(s: str):
+    return "auto" if s.strip().lower() == "auto" else _bool(s)
+
+
 def _mode(s: str) -> str:
     s = s.strip().lower()
     if s not in MODES:
@@ -79,6 +83,10 @@ SETTINGS = {s.name: s for s in [
     Setting("needed_first", "DEFERFUSE_NEEDED_FIRST", True, _bool,
             "at a sync that reads one value (.item(), .cpu()), run the ops it needs first and the "
             "rest as a second region the host does not wait for"),
+    Setting("backward_cut", "DEFERFUSE_BACKWARD_CUT", "auto", _auto_bool,
+            "dispatch the pending trace (the forward pass) when backward() starts, without waiting "
+            "for it, and what is pending when a read finds its value computed; auto: on unless "
+            "the JAX platform is the host CPU, whose cores Python needs while XLA computes"),
     Setting("memory_budget", "DEFERFUSE_MEMORY_BUDGET", 0, _bytes,
             "bytes a fused region may use at its peak before it is split (0: no limit)"),
     Setting("max_regions", "DEFERFUSE_MAX_REGIONS", 4096, int,

@@ -6,6 +6,7 @@ tpu tensor aborts the interpreter.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import types
@@ -231,6 +232,42 @@ def _keep_tied_parameters() -> None:
 _APPLYING = threading.local()
 
 
+def _cut_at_backward() -> None:
+    """NOTE [backward cut]: ``loss.backward()`` (``torch.autograd.backward``) and
+    ``torch.autograd.grad`` first dispatch the pending trace, which holds the forward pass, and do
+    not wait for it: XLA computes the forward pass while Python records the backward pass and the
+    optimizer step. When ``loss.item()`` then reads the loss, it is computed already, or nearly;
+    the read dispatches what is pending (the backward pass and the optimizer step) and waits for
+    none of it (dispatch.to_cpu). With needed first alone, the forward pass started only at the
+    read, and the host waited for it there. A loop that never syncs is cut at every backward()
+    the same way, into one region per step (the last step's backward pass and update with this
+    step's forward pass), compiled once. The cuts depend on the program only, never on timing.
+    ``DEFERFUSE_BACKWARD_CUT=0`` turns both off."""
+    import torch.autograd as autograd
+
+    from .tensor import TpuTensor
+
+    def on_tpu(ts) -> bool:
+        return (isinstance(ts, TpuTensor) or isinstance(ts, (tuple, list))
+                and any(isinstance(t, TpuTensor) for t in ts))
+
+    def wrap(orig, first):
+        @functools.wraps(orig)
+        def fn(*args, **kwargs):
+            if (state.trace.nodes and state.MODE == "defer" and state.backward_cut()
+                    and not torch.compiler.is_compiling()
+                    and on_tpu(args[0] if args else kwargs.get(first))):
+                state.sync("backward")
+            return orig(*args, **kwargs)
+        fn._deferfuse = True
+        return fn
+
+    for name, first in (("backward", "tensors"), ("grad", "outputs")):
+        orig = getattr(autograd, name)
+        if not getattr(orig, "_deferfuse", False):
+            setattr(autograd, name, wrap(orig, first))
+
+
 def _enable_foreach() -> None:
     # Optimizers and clip_grad_norm_ pick their foreach (multi-tensor) path only for parameter types
     # in these lists; tpu parameters are TpuTensor, so add it (one fused op per group, not per tensor).
@@ -280,6 +317,7 @@ def register() -> None:
     _patch_accelerator()
     _enable_foreach()
     _keep_tied_parameters()
+    _cut_at_backward()
     from . import amp, attention, linear, serialization
     amp.register()
     serialization.register()

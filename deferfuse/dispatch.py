@@ -73,6 +73,10 @@ def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
     """A CPU copy of ``t`` (a sync point in defer mode)."""
     if t._s.val.node is not None:
         state.sync(reason, want=t._s.val)
+    elif state.trace.nodes and state.backward_cut():
+        # NOTE [backward cut]: the value was computed before the pending trace (a loss whose
+        # forward pass ran at backward()): dispatch the trace, wait for none of it.
+        state.sync(reason, later=True)
     arr = read(t)
     out = transfer.to_torch(arr, t.dtype)
     return out.reshape(t.shape) if out.shape != t.shape else out

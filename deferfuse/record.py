@@ -169,7 +169,7 @@ class Trace:
         sync(reason)
 
     # ---------------------------------------------------------------------------------------
-    def flush(self, reason: str, src: str, want=None):
+    def flush(self, reason: str, src: str, want=None, later: bool = False):
         from .runtime.flush import MAX_REGIONS, run_trace
         MAX_REGIONS[0] = config.max_regions
         nodes = self.nodes
@@ -197,7 +197,7 @@ class Trace:
         try:
             run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,
                       config.cross_check, config.memory_planner, config.shape_recompile_limit,
-                      config.memory_budget, want, partner=partner,
+                      config.memory_budget, want, later=later, partner=partner,
                       loop_split=config.step_detection)
         finally:
             # Values and nodes reference each other (Value.node, Node.outs): break the cycles so

@@ -23,6 +23,9 @@ _PLANS: dict = {}       # (trace hash, length, cuts, order) -> [pieces.Piece]
 _STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
 _ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
 MAX_REGIONS = [4096]    # set from deferfuse's config (DEFERFUSE_MAX_REGIONS)
+# Cuts nobody waits for: the trace runs and recording goes on. Their regions are dispatched without
+# first reading the index checks of the regions before them (those raise at the next real sync).
+ASYNC_CUTS = ("loop boundary", "trace limit", "backward")
 
 
 class _Region:
@@ -107,6 +110,7 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
     id(output value) -> id of the value its storage held before the trace wrote it (see
     NOTE [alias order])."""
     global LAST
+    lf = 0 if later else None       # pieces of a later run are later too
     if held is None:
         LAST = [nodes, reason, src, None]   # nodes keep their name, wiring and source line only
         # Who else holds each input value: its holders are the ext list, the node inputs reading
@@ -121,7 +125,7 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
             if cuts is not None:        # see NOTE [loop split] in scheduler/steps.py
                 S["loop_splits"] += 1
                 return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner,
-                                   shape_limit, budget, held, h, partner=partner)
+                                   shape_limit, budget, held, h, later_from=lf, partner=partner)
     if want is not None and not cross_check:
         sk = (h, len(nodes), want)
         split = _SPLITS.get(sk, 0)
@@ -139,7 +143,7 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
     reg = _REGIONS.get(key)
     if reg.__class__ is tuple:      # split for the memory budget on an earlier run
         return _run_pieces(nodes, ext, outs, reg, reason, src, debug_level, planner,
-                           shape_limit, budget, held, h, partner=partner)
+                           shape_limit, budget, held, h, later_from=lf, partner=partner)
     ext_arrays = [v.array for v in ext]
     don = [a for a, d in zip(ext_arrays, donate) if d]
     keep = [a for a, d in zip(ext_arrays, donate) if not d]
@@ -161,7 +165,8 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
             if cuts is not None:
                 S["shape_splits"] += 1
                 return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level,
-                                   planner, shape_limit, budget, held, h, partner=partner)
+                                   planner, shape_limit, budget, held, h, later_from=lf,
+                                   partner=partner)
             S["shape_fallbacks"] += 1
             env = None
             for _, _, env in _replay(nodes, ext, scalars, block=False):
@@ -203,7 +208,8 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
                         print(f"[deferfuse] region of {len(nodes)} ops needs ~{est / 2**20:.1f} MB "
                               f"> budget {budget / 2**20:.1f} MB: split at {cuts[:-1]}", file=sys.stderr)
                     return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level,
-                                       planner, shape_limit, budget, held, h, partner=partner)
+                                       planner, shape_limit, budget, held, h, later_from=lf,
+                                       partner=partner)
         node_bytes = sum(o.nbytes for n in nodes for o in n.outs if o is not None)
         reg.elided = max(node_bytes - out_bytes, 0)
         # What running it needs beyond what is allocated (outputs and donation are in the key).
@@ -228,9 +234,10 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
     if debug_level >= 3:
         for n in nodes:
             print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
-    if not later:
-        # A piece the sync does not wait for runs without waiting on the pieces before it: their
-        # checks are read after the sync has dispatched everything (state.sync).
+    if not later and reason not in ASYNC_CUTS:
+        # A piece the sync does not wait for, or one of a cut nobody waits for, runs without
+        # waiting on the pieces before it: their checks are read after the sync has dispatched
+        # everything (state.sync).
         check_flags()
     memory_stats.transient(reg.transient)
     try:

@@ -161,22 +161,23 @@ def test_item_waits_only_for_the_ops_it_reads():
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     deferfuse.sync()
     deferfuse.reset_metrics()
-    for step in range(4):
-        losses = []
-        for m, opt, a, b in ((model, opts[0], xt, yt), (ref, opts[1], x, y)):
-            opt.zero_grad()
-            loss = F.cross_entropy(m(a), b)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
+    with deferfuse.override(backward_cut=False):    # it would dispatch the forward pass earlier
+        for step in range(4):
+            losses = []
+            for m, opt, a, b in ((model, opts[0], xt, yt), (ref, opts[1], x, y)):
+                opt.zero_grad()
+                loss = F.cross_entropy(m(a), b)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
     m = deferfuse.metrics()
     assert m["needed_first_splits"] == 4 and m["regions_run"] == 8, m
     assert m["donated_bytes"] > 0       # the optimizer step still updates its buffers in place
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_same(p.detach(), q.detach(), atol=1e-5, rtol=1e-4)
     deferfuse.reset_metrics()
-    with deferfuse.override(needed_first=False):      # the switch: one region again
+    with deferfuse.override(needed_first=False, backward_cut=False):  # the switch: one region
         opts[0].zero_grad()
         loss = F.cross_entropy(model(xt), yt)
         loss.backward()
@@ -220,6 +221,107 @@ def test_index_error_in_the_ops_a_read_needs_is_raised_at_the_read():
     assert deferfuse.metrics()["needed_first_splits"] == 1
     torch.testing.assert_close(x.cpu(), xc * 1024)     # the other piece ran: its values are right
 
+def _mlp_pair(seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model = copy.deepcopy(ref).to("tpu")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    return model, ref, opts
+
+
+def test_backward_cut_dispatches_the_forward_pass_and_the_read_the_rest():
+    # NOTE [backward cut] (deferfuse/device.py): backward() dispatches the forward pass; loss.item()
+    # finds the loss computed and dispatches the backward pass and optimizer step, waiting for none.
+    from deferfuse import state
+    model, ref, opts = _mlp_pair()
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    xt, yt = x.to("tpu"), y.to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    with deferfuse.override(backward_cut=True):
+        assert state.backward_cut()
+        for step in range(4):
+            losses = []
+            for m, opt, a, b in ((model, opts[0], xt, yt), (ref, opts[1], x, y)):
+                opt.zero_grad()
+                loss = F.cross_entropy(m(a), b)
+                loss.backward()
+                if m is model:
+                    assert not _pending(loss)           # dispatched when backward() began
+                opt.step()
+                if m is model:
+                    assert _pending(next(model.parameters()))
+                losses.append(loss.item())
+                if m is model:
+                    assert not _pending(next(model.parameters()))   # dispatched by the read
+            assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
+            if step == 1:
+                compiles = deferfuse.metrics()["compiles"]
+    m = deferfuse.metrics()
+    assert m["syncs"]["backward"] == 4 and m["syncs"]["item"] == 4, m["syncs"]
+    assert m["regions_run"] == 8 and m["needed_first_splits"] == 0, m
+    assert m["compiles"] == compiles        # steps 3 and 4 compiled nothing
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_backward_cut_runs_a_loop_without_syncs_as_one_region_per_step():
+    model, ref, opts = _mlp_pair(1)
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    xt, yt = x.to("tpu"), y.to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    with deferfuse.override(backward_cut=True):
+        for step in range(6):
+            for m, opt, a, b in ((model, opts[0], xt, yt), (ref, opts[1], x, y)):
+                opt.zero_grad()
+                F.cross_entropy(m(a), b).backward()
+                opt.step()
+            if step == 2:
+                compiles = deferfuse.metrics()["compiles"]
+        assert deferfuse.metrics()["compiles"] == compiles
+        assert deferfuse.metrics()["syncs"]["backward"] == 6
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_same(p.detach(), q.detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_backward_cut_also_at_autograd_grad_and_off_in_strict_mode():
+    w = torch.randn(4, 3, requires_grad=True)
+    wt = w.detach().to("tpu").requires_grad_()
+    x = torch.randn(2, 4)
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    with deferfuse.override(backward_cut=True):
+        (g,) = torch.autograd.grad((x.to("tpu") @ wt).tanh().sum(), wt)
+        assert deferfuse.metrics()["syncs"]["backward"] == 1
+        assert_same(g, torch.autograd.grad((x @ w).tanh().sum(), w)[0])
+        with deferfuse.mode("strict"):
+            (x.to("tpu") @ wt).sum().backward()
+        assert deferfuse.metrics()["syncs"]["backward"] == 1
+
+
+def test_backward_cut_raises_an_index_error_of_the_forward_pass_at_the_read():
+    emb = nn.Embedding(10, 4).to("tpu")
+    idx = torch.tensor([3, 12]).to("tpu")
+    deferfuse.sync()
+    with deferfuse.override(backward_cut=True):
+        loss = emb(idx).sum()
+        loss.backward()                 # dispatched; nobody waits, nothing raises yet
+        with pytest.raises(IndexError, match="embedding"):
+            loss.item()
+
+
+def test_backward_cut_is_off_on_the_cpu_backend_by_default():
+    from deferfuse import state
+    from deferfuse.runtime import platform
+    from deferfuse.config import SETTINGS
+    assert SETTINGS["backward_cut"].default == "auto"
+    with deferfuse.override(backward_cut="auto"):
+        assert state.backward_cut() == (platform.name() != "cpu")
+    with deferfuse.override(backward_cut=False):
+        assert not state.backward_cut()
+
+
 def test_loop_without_sync_detects_the_step():
     torch.manual_seed(0)
     w = torch.randn(16, 16).to("tpu")
@@ -247,11 +349,12 @@ def test_many_steps_before_one_sync_compile_one_region_per_step():
     losses = []
     for model, dev in ((m, "cpu"), (mt, "tpu")):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for _ in range(30):
-            loss = torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+        with deferfuse.override(backward_cut=False):    # it would cut every step at backward()
+            for _ in range(30):
+                loss = torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
         losses.append(loss.item())
     metrics = deferfuse.metrics()
     assert abs(losses[0] - losses[1]) < 1e-5 * max(1.0, abs(losses[0]))
