@@ -639,3 +639,74 @@ def test_weight_norm_gradients(dim):
     # (HiFi-GAN, wav2vec2's positional conv) train without a CPU round trip.
     m = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 4, 3), dim=dim)
     check(run_module, torch.randn(2, 3, 5), module=m)
+
+
+# per_sample_weights exist for mode='sum' only, and mode='max' takes no scale_grad_by_freq
+# (PyTorch raises ValueError for both, before any op runs)
+_BAG_CASES = [(m, c) for m in ("sum", "mean", "max")
+              for c in ("offsets", "2d", "padding", "weights", "freq", "last_offset")
+              if not (c == "weights" and m != "sum") and not (c == "freq" and m == "max")]
+
+
+@pytest.mark.parametrize("mode,case", _BAG_CASES)
+def test_embedding_bag_gradients(mode, case):
+    # nn.EmbeddingBag's backward (_embedding_bag_backward, per-sample-weight gradient) on tpu, once
+    # a CPU fallback that synced every training step.
+    torch.manual_seed(0)
+    w = torch.randn(10, 5)
+    idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 2, 7])
+    kw = dict(mode=mode)
+    if case == "2d":
+        idx = idx.reshape(2, 5)
+    else:
+        kw["offsets"] = torch.tensor([0, 3, 3, 6]) if case != "last_offset" else torch.tensor([0, 4, 7, 10])
+        kw["include_last_offset"] = case == "last_offset"
+    if case == "padding":
+        kw["padding_idx"] = 2
+    if case == "freq":
+        kw["scale_grad_by_freq"] = True
+    psw = torch.rand(idx.shape[0], requires_grad=True) if case == "weights" else None
+    g = torch.randn(F.embedding_bag(idx, w, **kw).shape)
+
+    def grads(dev):
+        wd = w.to(dev).requires_grad_()
+        args = dict(kw, **{k: v.to(dev) for k, v in kw.items() if isinstance(v, torch.Tensor)})
+        p = None
+        if psw is not None:
+            p = psw.detach().to(dev).requires_grad_()
+            args["per_sample_weights"] = p
+        out = F.embedding_bag(idx.to(dev), wd, **args)
+        ins = [wd] + ([p] if p is not None else [])
+        return [out] + list(torch.autograd.grad(out, ins, g.to(dev)))
+
+    want = grads("cpu")
+    if case == "freq":
+        # CPU's embedding_bag backward divides by the wrong index's count when counts differ
+        # (pytorch/pytorch#190063, fixed upstream; CUDA was right): the reference is CPU eager
+        # F.embedding, whose scale_grad_by_freq is right, summed or averaged per bag.
+        wd = w.clone().requires_grad_()
+        bag = torch.searchsorted(kw["offsets"], torch.arange(idx.shape[0]), right=True) - 1
+        rows = F.embedding(idx, wd, scale_grad_by_freq=True)
+        out = torch.zeros(4, 5).index_add(0, bag, rows)
+        if mode == "mean":
+            out = out / torch.bincount(bag, minlength=4).clamp(min=1)[:, None]
+        want = [out, torch.autograd.grad(out, wd, g)[0]]
+    deferfuse.reset_metrics()
+    got = grads("tpu")
+    for a, b in zip(got, want):
+        assert_same(a, b, atol=1e-5, rtol=1e-5)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_embedding_bag_dense_backward_op(mode):
+    # The op itself (PyTorch's own backward calls it from _embedding_bag_backward on CPU and CUDA).
+    torch.manual_seed(0)
+    w, g = torch.randn(8, 3), torch.randn(3, 3)
+    idx, off = torch.tensor([1, 4, 4, 0, 6, 2, 7]), torch.tensor([0, 3, 3])
+    aux = torch.ops.aten._embedding_bag(w, idx, off, False, mode, False, None, False, 4)[1:]
+    args = (idx, aux[0], aux[1], aux[2], 8, False, mode, None, 4)
+    want = torch.ops.aten._embedding_bag_dense_backward(g, *args)
+    got = torch.ops.aten._embedding_bag_dense_backward(
+        g.to("tpu"), *[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
+    assert_same(got, want, atol=1e-6, rtol=1e-6)

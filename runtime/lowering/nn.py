@@ -427,3 +427,78 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
     size = count if mode else jnp.zeros_like(count)
     return (out, _fit(offset2bag.astype(jnp.int64), _avals[1]), _fit(size, _avals[2]),
             _fit(arg.astype(jnp.int64), _avals[3]))
+
+
+def _bags(indices, offsets, nb, padding_idx):
+    """Per index: its bag (``nb`` where it counts in none) and whether it counts; per bag: how many
+    indices count (PyTorch's offset2bag and bag_size, rebuilt: its forward leaves offset2bag empty
+    in some modes, and its backward then rebuilds it the same way)."""
+    n = indices.shape[0]
+    pos = jnp.arange(n)
+    bag = jnp.searchsorted(offsets[:nb], pos, side="right") - 1
+    valid = bag >= 0
+    if offsets.shape[0] > nb:           # include_last_offset: indices past the last offset count in none
+        valid = valid & (pos < offsets[nb])
+    if padding_idx >= 0:
+        valid = valid & (indices != padding_idx)
+    bag = jnp.where(valid, bag, nb)
+    return bag, valid, jax.ops.segment_sum(valid.astype(jnp.int64), bag, nb)
+
+
+@op("_embedding_bag_backward.default")
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_idx, num_weights,
+                           by_freq, mode, sparse, psw=None, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("embedding_bag with sparse=True: tpu tensors are dense only; "
+                                  "use nn.EmbeddingBag(..., sparse=False)")
+    bag, valid, count = _bags(indices, offsets, grad.shape[0], padding_idx)
+    return _bag_grad(grad, indices, bag, valid, count, max_idx, num_weights, by_freq, mode, psw,
+                     padding_idx)
+
+
+@op("_embedding_bag_dense_backward.default")
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, max_idx, num_weights,
+                                 by_freq, mode, psw=None, padding_idx=-1):
+    nb = grad.shape[0]
+    valid = (indices != padding_idx) if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+    bag = jnp.where(valid, offset2bag, nb)
+    count = jax.ops.segment_sum(valid.astype(jnp.int64), bag, nb)
+    return _bag_grad(grad, indices, bag, valid, count, max_idx, num_weights, by_freq, mode, psw,
+                     padding_idx)
+
+
+def _bag_grad(grad, indices, bag, valid, count, max_idx, num_weights, by_freq, mode, psw,
+              padding_idx):
+    """The dense gradient of embedding_bag's weight (PyTorch's CPU kernel: sum and mean scatter each
+    bag's gradient to its rows, mean divided by the bag's size; max sends it to the rows that
+    attained the max; ``scale_grad_by_freq`` divides by how often each row is named)."""
+    nb, d = grad.shape
+    g = _acc(grad)
+    out = jnp.zeros((num_weights, d), g.dtype)
+    if mode == 2:
+        rows = jnp.where((count > 0)[:, None], max_idx, num_weights)     # empty bags: dropped
+        if padding_idx >= 0:
+            rows = jnp.where(rows == padding_idx, num_weights, rows)
+        cols = jnp.broadcast_to(jnp.arange(d), (nb, d))
+        return out.at[rows, cols].add(g, mode="drop")
+    at = jnp.clip(bag, 0, nb - 1)
+    rows = g[at]
+    if mode == 1:
+        rows = rows / jnp.maximum(count, 1)[at][:, None].astype(g.dtype)
+    if psw is not None:
+        rows = rows * _acc(psw)[:, None]
+    if by_freq:
+        freq = jnp.zeros((num_weights,), g.dtype).at[indices].add(1)
+        rows = rows / freq[indices][:, None]
+    return out.at[indices].add(jnp.where(valid[:, None], rows, 0))
+
+
+@op("_embedding_bag_per_sample_weights_backward.default")
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+                                              padding_idx=-1):
+    """d(loss)/d(per_sample_weights[i]): the dot of index i's bag gradient with its row (sum mode
+    only, as in PyTorch)."""
+    nb = grad.shape[0]
+    bag, valid, _ = _bags(indices, offsets, nb, padding_idx)
+    dots = jnp.sum(_acc(grad)[jnp.clip(bag, 0, nb - 1)] * _acc(weight)[indices], axis=1)
+    return jnp.where(valid, dots, 0)
