@@ -244,6 +244,7 @@ def _cut_at_backward() -> None:
     step's forward pass), compiled once. The cuts depend on the program only, never on timing.
     ``DEFERFUSE_BACKWARD_CUT=0`` turns both off."""
     import torch.autograd as autograd
+    from . import dispatch
 
     from .tensor import TpuTensor
 
@@ -258,7 +259,18 @@ def _cut_at_backward() -> None:
                     and not torch.compiler.is_compiling()
                     and on_tpu(args[0] if args else kwargs.get(first))):
                 state.sync("backward")
-            return orig(*args, **kwargs)
+            errors = dispatch.BACKWARD_ERRORS
+            errors.clear()
+            try:
+                out = orig(*args, **kwargs)
+            except Exception:
+                if not errors:
+                    raise
+            if errors:
+                e = errors[0]
+                errors.clear()
+                raise e from None       # the op's own error (NOTE [errors in backward])
+            return out
         fn._deferfuse = True
         return fn
 

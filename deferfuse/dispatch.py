@@ -104,7 +104,24 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     r = _ROUTE.get(id(func))
     if r is None:
         r = _ROUTE[id(func)] = _route(func)
-    return r[0](func, r[1], args, kwargs or {})
+    try:
+        return r[0](func, r[1], args, kwargs or {})
+    except BaseException as e:
+        if torch._C._current_autograd_node() is None:
+            raise
+        # NOTE [errors in backward]: a Python exception leaving __torch_dispatch__ inside the
+        # autograd engine is still pending when the engine's stream guard, unwinding, calls the
+        # Python device guard of PrivateUse1 (a noexcept call): the interpreter aborted
+        # ("terminate called without an active exception"), or run_backward returned a SystemError
+        # without a message. (NotImplemented does not help: PyTorch's "all handlers returned
+        # NotImplemented" is a Python exception too.) So the error is kept and the op returns an
+        # empty CPU tensor: the engine's own checks of it fail in C++, which unwinds safely, and
+        # backward() and autograd.grad (device.py) raise the kept error instead.
+        BACKWARD_ERRORS.append(e)
+        return torch.empty(0)
+
+
+BACKWARD_ERRORS: list = []    # errors of ops run by the autograd engine (NOTE [errors in backward])
 
 
 def dispatch(func, args, kwargs):

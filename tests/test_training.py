@@ -107,3 +107,24 @@ def test_train_matches_cpu(model_name, opt_name, foreach):
     for g, w in zip(got_p, want_p):
         assert_same(g.detach(), w.detach(), atol=5e-5, rtol=5e-5)
     assert deferfuse.metrics()["cpu_fallbacks"] == {}, deferfuse.metrics()["cpu_fallbacks"]
+
+
+@pytest.mark.modes("strict", "debug", "defer")
+@pytest.mark.parametrize("call", ["backward", "grad"])
+def test_an_error_in_a_backward_op_raises_it(call):
+    # NOTE [errors in backward] (deferfuse/dispatch.py): an op of the backward pass that raised
+    # (here: no lowering and the CPU fallback off) aborted the interpreter.
+    x = torch.randn(1, 1, 4, 4).to("tpu").requires_grad_()
+    grid = (torch.rand(1, 3, 3, 2) * 2 - 1).to("tpu")
+    with deferfuse.override(cpu_fallback=False):
+        loss = F.grid_sample(x, grid, align_corners=False).sum()
+        with pytest.raises(deferfuse.LoweringError, match="grid_sampler_2d_backward"):
+            if call == "backward":
+                loss.backward()
+            else:
+                torch.autograd.grad(loss, x)
+    # the process goes on: a backward pass after it is right
+    w = torch.randn(3, 2)
+    wt = w.to("tpu").requires_grad_()
+    (wt.tanh() * 2).sum().backward()
+    assert_same(wt.grad, 2 * (1 - w.tanh() ** 2))
