@@ -87,6 +87,9 @@ SETTINGS = {s.name: s for s in [
             "dispatch the pending trace (the forward pass) when backward() starts, without waiting "
             "for it, and what is pending when a read finds its value computed; auto: on unless "
             "the JAX platform is the host CPU, whose cores Python needs while XLA computes"),
+    Setting("backward_thread", "DEFERFUSE_BACKWARD_THREAD", False, _bool,
+            "run tpu backward passes on PyTorch's autograd device thread (its default for an "
+            "accelerator) instead of the thread that calls backward()"),
     Setting("memory_budget", "DEFERFUSE_MEMORY_BUDGET", 0, _bytes,
             "bytes a fused region may use at its peak before it is split (0: no limit)"),
     Setting("max_regions", "DEFERFUSE_MAX_REGIONS", 4096, int,

@@ -128,3 +128,20 @@ def test_an_error_in_a_backward_op_raises_it(call):
     wt = w.to("tpu").requires_grad_()
     (wt.tanh() * 2).sum().backward()
     assert_same(wt.grad, 2 * (1 - w.tanh() ** 2))
+
+
+@pytest.mark.parametrize("device_thread", [False, True])
+def test_backward_runs_on_the_calling_thread(device_thread):
+    # NOTE [backward thread] (deferfuse/device.py): PyTorch hands an accelerator's backward pass to
+    # a device thread of its own; tpu runs it where backward() was called, as for CPU tensors.
+    import threading
+    seen = []
+    w = torch.randn(3, 2)
+    wt = w.to("tpu").requires_grad_()
+    with deferfuse.override(backward_thread=device_thread):
+        y = wt * 3
+        y.register_hook(lambda g: seen.append(threading.get_ident()))   # runs where the node runs
+        y.sum().backward()
+    assert len(seen) == 1
+    assert (seen[0] == threading.get_ident()) != device_thread
+    assert_same(wt.grad, torch.full((3, 2), 3.0))
