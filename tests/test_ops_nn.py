@@ -710,3 +710,27 @@ def test_embedding_bag_dense_backward_op(mode):
     got = torch.ops.aten._embedding_bag_dense_backward(
         g.to("tpu"), *[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
     assert_same(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding,align", [("zeros", False), ("border", True), ("reflection", False),
+                                           ("reflection", True)])
+def test_grid_sample_gradients(mode, padding, align):
+    # grid_sampler_2d_backward (the vjp of a JAX grid sampler), once a CPU fallback; the grid
+    # reaches past [-1, 1] so padding matters.
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 7)
+    grid = torch.rand(2, 4, 6, 2) * 2.4 - 1.2
+
+    def run(dev):
+        a, g = x.to(dev).requires_grad_(), grid.to(dev).requires_grad_()
+        out = F.grid_sample(a, g, mode=mode, padding_mode=padding, align_corners=align)
+        go = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) / out.numel()
+        return [out] + list(torch.autograd.grad(out, (a, g), go.to(dev)))
+
+    want = run("cpu")
+    deferfuse.reset_metrics()
+    got = run("tpu")
+    for a, b in zip(got, want):
+        assert_same(a, b, atol=1e-4, rtol=1e-4)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}

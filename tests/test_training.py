@@ -111,18 +111,24 @@ def test_train_matches_cpu(model_name, opt_name, foreach):
 
 @pytest.mark.modes("strict", "debug", "defer")
 @pytest.mark.parametrize("call", ["backward", "grad"])
-def test_an_error_in_a_backward_op_raises_it(call):
+def test_an_error_in_a_backward_op_raises_it(call, monkeypatch):
     # NOTE [errors in backward] (deferfuse/dispatch.py): an op of the backward pass that raised
-    # (here: no lowering and the CPU fallback off) aborted the interpreter.
-    x = torch.randn(1, 1, 4, 4).to("tpu").requires_grad_()
-    grid = (torch.rand(1, 3, 3, 2) * 2 - 1).to("tpu")
-    with deferfuse.override(cpu_fallback=False):
-        loss = F.grid_sample(x, grid, align_corners=False).sum()
-        with pytest.raises(deferfuse.LoweringError, match="grid_sampler_2d_backward"):
-            if call == "backward":
-                loss.backward()
-            else:
-                torch.autograd.grad(loss, x)
+    # (no lowering with the CPU fallback off, a lowering that failed) aborted the interpreter. Here
+    # relu's backward op raises, as such an op would.
+    from deferfuse import dispatch
+    op = torch.ops.aten.threshold_backward.default
+
+    def broken(func, info, args, kwargs):
+        raise deferfuse.LoweringError(func, "no lowering (a stand-in for this test)")
+    monkeypatch.setitem(dispatch._ROUTE, id(op), (broken, None, op))
+    x = torch.randn(4, 3).to("tpu").requires_grad_()
+    loss = torch.relu(x).sum()
+    with pytest.raises(deferfuse.LoweringError, match="threshold_backward"):
+        if call == "backward":
+            loss.backward()
+        else:
+            torch.autograd.grad(loss, x)
+    monkeypatch.undo()
     # the process goes on: a backward pass after it is right
     w = torch.randn(3, 2)
     wt = w.to("tpu").requires_grad_()

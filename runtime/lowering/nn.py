@@ -502,3 +502,89 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
     bag, valid, _ = _bags(indices, offsets, nb, padding_idx)
     dots = jnp.sum(_acc(grad)[jnp.clip(bag, 0, nb - 1)] * _acc(weight)[indices], axis=1)
     return jnp.where(valid, dots, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# grid_sampler_2d: PyTorch's forward decomposes into ops that are lowered; its backward has no
+# decomposition, so it is the vjp of this forward (PyTorch's CPU kernel: grid_sampler_unnormalize,
+# compute_source_index, bilinear / nearest (round half to even) / bicubic (A = -0.75) taps, taps out
+# of bounds read 0)
+
+def _gs_unnormalize(coord, size, align):
+    return (coord + 1) / 2 * (size - 1) if align else ((coord + 1) * size - 1) / 2
+
+
+def _gs_reflect(coord, twice_low, twice_high):
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    coord = jnp.abs(coord - low)
+    extra = jnp.fmod(coord, span)
+    flips = jnp.floor(coord / span)
+    return jnp.where(jnp.fmod(flips, 2) == 0, extra + low, span - extra + low)
+
+
+def _gs_pad(coord, size, padding, align):
+    """Border clips to the edge; reflection mirrors at the edges (then clips, as PyTorch does)."""
+    if padding == 1:
+        return jnp.clip(coord, 0, size - 1)
+    if padding == 2:
+        coord = _gs_reflect(coord, 0, 2 * (size - 1)) if align else _gs_reflect(coord, -1, 2 * size - 1)
+        return jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+def _gs_taps(inp, xs, ys):
+    """inp (N, C, H, W) at integer coordinates xs, ys (N, Ho, Wo): (N, C, Ho, Wo), 0 outside."""
+    n, c, h, w = inp.shape
+    inside = (xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)
+    flat = (jnp.clip(ys, 0, h - 1) * w + jnp.clip(xs, 0, w - 1)).astype(jnp.int32)
+    vals = jnp.take_along_axis(inp.reshape(n, c, h * w), flat.reshape(n, 1, -1), axis=2)
+    return jnp.where(inside[:, None], vals.reshape(n, c, *xs.shape[1:]), 0)
+
+
+def _cubic_weights(t, a=-0.75):
+    def near(x):
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
+
+
+def _grid_sample(inp, grid, mode, padding, align):
+    h, w = inp.shape[2], inp.shape[3]
+    gx, gy = grid[..., 0], grid[..., 1]
+    if mode == 2:                       # bicubic: padding applies to each tap
+        ix, iy = _gs_unnormalize(gx, w, align), _gs_unnormalize(gy, h, align)
+        x0, y0 = jnp.floor(ix), jnp.floor(iy)
+        wx, wy = _cubic_weights(ix - x0), _cubic_weights(iy - y0)
+        out = 0
+        for j in range(4):
+            yj = _gs_pad(y0 - 1 + j, h, padding, align)
+            for i in range(4):
+                xi = _gs_pad(x0 - 1 + i, w, padding, align)
+                tap = _gs_taps(inp, xi.astype(jnp.int64), yj.astype(jnp.int64))
+                out = out + tap * (wx[i] * wy[j])[:, None]
+        return out
+    ix = _gs_pad(_gs_unnormalize(gx, w, align), w, padding, align)
+    iy = _gs_pad(_gs_unnormalize(gy, h, align), h, padding, align)
+    if mode == 1:
+        return _gs_taps(inp, jnp.round(ix).astype(jnp.int64), jnp.round(iy).astype(jnp.int64))
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+    tx, ty = ix - x0, iy - y0
+    x0, y0 = x0.astype(jnp.int64), y0.astype(jnp.int64)
+    return (_gs_taps(inp, x0, y0) * ((1 - tx) * (1 - ty))[:, None]
+            + _gs_taps(inp, x0 + 1, y0) * (tx * (1 - ty))[:, None]
+            + _gs_taps(inp, x0, y0 + 1) * ((1 - tx) * ty)[:, None]
+            + _gs_taps(inp, x0 + 1, y0 + 1) * (tx * ty)[:, None])
+
+
+@op("grid_sampler_2d_backward.default")
+def grid_sampler_2d_backward(grad_output, inp, grid, interpolation_mode, padding_mode,
+                             align_corners, output_mask):
+    x, g = _acc(inp), _acc(grid)
+    _, vjp = jax.vjp(lambda a, b: _grid_sample(a, b, interpolation_mode, padding_mode,
+                                               align_corners), x, g)
+    gi, gg = vjp(_acc(grad_output))
+    return (gi if output_mask[0] else None), gg
