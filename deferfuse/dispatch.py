@@ -222,6 +222,13 @@ def _ts_range(start: int, n: int) -> tuple:
 
 
 def _run(func, info, args, kwargs):
+    gen = None
+    if kwargs and info.low.rng and kwargs.get("generator") is not None:
+        # NOTE [generators]: a CPU torch.Generator seeds this op (one draw from it makes a JAX key);
+        # the device's own key is left alone. It used to be ignored, and a new generator object
+        # made a new cache entry: another compile per call.
+        gen = kwargs["generator"]
+        kwargs = dict(kwargs, generator=None)
     tensors: list = []
     scalars: list = []
     device = [None]
@@ -303,14 +310,14 @@ def _run(func, info, args, kwargs):
                 res.append(make(st, (), m[1], m[2], 0, m[0], m[3]))
         return res if entry.out[0][0] == "list" else tuple(res)
     if low.rng:
-        ins.append(state.rng_storage(dev).val)
+        ins.append(state.rng_storage(dev).val if gen is None else state.generator_key(gen, dev))
     outs = state.run_node(entry, ins, scalars, dev)
-    return _bind(func, info, entry, outs, tensors, args, kwargs, dev)
+    return _bind(func, info, entry, outs, tensors, args, kwargs, dev, gen is None)
 
 
-def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
+def _bind(func, info, entry, outs, tensors, args, kwargs, dev, device_key=True):
     out_meta, mut, rng = entry.out[0], entry.out[1], entry.out[2]
-    if rng:
+    if rng and device_key:
         st = state.rng_storage(dev)
         state.trace.track_mut(st, outs[-1])
         st.val = outs[-1]

@@ -104,6 +104,15 @@ def _new_key(seed: int, dev: int):
     return Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
 
 
+def generator_key(gen, dev: int):
+    """A fresh key Value for one op that was given ``generator=`` (NOTE [generators] in
+    dispatch.py): a 63-bit seed drawn from the generator, which advances it as a draw would."""
+    if gen.device.type != "cpu":
+        raise RuntimeError(f"expected a CPU torch.Generator for a tpu op, got one on {gen.device}")
+    seed = int(torch.randint(0, 2 ** 63 - 1, (), generator=gen))
+    return _new_key(seed, dev).val
+
+
 def manual_seed(seed: int) -> None:
     sync("manual_seed")
     _seed[0] = int(seed)

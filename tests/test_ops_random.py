@@ -157,3 +157,39 @@ def test_multinomial_invalid_probabilities_raise(probs, msg):
         torch.tensor(probs).multinomial(1)
     with pytest.raises(RuntimeError, match=msg):
         torch.tensor(probs, device="tpu").multinomial(1).cpu()
+
+
+@pytest.mark.parametrize("draw", [
+    lambda g: torch.randn(64, device="tpu", generator=g),
+    lambda g: torch.rand(8, 8, device="tpu", generator=g),
+    lambda g: torch.randint(0, 100, (32,), device="tpu", generator=g),
+    lambda g: torch.empty(50, device="tpu").uniform_(-2, 3, generator=g),
+    lambda g: torch.empty(50, device="tpu").normal_(1, 2, generator=g),
+    lambda g: torch.bernoulli(torch.full((40,), 0.3).to("tpu"), generator=g),
+])
+def test_a_cpu_generator_seeds_the_op(draw):
+    # NOTE [generators] (deferfuse/dispatch.py): a generator was ignored (the device's key drew,
+    # and a seeded generator did not reproduce), and each new generator object compiled again.
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+    torch.manual_seed(0)
+    a, b = draw(gen(7)).cpu(), draw(gen(7)).cpu()
+    assert torch.equal(a, b)                        # the same seed, the same numbers
+    g = gen(7)
+    c, d = draw(g).cpu(), draw(g).cpu()
+    assert torch.equal(a, c) and not torch.equal(c, d)     # the generator advances
+    torch.manual_seed(0)
+    want = torch.randn(16, device="tpu").cpu()
+    torch.manual_seed(0)
+    draw(gen(1))                                    # leaves the device's own stream alone
+    assert torch.equal(torch.randn(16, device="tpu").cpu(), want)
+    deferfuse.reset_metrics()
+    for seed in range(3):
+        draw(gen(seed)).cpu()
+    assert deferfuse.metrics()["compiles"] == 0     # a new generator is not a new program
+
+
+def test_a_generator_and_the_distribution_it_draws():
+    x = torch.empty(20000, device="tpu").normal_(3.0, 2.0, generator=torch.Generator().manual_seed(3))
+    x = x.cpu()
+    assert abs(float(x.mean()) - 3.0) < 0.06 and abs(float(x.std()) - 2.0) < 0.06
