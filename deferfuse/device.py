@@ -251,7 +251,7 @@ def _wrap_autograd() -> None:
       hands it to a device thread of its own and blocks the caller; every op of the backward pass is
       Python (our __torch_dispatch__), so the hand-off bought nothing and cost a thread switch and
       the GIL moving between threads (measured, quick sizes, paired in one process: training steps
-      5-10% faster in defer mode, 12% in strict). ``DEFERFUSE_BACKWARD_THREAD=1`` restores the
+      5-15% faster in defer mode, about 12% in strict). ``DEFERFUSE_BACKWARD_THREAD=1`` restores the
       device thread.
     - raise the error of a backward op that failed (NOTE [errors in backward] in dispatch.py)."""
     import torch.autograd as autograd
