@@ -734,3 +734,25 @@ def test_grid_sample_gradients(mode, padding, align):
     for a, b in zip(got, want):
         assert_same(a, b, atol=1e-4, rtol=1e-4)
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+@pytest.mark.parametrize("padding,align", [("zeros", False), ("border", True), ("reflection", False)])
+def test_grid_sample_3d(mode, padding, align):
+    # grid_sampler_3d (no PyTorch decomposition) and its backward, both once CPU fallbacks.
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 5, 6)
+    grid = torch.rand(2, 3, 4, 5, 3) * 2.4 - 1.2
+
+    def run(dev):
+        a, g = x.to(dev).requires_grad_(), grid.to(dev).requires_grad_()
+        out = F.grid_sample(a, g, mode=mode, padding_mode=padding, align_corners=align)
+        go = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) / out.numel()
+        return [out] + list(torch.autograd.grad(out, (a, g), go.to(dev)))
+
+    want = run("cpu")
+    deferfuse.reset_metrics()
+    got = run("tpu")
+    for a, b in zip(got, want):
+        assert_same(a, b, atol=1e-4, rtol=1e-4)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}

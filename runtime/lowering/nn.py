@@ -9,6 +9,8 @@ PyTorch's CPU kernels do; the caller casts every output to PyTorch's dtype.
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -534,13 +536,19 @@ def _gs_pad(coord, size, padding, align):
     return coord
 
 
-def _gs_taps(inp, xs, ys):
-    """inp (N, C, H, W) at integer coordinates xs, ys (N, Ho, Wo): (N, C, Ho, Wo), 0 outside."""
-    n, c, h, w = inp.shape
-    inside = (xs >= 0) & (xs < w) & (ys >= 0) & (ys < h)
-    flat = (jnp.clip(ys, 0, h - 1) * w + jnp.clip(xs, 0, w - 1)).astype(jnp.int32)
-    vals = jnp.take_along_axis(inp.reshape(n, c, h * w), flat.reshape(n, 1, -1), axis=2)
-    return jnp.where(inside[:, None], vals.reshape(n, c, *xs.shape[1:]), 0)
+def _gs_taps(inp, idx):
+    """inp (N, C, *spatial) at integer coordinates ``idx`` (x first: the last spatial dim), each
+    (N, *out): (N, C, *out), 0 outside."""
+    n, c = inp.shape[:2]
+    sizes = inp.shape[2:][::-1]                 # W, H (, D): the order of the grid's coordinates
+    inside, flat, stride = True, 0, 1
+    for i, size in zip(idx, sizes):
+        inside = inside & (i >= 0) & (i < size)
+        flat = flat + jnp.clip(i, 0, size - 1) * stride
+        stride *= size
+    vals = jnp.take_along_axis(inp.reshape(n, c, -1), flat.astype(jnp.int32).reshape(n, 1, -1),
+                               axis=2)
+    return jnp.where(inside[:, None], vals.reshape(n, c, *idx[0].shape[1:]), 0)
 
 
 def _cubic_weights(t, a=-0.75):
@@ -553,31 +561,33 @@ def _cubic_weights(t, a=-0.75):
 
 
 def _grid_sample(inp, grid, mode, padding, align):
-    h, w = inp.shape[2], inp.shape[3]
-    gx, gy = grid[..., 0], grid[..., 1]
-    if mode == 2:                       # bicubic: padding applies to each tap
-        ix, iy = _gs_unnormalize(gx, w, align), _gs_unnormalize(gy, h, align)
+    """2-D (N, C, H, W) or 3-D (N, C, D, H, W) input; the grid's last axis is x, y (, z)."""
+    sizes = inp.shape[2:][::-1]
+    coords = [_gs_unnormalize(grid[..., k], size, align) for k, size in enumerate(sizes)]
+    if mode == 2:                       # bicubic (2-D only): padding applies to each tap
+        (ix, iy), (w, h) = coords, sizes
         x0, y0 = jnp.floor(ix), jnp.floor(iy)
         wx, wy = _cubic_weights(ix - x0), _cubic_weights(iy - y0)
         out = 0
         for j in range(4):
-            yj = _gs_pad(y0 - 1 + j, h, padding, align)
+            yj = _gs_pad(y0 - 1 + j, h, padding, align).astype(jnp.int64)
             for i in range(4):
-                xi = _gs_pad(x0 - 1 + i, w, padding, align)
-                tap = _gs_taps(inp, xi.astype(jnp.int64), yj.astype(jnp.int64))
-                out = out + tap * (wx[i] * wy[j])[:, None]
+                xi = _gs_pad(x0 - 1 + i, w, padding, align).astype(jnp.int64)
+                out = out + _gs_taps(inp, (xi, yj)) * (wx[i] * wy[j])[:, None]
         return out
-    ix = _gs_pad(_gs_unnormalize(gx, w, align), w, padding, align)
-    iy = _gs_pad(_gs_unnormalize(gy, h, align), h, padding, align)
+    coords = [_gs_pad(c, size, padding, align) for c, size in zip(coords, sizes)]
     if mode == 1:
-        return _gs_taps(inp, jnp.round(ix).astype(jnp.int64), jnp.round(iy).astype(jnp.int64))
-    x0, y0 = jnp.floor(ix), jnp.floor(iy)
-    tx, ty = ix - x0, iy - y0
-    x0, y0 = x0.astype(jnp.int64), y0.astype(jnp.int64)
-    return (_gs_taps(inp, x0, y0) * ((1 - tx) * (1 - ty))[:, None]
-            + _gs_taps(inp, x0 + 1, y0) * (tx * (1 - ty))[:, None]
-            + _gs_taps(inp, x0, y0 + 1) * ((1 - tx) * ty)[:, None]
-            + _gs_taps(inp, x0 + 1, y0 + 1) * (tx * ty)[:, None])
+        return _gs_taps(inp, [jnp.round(c).astype(jnp.int64) for c in coords])
+    lows = [jnp.floor(c) for c in coords]
+    fracs = [c - lo for c, lo in zip(coords, lows)]
+    lows = [lo.astype(jnp.int64) for lo in lows]
+    out = 0
+    for corner in itertools.product((0, 1), repeat=len(coords)):   # (bi/tri)linear
+        wgt = 1
+        for up, t in zip(corner, fracs):
+            wgt = wgt * (t if up else 1 - t)
+        out = out + _gs_taps(inp, [lo + up for lo, up in zip(lows, corner)]) * wgt[:, None]
+    return out
 
 
 @op("grid_sampler_2d_backward.default")
@@ -588,3 +598,15 @@ def grid_sampler_2d_backward(grad_output, inp, grid, interpolation_mode, padding
                                                align_corners), x, g)
     gi, gg = vjp(_acc(grad_output))
     return (gi if output_mask[0] else None), gg
+
+
+@op("grid_sampler_3d.default")
+def grid_sampler_3d(inp, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sample(_acc(inp), _acc(grid), interpolation_mode, padding_mode, align_corners)
+
+
+@op("grid_sampler_3d_backward.default")
+def grid_sampler_3d_backward(grad_output, inp, grid, interpolation_mode, padding_mode,
+                             align_corners, output_mask):
+    return grid_sampler_2d_backward(grad_output, inp, grid, interpolation_mode, padding_mode,
+                                    align_corners, output_mask)
