@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import deferfuse
 from util import assert_same
 
 T = "tpu"
@@ -270,3 +271,24 @@ def test_index_select_out_of_range_raises_as_cpu(shape, dim):
     with pytest.raises((IndexError, RuntimeError)) as got:
         torch.ones(shape, device="tpu").index_select(dim, idx.to("tpu")).cpu()
     assert type(got.value) is type(want.value)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 5, 1), (2, 5, 4)])
+def test_masked_scatter_gradients(mask_shape):
+    # masked_scatter_backward (the source's gradient), once a CPU fallback: a vision-language
+    # model that puts image features into its token embeddings synced on it every step.
+    torch.manual_seed(0)
+    x, src = torch.randn(2, 5, 4), torch.randn(3, 7, 4)
+    mask = torch.rand(mask_shape) > 0.5
+
+    def run(dev):
+        a, s = x.to(dev).requires_grad_(), src.to(dev).requires_grad_()
+        out = a.masked_scatter(mask.to(dev), s)
+        go = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) / 10
+        return [out] + list(torch.autograd.grad(out, (a, s), go.to(dev)))
+
+    want = run("cpu")
+    deferfuse.reset_metrics()
+    for a, b in zip(run("tpu"), want):
+        assert_same(a, b)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}

@@ -9,6 +9,8 @@ error (NOTE [index checks] in __init__.py).
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -376,6 +378,20 @@ def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):
 def masked_fill(x, mask, value, *, _avals):
     shape, dt = _avals[0]
     return jnp.where(mask, _scalar_as(value, dt), x.astype(dt))
+
+
+@op("masked_scatter_backward.default")
+def masked_scatter_backward(grad_output, mask, sizes):
+    """The gradient of masked_scatter's ``source``: the masked entries of ``grad_output`` in order,
+    zero-filled to ``sizes`` (PyTorch's masked_select + cat + view, with a static shape). Vision-
+    language models put image features into token embeddings with masked_scatter."""
+    shape = jnp.broadcast_shapes(grad_output.shape, mask.shape)
+    g = jnp.broadcast_to(grad_output, shape).reshape(-1)
+    m = jnp.broadcast_to(mask, shape).reshape(-1)
+    n = math.prod(sizes)
+    ct = jnp.int32 if m.size < 2 ** 31 else jnp.int64
+    pos = jnp.where(m, jnp.cumsum(m.astype(ct)) - 1, n)        # n: dropped
+    return jnp.zeros((n,), g.dtype).at[pos].set(g, mode="drop").reshape(tuple(sizes))
 
 
 @op("masked_scatter.default", meta=True)
