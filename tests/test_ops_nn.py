@@ -712,6 +712,20 @@ def test_embedding_bag_dense_backward_op(mode):
     assert_same(got, want, atol=1e-6, rtol=1e-6)
 
 
+def _check_grid_sample(x, grid, mode, padding, align):
+    def run(dev):
+        a, g = x.to(dev).requires_grad_(), grid.to(dev).requires_grad_()
+        out = F.grid_sample(a, g, mode=mode, padding_mode=padding, align_corners=align)
+        go = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) / out.numel()
+        return [out] + list(torch.autograd.grad(out, (a, g), go.to(dev)))
+
+    want = run("cpu")
+    deferfuse.reset_metrics()
+    for a, b in zip(run("tpu"), want):
+        assert_same(a, b, atol=1e-4, rtol=1e-4)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 @pytest.mark.parametrize("padding,align", [("zeros", False), ("border", True), ("reflection", False),
                                            ("reflection", True)])
@@ -719,21 +733,8 @@ def test_grid_sample_gradients(mode, padding, align):
     # grid_sampler_2d_backward (the vjp of a JAX grid sampler), once a CPU fallback; the grid
     # reaches past [-1, 1] so padding matters.
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 5, 7)
-    grid = torch.rand(2, 4, 6, 2) * 2.4 - 1.2
-
-    def run(dev):
-        a, g = x.to(dev).requires_grad_(), grid.to(dev).requires_grad_()
-        out = F.grid_sample(a, g, mode=mode, padding_mode=padding, align_corners=align)
-        go = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) / out.numel()
-        return [out] + list(torch.autograd.grad(out, (a, g), go.to(dev)))
-
-    want = run("cpu")
-    deferfuse.reset_metrics()
-    got = run("tpu")
-    for a, b in zip(got, want):
-        assert_same(a, b, atol=1e-4, rtol=1e-4)
-    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+    _check_grid_sample(torch.randn(2, 3, 5, 7), torch.rand(2, 4, 6, 2) * 2.4 - 1.2, mode, padding,
+                       align)
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "nearest"])
@@ -741,18 +742,5 @@ def test_grid_sample_gradients(mode, padding, align):
 def test_grid_sample_3d(mode, padding, align):
     # grid_sampler_3d (no PyTorch decomposition) and its backward, both once CPU fallbacks.
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 4, 5, 6)
-    grid = torch.rand(2, 3, 4, 5, 3) * 2.4 - 1.2
-
-    def run(dev):
-        a, g = x.to(dev).requires_grad_(), grid.to(dev).requires_grad_()
-        out = F.grid_sample(a, g, mode=mode, padding_mode=padding, align_corners=align)
-        go = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) / out.numel()
-        return [out] + list(torch.autograd.grad(out, (a, g), go.to(dev)))
-
-    want = run("cpu")
-    deferfuse.reset_metrics()
-    got = run("tpu")
-    for a, b in zip(got, want):
-        assert_same(a, b, atol=1e-4, rtol=1e-4)
-    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+    _check_grid_sample(torch.randn(2, 3, 4, 5, 6), torch.rand(2, 3, 4, 5, 3) * 2.4 - 1.2, mode,
+                       padding, align)
