@@ -91,7 +91,8 @@ def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False)
 
 
 FAMILIES = ("pointwise", "unary_int", "binary", "special", "activations", "reductions", "sorting",
-            "views", "linalg", "factorizations", "linear", "creation", "nn", "losses", "attention",
-            "pooling", "indexing", "rearrange", "random", "foreach", "optim", "rnn")
+            "views", "linalg", "factorizations", "linear", "creation", "nn", "embedding", "sampling",
+            "losses", "attention", "pooling", "indexing", "rearrange", "random", "foreach", "optim",
+            "rnn")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")

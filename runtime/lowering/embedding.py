@@ -1,0 +1,163 @@
+"""Embedding ops: embedding, embedding_bag and the backward ops autograd calls for them."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import check_index, op
+from .nn import _acc, _zeros
+
+
+# --------------------------------------------------------------------------------------------
+# embedding
+
+@op("embedding.default")
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    check_index(indices, weight.shape[0], allow_negative=False)
+    return jnp.take(weight, indices, axis=0)
+
+
+@op("embedding_dense_backward.default")
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    idx = indices.reshape(-1)
+    g = _acc(grad_output).reshape(idx.shape[0], -1)
+    if padding_idx >= 0:
+        g = jnp.where((idx != padding_idx)[:, None], g, 0)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
+        g = g / counts[idx][:, None]
+    return jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(g)
+
+
+@op("embedding_renorm_.default")
+def embedding_renorm_(self, indices, max_norm, norm_type):
+    """Rows of ``self`` that ``indices`` name and whose norm exceeds max_norm, scaled down to it."""
+    x = _acc(self)
+    if isinstance(norm_type, (int, float)) and norm_type == 2:
+        norm = jnp.sqrt(jnp.sum(x * x, axis=1))
+    else:
+        norm = jnp.sum(jnp.abs(x) ** norm_type, axis=1) ** (1.0 / norm_type)
+    hit = jnp.zeros((x.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(hit & (norm > max_norm), max_norm / (norm + 1e-7), 1.0)
+    return x * scale[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# embedding_bag: bags of rows summed / averaged / maxed (PyTorch's CPU kernel: indices equal to
+# ``padding_idx`` are left out, an empty bag is zeros; the aux outputs are what its backward reads)
+
+def _fit(v, aval):
+    """``v`` when meta gives it this shape, else zeros of meta's shape (an output the mode does
+    not define)."""
+    return v if tuple(v.shape) == tuple(aval[0]) else _zeros(aval)
+
+
+@op("_embedding_bag_forward_only.default", "_embedding_bag.default", meta=True)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1, *, _avals):
+    if indices.ndim == 2:
+        b, l = indices.shape
+        offsets = jnp.arange(0, b * l, l, dtype=indices.dtype) if l else jnp.zeros(b, indices.dtype)
+        indices = indices.reshape(-1)
+    n, nb = indices.shape[0], _avals[0][0][0]
+    pos = jnp.arange(n)
+    bag = jnp.searchsorted(offsets[:nb], pos, side="right") - 1
+    valid = (bag >= 0) & (indices != padding_idx) if padding_idx >= 0 else bag >= 0
+    if include_last_offset:
+        valid = valid & (pos < offsets[-1])
+    bag = jnp.where(valid, bag, nb)                  # nb: dropped by the segment ops
+    count = jax.ops.segment_sum(valid.astype(jnp.int64), bag, nb)
+    rows = _acc(weight)[indices]
+    if mode == 2:
+        out = jax.ops.segment_max(jnp.where(valid[:, None], rows, -jnp.inf), bag, nb)
+        out = jnp.where(count[:, None] > 0, out, 0)
+        hit = (rows == out[jnp.clip(bag, 0, nb - 1)]) & valid[:, None]
+        # the first index attaining the max, per bag and column
+        first = jax.ops.segment_min(jnp.where(hit, pos[:, None], n), bag, nb)
+        arg = jnp.where(count[:, None] > 0, indices[jnp.clip(first, 0, max(n - 1, 0))], 0)
+    else:
+        if per_sample_weights is not None:
+            rows = rows * _acc(per_sample_weights)[:, None]
+        out = jax.ops.segment_sum(jnp.where(valid[:, None], rows, 0), bag, nb)
+        if mode == 1:
+            out = out / jnp.maximum(count, 1)[:, None].astype(out.dtype)
+        arg = jnp.zeros_like(count)
+    offset2bag = jnp.searchsorted(offsets[:nb], pos, side="right") - 1
+    size = count if mode else jnp.zeros_like(count)
+    return (out, _fit(offset2bag.astype(jnp.int64), _avals[1]), _fit(size, _avals[2]),
+            _fit(arg.astype(jnp.int64), _avals[3]))
+
+
+def _bags(indices, offsets, nb, padding_idx):
+    """Per index: its bag (``nb`` where it counts in none) and whether it counts; per bag: how many
+    indices count (PyTorch's offset2bag and bag_size, rebuilt: its forward leaves offset2bag empty
+    in some modes, and its backward then rebuilds it the same way)."""
+    n = indices.shape[0]
+    pos = jnp.arange(n)
+    bag = jnp.searchsorted(offsets[:nb], pos, side="right") - 1
+    valid = bag >= 0
+    if offsets.shape[0] > nb:           # include_last_offset: indices past the last offset count in none
+        valid = valid & (pos < offsets[nb])
+    if padding_idx >= 0:
+        valid = valid & (indices != padding_idx)
+    bag = jnp.where(valid, bag, nb)
+    return bag, valid, jax.ops.segment_sum(valid.astype(jnp.int64), bag, nb)
+
+
+@op("_embedding_bag_backward.default")
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_idx, num_weights,
+                           by_freq, mode, sparse, psw=None, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("embedding_bag with sparse=True: tpu tensors are dense only; "
+                                  "use nn.EmbeddingBag(..., sparse=False)")
+    bag, valid, count = _bags(indices, offsets, grad.shape[0], padding_idx)
+    return _bag_grad(grad, indices, bag, valid, count, max_idx, num_weights, by_freq, mode, psw,
+                     padding_idx)
+
+
+@op("_embedding_bag_dense_backward.default")
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, max_idx, num_weights,
+                                 by_freq, mode, psw=None, padding_idx=-1):
+    nb = grad.shape[0]
+    valid = (indices != padding_idx) if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+    bag = jnp.where(valid, offset2bag, nb)
+    count = jax.ops.segment_sum(valid.astype(jnp.int64), bag, nb)
+    return _bag_grad(grad, indices, bag, valid, count, max_idx, num_weights, by_freq, mode, psw,
+                     padding_idx)
+
+
+def _bag_grad(grad, indices, bag, valid, count, max_idx, num_weights, by_freq, mode, psw,
+              padding_idx):
+    """The dense gradient of embedding_bag's weight (PyTorch's CPU kernel: sum and mean scatter each
+    bag's gradient to its rows, mean divided by the bag's size; max sends it to the rows that
+    attained the max; ``scale_grad_by_freq`` divides by how often each row is named)."""
+    nb, d = grad.shape
+    g = _acc(grad)
+    out = jnp.zeros((num_weights, d), g.dtype)
+    if mode == 2:
+        rows = jnp.where((count > 0)[:, None], max_idx, num_weights)     # empty bags: dropped
+        if padding_idx >= 0:
+            rows = jnp.where(rows == padding_idx, num_weights, rows)
+        cols = jnp.broadcast_to(jnp.arange(d), (nb, d))
+        return out.at[rows, cols].add(g, mode="drop")
+    at = jnp.clip(bag, 0, nb - 1)
+    rows = g[at]
+    if mode == 1:
+        rows = rows / jnp.maximum(count, 1)[at][:, None].astype(g.dtype)
+    if psw is not None:
+        rows = rows * _acc(psw)[:, None]
+    if by_freq:
+        freq = jnp.zeros((num_weights,), g.dtype).at[indices].add(1)
+        rows = rows / freq[indices][:, None]
+    return out.at[indices].add(jnp.where(valid[:, None], rows, 0))
+
+
+@op("_embedding_bag_per_sample_weights_backward.default")
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+                                              padding_idx=-1):
+    """d(loss)/d(per_sample_weights[i]): the dot of index i's bag gradient with its row (sum mode
+    only, as in PyTorch)."""
+    nb = grad.shape[0]
+    bag, valid, _ = _bags(indices, offsets, nb, padding_idx)
+    dots = jnp.sum(_acc(grad)[jnp.clip(bag, 0, nb - 1)] * _acc(weight)[indices], axis=1)
+    return jnp.where(valid, dots, 0)
