@@ -148,12 +148,44 @@ def _gru_cell_backward_rule(grad_hy, workspace, has_bias):
     return "tuple", ((g, (g[1], 1), dt), (g, (g[1], 1), dt), (h, (h[1], 1), dt), b, b)
 
 
-# Ops whose meta kernel is missing (GRU) or fails on valid input (LSTM without biases): shape
-# rules here, as PyTorch's CUDA kernels shape their outputs (see runtime/lowering/rnn.py).
+def _loss_out(self, reduction):
+    """A margin loss's output: (N,) unreduced for a 2-D input, else a scalar (CPU's kernels; their
+    meta kernels give a 1-D input's unreduced loss shape (1,))."""
+    shape = (self.shape[0],) if reduction == 0 and self.dim() == 2 else ()
+    return torch.empty(shape, dtype=self.dtype, device="meta")
+
+
+def _multi_margin_rule(self, target, p=1, margin=1, weight=None, reduction=1):
+    err = cpu_error(aten.multi_margin_loss.default, (self, target, p, margin, weight, reduction))
+    if err is not None:
+        raise err
+    return "one", (_desc(_loss_out(self, reduction)),)
+
+
+def _multilabel_margin_rule(self, target, reduction):
+    err = cpu_error(aten.multilabel_margin_loss_forward.default, (self, target, reduction))
+    if err is not None:
+        raise err
+    is_target = torch.empty(self.shape, dtype=self.dtype, device="meta")
+    return "tuple", (_desc(_loss_out(self, reduction)), _desc(is_target))
+
+
+def _like_self_rule(grad_output, self, *args, **kwargs):
+    """A backward op whose gradient has its input's shape and dtype (contiguous)."""
+    return "one", (_desc(torch.empty(self.shape, dtype=self.dtype, device="meta")),)
+
+
+# Ops whose meta kernel is missing (GRU, the margin losses' backward ops) or fails on valid input
+# (LSTM without biases): shape rules here, as PyTorch's CPU and CUDA kernels shape their outputs
+# (see runtime/lowering/rnn.py, losses.py).
 _RULES = {aten._thnn_fused_lstm_cell.default: _lstm_cell_rule,
           aten._thnn_fused_lstm_cell_backward_impl.default: _lstm_cell_backward_rule,
           aten._thnn_fused_gru_cell.default: _gru_cell_rule,
-          aten._thnn_fused_gru_cell_backward.default: _gru_cell_backward_rule}
+          aten._thnn_fused_gru_cell_backward.default: _gru_cell_backward_rule,
+          aten.multi_margin_loss.default: _multi_margin_rule,
+          aten.multilabel_margin_loss_forward.default: _multilabel_margin_rule,
+          aten.multi_margin_loss_backward.default: _like_self_rule,
+          aten.multilabel_margin_loss_backward.default: _like_self_rule}
 
 
 # Ops whose meta kernel takes any ``dim`` (the lowering then failed inside a region, or sort took

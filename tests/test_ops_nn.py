@@ -745,3 +745,55 @@ def test_grid_sample_3d(mode, padding, align):
     torch.manual_seed(0)
     _check_grid_sample(torch.randn(2, 3, 4, 5, 6), torch.rand(2, 3, 4, 5, 3) * 2.4 - 1.2, mode,
                        padding, align)
+
+
+_MARGIN_TARGETS = torch.tensor([[3, 0, -1, 1, 2], [1, 1, 4, -1, 0], [-1, 2, 3, 4, 0]])
+
+
+@pytest.mark.parametrize("loss", ["multi_p1_weight", "multi_p2", "multilabel"])
+@pytest.mark.parametrize("dims", [2, 1])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_margin_losses(loss, dims, reduction):
+    # Lowered forward and backward. PyTorch's decomposition of multilabel_margin_loss_forward read
+    # past a row's first -1 (wrong values, silently), both forward decompositions gave a 1-D input's
+    # unreduced loss shape (1,) where CPU gives (), and the backward ops ran on CPU.
+    torch.manual_seed(0)
+    x = torch.randn(3, 5) if dims == 2 else torch.randn(5)
+    if loss == "multilabel":
+        t = _MARGIN_TARGETS if dims == 2 else _MARGIN_TARGETS[1]
+
+        def f(a, dev):
+            return F.multilabel_margin_loss(a, t.to(dev), reduction=reduction)
+    else:
+        t = torch.tensor([4, 0, 2]) if dims == 2 else torch.tensor(2)
+        p, w = (1, torch.rand(5)) if loss == "multi_p1_weight" else (2, None)
+
+        def f(a, dev):
+            return F.multi_margin_loss(a, t.to(dev), p=p, margin=0.7, reduction=reduction,
+                                       weight=None if w is None else w.to(dev))
+
+    def run(dev):
+        a = x.to(dev).requires_grad_()
+        out = f(a, dev)
+        go = torch.rand(out.shape, generator=torch.Generator().manual_seed(1))
+        return [out, torch.autograd.grad(out, a, go.to(dev))[0]]
+
+    want = run("cpu")
+    deferfuse.reset_metrics()
+    for a, b in zip(run("tpu"), want):
+        assert_same(a, b, atol=1e-5, rtol=1e-5)
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("fn,args,msg", [
+    (F.multi_margin_loss, (torch.randn(3, 5), torch.tensor([1, 7, 0])), "target out of range"),
+    (F.multilabel_margin_loss,
+     (torch.randn(2, 5), torch.tensor([[1, 7, -1, 0, 0], [0, -1, 0, 0, 0]])),
+     "'target' is out of range"),
+    (F.multi_margin_loss, (torch.randn(3, 5), torch.tensor([1, 0])), "target tensor should be 1-D"),
+])
+def test_margin_loss_errors(fn, args, msg):
+    with pytest.raises(RuntimeError, match=msg):
+        fn(*args)
+    with pytest.raises(RuntimeError, match=msg):
+        fn(*[a.to("tpu") for a in args]).cpu()
