@@ -61,12 +61,7 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
         indices = indices.reshape(-1)
     n, nb = indices.shape[0], _avals[0][0][0]
     pos = jnp.arange(n)
-    bag = jnp.searchsorted(offsets[:nb], pos, side="right") - 1
-    valid = (bag >= 0) & (indices != padding_idx) if padding_idx >= 0 else bag >= 0
-    if include_last_offset:
-        valid = valid & (pos < offsets[-1])
-    bag = jnp.where(valid, bag, nb)                  # nb: dropped by the segment ops
-    count = jax.ops.segment_sum(valid.astype(jnp.int64), bag, nb)
+    bag, valid, count = _bags(indices, offsets, nb, padding_idx)   # bag nb: dropped by segment ops
     rows = _acc(weight)[indices]
     if mode == 2:
         out = jax.ops.segment_max(jnp.where(valid[:, None], rows, -jnp.inf), bag, nb)

@@ -174,15 +174,20 @@ def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None
     return vjp(_acc(grad_output).reshape(out.shape))[0]     # a 1-D input's loss: (1,) or ()
 
 
+def _multilabel_targets(target, c):
+    """(targets as (N, C) with 0 where not valid, valid: before the row's first -1, is_target)."""
+    t = target.reshape(-1, c)
+    valid = jnp.cumprod(t >= 0, axis=1).astype(bool)
+    ts = jnp.where(valid, t, 0)
+    return ts, valid, jnp.any(valid[:, :, None] & (ts[:, :, None] == jnp.arange(c)), axis=1)
+
+
 def _multilabel_margin(x, target):
     """Per-sample loss of multilabel_margin_loss: each target class up to the first -1 against each
     class that is not a target."""
     x2 = _acc(x).reshape(-1, _classes(x))
-    t = target.reshape(x2.shape)
     c = x2.shape[1]
-    valid = jnp.cumprod(t >= 0, axis=1).astype(bool)             # before the first -1
-    ts = jnp.where(valid, t, 0)
-    is_target = jnp.any(valid[:, :, None] & (ts[:, :, None] == jnp.arange(c)), axis=1)
+    ts, valid, is_target = _multilabel_targets(target, c)
     picked = jnp.take_along_axis(x2, ts, axis=1)                  # (N, C): x at each target entry
     z = 1 - picked[:, :, None] + x2[:, None, :]                   # (N, target entry, class)
     h = jnp.where((z > 0) & valid[:, :, None] & ~is_target[:, None, :], z, 0)
@@ -197,10 +202,8 @@ def multilabel_margin_loss_forward(self, target, reduction):
     check(jnp.any((target < -1) | (target >= _classes(self))), RuntimeError,
           "argument #2 'target' is out of range")
     loss = _reduce(_multilabel_margin(self, target), reduction)
-    t = target.reshape(-1, _classes(self))
-    valid = jnp.cumprod(t >= 0, axis=1).astype(bool)
-    hit = valid[:, :, None] & (jnp.where(valid, t, 0)[:, :, None] == jnp.arange(t.shape[1]))
-    return loss, jnp.any(hit, axis=1).reshape(self.shape).astype(self.dtype)
+    is_target = _multilabel_targets(target, _classes(self))[2]
+    return loss, is_target.reshape(self.shape).astype(self.dtype)
 
 
 @op("multilabel_margin_loss_backward.default")

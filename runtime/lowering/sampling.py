@@ -94,8 +94,8 @@ def _grid_sample(inp, grid, mode, padding, align):
     return out
 
 
-@op("grid_sampler_2d_backward.default")
-def grid_sampler_2d_backward(grad_output, inp, grid, interpolation_mode, padding_mode,
+@op("grid_sampler_2d_backward.default", "grid_sampler_3d_backward.default")
+def grid_sampler_backward(grad_output, inp, grid, interpolation_mode, padding_mode,
                              align_corners, output_mask):
     x, g = _acc(inp), _acc(grid)
     _, vjp = jax.vjp(lambda a, b: _grid_sample(a, b, interpolation_mode, padding_mode,
@@ -107,10 +107,3 @@ def grid_sampler_2d_backward(grad_output, inp, grid, interpolation_mode, padding
 @op("grid_sampler_3d.default")
 def grid_sampler_3d(inp, grid, interpolation_mode, padding_mode, align_corners):
     return _grid_sample(_acc(inp), _acc(grid), interpolation_mode, padding_mode, align_corners)
-
-
-@op("grid_sampler_3d_backward.default")
-def grid_sampler_3d_backward(grad_output, inp, grid, interpolation_mode, padding_mode,
-                             align_corners, output_mask):
-    return grid_sampler_2d_backward(grad_output, inp, grid, interpolation_mode, padding_mode,
-                                    align_corners, output_mask)
