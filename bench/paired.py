@@ -17,6 +17,7 @@ Results: bench/results/paired.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import traceback
 
 import run as R
 
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer"]
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer"] + list(R.DEFER_VARIANTS)
 GOAL = 1.5          # issue 3: defer at least 1.5x faster than strict eager on every workload
 
 
@@ -58,7 +59,7 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
     for s in systems:
         torch.manual_seed(W.SEED)
         ctx = W.Ctx(s)
-        scopes[s] = (lambda s=s: df.mode(s)) if s in R.DEFERFUSE else contextlib.nullcontext
+        scopes[s] = _scope(df, s) if s in R.DEFERFUSE else contextlib.nullcontext
         try:
             with scopes[s]():
                 built[s] = W.WORKLOADS[w]["torch"](ctx, quick)
@@ -94,6 +95,22 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
     out["check"] = {s: built[s].check() for s in live}
     out["info"] = built[live[0]].info if live else {}
     return out
+
+
+def _scope(df, s: str):
+    """The block a deferfuse system's steps run in: its mode, and for a variant of defer
+    (run.DEFER_VARIANTS, given as environment variables) the same settings as overrides."""
+    if s not in R.DEFER_VARIANTS:
+        return lambda: df.mode(s)
+    import importlib
+    by_env = {st.env: st for st in importlib.import_module("deferfuse.config").SETTINGS.values()}
+    kw = {by_env[k].name: by_env[k].parse(v) for k, v in R.DEFER_VARIANTS[s].items()}
+
+    @contextlib.contextmanager
+    def scope():
+        with df.mode("defer"), df.override(**kw):
+            yield
+    return scope
 
 
 # =========================================================================== parent

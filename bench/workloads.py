@@ -38,6 +38,7 @@ class Built:
     items: tuple | None = None  # (unit, count per step), e.g. ("tok", 64) or ("op", 300)
     info: dict = field(default_factory=dict)
     compiles: Callable[[], int] | None = None   # compile count (JAX twins: jit cache size)
+    train_step: Callable[[], Any] | None = None  # training workloads: one step, its loss unread
 
 
 # --------------------------------------------------------------------------- system context
@@ -128,7 +129,7 @@ def _train_built(ctx, model, opt, loss_fn, flops=0.0, info=None):
     def step():
         last[0] = fn().item()
 
-    return Built(step=step, check=lambda: last[0], flops=flops, info=info or {})
+    return Built(step=step, check=lambda: last[0], flops=flops, info=info or {}, train_step=fn)
 
 
 def _sizes(quick, small, big):
@@ -224,6 +225,23 @@ def gpt_train(ctx, quick):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     return _train_built(ctx, model, opt, loss_fn, flops, cfg)
+
+
+def gpt_train_log10(ctx, quick):
+    """The GPT training loop reading its loss every 10 steps, as a loop that logs does: a bench
+    step is 10 training steps with no sync between them, then ``.item()``."""
+    built = gpt_train(ctx, quick)
+    inner, fn = built.step, built.train_step
+
+    def step():
+        for _ in range(9):
+            fn()
+        inner()
+
+    built.step = step
+    built.flops *= 10
+    built.info = dict(built.info, steps_per_sync=10)
+    return built
 
 
 # --------------------------------------------------------------------------- convnet_train
@@ -666,6 +684,8 @@ WORKLOADS = {
                       desc="MLP training step, AdamW"),
     "gpt_train": dict(torch=gpt_train, jax=gpt_train_jax, bound="compute",
                       desc="small GPT (causal SDPA) training step, AdamW"),
+    "gpt_train_log10": dict(torch=gpt_train_log10, jax=None, bound="compute",
+                            desc="the same GPT, 10 training steps per loss read (a loop that logs)"),
     "convnet_train": dict(torch=convnet_train, jax=None, bound=None,
                           desc="small ResNet with BatchNorm, training step, SGD momentum"),
     "elementwise_chain": dict(torch=elementwise_chain, jax=elementwise_chain_jax, bound="memory",
