@@ -38,10 +38,6 @@ def _bool(s: str) -> bool:
     return s.strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _auto_bool(s: str):
-    return "auto" if s.strip().lower() == "auto" else _bool(s)
-
-
 def _mode(s: str) -> str:
     s = s.strip().lower()
     if s not in MODES:
@@ -83,10 +79,9 @@ SETTINGS = {s.name: s for s in [
     Setting("needed_first", "DEFERFUSE_NEEDED_FIRST", True, _bool,
             "at a sync that reads one value (.item(), .cpu()), run the ops it needs first and the "
             "rest as a second region the host does not wait for"),
-    Setting("backward_cut", "DEFERFUSE_BACKWARD_CUT", "auto", _auto_bool,
+    Setting("backward_cut", "DEFERFUSE_BACKWARD_CUT", True, _bool,
             "dispatch the pending trace (the forward pass) when backward() starts, without waiting "
-            "for it, and what is pending when a read finds its value computed; auto: on unless "
-            "the JAX platform is the host CPU, whose cores Python needs while XLA computes"),
+            "for it, and what is pending when a read finds its value computed"),
     Setting("backward_thread", "DEFERFUSE_BACKWARD_THREAD", False, _bool,
             "run tpu backward passes on PyTorch's autograd device thread (its default for an "
             "accelerator) instead of the thread that calls backward()"),

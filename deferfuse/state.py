@@ -8,7 +8,7 @@ import jax
 import torch
 
 from .config import config
-from .runtime import execute, flush, platform, stats
+from .runtime import execute, flush, stats
 from .runtime.dtypes import x64
 from .runtime.transfer import devices, materialize_empty
 
@@ -48,12 +48,9 @@ _ASYNC_CUTS = flush.ASYNC_CUTS
 
 
 def backward_cut() -> bool:
-    """Whether NOTE [backward cut] (deferfuse/device.py) applies: the setting, where 'auto' is on
-    for an accelerator and off for XLA's CPU backend. There the forward pass computing during the
-    backward pass's recording takes cores from Python (measured, quick sizes, paired in one
-    process: GPT step 3-6% slower with the cut, MLP and convnet level)."""
-    v = config.backward_cut
-    return v if v != "auto" else platform.name() != "cpu"
+    """Whether NOTE [backward cut] (deferfuse/device.py) applies (``DEFERFUSE_BACKWARD_CUT``, on by
+    default; older settings said ``auto``, which now means on)."""
+    return bool(config.backward_cut)
 
 
 def sync(reason: str, op: str | None = None, want=None, later: bool = False) -> None:

@@ -311,13 +311,11 @@ def test_backward_cut_raises_an_index_error_of_the_forward_pass_at_the_read():
             loss.item()
 
 
-def test_backward_cut_is_off_on_the_cpu_backend_by_default():
+def test_backward_cut_is_on_by_default_and_can_be_turned_off():
     from deferfuse import state
-    from deferfuse.runtime import platform
     from deferfuse.config import SETTINGS
-    assert SETTINGS["backward_cut"].default == "auto"
-    with deferfuse.override(backward_cut="auto"):
-        assert state.backward_cut() == (platform.name() != "cpu")
+    assert SETTINGS["backward_cut"].default is True
+    assert SETTINGS["backward_cut"].parse("auto") and not SETTINGS["backward_cut"].parse("0")
     with deferfuse.override(backward_cut=False):
         assert not state.backward_cut()
 
