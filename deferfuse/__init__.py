@@ -75,7 +75,9 @@ def clear_caches() -> None:
     from .dispatch import _CACHE, _ROUTE
     from .views import ALIASES, VIEWS
     from .runtime import flush, execute
+    from . import record
     _state.sync("sync")
+    record._APERIODIC.clear()
     _CACHE.clear()
     VIEWS.clear()
     ALIASES.clear()

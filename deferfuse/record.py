@@ -16,6 +16,7 @@ from .scheduler.records import Node, Value
 
 S = stats.S
 _BODIES: set = set()          # (length, hops) of detected loop bodies
+_APERIODIC: set = set()       # (trace hash, length) of traces step detection found no body in
 # id(code) -> (code, inside torch or deferfuse, {f_lasti: 'file:line'}). Keyed by id: hashing a code
 # object hashes its contents, and f_lineno decodes the line table; both cost more than recording
 # the op. The entry keeps its code object alive, so an id is never reused while it is here.
@@ -61,6 +62,7 @@ class Trace:
         self.storages: list = []      # weak refs of storages that may hold pending values
         self.cut = None               # a cut decided at the last op, made before the next one
         self.counted = 0              # nodes already in S["ops_recorded"] (see metrics._pending)
+        self.check_at = steps.LOOP_SPLIT_MIN_OPS     # next length to look for a loop body at
         Trace.epoch += 1              # storages taken by an earlier trace are taken again
 
     epoch = 0
@@ -143,7 +145,31 @@ class Trace:
             self.cut = "loop boundary"
         elif pos >= config.trace_limit:
             self.cut = "trace limit"
+        elif pos == self.check_at:
+            self.check_at *= 2
+            if config.step_detection and self._find_body():
+                self.cut = "loop boundary"
         return outs
+
+    def _find_body(self) -> bool:
+        """NOTE [early step detection]: at 256, 512, 1024 ... recorded ops, look for a loop body
+        in the trace (steps.find_period: its last half repeats). If there is one, remember it and
+        cut here: from now on the loop is cut at every repetition and each piece runs while the
+        next is recorded. The trace limit alone left a loop that never syncs, and has no
+        backward() to cut at (an evaluation loop collecting outputs), recording 20,000 ops with
+        the device idle. Counts and hashes only, never timing."""
+        key = (self.h, len(self.nodes))
+        if key in _APERIODIC:
+            return False
+        khashes = [n.key.khash for n in self.nodes]
+        L = steps.find_period(khashes)
+        if L is None:
+            if len(_APERIODIC) > 10000:     # traces whose shapes keep changing (generate())
+                _APERIODIC.clear()
+            _APERIODIC.add(key)
+            return False
+        _BODIES.add(steps.body_signature(khashes, L))
+        return True
 
     def _external(self, v) -> int:
         """The external-input index of the concrete value ``v``."""
@@ -193,6 +219,11 @@ class Trace:
         want = ((want.node.pos,) if want is not None and want.node is not None
                 and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
+        if (config.step_detection and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS
+                and reason not in ("loop boundary", "trace limit")):
+            # A sync after many repetitions of a loop body (a loop that logs every N steps):
+            # the loop goes on after the sync, so cut it at every repetition from here on.
+            self._find_body()
         self.reset()
         try:
             run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,

@@ -337,6 +337,33 @@ def test_loop_without_sync_detects_the_step():
     assert torch.isfinite(x.cpu()).all()
 
 
+def test_a_loop_without_backward_or_sync_is_cut_once_its_body_repeats():
+    # NOTE [early step detection] (deferfuse/record.py): an evaluation loop collecting outputs has
+    # no sync and no backward() to cut at; once 256 recorded ops show a repeating body, it is cut
+    # at every repetition, and those pieces run while the rest is recorded (not at the end).
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    mt = copy.deepcopy(m).to("tpu")
+    xs = [torch.randn(3, 8) for _ in range(100)]
+    xts = [x.to("tpu") for x in xs]
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    compiles = []
+    for run in range(2):
+        with torch.no_grad():
+            outs = [mt(x).softmax(-1) for x in xts]
+        before_sync = deferfuse.metrics()
+        got = torch.stack(outs)
+        got.sum().item()
+        compiles.append(deferfuse.metrics()["compiles"])
+    with torch.no_grad():
+        assert_same(got, torch.stack([m(x).softmax(-1) for x in xs]), atol=1e-5, rtol=1e-5)
+    if deferfuse.state.MODE == "defer":
+        assert before_sync["syncs"].get("loop boundary", 0) >= 20, before_sync["syncs"]
+        assert before_sync["regions_run"] >= 20         # ran during the loop, not after it
+        assert compiles[1] == compiles[0]               # the second pass compiled nothing
+
+
 def test_many_steps_before_one_sync_compile_one_region_per_step():
     # NOTE [loop split]: a loop that syncs every 100 steps recorded 100 steps as one program
     # (1,900 ops of a small MLP took 98 s to compile); it runs as one cached region per step.
