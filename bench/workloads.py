@@ -244,6 +244,27 @@ def gpt_train_log10(ctx, quick):
     return built
 
 
+def gpt_eval(ctx, quick):
+    """An evaluation loop: the GPT's forward pass on 20 batches, the predictions collected and read
+    once at the end (no sync and no backward() inside the loop)."""
+    cfg = _gpt_cfg(quick)
+    model, x, _, flops = _gpt_make(cfg)
+    model = model.to(ctx.device).eval()
+    g = _gen(2)
+    xs = [ctx.to(torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["t"]), generator=g))
+          for _ in range(20)]
+    fwd = ctx.jit(lambda b: model(b).argmax(-1), "forward pass")
+    last = [float("nan")]
+
+    def step():
+        with torch.no_grad():
+            preds = [fwd(b) for b in xs]
+            last[0] = float(torch.stack(preds).float().mean().item())
+
+    return Built(step=step, check=lambda: last[0], flops=flops / 3 * 20,
+                 info=dict(cfg, batches=20))
+
+
 # --------------------------------------------------------------------------- convnet_train
 class _ResBlock(nn.Module):
     def __init__(self, c):
@@ -686,6 +707,8 @@ WORKLOADS = {
                       desc="small GPT (causal SDPA) training step, AdamW"),
     "gpt_train_log10": dict(torch=gpt_train_log10, jax=None, bound="compute",
                             desc="the same GPT, 10 training steps per loss read (a loop that logs)"),
+    "gpt_eval": dict(torch=gpt_eval, jax=None, bound="compute",
+                     desc="the same GPT, forward passes on 20 batches, predictions read at the end"),
     "convnet_train": dict(torch=convnet_train, jax=None, bound=None,
                           desc="small ResNet with BatchNorm, training step, SGD momentum"),
     "elementwise_chain": dict(torch=elementwise_chain, jax=elementwise_chain_jax, bound="memory",
