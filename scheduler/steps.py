@@ -41,6 +41,7 @@ def body_signature(khashes: list[int], L: int) -> tuple[int, int]:
 
 
 LOOP_SPLIT_MIN_OPS = 256     # shorter traces run whole (one step of a model is never split)
+CUT_MIN_OPS = 128            # early step detection cuts every k repetitions of a shorter body
 LOOP_SPLIT_MIN_REPS = 3
 LOOP_SPLIT_MIN_COVER = 0.5   # the repeated ops must be at least this share of the trace
 
