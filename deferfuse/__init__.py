@@ -77,7 +77,7 @@ def clear_caches() -> None:
     from .runtime import flush, execute
     from . import record
     _state.sync("sync")
-    record._APERIODIC.clear()
+    record._PERIODS.clear()
     _CACHE.clear()
     VIEWS.clear()
     ALIASES.clear()

@@ -16,7 +16,7 @@ from .scheduler.records import Node, Value
 
 S = stats.S
 _BODIES: set = set()          # (length, hops) of detected loop bodies
-_APERIODIC: set = set()       # (trace hash, length) of traces step detection found no body in
+_PERIODS: dict = {}           # (trace hash, length) -> the loop body step detection found, or None
 # id(code) -> (code, inside torch or deferfuse, {f_lasti: 'file:line'}). Keyed by id: hashing a code
 # object hashes its contents, and f_lineno decodes the line table; both cost more than recording
 # the op. The entry keeps its code object alive, so an id is never reused while it is here.
@@ -159,19 +159,24 @@ class Trace:
         backward() to cut at (an evaluation loop collecting outputs), recording 20,000 ops with
         the device idle. Counts and hashes only, never timing."""
         key = (self.h, len(self.nodes))
-        if key in _APERIODIC:
+        body = _PERIODS.get(key, 0)
+        if body == 0:
+            if len(_PERIODS) > 10000:     # traces whose shapes keep changing (generate())
+                _PERIODS.clear()
+            khashes = [n.key.khash for n in self.nodes]
+            L = steps.find_period(khashes)
+            if L is not None:
+                # A short body (a chain of tiny ops) is cut every k repetitions: a cut costs a
+                # flush and a launch, which per 8 ops made the 1,000-op overhead loop 1.2x slower
+                # than one region.
+                L *= -(-steps.CUT_MIN_OPS // L)
+                body = steps.body_signature(khashes, L)
+            else:
+                body = None
+            _PERIODS[key] = body
+        if body is None:
             return False
-        khashes = [n.key.khash for n in self.nodes]
-        L = steps.find_period(khashes)
-        if L is None:
-            if len(_APERIODIC) > 10000:     # traces whose shapes keep changing (generate())
-                _APERIODIC.clear()
-            _APERIODIC.add(key)
-            return False
-        # A short body (a chain of tiny ops) is cut every k repetitions: a cut costs a flush and
-        # a launch, which per 8 ops made the 1,000-op overhead loop 1.2x slower than one region.
-        L *= -(-steps.CUT_MIN_OPS // L)
-        _BODIES.add(steps.body_signature(khashes, L))
+        _BODIES.add(body)
         return True
 
     def _external(self, v) -> int:
@@ -199,7 +204,7 @@ class Trace:
 
     # ---------------------------------------------------------------------------------------
     def flush(self, reason: str, src: str, want=None, later: bool = False):
-        from .runtime.flush import MAX_REGIONS, run_trace
+        from .runtime.flush import ASYNC_CUTS, MAX_REGIONS, run_trace
         MAX_REGIONS[0] = config.max_regions
         nodes = self.nodes
         if not nodes:
@@ -223,7 +228,7 @@ class Trace:
                 and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
         if (config.step_detection and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS
-                and reason not in ("loop boundary", "trace limit")):
+                and reason not in ASYNC_CUTS):
             # A sync after many repetitions of a loop body (a loop that logs every N steps):
             # the loop goes on after the sync, so cut it at every repetition from here on.
             self._find_body()
