@@ -12,6 +12,15 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MB"
 
 
+_CUT_WORDS = {
+    "loop boundary": "a loop's repeated body was found; the trace is dispatched at every repetition "
+                     "(or every few), each piece one cached region",
+    "trace limit": "the trace reached DEFERFUSE_TRACE_LIMIT ops and was dispatched",
+    "backward": "backward() dispatched the forward pass, which computes while the backward pass is "
+                "recorded",
+}
+
+
 def render() -> str:
     S = stats.S
     lines = ["deferfuse report", "================"]
@@ -25,12 +34,24 @@ def render() -> str:
     lines.append(f"time: compiling {S['compile_seconds']:.2f} s, executing (dispatch, asynchronous) "
                  f"{S['execute_seconds']:.2f} s.")
     lines.append("")
-    lines.append(f"syncs: {nsync}" + ("" if nsync else " (nothing forced the trace to run)"))
-    for reason, n in S["syncs"].most_common():
+    cuts = {r: n for r, n in S["syncs"].items() if r in flush.ASYNC_CUTS}
+    waits = {r: n for r, n in S["syncs"].items() if r not in flush.ASYNC_CUTS}
+    lines.append(f"syncs: {nsync}" + ("" if nsync else " (nothing forced the trace to run)")
+                 + (f": {sum(waits.values())} where the host waited for the device, "
+                    f"{sum(cuts.values())} cuts that waited for nothing" if cuts else ""))
+    for reason, n in sorted(waits.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {n:6d}  {reason}")
-    if S["sync_sites"]:
+    for reason, n in sorted(cuts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {n:6d}  {reason}: {_CUT_WORDS[reason]}")
+    sites = [(k, n) for k, n in S["sync_sites"].most_common() if k[0] not in flush.ASYNC_CUTS]
+    if sites:
         lines.append("top sync sites (where your code made the device wait):")
-        for (reason, src), n in S["sync_sites"].most_common(8):
+        for (reason, src), n in sites[:8]:
+            lines.append(f"  {n:6d}  {reason:22s} {src}")
+    cut_sites = [(k, n) for k, n in S["sync_sites"].most_common() if k[0] in flush.ASYNC_CUTS]
+    if cut_sites:
+        lines.append("top cut sites (your line running when the trace was dispatched):")
+        for (reason, src), n in cut_sites[:4]:
             lines.append(f"  {n:6d}  {reason:22s} {src}")
     lines.append("")
     if S["miss_reasons"]:

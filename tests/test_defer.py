@@ -437,6 +437,28 @@ def test_report_explains_a_recompile():
     assert "sync" in text and __file__ in text
 
 
+def test_report_tells_waits_from_cuts():
+    # A training step: backward() cuts (nothing waits), .item() waits. The report keeps them apart
+    # and says what each cut did, so a cut is not read as a place the code made the device wait.
+    model = nn.Linear(4, 2).to("tpu")
+    x = torch.randn(3, 4).to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    with deferfuse.override(backward_cut=True):
+        loss = model(x).square().mean()
+        loss.backward()
+        loss.item()
+    text = deferfuse.report(file=False)
+    if deferfuse.state.MODE != "defer":
+        assert "syncs: 0" in text
+        return
+    assert "1 where the host waited for the device, 1 cuts that waited for nothing" in text, text
+    assert "backward: backward() dispatched the forward pass" in text, text
+    waited = text.split("top sync sites")[1].split("top cut sites")[0]
+    assert "item" in waited and "backward" not in waited, text
+    assert __file__ in text.split("top cut sites")[1].splitlines()[1], text
+
+
 def test_report_names_new_ops_not_a_shape_of_another_region():
     """A region with other ops is explained as a new structure, even when the closest cached region
     of its length starts with the same op on other shapes."""
