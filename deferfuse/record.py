@@ -17,6 +17,7 @@ from .scheduler.records import Node, Value
 S = stats.S
 _BODIES: set = set()          # (length, hops) of detected loop bodies
 _PERIODS: dict = {}           # (trace hash, length) -> the loop body step detection found, or None
+_BODY_OPS: dict = {}          # a body in _BODIES -> its ops' structure hashes (NOTE [body phase])
 # id(code) -> (code, inside torch or deferfuse, {f_lasti: 'file:line'}). Keyed by id: hashing a code
 # object hashes its contents, and f_lineno decodes the line table; both cost more than recording
 # the op. The entry keeps its code object alive, so an id is never reused while it is here.
@@ -63,6 +64,8 @@ class Trace:
         self.cut = None               # a cut decided at the last op, made before the next one
         self.counted = 0              # nodes already in S["ops_recorded"] (see metrics._pending)
         self.check_at = steps.LOOP_SPLIT_MIN_OPS     # next length to look for a loop body at
+        self.after = None             # the body whose cut began this trace (NOTE [body phase])
+        self.cut_body = None          # the body a pending "loop boundary" cut completes
         Trace.epoch += 1              # storages taken by an earlier trace are taken again
 
     epoch = 0
@@ -143,6 +146,7 @@ class Trace:
         pos += 1
         if _BODIES and (pos, hops) in _BODIES:
             self.cut = "loop boundary"
+            self.cut_body = (pos, hops)
         elif pos >= config.trace_limit:
             self.cut = "trace limit"
         elif pos == self.check_at:
@@ -171,13 +175,34 @@ class Trace:
                 # than one region.
                 L *= -(-steps.CUT_MIN_OPS // L)
                 body = steps.body_signature(khashes, L)
+                _BODY_OPS[body] = tuple(khashes[-L:])
             else:
                 body = None
             _PERIODS[key] = body
         if body is None:
             return False
         _BODIES.add(body)
+        self.cut_body = body
         return True
+
+    def _rephase(self) -> None:
+        """NOTE [body phase]: a loop is cut where a trace that starts empty has recorded exactly one
+        body, so the cuts hold their phase from cut to cut. A sync in the loop (it prints a running
+        metric every N iterations) ends a trace after m < L ops of the body, and the next trace
+        starts m ops into it: learn the body as seen from there (its rotation by m), so the loop is
+        cut again after its next L ops, not only once 256 more ops show the body anew."""
+        ops = _BODY_OPS.get(self.after)
+        m = len(self.nodes)
+        if ops is None or not 0 < m < len(ops):
+            return
+        for n, k in zip(self.nodes, ops):
+            if n.key.khash != k:
+                return
+        rot = ops[m:] + ops[:m]
+        body = steps.body_signature(rot, len(rot))
+        if body not in _BODIES:
+            _BODIES.add(body)
+            _BODY_OPS[body] = rot
 
     def _external(self, v) -> int:
         """The external-input index of the concrete value ``v``."""
@@ -195,12 +220,17 @@ class Trace:
     def _cut_now(self):
         from .state import sync
         reason, self.cut = self.cut, None
+        body, self.cut_body = self.cut_body, None
         if reason == "trace limit" and config.step_detection:
             khashes = [n.key.khash for n in self.nodes]
             L = steps.find_period(khashes)
             if L is not None:
-                _BODIES.add(steps.body_signature(khashes, L))
+                body = steps.body_signature(khashes, L)
+                _BODIES.add(body)
+                _BODY_OPS[body] = tuple(khashes[-L:])
         sync(reason)
+        if reason != "trace limit" or body is not None:
+            self.after = body       # the new trace starts at this body's first op
 
     # ---------------------------------------------------------------------------------------
     def flush(self, reason: str, src: str, want=None, later: bool = False):
@@ -227,11 +257,13 @@ class Trace:
         want = ((want.node.pos,) if want is not None and want.node is not None
                 and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
-        if (config.step_detection and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS
-                and reason not in ASYNC_CUTS):
-            # A sync after many repetitions of a loop body (a loop that logs every N steps):
-            # the loop goes on after the sync, so cut it at every repetition from here on.
-            self._find_body()
+        if config.step_detection and reason not in ASYNC_CUTS:
+            if len(nodes) >= steps.LOOP_SPLIT_MIN_OPS:
+                # A sync after many repetitions of a loop body (a loop that logs every N steps):
+                # the loop goes on after the sync, so cut it at every repetition from here on.
+                self._find_body()
+            elif self.after is not None:
+                self._rephase()
         self.reset()
         try:
             run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,

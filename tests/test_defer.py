@@ -367,6 +367,34 @@ def test_a_loop_without_backward_or_sync_is_cut_once_its_body_repeats():
         assert compiles[1] == compiles[0]               # the second pass compiled nothing
 
 
+def test_a_loop_that_syncs_now_and_then_is_cut_again_right_after_the_sync():
+    # NOTE [body phase] (deferfuse/record.py): a sync ends a trace partway into the loop body; the
+    # next trace starts there, and is cut once it has recorded one body from that point, not only
+    # after 256 more ops show the body again.
+    torch.manual_seed(1)
+    w = torch.randn(8, 8)
+    wt = w.to("tpu")
+    x, xt = torch.randn(2, 8), None
+    xt = x.to("tpu")
+    deferfuse.sync()
+    cuts_after_sync = []
+    for segment in range(3):
+        for i in range(100):                    # 4 ops an iteration
+            h, ht = torch.tanh(x @ w), torch.tanh(xt @ wt)
+            if i == 99:     # a sync halfway through an iteration: the next trace starts there
+                assert_same(ht, h, atol=1e-4, rtol=1e-4)
+                before = deferfuse.metrics()["syncs"].get("loop boundary", 0)
+            x, xt = h * 0.5 + 0.1, ht * 0.5 + 0.1
+        for _ in range(40):                     # 160 ops: fewer than step detection's 256
+            x = torch.tanh(x @ w) * 0.5 + 0.1
+            xt = torch.tanh(xt @ wt) * 0.5 + 0.1
+        cuts_after_sync.append(deferfuse.metrics()["syncs"].get("loop boundary", 0) - before)
+        assert_same(xt, x, atol=1e-4, rtol=1e-4)
+    if deferfuse.state.MODE == "defer":
+        # The body found is 128 ops (32 iterations): at least one cut in the 160 ops after a sync.
+        assert all(c >= 1 for c in cuts_after_sync[1:]), cuts_after_sync
+
+
 def test_many_steps_before_one_sync_compile_one_region_per_step():
     # NOTE [loop split]: a loop that syncs every 100 steps recorded 100 steps as one program
     # (1,900 ops of a small MLP took 98 s to compile); it runs as one cached region per step.
