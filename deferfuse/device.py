@@ -245,8 +245,8 @@ def _wrap_autograd() -> None:
       step (the last step's backward pass and update with this step's forward pass), compiled
       once. The cuts depend on the program only, never on timing. On XLA's CPU backend too:
       there the forward pass computes on the cores Python records on, and a step that reads its
-      loss every time gains little (paired in one process, quick sizes: MLP and convnet steps
-      0-9% faster, GPT and Llama -2 to +1%), but a loop that reads it every 10 steps ran 20%
+      loss every time gains little (paired in one process, quick sizes, two runs: MLP -4% and
+      +9%, convnet +4%, GPT +1% and -2%, Llama +1%), but a loop that reads it every 10 steps ran 20%
       faster (``bench/`` workload ``gpt_train_log10``): without the cut its steps were recorded
       with the device idle and computed only at the read. ``DEFERFUSE_BACKWARD_CUT=0`` turns it
       off.
