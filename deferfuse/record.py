@@ -172,8 +172,10 @@ class Trace:
             if L is not None:
                 # A short body (a chain of tiny ops) is cut every k repetitions: a cut costs a
                 # flush and a launch, which per 8 ops made the 1,000-op overhead loop 1.2x slower
-                # than one region.
-                L *= -(-steps.CUT_MIN_OPS // L)
+                # than one region. (k repetitions fit in any trace of 256 ops or more.)
+                k = -(-steps.CUT_MIN_OPS // L)
+                if k * L <= len(khashes):
+                    L *= k
                 body = steps.body_signature(khashes, L)
                 _BODY_OPS[body] = tuple(khashes[-L:])
             else:
@@ -220,17 +222,11 @@ class Trace:
     def _cut_now(self):
         from .state import sync
         reason, self.cut = self.cut, None
-        body, self.cut_body = self.cut_body, None
         if reason == "trace limit" and config.step_detection:
-            khashes = [n.key.khash for n in self.nodes]
-            L = steps.find_period(khashes)
-            if L is not None:
-                body = steps.body_signature(khashes, L)
-                _BODIES.add(body)
-                _BODY_OPS[body] = tuple(khashes[-L:])
+            self._find_body()
+        body, self.cut_body = self.cut_body, None
         sync(reason)
-        if reason != "trace limit" or body is not None:
-            self.after = body       # the new trace starts at this body's first op
+        self.after = body       # the new trace starts at this body's first op (or None)
 
     # ---------------------------------------------------------------------------------------
     def flush(self, reason: str, src: str, want=None, later: bool = False):
