@@ -102,8 +102,8 @@ def _scope(df, s: str):
     (run.DEFER_VARIANTS, given as environment variables) the same settings as overrides."""
     if s not in R.DEFER_VARIANTS:
         return lambda: df.mode(s)
-    import importlib
-    by_env = {st.env: st for st in importlib.import_module("deferfuse.config").SETTINGS.values()}
+    from deferfuse.config import SETTINGS
+    by_env = {st.env: st for st in SETTINGS.values()}
     kw = {by_env[k].name: by_env[k].parse(v) for k, v in R.DEFER_VARIANTS[s].items()}
 
     @contextlib.contextmanager
