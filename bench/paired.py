@@ -12,6 +12,12 @@ optimizer step may still be running, and must not run on into the next system's 
 is reversed every other round, so both sides of each ratio see the same machine within
 milliseconds. For each round it takes (other system's time per step) / (defer's) and reports the
 median of these paired ratios and their quartiles.
+
+A block is 10 steps: the wait at its end is not part of a training loop (whose steps overlap the
+device's work on the step before), and it costs defer more than strict (defer's last region is
+the backward pass and optimizer step of a whole step; strict's last op is one op). Measured in one
+process, alternating (2026-12-04, quick sizes), strict / defer with blocks of 3, 10 and 30 steps:
+convnet 1.40, 1.58, 1.47x; GPT 1.66, 1.85, 1.65x; MLP 1.75, 2.13, 2.07x.
 Results: bench/results/paired.{json,md}.
 """
 from __future__ import annotations
@@ -206,7 +212,7 @@ def parent(a) -> int:
     for w in workloads:
         if w not in W.WORKLOADS:
             sys.exit(f"unknown workload {w!r}; known: {', '.join(W.WORKLOADS)}")
-    rounds = a.rounds or (15 if a.quick else 30)
+    rounds = a.rounds or 10
     warmup = a.warmup or 3
     os.makedirs(R.RESULTS, exist_ok=True)
     machine = R.machine_info()
@@ -256,11 +262,11 @@ def main() -> int:
     p.add_argument("--workloads", help="comma-separated subset of workloads")
     p.add_argument("--systems", default="eager,strict,defer",
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default eager,strict,defer)")
-    p.add_argument("--rounds", type=int, help="timed rounds (default 30, quick 15)")
+    p.add_argument("--rounds", type=int, help="timed rounds (default 10)")
     p.add_argument("--warmup", type=int, help="warm-up steps per system (default 3)")
-    p.add_argument("--block", type=int, default=3,
+    p.add_argument("--block", type=int, default=10,
                    help="steps per system per round, timed together with a full wait at the end "
-                        "(default 3)")
+                        "(default 10)")
     p.add_argument("--timeout", type=float, help="seconds per workload (default 1800, quick 600)")
     p.add_argument("--results", default=R.RESULTS, help="folder for paired.json / paired.md")
     p.add_argument("--rerender", action="store_true", help="only rewrite paired.md from paired.json")
