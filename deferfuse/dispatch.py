@@ -438,6 +438,13 @@ def _contig(shape):
 def copy_into(dst: TpuTensor, src) -> TpuTensor:
     """``dst.copy_(src)`` for any src (tpu tensor, CPU tensor), through the lowered copy_."""
     if isinstance(src, torch.Tensor) and type(src) is not TpuTensor:
+        if (not dst._chain and src.dtype == dst.dtype and src.shape == dst.shape
+                and dst._s.val.shape == tuple(src.shape)):
+            # All of dst's storage is overwritten by a host tensor (``x.to("tpu")`` is an empty
+            # tensor and this copy): the storage takes the transferred value itself, with no copy
+            # op recorded or run. Ops recorded before read the old value, as they should.
+            dst._s.val = transfer.host_value(src, dst._s.device)
+            return dst
         src = from_cpu(src, dst._s.device)
     return _run(aten.copy_.default, op_info(aten.copy_.default), (dst, src), {})
 

@@ -46,6 +46,49 @@ def test_to_variants():
     assert_same(x.to("tpu:0"), x)
 
 
+def test_copy_from_host_replaces_the_value():
+    """A host tensor copied over a whole tpu tensor (``x.to("tpu")``, ``t.copy_(cpu)``) becomes
+    its value with no op recorded; views, earlier reads and later writes behave as on CPU."""
+    x = torch.arange(6.0).reshape(2, 3)
+    deferfuse.sync()
+    before = deferfuse.metrics()["ops_recorded"]
+    z = x.to("tpu")
+    deferfuse.sync()
+    assert deferfuse.metrics()["ops_recorded"] == before
+    x.add_(100)                         # the tpu copy does not share the host memory
+    assert_same(z, torch.arange(6.0).reshape(2, 3))
+
+    def program(dev):
+        a = torch.ones(2, 3, device=dev)
+        v = a.view(3, 2)                # a view of a, written through a below
+        b = a * 2                       # reads the old value of a
+        a.copy_(torch.full((2, 3), 7.0))
+        c = a + b
+        part = torch.zeros(2, 3, device=dev)
+        part[0].copy_(torch.tensor([1.0, 2.0, 3.0]))   # a view: a recorded copy
+        wide = torch.zeros(2, 3, dtype=torch.float64, device=dev)
+        wide.copy_(torch.ones(2, 3))                      # another dtype: a recorded copy
+        return v, b, c, part, wide
+
+    for got, want in zip(program("tpu"), program("cpu")):
+        assert_same(got, want)
+
+
+def test_direct_transfer_and_its_fallback():
+    from deferfuse.runtime import transfer
+    x = torch.randn(3, 4)
+    assert_same(x.to("tpu"), x)
+    assert transfer._put[0], "JAX's direct transfer was not taken on this JAX"
+    saved = transfer._put[0]
+    try:
+        transfer._put[0] = lambda a, device: 1 / 0      # a JAX whose internals changed
+        assert_same(x.to("tpu"), x)
+        assert transfer._put[0] is False               # device_put from then on
+        assert_same((x * 2).to("tpu"), x * 2)
+    finally:
+        transfer._put[0] = saved
+
+
 def test_item_tolist_repr():
     x = torch.tensor([[1.5, 2.0], [3.0, 4.25]])
     t = x.to("tpu")
