@@ -185,6 +185,24 @@ def test_max_pool_indices():
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("hw,kw", [
+    ((32, 40), dict(size=(8, 10))),                 # shrink: each output averages a wide window
+    ((32, 40), dict(size=(13, 7))),                 # uneven factors per axis
+    ((10, 12), dict(size=(25, 30))),                # grow
+    ((17, 23), dict(scale_factor=(0.5, 1.7))),      # scale factors, one shrinking, one growing
+    ((32, 40), dict(size=(8, 10), align_corners=True)),
+    ((64, 64), dict(size=(5, 3))),
+])
+def test_interpolate_antialias(mode, hw, kw):
+    """interpolate(..., antialias=True) (torchvision's Resize on tensors): lowered, forward and
+    gradient as CPU's, in float32 and float64."""
+    for dt in (torch.float32, torch.float64):
+        x = torch.randn(2, 3, *hw, dtype=dt)
+        check(lambda _, a: F.interpolate(a, mode=mode, antialias=True, **kw), x,
+              tol=dict(atol=2e-5, rtol=1e-5))
+
+
 # ------------------------------------------------------------------------------------ attention, softmax
 
 def test_sdpa_causal_and_float_mask():

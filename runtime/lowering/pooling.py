@@ -283,6 +283,36 @@ def _cubic_taps(n_in, n_out, scale, align_corners):
     return [(np.clip(i + k - 1, 0, n_in - 1), w.astype(np.float32)) for k, w in enumerate(ws)]
 
 
+def _aa_taps(n_in, n_out, scale, align_corners, cubic=False):
+    """The taps of antialiased interpolation (``interpolate(..., antialias=True)``): each output
+    position averages a window of inputs with a triangle (bilinear) or a = -0.5 cubic filter,
+    stretched by the scale when shrinking, the weights normalised to sum to 1. Padded to the widest
+    window with zero weights (static numpy)."""
+    sc = float(_scale(n_in, n_out, scale, align_corners))
+    half = 2.0 if cubic else 1.0                  # the filter's support, in input positions
+    support, inv = (half * sc, 1.0 / sc) if sc >= 1.0 else (half, 1.0)
+    center = sc * (np.arange(n_out) + 0.5)
+    lo = np.maximum((center - support + 0.5).astype(np.int64), 0)
+    size = np.minimum((center + support + 0.5).astype(np.int64), n_in) - lo
+    j = np.arange(max(int(size.max()), 1))
+    x = np.abs((j[None, :] + lo[:, None] - center[:, None] + 0.5) * inv)
+    if cubic:
+        a = -0.5
+        w = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                     np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+    else:
+        w = np.maximum(1.0 - x, 0.0)
+    w = np.where(j[None, :] < size[:, None], w, 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    w = np.where(total != 0, w / np.where(total != 0, total, 1), w).astype(np.float32)
+    idx = np.minimum(lo[:, None] + j[None, :], n_in - 1)
+    return [(idx[:, k], w[:, k]) for k in range(len(j))]
+
+
+_TAPS = {"linear": _linear_taps, "cubic": _cubic_taps,
+         "linear_aa": _aa_taps, "cubic_aa": lambda *a: _aa_taps(*a, cubic=True)}
+
+
 def _upsample(x, out_spatial, scales, mode, align_corners=False):
     nd = len(out_spatial)
     y = x if mode.startswith("nearest") else _acc(x)
@@ -294,8 +324,7 @@ def _upsample(x, out_spatial, scales, mode, align_corners=False):
             y = jnp.take(y, jnp.asarray(_nearest_index(n_in, n_out, scales[i], mode == "nearest-exact")),
                          axis=ax)
             continue
-        taps = (_linear_taps if mode == "linear" else _cubic_taps)(n_in, n_out, scales[i],
-                                                                  align_corners)
+        taps = _TAPS[mode](n_in, n_out, scales[i], align_corners)
         shp = (1,) * ax + (n_out,) + (1,) * (x.ndim - ax - 1)
         acc = None
         for idx, w in taps:
@@ -311,7 +340,7 @@ def _scales_of(nd, scale_factors):
 
 
 def _upsample_ops(name, nd, mode):
-    linear = mode in ("linear", "cubic")
+    linear = not mode.startswith("nearest")
 
     def forward(input, output_size, *rest, _avals):
         # (output_size, [align_corners], scale...) or .vec: (output_size, [align_corners], scale_factors)
@@ -345,5 +374,7 @@ for _name, _nd, _mode in (("upsample_nearest1d", 1, "nearest"), ("upsample_neare
                           ("_upsample_nearest_exact2d", 2, "nearest-exact"),
                           ("_upsample_nearest_exact3d", 3, "nearest-exact"),
                           ("upsample_linear1d", 1, "linear"), ("upsample_bilinear2d", 2, "linear"),
-                          ("upsample_trilinear3d", 3, "linear"), ("upsample_bicubic2d", 2, "cubic")):
+                          ("upsample_trilinear3d", 3, "linear"), ("upsample_bicubic2d", 2, "cubic"),
+                          ("_upsample_bilinear2d_aa", 2, "linear_aa"),
+                          ("_upsample_bicubic2d_aa", 2, "cubic_aa")):
     _upsample_ops(_name, _nd, _mode)
