@@ -164,6 +164,19 @@ def _h_batch_norm(func, args, kwargs):
     return out, mean, invstd
 
 
+def _h_rrelu_with_noise(func, args, kwargs):
+    """rrelu_with_noise writes ``noise`` in place and returns a new tensor (rrelu_with_noise_
+    writes its input too, and returns it): run the lowered functional op, then write back (as
+    batch norm's running statistics)."""
+    fn = aten.rrelu_with_noise_functional.default
+    out, noise = _run(fn, op_info(fn), args, kwargs)
+    _write_stat(args[1], noise)
+    if func is aten.rrelu_with_noise_.default:
+        _write_stat(args[0], out)
+        return args[0]
+    return out
+
+
 def _write_stat(dst, new) -> None:
     """``dst.copy_(new)``: a running statistic (a whole base tensor, as BatchNorm's buffers are)
     takes the new value itself, with no copy op recorded or run; anything else is copied."""
@@ -274,6 +287,8 @@ SPECIAL = {
     aten.set_.source_Tensor: _h_set,
     aten.is_pinned.default: _h_is_pinned,
     aten.native_batch_norm.default: _h_batch_norm,
+    aten.rrelu_with_noise.default: _h_rrelu_with_noise,
+    aten.rrelu_with_noise_.default: _h_rrelu_with_noise,
     aten._native_batch_norm_legit.default: _h_batch_norm,
     aten.one_hot.default: _h_one_hot,
     aten._pack_padded_sequence.default: _h_pack_padded_sequence,

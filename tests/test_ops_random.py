@@ -95,6 +95,35 @@ def test_bernoulli():
     moments(x, 0.8, 0.4)
 
 
+def test_rrelu():
+    """RReLU: evaluation uses the mean slope (as CPU, exactly); training scales each non-positive
+    element by its own uniform slope in [lower, upper], which is also its gradient; in place on a
+    view writes through to the base."""
+    import torch.nn.functional as F
+    x = torch.randn(N // 100, 100)
+    neg = x <= 0
+    assert torch.equal(F.rrelu(x.to(T), 0.1, 0.3, training=False).cpu(),
+                       F.rrelu(x, 0.1, 0.3, training=False))
+    y = like_cpu(lambda d: F.rrelu(x.to(d), 0.1, 0.3, training=True))
+    assert torch.equal(y[~neg], x[~neg])
+    slope = y[neg] / x[neg]
+    assert slope.min() >= 0.1 - 1e-6 and slope.max() <= 0.3 + 1e-6
+    moments(slope, 0.2, 0.2 / math.sqrt(12), tol=0.1)
+    torch.manual_seed(7)
+    xt = x.to(T).requires_grad_()
+    yt = F.rrelu(xt, 0.1, 0.3, training=True)
+    yt.sum().backward()
+    g, yc = xt.grad.cpu(), yt.detach().cpu()
+    assert torch.allclose(g[neg], yc[neg] / x[neg]) and torch.equal(g[~neg], torch.ones_like(x)[~neg])
+    base, want = x.to(T), x.clone()
+    F.rrelu(base[1:5], training=False, inplace=True)
+    F.rrelu(want[1:5], training=False, inplace=True)
+    assert torch.equal(base.cpu(), want)
+    m = torch.nn.RReLU(inplace=True).to(T)
+    t = x.to(T)
+    assert m(t) is t and torch.equal(t.cpu()[~neg], x[~neg])
+
+
 def test_other_distributions():
     moments(like_cpu(lambda d: torch.empty(N, device=d).exponential_(2.0)), 0.5, 0.5)
     p = 0.3

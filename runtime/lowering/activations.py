@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math  # noqa: F401
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax  # noqa: F401
@@ -40,6 +41,21 @@ def hardtanh(x, min_val=-1, max_val=1):
 def leaky_relu(x, negative_slope=0.01):
     x = _act(x)
     return jnp.where(x > 0, x, x * _cast(negative_slope, x.dtype))
+
+
+@op("rrelu_with_noise_functional.default", rng=True)
+def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1 / 3, training=False,
+                                generator=None, *, key):
+    """(output, noise) of RReLU. Training: each non-positive element is scaled by a slope drawn
+    uniformly from [lower, upper], which noise records (1 for the others); evaluation: the mean
+    slope, noise as it was (PyTorch's CPU kernel)."""
+    xa = _act(x)
+    if not training:
+        return leaky_relu(x, (lower + upper) / 2), noise
+    r = jax.random.uniform(key, x.shape, xa.dtype) * _cast(upper - lower, xa.dtype) \
+        + _cast(lower, xa.dtype)
+    neg = xa <= 0
+    return jnp.where(neg, xa * r, xa), jnp.where(neg, r, jnp.ones((), xa.dtype))
 
 
 @op("elu.default")
