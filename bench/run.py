@@ -32,12 +32,11 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "defer_noplan", "defer_onepiece",
-           "defer_cut", "defer_nocut", "torchax", "torchax_jit", "jax"]
+           "defer_nocut", "torchax", "torchax_jit", "jax"]
 # defer with one setting changed, for side-by-side comparisons: system -> environment
 DEFER_VARIANTS = {"defer_noplan": {"DEFERFUSE_NO_MEMORY_PLANNER": "1"},      # memory planner off
                   "defer_onepiece": {"DEFERFUSE_NEEDED_FIRST": "0"},         # no needed-first split
-                  "defer_cut": {"DEFERFUSE_BACKWARD_CUT": "1"},              # backward cut forced on
-                  "defer_nocut": {"DEFERFUSE_BACKWARD_CUT": "0"}}            # ... and off
+                  "defer_nocut": {"DEFERFUSE_BACKWARD_CUT": "0"}}            # no backward cut
 DEFERFUSE = ("strict", "debug", "defer") + tuple(DEFER_VARIANTS)
 RATIO_TO = ["strict", "eager", "compile", "torchax", "torchax_jit", "jax"]
 
