@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 
 from . import device as _device
-from . import state as _state
 from .config import MODES, config, override
+from .engine import engine as _engine
 from .errors import LoweringError, RegionError
 from .metrics import metrics, reset_metrics
 from .runtime import platform as _platform
@@ -26,32 +26,34 @@ def platform() -> str:
 
 
 def current_mode() -> str:
-    return _state.MODE
+    """The calling thread's mode (each thread has its own, as PyTorch's mode stack)."""
+    return _engine.mode
 
 
 @contextlib.contextmanager
 def mode(name: str | None = None):
-    """Run a block in ``name`` ('defer', 'strict' or 'debug'); nests.
+    """Run a block in ``name`` ('defer', 'strict' or 'debug') on the calling thread; nests.
 
-    With no name: ``defer``, unless ``TORCHTPU_MODE`` said otherwise at import.
+    With no name: ``defer``, unless ``TORCHTPU_MODE`` said otherwise at import. Other threads keep
+    their own mode (a new thread starts in the default).
     """
     if name is None:
-        name = _DEFAULT_MODE
+        name = _engine.default_mode
     if name not in MODES:
         raise ValueError(f"unknown deferfuse mode {name!r}; expected one of {', '.join(MODES)}")
-    prev = _state.MODE
-    _state.set_mode(name)
+    prev = _engine.mode
+    _engine.set_mode(name)
     try:
         yield
     finally:
         if name == "defer":
-            _state.sync("mode exit")
-        _state.set_mode(prev)
+            _engine.sync("mode exit")
+        _engine.set_mode(prev)
 
 
 def sync() -> None:
-    """Run everything recorded so far (a sync point with reason 'sync')."""
-    _state.sync("sync")
+    """Run everything the calling thread recorded so far (a sync point with reason 'sync')."""
+    _engine.sync("sync")
 
 
 def report(file=None) -> str:
@@ -72,18 +74,8 @@ def dump_trace(path: str) -> str:
 
 def clear_caches() -> None:
     """Drop every in-process compile cache (per-op programs, regions, meta inference)."""
-    from .dispatch import _CACHE, _ROUTE
-    from .views import ALIASES, VIEWS
-    from .runtime import flush, execute
-    from . import record
-    _state.sync("sync")
-    record._PERIODS.clear()
-    _CACHE.clear()
-    VIEWS.clear()
-    ALIASES.clear()
-    _ROUTE.clear()
-    flush.clear()
-    execute._view_jits.clear()
+    _engine.sync("sync")
+    _engine.clear_caches()
 
 
 def _tune_gc(threshold: int) -> None:
@@ -99,19 +91,18 @@ def _tune_gc(threshold: int) -> None:
 
     Cyclic garbage (a reference cycle can hold a device buffer) is still collected by the next
     sync after Python's own threshold would have collected it: after each sync, once the trace is
-    released, a young collection runs if more than 700 objects were added (state.sync; every 15-25
+    released, a young collection runs if more than 700 objects were added (Engine.sync; every 15-25
     steps in gpt_train and convnet_train, 17-20 µs per step on average). Strict and debug modes
-    record nothing and keep Python's threshold (state.set_mode switches it). A threshold the
+    record nothing and keep Python's threshold (Engine.set_mode switches it). A threshold the
     program set itself is left alone."""
     import gc
     t = gc.get_threshold()
     if threshold > 0 and t[0] == 700:
-        _state.YOUNG_GC, _state.RAISED_GC = 700, threshold
-        if _state.MODE == "defer":
+        _engine.young_gc, _engine.raised_gc = 700, threshold
+        if _engine.mode == "defer":
             gc.set_threshold(threshold, *t[1:])
 
 
-_DEFAULT_MODE = config.mode
 _tune_gc(config.gc_threshold)
 _device.register()
 if config.persistent_cache:

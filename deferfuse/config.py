@@ -101,18 +101,37 @@ SETTINGS = {s.name: s for s in [
 
 
 class _Config:
-    """Current values; read the environment once, at import."""
+    """Current values; read the environment once, at import.
+
+    ``mode`` is the calling thread's mode (NOTE [threads] in engine.py): reading and setting it
+    go to the engine, which installs itself with ``bind_mode``; ``TORCHTPU_MODE`` is the mode a
+    thread starts in (``initial_mode``)."""
 
     def __init__(self):
         for s in SETTINGS.values():
             raw = os.environ.get(s.env)
             object.__setattr__(self, s.name, s.default if raw is None else s.parse(raw))
+        object.__setattr__(self, "initial_mode", self.__dict__.pop("mode"))
+        object.__setattr__(self, "_mode_io", None)
+
+    def bind_mode(self, get, set_) -> None:
+        object.__setattr__(self, "_mode_io", (get, set_))
+
+    def __getattr__(self, name):
+        if name == "mode":
+            io = self._mode_io
+            return io[0]() if io is not None else self.initial_mode
+        raise AttributeError(f"deferfuse has no setting {name!r}; settings: {', '.join(SETTINGS)}")
 
     def __setattr__(self, name, value):
         if name not in SETTINGS:
             raise AttributeError(f"deferfuse has no setting {name!r}; settings: {', '.join(SETTINGS)}")
         if name == "mode":
             value = _mode(value)
+            if self._mode_io is not None:
+                self._mode_io[1](value)
+                return
+            name = "initial_mode"
         object.__setattr__(self, name, value)
 
 
@@ -121,7 +140,8 @@ config = _Config()
 
 @contextlib.contextmanager
 def override(**kw):
-    """Change settings for a block: ``with deferfuse.override(cross_check=True): ...``."""
+    """Change settings for a block: ``with deferfuse.override(cross_check=True): ...``;
+    ``mode=`` changes the calling thread's mode, as ``deferfuse.mode()`` does."""
     old = {k: getattr(config, k) for k in kw}
     try:
         for k, v in kw.items():
@@ -129,7 +149,7 @@ def override(**kw):
         yield config
     finally:
         for k, v in old.items():
-            object.__setattr__(config, k, v)
+            setattr(config, k, v)
 
 
 def codegen_key() -> tuple:

@@ -13,7 +13,8 @@ import types
 
 import torch
 
-from . import state
+from .config import config
+from .engine import engine
 from .runtime import memory, platform
 from .tensor import _DEVICES
 
@@ -24,53 +25,51 @@ def _device_count() -> int:
     return len(platform.jax_devices())
 
 
-class _Current:
-    index = 0
-
-
 def _set_device(device) -> None:
-    idx = device if isinstance(device, int) else (torch.device(device).index or 0)
+    """``torch.tpu.set_device``: the calling thread's current device (as CUDA's, per thread)."""
+    idx = device if isinstance(device, int) else _idx(device)
     if not 0 <= idx < _device_count():
         raise RuntimeError(f"tpu:{idx} does not exist: this machine has {_device_count()} tpu "
                            f"device(s), tpu:0 .. tpu:{_device_count() - 1}")
-    _Current.index = idx
+    engine.state.device = idx
 
 
 def _idx(device) -> int:
     if device is None:
-        return _Current.index
+        return engine.state.device
     if isinstance(device, int):
         return device
-    return torch.device(device).index or 0
+    d = torch.device(device)
+    return d.index if d.index is not None else engine.state.device
 
 
 def _synchronize(device=None) -> None:
-    state.sync("synchronize")
+    engine.sync("synchronize")
     from .runtime import execute
     execute.wait_all()
 
 
 def _manual_seed(seed) -> None:
-    state.manual_seed(int(seed))
+    engine.rng.manual_seed(int(seed))
 
 
 def _get_rng_state(device="tpu") -> torch.Tensor:
-    return state.rng_state(_idx(device) if not isinstance(device, str) or ":" in device else 0)
+    return engine.rng.get_state(_idx(device))
 
 
 def _set_rng_state(new_state, device="tpu") -> None:
-    state.set_rng_state(new_state, _idx(device) if not isinstance(device, str) or ":" in device else 0)
+    engine.rng.set_state(new_state, _idx(device))
 
 
 def _seed():
     import random
     s = random.getrandbits(63)
-    state.manual_seed(s)
+    engine.rng.manual_seed(s)
     return s
 
 
 def _initial_seed():
-    return state._seed[0]
+    return engine.rng.seed
 
 
 def _memory_allocated(device=None) -> int:
@@ -109,11 +108,11 @@ class _DeviceCtx:
         self.idx = _idx(device)
 
     def __enter__(self):
-        self.prev = _Current.index
+        self.prev = engine.state.device
         _set_device(self.idx)
 
     def __exit__(self, *exc):
-        _Current.index = self.prev
+        engine.state.device = self.prev
 
 
 def _make_module() -> types.ModuleType:
@@ -123,7 +122,7 @@ def _make_module() -> types.ModuleType:
     m.is_initialized = lambda: True
     m._is_in_bad_fork = lambda: False
     m.device_count = _device_count
-    m.current_device = lambda: _Current.index
+    m.current_device = lambda: engine.state.device
     m.set_device = _set_device
     m.device = _DeviceCtx
     m.synchronize = _synchronize
@@ -257,10 +256,8 @@ def _wrap_autograd() -> None:
       the GIL moving between threads (measured, quick sizes, paired in one process: training steps
       5-15% faster in defer mode, about 12% in strict). ``DEFERFUSE_BACKWARD_THREAD=1`` restores the
       device thread.
-    - raise the error of a backward op that failed (NOTE [errors in backward] in dispatch.py)."""
+    - raise the error of a backward op that failed (NOTE [errors in backward] in route.py)."""
     import torch.autograd as autograd
-    from . import dispatch
-    from .config import config
     from .tensor import TpuTensor
 
     def on_tpu(ts) -> bool:
@@ -272,13 +269,21 @@ def _wrap_autograd() -> None:
         def fn(*args, **kwargs):
             if torch.compiler.is_compiling():
                 return orig(*args, **kwargs)
-            if (state.trace.nodes and state.MODE == "defer" and state.backward_cut()
-                    and on_tpu(args[0] if args else kwargs.get(first))):
-                state.sync("backward")
-            errors = dispatch.BACKWARD_ERRORS
+            ts = engine.state
+            roots = args[0] if args else kwargs.get(first)
+            if ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots):
+                engine.sync("backward")
+            errors = ts.backward_errors
             errors.clear()
+            hooks = []
             try:
                 if config.backward_thread:
+                    # The device thread records into this thread's trace, in its mode (NOTE
+                    # [threads]): it adopts this thread's state before the first node runs.
+                    for r in (roots if isinstance(roots, (tuple, list)) else (roots,)):
+                        if isinstance(r, torch.Tensor) and r.grad_fn is not None:
+                            hooks.append(r.grad_fn.register_prehook(
+                                lambda grads, ts=ts: setattr(engine.local, "ts", ts)))
                     out = orig(*args, **kwargs)
                 else:
                     with autograd.set_multithreading_enabled(False):
@@ -286,6 +291,9 @@ def _wrap_autograd() -> None:
             except Exception:
                 if not errors:
                     raise
+            finally:
+                for h in hooks:
+                    h.remove()
             if errors:
                 e = errors[0]
                 errors.clear()
@@ -340,7 +348,7 @@ def _ctc_loss_cpu_lengths(log_probs, targets, input_lengths, target_lengths, bla
 def register() -> None:
     global _lib
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-    from .dispatch import dispatch  # (loads specials after the helpers they use)
+    from .route import dispatch
     from .specials import empty_memory_format, empty_strided, _h_copy_from
 
     module = _make_module()

@@ -6,42 +6,44 @@ tree_map), look it up, and either call the cached per-op jit or append a node to
 """
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 
 import numpy as np
 import torch
 
-from . import state
+from .config import config
+from .engine import engine
 from .opinfo import decompose, op_info
-from .runtime import execute
+from .runtime import execute, transfer
 from .runtime.dtypes import to_np_dtype
-from .runtime.node import SS, TS, build
-from .runtime import transfer
-from .record import user_site
+from .runtime.node import SS, TS, build, const
 from .scheduler.records import Value, sig_id
+from .meta import dtype_error, infer
 from .tensor import Storage, TpuTensor, make
-from .views import ALIAS_OPS, run_alias, run_view
 
 aten = torch.ops.aten
-_trace = state.trace
 _SIG = operator.attrgetter("_sig")
 _VAL = operator.attrgetter("_s.val")
 _DEV = operator.attrgetter("_s.device")
 _TPU_ONLY = {TpuTensor}
-_PLAIN = {int, float, bool, type(None)}     # list items _encode keeps as they are (static)
+_INTS = {int, type(None)}     # list items _encode keeps as they are (sizes, dims: static)
 _SPECIAL_SCALARS = {0, 1, -1, 2, 0.5, 0.0, 1.0, -1.0, 2.0}
-_CACHE: dict = {}       # op key -> _Entry
+_local = engine.local          # .ts: the calling thread's ThreadState (NOTE [threads])
+_lock = engine.lock
+_ops = engine.ops              # op key -> Entry
 
 
-class _Entry:
+class Entry:
     """What one op structure needs at run time, computed on its first call."""
-    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast", "made")
+    __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast", "made",
+                 "dev")
 
 
 def user_frame() -> str:
     """'file:line' of the innermost caller outside torch and deferfuse."""
-    return user_site(sys._getframe(1))
+    return engine.sources.site(sys._getframe(1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,35 +51,32 @@ def user_frame() -> str:
 
 def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0, storage=None,
                sig=None):
-    st = storage if storage is not None else Storage(val, device, dtype)
+    st = storage if storage is not None else Storage(val, device, dtype, stride)
     t = make(st, chain, size, stride, offset, dtype, sig)
     if storage is None and val.node is not None:
-        state.trace.track(st)
+        val.node.trace.track(st)
     return t
 
 
-def read(t: TpuTensor):
+def read(t: TpuTensor, reason: str = "cpu"):
     """The concrete JAX array of ``t`` (its view applied), running pending work first."""
-    v = t._s.val
-    if v.array is None:
-        state.sync("cpu")
-        v = t._s.val
-        if v.array is None:
-            transfer.materialize_empty(v, t._s.device)
+    arr = engine.ready(t._s.val, t._s.device, reason)
     if not t._chain:
-        return v.array
-    return execute.read_view(v.array, t._chain)
+        return arr
+    return execute.read_view(arr, t._chain)
 
 
 def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
     """A CPU copy of ``t`` (a sync point in defer mode)."""
-    if t._s.val.node is not None:
-        state.sync(reason, want=t._s.val)
-    elif state.trace.nodes and state.backward_cut():
+    v = t._s.val
+    trace = _local.ts.trace
+    if v.node is not None and v.node.trace is trace:
+        engine.sync(reason, want=v)
+    elif trace.nodes and config.backward_cut:
         # NOTE [backward cut]: the value was computed before the pending trace (a loss whose
         # forward pass ran at backward()): dispatch the trace, wait for none of it.
-        state.sync(reason, later=True)
-    arr = read(t)
+        engine.sync(reason, later=True)
+    arr = read(t, reason)
     out = transfer.to_torch(arr, t.dtype)
     return out.reshape(t.shape) if out.shape != t.shape else out
 
@@ -94,75 +93,13 @@ def _const_value(cpu: torch.Tensor, device: int) -> Value:
 # --------------------------------------------------------------------------------------------
 # the generic op path
 
-_ROUTE: dict = {}   # id(OpOverload) -> (handler(func, info, args, kwargs), OpInfo, the OpOverload)
+class Fallback(Exception):
+    """Raised by the op path when the op cannot run on JAX (``why``); the router runs the op on
+    CPU instead (fallback.py)."""
 
-
-def torch_dispatch(cls, func, types, args=(), kwargs=None):
-    """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper)."""
-    # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The entry
-    # keeps the OpOverload alive, so its id is never reused.
-    r = _ROUTE.get(id(func))
-    if r is None:
-        r = _ROUTE[id(func)] = _route(func)
-    try:
-        return r[0](func, r[1], args, kwargs or {})
-    except BaseException as e:
-        if torch._C._current_autograd_node() is None:
-            raise
-        # NOTE [errors in backward]: a Python exception leaving __torch_dispatch__ inside the
-        # autograd engine is still pending when the engine's stream guard, unwinding, calls the
-        # Python device guard of PrivateUse1 (a noexcept call): the interpreter aborted
-        # ("terminate called without an active exception"), or run_backward returned a SystemError
-        # without a message. (NotImplemented does not help: PyTorch's "all handlers returned
-        # NotImplemented" is a Python exception too.) So the error is kept and the op returns an
-        # empty CPU tensor: the engine's own checks of it fail in C++, which unwinds safely, and
-        # backward() and autograd.grad (device.py) raise the kept error instead.
-        BACKWARD_ERRORS.append(e)
-        return torch.empty(0)
-
-
-BACKWARD_ERRORS: list = []    # errors of ops run by the autograd engine (NOTE [errors in backward])
-
-
-def dispatch(func, args, kwargs):
-    return torch_dispatch(None, func, None, args, kwargs)
-
-
-def _route(func):
-    info = op_info(func)
-    h = _SPECIAL.get(func)
-    if h is not None:
-        return (lambda func, info, args, kwargs: h(func, args, kwargs)), info, func
-    kind = info.kind
-    if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
-        return _run, info, func
-    if func in ALIAS_OPS:
-        return run_alias, info, func
-    if kind == "view":
-        return run_view, info, func
-    if kind == "decomp":
-        return _decomp, info, func
-    if kind == "data_dependent":
-        return (lambda func, info, args, kwargs:
-                _fallback(func, info, args, kwargs, "data-dependent shape")), info, func
-    if kind == "unsupported_view":
-        return _unsupported_view, info, func
-    return (lambda func, info, args, kwargs: _fallback(func, info, args, kwargs, "no lowering")), \
-        info, func
-
-
-def _decomp(func, info, args, kwargs):
-    out = decompose(func, args, kwargs)
-    if out is NotImplemented:
-        return _fallback(func, info, args, kwargs, "no lowering")
-    return out
-
-
-def _unsupported_view(func, info, args, kwargs):
-    raise NotImplementedError(
-        f"{info.name} is a view op with no lowering on the tpu device; a copy would break "
-        "aliasing, so it is not run on CPU. Call .clone() or .contiguous() on its result's "
-        "input first, or file an issue")
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
 
 
 def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, device: list):
@@ -180,7 +117,9 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
         if info_scalar and not static and a not in _SPECIAL_SCALARS:
             scalars.append(a)
             return (SS, len(scalars) - 1, ta)
-        return a
+        return const(a)
+    if ta is bool or ta is complex:
+        return const(a)
     if ta is list or ta is tuple:
         if a and type(a[0]) is TpuTensor and set(map(type, a)) == _TPU_ONLY:
             # A tensor list on one device (foreach ops: a whole optimizer group): one pass.
@@ -190,7 +129,7 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
                 n = len(tensors)
                 tensors.extend(a)
                 return _ts_range(n, len(a))
-        elif (static or not info_scalar) and set(map(type, a)) <= _PLAIN:
+        elif (static or not info_scalar) and set(map(type, a)) <= _INTS:
             return tuple(a)     # sizes, strides, dims: what the loop below would give, in one call
         return tuple([_encode(x, info_scalar, tensors, scalars, static, device) for x in a])
     if isinstance(a, torch.Tensor):
@@ -199,41 +138,33 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             return (TS, len(tensors) - 1)
         if a.dim() == 0 and a.device.type == "cpu":
             # PyTorch lets 0-dim CPU tensors mix with any device: move the value over.
-            t = new_tensor(_const_value(a, device[0] or 0), device[0] or 0, a.dtype, (), ())
+            d = device[0] if device[0] is not None else _local.ts.device
+            t = new_tensor(_const_value(a, d), d, a.dtype, (), ())
             tensors.append(t)
             return (TS, len(tensors) - 1)
-        raise _device_error(f"tpu:{device[0] or 0}", str(a.device))
+        raise _device_error(f"tpu:{device[0] if device[0] is not None else _local.ts.device}",
+                            str(a.device))
     if ta is torch.device and a.type == "tpu":
         if device[0] is None:
-            device[0] = a.index or 0
+            device[0] = a.index if a.index is not None else _local.ts.device
         return ("\0dev",)
     return a
 
 
-_TS_RANGES: dict = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _ts_range(start: int, n: int) -> tuple:
     """The template of a tensor list that is tensor inputs start .. start+n-1 (cached)."""
-    r = _TS_RANGES.get((start, n))
-    if r is None:
-        r = _TS_RANGES[(start, n)] = tuple([(TS, i) for i in range(start, start + n)])
-    return r
+    return tuple([(TS, i) for i in range(start, start + n)])
 
 
-def _run(func, info, args, kwargs):
-    gen = None
-    if kwargs and info.low.rng and kwargs.get("generator") is not None:
-        # NOTE [generators]: a CPU torch.Generator seeds this op (one draw from it makes a JAX key);
-        # the device's own key is left alone. It used to be ignored, and a new generator object
-        # made a new cache entry: another compile per call.
-        gen = kwargs["generator"]
-        kwargs = dict(kwargs, generator=None)
+def op_key(info, args, kwargs):
+    """The structural key of one op call: (OpInfo, argument template, keyword template, input
+    signatures, device), with its tpu tensor inputs, its Python scalar inputs and its device. Two
+    calls share a key only if one compiled program computes both (NOTE [typed constants])."""
     tensors: list = []
     scalars: list = []
     device = [None]
-    low = info.low
-    static = low.static
+    static = info.low.static
     sp = info.scalar_pos
     targs = []
     i = 0
@@ -252,7 +183,7 @@ def _run(func, info, args, kwargs):
                 targs.append((SS, len(scalars), ta))
                 scalars.append(a)
             else:
-                targs.append(a)
+                targs.append(const(a))      # NOTE [typed constants] (runtime/node.py)
         else:
             targs.append(_encode(a, i in sp, tensors, scalars, static, device))
         i += 1
@@ -270,20 +201,36 @@ def _run(func, info, args, kwargs):
                 _encode(kwargs[n], False, tensors, scalars, True, device)
     # OpInfo, not the OpOverload: OpOverload.__hash__ is Python code, object hashing is not.
     # Scalar inputs' types are in targs/tkw already: (SS, index, type).
-    key = (info, targs, tkw, tuple(map(_SIG, tensors)))
-    entry = _CACHE.get(key)
+    dev = device[0] if device[0] is not None else _local.ts.device
+    return (info, targs, tkw, tuple(map(_SIG, tensors)), dev), tensors, scalars, dev
+
+
+def _run(func, info, args, kwargs):
+    gen = None
+    if kwargs and info.low.rng and kwargs.get("generator") is not None:
+        # NOTE [generators]: a CPU torch.Generator seeds this op (one draw from it makes a JAX key);
+        # the device's own key is left alone. It used to be ignored, and a new generator object
+        # made a new cache entry: another compile per call.
+        gen = kwargs["generator"]
+        kwargs = dict(kwargs, generator=None)
+    low = info.low
+    key, tensors, scalars, dev = op_key(info, args, kwargs)
+    targs, tkw = key[1], key[2]
+    entry = _ops.get(key)
     if entry is None:
+        err = dtype_error(func, args, kwargs)
+        if err is not None:
+            raise type(err)(str(err))       # CPU does not implement the op for these dtypes
         try:
-            entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors)
+            entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev)
         except NotImplementedError as e:
             # No meta kernel, or an output shape that depends on the data (boolean masks).
             msg = str(e)
             why = "data-dependent shape" if ("nonzero" in msg or "data-dependent" in msg
                                              or "dynamic" in msg.lower()) else "no meta kernel"
-            _CACHE[key] = entry = why
+            _ops[key] = entry = why
     if entry.__class__ is str:
-        return _fallback(func, info, args, kwargs, entry)
-    dev = device[0] or 0
+        raise Fallback(entry)
     # Inputs: each tensor's base value; a mutated input that is overwritten whole is not read.
     mut = entry.out[1]
     ins = list(map(_VAL, tensors))
@@ -291,41 +238,53 @@ def _run(func, info, args, kwargs):
         for m in mut:
             if not tensors[m]._chain:
                 ins[m] = None
-    fast = entry.fast
-    if fast is not None and state.MODE == "defer":
-        # The common case, inlined from run_node and _bind: record an op with one new output.
-        if fast.__class__ is tuple:
-            st = Storage(_trace.record(entry, ins, scalars)[0], dev, fast[0])
-            _trace.storages.append(st.wr)
-            return make(st, (), fast[1], fast[2], 0, fast[0], fast[3])
-        # Several new outputs (layer norm, a backward op, a foreach op): the same, per output.
-        stor = _trace.storages
-        res = []
-        for m, v in zip(fast, _trace.record(entry, ins, scalars)):
-            if m is None:
-                res.append(None)
-            else:
-                st = Storage(v, dev, m[0])
-                stor.append(st.wr)
-                res.append(make(st, (), m[1], m[2], 0, m[0], m[3]))
-        return res if entry.out[0][0] == "list" else tuple(res)
+    ts = _local.ts
+    if ts.mode == "defer":
+        with _lock:
+            trace = ts.trace
+            fast = entry.fast
+            if fast is not None:
+                # The common case: record an op with new outputs only (no write, no RNG).
+                if fast.__class__ is tuple:
+                    st = Storage(trace.record(entry, ins, scalars, dev)[0], dev, fast[0], fast[2])
+                    trace.storages.append(st.wr)
+                    return make(st, (), fast[1], fast[2], 0, fast[0], fast[3])
+                # Several new outputs (layer norm, a backward op, a foreach op): per output.
+                res = []
+                for m, v in zip(fast, trace.record(entry, ins, scalars, dev)):
+                    if m is None:
+                        res.append(None)
+                    else:
+                        st = Storage(v, dev, m[0], m[2])
+                        trace.storages.append(st.wr)
+                        res.append(make(st, (), m[1], m[2], 0, m[0], m[3]))
+                return res if entry.out[0][0] == "list" else tuple(res)
+            if low.rng:
+                ins.append(engine.rng.storage(dev).val if gen is None
+                           else engine.rng.generator_key(gen, dev))
+            outs = trace.record(entry, ins, scalars, dev)
+            return _bind(func, info, entry, outs, tensors, args, kwargs, dev, gen is None)
     if low.rng:
-        ins.append(state.rng_storage(dev).val if gen is None else state.generator_key(gen, dev))
-    outs = state.run_node(entry, ins, scalars, dev)
+        ins.append(engine.rng.storage(dev).val if gen is None else engine.rng.generator_key(gen, dev))
+    outs = engine.run_node(entry, ins, scalars, dev)
     return _bind(func, info, entry, outs, tensors, args, kwargs, dev, gen is None)
 
 
 def _bind(func, info, entry, outs, tensors, args, kwargs, dev, device_key=True):
     out_meta, mut, rng = entry.out[0], entry.out[1], entry.out[2]
     if rng and device_key:
-        st = state.rng_storage(dev)
-        state.trace.track_mut(st, outs[-1])
-        st.val = outs[-1]
+        st = engine.rng.storage(dev)
+        v = outs[-1]
+        if v.node is not None:
+            v.node.trace.track_mut(st, v)
+        st.val = v
     if mut:
         for k, m in enumerate(mut):
             st = tensors[m]._s
-            state.trace.track_mut(st, outs[k])
-            st.val = outs[k]
+            v = outs[k]
+            if v.node is not None:
+                v.node.trace.track_mut(st, v)
+            st.val = v
         rets = info.returns
         if not rets:
             return None
@@ -353,10 +312,10 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev, device_key=True):
     return tuple(made)
 
 
-def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
-    from .meta import infer
+def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
     out = infer(func, args, kwargs)
-    e = _Entry()
+    e = Entry()
+    e.dev = dev
     e.name = info.name
     # hash(-1) == hash(-2) in CPython: mix in the text of the key so such keys never collide.
     e.khash = hash((key, repr(key)))
@@ -408,7 +367,7 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors):
             e.fast = made[0]        # a tuple (dtype, size, stride, sig)
         elif structure in ("tuple", "list"):
             e.fast = made           # a list: one such tuple (or None) per output
-    _CACHE[key] = e
+    _ops[key] = e
     return e
 
 
@@ -449,7 +408,41 @@ def copy_into(dst: TpuTensor, src) -> TpuTensor:
     return _run(aten.copy_.default, op_info(aten.copy_.default), (dst, src), {})
 
 
-from .fallback import fallback as _fallback  # noqa: E402  (it uses the helpers above)
-from .specials import SPECIAL as _SPECIAL  # noqa: E402  (specials use the helpers above)
 
-TpuTensor.__torch_dispatch__ = classmethod(torch_dispatch)
+
+# --------------------------------------------------------------------------------------------
+# host-side conveniences of TpuTensor that read values (PyTorch implements them with raw data
+# pointers, which a tpu tensor does not have)
+
+def _repr(self, *, tensor_contents=None):
+    cpu = to_cpu(self, "print")
+    s = torch._tensor_str._str(cpu)
+    dev = f"device='{self.device}'"
+    if s.endswith(")"):
+        # Insert the device after the values, where PyTorch puts it for cuda tensors.
+        head, tail = s[:-1], ")"
+        for marker in (", grad_fn=", ", requires_grad=True"):
+            i = head.find(marker)
+            if i >= 0:
+                head, tail = head[:i], head[i:] + ")"
+                break
+        return f"{head}, {dev}{tail}"
+    return s
+
+
+def _tolist(self):
+    return to_cpu(self, "tolist").tolist()
+
+
+def _reduce_ex(self, proto):
+    # Saved as a plain CPU tensor, so torch.load (weights_only=True by default) reads it back
+    # without knowing deferfuse; move it back with .to("tpu").
+    cpu = to_cpu(self.detach(), "save")
+    if self.requires_grad and self.is_leaf:
+        cpu.requires_grad_(True)
+    return cpu.__reduce_ex__(proto)
+
+
+TpuTensor.__repr__ = _repr
+TpuTensor.tolist = _tolist
+TpuTensor.__reduce_ex__ = _reduce_ex

@@ -7,14 +7,14 @@ import warnings
 
 import torch
 
-from . import state
 from .config import config
 from .dispatch import copy_into, from_cpu, to_cpu
+from .engine import engine
 from .errors import LoweringError
 from .metrics import count_fallback
 from .tensor import TpuTensor
 
-_warned: set = set()
+_warned: set = set()     # ops warned about once (a set of op names: bounded by the op set)
 
 
 def fallback(func, info, args, kwargs, why):
@@ -24,8 +24,8 @@ def fallback(func, info, args, kwargs, why):
     if not config.cpu_fallback:
         raise LoweringError(func, why)
     reason = "data-dependent shape" if why == "data-dependent shape" else "unlowered op"
-    if state.trace.nodes:
-        state.sync(reason, op=info.name)
+    if engine.state.trace.nodes:
+        engine.sync(reason, op=info.name)
     count_fallback(info.name)
     if why != "data-dependent shape" and info.name not in _warned:
         _warned.add(info.name)

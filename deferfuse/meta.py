@@ -4,8 +4,12 @@ Results are cached with the op's structural key by the dispatcher, so this runs 
 """
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
 
+from .scheduler.cache import Cache
 from .tensor import TpuTensor
 
 aten = torch.ops.aten
@@ -209,6 +213,59 @@ def _check_dim(func, args, kwargs) -> None:
                          f"but got {dim})")
 
 
+def _tiny(a):
+    """A CPU stand-in of ``a`` with every dimension at most 1 (tensors), recursively."""
+    if isinstance(a, torch.Tensor):
+        return torch.zeros([min(s, 1) for s in a.shape], dtype=a.dtype)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_tiny(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("cpu")
+    return a
+
+
+def _dtype_sig(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype
+    if isinstance(a, (list, tuple)):
+        return tuple(_dtype_sig(x) for x in a)
+    if isinstance(a, torch.dtype):
+        return a
+    return type(a)
+
+
+# The wording of CPU kernels that refuse a dtype ("abs_cpu" not implemented for 'Bool'; "the `-`
+# operator, with a bool tensor is not supported"); other errors of the stand-ins are about their
+# shapes or values, not the dtypes.
+_DTYPE_REFUSAL = re.compile(r"not implemented for '|(with|on) (a|two) bool tensors? (is|are) not "
+                            r"supported")
+_DTYPE_ERRORS = Cache("dtype support", 4096)    # (op, dtypes of its arguments) -> error or None
+
+
+def dtype_error(func, args, kwargs):
+    """CPU's refusal of these dtypes (``"abs_cpu" not implemented for 'Bool'``), or None. Meta
+    kernels check shapes, not which dtypes a CPU kernel implements, so a tpu op would compute what
+    CPU refuses. Found by running the CPU kernel once per op and argument dtypes on stand-ins of
+    at most one element per dimension (other errors from those stand-ins are ignored)."""
+    key = (func, tuple(_dtype_sig(a) for a in args),
+           tuple((k, _dtype_sig(v)) for k, v in kwargs.items()))
+    err = _DTYPE_ERRORS.get(key, 0)
+    if err == 0:
+        err = None
+        if not (torch.Tag.nondeterministic_seeded in func.tags or "generator" in kwargs):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    func(*[_tiny(a) for a in args], **{k: _tiny(v) for k, v in kwargs.items()})
+            except (NotImplementedError, RuntimeError) as e:
+                if _DTYPE_REFUSAL.search(str(e)):
+                    err = e
+            except Exception:
+                pass
+        _DTYPE_ERRORS[key] = err
+    return err
+
+
 def infer(func, args, kwargs):
     """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
     rule = _RULES.get(func)
@@ -302,8 +359,12 @@ def infer_view(func, args, kwargs):
 
 
 def _base_stride(t):
-    # Strides of the storage's base tensor: the base was created with its meta strides, which
-    # for a fresh storage are contiguous unless the producing op kept a permuted layout.
+    """NOTE [storage layout]: the strides of the tensor the storage was made for. A storage's value
+    is a JAX array of that tensor's shape (row-major, logically), but ``as_strided`` offsets refer
+    to memory, laid out by those strides: a channels_last tensor's memory is NHWC. The as_strided
+    lowering puts the value in memory order first (runtime/lowering/views.py)."""
+    if t._s.stride is not None:
+        return tuple(t._s.stride)
     shape = t._s.val.shape
     st, acc = [], 1
     for s in reversed(shape):

@@ -8,7 +8,10 @@ from .runtime import memory, stats
 
 def metrics() -> dict:
     """A snapshot of every counter (see README, 'Seeing what happened')."""
-    m = copy.deepcopy(stats.S)
+    from .engine import engine
+    with engine.lock:
+        m = copy.deepcopy(stats.S)
+    m["caches"] = engine.cache_stats()
     # Recorded ops are counted when their trace runs (not per op, which costs on the hot path).
     m["ops_recorded"] += _pending()
     m["syncs"] = dict(m["syncs"])
@@ -23,13 +26,14 @@ def reset_metrics() -> None:
     """Zero every counter (compile caches are kept; clear them with ``deferfuse.clear_caches()``)."""
     stats.reset()
     memory.reset_peak()
-    from .state import trace
-    trace.counted = len(trace.nodes)
+    from .engine import engine
+    for trace in list(engine.traces):
+        trace.counted = len(trace.nodes)
 
 
 def _pending() -> int:
-    from .state import trace
-    return len(trace.nodes) - trace.counted
+    from .engine import engine
+    return sum(len(t.nodes) - t.counted for t in list(engine.traces))
 
 
 def count_fallback(name: str) -> None:

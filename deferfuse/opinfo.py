@@ -28,8 +28,20 @@ MULTI_VIEWS = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov i
     ("split", "Tensor"), ("split_with_sizes", "default"), ("unbind", "int"),
     ("split", "sizes"), ("tensor_split", "sections"))) if o is not None}
 
-_SCALAR_TYPES = ("Scalar", "Scalar?", "number", "number?", "float", "float?", "Tensor", "Tensor?",
-                 "List[number]")   # List[number]: the per-tensor step sizes of foreach optimizers
+
+
+def number_slot(t) -> bool:
+    """Whether a Python number in an argument of schema type ``t`` becomes a program input: a
+    ``Scalar``/``float``/``complex`` (optional or not), a number given for a ``Tensor`` (a wrapped
+    number), or a list of numbers (the per-tensor step sizes of foreach optimizers). Matched on
+    the schema's types, never on their printed names (``Scalar?`` prints ``Optional[number]``).
+    Integer slots (dims, sizes) and bools stay static: they shape the program."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    if isinstance(t, torch.ListType):
+        e = t.getElementType()
+        return isinstance(e, (torch.NumberType, torch.FloatType))
+    return isinstance(t, (torch.NumberType, torch.FloatType, torch.ComplexType, torch.TensorType))
 
 
 class OpInfo:
@@ -74,7 +86,12 @@ def _functional_of(func):
 _OVERWRITE_NAMES = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "exponential_",
                     "cauchy_", "log_normal_", "geometric_", "bernoulli_"}
 
-_INFOS: dict = {}
+_INFOS: dict = {}       # op -> OpInfo: one per op overload, bounded by the op set
+
+
+def clear() -> None:
+    """Forget every op's classification (a lowering registered or replaced since is seen)."""
+    _INFOS.clear()
 
 
 def op_info(func) -> OpInfo:
@@ -87,8 +104,8 @@ def op_info(func) -> OpInfo:
     info.name = str(func)
     args = schema.arguments
     info.scalar_pos = frozenset(i for i, a in enumerate(args)
-                                if not a.kwarg_only and str(a.type) in _SCALAR_TYPES)
-    info.scalar_kw = frozenset(a.name for a in args if str(a.type) in _SCALAR_TYPES)
+                                if not a.kwarg_only and number_slot(a.type))
+    info.scalar_kw = frozenset(a.name for a in args if number_slot(a.type))
     mut = [(i, a) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
     info.mut_pos = tuple(i for i, a in mut if not a.kwarg_only)
     info.mut_kw = tuple(a.name for i, a in mut if a.kwarg_only)

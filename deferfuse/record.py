@@ -1,8 +1,9 @@
-"""The pending trace of defer mode: record ops as nodes, and at a sync point run them.
+"""The pending trace of defer mode: record ops as nodes, and at a sync point hand them to the runner.
 
 Each recorded node extends two rolling hashes: ``h`` over op structure and wiring (the region's
 compile-cache key, so a cache hit never walks the trace again) and ``hops`` over op structure
-alone (loop-body detection).
+alone (loop-body detection). Each thread records into a trace of its own (NOTE [threads] in
+engine.py); the engine's lock is held while a trace records or runs.
 """
 from __future__ import annotations
 
@@ -10,46 +11,67 @@ import sys
 
 from .config import SKIP_PREFIXES, config
 from .runtime import stats
+from .runtime.flush import ASYNC_CUTS, Flush
 from .runtime.transfer import materialize_empty
 from .scheduler import steps
+from .scheduler.cache import Cache
 from .scheduler.records import Node, Value
 
 S = stats.S
-_BODIES: set = set()          # (length, hops) of detected loop bodies
-_PERIODS: dict = {}           # (trace hash, length) -> the loop body step detection found, or None
-_BODY_OPS: dict = {}          # a body in _BODIES -> its ops' structure hashes (NOTE [body phase])
-# id(code) -> (code, inside torch or deferfuse, {f_lasti: 'file:line'}). Keyed by id: hashing a code
-# object hashes its contents, and f_lineno decodes the line table; both cost more than recording
-# the op. The entry keeps its code object alive, so an id is never reused while it is here.
-_CODES: dict = {}
 
 
-def _code_entry(code):
-    e = _CODES[id(code)] = (code, code.co_filename.startswith(SKIP_PREFIXES), {})
-    return e
+class SourceLines:
+    """'file:line' of the user's frame for each recorded op, cached per code object and offset.
+
+    Keyed by id(code): hashing a code object hashes its contents, and f_lineno decodes the line
+    table; both cost more than recording the op. An entry keeps its code object alive, so an id is
+    never reused while it is here."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.codes = Cache("source lines", capacity)
+
+    def _entry(self, code):
+        e = (code, code.co_filename.startswith(SKIP_PREFIXES), {})
+        self.codes[id(code)] = e
+        return e
+
+    def site(self, f) -> str:
+        """The first frame from ``f`` outward that is outside torch and deferfuse; '<backward>' if
+        none (autograd's device thread has no user frame)."""
+        codes = self.codes
+        while f is not None:
+            code = f.f_code
+            e = codes.get(id(code))
+            if e is None or e[0] is not code:
+                e = self._entry(code)
+            if not e[1]:
+                s = e[2].get(f.f_lasti)
+                if s is None:
+                    s = e[2][f.f_lasti] = f"{code.co_filename}:{f.f_lineno}"
+                return s
+            f = f.f_back
+        return "<backward>"
 
 
-def _site(e, f) -> str:
-    s = e[2][f.f_lasti] = f"{e[0].co_filename}:{f.f_lineno}"
-    return s
+class Bodies:
+    """What step detection learned: loop bodies (length, op-structure hash), the body found per
+    trace structure (or None), and each body's op hashes (NOTE [body phase])."""
 
+    def __init__(self, capacity: int = 8192):
+        self.known = Cache("loop bodies", capacity)         # (length, hops) -> True
+        self.found = Cache("body searches", capacity)       # (trace hash, length) -> body or None
+        self.ops = Cache("body ops", capacity)              # body -> its ops' structure hashes
 
-def user_site(f) -> str:
-    """'file:line' of the first frame from ``f`` outward that is outside torch and deferfuse;
-    '<backward>' if none (autograd's device thread has no user frame)."""
-    while f is not None:
-        code = f.f_code
-        e = _CODES.get(id(code))
-        if e is None or e[0] is not code:
-            e = _code_entry(code)
-        if not e[1]:
-            return e[2].get(f.f_lasti) or _site(e, f)
-        f = f.f_back
-    return "<backward>"
+    def clear(self) -> None:
+        for c in (self.known, self.found, self.ops):
+            c.clear()
 
 
 class Trace:
-    def __init__(self):
+    """One thread's pending ops (see the module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
         self.reset()
 
     def reset(self):
@@ -66,32 +88,34 @@ class Trace:
         self.check_at = steps.LOOP_SPLIT_MIN_OPS     # next length to look for a loop body at
         self.after = None             # the body whose cut began this trace (NOTE [body phase])
         self.cut_body = None          # the body a pending "loop boundary" cut completes
-        Trace.epoch += 1              # storages taken by an earlier trace are taken again
-
-    epoch = 0
+        self.device = None            # the device of its ops (one device per trace)
+        self.epoch = self.engine.next_epoch()       # storages taken by an earlier trace are taken again
 
     def track(self, storage):
         """Keep ``storage`` (weakly) among those whose pending values the next flush reads back;
         once per trace, however many ops write it (an optimizer writes each state many times)."""
-        if storage.ep != Trace.epoch:
-            storage.ep = Trace.epoch
+        if storage.ep != self.epoch:
+            storage.ep = self.epoch
             storage.prev = 0
             self.storages.append(storage.wr)
 
     def track_mut(self, storage, v):
         """Called just before an op writes the pending value ``v`` into ``storage``: remember
         (by id, holding no reference) the value it held before this trace first wrote it."""
-        if v.node is not None and storage.ep != Trace.epoch:
-            storage.ep = Trace.epoch
+        if v.node is not None and storage.ep != self.epoch:
+            storage.ep = self.epoch
             storage.prev = id(storage.val)
             self.storages.append(storage.wr)
 
-    def record(self, entry, ins, scalars):
-        """Append one op; its output Values (pending, None for an absent output). The hot path of
-        defer mode: keep it lean (see DESIGN.md's hot-path budget)."""
-        if self.cut is not None:
-            # Cut before this op, once the previous op's outputs are bound to their tensors.
-            self._cut_now()
+    def record(self, entry, ins, scalars, dev):
+        """Append one op on device ``dev``; its output Values (pending, None for an absent output).
+        The hot path of defer mode: keep it lean (DESIGN.md's hot-path budget). The caller holds
+        the engine's lock."""
+        if self.cut is not None or (dev != self.device and self.nodes):
+            # Cut before this op, once the previous op's outputs are bound to their tensors (or
+            # before an op on another device: a region runs on one device).
+            self._cut_now("device switch" if self.cut is None else None)
+        self.device = dev
         nodes = self.nodes
         pos = len(nodes)
         wiring = []
@@ -102,11 +126,12 @@ class Trace:
             n = v.node
             if n is not None:
                 p = n.pos
-                if p >= pos or nodes[p] is not n:
-                    raise RuntimeError(f"deferfuse internal error: a value of {n.name} recorded at "
-                                       f"{n.src} was dropped by an earlier sync but is still read")
-                wiring.append((p, v.idx))
-                continue
+                if p < pos and nodes[p] is n:
+                    wiring.append((p, v.idx))
+                    continue
+                self.engine.resolve(v, self)        # pending elsewhere: another thread's trace
+            elif v.array is None and v.err is not None:
+                self.engine.raise_failed(v)
             wiring.append(self._external(v))
         wiring = tuple(wiring)
         res = entry.res_avals
@@ -117,34 +142,28 @@ class Trace:
             outs = tuple([None if a is None else Value(a[0], a[1], a[2], None, None, k)
                           for k, a in enumerate(res)])
         if config.source_lines:
-            # NOTE [record depth]: every path into record() passes record, _run (or run_node and
-            # _run) and dispatch.torch_dispatch (the __torch_dispatch__ itself, or a special, or a
-            # PrivateUse1 kernel), so the user's frame is at least 3 frames up: start there.
+            # NOTE [record depth]: every path into record() passes record, _run and the dispatch
+            # entry (__torch_dispatch__, a special, or a PrivateUse1 kernel), so the user's frame is
+            # at least 3 frames up: start there.
             try:
                 f = sys._getframe(3)
             except ValueError:      # autograd's device thread calls us with no Python caller
                 f = None
-            src = None
-            if f is not None:       # user_site's first step, inlined
-                e = _CODES.get(id(f.f_code))
-                if e is not None and not e[1] and e[0] is f.f_code:
-                    src = e[2].get(f.f_lasti)
-            if src is None:
-                src = user_site(f)
+            src = self.engine.sources.site(f)
         else:
             src = None
-        khash = entry.khash
-        node = Node(entry, ins, wiring, len(self.scalars), scalars, outs, src, pos)
+        node = Node(entry, ins, wiring, len(self.scalars), scalars, outs, src, pos, self)
         for o in outs:
             if o is not None:
                 o.node = node
         nodes.append(node)
         if scalars:
             self.scalars.extend(scalars)
-        self.h = hash((self.h, khash, wiring, len(scalars)))
-        self.hops = hops = hash((self.hops, khash))
+        self.h = hash((self.h, entry.khash, wiring, len(scalars)))
+        self.hops = hops = hash((self.hops, entry.khash))
         pos += 1
-        if _BODIES and (pos, hops) in _BODIES:
+        bodies = self.engine.bodies.known
+        if bodies and (pos, hops) in bodies:
             self.cut = "loop boundary"
             self.cut_body = (pos, hops)
         elif pos >= config.trace_limit:
@@ -162,11 +181,10 @@ class Trace:
         next is recorded. The trace limit alone left a loop that never syncs, and has no
         backward() to cut at (an evaluation loop collecting outputs), recording 20,000 ops with
         the device idle. Counts and hashes only, never timing."""
+        bodies = self.engine.bodies
         key = (self.h, len(self.nodes))
-        body = _PERIODS.get(key, 0)
+        body = bodies.found.get(key, 0)
         if body == 0:
-            if len(_PERIODS) > 10000:     # traces whose shapes keep changing (generate())
-                _PERIODS.clear()
             khashes = [n.key.khash for n in self.nodes]
             L = steps.find_period(khashes)
             if L is not None:
@@ -177,13 +195,13 @@ class Trace:
                 if k * L <= len(khashes):
                     L *= k
                 body = steps.body_signature(khashes, L)
-                _BODY_OPS[body] = tuple(khashes[-L:])
+                bodies.ops[body] = tuple(khashes[-L:])
             else:
                 body = None
-            _PERIODS[key] = body
+            bodies.found[key] = body
         if body is None:
             return False
-        _BODIES.add(body)
+        bodies.known[body] = True
         self.cut_body = body
         return True
 
@@ -193,7 +211,8 @@ class Trace:
         metric every N iterations) ends a trace after m < L ops of the body, and the next trace
         starts m ops into it: learn the body as seen from there (its rotation by m), so the loop is
         cut again after its next L ops, not only once 256 more ops show the body anew."""
-        ops = _BODY_OPS.get(self.after)
+        bodies = self.engine.bodies
+        ops = bodies.ops.get(self.after)
         m = len(self.nodes)
         if ops is None or not 0 < m < len(ops):
             return
@@ -202,14 +221,14 @@ class Trace:
                 return
         rot = ops[m:] + ops[:m]
         body = steps.body_signature(rot, len(rot))
-        if body not in _BODIES:
-            _BODIES.add(body)
-            _BODY_OPS[body] = rot
+        if body not in bodies.known:
+            bodies.known[body] = True
+            bodies.ops[body] = rot
 
     def _external(self, v) -> int:
         """The external-input index of the concrete value ``v``."""
         if v.array is None:
-            materialize_empty(v, 0)
+            materialize_empty(v, self.device or 0)
         i = self._ext_ids.get(id(v))
         if i is None:
             i = self._ext_ids[id(v)] = len(self.ext)
@@ -219,23 +238,23 @@ class Trace:
             self.ext_uses[i] += 1
         return i
 
-    def _cut_now(self):
-        from .state import sync
-        reason, self.cut = self.cut, None
+    def _cut_now(self, reason=None):
+        reason = reason or self.cut
+        self.cut = None
         if reason == "trace limit" and config.step_detection:
             self._find_body()
         body, self.cut_body = self.cut_body, None
-        sync(reason)
+        self.engine.sync(reason)        # the owning thread records: this is its trace
         self.after = body       # the new trace starts at this body's first op (or None)
 
     # ---------------------------------------------------------------------------------------
-    def flush(self, reason: str, src: str, want=None, later: bool = False):
-        from .runtime.flush import ASYNC_CUTS, MAX_REGIONS, run_trace
-        MAX_REGIONS[0] = config.max_regions
+    def take(self, reason: str, want=None):
+        """Consume the trace for a flush: the ``Flush`` record the runner runs (None when empty),
+        and the trace starts afresh. The caller holds the engine's lock."""
         nodes = self.nodes
         if not nodes:
-            return
-        # Outputs: pending values that a live storage still holds (weak references).
+            return None
+        # Outputs: pending values of this trace that a live storage still holds (weak refs).
         # partner: output -> id of the value its storage held before this trace wrote it.
         outs, seen, partner = [], set(), {}
         for r in self.storages:
@@ -243,15 +262,14 @@ class Trace:
             if st is None:
                 continue
             v = st.val
-            if v.node is not None and id(v) not in seen:
+            n = v.node
+            if n is not None and n.trace is self and id(v) not in seen:
                 seen.add(id(v))
                 outs.append(v)
                 if st.prev:
                     partner[id(v)] = st.prev
-        # Reset first: whatever happens in execution, the trace is consumed exactly once.
-        ext, uses, scalars, h = self.ext, self.ext_uses, self.scalars, self.h
         want = ((want.node.pos,) if want is not None and want.node is not None
-                and config.needed_first else None)
+                and want.node.trace is self and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
         if config.step_detection and reason not in ASYNC_CUTS:
             if len(nodes) >= steps.LOOP_SPLIT_MIN_OPS:
@@ -260,16 +278,38 @@ class Trace:
                 self._find_body()
             elif self.after is not None:
                 self._rephase()
+        fl = Flush(nodes, self.ext, self.ext_uses, self.scalars, self.h, outs, partner, want,
+                   self.device or 0, self.storages)
         self.reset()
-        try:
-            run_trace(nodes, ext, uses, scalars, h, outs, reason, src, config.debug,
-                      config.cross_check, config.memory_planner, config.shape_recompile_limit,
-                      config.memory_budget, want, later=later, partner=partner,
-                      loop_split=config.step_detection)
-        finally:
-            # Values and nodes reference each other (Value.node, Node.outs): break the cycles so
-            # buffers are released by reference counting, right away, not by the cyclic GC.
-            for n in nodes:
-                n.ins = n.outs = None
-            for v in outs:
-                v.node = None
+        return fl
+
+    def requeue(self, fl, done) -> None:
+        """Record again the nodes of the flush ``fl`` that did not run (``done``: the positions
+        that did), in order: a flush stopped by an interrupt before its programs ran. Their outputs
+        are the same Values, so every tensor holding one is pending again, as before the flush."""
+        self.device = fl.device
+        for n in fl.nodes:
+            if n.pos in done:
+                continue
+            wiring = []
+            for v in n.ins:
+                if v is None:
+                    wiring.append(None)
+                elif v.node is not None and v.node.trace is self:
+                    wiring.append((v.node.pos, v.idx))
+                else:
+                    wiring.append(self._external(v))
+            wiring = tuple(wiring)
+            m = Node(n.key, n.ins, wiring, len(self.scalars), n.scalars, n.outs, n.src,
+                     len(self.nodes), self)
+            for o in n.outs:
+                if o is not None and o.array is None and o.err is None:
+                    o.node = m
+            self.nodes.append(m)
+            self.scalars.extend(n.scalars)
+            self.h = hash((self.h, n.key.khash, wiring, len(n.scalars)))
+            self.hops = hash((self.hops, n.key.khash))
+        for r in fl.storages:
+            st = r()
+            if st is not None and st.val.node is not None and st.val.node.trace is self:
+                self.track(st)

@@ -87,7 +87,8 @@ def render() -> str:
 def dump_trace(path: str) -> str:
     """Write the last fused trace as Graphviz DOT (networkx), plus a PNG when `dot` exists."""
     import networkx as nx
-    last = flush.LAST
+    from .engine import engine
+    last = engine.runner.last
     if last is None:
         raise RuntimeError("no trace has run yet; run something in defer mode first")
     nodes, reason, src, pieces = last

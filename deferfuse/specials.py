@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from . import state
-from .dispatch import _contig, _fallback, _run, copy_into, from_cpu, new_tensor, to_cpu
+from .dispatch import Fallback, _contig, _run, copy_into, from_cpu, new_tensor, read, to_cpu
+from .engine import engine
 from .opinfo import decompose, op_info
 from .runtime.lowering import LOWERINGS
 from .runtime import transfer
+from .scheduler.records import Value
 from .tensor import TpuTensor
 
 aten = torch.ops.aten
@@ -25,10 +26,11 @@ def _dense(t) -> bool:
 
 
 def _dev_index(device) -> int:
+    """The index of a tpu device argument: ``tpu`` alone is the thread's current device."""
     if device is None:
-        return 0
+        return engine.state.device
     device = torch.device(device)
-    return device.index or 0
+    return device.index if device.index is not None else engine.state.device
 
 
 def _empty(size, dtype, device: int, stride=None, memory_format=None):
@@ -112,7 +114,14 @@ def _h_to_copy(func, args, kwargs):
             out = torch.empty_strided(self.shape, self.stride(), dtype=dtype).copy_(out)
         return out
     if dev is not None and _dev_index(dev) != self._s.device:
-        return from_cpu(to_cpu(self, "cpu"), _dev_index(dev), dtype)
+        # Another tpu device: the value moves device to device (a sync point in defer mode).
+        arr = transfer.to_device(read(self, "cpu"), _dev_index(dev))
+        t = new_tensor(Value(tuple(arr.shape), arr.dtype, arr.nbytes, array=arr), _dev_index(dev),
+                       self.dtype, tuple(self.shape), _contig(self.shape))
+        if dtype != self.dtype or kwargs.get("memory_format") not in (None, torch.preserve_format):
+            kw = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
+            return _run(func, op_info(func), (t,), dict(kw, dtype=dtype))
+        return t
     kw = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
     kw["dtype"] = dtype
     return _run(func, op_info(func), (self,), kw)
@@ -136,7 +145,7 @@ def _h_set(func, args, kwargs):
         src = args[1]
         self._s, self._chain, self._sig = src._s, src._chain, src._sig
         return self
-    return _fallback(func, op_info(func), args, kwargs, "set_ with a new shape")
+    raise Fallback("set_ with a new shape")
 
 
 def _h_noop_self(func, args, kwargs):
@@ -184,8 +193,10 @@ def _write_stat(dst, new) -> None:
         copy_into(dst, new)
         return
     st = dst._s
-    state.trace.track_mut(st, new._s.val)
-    st.val = new._s.val
+    v = new._s.val
+    if v.node is not None:
+        v.node.trace.track_mut(st, v)
+    st.val = v
 
 
 def _h_one_hot(func, args, kwargs):
@@ -228,7 +239,7 @@ def _h_linalg_check_errors(func, args, kwargs):
     # LAPACK's info is checked on JAX (a flag), but PyTorch raises LinAlgError at the call on
     # every device (CUDA syncs for it), so code can catch it there: a sync point in defer mode.
     _run(func, op_info(func), args, kwargs)
-    state.sync("linalg error check", op=op_info(func).name)
+    engine.sync("linalg error check", op=op_info(func).name)
 
 
 def _h_equal(func, args, kwargs):

@@ -20,12 +20,15 @@ class Storage:
     # wr: a weak reference to itself, made once (the pending trace keeps one per storage it may
     # have to read back); ep: the trace epoch that last took it (see Trace.track); prev: id() of
     # the value it held before that trace first wrote it (see NOTE [alias order]).
-    __slots__ = ("val", "device", "dtype", "wr", "ep", "prev", "__weakref__")
+    # stride: the strides of the tensor the storage was made for (None: contiguous), i.e. the
+    # memory layout ``as_strided`` offsets refer to (NOTE [storage layout] in deferfuse/meta.py).
+    __slots__ = ("val", "device", "dtype", "stride", "wr", "ep", "prev", "__weakref__")
 
-    def __init__(self, val: Value, device: int, dtype: torch.dtype):
+    def __init__(self, val: Value, device: int, dtype: torch.dtype, stride=None):
         self.val = val
         self.device = device
         self.dtype = dtype
+        self.stride = stride
         self.wr = weakref.ref(self)
         self.ep = 0
         self.prev = 0
@@ -46,37 +49,16 @@ class TpuTensor(torch.Tensor):
     def __init__(self, *a, **k):
         pass
 
+    # __torch_dispatch__, __repr__, tolist and __reduce_ex__ are set by the op path
+    # (deferfuse/route.py, dispatch.py): they run ops and read values.
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # Replaced by dispatch.torch_dispatch when deferfuse.dispatch is imported.
-        from .dispatch import torch_dispatch
-        return torch_dispatch(cls, func, types, args, kwargs)
-
-    # --- host-side conveniences that PyTorch implements with raw data pointers -----------------
-    def __repr__(self, *, tensor_contents=None):
-        from .dispatch import to_cpu
-        cpu = to_cpu(self, "print")
-        s = torch._tensor_str._str(cpu)
-        dev = f"device='{self.device}'"
-        if s.endswith(")"):
-            # Insert the device after the values, where PyTorch puts it for cuda tensors.
-            head, tail = s[:-1], ")"
-            for marker in (", grad_fn=", ", requires_grad=True"):
-                i = head.find(marker)
-                if i >= 0:
-                    head, tail = head[:i], head[i:] + ")"
-                    break
-            return f"{head}, {dev}{tail}"
-        return s
+        raise RuntimeError("deferfuse's op path is not loaded: import deferfuse")
 
     def __format__(self, spec):
         if self.dim() == 0:
             return self.item().__format__(spec)
         return object.__format__(self, spec)
-
-    def tolist(self):
-        from .dispatch import to_cpu
-        return to_cpu(self, "tolist").tolist()
 
     def numpy(self, *, force=False):
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() "
@@ -85,15 +67,6 @@ class TpuTensor(torch.Tensor):
     def __array__(self, dtype=None):
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() "
                         "to copy the tensor to host memory first.")
-
-    def __reduce_ex__(self, proto):
-        # Saved as a plain CPU tensor, so torch.load (weights_only=True by default) reads it back
-        # without knowing deferfuse; move it back with .to("tpu").
-        from .dispatch import to_cpu
-        cpu = to_cpu(self.detach(), "save")
-        if self.requires_grad and self.is_leaf:
-            cpu.requires_grad_(True)
-        return cpu.__reduce_ex__(proto)
 
     def __deepcopy__(self, memo):
         if id(self) in memo:

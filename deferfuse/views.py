@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import Fallback
+from .engine import engine
 from .meta import infer_view
 from .opinfo import MULTI_VIEWS
+from .runtime.node import const
 from .scheduler.records import sig_id
 from .tensor import TpuTensor, make
 
 aten = torch.ops.aten
 
-VIEWS: dict = {}
+_views = engine.views       # (op, input signature, static arguments) -> views made
+_aliases = engine.aliases   # signature -> (size, stride, offset)
 
 
 def run_view(func, info, args, kwargs):
     base = args[0]
     if type(base) is not TpuTensor:
-        from .dispatch import _fallback
-        return _fallback(func, info, args, kwargs, "view of a non-tpu tensor")
+        raise Fallback("view of a non-tpu tensor")
     # The views made (see _views_of): a function of the op, the input's signature (its storage's
     # shape and dtype and its view chain) and the static arguments, so cached.
     key = [info, base._sig]     # OpInfo: object hashing (OpOverload.__hash__ is Python)
@@ -28,17 +31,19 @@ def run_view(func, info, args, kwargs):
         ta = type(a)
         if ta is list:
             a = tuple(a)
+        elif ta is bool or ta is float:
+            a = const(a)        # NOTE [typed constants] (runtime/node.py)
         elif isinstance(a, torch.Tensor):
             key = None
             break
         key.append(a)
     if key is not None and kwargs:
-        key.append(tuple(kwargs.items()))
+        key.append(tuple((k, const(v) if type(v) in (bool, float) else v) for k, v in kwargs.items()))
     if key is not None:
         key = tuple(key)
-        views = VIEWS.get(key)
+        views = _views.get(key)
         if views is None:
-            views = VIEWS[key] = _views_of(func, base, infer_view(func, args, kwargs))
+            views = _views[key] = _views_of(func, base, infer_view(func, args, kwargs))
     else:
         views = _views_of(func, base, infer_view(func, args, kwargs))
     st = base._s
@@ -50,7 +55,6 @@ def run_view(func, info, args, kwargs):
 
 
 ALIAS_OPS = (aten.detach.default, aten.alias.default)
-ALIASES: dict = {}     # signature -> (size, stride, offset)
 
 
 def run_alias(func, info, args, kwargs):
@@ -60,9 +64,9 @@ def run_alias(func, info, args, kwargs):
     if type(base) is not TpuTensor:
         return run_view(func, info, args, kwargs)
     sig = base._sig
-    m = ALIASES.get(sig)
+    m = _aliases.get(sig)
     if m is None:
-        m = ALIASES[sig] = (tuple(base.shape), tuple(base.stride()), base.storage_offset())
+        m = _aliases[sig] = (tuple(base.shape), tuple(base.stride()), base.storage_offset())
     return make(base._s, base._chain, m[0], m[1], m[2], base.dtype, sig)
 
 

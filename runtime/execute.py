@@ -4,29 +4,34 @@ Every call into JAX happens inside ``x64(True)`` so 64-bit dtypes are PyTorch's 
 """
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import warnings
 
 import jax
 import numpy as np
 
+from ..scheduler.cache import Cache
 from ..scheduler.records import Value
 from . import stats
 from .dtypes import x64
 from .lowering import take_flags
+from .transfer import devices
 from .viewchain import apply_chain
 
 S = stats.S
 
 
-_last: list = [None]   # the latest outputs handed to JAX, for wait_all
+_last: dict = {}   # device -> the latest outputs handed to JAX there, for wait_all
 
 
 def wait_all() -> None:
-    """Block until the work already handed to JAX has finished."""
-    if _last[0] is not None:
-        jax.block_until_ready(_last[0])
-        _last[0] = None
+    """Block until the work already handed to JAX has finished, on every device."""
+    for dev in list(_last):
+        res = _last.pop(dev, None)
+        if res is not None:
+            jax.block_until_ready(res)
 
 
 def _values(res, avals):
@@ -51,15 +56,28 @@ def raise_flags(flags, msgs, where: str = "") -> None:
             raise exc(msg + where)
 
 
+def sharding(device: int):
+    """The placement of a program's outputs on device ``device`` (its inputs are there too)."""
+    s = _shardings.get(device)
+    if s is None:
+        from jax.sharding import SingleDeviceSharding
+        s = _shardings[device] = SingleDeviceSharding(devices()[device])
+    return s
+
+
+_shardings: dict = {}
+
+
 def run_op(entry, ins, scalars, debug: bool):
-    """Run one op now as its own cached jitted program; returns output Values."""
+    """Run one op now as its own cached jitted program on ``entry.dev``; returns output Values."""
     j = entry.jit
     arrays = [None if v is None else v.array for v in ins]
     with x64(True):
         if j is None:
             t0 = time.perf_counter()
             entry.msgs = []
-            j = entry.jit = jax.jit(with_flags(entry.fn, entry.msgs))
+            j = entry.jit = jax.jit(with_flags(entry.fn, entry.msgs),
+                                    out_shardings=sharding(entry.dev))
             res = j(arrays, scalars)
             S["compiles"] += 1
             S["op_compiles"] += 1
@@ -71,20 +89,52 @@ def run_op(entry, ins, scalars, debug: bool):
             raise_flags(flags, entry.msgs)
         if debug:
             jax.block_until_ready(res)
-    _last[0] = res
+    _last[entry.dev] = res
     S["ops_eager"] += 1
     return _values(res, entry.res_avals)
 
 
-_view_jits: dict = {}
+view_jits = Cache("view reads", 4096)    # view chain -> its jitted read
 
 
 def read_view(array, chain):
-    j = _view_jits.get(chain)
+    j = view_jits.get(chain)
     if j is None:
-        j = _view_jits[chain] = jax.jit(lambda a: apply_chain(a, chain))
+        j = view_jits[chain] = jax.jit(lambda a: apply_chain(a, chain))
     with x64(True):
         return j(array)
+
+
+class no_interrupt:
+    """NOTE [interrupt safety]: between handing a program its donated buffers and binding its
+    results, an exception would leave values neither pending nor ready. A KeyboardInterrupt
+    (Ctrl-C) that arrives there is held back until the results are bound (main thread only:
+    Python delivers signals there); everywhere else in a flush it stops the flush, and the ops
+    that did not run are recorded again (deferfuse/engine.py)."""
+    __slots__ = ("old", "hit")
+
+    def __enter__(self):
+        self.old = None
+        if threading.current_thread() is _MAIN:
+            try:
+                self.old = signal.signal(signal.SIGINT, self._hold)
+            except (ValueError, TypeError):     # not the main interpreter, or no handler
+                self.old = None
+        self.hit = False
+        return self
+
+    def _hold(self, *args):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.hit and exc[0] is None:
+                raise KeyboardInterrupt
+        return False
+
+
+_MAIN = threading.main_thread()
 
 
 # NOTE [packed scalars]: a region's Python scalars (learning rates, step counts, the constants of
@@ -159,8 +209,9 @@ def region_function(plan, out_sig, donate, is_float=()):
     return region
 
 
-def compile_region(plan, out_sig, donate, don, keep, scalars):
-    """jit and compile a region for these inputs; returns (compiled, lowered, seconds)."""
+def compile_region(plan, out_sig, donate, don, keep, scalars, device: int = 0):
+    """jit and compile a region for these inputs on ``device``; returns (compiled, lowered,
+    seconds, index-check messages)."""
     t0 = time.perf_counter()
     fn = region_function(plan, out_sig, donate, tuple(type(s) is float for s in scalars))
     msgs = fn.msgs
@@ -168,7 +219,8 @@ def compile_region(plan, out_sig, donate, don, keep, scalars):
     with x64(True), warnings.catch_warnings():
         # A donated buffer no output can reuse is still freed early; JAX's warning is noise here.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        lowered = jax.jit(fn, donate_argnums=(0,) if any(donate) else ()).lower(don, keep, scalars)
+        lowered = jax.jit(fn, donate_argnums=(0,) if any(donate) else (),
+                          out_shardings=sharding(device)).lower(don, keep, scalars)
         compiled = lowered.compile()
     dt = time.perf_counter() - t0
     S["compiles"] += 1
@@ -177,11 +229,11 @@ def compile_region(plan, out_sig, donate, don, keep, scalars):
     return compiled, lowered, dt, msgs
 
 
-def run_region(compiled, don, keep, scalars, debug: bool = False):
+def run_region(compiled, don, keep, scalars, device: int = 0, debug: bool = False):
     t0 = time.perf_counter()
     with x64(True):
         res = compiled(don, keep, pack_scalars(scalars))
-        _last[0] = res[0]
+        _last[device] = res[0]
         if debug:
             jax.block_until_ready(res)
     S["execute_seconds"] += time.perf_counter() - t0

@@ -1,216 +1,389 @@
-"""Run a consumed trace: look the region up in the compile cache (or compile it), execute, bind.
+"""Run a consumed trace: verify its structure, cut it into the regions it runs as, find each region
+in the compile cache (or compile it), execute, bind.
 
-The region key is the trace's rolling structural hash plus which values leave it, so a cache hit
-costs O(outputs), never a walk over the trace.
+``Flush`` is what a trace hands over at a sync; ``Run`` is one region to run (the whole trace, or a
+piece of it); ``Runner`` owns the caches and runs them. A cache hit costs O(inputs + outputs) plus
+one comparison of the structure (NOTE [verified hits]), never a compile.
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 
-from . import execute, stats
+from . import execute, replay, stats
 from . import memory as memory_stats
-from ..scheduler import cut, memory, pieces, steps
-from ..scheduler.records import SIG_OF
+from .checks import CheckList, dependents, ext_dependents
 from .errors import RegionError
+from .regions import Region, explain_miss, raise_oom
+from ..scheduler import cut, memory, pieces, steps
+from ..scheduler.cache import Cache
+from ..scheduler.records import Donated
 
 S = stats.S
-LAST = None            # [nodes, reason, src, pieces] of the latest trace; pieces: the node positions
-                       # of each region when it ran split (None: one region)
-_REGIONS: dict = {}     # key -> _Region
-_SPLITS: dict = {}      # (trace hash, length, wanted nodes) -> needed-first order or None
-_LOOP_CUTS: dict = {}   # (trace hash, length) -> loop-split cuts or None (NOTE [loop split])
-_PLANS: dict = {}       # (trace hash, length, cuts, order) -> [pieces.Piece]
-_STRUCT: dict = {}      # ops and wiring -> [number of compiles, first op keys, positions that varied]
-_ONCE: set = set()      # region keys run once split (shape churn): compiled if they come back
-MAX_REGIONS = [4096]    # set from deferfuse's config (DEFERFUSE_MAX_REGIONS)
-# Cuts nobody waits for: the trace runs and recording goes on. Their regions are dispatched without
-# first reading the index checks of the regions before them (those raise at the next real sync).
-ASYNC_CUTS = ("loop boundary", "trace limit", "backward")
+# Cuts nobody waits for: the trace runs and recording goes on. Their index checks are read at the
+# next real sync (NOTE [unchecked values] in checks.py).
+ASYNC_CUTS = ("loop boundary", "trace limit", "backward", "device switch")
 
 
-class _Region:
-    __slots__ = ("compiled", "node_keys", "nops", "summary", "runs", "temp_bytes", "lowered", "elided",
-                 "msgs", "transient", "order")
+@dataclass(slots=True)
+class Flush:
+    """A consumed trace (see deferfuse/record.py): its nodes, external inputs and how often nodes
+    read each, scalars, structural hash, the values that leave it (held by live storages), each
+    output's storage's previous value (NOTE [alias order]), the positions a sync reads (NOTE
+    [needed first]), its device, and the storages it tracked."""
+    nodes: list
+    ext: list
+    ext_uses: list
+    scalars: list
+    h: int
+    outs: list
+    partner: dict
+    want: tuple | None
+    device: int
+    storages: list
 
 
-def clear():
-    _REGIONS.clear()
-    _SPLITS.clear()
-    _LOOP_CUTS.clear()
-    _PLANS.clear()
-    _STRUCT.clear()
-    _ONCE.clear()
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The settings a flush runs under (deferfuse's config, read once per flush)."""
+    debug: int = 0
+    cross_check: bool = False
+    planner: bool = True
+    shape_limit: int = 2
+    budget: int = 0
+    loop_split: bool = True
 
 
-def _evict() -> None:
-    """Drop every compiled region and JAX's in-process executables: each compiled program holds
-    memory mappings of XLA's CPU JIT, and a process that compiles thousands (generate() over many
-    prompt lengths, a model zoo in one process) would otherwise run out of them and abort. The
-    on-disk cache makes recompiling what comes back cheap."""
-    import jax
-    clear()
-    jax.clear_caches()
-    S["region_evictions"] += 1
+@dataclass(slots=True)
+class Run:
+    """One region to run: the whole trace or a piece. ``nodes[j]`` has its name, source line and
+    scalars; ``entries[j]`` and ``wirings[j]`` are its structure in this run (a piece's wiring is
+    renumbered); ``pos[j]`` its position in the trace; ``held[i]``: external input i is read after
+    this run (never donated); ``out_sig``: (node, output) of each value in ``outs``."""
+    nodes: object
+    entries: list
+    wirings: list
+    pos: object
+    ext: list
+    held: list
+    scalars: list
+    h: int
+    outs: list
+    out_sig: tuple
+    later: bool
 
 
-def _diff(a, b) -> str:
-    """What differs between two op keys, in words."""
-    fa, ta, kwa, sa = a
-    fb, tb, kwb, sb = b
-    if fa is not fb:
-        return f"op {fb.name} where the cached region had {fa.name}"
-    fb = fb.name
-    # a tensor's signature: (base shape, base dtype, view chain, shape, strides, dtype)
-    for i, (x, y) in enumerate(zip(sa, sb)):
-        x, y = SIG_OF[x], SIG_OF[y]
-        if x[3] != y[3]:
-            return f"{fb}: input {i} has shape {list(y[3])}, cached {list(x[3])}"
-        if x[5] != y[5]:
-            return f"{fb}: input {i} has dtype {y[5]}, cached {x[5]}"
-        if x[0] != y[0]:
-            return f"{fb}: input {i} is a view of a tensor of shape {list(y[0])}, cached {list(x[0])}"
-        if x[2] != y[2] or x[4] != y[4]:
-            return f"{fb}: input {i} is a different view"
-    if ta != tb or kwa != kwb:
-        # Python scalars that are inputs appear as (slot, index, type): only a type change shows.
-        return f"{fb}: arguments {tb} {dict(kwb)}, cached {ta} {dict(kwa)} (a baked-in value, a static argument or a Python scalar's type changed)"
-    return f"{fb}: the wiring between ops differs"
+@dataclass(slots=True)
+class _Ctx:
+    """One flush in progress."""
+    fl: Flush
+    reason: str
+    src: str
+    cfg: Settings
+    done: set = field(default_factory=set)      # trace positions whose program ran
+    errors: list = field(default_factory=list)  # errors to raise once every region has run
 
 
-def _explain_miss(keys: list) -> str:
-    best, best_same = None, -1
-    for r in _REGIONS.values():
-        if r.__class__ is tuple or len(r.node_keys) != len(keys):
-            continue
-        # Same ops in the same places first, then identical op keys.
-        same = sum(2 * (x[0] is y[0]) + (x == y) for x, y in zip(r.node_keys, keys))
-        if same > best_same:
-            best, best_same = r, same
-    if best is None:
-        return "new region structure (no cached region has this many ops)"
-    first = None    # the first op key that differs, when every op is the same
-    for k, (x, y) in enumerate(zip(best.node_keys, keys)):
-        if x[0] is not y[0]:
-            # Other ops, not other shapes: name the first op that differs, never a shape
-            # difference between two unrelated regions that happen to start alike.
-            return (f"new region structure (no cached region runs these ops; the closest one of "
-                    f"this length has {x[0].name} where this has {y[0].name}, op {k})")
-        if first is None and x != y:
-            first = (x, y)
-    return _diff(*first) if first else "same ops, different outputs or wiring"
+class _Struct:
+    """What a trace structure taught: its ops and wiring (a hit compares them: NOTE [verified
+    hits]), its loop-split cuts, its needed-first orders, and its piece plans."""
+    __slots__ = ("entries", "wirings", "loop_cuts", "splits", "plans")
+
+    def __init__(self, entries, wirings):
+        self.entries, self.wirings = entries, wirings
+        self.loop_cuts = 0          # 0: not worked out yet
+        self.splits: dict = {}
+        self.plans: dict = {}
 
 
-def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0,
-              cross_check=False, planner=True, shape_limit=8, budget=0, want=None, held=None,
-              later=False, out_sig=None, partner=None, loop_split=False):
-    """Run ``nodes`` (a whole trace, or a piece of one). ``want``: positions of the nodes whose
-    values the sync reads (see NOTE [needed first]); ``held``: per external input, whether anything
-    outside this run still holds it (worked out here from reference counts when not given);
-    ``later``: this run's index checks are read at the next sync, not this one; ``partner``:
-    id(output value) -> id of the value its storage held before the trace wrote it (see
-    NOTE [alias order])."""
-    global LAST
-    lf = 0 if later else None       # pieces of a later run are later too
-    if held is None:
-        LAST = [nodes, reason, src, None]   # nodes keep their name, wiring and source line only
+class Runner:
+    """Runs flushed traces, and owns every cache of that: verified trace structures, compiled
+    regions, what churns, and the index checks not read yet."""
+
+    def __init__(self, max_regions: int = 4096):
+        self.structs = Cache("trace structures", 8192)
+        # Past max_regions every region is dropped at once, with JAX's caches (_evict): the
+        # cache itself never rotates before that.
+        self.regions = Cache("regions", 2 * max_regions + 2)
+        self.max_regions = max_regions
+        self.churn = Cache("region structures", 8192)   # ops+wiring -> [compiles, keys, varied]
+        self.once = Cache("regions run split once", 8192)
+        self.checks = CheckList()
+        self.last = None        # [nodes, reason, src, pieces] of the latest trace (dump_trace)
+        self.peak_seen = 0
+
+    def caches(self) -> list:
+        return [self.structs, self.regions, self.churn, self.once]
+
+    def clear(self) -> None:
+        for c in self.caches():
+            c.clear()
+
+    def _evict(self) -> None:
+        """Drop every compiled region and JAX's in-process executables: each compiled program holds
+        memory mappings of XLA's CPU JIT, and a process that compiles thousands (generate() over
+        many prompt lengths, a model zoo in one process) would otherwise run out of them and abort.
+        The on-disk cache makes recompiling what comes back cheap."""
+        import jax
+        self.regions.evictions += len(self.regions)
+        self.clear()
+        jax.clear_caches()
+        S["region_evictions"] += 1
+
+    # -----------------------------------------------------------------------------------------
+    def start(self, fl: Flush, reason: str, src: str, cfg: Settings, max_regions: int) -> _Ctx:
+        if max_regions != self.max_regions:
+            self.max_regions = max_regions
+            self.regions.capacity = 2 * max_regions + 2
+        return _Ctx(fl, reason, src, cfg)
+
+    def run(self, ctx: _Ctx, later: bool) -> None:
+        """Run a flushed trace. ``ctx`` records which positions ran (``done``) and the errors to
+        raise (values that depend on them are failed already)."""
+        fl, cfg = ctx.fl, ctx.cfg
+        nodes, ext = fl.nodes, fl.ext
+        self.last = [nodes, ctx.reason, ctx.src, None]  # for dump_trace
         # Who else holds each input value: its holders are the ext list, the node inputs reading
         # it and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
         getrc = sys.getrefcount
-        held = [getrc(ext[i]) - 2 - ext_uses[i] > 0 for i in range(len(ext))]
-        if loop_split and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS and not cross_check:
-            lk = (h, len(nodes))
-            cuts = _LOOP_CUTS.get(lk, 0)
+        held = [getrc(ext[i]) - 2 - fl.ext_uses[i] > 0 for i in range(len(ext))]
+        entries = [n.key for n in nodes]
+        wirings = [n.wiring for n in nodes]
+        skey = (fl.h, len(nodes))
+        st = self.structs.get(skey)
+        if st is None or not (st.entries == entries and st.wirings == wirings):
+            st = _Struct(entries, wirings)
+            self.structs[skey] = st
+        out_sig = tuple((v.node.pos, v.idx) for v in fl.outs)
+        whole = Run(nodes, entries, wirings, range(len(nodes)), ext, held, fl.scalars, fl.h,
+                    fl.outs, out_sig, later)
+        lf = 0 if later else None       # pieces of a later run are later too
+        if cfg.loop_split and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS and not cfg.cross_check:
+            cuts = st.loop_cuts
             if cuts == 0:
-                cuts = _LOOP_CUTS[lk] = steps.periodic_cuts([n.key.khash for n in nodes])
+                cuts = st.loop_cuts = steps.periodic_cuts([e.khash for e in entries])
             if cuts is not None:        # see NOTE [loop split] in scheduler/steps.py
                 S["loop_splits"] += 1
-                return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner,
-                                   shape_limit, budget, held, h, later_from=lf, partner=partner)
-    if want is not None and not cross_check:
-        sk = (h, len(nodes), want)
-        split = _SPLITS.get(sk, 0)
-        if split == 0:
-            split = _SPLITS[sk] = cut.needed_first([n.wiring for n in nodes], want)
-        if split is not None:
-            return _run_needed_first(nodes, ext, outs, split, held, h, reason, src,
-                                     debug_level, planner, shape_limit, budget, partner)
-    mplan = memory.plan([v.nbytes for v in ext], held, [v.nbytes for v in outs], 0, None,
-                        planner and not cross_check)
-    donate = mplan.donate
-    if out_sig is None:
-        out_sig = tuple((v.node.pos, v.idx) for v in outs)
-    key = (h, len(nodes), len(ext), out_sig, donate, budget)
-    reg = _REGIONS.get(key)
-    if reg.__class__ is tuple:      # split for the memory budget on an earlier run
-        return _run_pieces(nodes, ext, outs, reg, reason, src, debug_level, planner,
-                           shape_limit, budget, held, h, later_from=lf, partner=partner)
-    ext_arrays = [v.array for v in ext]
-    don = [a for a, d in zip(ext_arrays, donate) if d]
-    keep = [a for a, d in zip(ext_arrays, donate) if not d]
-    if reg is None:
-        keys = [n.key.key for n in nodes]
+                self._pieces(ctx, st, whole, cuts, None, lf)
+                return
+        if fl.want is not None and not cfg.cross_check:
+            split = st.splits.get(fl.want, 0)
+            if split == 0:
+                split = st.splits[fl.want] = cut.needed_first(wirings, fl.want)
+            if split is not None:
+                # NOTE [needed first]: a sync that reads one value (``loss.item()`` after a
+                # training step) needs only the ops that value depends on: the forward pass, not
+                # the backward pass and the optimizer step recorded after it. Those run first, as
+                # one region; the rest follows as a second region that the host does not wait for,
+                # so it executes while Python records the next step. Values the second region
+                # reads from the first leave the first as outputs. The split depends only on the
+                # trace's structure, so it is cached with it. Index checks of the second region are
+                # read at the next sync.
+                order, n_first = split
+                S["needed_first_splits"] += 1
+                self._pieces(ctx, st, whole, (n_first, len(nodes)), order, 1)
+                return
+        self._region(ctx, whole)
+
+    def _pieces(self, ctx, st, run: Run, cuts, order, later_from) -> None:
+        """Run ``run`` (a whole trace) as pieces, one region each, one after another: its nodes in
+        ``order`` (a topological order; trace order when None) cut at ``cuts``. Pieces from index
+        ``later_from`` on are read at the next sync. The plan is cached with the structure."""
+        nodes = run.nodes
+        if nodes.__class__ is pieces.PieceNodes:
+            iter(nodes)         # a piece split again: its nodes renumbered
+        pk = (cuts, order)
+        plan = st.plans.get(pk)
+        if plan is None:
+            plan = st.plans[pk] = pieces.plan(nodes, order or range(len(nodes)), cuts)
+        if self.last is not None and self.last[0] is nodes:
+            self.last[3] = [pc.pos for pc in plan]
+        live = {}       # id(node) -> its outputs that tensors hold
+        for v in run.outs:
+            live.setdefault(id(v.node), []).append(v)
+        live_ids = {id(v) for v in run.outs}
+        ext, held = run.ext, run.held
+        entries = run.entries
+        for k, pc in enumerate(plan):
+            sub_ext, sub_held = [], []
+            for w, later in zip(pc.src, pc.later):
+                if w.__class__ is int:
+                    sub_ext.append(ext[w])
+                    sub_held.append(later or held[w])
+                else:
+                    v = nodes[w[0]].outs[w[1]]
+                    sub_ext.append(v)
+                    sub_held.append(later or id(v) in live_ids)
+            sc, piece_outs, sig = [], [], []
+            for j, p in enumerate(pc.pos):
+                n = nodes[p]
+                if n.scalars:
+                    sc.extend(n.scalars)
+                lv = live.get(id(n))
+                if lv is not None:
+                    piece_outs.extend(lv)
+                    sig.extend([(j, v.idx) for v in lv])
+            if pc.needed:
+                have = {id(v) for v in piece_outs}
+                for j, i in pc.needed:
+                    v = nodes[pc.pos[j]].outs[i]
+                    if id(v) not in have:
+                        piece_outs.append(v)
+                        sig.append((j, i))
+            sub = pieces.PieceNodes(nodes, pc)
+            try:
+                self._region(ctx, Run(sub, [entries[p] for p in pc.pos], pc.wiring,
+                                      [run.pos[p] for p in pc.pos],
+                                      sub_ext, sub_held, sc, pc.h, piece_outs, tuple(sig),
+                                      run.later or (later_from is not None and k >= later_from)))
+            finally:
+                sub.release()
+
+    def _region(self, ctx, run: Run) -> None:
+        """Run one region: find it (or compile it), check its inputs, execute, bind."""
+        cfg = ctx.cfg
+        failed = [i for i, v in enumerate(run.ext) if v.array is None and v.err is not None]
+        if failed:
+            # An input failed (NOTE [value states]): what reads it fails too; the rest runs.
+            self._around(ctx, run, {i: run.ext[i].err for i in failed}, None)
+            return
+        mplan = memory.plan([v.nbytes for v in run.ext], run.held, [v.nbytes for v in run.outs], 0,
+                            None, cfg.planner and not cfg.cross_check)
+        donate = mplan.donate
+        key = (run.h, len(run.entries), len(run.ext), run.out_sig, donate, cfg.budget,
+               ctx.fl.device)
+        reg = self.regions.get(key)
+        if reg is not None and reg.__class__ is not tuple and not reg.matches(run.entries,
+                                                                               run.wirings):
+            S["hash_collisions"] += 1
+            reg = None
+        if reg.__class__ is tuple:      # split for the memory budget on an earlier run
+            st = _Struct(run.entries, run.wirings)
+            self._pieces(ctx, st, run, reg, None, 0 if run.later else None)
+            return
+        ext_arrays = [v.array for v in run.ext]
+        don = [a for a, d in zip(ext_arrays, donate) if d]
+        keep = [a for a, d in zip(ext_arrays, donate) if not d]
+        if reg is None:
+            reg = self._compile(ctx, run, key, mplan, don, keep)
+            if reg is None:
+                return
+        else:
+            S["cache_hits"] += 1
+            if cfg.debug >= 2:
+                print(f"[deferfuse] region hit: {reg.summary}", file=sys.stderr)
+        if cfg.debug >= 3:
+            for j, n in enumerate(run.nodes):
+                print(f"    {j:5d} {n.name} {run.wirings[j]} at {n.src}", file=sys.stderr)
+        memory_stats.transient(reg.transient)
+        outs = run.outs
+        with execute.no_interrupt():
+            try:
+                res, flags = execute.run_region(reg.compiled, don, keep, run.scalars,
+                                                 ctx.fl.device)
+            except Exception as e:
+                raise_oom(e, reg, memory_stats)
+                self._around(ctx, run, None, e)
+                return
+            reg.runs += 1
+            S["donated_bytes"] += mplan.donated_bytes
+            S["elided_bytes"] += reg.elided
+            if don:
+                # Donated buffers now belong to the outputs (no storage holds those values: see
+                # NOTE [donation safety]): stop counting them before the outputs are counted.
+                gone = Donated(reg.summary)
+                for v, d in zip(run.ext, donate):
+                    if d and v.array is not None:
+                        v.fail(gone)
+            bound = outs if reg.order is None else [outs[j] for j in reg.order]
+            n = 0
+            for v, r in zip(bound, res):     # Value.bind, with one account() for all
+                v.array = r
+                v.node = None
+                n += v.nbytes
+            memory_stats.account(n)
+            ctx.done.update(run.pos)
+        if flags or self.checks.pending:
+            self.checks.add(flags, reg.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
+                            run.later or ctx.reason in ASYNC_CUTS)
+        if memory_stats.peak > self.peak_seen:
+            self.peak_seen = memory_stats.peak
+            S["peak_region"] = reg.summary
+        if cfg.cross_check:
+            replay.cross_check(run)
+
+    def _compile(self, ctx, run: Run, key, mplan, don, keep):
+        """Compile ``run`` as a region (or split it, or run it op by op); None when it ran here."""
+        cfg = ctx.cfg
+        keys = [e.key for e in run.entries]
         # The structure: which ops, wired how; shapes, dtypes and static arguments left out.
-        struct = tuple([(k[0], n.wiring) for k, n in zip(keys, nodes)])
-        seen = _STRUCT.get(struct)
+        struct = tuple([(k[0], w) for k, w in zip(keys, run.wirings)])
+        seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
-        if n_compiled >= shape_limit and key not in _ONCE:
+        if n_compiled >= cfg.shape_limit and key not in self.once:
             # NOTE [shape churn]: this structure keeps coming back with new shapes (generate()
             # growing its sequence and KV cache by one token per step). Split it: runs of ops whose
             # keys never changed become regions of their own, compiled once; the ops whose shapes
             # change run apart (as regions until those too churn, then op by op). A version that
             # comes back (a bucketed batch shape, the same prompt length again) compiles whole on
             # its second run.
-            _ONCE.add(key)
+            self.once[key] = True
             cuts = cut.churn_cuts(seen[1], keys, seen[2])
             if cuts is not None:
                 S["shape_splits"] += 1
-                return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level,
-                                   planner, shape_limit, budget, held, h, later_from=lf,
-                                   partner=partner)
+                self._pieces(ctx, _Struct(run.entries, run.wirings), run, cuts, None,
+                             0 if run.later else None)
+                return None
             S["shape_fallbacks"] += 1
-            env = None
-            for _, _, env in _replay(nodes, ext, scalars, block=False):
-                pass
-            for v in outs:
-                v.bind(env[(v.node.pos, v.idx)])
-            return
-        if len(_REGIONS) >= MAX_REGIONS[0]:
-            _evict()
-        why = _explain_miss(keys)
-        plan = [(n.fn, n.wiring, n.s0, len(n.scalars)) for n in nodes]
-        order = _alias_order(outs, ext, donate, partner)
-        sig = out_sig if order is None else tuple([out_sig[j] for j in order])
+            self._around(ctx, run, None, None)
+            return None
+        if len(self.regions) >= self.max_regions:
+            self._evict()
+        why = explain_miss(self.regions.values(), keys)
+        plan, s0 = [], 0
+        for e, w, n in zip(run.entries, run.wirings, run.nodes):
+            k = len(n.scalars)
+            plan.append((e.fn, w, s0, k))       # (lowering, wiring, first scalar, scalars)
+            s0 += k
+        order = _alias_order(run.outs, run.ext, mplan.donate, ctx.fl.partner)
+        sig = run.out_sig if order is None else tuple([run.out_sig[j] for j in order])
         try:
-            compiled, lowered, dt, msgs = execute.compile_region(plan, sig, donate, don, keep,
-                                                                 scalars)
+            compiled, lowered, dt, msgs = execute.compile_region(plan, sig, mplan.donate, don, keep,
+                                                                 run.scalars, ctx.fl.device)
         except Exception as e:   # a lowering failed while tracing: find the op
-            _localize(nodes, ext, scalars, e)
-            raise
-        reg = _Region()
-        reg.compiled, reg.node_keys, reg.nops, reg.runs = compiled, keys, len(nodes), 0
+            self._around(ctx, run, None, e)
+            return None
+        reg = Region()
+        reg.compiled, reg.entries, reg.wirings, reg.nops, reg.runs = (
+            compiled, run.entries, list(run.wirings), len(run.entries), 0)
         reg.order = order
         reg.msgs = msgs
         reg.lowered = lowered
-        reg.summary = f"{len(nodes)} ops ({nodes[0].name} .. {nodes[-1].name}), synced by {reason} at {src}"
+        reg.summary = (f"{reg.nops} ops ({run.nodes[0].name} .. {run.nodes[len(run.entries) - 1].name}), "
+                       f"synced by {ctx.reason} at {ctx.src}")
         try:
             reg.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
         except Exception:
             reg.temp_bytes = None
-        out_bytes = sum(v.nbytes for v in outs)
-        if budget and len(nodes) > 1:
-            est = sum(v.nbytes for v in ext) + out_bytes + (reg.temp_bytes or 0)
-            if est > budget:
-                cuts = _budget_cuts(nodes, ext, held, outs)
+        out_bytes = sum(v.nbytes for v in run.outs)
+        if cfg.budget and len(run.entries) > 1:
+            est = sum(v.nbytes for v in run.ext) + out_bytes + (reg.temp_bytes or 0)
+            if est > cfg.budget:
+                cuts = cut.budget_cut(run.wirings,
+                                      [[0 if o is None else o.nbytes for o in n.outs]
+                                       for n in run.nodes],
+                                      [v.nbytes for v in run.ext], run.held, set(run.out_sig))
                 if len(cuts) > 1:
-                    _REGIONS[key] = cuts
+                    self.regions[key] = cuts
                     S["budget_splits"] += 1
-                    if debug_level >= 2:
-                        print(f"[deferfuse] region of {len(nodes)} ops needs ~{est / 2**20:.1f} MB "
-                              f"> budget {budget / 2**20:.1f} MB: split at {cuts[:-1]}", file=sys.stderr)
-                    return _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level,
-                                       planner, shape_limit, budget, held, h, later_from=lf,
-                                       partner=partner)
-        node_bytes = sum(o.nbytes for n in nodes for o in n.outs if o is not None)
+                    if cfg.debug >= 2:
+                        print(f"[deferfuse] region of {reg.nops} ops needs ~{est / 2**20:.1f} MB "
+                              f"> budget {cfg.budget / 2**20:.1f} MB: split at {cuts[:-1]}",
+                              file=sys.stderr)
+                    self._pieces(ctx, _Struct(run.entries, run.wirings), run, cuts, None,
+                                 0 if run.later else None)
+                    return None
+        node_bytes = sum(o.nbytes for n in run.nodes for o in n.outs if o is not None)
         reg.elided = max(node_bytes - out_bytes, 0)
         # What running it needs beyond what is allocated (outputs and donation are in the key).
         reg.transient = (reg.temp_bytes or 0) + out_bytes - mplan.donated_bytes
@@ -219,63 +392,60 @@ def run_trace(nodes, ext, ext_uses, scalars, h, outs, reason, src, debug_level=0
         if seen:
             seen[0] += 1
         else:
-            _STRUCT[struct] = [1, keys, set()]
-        _REGIONS[key] = reg
+            self.churn[struct] = [1, keys, set()]
+        self.regions[key] = reg
         S["miss_reasons"].append((reg.summary, why, dt))
-        if debug_level >= 2:
+        del S["miss_reasons"][:-64]
+        if cfg.debug >= 2:
             print(f"[deferfuse] region MISS ({why}): {reg.summary}; compiled in {dt*1e3:.1f} ms",
                   file=sys.stderr)
-        if debug_level >= 4:
+        if cfg.debug >= 4:
             print(lowered.as_text(), file=sys.stderr)
-    else:
-        S["cache_hits"] += 1
-        if debug_level >= 2:
-            print(f"[deferfuse] region hit: {reg.summary}", file=sys.stderr)
-    if debug_level >= 3:
-        for n in nodes:
-            print(f"    {n.pos:5d} {n.name} {n.wiring} at {n.src}", file=sys.stderr)
-    if not later and reason not in ASYNC_CUTS:
-        # A piece the sync does not wait for, or one of a cut nobody waits for, runs without
-        # waiting on the pieces before it: their checks are read after the sync has dispatched
-        # everything (state.sync).
-        check_flags()
-    memory_stats.transient(reg.transient)
-    try:
-        res, flags = execute.run_region(reg.compiled, don, keep, scalars)
-    except Exception as e:
-        _raise_oom(e, reg)
-        _localize(nodes, ext, scalars, e)
-        raise
-    reg.runs += 1
-    if flags:
-        (_LATER_FLAGS if later else _PENDING_FLAGS).append((flags, reg.msgs, nodes))
-    S["donated_bytes"] += mplan.donated_bytes
-    S["elided_bytes"] += reg.elided
-    if don:
-        # Donated buffers now belong to the outputs (no storage holds those values: see
-        # NOTE [donation safety]): stop counting them before the outputs are counted.
-        freed = 0
-        for v, d in zip(ext, donate):
-            if d and v.array is not None:
-                v.array = None
-                freed += v.nbytes
-        memory_stats.account(-freed)
-    if reg.order is not None:
-        outs = [outs[j] for j in reg.order]
-    n = 0
-    for v, r in zip(outs, res):     # Value.bind, with one account() for all
-        v.array = r
-        v.node = None
-        n += v.nbytes
-    memory_stats.account(n)
-    if memory_stats.peak > _peak_seen[0]:
-        _peak_seen[0] = memory_stats.peak
-        S["peak_region"] = reg.summary
-    if cross_check:
-        _cross_check(nodes, ext, scalars, outs)
+        return reg
 
-
-_peak_seen = [0]
+    def _around(self, ctx, run: Run, failed_ext, err) -> None:
+        """Run ``run`` op by op around what cannot run: the ops reading a failed input
+        (``failed_ext``: index -> its error), or the op whose lowering or execution failed (``err``;
+        found by running op by op). Their outputs, and what depends on them, become failed; every
+        other output is computed. With neither (shape churn), simply op by op."""
+        bad = set()
+        first = None
+        if failed_ext:
+            bad = ext_dependents(run.wirings, failed_ext)
+            first = next(iter(failed_ext.values()))
+        rp, found = None, False
+        while True:
+            rp, bad_pos, e = replay.run_around(run, bad, rp)
+            if bad_pos is None:
+                break
+            found = True
+            n = run.nodes[bad_pos]
+            if isinstance(e, replay.FlagFailure):
+                why = e.error       # an index check: its own type and message, as CPU's
+            else:
+                why = RegionError(
+                    f"{n.name} failed inside a fused region, recorded at {n.src}: "
+                    f"{type(e).__name__}: {e}\nRerun with TORCHTPU_MODE=debug (or "
+                    "`with deferfuse.mode('debug'):`) to raise at the line that fails.")
+                why.__cause__ = e
+            if first is None:
+                first = why
+                ctx.errors.append(why)
+            bad |= dependents(run.wirings, bad_pos)
+        if err is not None and not found and not failed_ext:
+            # Every op succeeds on its own: the values op by op are right; say so.
+            import warnings
+            warnings.warn(f"deferfuse: a fused region of {len(run.entries)} ops failed "
+                          f"({type(err).__name__}: {err}), but every op succeeds on its own; it ran "
+                          "op by op. Please report this.", RuntimeWarning, stacklevel=2)
+        for v, (p, i) in zip(run.outs, run.out_sig):
+            if p in bad:
+                v.fail(first)
+            else:
+                r = rp.env.get((p, i))
+                if r is not None:
+                    v.bind(r)
+        ctx.done.update(run.pos)
 
 
 def _alias_order(outs, ext, donate, partner):
@@ -286,9 +456,8 @@ def _alias_order(outs, ext, donate, partner):
     parameter out first (the backward pass and the update still read it), then copied the gradient
     in: two copies of every parameter per step. Outputs that are a storage's new value, whose old
     value is a donated input, come first here, in the order of those inputs, so each takes its own
-    storage's buffer and is written in place (measured: the MLP step's optimizer region went from 12
-    copies to 2; the full-size MLP step took 54.8 ms against 58.5, alternating in one process; at
-    quick sizes the difference is within noise).
+    storage's buffer and is written in place (the MLP step's optimizer region went from 12 copies
+    to 2).
     Returns the output order (indices into ``outs``), or None to keep it."""
     if not partner or not any(donate):
         return None
@@ -305,167 +474,3 @@ def _alias_order(outs, ext, donate, partner):
     taken = set(order)
     order += [j for j in range(len(outs)) if j not in taken]
     return None if order == list(range(len(outs))) else tuple(order)
-
-
-def _budget_cuts(nodes, ext, held, outs) -> tuple:
-    return cut.budget_cut([n.wiring for n in nodes],
-                          [[0 if o is None else o.nbytes for o in n.outs] for n in nodes],
-                          [v.nbytes for v in ext], held, {(v.node.pos, v.idx) for v in outs})
-
-
-def _run_pieces(nodes, ext, outs, cuts, reason, src, debug_level, planner, shape_limit, budget,
-                held, h, order=None, later_from=None, partner=None):
-    """Run pieces of a trace as regions of their own, one after another: ``nodes`` in ``order``
-    (a topological order; trace order when None) cut at ``cuts``. For the memory budget, shape
-    churn and needed first. ``held[i]``: external input i is held outside the trace (never
-    donated); pieces from index ``later_from`` on have their index checks read at the next sync.
-    The plan is cached by structure, so a piece that hits the compile cache costs O(its inputs
-    and outputs), not a walk over its nodes."""
-    pk = (h, len(nodes), cuts, order)
-    plan = _PLANS.get(pk)
-    if plan is None:
-        if nodes.__class__ is pieces.PieceNodes:
-            iter(nodes)         # the plan reads wiring: build the renumbered nodes
-        plan = _PLANS[pk] = pieces.plan(nodes, order or range(len(nodes)), cuts)
-    if LAST is not None and LAST[0] is nodes:
-        LAST[3] = [pc.pos for pc in plan]
-    live = {}       # id(node) -> its outputs that tensors hold (a node: see pieces.PieceNodes)
-    for v in outs:
-        live.setdefault(id(v.node), []).append(v)
-    live_ids = {id(v) for v in outs}
-    for k, pc in enumerate(plan):
-        sub_ext, sub_held = [], []
-        for w, later in zip(pc.src, pc.later):
-            if w.__class__ is int:
-                sub_ext.append(ext[w])
-                sub_held.append(later or held[w])
-            else:
-                v = nodes[w[0]].outs[w[1]]
-                sub_ext.append(v)
-                sub_held.append(later or id(v) in live_ids)
-        sc, piece_outs, sig = [], [], []
-        for j, p in enumerate(pc.pos):
-            n = nodes[p]
-            if n.scalars:
-                sc.extend(n.scalars)
-            lv = live.get(id(n))
-            if lv is not None:
-                piece_outs.extend(lv)
-                sig.extend([(j, v.idx) for v in lv])
-        if pc.needed:
-            have = {id(v) for v in piece_outs}
-            for j, i in pc.needed:
-                v = nodes[pc.pos[j]].outs[i]
-                if id(v) not in have:
-                    piece_outs.append(v)
-                    sig.append((j, i))
-        sub = pieces.PieceNodes(nodes, pc)
-        try:
-            run_trace(sub, sub_ext, None, sc, pc.h, piece_outs, reason, src, debug_level, False,
-                      planner, shape_limit, budget, None, sub_held,
-                      later_from is not None and k >= later_from, tuple(sig), partner)
-        finally:
-            sub.release()
-
-
-_PENDING_FLAGS: list = []   # index-check flags of regions already run, read at the next sync
-_LATER_FLAGS: list = []     # those of regions the sync did not wait for (NOTE [needed first])
-
-
-def check_flags(later: bool = True) -> None:
-    """Raise the error of the first index check that failed in a region run so far; with
-    ``later=False`` only in regions that a sync waited for."""
-    if later and _LATER_FLAGS:
-        _PENDING_FLAGS.extend(_LATER_FLAGS)
-        _LATER_FLAGS.clear()
-    while _PENDING_FLAGS:
-        flags, msgs, nodes = _PENDING_FLAGS.pop(0)
-        execute.raise_flags(flags, ((exc, f"{m} ({nodes[pos].name} recorded at {nodes[pos].src})")
-                                    for pos, exc, m in msgs))
-
-
-def _run_needed_first(nodes, ext, outs, split, held, h, reason, src, debug_level, planner,
-                      shape_limit, budget, partner=None):
-    """NOTE [needed first]: a sync that reads one value (``loss.item()`` after a training step)
-    needs only the ops that value depends on: the forward pass, not the backward pass and the
-    optimizer step recorded after it. Those run first, as one region; the rest follows as a second
-    region that the host does not wait for, so it executes while Python records the next step
-    (strict mode gets this overlap from JAX's asynchronous dispatch; one fused region would make
-    the host wait for all of it). Values the second region reads from the first leave the first
-    as outputs. The split depends only on the trace's structure, so it is cached with it and both
-    regions hit the compile cache from the second step on. Index checks of the second region are
-    read at the next sync."""
-    order, n_first = split
-    S["needed_first_splits"] += 1
-    _run_pieces(nodes, ext, outs, (n_first, len(nodes)), reason, src, debug_level, planner,
-                shape_limit, budget, held, h, order, later_from=1, partner=partner)
-
-
-def _raise_oom(e, reg):
-    text = str(e)
-    if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
-        import torch
-        from . import memory as mem
-        raise torch.OutOfMemoryError(
-            f"tpu out of memory running a fused region ({reg.summary}). Live device buffers "
-            f"{mem.allocated / 2**20:.1f} MB, peak {mem.peak / 2**20:.1f} MB, this region's XLA "
-            f"temporaries {(reg.temp_bytes or 0) / 2**20:.1f} MB. Set DEFERFUSE_MEMORY_BUDGET to split "
-            f"regions, or reduce the batch size. XLA said: {text.splitlines()[0]}") from e
-
-
-def _replay(nodes, ext, scalars, block=True):
-    """Run nodes one by one (per-op jits); yields (node, outputs, env)."""
-    import jax
-    env = {}
-    for n in nodes:
-        arrays = [None if w is None else (ext[w].array if type(w) is int else env[w]) for w in n.wiring]
-        entry = n.key
-        if entry.jit is None:
-            entry.msgs = []
-            entry.jit = jax.jit(execute.with_flags(entry.fn, entry.msgs))
-        with execute.x64(True):
-            res, flags = entry.jit(arrays, list(n.scalars))
-            if flags:
-                execute.raise_flags(flags, entry.msgs, f" ({n.name} recorded at {n.src})")
-            if block:
-                jax.block_until_ready(res)
-        for i, o in enumerate(res):
-            env[(n.pos, i)] = o
-        yield n, res, env
-
-
-def _localize(nodes, ext, scalars, err):
-    try:
-        for _ in _replay(nodes, ext, scalars):
-            pass
-    except Exception as e:
-        # the generator stopped at the failing node; find which one by replaying step by step
-        env_nodes = []
-        try:
-            for n, _, _ in _replay(nodes, ext, scalars):
-                env_nodes.append(n)
-        except Exception:
-            failing = nodes[len(env_nodes)]
-            raise RegionError(
-                f"{failing.name} failed inside a fused region, recorded at {failing.src}: "
-                f"{type(e).__name__}: {e}\nRerun with TORCHTPU_MODE=debug (or "
-                "`with deferfuse.mode('debug'):`) to raise at the line that fails.") from e
-    raise RegionError(f"a fused region of {len(nodes)} ops failed ({type(err).__name__}: {err}), but "
-                      "every op succeeds on its own; rerun with TORCHTPU_MODE=strict to compare") from err
-
-
-def _cross_check(nodes, ext, scalars, outs):
-    import numpy as np
-    for n, res, env in _replay(nodes, ext, scalars):
-        for i, (o, r) in enumerate(zip(n.outs, res)):
-            if o is None or r is None or o.array is None:
-                continue
-            a, b = np.asarray(o.array), np.asarray(r)
-            if a.dtype.kind in "fc":
-                ok = np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-4, atol=1e-5, equal_nan=True)
-            else:
-                ok = np.array_equal(a, b)
-            if not ok:
-                raise RegionError(f"cross-check: {n.name} recorded at {n.src} gives different results "
-                                  f"fused and op by op (max abs diff "
-                                  f"{np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))):.3g})")

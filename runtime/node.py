@@ -5,22 +5,49 @@ Python cost is paid once per compile, never per call.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from .viewchain import apply_chain, scatter_chain
 
-# Slot markers inside an op's argument template (a hashable tuple): a tensor input or a scalar input.
+# Slot markers inside an op's argument template (a hashable tuple): a tensor input (TS, i), a
+# scalar input (SS, i, type), a baked Python number (CS, type, value[, tag]).
 TS = "\0tensor"
 SS = "\0scalar"
+CS = "\0const"
+_NAN = float("nan")     # every baked nan is this object: equal to itself in a key (by identity)
+
+
+def const(a) -> tuple:
+    """The template entry of a Python number baked into an op's key. NOTE [typed constants]: the
+    key carries the number's type, and for a float the sign of zero, because ``2 == 2.0 == True``
+    and ``0.0 == -0.0`` in Python: keyed by value alone, ``full(.., 2)`` and ``full(.., 2.0)``
+    shared one entry, and the second got the first's int64 dtype. A nan is one canonical object,
+    so a key holding it equals itself."""
+    ta = type(a)
+    if ta is float:
+        if a != a:
+            return (CS, ta, _NAN, "nan")
+        if a == 0.0:
+            return (CS, ta, a, math.copysign(1.0, a))
+        return (CS, ta, a)
+    if ta is complex:
+        return (CS, ta, a, repr(a))
+    return (CS, ta, a)
 
 
 def _fill(x, vals, scalars):
     if type(x) is tuple:
-        if len(x) == 2 and x[0] is TS:
-            return vals[x[1]]
-        if len(x) == 3 and x[0] is SS:
-            return scalars[x[1]]
+        if x:
+            h = x[0]
+            if h is TS:
+                return vals[x[1]]
+            if h is SS:
+                return scalars[x[1]]
+            if h is CS:
+                return x[2]
         return tuple(_fill(y, vals, scalars) for y in x)
     return x
 

@@ -26,6 +26,8 @@ def fresh() -> dict:
         "needed_first_splits": 0,   # syncs that waited only for the ops the value read needs
         "loop_splits": 0,           # traces of many loop iterations run one region per iteration
         "budget_splits": 0,         # regions split to stay under DEFERFUSE_MEMORY_BUDGET
+        "failed_checks": 0,         # programs whose index checks failed (their dependents failed)
+        "hash_collisions": 0,       # region keys that matched a region of another structure
         "donated_bytes": 0,
         "elided_bytes": 0,          # intermediates never materialised as buffers
         "peak_region": None,

@@ -76,6 +76,12 @@ def _direct_put():
         return False
 
 
+def to_device(arr, device: int):
+    """``arr`` (a JAX array on another device) copied to device ``device``."""
+    with x64(True):
+        return jax.device_put(arr, devices()[device])
+
+
 def empty_value(shape, dtype: torch.dtype) -> Value:
     """An uninitialized Value (no array, no producer): materialized as zeros if ever read."""
     d = to_np_dtype(dtype)

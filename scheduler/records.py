@@ -5,31 +5,61 @@ node of the current trace) and is bound to a device array when the region that p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 # Memory accounting hook: the runtime installs a callable taking a byte delta (see runtime.memory).
 _account: list = [None]
 
 
-# Tensor signatures, interned: a tensor's ``_sig`` is a small int (cheap to hash in every op's
-# key); ``SIG_OF[i]`` is the tuple (base shape, base dtype, view chain, shape, strides, dtype).
-SIGS: dict = {}
-SIG_OF: list = []
+class SigTable:
+    """Tensor signatures, interned: a tensor's ``_sig`` is a small int (cheap to hash in every op's
+    key) standing for the tuple (base shape, base dtype, view chain, shape, strides, dtype). Ids
+    are never reused: past ``capacity`` signatures the table starts afresh (counted), and a
+    signature seen again gets a new id, so an old id in a cached key can only miss, never match
+    another signature."""
+
+    __slots__ = ("ids", "of", "next", "capacity", "evictions")
+
+    def __init__(self, capacity: int = 1 << 18):
+        self.ids: dict = {}
+        self.of: dict = {}
+        self.next = 0
+        self.capacity = capacity
+        self.evictions = 0
+
+    def __call__(self, sig: tuple) -> int:
+        i = self.ids.get(sig)
+        if i is None:
+            if len(self.ids) >= self.capacity:
+                self.evictions += len(self.ids)
+                self.ids, self.of = {}, {}
+            i = self.ids[sig] = self.next
+            self.of[i] = sig
+            self.next += 1
+        return i
+
+    def stats(self) -> dict:
+        return {"size": len(self.ids), "capacity": self.capacity, "inserts": self.next,
+                "evictions": self.evictions}
 
 
-def sig_id(sig: tuple) -> int:
-    i = SIGS.get(sig)
-    if i is None:
-        i = SIGS[sig] = len(SIG_OF)
-        SIG_OF.append(sig)
-    return i
+sig_id = SigTable()     # the one table: tensors of every thread share signatures
 
 
 class Value:
-    """One SSA value: a device array (``array``) or pending, as output ``idx`` of ``node``."""
+    """One SSA value. NOTE [value states]: a value is
 
-    __slots__ = ("array", "node", "idx", "shape", "dtype", "nbytes", "__weakref__")
+    - ready: ``array`` is its device array;
+    - pending: ``node`` is the recorded op that will compute it (output ``idx``);
+    - failed: ``err`` is the exception its computation raised; reading it raises that error;
+    - donated: ``err`` is a ``Donated`` record: its buffer was given to a program, and reading it
+      is an internal error naming that program;
+    - empty: none of these (``torch.empty``): read as zeros, as uninitialised memory may be.
+
+    ``chk``: the index checks of the program that computed it, not yet read by the host (see NOTE
+    [unchecked values] in runtime/flush.py), or None."""
+
+    __slots__ = ("array", "node", "idx", "shape", "dtype", "nbytes", "err", "chk", "__weakref__")
 
     def __init__(self, shape: tuple, dtype: Any, nbytes: int, array=None, node=None, idx: int = 0):
         self.shape = shape
@@ -38,8 +68,18 @@ class Value:
         self.array = array
         self.node = node
         self.idx = idx
+        self.err = None
+        self.chk = None
         if array is not None:
             _account[0](nbytes)
+
+    def fail(self, err: BaseException) -> None:
+        """Make this value failed (or donated): its array, if any, is dropped."""
+        if self.array is not None:
+            self.array = None
+            _account[0](-self.nbytes)
+        self.node = None
+        self.err = err
 
     def bind(self, array) -> None:
         self.array = array
@@ -62,10 +102,11 @@ class Node:
     """One recorded op. ``key`` is its op cache entry (``dispatch._Entry``: the op's structural
     key, its hash, its lowering ``fn(arrays, scalars)`` and its name)."""
 
-    __slots__ = ("key", "ins", "wiring", "s0", "scalars", "outs", "src", "pos")
+    __slots__ = ("key", "ins", "wiring", "s0", "scalars", "outs", "src", "pos", "trace")
 
     def __init__(self, key, ins: list, wiring: tuple, s0: int, scalars: list, outs: tuple, src,
-                 pos: int):
+                 pos: int, trace=None):
+        self.trace = trace      # the pending trace holding it (a thread's: NOTE [threads])
         self.key = key
         self.ins = ins          # input Values (None: a mutated input overwritten without a read)
         self.wiring = wiring    # per input: int = external input index, (pos, idx) = node output
@@ -81,24 +122,9 @@ class Node:
     name = property(lambda self: self.key.name)
 
 
-@dataclass(frozen=True, slots=True)
-class SyncEvent:
-    reason: str
-    src: str
-    ops: int
+class Donated(RuntimeError):
+    """The ``err`` of a donated value (NOTE [value states]): reading it is an internal error."""
 
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A contiguous run of trace nodes compiled as one program (``fused``) or run alone."""
-    start: int
-    stop: int
-    fused: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """Where the pending trace is cut: ``stop`` nodes run now, the rest stay pending."""
-    stop: int
-    reason: str
-    body: tuple | None = None   # (length, op-structure hash) of a detected loop body
+    def __init__(self, program: str):
+        super().__init__(f"deferfuse internal error: a value was read after its buffer was donated "
+                         f"to {program}; please report this with DEFERFUSE_DEBUG=3 output")

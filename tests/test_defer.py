@@ -232,14 +232,14 @@ def _mlp_pair(seed=0):
 def test_backward_cut_dispatches_the_forward_pass_and_the_read_the_rest():
     # NOTE [backward cut] (deferfuse/device.py): backward() dispatches the forward pass; loss.item()
     # finds the loss computed and dispatches the backward pass and optimizer step, waiting for none.
-    from deferfuse import state
+    from deferfuse.config import config
     model, ref, opts = _mlp_pair()
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
     xt, yt = x.to("tpu"), y.to("tpu")
     deferfuse.sync()
     deferfuse.reset_metrics()
     with deferfuse.override(backward_cut=True):
-        assert state.backward_cut()
+        assert config.backward_cut
         for step in range(4):
             losses = []
             for m, opt, a, b in ((model, opts[0], xt, yt), (ref, opts[1], x, y)):
@@ -312,12 +312,11 @@ def test_backward_cut_raises_an_index_error_of_the_forward_pass_at_the_read():
 
 
 def test_backward_cut_is_on_by_default_and_can_be_turned_off():
-    from deferfuse import state
-    from deferfuse.config import SETTINGS
+    from deferfuse.config import SETTINGS, config
     assert SETTINGS["backward_cut"].default is True
     assert SETTINGS["backward_cut"].parse("auto") and not SETTINGS["backward_cut"].parse("0")
     with deferfuse.override(backward_cut=False):
-        assert not state.backward_cut()
+        assert not config.backward_cut
 
 
 def test_loop_without_sync_detects_the_step():
@@ -360,7 +359,7 @@ def test_a_loop_without_backward_or_sync_is_cut_once_its_body_repeats():
         compiles.append(deferfuse.metrics()["compiles"])
     with torch.no_grad():
         assert_same(got, torch.stack([m(x).softmax(-1) for x in xs]), atol=1e-5, rtol=1e-5)
-    if deferfuse.state.MODE == "defer":
+    if deferfuse.current_mode() == "defer":
         # 4 ops an iteration: a cut every 32 iterations (steps.CUT_MIN_OPS), from the 64th on.
         assert before_sync["syncs"].get("loop boundary", 0) >= 12, before_sync["syncs"]
         assert before_sync["regions_run"] >= 12         # ran during the loop, not after it
@@ -390,7 +389,7 @@ def test_a_loop_that_syncs_now_and_then_is_cut_again_right_after_the_sync():
             xt = torch.tanh(xt @ wt) * 0.5 + 0.1
         cuts_after_sync.append(deferfuse.metrics()["syncs"].get("loop boundary", 0) - before)
         assert_same(xt, x, atol=1e-4, rtol=1e-4)
-    if deferfuse.state.MODE == "defer":
+    if deferfuse.current_mode() == "defer":
         # The body found is 128 ops (32 iterations): at least one cut in the 160 ops after a sync.
         assert all(c >= 1 for c in cuts_after_sync[1:]), cuts_after_sync
 
@@ -416,7 +415,7 @@ def test_many_steps_before_one_sync_compile_one_region_per_step():
     assert abs(losses[0] - losses[1]) < 1e-5 * max(1.0, abs(losses[0]))
     for p, q in zip(m.parameters(), mt.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-5)
-    if deferfuse.state.MODE == "defer":
+    if deferfuse.current_mode() == "defer":
         # The first 256 ops run one region per step; then the loop is cut every 7 steps (NOTE
         # [early step detection]: k repetitions of a body, k * body >= 128 ops).
         assert metrics["loop_splits"] == 1
@@ -448,8 +447,8 @@ def test_packed_scalars_keep_pytorch_promotion(dtype):
         assert_same(fn(xt), fn(x), atol=tol, rtol=tol)
     assert deferfuse.metrics()["region_compiles"] == 1, deferfuse.metrics()["miss_reasons"]
     # Weakly typed, as Python numbers are: no arithmetic on the tensor happened in float64.
-    from deferfuse.runtime import flush
-    (region,) = flush._REGIONS.values()
+    from deferfuse.engine import engine
+    (region,) = engine.runner.regions.values()
     hlo = region.lowered.as_text()
     assert "tensor<f64>" in hlo and "tensor<12xf64>" not in hlo
 
@@ -477,7 +476,7 @@ def test_report_tells_waits_from_cuts():
         loss.backward()
         loss.item()
     text = deferfuse.report(file=False)
-    if deferfuse.state.MODE != "defer":
+    if deferfuse.current_mode() != "defer":
         assert "syncs: 0" in text
         return
     assert "1 where the host waited for the device, 1 cuts that waited for nothing" in text, text

@@ -297,13 +297,13 @@ def test_gc_threshold():
     """NOTE [gc threshold]: import raises Python's default young-generation threshold for defer
     mode (strict and debug keep it); a threshold the program set is kept, and 0 leaves it alone."""
     import gc
-    from deferfuse import state
-    old, old_state = gc.get_threshold(), (state.YOUNG_GC, state.RAISED_GC)
+    from deferfuse.engine import engine as state
+    old, old_state = gc.get_threshold(), (state.young_gc, state.raised_gc)
     try:
         gc.set_threshold(700, 10, 10)
-        state.YOUNG_GC = state.RAISED_GC = 0
+        state.young_gc = state.raised_gc = 0
         deferfuse._tune_gc(20000)
-        assert (state.YOUNG_GC, state.RAISED_GC) == (700, 20000)
+        assert (state.young_gc, state.raised_gc) == (700, 20000)
         assert gc.get_threshold() == (700, 10, 10)             # this test runs in strict mode
         with deferfuse.mode("defer"):
             assert gc.get_threshold() == (20000, 10, 10)
@@ -314,15 +314,15 @@ def test_gc_threshold():
         gc.set_threshold(1234, 5, 6)                         # the program's own: kept
         with deferfuse.mode("defer"):
             assert gc.get_threshold() == (1234, 5, 6)
-        state.YOUNG_GC = state.RAISED_GC = 0
+        state.young_gc = state.raised_gc = 0
         gc.set_threshold(700, 10, 10)
         deferfuse._tune_gc(0)
-        assert state.YOUNG_GC == 0
+        assert state.young_gc == 0
         with deferfuse.mode("defer"):
             assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*old)
-        state.YOUNG_GC, state.RAISED_GC = old_state
+        state.young_gc, state.raised_gc = old_state
     code = "import gc, deferfuse; print(gc.get_threshold())"
     out = subprocess.run([sys.executable, "-c", code],
                          env={**os.environ, "DEFERFUSE_GC_THRESHOLD": "5000"},
@@ -336,8 +336,8 @@ def test_cyclic_garbage_collected_at_sync():
     still collected at the next sync once 700 objects were added, as Python's default would."""
     import gc
     import weakref
-    from deferfuse import state
-    old, old_young = gc.get_threshold(), state.YOUNG_GC
+    from deferfuse.engine import engine as state
+    old, old_young = gc.get_threshold(), state.young_gc
     x = torch.ones(3).to("tpu")
 
     def make_cycles(n):
@@ -353,7 +353,7 @@ def test_cyclic_garbage_collected_at_sync():
         gc.collect()
         gc.set_threshold(20000, 10, 10)
         for young, alive in ((0, True), (700, False)):
-            state.YOUNG_GC = young
+            state.young_gc = young
             refs = make_cycles(800)
             (x + 1).sum()           # something pending, so that the sync runs a trace
             deferfuse.sync()
@@ -361,7 +361,7 @@ def test_cyclic_garbage_collected_at_sync():
             gc.collect()
     finally:
         gc.set_threshold(*old)
-        state.YOUNG_GC = old_young
+        state.young_gc = old_young
 
 
 def test_tied_parameters_stay_tied():

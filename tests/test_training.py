@@ -112,15 +112,15 @@ def test_train_matches_cpu(model_name, opt_name, foreach):
 @pytest.mark.modes("strict", "debug", "defer")
 @pytest.mark.parametrize("call", ["backward", "grad"])
 def test_an_error_in_a_backward_op_raises_it(call, monkeypatch):
-    # NOTE [errors in backward] (deferfuse/dispatch.py): an op of the backward pass that raised
+    # NOTE [errors in backward] (deferfuse/route.py): an op of the backward pass that raised
     # (no lowering with the CPU fallback off, a lowering that failed) aborted the interpreter. Here
     # relu's backward op raises, as such an op would.
-    from deferfuse import dispatch
+    from deferfuse.engine import engine
     op = torch.ops.aten.threshold_backward.default
 
     def broken(func, info, args, kwargs):
         raise deferfuse.LoweringError(func, "no lowering (a stand-in for this test)")
-    monkeypatch.setitem(dispatch._ROUTE, id(op), (broken, None, op))
+    monkeypatch.setitem(engine.routes, id(op), (broken, None, op))
     x = torch.randn(4, 3).to("tpu").requires_grad_()
     loss = torch.relu(x).sum()
     with pytest.raises(deferfuse.LoweringError, match="threshold_backward"):

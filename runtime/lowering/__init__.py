@@ -15,6 +15,7 @@ Overload names are strings, resolved defensively: one missing from this torch ve
 from __future__ import annotations
 
 import importlib
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,7 +39,14 @@ MISSING: list[str] = []   # overload names a lowering asked for that this torch 
 # calls ``check_index`` to compute an out-of-range flag next to its result; the program returns the
 # flags and the runtime raises PyTorch's error when it reads them (at once in strict/debug mode, at
 # the next sync in defer mode, as CUDA reports device asserts).
-_FLAGS: list = []     # per trace: [(flag array, exception type, message)] appended while tracing
+class _Traced(threading.local):
+    """The flags traced so far by this thread: [(flag array, exception type, message)]. Per
+    thread: two threads may trace programs at once (strict mode compiles on first use)."""
+    def __init__(self):
+        self.flags: list = []
+
+
+_traced = _Traced()
 
 
 def check_index(index, size: int, exc=IndexError, message: str = "index out of range in self",
@@ -50,19 +58,19 @@ def check_index(index, size: int, exc=IndexError, message: str = "index out of r
     if index.size == 0:
         return
     lo = -size if allow_negative else 0
-    _FLAGS.append((jnp.any((index < lo) | (index >= size)), exc, message))
+    _traced.flags.append((jnp.any((index < lo) | (index >= size)), exc, message))
 
 
 def check(bad, exc=RuntimeError, message: str = "invalid argument"):
     """Flag ``bad`` (a boolean array: any True entry raises ``exc(message)``), as check_index."""
     import jax.numpy as jnp
-    _FLAGS.append((jnp.any(bad), exc, message))
+    _traced.flags.append((jnp.any(bad), exc, message))
 
 
 def take_flags() -> list:
     """The flags traced since the last call (and forget them)."""
-    out = list(_FLAGS)
-    _FLAGS.clear()
+    out = _traced.flags
+    _traced.flags = []
     return out
 
 

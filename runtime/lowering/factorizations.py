@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import _FLAGS, op
+from . import check, op
 from .linalg import _LOWP, _mat
 
 _solve_tri = lax.linalg.triangular_solve
@@ -49,7 +49,7 @@ def _check(info, check_errors, exc, message):
     runtime's flags: at once in strict mode, at the next sync in defer mode). The message cannot
     name the failing element: it is fixed when the program is traced."""
     if check_errors and info.size:
-        _FLAGS.append((jnp.any(info != 0), exc, message))
+        check(info != 0, exc, message)
 
 
 _SINGULAR = "the input matrix is singular"

@@ -155,14 +155,45 @@ def unfold(x, dim, size, step):
 
 @op("as_strided.default", "as_strided_copy.default")
 def as_strided(x, size, stride, storage_offset=0, base_shape=None, base_stride=None):
-    # Applied to the storage's base value (see deferfuse/meta.py): gather by flat memory index.
-    flat = x.reshape(-1)
+    # Applied to the storage's base value (see deferfuse/meta.py): gather by flat memory index,
+    # the value first laid out in memory order (NOTE [storage layout] in deferfuse/meta.py).
+    flat = _memory_order(x, base_stride)
     idx = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
     for d, (n, s) in enumerate(zip(size, stride)):
         shape = [1] * len(size)
         shape[d] = n
         idx = idx + (np.arange(n) * s).reshape(shape)
     return flat[idx.astype(np.int32)] if flat.size < 2**31 else flat[idx]
+
+
+def _memory_order(x, base_stride):
+    """``x`` flattened in the memory order of a tensor of its shape with strides ``base_stride``:
+    a permutation of the dims for a dense layout; element by element where memory has gaps
+    (which hold zeros)."""
+    if base_stride is None or x.ndim == 0:
+        return x.reshape(-1)
+    shape = x.shape
+    contig, acc = [], 1
+    for n in reversed(shape):
+        contig.append(acc)
+        acc *= max(n, 1)
+    if tuple(base_stride) == tuple(reversed(contig)):
+        return x.reshape(-1)
+    perm = sorted(range(x.ndim), key=lambda d: (-base_stride[d], -d))
+    dense, acc = True, 1
+    for d in reversed(perm):
+        if shape[d] != 1 and base_stride[d] != acc:
+            dense = False
+        acc *= shape[d]
+    if dense:
+        return jnp.transpose(x, perm).reshape(-1)
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, base_stride) if n > 0)
+    idx = np.zeros(shape, np.int64)
+    for d, (n, st) in enumerate(zip(shape, base_stride)):
+        sh = [1] * x.ndim
+        sh[d] = n
+        idx = idx + (np.arange(n) * st).reshape(sh)
+    return jnp.zeros((size,), x.dtype).at[idx.reshape(-1)].set(x.reshape(-1))
 
 
 @op("view_as_real.default")

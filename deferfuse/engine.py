@@ -1,0 +1,270 @@
+"""The engine: the one object that owns deferfuse's state.
+
+NOTE [threads]: the mode is per thread, as PyTorch's mode stack is, and so is the pending trace:
+each thread records its own ops, so a thread's regions keep their structure (and their compiled
+programs) whatever other threads do. One lock (reentrant) is held while a trace records an op or
+runs: a thread that reads a value pending in another thread's trace runs that trace first, under
+the lock (a tensor made in one thread and read in another). The caches are shared, bounded and
+counted (``metrics()['caches']``).
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import sys
+import threading
+import weakref
+
+import jax
+import torch
+
+from . import opinfo
+from .config import config
+from .record import Bodies, SourceLines, Trace
+from .runtime import execute, stats
+from .runtime.dtypes import x64
+from .runtime.flush import ASYNC_CUTS, Runner, Settings
+from .runtime.transfer import devices, materialize_empty
+from .scheduler.cache import Cache
+from .scheduler.records import Value, sig_id
+
+
+class ThreadState:
+    """One thread's mode, pending trace, current device and errors of its backward ops."""
+    __slots__ = ("mode", "trace", "device", "backward_errors", "__weakref__")
+
+
+class _Local(threading.local):
+    def __init__(self, engine):     # runs once per thread, at its first use
+        ts = self.ts = ThreadState()
+        ts.mode = engine.default_mode
+        ts.trace = Trace(engine)
+        ts.device = 0
+        ts.backward_errors = []
+        engine.traces.add(ts.trace)
+
+
+class Engine:
+    """Mode and trace per thread, the lock, the caches, the runner, RNG and the GC setting."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.default_mode = config.initial_mode
+        self.traces = weakref.WeakSet()
+        self._epochs = itertools.count(1)
+        # Caches (NOTE [two generations] in scheduler/cache.py): op key -> entry; view results.
+        self.ops = Cache("ops", 1 << 16)
+        self.views = Cache("views", 1 << 15)
+        self.aliases = Cache("aliases", 1 << 15)
+        self.routes: dict = {}      # id(OpOverload) -> route: one per op, bounded by the op set
+        self.runner = Runner(config.max_regions)
+        self.bodies = Bodies()
+        self.sources = SourceLines()
+        self.rng = Rng(self)
+        self.young_gc = 0           # NOTE [gc threshold] (deferfuse/__init__.py)
+        self.raised_gc = 0
+        self.local = _Local(self)
+
+    def next_epoch(self) -> int:
+        return next(self._epochs)
+
+    # --- mode ---------------------------------------------------------------------------------
+    @property
+    def state(self) -> ThreadState:
+        return self.local.ts
+
+    @property
+    def mode(self) -> str:
+        return self.local.ts.mode
+
+    def set_mode(self, m: str) -> None:
+        """The calling thread's mode (leaving defer runs what it recorded)."""
+        ts = self.local.ts
+        if ts.mode == "defer" and m != "defer":
+            self.sync("mode exit")
+        ts.mode = m
+        if self.young_gc:
+            t = gc.get_threshold()
+            want = self.raised_gc if m == "defer" else self.young_gc
+            if t[0] != want and t[0] in (self.young_gc, self.raised_gc):  # not the program's own
+                gc.set_threshold(want, *t[1:])
+
+    # --- syncs ------------------------------------------------------------------------------------
+    def sync(self, reason: str, op: str | None = None, want=None, later: bool = False) -> None:
+        """Run the calling thread's pending trace now (a sync point), recording why and from which
+        line. ``want``: the one pending Value the caller reads (``.item()``, ``.cpu()``), when that
+        is all it needs (NOTE [needed first] in runtime/flush.py); ``later``: the caller reads a
+        value computed before the trace, so the host waits for none of it, and its index checks
+        are read at the next sync."""
+        trace = self.local.ts.trace
+        with self.lock:
+            if trace.nodes:
+                src = self.sources.site(sys._getframe(1))
+                stats.S["syncs"][reason] += 1
+                stats.S["sync_sites"][(reason, src)] += 1
+                if config.debug >= 1:
+                    print(f"[deferfuse] sync: {reason}{' (' + op + ')' if op else ''} at {src}, "
+                          f"{len(trace.nodes)} ops", file=sys.stderr)
+                self.flush(trace, reason, src, want, later)
+                if self.young_gc and gc.get_count()[0] > self.young_gc:
+                    # The trace is gone: collect what Python's own threshold would have by now
+                    # (cyclic garbage holding device buffers must not wait for the raised one).
+                    gc.collect(0)
+            if reason not in ASYNC_CUTS:
+                # Values are read now: report an index check that failed in what ran (in what the
+                # read waited for, when it read one value: NOTE [unchecked values]).
+                checks = self.runner.checks
+                checks.check_all(later=want is None and not later)
+                err = checks.take_error()
+                if err is not None:
+                    raise err.with_traceback(None)
+
+    def flush(self, trace: Trace, reason: str, src: str | None = None, want=None,
+              later: bool = False, raise_errors: bool = True) -> None:
+        """Run ``trace`` (any thread's). NOTE [errors lose nothing]: an op that fails makes the
+        values that depend on it failed (NOTE [value states]) and every other value is computed;
+        the error is raised once everything ran. An interrupt (Ctrl-C) stops the flush: what did
+        not run is recorded again, so the next sync runs it."""
+        with self.lock:
+            fl = trace.take(reason, want)
+            if fl is None:
+                return
+            if src is None:
+                src = self.sources.site(sys._getframe(1))
+            cfg = Settings(config.debug, config.cross_check, config.memory_planner,
+                           config.shape_recompile_limit, config.memory_budget, config.step_detection)
+            ctx = self.runner.start(fl, reason, src, cfg, config.max_regions)
+            try:
+                self.runner.run(ctx, later or reason in ASYNC_CUTS)
+            except Exception as e:
+                ctx.errors.insert(0, e)
+                for v in fl.outs:
+                    if v.array is None and v.err is None:
+                        v.fail(e)
+            except BaseException:
+                trace.requeue(fl, ctx.done)
+                raise
+            finally:
+                # Values and nodes reference each other (Value.node, Node.outs): break the cycles
+                # so buffers are released by reference counting, right away.
+                for n in fl.nodes:
+                    n.ins = n.outs = None
+            if ctx.errors:
+                if raise_errors:
+                    self.runner.checks.errors[:0] = ctx.errors[1:]
+                    raise ctx.errors[0]
+                self.runner.checks.errors[:0] = ctx.errors
+
+    def resolve(self, v: Value, reader=None) -> None:
+        """Make ``v``, pending in another thread's trace, ready (or failed): run that trace."""
+        n = v.node
+        tr = n.trace
+        if tr is None or tr is reader or tr.nodes[n.pos:n.pos + 1] != [n]:
+            raise RuntimeError(f"deferfuse internal error: a value of {n.name} recorded at {n.src} "
+                               "was dropped by an earlier sync but is still read")
+        self.flush(tr, "another thread's read", raise_errors=False)
+
+    def ready(self, v: Value, device: int = 0, reason: str = "cpu"):
+        """The array of ``v``, running what it waits for; raises the error of a failed value."""
+        if v.array is None and v.node is not None:
+            with self.lock:
+                if v.node is not None:
+                    if v.node.trace is self.local.ts.trace:
+                        self.sync(reason, want=v)
+                    else:
+                        self.resolve(v)
+        c = v.chk
+        if c is not None:
+            if not c.done:
+                self.runner.checks.check(c)
+            v.chk = None
+        if v.array is None:
+            if v.err is not None:
+                self.raise_failed(v)
+            materialize_empty(v, device)
+        return v.array
+
+    def raise_failed(self, v: Value):
+        self.runner.checks.forget(v.err)
+        raise v.err.with_traceback(None)
+
+    def run_node(self, entry, ins, scalars, dev):
+        """Run one op now (strict and debug mode): its inputs must be ready first."""
+        for v in ins:
+            if v is not None and (v.array is None or v.chk is not None):
+                self.ready(v, dev, "mode exit")
+        return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug")
+
+    # --- caches -----------------------------------------------------------------------------------
+    def caches(self) -> list:
+        return [self.ops, self.views, self.aliases, execute.view_jits, *self.runner.caches(),
+                self.bodies.known, self.bodies.found, self.bodies.ops, self.sources.codes]
+
+    def cache_stats(self) -> dict:
+        out = {c.name: c.stats() for c in self.caches()}
+        out["signatures"] = sig_id.stats()
+        return out
+
+    def clear_caches(self) -> None:
+        with self.lock:
+            for c in self.caches():
+                c.clear()
+            self.routes.clear()
+            opinfo.clear()
+
+
+class Rng:
+    """One PRNG key per device, held in a Storage so defer mode threads it through regions."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.keys: dict = {}
+        self.seed = 0
+
+    def storage(self, dev: int):
+        st = self.keys.get(dev)
+        if st is None:
+            st = self.keys[dev] = self._new(self.seed, dev)
+        return st
+
+    def _new(self, seed: int, dev: int):
+        from .tensor import Storage
+        import numpy as np
+        with x64(True):
+            k = jax.device_put(jax.random.PRNGKey(seed & 0xFFFFFFFFFFFFFFFF), devices()[dev])
+        return Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
+
+    def generator_key(self, gen, dev: int):
+        """A fresh key Value for one op that was given ``generator=`` (NOTE [generators] in
+        dispatch.py): a 63-bit seed drawn from the generator, which advances it as a draw would."""
+        if gen.device.type != "cpu":
+            raise RuntimeError(f"expected a CPU torch.Generator for a tpu op, got one on {gen.device}")
+        seed = int(torch.randint(0, 2 ** 63 - 1, (), generator=gen))
+        return self._new(seed, dev).val
+
+    def manual_seed(self, seed: int) -> None:
+        self.engine.sync("manual_seed")
+        self.seed = int(seed)
+        for d in list(self.keys) or [0]:
+            self.keys[d] = self._new(int(seed), d)
+
+    def get_state(self, dev: int) -> torch.Tensor:
+        import numpy as np
+        arr = self.engine.ready(self.storage(dev).val, dev, "rng state")
+        return torch.from_numpy(np.asarray(jax.device_get(arr)).astype(np.int64))
+
+    def set_state(self, state: torch.Tensor, dev: int) -> None:
+        from .tensor import Storage
+        import numpy as np
+        self.engine.sync("rng state")
+        a = state.detach().cpu().numpy().astype(np.uint32)
+        if a.shape != (2,):
+            raise RuntimeError("expected an RNG state of 2 elements from torch.tpu.get_rng_state(), "
+                               f"got shape {tuple(a.shape)}")
+        with x64(True):
+            k = jax.device_put(a, devices()[dev])
+        self.keys[dev] = Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
+
+
+engine = Engine()
+config.bind_mode(lambda: engine.mode, engine.set_mode)

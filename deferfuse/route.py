@@ -1,0 +1,103 @@
+"""The entry of every aten op on a ``tpu`` tensor: which path runs it (the generic op path, a view,
+a special, a decomposition, or the CPU fallback), decided once per op.
+
+Imported once, by device registration; it makes ``TpuTensor.__torch_dispatch__`` this dispatch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import Fallback, _local, _run
+from .engine import engine
+from .fallback import fallback
+from .opinfo import decompose, op_info
+from .specials import SPECIAL
+from .tensor import TpuTensor
+from .views import ALIAS_OPS, run_alias, run_view
+
+_routes = engine.routes     # id(OpOverload) -> (handler(func, info, args, kwargs), OpInfo, op)
+
+
+def torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper)."""
+    # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The route
+    # keeps the OpOverload alive, so its id is never reused.
+    r = _routes.get(id(func))
+    if r is None:
+        r = _routes[id(func)] = _route(func)
+    kwargs = kwargs or {}
+    try:
+        return r[0](func, r[1], args, kwargs)
+    except Fallback as f:
+        try:
+            return fallback(func, r[1], args, kwargs, f.why)
+        except BaseException as e:
+            return _in_backward(e)
+    except BaseException as e:
+        return _in_backward(e)
+
+
+def _in_backward(e):
+    if torch._C._current_autograd_node() is None:
+        raise e
+    # NOTE [errors in backward]: a Python exception leaving __torch_dispatch__ inside the autograd
+    # engine is still pending when the engine's stream guard, unwinding, calls the Python device
+    # guard of PrivateUse1 (a noexcept call): the interpreter aborted ("terminate called without
+    # an active exception"), or run_backward returned a SystemError without a message.
+    # (NotImplemented does not help: PyTorch's "all handlers returned NotImplemented" is a Python
+    # exception too.) So the error is kept and the op returns an empty CPU tensor: the engine's
+    # own checks of it fail in C++, which unwinds safely, and backward() and autograd.grad
+    # (device.py) raise the kept error instead.
+    _local.ts.backward_errors.append(e)
+    return torch.empty(0)
+
+
+def dispatch(func, args, kwargs):
+    """Run ``func`` as if it had reached ``__torch_dispatch__`` (PrivateUse1 kernels use this)."""
+    return torch_dispatch(None, func, None, args, kwargs)
+
+
+def _route(func):
+    info = op_info(func)
+    h = SPECIAL.get(func)
+    if h is not None:
+        return (lambda func, info, args, kwargs: h(func, args, kwargs)), info, func
+    kind = info.kind
+    if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
+        return _run, info, func
+    if func in ALIAS_OPS:
+        return run_alias, info, func
+    if kind == "view":
+        return run_view, info, func
+    if kind == "decomp":
+        return _decomp, info, func
+    if kind == "data_dependent":
+        return _data_dependent, info, func
+    if kind == "unsupported_view":
+        return _unsupported_view, info, func
+    return _no_lowering, info, func
+
+
+def _data_dependent(func, info, args, kwargs):
+    raise Fallback("data-dependent shape")
+
+
+def _no_lowering(func, info, args, kwargs):
+    raise Fallback("no lowering")
+
+
+def _decomp(func, info, args, kwargs):
+    out = decompose(func, args, kwargs)
+    if out is NotImplemented:
+        raise Fallback("no lowering")
+    return out
+
+
+def _unsupported_view(func, info, args, kwargs):
+    raise NotImplementedError(
+        f"{info.name} is a view op with no lowering on the tpu device; a copy would break "
+        "aliasing, so it is not run on CPU. Call .clone() or .contiguous() on its result's "
+        "input first, or file an issue")
+
+
+TpuTensor.__torch_dispatch__ = classmethod(torch_dispatch)

@@ -1,0 +1,153 @@
+"""Index checks a program computed next to its results, read by the host later.
+
+NOTE [unchecked values]: XLA never faults on a bad index; a lowering computes a flag next to its
+result (NOTE [index checks] in lowering/__init__.py) and the host reads the flags later, as CUDA
+reports device asserts. Until then the values that program computed are unchecked: ``Value.chk``
+is the ``Checks`` record of the program run that computed them. A program that reads unchecked
+values is unchecked too (its record names those values and their records: ``ups``), whether or
+not it has checks of its own, so nothing waits for the device to dispatch it.
+
+A record is read when a value it stands for is read by the host, and at every sync (those a sync
+did not wait for, at the next one). Reading one reads its ``ups`` first. If a check failed, the
+outputs of that run that depend on the failing op become failed (NOTE [value states]): reading
+one raises the error, naming the op and the line that recorded it; outputs of later runs that
+read a failed value fail with the same error. Every other value is correct. The error itself is
+raised at the sync that found it (or at the next one).
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from . import stats
+
+
+def dependents(wirings, start: int) -> set:
+    """Positions of the ops that read, directly or not, an output of op ``start`` (and itself)."""
+    bad = {start}
+    for q in range(start + 1, len(wirings)):
+        for w in wirings[q]:
+            if w.__class__ is tuple and w[0] in bad:
+                bad.add(q)
+                break
+    return bad
+
+
+def ext_dependents(wirings, failed_ext) -> set:
+    """Positions of the ops that read, directly or not, one of the external inputs ``failed_ext``."""
+    bad = set()
+    for q, ws in enumerate(wirings):
+        for w in ws:
+            if w.__class__ is int:
+                if w in failed_ext:
+                    bad.add(q)
+                    break
+            elif w.__class__ is tuple and w[0] in bad:
+                bad.add(q)
+                break
+    return bad
+
+
+class Checks:
+    """One program run whose values are unchecked: its own flags (maybe none), the unchecked
+    values it read (``ups``: (external input index, weak ref, their record)), and what is needed
+    to fail the right outputs."""
+    __slots__ = ("flags", "msgs", "names", "srcs", "wirings", "outs", "out_sig", "ups", "done",
+                 "later")
+
+    def __init__(self, flags, msgs, nodes, wirings, outs, out_sig, ups, later):
+        self.flags = flags
+        self.msgs = msgs            # (node position, exception type, message) per flag
+        self.names = [nodes[p].name for p, _, _ in msgs] if flags else ()
+        self.srcs = [nodes[p].src for p, _, _ in msgs] if flags else ()
+        self.wirings = wirings
+        self.outs = [weakref.ref(v) for v in outs]
+        self.out_sig = out_sig
+        self.ups = ups
+        self.done = False
+        self.later = later          # read at the next sync, not the one that ran it
+
+
+class CheckList:
+    """The unchecked program runs, and the errors found and not raised yet."""
+
+    def __init__(self):
+        self.pending: list = []
+        self.errors: list = []
+
+    def add(self, flags, msgs, nodes, wirings, outs, out_sig, ext, later) -> None:
+        """Record a program run that returned ``flags`` or read unchecked values of ``ext``;
+        its outputs become unchecked."""
+        ups = None
+        if self.pending:
+            for i, v in enumerate(ext):
+                c = v.chk
+                if c is not None and not c.done:
+                    if ups is None:
+                        ups = []
+                    ups.append((i, weakref.ref(v), c))
+        if not flags and ups is None:
+            return
+        rec = Checks(flags, msgs, nodes, wirings, outs, out_sig, ups, later)
+        for v in outs:
+            v.chk = rec
+        self.pending.append(rec)
+
+    def check(self, rec: Checks) -> None:
+        """Read ``rec`` (its ``ups`` first; its own flags wait for its program): fail the values
+        that depend on a failed check, and keep a new error for the sync."""
+        if rec.done:
+            return
+        rec.done = True
+        try:
+            self.pending.remove(rec)
+        except ValueError:
+            pass
+        first = None
+        bad = None
+        if rec.ups:
+            failed = {}
+            for i, r, c in rec.ups:
+                self.check(c)
+                v = r()
+                if v is not None and v.err is not None:
+                    failed[i] = v.err
+            if failed:
+                bad = ext_dependents(rec.wirings, failed)
+                first = next(iter(failed.values()))
+        if rec.flags:
+            fired = [k for k, fl in enumerate(rec.flags) if bool(np.asarray(fl))]
+            if fired:
+                stats.S["failed_checks"] += 1
+                own = None
+                bad = bad or set()
+                for k in fired:
+                    pos, exc, msg = rec.msgs[k]
+                    if own is None:
+                        own = exc(f"{msg} ({rec.names[k]} recorded at {rec.srcs[k]})")
+                    bad |= dependents(rec.wirings, pos)
+                self.errors.append(own)
+                first = first or own
+        if bad:
+            for r, (p, _) in zip(rec.outs, rec.out_sig):
+                v = r()
+                if v is not None and p in bad:
+                    v.fail(first)
+
+    def check_all(self, later: bool) -> None:
+        """Read every unchecked run (those the last sync did not wait for too, with ``later``;
+        without it, they are read at the next sync)."""
+        for rec in list(self.pending):
+            if later or not rec.later:
+                self.check(rec)
+            else:
+                rec.later = False
+
+    def take_error(self):
+        """The first error found and not yet raised (and forget it), or None."""
+        return self.errors.pop(0) if self.errors else None
+
+    def forget(self, err) -> None:
+        """``err`` is being raised by a read of a failed value: not again by a sync."""
+        self.errors = [e for e in self.errors if e is not err]
