@@ -35,7 +35,9 @@ import traceback
 
 import run as R
 
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer"] + list(R.DEFER_VARIANTS)
+# floor: a wrapper subclass that only makes its output (overhead only); jax: the hand-written
+# jax.jit program of the same step, where a workload has one.
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "floor", "jax"] + list(R.DEFER_VARIANTS)
 GOAL = 1.5          # issue 3: defer at least 1.5x faster than strict eager on every workload
 
 
@@ -64,11 +66,19 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
     built, scopes, out = {}, {}, {"na": {}}
     for s in systems:
         torch.manual_seed(W.SEED)
-        ctx = W.Ctx(s)
         scopes[s] = _scope(df, s) if s in R.DEFERFUSE else contextlib.nullcontext
         try:
+            if s == "jax":
+                if W.WORKLOADS[w]["jax"] is None:
+                    raise W.NotApplicable("no hand-written JAX program for this workload")
+                make = lambda: W.WORKLOADS[w]["jax"](quick)  # noqa: E731
+            elif s == "floor" and w != "overhead":
+                raise W.NotApplicable("the floor is measured on the overhead workload only")
+            else:
+                ctx = W.Ctx(s)
+                make = lambda: W.WORKLOADS[w]["torch"](ctx, quick)  # noqa: E731
             with scopes[s]():
-                built[s] = W.WORKLOADS[w]["torch"](ctx, quick)
+                built[s] = make()
                 for _ in range(warmup):
                     built[s].step()
         except W.NotApplicable as e:
@@ -78,7 +88,7 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
         df.reset_metrics()
     times = {s: [] for s in live}
     extras = {s: [] for s in live}
-    drains = {s: W.Ctx(s).sync for s in live}
+    drains = {s: (_jax_drain if s == "jax" else W.Ctx(s).sync) for s in live}
     for r in range(rounds):
         for s in (live if r % 2 == 0 else live[::-1]):
             with scopes[s]():
@@ -98,9 +108,13 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
         out["cpu_fallbacks"] = dict(m["cpu_fallbacks"])
     out["times_s"] = times
     out["us_per_op"] = {s: statistics.median(v) for s, v in extras.items() if v}
-    out["check"] = {s: built[s].check() for s in live}
+    out["check"] = {s: built[s].check() for s in live if s != "floor"}    # floor computes nothing
     out["info"] = built[live[0]].info if live else {}
     return out
+
+
+def _jax_drain():
+    """A hand-written JAX step reads its loss (float()), which waits for the whole program."""
 
 
 def _scope(df, s: str):
@@ -187,6 +201,12 @@ def render_md(meta: dict, results: dict) -> str:
         g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         L += ["", f"Geometric mean of the paired strict/defer medians: **{g:.2f}x**; "
               f"{sum(x >= GOAL for x in ratios)} of {len(ratios)} workloads at {GOAL}x or more."]
+    for w in meta["workloads"]:
+        r = results.get(w)
+        p = summarize(r)["paired"].get("jax") if r and r["status"] == "ok" else None
+        if p:
+            L.append(f"- {w}: defer / hand-written jax.jit program, paired: **{1 / p['median']:.2f}x** "
+                     f"[{1 / p['p75']:.2f}-{1 / p['p25']:.2f}] (1.0 would be the JAX ceiling)")
     ops = {w: results[w].get("us_per_op") for w in results if results[w].get("us_per_op")}
     for w, u in ops.items():
         L.append(f"- {w}: recording / dispatch cost per op (loop only): "

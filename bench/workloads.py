@@ -78,6 +78,8 @@ class Ctx:
         elif system in ("torchax", "torchax_jit"):
             self.tx, self.env = import_torchax()
             self.device = "jax"
+        elif system == "floor":
+            self.device = "floor"
         else:
             raise ValueError(f"not a PyTorch system: {system}")
 
@@ -103,6 +105,23 @@ class Ctx:
                 raise NotApplicable(f"torchax_jit: no jitted form written for a {what}")
             return self.tx.interop.jax_jit(fn)
         return fn
+
+
+class FloorTensor(torch.Tensor):
+    """The floor of any Python tensor backend (system ``floor``, workload ``overhead``): a wrapper
+    subclass whose ``__torch_dispatch__`` only makes the output tensor. What PyTorch costs to reach
+    Python and back, per op, on this machine and this torch."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return torch.Tensor._make_wrapper_subclass(FloorTensor, args[0].shape, None, None, None,
+                                                   torch.float32, torch.strided,
+                                                   torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -413,7 +432,8 @@ def overhead(ctx, quick):
     if ctx.system in ("compile", "torchax_jit"):
         raise NotApplicable(f"{ctx.system}: per-op overhead is measured op by op only")
     k = _ov_k(quick)
-    x = ctx.to(torch.randn(16, generator=_gen(1)))
+    x = torch.randn(16, generator=_gen(1))
+    x = FloorTensor(x.shape) if ctx.system == "floor" else ctx.to(x)
     out = [None]
 
     def step():
@@ -422,11 +442,13 @@ def overhead(ctx, quick):
         for _ in range(k):
             y = y * 1.0001
         t1 = time.perf_counter()
-        ctx.sync(y)
+        if ctx.system != "floor":
+            ctx.sync(y)
         out[0] = y
         return {"us_per_op": (t1 - t0) / k * 1e6}
 
     return Built(step=step, check=lambda: out[0].sum().item(), items=("op", k), info=dict(ops=k))
+
 
 
 # --------------------------------------------------------------------------- Hugging Face Llama

@@ -10,6 +10,7 @@ import contextlib
 from . import device as _device
 from .config import MODES, config, override
 from .engine import engine as _engine
+from .engine import user_error as _user_error
 from .errors import LoweringError, RegionError
 from .metrics import metrics, reset_metrics
 from .runtime import platform as _platform
@@ -53,7 +54,10 @@ def mode(name: str | None = None):
 
 def sync() -> None:
     """Run everything the calling thread recorded so far (a sync point with reason 'sync')."""
-    _engine.sync("sync")
+    try:
+        _engine.sync("sync")
+    except Exception as e:
+        raise _user_error(e)    # NOTE [user frames] (engine.py)
 
 
 def report(file=None) -> str:

@@ -14,7 +14,7 @@ import types
 import torch
 
 from .config import config
-from .engine import engine
+from .engine import engine, user_error
 from .runtime import memory, platform
 from .tensor import _DEVICES
 
@@ -297,7 +297,7 @@ def _wrap_autograd() -> None:
             if errors:
                 e = errors[0]
                 errors.clear()
-                raise e from None       # the op's own error (NOTE [errors in backward])
+                raise user_error(e) from None   # the op's own error (NOTE [errors in backward])
             return out
         fn._deferfuse = True
         return fn

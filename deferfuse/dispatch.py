@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .config import config
-from .engine import engine
+from .engine import engine, user_error
 from .opinfo import decompose, op_info
 from .runtime import execute, transfer
 from .runtime.dtypes import to_np_dtype
@@ -415,7 +415,10 @@ def copy_into(dst: TpuTensor, src) -> TpuTensor:
 # pointers, which a tpu tensor does not have)
 
 def _repr(self, *, tensor_contents=None):
-    cpu = to_cpu(self, "print")
+    try:
+        cpu = to_cpu(self, "print")
+    except Exception as e:
+        raise user_error(e)     # NOTE [user frames] (engine.py)
     s = torch._tensor_str._str(cpu)
     dev = f"device='{self.device}'"
     if s.endswith(")"):
@@ -431,7 +434,10 @@ def _repr(self, *, tensor_contents=None):
 
 
 def _tolist(self):
-    return to_cpu(self, "tolist").tolist()
+    try:
+        return to_cpu(self, "tolist").tolist()
+    except Exception as e:
+        raise user_error(e)
 
 
 def _reduce_ex(self, proto):

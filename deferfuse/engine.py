@@ -29,6 +29,16 @@ from .scheduler.cache import Cache
 from .scheduler.records import Value, sig_id
 
 
+def user_error(e: BaseException) -> BaseException:
+    """``e`` as the user sees it raised: NOTE [user frames]: an error leaving deferfuse (a bad
+    argument, a deferred index error, a failed region) is raised from the call the user made, its
+    traceback ending in their frames (deferfuse's own frames hidden), as a CPU op's error is;
+    ``DEFERFUSE_DEBUG=1`` keeps every frame."""
+    if config.debug or not isinstance(e, Exception):
+        return e
+    return e.with_traceback(None)
+
+
 class ThreadState:
     """One thread's mode, pending trace, current device and errors of its backward ops."""
     __slots__ = ("mode", "trace", "device", "backward_errors", "__weakref__")
@@ -198,17 +208,19 @@ class Engine:
     # --- caches -----------------------------------------------------------------------------------
     def caches(self) -> list:
         return [self.ops, self.views, self.aliases, execute.view_jits, *self.runner.caches(),
-                self.bodies.known, self.bodies.found, self.bodies.ops, self.sources.codes]
+                self.bodies.found, self.bodies.ops, self.sources.codes]
 
     def cache_stats(self) -> dict:
         out = {c.name: c.stats() for c in self.caches()}
         out["signatures"] = sig_id.stats()
+        out["loop bodies"] = self.bodies.stats()
         return out
 
     def clear_caches(self) -> None:
         with self.lock:
             for c in self.caches():
                 c.clear()
+            self.bodies.known.clear()
             self.routes.clear()
             opinfo.clear()
 

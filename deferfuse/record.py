@@ -55,16 +55,31 @@ class SourceLines:
 
 class Bodies:
     """What step detection learned: loop bodies (length, op-structure hash), the body found per
-    trace structure (or None), and each body's op hashes (NOTE [body phase])."""
+    trace structure (or None), and each body's op hashes (NOTE [body phase]). ``known`` is a
+    plain set, read at every recorded op; it is emptied (and counted) when it reaches
+    ``capacity``."""
 
     def __init__(self, capacity: int = 8192):
-        self.known = Cache("loop bodies", capacity)         # (length, hops) -> True
+        self.known: set = set()                             # (length, hops)
+        self.capacity = capacity
+        self.evictions = 0
         self.found = Cache("body searches", capacity)       # (trace hash, length) -> body or None
         self.ops = Cache("body ops", capacity)              # body -> its ops' structure hashes
 
+    def learn(self, body) -> None:
+        if len(self.known) >= self.capacity:
+            self.evictions += len(self.known)
+            self.known.clear()
+        self.known.add(body)
+
+    def stats(self) -> dict:
+        return {"size": len(self.known), "capacity": self.capacity, "inserts": None,
+                "evictions": self.evictions}
+
     def clear(self) -> None:
-        for c in (self.known, self.found, self.ops):
-            c.clear()
+        self.known.clear()
+        self.found.clear()
+        self.ops.clear()
 
 
 class Trace:
@@ -72,6 +87,8 @@ class Trace:
 
     def __init__(self, engine):
         self.engine = engine
+        self._known = engine.bodies.known       # read at every op: the set itself
+        self._codes = engine.sources.codes      # (see record's source-line lookup)
         self.reset()
 
     def reset(self):
@@ -149,7 +166,13 @@ class Trace:
                 f = sys._getframe(3)
             except ValueError:      # autograd's device thread calls us with no Python caller
                 f = None
-            src = self.engine.sources.site(f)
+            src = None
+            if f is not None:       # SourceLines.site's first step, inlined
+                e = self._codes.get(id(f.f_code))
+                if e is not None and not e[1] and e[0] is f.f_code:
+                    src = e[2].get(f.f_lasti)
+            if src is None:
+                src = self.engine.sources.site(f)
         else:
             src = None
         node = Node(entry, ins, wiring, len(self.scalars), scalars, outs, src, pos, self)
@@ -162,7 +185,7 @@ class Trace:
         self.h = hash((self.h, entry.khash, wiring, len(scalars)))
         self.hops = hops = hash((self.hops, entry.khash))
         pos += 1
-        bodies = self.engine.bodies.known
+        bodies = self._known
         if bodies and (pos, hops) in bodies:
             self.cut = "loop boundary"
             self.cut_body = (pos, hops)
@@ -201,7 +224,7 @@ class Trace:
             bodies.found[key] = body
         if body is None:
             return False
-        bodies.known[body] = True
+        bodies.learn(body)
         self.cut_body = body
         return True
 
@@ -222,7 +245,7 @@ class Trace:
         rot = ops[m:] + ops[:m]
         body = steps.body_signature(rot, len(rot))
         if body not in bodies.known:
-            bodies.known[body] = True
+            bodies.learn(body)
             bodies.ops[body] = rot
 
     def _external(self, v) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import Fallback, _local, _run
-from .engine import engine
+from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
 from .specials import SPECIAL
@@ -32,14 +32,11 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         try:
             return fallback(func, r[1], args, kwargs, f.why)
         except BaseException as e:
-            return _in_backward(e)
+            err = e
     except BaseException as e:
-        return _in_backward(e)
-
-
-def _in_backward(e):
+        err = e
     if torch._C._current_autograd_node() is None:
-        raise e
+        raise user_error(err)       # NOTE [user frames] (engine.py)
     # NOTE [errors in backward]: a Python exception leaving __torch_dispatch__ inside the autograd
     # engine is still pending when the engine's stream guard, unwinding, calls the Python device
     # guard of PrivateUse1 (a noexcept call): the interpreter aborted ("terminate called without
@@ -48,7 +45,7 @@ def _in_backward(e):
     # exception too.) So the error is kept and the op returns an empty CPU tensor: the engine's
     # own checks of it fail in C++, which unwinds safely, and backward() and autograd.grad
     # (device.py) raise the kept error instead.
-    _local.ts.backward_errors.append(e)
+    _local.ts.backward_errors.append(err)
     return torch.empty(0)
 
 

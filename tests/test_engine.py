@@ -574,3 +574,18 @@ def test_caches_are_bounded_and_counted():
     for name in ("ops", "views", "regions", "trace structures", "signatures"):
         assert {"size", "capacity", "evictions"} <= set(m[name]), name
         assert m[name]["size"] <= m[name]["capacity"]
+
+
+@pytest.mark.modes("defer", "strict")
+def test_an_error_ends_in_the_users_frames():
+    """NOTE [user frames]: an error raised at a read (a deferred index error) or at the call (a
+    bad argument) shows the user's line and at most one frame of deferfuse."""
+    import traceback
+    w = torch.randn(10, 4).to("tpu")
+    for bad in (lambda: torch.nn.functional.embedding(torch.tensor([3, 12], device="tpu"), w).sum().item(),
+                lambda: torch.ones(3, 4, device="tpu") @ torch.ones(5, 6, device="tpu")):
+        with pytest.raises((IndexError, RuntimeError)) as info:
+            bad()
+        frames = traceback.extract_tb(info.value.__traceback__)
+        assert frames[0].filename == __file__
+        assert len([f for f in frames if os.sep + "deferfuse" + os.sep in f.filename]) <= 1, frames
