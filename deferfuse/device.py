@@ -358,7 +358,9 @@ def register() -> None:
     _enable_foreach()
     _keep_tied_parameters()
     _wrap_autograd()
-    from . import amp, attention, linear, serialization
+    from . import amp, attention, compiled, linear, serialization, traceable
+    traceable.install()
+    compiled.register()
     amp.register()
     serialization.register()
     attention.register()

@@ -13,9 +13,11 @@ from .fallback import fallback
 from .opinfo import decompose, op_info
 from .specials import SPECIAL
 from .tensor import TpuTensor
+from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
 
 _routes = engine.routes     # id(OpOverload) -> (handler(func, info, args, kwargs), OpInfo, op)
+_mode = torch._C._get_dispatch_mode
 
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
@@ -26,6 +28,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     if r is None:
         r = _routes[id(func)] = _route(func)
     kwargs = kwargs or {}
+    if _mode(FAKE) is not None:
+        return traced_dispatch(func, args, kwargs)   # NOTE [inner tensor] (traceable.py)
     try:
         return r[0](func, r[1], args, kwargs)
     except Fallback as f:

@@ -94,8 +94,12 @@ class TpuTensor(torch.Tensor):
         self._s = new._s
         self._chain = new._chain
         self._sig = new._sig
+        self.__dict__.pop("_inner_t", None)     # NOTE [inner tensor] (traceable.py)
 
     def untyped_storage(self):
+        if torch.compiler.is_compiling():
+            # Dynamo describes the tensor it fakeifies (NOTE [inner tensor] in traceable.py).
+            return torch.Tensor.untyped_storage(self)
         raise RuntimeError("tpu tensors have no host-addressable storage; call .cpu() first")
 
     def data_ptr(self):
