@@ -87,13 +87,10 @@ class TpuTensor(torch.Tensor):
                         "to copy the tensor to host memory first.")
 
     def __reduce_ex__(self, proto):
-        # Saved as a plain CPU tensor, so torch.load (weights_only=True by default) reads it back
-        # without knowing deferfuse; move it back with .to("tpu").
-        from .dispatch import to_cpu
-        cpu = to_cpu(self.detach(), "save")
-        if self.requires_grad and self.is_leaf:
-            cpu.requires_grad_(True)
-        return cpu.__reduce_ex__(proto)
+        # Saved as PyTorch saves tensors of devices without storage, so torch.load restores it
+        # on tpu (NOTE [tpu checkpoints] in serialization.py).
+        from .serialization import reduce_tensor
+        return reduce_tensor(self)
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -123,7 +120,9 @@ class TpuTensor(torch.Tensor):
         self._sig = new._sig
 
     def untyped_storage(self):
-        raise RuntimeError("tpu tensors have no host-addressable storage; call .cpu() first")
+        # Identity and size only (storages compare by data_ptr); serialization.TpuStorage.
+        from .serialization import storage_of
+        return storage_of(self)
 
     def data_ptr(self):
         # Unique per storage and view offset, for code that compares pointers (never dereference).
