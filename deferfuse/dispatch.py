@@ -276,6 +276,8 @@ def _run(func, info, args, kwargs):
         try:
             entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors)
         except NotImplementedError as e:
+            if getattr(e, "deferfuse_cpu_words", False):
+                raise                   # CPU's own refusal (NOTE [CPU's words] in meta.py)
             # No meta kernel, or an output shape that depends on the data (boolean masks).
             msg = str(e)
             why = "data-dependent shape" if ("nonzero" in msg or "data-dependent" in msg

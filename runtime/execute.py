@@ -13,7 +13,7 @@ import numpy as np
 from ..scheduler.records import Value
 from . import stats
 from .dtypes import x64
-from .lowering import take_flags
+from .lowering import flag_message, take_flags
 from .viewchain import apply_chain
 
 S = stats.S
@@ -47,8 +47,9 @@ def with_flags(fn, msgs: list):
 
 def raise_flags(flags, msgs, where: str = "") -> None:
     for fl, (exc, msg) in zip(flags, msgs):
-        if bool(np.asarray(fl)):
-            raise exc(msg + where)
+        fl = np.asarray(fl)
+        if bool(fl):
+            raise exc(flag_message(msg, fl) + where)
 
 
 def run_op(entry, ins, scalars, debug: bool):
