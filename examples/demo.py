@@ -1,5 +1,6 @@
 """deferfuse demo: a small MLP and a small transformer train on the tpu device, in strict eager and
 in DeferAndFuse, with losses checked against CPU eager PyTorch. Prints what ran and how fast."""
+import os
 import time
 
 import torch
@@ -66,6 +67,12 @@ def main():
         "gpt": (TinyGPT, gpt_batch),
     }
     print(f"deferfuse {deferfuse.__version__} on JAX platform '{deferfuse.platform()}'")
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        # PyTorch's CPU thread pool slows down most of all when other processes hold the cores
+        # (measured: a tiny MLP step 0.4 ms idle, 40+ ms at load 6 on 2 cores).
+        print(f"NOTE: this machine is busy (load average {load:.1f} on {cores} cores): CPU eager "
+              "times are then far slower than on an idle machine; compare on an idle one.")
     print("Each system trains its own copy of the model from the same weights. After 3 steps "
           "(compiles), they take turns, 3 steps each, 10 rounds, so that all see the same machine; "
           "ms/step is the median.\n")
