@@ -25,6 +25,7 @@ This module is top level, not ``deferfuse._autoload``: importing a submodule run
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import torch
@@ -48,7 +49,7 @@ class _Loader:
     def __init__(self):
         self.registered = False   # PrivateUse1 renamed and torch.tpu in place
         self.complete = False     # deferfuse imported and registered
-        self.loading = False      # deferfuse's import is running
+        self.loading = 0          # the thread running deferfuse's registration, or 0
         self.module = None        # the torch.tpu module
         self.fallback_lib = None  # the PrivateUse1 fallback's torch.library.Library
         self.wrapped = {}         # torch.accelerator name -> the original function
@@ -57,13 +58,15 @@ class _Loader:
         """Import deferfuse (which calls ``complete``)."""
         if self.complete:
             return
-        if self.loading:
+        if self.loading == threading.get_ident():
             raise RuntimeError(
                 f"{why} needs the tpu device while deferfuse is still being imported")
+        # Another thread importing deferfuse holds Python's import lock: this waits for it.
         try:
             import deferfuse  # noqa: F401  (its device registration calls complete())
         finally:
-            self.loading = False
+            if self.loading == threading.get_ident():
+                self.loading = 0
         if not self.complete:
             raise RuntimeError(f"import deferfuse did not register the tpu device ({why})")
 
@@ -76,7 +79,7 @@ class _LazyDeviceModule(types.ModuleType):
     which fills this same module object (code may already hold a reference to it)."""
 
     def __getattr__(self, name):
-        if name.startswith("__") or LOADER.complete or LOADER.loading:
+        if name.startswith("__") or LOADER.complete or LOADER.loading == threading.get_ident():
             raise AttributeError(f"module 'torch.{NAME}' has no attribute '{name}'")
         LOADER.load(f"torch.{NAME}.{name}")
         return getattr(self, name)
@@ -136,7 +139,7 @@ def begin() -> types.ModuleType:
     device if autoload did not, undoes the lazy parts (the fallback, the torch.accelerator
     wrappers) and returns the ``torch.tpu`` module for deferfuse to fill."""
     module = register()
-    LOADER.loading = True
+    LOADER.loading = threading.get_ident()
     for name, orig in LOADER.wrapped.items():
         setattr(torch.accelerator, name, orig)
     LOADER.wrapped.clear()
@@ -155,7 +158,7 @@ def complete(full: types.ModuleType) -> None:
     for k, v in vars(full).items():
         if k not in ("__name__", "__loader__", "__spec__", "__package__"):
             setattr(module, k, v)
-    LOADER.complete, LOADER.loading = True, False
+    LOADER.complete, LOADER.loading = True, 0
 
 
 def autoload() -> None:

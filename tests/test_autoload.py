@@ -65,6 +65,12 @@ FIRST_USES = {
     "module to": "y = torch.nn.Linear(3, 3).to('tpu').bias.detach() * 0 + 2",
     "torch.tpu": "torch.tpu.manual_seed(0); y = torch.full((3,), 2.0, device='tpu')",
     "torch.accelerator": "torch.accelerator.synchronize(); y = torch.full((3,), 2.0, device='tpu')",
+    # two threads at once: one imports deferfuse, the other waits for it
+    "two threads": ("import threading\nout = []\n"
+                    "ts = [threading.Thread(target=lambda: out.append(torch.full((3,), 2.0).to('tpu')))"
+                    " for _ in range(2)]\n"
+                    "[t.start() for t in ts]; [t.join() for t in ts]\n"
+                    "assert len(out) == 2 and out[1].device.type == 'tpu'; y = out[0]"),
 }
 
 
