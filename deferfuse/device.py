@@ -1,8 +1,10 @@
 """Make ``tpu`` a PyTorch device: PrivateUse1 renamed, device guard and hooks, ``torch.tpu``.
 
-All use of ``torch.utils.backend_registration._setup_privateuseone_for_python_backend``
-(experimental in PyTorch) is here. Without its device guard, the first ``backward()`` through a
-tpu tensor aborts the interpreter.
+The device itself (PrivateUse1 renamed, PyTorch's experimental
+``_setup_privateuseone_for_python_backend`` with its device guard, without which the first
+``backward()`` through a tpu tensor aborts the interpreter) is registered by the top-level
+``deferfuse_autoload`` module, at ``import torch`` through the ``torch.backends`` entry point or
+here; ``register`` then fills ``torch.tpu`` and registers the kernels.
 """
 from __future__ import annotations
 
@@ -347,12 +349,13 @@ def _ctc_loss_cpu_lengths(log_probs, targets, input_lengths, target_lengths, bla
 
 def register() -> None:
     global _lib
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    import deferfuse_autoload
     from .route import dispatch
     from .specials import empty_memory_format, empty_strided, _h_copy_from
 
-    module = _make_module()
-    _setup_privateuseone_for_python_backend("tpu", backend_module=module)
+    # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at
+    # import torch, or now; either way the lazy parts are removed here.
+    deferfuse_autoload.begin()
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator()
     _enable_foreach()
@@ -392,3 +395,4 @@ def register() -> None:
             continue
         _lib.impl(o._schema.name.split("::")[1] + ("." + o._overloadname if o._overloadname != "default" else ""),
                   (lambda op: lambda *a, **k: dispatch(op, a, k))(o), "PrivateUse1")
+    deferfuse_autoload.complete(_make_module())

@@ -224,6 +224,8 @@ def _run(func, info, args, kwargs):
         try:
             entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev)
         except NotImplementedError as e:
+            if getattr(e, "deferfuse_cpu_words", False):
+                raise                   # CPU's own refusal (NOTE [CPU's words] in meta.py)
             # No meta kernel, or an output shape that depends on the data (boolean masks).
             msg = str(e)
             why = "data-dependent shape" if ("nonzero" in msg or "data-dependent" in msg
@@ -440,15 +442,5 @@ def _tolist(self):
         raise user_error(e)
 
 
-def _reduce_ex(self, proto):
-    # Saved as a plain CPU tensor, so torch.load (weights_only=True by default) reads it back
-    # without knowing deferfuse; move it back with .to("tpu").
-    cpu = to_cpu(self.detach(), "save")
-    if self.requires_grad and self.is_leaf:
-        cpu.requires_grad_(True)
-    return cpu.__reduce_ex__(proto)
-
-
 TpuTensor.__repr__ = _repr
 TpuTensor.tolist = _tolist
-TpuTensor.__reduce_ex__ = _reduce_ex

@@ -99,21 +99,168 @@ _SAME_DTYPE = {getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm
                                                   "addmv", "dot", "vdot", "matmul")}
 
 
-def _stand_in(a):
-    """A CPU tensor of ``a``'s shape and dtype with no memory behind it (zero strides)."""
+def _stand_in(a, written=False):
+    """A CPU tensor of ``a``'s shape and dtype with no memory behind it (zero strides); one an op
+    writes gets memory of its own (CPU refuses to write to overlapping elements before it checks
+    shapes, and ``torch.empty`` touches no page until something is written)."""
     if isinstance(a, torch.Tensor):
+        if written:
+            return torch.empty(a.shape, dtype=a.dtype)
         return torch.zeros((), dtype=a.dtype).expand(a.shape)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+        return type(a)(_stand_in(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("cpu")
     return a
 
 
-def cpu_error(fn, args, kwargs=None):
+# The exceptions PyTorch raises for bad arguments. NotImplementedError (a RuntimeError) is left
+# alone: it says an op has no meta kernel or no lowering, which the dispatcher handles.
+_ARG_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
+
+
+def cpu_error(fn, args, kwargs=None, written=()):
     """CPU's own error for these operands, or None: ``fn`` run on CPU stand-ins of the same shapes
-    and dtypes, whose checks raise before any arithmetic (only call it for operands CPU refuses)."""
+    and dtypes, whose checks raise before any arithmetic (only call it for operands CPU refuses:
+    where it accepts them, it computes on the stand-ins). ``written``: positions and keyword names
+    of the arguments the op writes."""
     try:
-        fn(*[_stand_in(a) for a in args], **{k: _stand_in(v) for k, v in (kwargs or {}).items()})
-    except RuntimeError as e:
+        fn(*[_stand_in(a, i in written) for i, a in enumerate(args)],
+           **{k: _stand_in(v, k in written) for k, v in (kwargs or {}).items()})
+    except NotImplementedError as e:
+        # CPU's "not implemented for 'Float'" dtype refusals; not a missing kernel (CPU has one).
+        return e if "not implemented for" in str(e) else None
+    except _ARG_ERRORS as e:
         return e
     return None
+
+
+def _as_cpu_raised(err):
+    """``err`` again, raised at the call: the same type and message, without CPU's frames."""
+    try:
+        new = type(err)(str(err))
+    except Exception:           # an exception type that takes other arguments
+        new = err
+    # CPU's NotImplementedError ("not implemented for 'Float'") is not a missing meta kernel:
+    # the dispatcher raises it rather than falling back to CPU.
+    new.deferfuse_cpu_words = True
+    return new
+
+
+def _written(func) -> tuple:
+    out = _WRITTEN.get(func)
+    if out is None:
+        out = _WRITTEN[func] = tuple(
+            i if not a.kwarg_only else a.name for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    return out
+
+
+_WRITTEN: dict = {}
+
+
+def raise_like_cpu(func, args, kwargs, meta_error):
+    """NOTE [CPU's words]: a meta kernel refused these operands; raise what CPU raises for them
+    (its type and message: "mat1 and mat2 shapes cannot be multiplied (3x4 and 5x6)" where the
+    meta kernel says "a and b must have same reduction dim"), or the meta kernel's error where CPU
+    does not refuse stand-ins (checks that depend on strides)."""
+    err = cpu_error(func, args, kwargs, _written(func))
+    if err is None:
+        raise meta_error
+    raise _as_cpu_raised(err) from None
+
+
+# Arguments CPU requires to hold integer indices, which meta kernels (index_select, index_add,
+# index_put ...) or lowerings take as they are: found by name in each op's schema.
+_INDEX_NAMES = ("index", "indices")
+_INDEX_ARGS: dict = {}
+_INDEX_OK = (torch.int64, torch.int32)
+
+
+def _index_args(func) -> tuple:
+    out = _INDEX_ARGS.get(func)
+    if out is None:
+        name = func._schema.name
+        names = _INDEX_NAMES + (("target",) if "nll_loss" in name else ())
+        out = _INDEX_ARGS[func] = tuple(
+            (i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+            if a.name in names and "Tensor" in str(a.type))
+    return out
+
+
+def _bad_index(func, args, kwargs) -> bool:
+    for i, name, kw_only in _index_args(func):
+        v = kwargs.get(name) if kw_only or len(args) <= i else args[i]
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.dtype not in _INDEX_OK and not (
+                    t.dtype in (torch.bool, torch.uint8) and isinstance(v, (list, tuple))):
+                return True
+    return False
+
+
+# Arguments whose dtype must be self's (index_add's source, scatter's src, index_put's values,
+# masked_scatter's source): their meta kernels take any dtype and promote.
+_SAME_AS_SELF = ("source", "src", "values")
+
+
+def _source_dtype_differs(func, args, kwargs) -> bool:
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in _SAME_AS_SELF:
+            v = kwargs.get(a.name) if a.kwarg_only or len(args) <= i else args[i]
+            if isinstance(v, torch.Tensor) and v.dtype != args[0].dtype:
+                return True
+    return False
+
+
+_INT_ONLY = {getattr(aten, n) for n in ("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+                                        "bitwise_left_shift", "bitwise_right_shift", "gcd", "lcm")
+             if hasattr(aten, n)}
+
+
+def _cast_refused(func, args, kwargs) -> bool:
+    """An in-place (or out=) pointwise op whose result type cannot be cast to the tensor it writes
+    (``bool_t.mul_(float_t)``, ``long_t.mul_(2.5)``): CPU refuses, meta kernels do not all."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+    written, inputs = [], []
+    for i, a in enumerate(func._schema.arguments):
+        v = kwargs.get(a.name) if a.kwarg_only or len(args) <= i else args[i]
+        if a.alias_info is not None and a.alias_info.is_write:
+            if isinstance(v, torch.Tensor):
+                written.append(v)
+                if i == 0:
+                    inputs.append(_to_meta(v))
+        elif isinstance(v, torch.Tensor) or (
+                # a Scalar, or a number PyTorch passed for a Tensor argument (x.mul_(2.5))
+                isinstance(v, (bool, int, float, complex)) and a.name not in ("alpha", "value")
+                and isinstance(a.type, (torch.NumberType, torch.OptionalType, torch.TensorType))):
+            inputs.append(_to_meta(v))
+    if not written or not inputs:
+        return False
+    try:
+        _, result = elementwise_dtypes(*inputs,
+                                       type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    except Exception:
+        return False
+    return any(not torch.can_cast(result, w.dtype) for w in written)
+
+
+def _check_like_cpu(func, args, kwargs) -> None:
+    """NOTE [CPU's words]: dtype checks CPU makes and meta kernels skip, so the op was computed
+    anyway (an in-place cast, a source of another dtype) or failed in its lowering with JAX's
+    words (a float index, a float bitwise op). Each test is a cheap look at dtypes; only when it
+    finds one does CPU run on stand-ins to say what it raises."""
+    suspect = (_bad_index(func, args, kwargs) or _source_dtype_differs(func, args, kwargs)
+               or (func.overloadpacket in _INT_ONLY and any(
+                   isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())
+                   for a in args))
+               or (_written(func) and torch.Tag.pointwise in func.tags
+                   and _cast_refused(func, args, kwargs)))
+    if suspect:
+        err = cpu_error(func, args, kwargs, _written(func))
+        if err is not None:
+            raise _as_cpu_raised(err) from None
 
 
 def _rnn_cell_check(name, gates, hidden_gates, prev, factor):
@@ -267,7 +414,18 @@ def dtype_error(func, args, kwargs):
 
 
 def infer(func, args, kwargs):
-    """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
+    """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs; bad
+    arguments raise what CPU raises (NOTE [CPU's words])."""
+    _check_like_cpu(func, args, kwargs)
+    try:
+        return _infer(func, args, kwargs)
+    except NotImplementedError:
+        raise
+    except _ARG_ERRORS as e:
+        raise_like_cpu(func, args, kwargs, e)
+
+
+def _infer(func, args, kwargs):
     rule = _RULES.get(func)
     if rule is not None:
         return rule(*args, **kwargs)
@@ -336,7 +494,17 @@ def _static(x):
 
 
 def infer_view(func, args, kwargs):
-    """[(size, stride, offset, dtype, step)] of a view op's outputs; step None for an alias."""
+    """[(size, stride, offset, dtype, step)] of a view op's outputs; step None for an alias. Bad
+    arguments raise what CPU raises (NOTE [CPU's words])."""
+    try:
+        return _infer_view(func, args, kwargs)
+    except NotImplementedError:
+        raise
+    except _ARG_ERRORS as e:
+        raise_like_cpu(func, args, kwargs, e)
+
+
+def _infer_view(func, args, kwargs):
     base = args[0]
     m = _to_meta(base)
     out = func(m, *[_to_meta(a) for a in args[1:]], **{k: _to_meta(v) for k, v in kwargs.items()})

@@ -28,7 +28,7 @@ def _nll_parts(x, target, weight, ignore_index):
 @op("nll_loss_forward.default", "nll_loss2d_forward.default")
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
     check_index(jnp.where(target == ignore_index, 0, target), self.shape[0 if self.ndim == 1 else 1],
-                IndexError, "Target is out of bounds (a class index outside [0, C)).",
+                IndexError, "Target {index} is out of bounds.",
                 allow_negative=False)
     picked, w, _, _ = _nll_parts(self, target, weight, ignore_index)
     loss = -picked * w
