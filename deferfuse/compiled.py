@@ -120,6 +120,8 @@ class CompiledGraph:
                 if isinstance(val, torch.Tensor):
                     res.append(_inner_of_value(o, val.dtype) if val.device.type == "tpu"
                                else transfer.to_torch(o, val.dtype).reshape(val.shape))
+                elif isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
+                    res.append(int(o))      # a size (dynamic shapes): a Python int again
                 else:
                     res.append(o)
             return res
@@ -197,6 +199,11 @@ def backend(gm, example_inputs, **kwargs):
     """The ``tpu`` Dynamo backend (also registered as ``deferfuse``)."""
     from torch._dynamo.backends.common import aot_autograd
     S["dynamo_graphs"] += 1
+    cid = torch._guards.CompileContext.current_compile_id()
+    if cid is not None and getattr(cid, "frame_compile_id", 0):
+        # The same frame compiled again: one of its guards failed (a new shape, dtype, Python
+        # value); TORCH_LOGS=recompiles names the guard.
+        S["graph_recompiles"].append(f"compile {cid} of a frame ({len(example_inputs)} inputs)")
     return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
                         inference_compiler=_compiler("inference"),
                         decompositions=_decompositions(),
@@ -215,6 +222,11 @@ def _route_default_backend() -> None:
     if wrapper is None or getattr(wrapper.__call__, "_deferfuse", False):
         return
     orig = wrapper.__call__
+    orig_init = wrapper.__init__
+
+    def __init__(self, *args, **kwargs):
+        _skip_deferfuse()       # torch.compile(model) is being set up: before any tracing
+        orig_init(self, *args, **kwargs)
 
     def __call__(self, model_, inputs_):
         if any(_on_tpu(x) for x in inputs_):
@@ -222,6 +234,33 @@ def _route_default_backend() -> None:
         return orig(self, model_, inputs_)
     __call__._deferfuse = True
     wrapper.__call__ = __call__
+    wrapper.__init__ = __init__
+
+
+def _skip_deferfuse() -> None:
+    """NOTE [dynamo skips deferfuse]: Dynamo tries to compile every Python frame that runs while
+    compiled code runs, eager ops of a graph break included: it went into our
+    ``__torch_dispatch__``. deferfuse's folders join Dynamo's skip list when Dynamo first meets
+    deferfuse (importing Dynamo at ``import deferfuse`` would cost seconds)."""
+    global _skipping
+    if _skipping:
+        return
+    _skipping = True
+    from torch._dynamo import trace_rules
+    for mod in ("deferfuse", "deferfuse.runtime", "deferfuse.scheduler", "deferfuse_autoload"):
+        trace_rules.add(mod)
+
+
+_skipping = False
+
+
+def __getattr__(name):
+    # The entry points (pyproject.toml) name ``dynamo_backend``: Dynamo loads it when
+    # torch.compile(backend="tpu") is called, before it traces anything.
+    if name == "dynamo_backend":
+        _skip_deferfuse()
+        return backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:
@@ -229,6 +268,7 @@ def register() -> None:
     by Dynamo when a name is first asked for; registered here too if Dynamo is loaded already."""
     if "torch._dynamo" in sys.modules:
         from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+        _skip_deferfuse()
         for name in ("tpu", "deferfuse"):
             if name not in _COMPILER_FNS:
                 register_backend(name=name)(backend)

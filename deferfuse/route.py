@@ -6,6 +6,7 @@ Imported once, by device registration; it makes ``TpuTensor.__torch_dispatch__``
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
 from .dispatch import Fallback, _local, _run
 from .engine import engine, user_error
@@ -37,6 +38,12 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             return fallback(func, r[1], args, kwargs, f.why)
         except BaseException as e:
             err = e
+    except AttributeError as e:
+        if _traced(args, kwargs):
+            # A tensor being traced reached the eager path with no fake mode on (Dynamo replaying
+            # a view on a fake base): NOTE [inner tensor] (traceable.py).
+            return traced_dispatch(func, args, kwargs)
+        err = e
     except BaseException as e:
         err = e
     if torch._C._current_autograd_node() is None:
@@ -51,6 +58,11 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     # (device.py) raise the kept error instead.
     _local.ts.backward_errors.append(err)
     return torch.empty(0)
+
+
+def _traced(args, kwargs) -> bool:
+    return any(isinstance(a, TpuTensor) and "_s" not in a.__dict__
+               for a in pytree.tree_leaves((args, kwargs)))
 
 
 def dispatch(func, args, kwargs):

@@ -58,9 +58,9 @@ def _unflatten(inner_tensors: dict, meta, outer_size, outer_stride):
         return t
     size, stride = tuple(outer_size), tuple(outer_stride)
     st = Storage(v, inner.device.index or 0, inner.dtype, stride)
-    t = make(st, (), size, stride, 0, inner.dtype)
-    t._inner_t = inner
-    return t
+    # Its own inner tensor is made from its storage when needed: the tensor may be written in
+    # place later, and ``inner`` holds the value it had here.
+    return make(st, (), size, stride, 0, inner.dtype)
 
 
 def traced_dispatch(func, args, kwargs):

@@ -13,6 +13,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .dtypes import to_np_dtype
 from .errors import LoweringError
@@ -51,7 +52,8 @@ class GraphPlan:
             if n.target is _COPY and n.args[0] in index:
                 self.writes.append((index[n.args[0]], n.args[1]))
                 continue
-            if n.target in (operator.getitem,) or not isinstance(n.target, torch._ops.OpOverload):
+            if (n.target in (operator.getitem,) or n.target in _SIZES
+                    or not isinstance(n.target, torch._ops.OpOverload)):
                 continue
             low = LOWERINGS.get(n.target)
             if low is None:
@@ -93,6 +95,10 @@ class GraphPlan:
                 if n.target is operator.getitem:
                     env[n] = args[0][args[1]]
                     continue
+                size = _SIZES.get(n.target)
+                if size is not None:            # a dynamic dimension: static in each program
+                    env[n] = size(*args)
+                    continue
                 if not hasattr(n.target, "_schema"):       # a Python function on sizes
                     env[n] = n.target(*args, **kwargs)
                     continue
@@ -121,6 +127,18 @@ class GraphPlan:
             return outs, written, key, [f for f, _, _ in flags]
         msgs: list = []     # (exception type, message) per flag, filled when it traces
         return fn, msgs
+
+
+def _sizes() -> dict:
+    import torch
+    aten = torch.ops.aten
+    return {aten.sym_size.int: lambda x, d: x.shape[d],
+            aten.sym_stride.int: lambda x, d: int(np.prod(x.shape[d + 1:])),
+            aten.sym_numel.default: lambda x: int(np.prod(x.shape)),
+            aten.sym_storage_offset.default: lambda x: 0}
+
+
+_SIZES = _sizes()
 
 
 def _fill(x, env):

@@ -34,6 +34,7 @@ def fresh() -> dict:
         "compiled_calls": 0,        # ... calls of those graphs
         "graphs_run_eagerly": 0,    # graphs with an op no lowering covers, run op by op
         "graph_fallback_reasons": [],
+        "graph_recompiles": [],     # Dynamo frames compiled again (a guard failed), in words
         "donated_bytes": 0,
         "elided_bytes": 0,          # intermediates never materialised as buffers
         "peak_region": None,
