@@ -79,8 +79,11 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
                 ctx = W.Ctx(s)
                 make = lambda: W.WORKLOADS[w]["torch"](ctx, quick)  # noqa: E731
             with scopes[s]():
+                t0 = time.perf_counter()
                 built[s] = make()
-                for _ in range(warmup):
+                built[s].step()
+                out.setdefault("first_step_s", {})[s] = time.perf_counter() - t0    # compiles
+                for _ in range(warmup - 1):
                     built[s].step()
         except W.NotApplicable as e:
             out["na"][s] = str(e)
@@ -210,6 +213,11 @@ def render_md(meta: dict, results: dict) -> str:
         if p:
             L.append(f"- {w}: defer / hand-written jax.jit program, paired: **{1 / p['median']:.2f}x** "
                      f"[{1 / p['p75']:.2f}-{1 / p['p25']:.2f}] (1.0 would be the JAX ceiling)")
+    for w in meta["workloads"]:
+        r = results.get(w)
+        if r and r["status"] == "ok" and r.get("first_step_s"):
+            L.append(f"- {w}: first step (compiles included): "
+                     + ", ".join(f"{s} {v:.2f} s" for s, v in r["first_step_s"].items()))
     ops = {w: results[w].get("us_per_op") for w in results if results[w].get("us_per_op")}
     for w, u in ops.items():
         L.append(f"- {w}: recording / dispatch cost per op (loop only): "

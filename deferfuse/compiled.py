@@ -79,11 +79,12 @@ class CompiledGraph:
                 else:
                     ints.append(int(a))
             donate = []
-            for i, v in enumerate(vals):
-                # A written input whose value only its storage holds (and vals, and getrefcount's
-                # argument) gives its buffer to the program (NOTE [donation safety] in spirit).
-                donate.append(i in self.written and v is not None
-                              and sys.getrefcount(v) <= 3 and config.memory_planner)
+            getrc = sys.getrefcount
+            for i in range(len(vals)):
+                # A written input whose value nothing but its storage holds (and ``vals``, and
+                # getrefcount's argument) gives its buffer to the program.
+                donate.append(i in self.written and vals[i] is not None
+                              and getrc(vals[i]) <= 3 and config.memory_planner)
             donate = tuple(donate)
             entry = self.jits.get(donate)
             if entry is None:
@@ -105,6 +106,7 @@ class CompiledGraph:
                     gone = Donated(f"a compiled {self.kind} graph")
                     for v, d in zip(vals, donate):
                         if d:
+                            S["donated_bytes"] += v.nbytes
                             v.fail(gone)
                 for (i, _), arr in zip(plan.writes, written):
                     self._write(tensors[i], arr)

@@ -63,9 +63,21 @@ def _unflatten(inner_tensors: dict, meta, outer_size, outer_stride):
     return make(st, (), size, stride, 0, inner.dtype)
 
 
+def _traced_inner(t):
+    """The inner tensor an op being traced runs on: a fake one; for a real tpu tensor met while
+    tracing (a constant made in the traced code), a fake of its inner tensor."""
+    if "_s" not in t.__dict__:
+        return t._inner_t
+    mode = torch._C._get_dispatch_mode(FAKE)
+    if mode is None:
+        raise RuntimeError("deferfuse internal error: a real tpu tensor in a traced op outside a "
+                           "fake mode")
+    return mode.from_tensor(t._inner)
+
+
 def traced_dispatch(func, args, kwargs):
     """An op on tensors being traced: run it on their inner tensors, wrap tpu results."""
-    ua, uk = pytree.tree_map_only(TpuTensor, lambda t: t._inner_t, (args, kwargs))
+    ua, uk = pytree.tree_map_only(TpuTensor, _traced_inner, (args, kwargs))
     out = func(*ua, **uk)
     return pytree.tree_map_only(
         torch.Tensor,

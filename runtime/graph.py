@@ -52,7 +52,7 @@ class GraphPlan:
             if n.target is _COPY and n.args[0] in index:
                 self.writes.append((index[n.args[0]], n.args[1]))
                 continue
-            if (n.target in (operator.getitem,) or n.target in _SIZES
+            if (n.target in (operator.getitem,) or n.target in _SIZES or n.target in _EMPTIES
                     or not isinstance(n.target, torch._ops.OpOverload)):
                 continue
             low = LOWERINGS.get(n.target)
@@ -99,6 +99,10 @@ class GraphPlan:
                 if size is not None:            # a dynamic dimension: static in each program
                     env[n] = size(*args)
                     continue
+                if n.target in _EMPTIES:        # uninitialised memory: zeros, as eager mode reads it
+                    shape, dt = _val_avals(n.meta["val"])[0]
+                    env[n] = jnp.zeros(shape, dt)
+                    continue
                 if not hasattr(n.target, "_schema"):       # a Python function on sizes
                     env[n] = n.target(*args, **kwargs)
                     continue
@@ -139,6 +143,23 @@ def _sizes() -> dict:
 
 
 _SIZES = _sizes()
+
+
+def _empties() -> set:
+    import torch
+    aten = torch.ops.aten
+    names = ("empty.memory_format", "empty_strided.default", "empty_permuted.default",
+             "new_empty.default", "new_empty_strided.default", "empty_like.default")
+    out = set()
+    for name in names:
+        packet, _, ov = name.partition(".")
+        o = getattr(getattr(aten, packet, None), ov, None)
+        if o is not None:
+            out.add(o)
+    return out
+
+
+_EMPTIES = _empties()
 
 
 def _fill(x, env):

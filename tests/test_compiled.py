@@ -175,3 +175,29 @@ def test_hugging_face_static_cache_generate_compiles_on_tpu():
                          cache_implementation="static")
     assert torch.equal(got.cpu(), want)
     assert deferfuse.metrics()["dynamo_graphs"] >= 1
+
+
+@pytest.mark.slow
+def test_hugging_face_llama_trains_20_steps_compiled_as_on_cpu():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    ref = LlamaForCausalLM(cfg)
+    model = copy.deepcopy(ref).to("tpu")
+    cm = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    for _ in range(20):
+        ids = torch.randint(2, 128, (2, 16))
+        loss = cm(input_ids=ids.to("tpu"), labels=ids.to("tpu"), use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-5)
+    assert deferfuse.metrics()["graphs_run_eagerly"] == 0
