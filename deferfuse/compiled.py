@@ -21,6 +21,9 @@ import torch
 from .config import config
 from .dispatch import _contig, copy_into, read
 from .engine import engine
+from .errors import LoweringError
+from .opinfo import _DECOMP
+from .runtime.lowering import LOWERINGS
 from .runtime import execute, stats, transfer
 from .runtime.dtypes import x64
 from .runtime.graph import GraphPlan, jitted
@@ -181,7 +184,6 @@ def _inner_of_value(arr, dtype):
 
 def _compiler(kind: str):
     def compile_graph(gm, example_inputs):
-        from .errors import LoweringError
         try:
             return CompiledGraph(gm, example_inputs, kind)
         except LoweringError as e:
@@ -192,8 +194,6 @@ def _compiler(kind: str):
 def _decompositions() -> dict:
     """PyTorch's decompositions for the ops with no lowering of their own (the lowered ones stay
     whole: one lowering each, as in eager mode)."""
-    from .opinfo import _DECOMP
-    from .runtime.lowering import LOWERINGS
     return {op: fn for op, fn in _DECOMP.items() if op not in LOWERINGS}
 
 

@@ -417,6 +417,9 @@ def copy_into(dst: TpuTensor, src) -> TpuTensor:
 # pointers, which a tpu tensor does not have)
 
 def _repr(self, *, tensor_contents=None):
+    if "_s" not in self.__dict__:      # a tensor being traced (NOTE [inner tensor]): no value
+        return (f"TpuTensor(traced, size={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device='{self.device}')")
     try:
         cpu = to_cpu(self, "print")
     except Exception as e:

@@ -16,6 +16,7 @@ import threading
 import weakref
 
 import jax
+import numpy as np
 import torch
 
 from . import opinfo
@@ -27,6 +28,7 @@ from .runtime.flush import ASYNC_CUTS, Runner, Settings
 from .runtime.transfer import devices, materialize_empty
 from .scheduler.cache import Cache
 from .scheduler.records import Value, sig_id
+from .tensor import Storage
 
 
 def user_error(e: BaseException) -> BaseException:
@@ -240,8 +242,6 @@ class Rng:
         return st
 
     def _new(self, seed: int, dev: int):
-        from .tensor import Storage
-        import numpy as np
         with x64(True):
             k = jax.device_put(jax.random.PRNGKey(seed & 0xFFFFFFFFFFFFFFFF), devices()[dev])
         return Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
@@ -261,13 +261,10 @@ class Rng:
             self.keys[d] = self._new(int(seed), d)
 
     def get_state(self, dev: int) -> torch.Tensor:
-        import numpy as np
         arr = self.engine.ready(self.storage(dev).val, dev, "rng state")
         return torch.from_numpy(np.asarray(jax.device_get(arr)).astype(np.int64))
 
     def set_state(self, state: torch.Tensor, dev: int) -> None:
-        from .tensor import Storage
-        import numpy as np
         self.engine.sync("rng state")
         a = state.detach().cpu().numpy().astype(np.uint32)
         if a.shape != (2,):

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import torch
 
+from .opinfo import clear
 from .runtime.dtypes import TORCH_TO_NP, NP_TO_TORCH, numpy_to_torch, torch_to_numpy, x64
 from .runtime.lowering import LOWERINGS, Lowering
 
@@ -131,7 +132,6 @@ def jax_op(name: str, *, static=(), backward=None):
         torch.library.register_autograd(op, bwd, setup_context=setup_context)
         _LIBS.append(lib)
 
-        from .opinfo import clear
         clear()
         # The op itself (an OpOverload): Dynamo captures a call of it into its graph, where a
         # Python wrapper in deferfuse's folder would be skipped (NOTE [dynamo skips deferfuse]).

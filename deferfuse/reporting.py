@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 
+from .engine import engine
 from .runtime import flush, memory, stats
 
 
@@ -117,7 +118,6 @@ def _compiled_lines(S) -> list:
 def dump_trace(path: str) -> str:
     """Write the last fused trace as Graphviz DOT (networkx), plus a PNG when `dot` exists."""
     import networkx as nx
-    from .engine import engine
     last = engine.runner.last
     if last is None:
         raise RuntimeError("no trace has run yet; run something in defer mode first")

@@ -74,9 +74,10 @@ FIRST_USES = {
 }
 
 
-def test_each_first_use_loads_deferfuse():
+def _first_uses(names):
     procs = {}
-    for name, code in FIRST_USES.items():
+    for name in names:
+        code = FIRST_USES[name]
         procs[name] = _start("import sys, torch\n"
                              "assert 'jax' not in sys.modules\n"
                              f"{code}\n"
@@ -85,6 +86,16 @@ def test_each_first_use_loads_deferfuse():
     for name, p in procs.items():
         out = _finish(p)
         assert out.split("\n")[0] == "tpu:0 [2.0, 2.0, 2.0]", (name, out)
+
+
+def test_first_use_loads_deferfuse():
+    _first_uses(["factory", "two threads"])
+
+
+@pytest.mark.slow
+def test_each_first_use_loads_deferfuse():
+    # (a process each: importing torch and JAX in five processes costs a minute on 2 cores)
+    _first_uses(["module to", "torch.tpu", "torch.accelerator"])
 
 
 def test_autoload_off_and_import_deferfuse():
