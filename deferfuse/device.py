@@ -149,6 +149,8 @@ def _make_module() -> types.ModuleType:
     m.is_bf16_supported = lambda *a, **k: True
     m.get_amp_supported_dtype = lambda: [torch.bfloat16, torch.float16]
     m._lazy_init = lambda: None
+    from . import streams
+    streams.install(m)
     return m
 
 
@@ -342,6 +344,8 @@ def register() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
     from .dispatch import dispatch  # (loads specials after the helpers they use)
     from .specials import empty_memory_format, empty_strided, _h_copy_from
+    from . import distributed
+    distributed.register()      # before the first device lookup (NOTE [distributed start])
 
     module = _make_module()
     _setup_privateuseone_for_python_backend("tpu", backend_module=module)

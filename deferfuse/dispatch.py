@@ -106,6 +106,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         r = _ROUTE[id(func)] = _route(func)
     try:
         return r[0](func, r[1], args, kwargs or {})
+    except ForeignSubclass:
+        return NotImplemented
     except BaseException as e:
         if torch._C._current_autograd_node() is None:
             raise
@@ -122,6 +124,12 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
 
 
 BACKWARD_ERRORS: list = []    # errors of ops run by the autograd engine (NOTE [errors in backward])
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
+
+
+class ForeignSubclass(Exception):
+    """An argument is another tensor subclass wrapping a tpu tensor (DTensor's
+    AsyncCollectiveTensor): __torch_dispatch__ returns NotImplemented so that its own runs first."""
 
 
 def dispatch(func, args, kwargs):
@@ -202,6 +210,8 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             t = new_tensor(_const_value(a, device[0] or 0), device[0] or 0, a.dtype, (), ())
             tensors.append(t)
             return (TS, len(tensors) - 1)
+        if getattr(type(a), "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
+            raise ForeignSubclass       # its own __torch_dispatch__ unwraps it: let it run
         raise _device_error(f"tpu:{device[0] or 0}", str(a.device))
     if ta is torch.device and a.type == "tpu":
         if device[0] is None:

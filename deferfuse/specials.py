@@ -224,6 +224,23 @@ def _h_inplace_view(func, args, kwargs):
     return self
 
 
+def _h_foreach_copy(func, args, kwargs):
+    """``torch._foreach_copy_(dsts, srcs)``. One op writes every destination from the values they
+    held before it; destinations that are views of one storage (FSDP2 copies parameters into the
+    slices of one flat buffer) would each write that storage from its old value, and the last
+    write would undo the others. Those run as one copy each, in order."""
+    dsts = args[0]
+    seen = set()
+    for d in dsts:
+        if type(d) is TpuTensor:
+            if id(d._s) in seen:
+                for d, s in zip(dsts, args[1]):
+                    copy_into(d, s)
+                return None
+            seen.add(id(d._s))
+    return _run(func, op_info(func), args, kwargs)
+
+
 def _h_linalg_check_errors(func, args, kwargs):
     # LAPACK's info is checked on JAX (a flag), but PyTorch raises LinAlgError at the call on
     # every device (CUDA syncs for it), so code can catch it there: a sync point in defer mode.
@@ -272,6 +289,7 @@ for _p in ("squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_
 SPECIAL = {
     **{f: _h_inplace_view for f in _INPLACE_VIEWS},
     aten._linalg_check_errors.default: _h_linalg_check_errors,
+    aten._foreach_copy_.default: _h_foreach_copy,
     aten.equal.default: _h_equal,         # return a Python bool: computed on JAX, then read
     aten.allclose.default: _h_allclose,
     aten.empty.memory_format: _h_empty,
@@ -300,3 +318,14 @@ for _name in ("record_stream.default",):
     _o = getattr(getattr(aten, _p, None), _ov, None)
     if _o is not None:
         SPECIAL[_o] = _h_noop_self
+
+
+def register(handlers: dict) -> None:
+    """Add handlers ``{OpOverload: handler(func, args, kwargs)}`` from another module (the
+    distributed package's functional collectives): such an op then never takes the generic path."""
+    from .dispatch import _ROUTE
+    for f, h in handlers.items():
+        if f in SPECIAL and SPECIAL[f] is not h:
+            raise AssertionError(f"a second special handler for {f}")
+        SPECIAL[f] = h
+        _ROUTE.pop(id(f), None)

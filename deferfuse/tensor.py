@@ -123,7 +123,10 @@ class TpuTensor(torch.Tensor):
         self._sig = new._sig
 
     def untyped_storage(self):
-        raise RuntimeError("tpu tensors have no host-addressable storage; call .cpu() first")
+        # Size, resize_ and data_ptr (FSDP2 frees and reallocates parameters with them); never
+        # host-addressable (NOTE [storage resize] in storage.py).
+        from .storage import untyped_storage
+        return untyped_storage(self)
 
     def data_ptr(self):
         # Unique per storage and view offset, for code that compares pointers (never dereference).
