@@ -229,16 +229,40 @@ def _h_foreach_copy(func, args, kwargs):
     held before it; destinations that are views of one storage (FSDP2 copies parameters into the
     slices of one flat buffer) would each write that storage from its old value, and the last
     write would undo the others. Those run as one copy each, in order."""
-    dsts = args[0]
+    dsts, srcs = args[0], args[1]
     seen = set()
     for d in dsts:
         if type(d) is TpuTensor:
             if id(d._s) in seen:
-                for d, s in zip(dsts, args[1]):
-                    copy_into(d, s)
-                return None
+                break
             seen.add(id(d._s))
-    return _run(func, op_info(func), args, kwargs)
+    else:
+        return _run(func, op_info(func), args, kwargs)
+    span = _consecutive(dsts)
+    if span is not None and len({s.dtype for s in srcs}) == 1 and all(
+            type(s) is TpuTensor for s in srcs):
+        # The slices of one flat buffer, in order (FSDP2's all-gather input): one copy of the
+        # concatenated sources into the span they cover.
+        copy_into(span, aten.cat.default([s.reshape(-1) for s in srcs]))
+        return None
+    for d, s in zip(dsts, srcs):
+        copy_into(d, s)
+    return None
+
+
+def _consecutive(dsts):
+    """The 1-D view covering ``dsts`` when they are contiguous 1-D views of one storage that
+    follow each other, else None."""
+    d0 = dsts[0]
+    if type(d0) is not TpuTensor:
+        return None
+    at = d0.storage_offset()
+    for d in dsts:
+        if (type(d) is not TpuTensor or d._s is not d0._s or d.dim() != 1 or d.dtype != d0.dtype
+                or (d.numel() > 1 and d.stride(0) != 1) or d.storage_offset() != at):
+            return None
+        at += d.numel()
+    return aten.as_strided.default(d0, (at - d0.storage_offset(),), (1,), d0.storage_offset())
 
 
 def _h_linalg_check_errors(func, args, kwargs):

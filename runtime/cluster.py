@@ -54,7 +54,7 @@ class Cluster:
             return
         self.started = True
         self.timeout = timeout
-        self.dead_after = min(10.0, timeout)
+        self.dead_after = min(10.0, timeout / 2)
         from jax._src import distributed
         if distributed.global_state.client is not None:     # the program started it itself
             self._adopt(distributed.global_state)
@@ -157,14 +157,16 @@ class Cluster:
             return
         deadline = time.monotonic() + self.timeout
         others = set(range(1, self.size))
+        dead: set = set()
         try:
             while others and time.monotonic() < deadline:
                 others -= set(self.ranks_with("exited"))
-                others -= set(self.dead(others))
+                dead |= set(self.dead(others))
+                others -= dead
                 if others:
                     time.sleep(0.05)
-            if not others:
-                # Returns once every other process has disconnected (or JAX declared it dead).
+            if not others and not dead:
+                # Returns once every other process has disconnected.
                 self.client.get_live_nodes(list(range(self.size)))
         except Exception:
             pass

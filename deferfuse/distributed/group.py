@@ -155,7 +155,11 @@ class ProcessGroupTPU(ProcessGroup):
         if any(t._s.device != dev for t in tensors):
             raise RuntimeError(f"a collective takes tensors on one tpu device, got tpu:{dev} and "
                                f"tpu:{next(t._s.device for t in tensors if t._s.device != dev)}")
+        trace = ""
         if state.trace.nodes:
+            # Shown when ranks disagree: whether the ops each recorded before it differ too.
+            trace = (f" (after a recorded trace of {len(state.trace.nodes)} ops, structure "
+                     f"{state.trace.h & 0xffffffff:08x})")
             state.sync("collective", op=kind)
         ranks = peers or self._ranks
         me = CLUSTER.rank
@@ -168,7 +172,8 @@ class ProcessGroupTPU(ProcessGroup):
         what = f"{kind} (collective #{seq} of group {self._gname})"
         if len(ranks) > 1 and COORD.client is not None and (config.dist_check or kind == "barrier"):
             desc = f"{kind}({detail}) " + " ".join(_desc(t) for t in tensors) + f" tpu:{dev}"
-            COORD.exchange(scope, seq, me, ranks, desc, user_frame(), what, self._timeout)
+            COORD.exchange(scope, seq, me, ranks, desc, user_frame() + trace, what,
+                           self._timeout)
         with xc.x64(True):
             arrays = run(self._devices(dev, None if peers is None else tuple(peers)))
         S["collectives"][kind] += 1
