@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full bench bench-quick bench-paired sweep wheel-test clean
+.PHONY: demo test test-full test-dist bench bench-quick bench-paired bench-dist sweep wheel-test clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +17,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+test-dist: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"
 
 test-full: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "slow or not slow"
@@ -35,6 +38,9 @@ bench-quick: $(STAMP)
 bench-paired: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/paired.py --quick $(ARGS)
+
+bench-dist: $(STAMP)
+	$(BIN)/python bench/dist.py $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow

@@ -232,6 +232,15 @@ def permute(x, devices: tuple, pairs: tuple):
     return _run(key, devices, lambda b: jax.lax.ppermute(b, AXIS, list(pairs)), x).reshape(x.shape)
 
 
+def failed_in_xla(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing inside XLA (a peer's connection closed, a timeout in
+    its transport), not an error in how it was called: JAX raises those as JaxRuntimeError, or as
+    a ValueError whose message starts with the status code ('UNKNOWN: Gloo all-reduce failed')."""
+    import re
+    return isinstance(e, jax.errors.JaxRuntimeError) or (
+        isinstance(e, ValueError) and re.match(r"[A-Z_]+: ", str(e)) is not None)
+
+
 def ready(arrays) -> bool:
     """Whether every array is computed (or failed: reading it raises)."""
     for a in arrays:

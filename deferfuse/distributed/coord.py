@@ -7,20 +7,18 @@ match expected size"), and one a rank never reaches waited forever. So before ea
 rank publishes a description of it (kind, reduction, shapes, dtypes, the user's line) under the
 collective's sequence number in its group, and reads every other rank's. A different description,
 a rank that raised, exited or stopped sending heartbeats, or the timeout, becomes a
-``DistributedError`` naming the ranks, on every rank, before anything reaches XLA. On the machine
-this was built on the exchange costs about 0.45 ms per collective between two processes; cut and
-compile decisions depend on counts only, never on time (NOTE [backward cut] in device.py), so ranks
-that run the same program always agree. ``DEFERFUSE_DIST_CHECK=0`` turns the check off (barriers
-still meet here).
+``DistributedError`` naming the ranks, on every rank, before anything reaches XLA. It costs one
+write and one read per other rank in the coordination service. Cut and compile decisions depend on
+counts only, never on time (NOTE [backward cut] in device.py), so ranks that run the same program
+always agree. ``DEFERFUSE_DIST_CHECK=0`` turns the check off (barriers still meet here).
 
 NOTE [rank failures]: a rank whose program raises publishes the error before it exits (an
-excepthook); every rank publishes that it exited; each process sends a heartbeat every second.
-A rank waiting for others looks at these between one-second waits: a failure or exit names the rank
-at once, a heartbeat that stopped for ``dead_after`` seconds (10, or the timeout if shorter) names a
-killed or frozen rank, and the timeout names the ranks that never arrived. Rank 0 hosts the
-coordination service, so at exit it waits (up to the timeout) until every other rank has exited,
-failed or died; if rank 0 itself is killed, the others end with JAX's own fatal error, which says
-that the leader task died.
+excepthook); every rank publishes that it exited and sends a heartbeat every second (NOTE [orderly
+exit] in runtime/cluster.py). A rank waiting for others looks at these between one-second waits: a
+failure or exit names the rank at once, a heartbeat that stopped for ``dead_after`` seconds (10, or
+half the timeout if less) names a killed or frozen rank, and the timeout names the ranks that never
+arrived. If rank 0, which hosts the coordination service, is killed, the others end with JAX's own
+fatal error, which says that the leader task died.
 """
 from __future__ import annotations
 

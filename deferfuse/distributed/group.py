@@ -25,6 +25,7 @@ from ..dispatch import _contig, copy_into, new_tensor, read, user_frame
 from ..runtime import collectives as xc
 from ..runtime import stats
 from ..runtime.cluster import CLUSTER
+from ..runtime.dtypes import to_np_dtype
 from ..scheduler.records import Value
 from ..tensor import TpuTensor
 from .coord import COORD, DistributedError
@@ -147,7 +148,8 @@ class ProcessGroupTPU(ProcessGroup):
         raise RuntimeError("Expected all tensors of a collective on one device, found tpu and "
                            f"{other.device}; move the {other.device} tensors with .to('tpu')")
 
-    def _collective(self, kind: str, detail: str, tensors, run, scope=None, peers=None):
+    def _collective(self, kind: str, detail: str, tensors, run, scope=None, peers=None,
+                    shapes=None):
         """Steps shared by every collective on tpu tensors (see the module's doc). ``run(devices)``
         does the JAX part, writes the outputs and returns the arrays it made."""
         t0 = time.perf_counter()
@@ -171,15 +173,21 @@ class ProcessGroupTPU(ProcessGroup):
             self._p2p_seq[scope] = seq + 1
         what = f"{kind} (collective #{seq} of group {self._gname})"
         if len(ranks) > 1 and COORD.client is not None and (config.dist_check or kind == "barrier"):
-            desc = f"{kind}({detail}) " + " ".join(_desc(t) for t in tensors) + f" tpu:{dev}"
+            desc = (f"{kind}({detail}) " + (shapes or " ".join(_desc(t) for t in tensors))
+                    + f" tpu:{dev}")
             COORD.exchange(scope, seq, me, ranks, desc, user_frame() + trace, what,
                            self._timeout)
-        with xc.x64(True):
-            arrays = run(self._devices(dev, None if peers is None else tuple(peers)))
+        others = [r for r in ranks if r != me]
+        try:
+            with xc.x64(True):
+                arrays = run(self._devices(dev, None if peers is None else tuple(peers)))
+        except Exception as e:
+            if xc.failed_in_xla(e):     # CPU runs small programs at once: failures show here
+                raise COORD.explain(e, others, what) from e
+            raise
         S["collectives"][kind] += 1
-        S["collective_bytes"] += sum(t.numel() * t.element_size() for t in tensors[:1])
+        S["collective_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
         if arrays and config.dist_wait == "block":
-            others = [r for r in ranks if r != me]
             COORD.wait(lambda: xc.ready(arrays), others, what, self._timeout)
             try:
                 xc.block(arrays)
@@ -193,7 +201,7 @@ class ProcessGroupTPU(ProcessGroup):
             return self._gloo.allreduce(tensors, opts)
         op, factor = reduce_op(opts.reduceOp)
         for t in tensors:
-            xc.check_op(op, t._s.val.dtype)
+            xc.check_op(op, to_np_dtype(t.dtype))
 
         def run(devices):
             outs = [xc.all_reduce(_arr(t), devices, op, factor) for t in tensors]
@@ -227,7 +235,7 @@ class ProcessGroupTPU(ProcessGroup):
         op, factor = reduce_op(opts.reduceOp)
         dst = opts.rootRank
         for t in tensors:
-            xc.check_op(op, t._s.val.dtype)
+            xc.check_op(op, to_np_dtype(t.dtype))
 
         def run(devices):
             outs = [xc.all_reduce(_arr(t), devices, op, factor) for t in tensors]
@@ -322,7 +330,7 @@ class ProcessGroupTPU(ProcessGroup):
         if input.numel() != n * output.numel() or output.dtype != input.dtype:
             raise ValueError(f"reduce_scatter_tensor: the input ({_desc(input)}) must hold "
                              f"{n} outputs ({_desc(output)}) of the same dtype")
-        xc.check_op(op, output._s.val.dtype)
+        xc.check_op(op, to_np_dtype(output.dtype))
 
         def run(devices):
             r = xc.reduce_scatter(_arr(input).reshape(-1), devices, op, factor)
@@ -362,7 +370,7 @@ class ProcessGroupTPU(ProcessGroup):
                 raise ValueError("reduce_scatter: every input must have the output's shape "
                                  f"({_desc(o)})")
             for t in ins:
-                xc.check_op(op, t._s.val.dtype)
+                xc.check_op(op, to_np_dtype(t.dtype))
 
         def run(devices):
             import jax.numpy as jnp
@@ -390,7 +398,7 @@ class ProcessGroupTPU(ProcessGroup):
                 if self.rank() == src:
                     x = jnp.concatenate([_arr(i).reshape(-1) for i in input_lists[k]])
                 else:
-                    x = jnp.zeros((n * o.numel(),), o._s.val.dtype, device=devices[self.rank()])
+                    x = jnp.zeros((n * o.numel(),), to_np_dtype(o.dtype), device=devices[self.rank()])
                 r = xc.scatter(x, devices, src).reshape(tuple(o.shape))
                 _write(o, r)
                 res.append(r)
@@ -445,7 +453,9 @@ class ProcessGroupTPU(ProcessGroup):
             r = r.reshape(tuple(output.shape))
             _write(output, r)
             return [r]
-        self._collective("all_to_all_single", f"uneven,max={m}", [input], run)
+        # What reaches XLA is the padded exchange: the same on every rank.
+        self._collective("all_to_all_single", "uneven", [input], run,
+                         shapes=f"{_desc(input).split('[')[0]}[{n * m}, {row}]")
 
     def alltoall(self, outputs, inputs, opts=None):
         if self._split(list(outputs) + list(inputs)) == "cpu":
