@@ -86,6 +86,9 @@ def worker(system: str, strategy: str, steps: int, warmup: int) -> None:
     if tpu:
         after = deferfuse.metrics()
         out["coll_s"] = (after["collective_seconds"] - before["collective_seconds"]) / steps
+        for k in ("check", "wait"):
+            key = f"collective_{k}_seconds"
+            out[f"{k}_s"] = (after[key] - before[key]) / steps
         out["coll_bytes"] = (after["collective_bytes"] - before["collective_bytes"]) / steps
         out["coll_count"] = sum(after["collectives"].values()) - sum(before["collectives"].values())
         out["coll_count"] /= steps
@@ -183,6 +186,8 @@ def summarize(n, res) -> dict:
            "coll_MB": res[0].get("coll_bytes", 0) / 2**20}
     if "coll_s" in res[0]:
         out["coll_ms"] = max(r["coll_s"] for r in res) * 1e3
+        out["check_ms"] = max(r["check_s"] for r in res) * 1e3
+        out["wait_ms"] = max(r["wait_s"] for r in res) * 1e3
         out["coll_per_step"] = res[0]["coll_count"]
     return out
 
@@ -201,6 +206,7 @@ def main():
         worker(system, strategy, int(steps), int(warmup))
         return
     rows = []
+    load0 = os.getloadavg()
     for rnd in range(a.rounds):
         for n in map(int, a.procs.split(",")):
             for strategy in a.strategies.split(","):
@@ -216,7 +222,8 @@ def main():
     os.makedirs(RESULTS, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta = {"date": stamp, "config": CFG, "steps": a.steps, "warmup": a.warmup,
-            "cpus": os.cpu_count(), "rows": rows}
+            "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(),
+            "rows": rows}
     with open(os.path.join(RESULTS, "dist.json"), "w") as f:
         json.dump(meta, f, indent=1)
     with open(os.path.join(RESULTS, "dist.md"), "w") as f:
@@ -226,26 +233,34 @@ def main():
 
 def report(meta) -> str:
     c = meta["config"]
-    lines = [f"# Distributed GPT training step: tpu (deferfuse, defer mode) vs gloo on CPU tensors",
-             "", f"{meta['date']}, {meta['cpus']} CPU cores. GPT vocab {c['vocab']}, d {c['d']}, "
-             f"{c['layers']} layers, {c['t']} tokens x {c['batch']} sequences per process; AdamW; "
-             f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps; a step "
-             "ends with loss.item(). Both systems share this machine's 2 cores: 4 processes are "
-             "slower per step than 2 here (see the docstring of bench/dist.py).", "",
-             "| procs | strategy | tpu step ms | gloo step ms | tpu tok/s | gloo tok/s | tpu host ms "
-             "in collectives | collectives/step | MB to collectives/step (model MB) | replayed "
-             "collectives ms: tpu | gloo |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    la, lb = meta.get("load_before", (0, 0, 0)), meta.get("load_after", (0, 0, 0))
+    lines = ["# Distributed GPT training step: tpu (deferfuse, defer mode) vs gloo on CPU tensors",
+             "", f"{meta['date']}, {meta['cpus']} CPU cores, load average {la[0]:.1f} before "
+             f"and {lb[0]:.1f} after (the machine is shared: other work ran meanwhile). GPT vocab "
+             f"{c['vocab']}, d {c['d']}, {c['layers']} layers, {c['t']} tokens x {c['batch']} "
+             f"sequences per process; AdamW; median of {meta['steps']} steps after "
+             f"{meta['warmup']} warm-up steps, the slowest rank's; a step ends with loss.item(). "
+             "The two systems of a row ran back to back. All processes share the 2 cores: 4 "
+             "processes are slower per step than 2 here (see bench/dist.py's docstring).", "",
+             "| round | procs | strategy | step ms: tpu | gloo | tok/s: tpu | gloo | tpu ms in "
+             "collectives: all (agreeing, waiting) | collectives / step | MB to collectives / step "
+             "(model MB) | replayed collectives ms: tpu | gloo |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in meta["rows"]:
         lines.append(
-            f"| {r['procs']} | {r['strategy']} | {r['tpu_step_ms']:.1f} | {r['gloo_step_ms']:.1f} "
-            f"| {r['tpu_tok_s']:.0f} | {r['gloo_tok_s']:.0f} | {r.get('tpu_coll_ms', 0):.1f} "
-            f"| {r.get('tpu_coll_per_step', 0):.0f} | {r['tpu_coll_MB']:.2f} "
-            f"({r['tpu_model_MB']:.2f}) | {r['tpu_replay_ms']:.1f} | {r['gloo_replay_ms']:.1f} |")
-    lines += ["", "MB to collectives: the bytes each process handed to collectives per step (DDP: "
-              "every gradient once; FSDP2: its shard, all-gathered twice into the whole "
-              "parameters, and every gradient reduce-scattered). Replayed: the same collectives "
-              "with no compute, on each system.", ""]
+            f"| {r['round']} | {r['procs']} | {r['strategy']} | {r['tpu_step_ms']:.1f} | "
+            f"{r['gloo_step_ms']:.1f} | {r['tpu_tok_s']:.0f} | {r['gloo_tok_s']:.0f} | "
+            f"{r.get('tpu_coll_ms', 0):.1f} ({r.get('tpu_check_ms', 0):.1f}, "
+            f"{r.get('tpu_wait_ms', 0):.1f}) | {r.get('tpu_coll_per_step', 0):.0f} | "
+            f"{r['tpu_coll_MB']:.2f} ({r['tpu_model_MB']:.2f}) | {r['tpu_replay_ms']:.1f} | "
+            f"{r['gloo_replay_ms']:.1f} |")
+    lines += ["", "ms in collectives: host time inside tpu collectives per step; agreeing is the "
+              "exchange with the other ranks before each one (docs/distributed.md, Agreement), "
+              "waiting is for its results, which includes the compute it depends on (the backward "
+              "pass, for DDP's all-reduce). MB to collectives: the bytes each process handed to "
+              "collectives per step (DDP: every gradient once; FSDP2: its shard, all-gathered "
+              "before the forward and the backward pass, and every gradient reduce-scattered). "
+              "Replayed: the same collectives with no compute, on each system.", ""]
     return "\n".join(lines)
 
 

@@ -31,6 +31,12 @@ class _Current:
 def _set_device(device) -> None:
     idx = device if isinstance(device, int) else (torch.device(device).index or 0)
     if not 0 <= idx < _device_count():
+        from .runtime.cluster import CLUSTER
+        if CLUSTER.size > 1:
+            raise RuntimeError(
+                f"tpu:{idx} does not exist: this process has {_device_count()} tpu device(s), "
+                f"tpu:0 .. tpu:{_device_count() - 1}; in a job of several processes each has its "
+                "own devices (use torch.device('tpu'), not tpu:LOCAL_RANK; docs/distributed.md)")
         raise RuntimeError(f"tpu:{idx} does not exist: this machine has {_device_count()} tpu "
                            f"device(s), tpu:0 .. tpu:{_device_count() - 1}")
     _Current.index = idx

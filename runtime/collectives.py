@@ -142,15 +142,27 @@ def _reduce_block(x, op: str, n: int, factor):
     return functools.reduce(f, [g[i] for i in range(n)]).astype(dt)
 
 
+def _alone(x, op: str = "sum", factor=None):
+    """A collective of one process: its own value (scaled, for ``premul_sum``), in a new buffer
+    (never the input's: the memory planner may donate that one)."""
+    if op == "premul_sum":
+        return (x * jnp.asarray(factor, dtype=x.dtype)).astype(x.dtype)
+    return jnp.copy(x)
+
+
 def all_reduce(x, devices: tuple, op: str = "sum", factor=None):
     """Every process gets the reduction (``op``, one of ``OPS``) of all processes' ``x``."""
     n = len(devices)
+    if n == 1:
+        return _alone(x, op, factor)
     key = ("all_reduce", x.shape, x.dtype, devices, op, factor)
     return _run(key, devices, lambda b: _reduce_block(b, op, n, factor), x).reshape(x.shape)
 
 
 def all_gather(x, devices: tuple):
     """Every process gets ``stack([x of process 0, x of process 1, ...])``."""
+    if len(devices) == 1:
+        return x[None]
     key = ("all_gather", x.shape, x.dtype, devices)
     out = _run(key, devices, lambda b: jax.lax.all_gather(b, AXIS), x)
     return out.reshape((len(devices),) + x.shape)
@@ -159,6 +171,8 @@ def all_gather(x, devices: tuple):
 def reduce_scatter(x, devices: tuple, op: str = "sum", factor=None):
     """Process i gets block i (of ``x.shape[0] // n`` rows) of the reduction of every ``x``."""
     n = len(devices)
+    if n == 1:
+        return _alone(x, op, factor)
     key = ("reduce_scatter", x.shape, x.dtype, devices, op, factor)
 
     def body(b):
@@ -181,6 +195,8 @@ def reduce_scatter(x, devices: tuple, op: str = "sum", factor=None):
 
 def all_to_all(x, devices: tuple):
     """Split ``x`` into n blocks along dim 0; process j's block i goes to process i, in slot j."""
+    if len(devices) == 1:
+        return _alone(x)
     key = ("all_to_all", x.shape, x.dtype, devices)
     return _run(key, devices, lambda b: jax.lax.all_to_all(b, AXIS, 0, 0, tiled=True), x)
 
@@ -190,6 +206,8 @@ _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 def broadcast(x, devices: tuple, src: int):
     """Every process gets process ``src``'s ``x`` (bit for bit: -0.0 and NaN payloads too)."""
+    if len(devices) == 1:
+        return _alone(x)
     key = ("broadcast", x.shape, x.dtype, devices, src)
 
     def body(b):
@@ -208,8 +226,10 @@ def broadcast(x, devices: tuple, src: int):
 def scatter(x, devices: tuple, src: int):
     """Process i gets block i (of ``x.shape[0] // n`` rows) of process ``src``'s ``x``; the other
     processes' ``x`` (of the same shape) is not read. Bit for bit, as ``broadcast``."""
-    key = ("scatter", x.shape, x.dtype, devices, src)
     n = len(devices)
+    if n == 1:
+        return _alone(x)
+    key = ("scatter", x.shape, x.dtype, devices, src)
 
     def body(b):
         me = jax.lax.axis_index(AXIS)

@@ -431,13 +431,19 @@ def scenario_dcp(mode, arg):
 
 
 def scenario_noname(mode, arg):
-    """``init_process_group()`` without a backend when the accelerator is tpu."""
+    """``init_process_group()`` without a backend when the accelerator is tpu (``arg``
+    "device_id": bound to the process's tpu device, as scripts written for NCCL do); a sub-group
+    that leaves a rank out."""
     from deferfuse.distributed.group import ProcessGroupTPU
     r, n = dist.get_rank(), dist.get_world_size()
     assert isinstance(dist.group.WORLD, ProcessGroupTPU), dist.group.WORLD
     t = torch.full((3,), float(r + 1), device="tpu")
     dist.all_reduce(t)
     assert torch.equal(t.cpu(), torch.full((3,), float(n * (n + 1) // 2)))
+    sub = dist.new_group(list(range(1, n)))
+    if r > 0:
+        dist.all_reduce(t, group=sub)
+        assert torch.equal(t.cpu(), torch.full((3,), float((n - 1) * n * (n + 1) // 2)))
     return {"backend": dist.get_backend_config()}
 
 
@@ -499,7 +505,7 @@ def main():
     scenario, mode = sys.argv[1], sys.argv[2]
     arg = sys.argv[3] if len(sys.argv) > 3 else None
     if scenario == "noname":
-        dist.init_process_group()
+        dist.init_process_group(device_id=torch.device("tpu", 0) if arg == "device_id" else None)
     else:
         dist.init_process_group("tpu")
     t0 = time.time()

@@ -171,8 +171,9 @@ def test_dcp_saves_and_loads_sharded_fsdp2(tmp_path):
 
 @once
 @pytest.mark.slow
-def test_init_process_group_without_backend_name():
-    assert "tpu" in results(launch(2, "noname", "defer"))[0]["backend"]
+@pytest.mark.parametrize("arg", ["", "device_id"])
+def test_init_process_group_without_backend_name(arg):
+    assert "tpu" in results(launch(2, "noname", "defer", arg))[0]["backend"]
 
 
 @once

@@ -120,7 +120,12 @@ class ProcessGroupTPU(ProcessGroup):
                          else timeout.total_seconds())
         self._gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size,
                                       timedelta(seconds=self._timeout))
-        self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, self._gloo)
+        # Registered for both devices: the group's name lives on its backends (functional
+        # collectives, DeviceMesh), and init_process_group(device_id=tpu) asks the tpu one. The
+        # collectives themselves are this class's methods: gloo only ever sees CPU tensors.
+        for device in ("cpu", "tpu"):
+            self._register_backend(torch.device(device), ProcessGroup.BackendType.GLOO,
+                                   self._gloo)
 
     def getBackendName(self):
         return "tpu"
@@ -175,8 +180,10 @@ class ProcessGroupTPU(ProcessGroup):
         if len(ranks) > 1 and COORD.client is not None and (config.dist_check or kind == "barrier"):
             desc = (f"{kind}({detail}) " + (shapes or " ".join(_desc(t) for t in tensors))
                     + f" tpu:{dev}")
+            t1 = time.perf_counter()
             COORD.exchange(scope, seq, me, ranks, desc, user_frame() + trace, what,
                            self._timeout)
+            S["collective_check_seconds"] += time.perf_counter() - t1
         others = [r for r in ranks if r != me]
         try:
             with xc.x64(True):
@@ -188,11 +195,13 @@ class ProcessGroupTPU(ProcessGroup):
         S["collectives"][kind] += 1
         S["collective_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
         if arrays and config.dist_wait == "block":
+            t1 = time.perf_counter()
             COORD.wait(lambda: xc.ready(arrays), others, what, self._timeout)
             try:
                 xc.block(arrays)
             except Exception as e:
                 raise COORD.explain(e, others, what) from e
+            S["collective_wait_seconds"] += time.perf_counter() - t1
         S["collective_seconds"] += time.perf_counter() - t0
 
     # --- all-reduce, broadcast, reduce ---------------------------------------------------------
