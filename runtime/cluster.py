@@ -96,10 +96,17 @@ class Cluster:
         # A process that dies must not take the others down with it (JAX's coordination service
         # would terminate every process): the process group reports it as an error instead.
         jax.config.update("jax_enable_recoverability", True)
-        distributed.initialize(coordinator_address=coordinator, num_processes=world,
-                               process_id=rank, local_device_ids=local,
-                               initialization_timeout=init_timeout,
-                               heartbeat_timeout_seconds=max(20, int(self.dead_after) * 2))
+        try:
+            distributed.initialize(coordinator_address=coordinator, num_processes=world,
+                                   process_id=rank, local_device_ids=local,
+                                   initialization_timeout=init_timeout,
+                                   heartbeat_timeout_seconds=max(20, int(self.dead_after) * 2))
+        except Exception as e:
+            raise RuntimeError(
+                f"deferfuse could not start JAX's distributed runtime (process {rank} of {world}, "
+                f"coordinator {coordinator or 'found by JAX'}): {e}. The coordinator runs in rank "
+                "0's process on MASTER_PORT+1; choose another host:port with "
+                "DEFERFUSE_COORDINATOR, or set DEFERFUSE_DISTRIBUTED=0 to run without it") from e
         self._adopt(distributed.global_state)
 
     def _adopt(self, gs) -> None:

@@ -101,6 +101,7 @@ def test_ddp_two_processes_matches_cpu_training():
     for r in res:
         assert r["loss_err"] <= 1e-5 and r["param_err"] <= 2e-5
         assert r["syncs"].get("collective", 0) >= 20     # a sync point at each collective
+    assert res[0]["syncs"] == res[1]["syncs"]            # every rank cut its traces alike
 
 
 @once
@@ -197,9 +198,10 @@ def test_failing_rank_is_named(kind, words):
                  extra_env={"DEFERFUSE_DIST_TIMEOUT": "8"})
     rc0, so0, se0 = out[0]
     assert rc0 != 0 and "DistributedError" in se0 and words in se0, se0[-3000:]
-    if kind == "mismatch":      # every rank says so, with both ranks' calls
+    if kind == "mismatch":      # every rank says so, with both ranks' calls and their traces
         assert out[1][0] != 0 and "rank 0: all_reduce(sum) float32[4]" in out[1][2]
         assert "rank 1: all_reduce(sum) float32[8]" in out[1][2]
+        assert out[1][2].count("after a recorded trace of") >= 2, out[1][2][-3000:]
     assert time.monotonic() - t0 < 120
 
 
