@@ -82,7 +82,7 @@ def worker(system: str, strategy: str, steps: int, warmup: int) -> None:
         step()
         times.append(time.perf_counter() - t0)
     times = times[warmup:]
-    out = {"step_s": statistics.median(times), "model_bytes": model_bytes}
+    out = {"step_s": statistics.median(times), "model_bytes": model_bytes, "strategy": strategy}
     if tpu:
         after = deferfuse.metrics()
         out["coll_s"] = (after["collective_seconds"] - before["collective_seconds"]) / steps
@@ -184,6 +184,9 @@ def summarize(n, res) -> dict:
            "replay_ms": max(r["replay_s"] for r in res) * 1e3,
            "model_MB": res[0]["model_bytes"] / 2**20,
            "coll_MB": res[0].get("coll_bytes", 0) / 2**20}
+    # On the wire per process, as ring algorithms move it: all-reduce 2(n-1)/n of the data,
+    # all-gather and reduce-scatter (n-1)/n of the whole (FSDP2: 2 all-gathers + 1 reduce-scatter)
+    out["ring_MB"] = out["model_MB"] * (n - 1) / n * (2 if res[0]["strategy"] == "ddp" else 3)
     if "coll_s" in res[0]:
         out["coll_ms"] = max(r["coll_s"] for r in res) * 1e3
         out["check_ms"] = max(r["check_s"] for r in res) * 1e3
@@ -244,15 +247,17 @@ def report(meta) -> str:
              "processes are slower per step than 2 here (see bench/dist.py's docstring).", "",
              "| round | procs | strategy | step ms: tpu | gloo | tok/s: tpu | gloo | tpu ms in "
              "collectives: all (agreeing, waiting) | collectives / step | MB to collectives / step "
-             "(model MB) | replayed collectives ms: tpu | gloo |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(model MB) | MB on the wire / step (ring estimate) | replayed collectives ms: tpu | "
+             "gloo |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in meta["rows"]:
         lines.append(
             f"| {r['round']} | {r['procs']} | {r['strategy']} | {r['tpu_step_ms']:.1f} | "
             f"{r['gloo_step_ms']:.1f} | {r['tpu_tok_s']:.0f} | {r['gloo_tok_s']:.0f} | "
             f"{r.get('tpu_coll_ms', 0):.1f} ({r.get('tpu_check_ms', 0):.1f}, "
             f"{r.get('tpu_wait_ms', 0):.1f}) | {r.get('tpu_coll_per_step', 0):.0f} | "
-            f"{r['tpu_coll_MB']:.2f} ({r['tpu_model_MB']:.2f}) | {r['tpu_replay_ms']:.1f} | "
+            f"{r['tpu_coll_MB']:.2f} ({r['tpu_model_MB']:.2f}) | {r['tpu_ring_MB']:.2f} | "
+            f"{r['tpu_replay_ms']:.1f} | "
             f"{r['gloo_replay_ms']:.1f} |")
     lines += ["", "ms in collectives: host time inside tpu collectives per step; agreeing is the "
               "exchange with the other ranks before each one (docs/distributed.md, Agreement), "

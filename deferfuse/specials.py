@@ -224,12 +224,13 @@ def _h_inplace_view(func, args, kwargs):
     return self
 
 
-def _h_foreach_copy(func, args, kwargs):
-    """``torch._foreach_copy_(dsts, srcs)``. One op writes every destination from the values they
-    held before it; destinations that are views of one storage (FSDP2 copies parameters into the
-    slices of one flat buffer) would each write that storage from its old value, and the last
-    write would undo the others. Those run as one copy each, in order."""
-    dsts, srcs = args[0], args[1]
+def _h_foreach_inplace(func, args, kwargs):
+    """An in-place foreach op (``torch._foreach_add_(xs, ys)``, ``_foreach_copy_`` ...). One op
+    writes every tensor of its first list from the values they held before it; tensors that are
+    views of one storage (the slices of one flat buffer: FSDP2 copies parameters into one) would
+    each write that storage from its old value, and the last write would undo the others. Those
+    run one element at a time, in order (a copy into consecutive slices as one copy)."""
+    dsts = args[0]
     seen = set()
     for d in dsts:
         if type(d) is TpuTensor:
@@ -238,15 +239,17 @@ def _h_foreach_copy(func, args, kwargs):
             seen.add(id(d._s))
     else:
         return _run(func, op_info(func), args, kwargs)
-    span = _consecutive(dsts)
-    if span is not None and len({s.dtype for s in srcs}) == 1 and all(
-            type(s) is TpuTensor for s in srcs):
-        # The slices of one flat buffer, in order (FSDP2's all-gather input): one copy of the
-        # concatenated sources into the span they cover.
-        copy_into(span, aten.cat.default([s.reshape(-1) for s in srcs]))
-        return None
-    for d, s in zip(dsts, srcs):
-        copy_into(d, s)
+    if func is aten._foreach_copy_.default:
+        srcs = args[1]
+        span = _consecutive(dsts)
+        if span is not None and len({s.dtype for s in srcs}) == 1 and all(
+                type(s) is TpuTensor for s in srcs):
+            copy_into(span, aten.cat.default([s.reshape(-1) for s in srcs]))
+            return None
+    n = len(dsts)
+    for k in range(n):
+        func(*[a[k:k + 1] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args],
+             **kwargs)
     return None
 
 
@@ -313,7 +316,6 @@ for _p in ("squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_
 SPECIAL = {
     **{f: _h_inplace_view for f in _INPLACE_VIEWS},
     aten._linalg_check_errors.default: _h_linalg_check_errors,
-    aten._foreach_copy_.default: _h_foreach_copy,
     aten.equal.default: _h_equal,         # return a Python bool: computed on JAX, then read
     aten.allclose.default: _h_allclose,
     aten.empty.memory_format: _h_empty,
@@ -337,6 +339,14 @@ SPECIAL = {
     aten._nested_tensor_from_mask_left_aligned.default: _h_not_left_aligned,
     aten._nested_tensor_from_mask.default: _h_nested_from_mask,
 }
+for _full in torch._C._dispatch_get_all_op_names():
+    # every in-place foreach op: _foreach_add_, _foreach_copy_, _foreach_mul_ ... (not _foreach_add)
+    _p, _, _ov = _full.partition("::")[2].partition(".")
+    if _full.startswith("aten::_foreach_") and _p.endswith("_"):
+        _o = getattr(getattr(aten, _p, None), _ov or "default", None)
+        if _o is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                  for a in _o._schema.arguments[:1]):
+            SPECIAL[_o] = _h_foreach_inplace
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")
     _o = getattr(getattr(aten, _p, None), _ov, None)

@@ -131,7 +131,8 @@ class Coordinator:
                     raise self.fail(
                         f"{what}: rank(s) {', '.join(map(str, missing))} did not reach it within "
                         f"{timeout:.0f} s (the timeout: init_process_group(timeout=...) or "
-                        "DEFERFUSE_DIST_TIMEOUT); they are alive but elsewhere in the program")
+                        "DEFERFUSE_DIST_TIMEOUT); they are alive but elsewhere in the program, or "
+                        "still compiling (raise the timeout for a model that compiles for longer)")
             d, _, ln = v.partition("\x1f")
             got[r] = (d, ln)
         if any(d != desc for d, _ in got.values()):
