@@ -166,8 +166,11 @@ def launch(n: int, system: str, strategy: str, steps: int, warmup: int) -> list:
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    JAX_PLATFORMS="cpu", TORCHTPU_MODE="defer")
         env.pop("XLA_FLAGS", None)
+        if system == "tpu-nocheck":
+            env["DEFERFUSE_DIST_CHECK"] = "0"
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", system, strategy, str(steps), str(warmup)],
+            [sys.executable, __file__, "--worker", system.split("-")[0], strategy, str(steps),
+             str(warmup)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=1800) for p in procs]
     for r, (p, (so, se)) in enumerate(zip(procs, outs)):
@@ -202,6 +205,10 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--systems", default="tpu,gloo",
+                   help="tpu, gloo, and tpu-nocheck (tpu with DEFERFUSE_DIST_CHECK=0: what the "
+                        "agreement before each collective costs)")
+    p.add_argument("--out", default="dist", help="results file name under bench/results")
     p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -213,7 +220,8 @@ def main():
     for rnd in range(a.rounds):
         for n in map(int, a.procs.split(",")):
             for strategy in a.strategies.split(","):
-                order = ("tpu", "gloo") if rnd % 2 == 0 else ("gloo", "tpu")
+                systems = a.systems.split(",")
+                order = systems if rnd % 2 == 0 else systems[::-1]
                 got = {}
                 for system in order:
                     t0 = time.time()
@@ -227,9 +235,9 @@ def main():
     meta = {"date": stamp, "config": CFG, "steps": a.steps, "warmup": a.warmup,
             "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(),
             "rows": rows}
-    with open(os.path.join(RESULTS, "dist.json"), "w") as f:
+    with open(os.path.join(RESULTS, a.out + ".json"), "w") as f:
         json.dump(meta, f, indent=1)
-    with open(os.path.join(RESULTS, "dist.md"), "w") as f:
+    with open(os.path.join(RESULTS, a.out + ".md"), "w") as f:
         f.write(report(meta))
     print(report(meta))
 
@@ -237,35 +245,40 @@ def main():
 def report(meta) -> str:
     c = meta["config"]
     la, lb = meta.get("load_before", (0, 0, 0)), meta.get("load_after", (0, 0, 0))
+    nocheck = any("tpu-nocheck_step_ms" in r for r in meta["rows"])
     lines = ["# Distributed GPT training step: tpu (deferfuse, defer mode) vs gloo on CPU tensors",
              "", f"{meta['date']}, {meta['cpus']} CPU cores, load average {la[0]:.1f} before "
              f"and {lb[0]:.1f} after (the machine is shared: other work ran meanwhile). GPT vocab "
              f"{c['vocab']}, d {c['d']}, {c['layers']} layers, {c['t']} tokens x {c['batch']} "
              f"sequences per process; AdamW; median of {meta['steps']} steps after "
              f"{meta['warmup']} warm-up steps, the slowest rank's; a step ends with loss.item(). "
-             "The two systems of a row ran back to back. All processes share the 2 cores: 4 "
+             "The systems of a row ran back to back. All processes share the 2 cores: 4 "
              "processes are slower per step than 2 here (see bench/dist.py's docstring).", "",
-             "| round | procs | strategy | step ms: tpu | gloo | tok/s: tpu | gloo | tpu ms in "
-             "collectives: all (agreeing, waiting) | collectives / step | MB to collectives / step "
-             "(model MB) | MB on the wire / step (ring estimate) | replayed collectives ms: tpu | "
-             "gloo |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| round | procs | strategy | step ms: tpu | " + ("tpu, no agreement | " if nocheck
+                                                              else "") +
+             "gloo | tok/s: tpu | gloo | tpu ms in collectives: all (agreeing, waiting) | "
+             "collectives / step | MB to collectives / step (model MB) | MB on the wire / step "
+             "(ring estimate) | replayed collectives ms: tpu | gloo |",
+             "|" + " --- |" * (14 if nocheck else 13)]
     for r in meta["rows"]:
         lines.append(
             f"| {r['round']} | {r['procs']} | {r['strategy']} | {r['tpu_step_ms']:.1f} | "
+            + (f"{r['tpu-nocheck_step_ms']:.1f} | " if nocheck else "") +
             f"{r['gloo_step_ms']:.1f} | {r['tpu_tok_s']:.0f} | {r['gloo_tok_s']:.0f} | "
             f"{r.get('tpu_coll_ms', 0):.1f} ({r.get('tpu_check_ms', 0):.1f}, "
             f"{r.get('tpu_wait_ms', 0):.1f}) | {r.get('tpu_coll_per_step', 0):.0f} | "
             f"{r['tpu_coll_MB']:.2f} ({r['tpu_model_MB']:.2f}) | {r['tpu_ring_MB']:.2f} | "
-            f"{r['tpu_replay_ms']:.1f} | "
-            f"{r['gloo_replay_ms']:.1f} |")
+            f"{r['tpu_replay_ms']:.1f} | {r['gloo_replay_ms']:.1f} |")
     lines += ["", "ms in collectives: host time inside tpu collectives per step; agreeing is the "
-              "exchange with the other ranks before each one (docs/distributed.md, Agreement), "
-              "waiting is for its results, which includes the compute it depends on (the backward "
-              "pass, for DDP's all-reduce). MB to collectives: the bytes each process handed to "
-              "collectives per step (DDP: every gradient once; FSDP2: its shard, all-gathered "
-              "before the forward and the backward pass, and every gradient reduce-scattered). "
-              "Replayed: the same collectives with no compute, on each system.", ""]
+              "exchange with the other ranks before each one (docs/distributed.md, Agreement; it "
+              "includes waiting for the slowest rank to arrive, which the collective itself "
+              "would otherwise wait for), waiting is for its results, which includes the compute "
+              "it depends on (the backward pass, for DDP's all-reduce). " + (
+                  "No agreement: the same with DEFERFUSE_DIST_CHECK=0. " if nocheck else "") +
+              "MB to collectives: the bytes each process handed to collectives per step (DDP: "
+              "every gradient once; FSDP2: its shard, all-gathered before the forward and the "
+              "backward pass, and every gradient reduce-scattered). Replayed: the same "
+              "collectives with no compute, on each system.", ""]
     return "\n".join(lines)
 
 
