@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full docs bench bench-quick bench-paired sweep wheel-test clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist sweep wheel-test clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -20,6 +20,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+test-dist: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"
 
 test-full: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "slow or not slow"
@@ -41,6 +44,9 @@ bench-quick: $(STAMP)
 bench-paired: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/paired.py --quick $(ARGS)
+
+bench-dist: $(STAMP)
+	$(BIN)/python bench/dist.py $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow

@@ -31,6 +31,12 @@ def _set_device(device) -> None:
     """``torch.tpu.set_device``: the calling thread's current device (as CUDA's, per thread)."""
     idx = device if isinstance(device, int) else _idx(device)
     if not 0 <= idx < _device_count():
+        from .runtime.cluster import CLUSTER
+        if CLUSTER.size > 1:
+            raise RuntimeError(
+                f"tpu:{idx} does not exist: this process has {_device_count()} tpu device(s), "
+                f"tpu:0 .. tpu:{_device_count() - 1}; in a job of several processes each has its "
+                "own devices (use torch.device('tpu'), not tpu:LOCAL_RANK; docs/distributed.md)")
         raise RuntimeError(f"tpu:{idx} does not exist: this machine has {_device_count()} tpu "
                            f"device(s), tpu:0 .. tpu:{_device_count() - 1}")
     engine.state.device = idx
@@ -150,6 +156,8 @@ def _make_module() -> types.ModuleType:
     m.is_bf16_supported = lambda *a, **k: True
     m.get_amp_supported_dtype = lambda: [torch.bfloat16, torch.float16]
     m._lazy_init = lambda: None
+    from . import streams
+    streams.install(m)
     return m
 
 
@@ -352,6 +360,8 @@ def register() -> None:
     import deferfuse_autoload
     from .route import dispatch
     from .specials import empty_memory_format, empty_strided, _h_copy_from
+    from . import distributed
+    distributed.register()      # before the first device lookup (NOTE [distributed start])
 
     # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at
     # import torch, or now; either way the lazy parts are removed here.

@@ -102,6 +102,14 @@ class Fallback(Exception):
         self.why = why
 
 
+class ForeignSubclass(Exception):
+    """An argument is another tensor subclass wrapping a tpu tensor (DTensor's
+    AsyncCollectiveTensor): __torch_dispatch__ returns NotImplemented so that its own runs first."""
+
+
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
+
+
 def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, device: list):
     """One argument -> its template entry (hashable), appending tensor and scalar inputs."""
     ta = type(a)
@@ -142,6 +150,8 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             t = new_tensor(_const_value(a, d), d, a.dtype, (), ())
             tensors.append(t)
             return (TS, len(tensors) - 1)
+        if getattr(type(a), "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
+            raise ForeignSubclass       # its own __torch_dispatch__ unwraps it: let it run
         raise _device_error(f"tpu:{device[0] if device[0] is not None else _local.ts.device}",
                             str(a.device))
     if ta is torch.device and a.type == "tpu":

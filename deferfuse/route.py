@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .dispatch import Fallback, _local, _run
+from .dispatch import Fallback, ForeignSubclass, _local, _run
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
@@ -33,6 +33,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         return traced_dispatch(func, args, kwargs)   # NOTE [inner tensor] (traceable.py)
     try:
         return r[0](func, r[1], args, kwargs)
+    except ForeignSubclass:
+        return NotImplemented
     except Fallback as f:
         try:
             return fallback(func, r[1], args, kwargs, f.why)

@@ -42,11 +42,9 @@ import torch
 import torch._utils
 
 from .dispatch import to_cpu
+from .storage import STORAGE_HELP, untyped_storage
 from .tensor import TpuTensor
 
-_STORAGE_HELP = ("tpu tensors have no PyTorch storage, so a storage cannot live on the tpu device; "
-                 "make the tensor on CPU and move it with .to('tpu'), or load checkpoints with "
-                 "torch.load(f, map_location='tpu') or map_location='cpu'")
 
 
 class _Saved:
@@ -88,51 +86,6 @@ def _restore_location_with_callable(orig):
         return orig(device)
     wrapper._deferfuse = True
     return wrapper
-
-
-class TpuStorage:
-    """What ``untyped_storage()`` returns for a ``tpu`` tensor: the identity and size of the
-    storage it shares with its views and its base, for code that groups tensors by storage
-    (safetensors' and Hugging Face's checks for tied weights call ``data_ptr()`` and
-    ``nbytes()``). It is not a ``torch.UntypedStorage`` and holds no host memory: anything that
-    would read, copy or resize it raises, saying what to do instead."""
-
-    __slots__ = ("_s", "device")
-
-    def __init__(self, storage, device):
-        self._s = storage
-        self.device = device
-
-    def data_ptr(self) -> int:
-        # The address TpuTensor.data_ptr() gives offset 0 of this storage (never dereferenced).
-        return id(self._s) << 4
-
-    def nbytes(self) -> int:
-        n = 1
-        for d in self._s.val.shape:
-            n *= d
-        return n * self._s.dtype.itemsize
-
-    size = __len__ = nbytes
-
-    def element_size(self) -> int:
-        return 1
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        raise RuntimeError(f"untyped_storage().{name}: {_STORAGE_HELP}")
-
-    def __repr__(self):
-        return f"<tpu storage of {self.nbytes()} bytes on {self.device}>"
-
-
-def storage_of(t) -> TpuStorage:
-    """``TpuTensor.untyped_storage()``."""
-    if torch.compiler.is_compiling():
-        # Dynamo describes the tensor it fakeifies (NOTE [inner tensor] in traceable.py).
-        return torch.Tensor.untyped_storage(t)
-    return TpuStorage(t._s, t.device)
 
 
 def _tpu_target(map_location):
@@ -194,19 +147,19 @@ def _refuse_storage_to(to):
     @functools.wraps(to)
     def wrapper(self, device, non_blocking=False):
         if torch.device(device).type == "tpu":
-            raise RuntimeError(_STORAGE_HELP)
+            raise RuntimeError(STORAGE_HELP)
         return to(self, device, non_blocking)
     wrapper._deferfuse = True
     return wrapper
 
 
 def _refuse_tpu(*args, **kwargs):
-    raise RuntimeError(_STORAGE_HELP)
+    raise RuntimeError(STORAGE_HELP)
 
 
 def _untyped_storage_new(cls, *args, device=None, **kwargs):
     if device is not None and torch.device(device).type == "tpu":
-        raise RuntimeError(_STORAGE_HELP)
+        raise RuntimeError(STORAGE_HELP)
     if device is not None:
         kwargs["device"] = device
     return torch._C.StorageBase.__new__(cls, *args, **kwargs)
@@ -216,7 +169,7 @@ def register() -> None:
     import torch.serialization
     import torch.storage
     TpuTensor.__reduce_ex__ = reduce_tensor
-    TpuTensor.untyped_storage = storage_of
+    TpuTensor.untyped_storage = untyped_storage
     if not getattr(torch._utils._get_restore_location, "_deferfuse", False):
         torch._utils._get_restore_location = _restore_location_with_callable(
             torch._utils._get_restore_location)

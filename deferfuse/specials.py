@@ -235,6 +235,50 @@ def _h_inplace_view(func, args, kwargs):
     return self
 
 
+def _h_foreach_inplace(func, args, kwargs):
+    """An in-place foreach op (``torch._foreach_add_(xs, ys)``, ``_foreach_copy_`` ...). One op
+    writes every tensor of its first list from the values they held before it; tensors that are
+    views of one storage (the slices of one flat buffer: FSDP2 copies parameters into one) would
+    each write that storage from its old value, and the last write would undo the others. Those
+    run one element at a time, in order (a copy into consecutive slices as one copy)."""
+    dsts = args[0]
+    seen = set()
+    for d in dsts:
+        if type(d) is TpuTensor:
+            if id(d._s) in seen:
+                break
+            seen.add(id(d._s))
+    else:
+        return _run(func, op_info(func), args, kwargs)
+    if func is aten._foreach_copy_.default:
+        srcs = args[1]
+        span = _consecutive(dsts)
+        if span is not None and len({s.dtype for s in srcs}) == 1 and all(
+                type(s) is TpuTensor for s in srcs):
+            copy_into(span, aten.cat.default([s.reshape(-1) for s in srcs]))
+            return None
+    n = len(dsts)
+    for k in range(n):
+        func(*[a[k:k + 1] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args],
+             **kwargs)
+    return None
+
+
+def _consecutive(dsts):
+    """The 1-D view covering ``dsts`` when they are contiguous 1-D views of one storage that
+    follow each other, else None."""
+    d0 = dsts[0]
+    if type(d0) is not TpuTensor:
+        return None
+    at = d0.storage_offset()
+    for d in dsts:
+        if (type(d) is not TpuTensor or d._s is not d0._s or d.dim() != 1 or d.dtype != d0.dtype
+                or (d.numel() > 1 and d.stride(0) != 1) or d.storage_offset() != at):
+            return None
+        at += d.numel()
+    return aten.as_strided.default(d0, (at - d0.storage_offset(),), (1,), d0.storage_offset())
+
+
 def _h_linalg_check_errors(func, args, kwargs):
     # LAPACK's info is checked on JAX (a flag), but PyTorch raises LinAlgError at the call on
     # every device (CUDA syncs for it), so code can catch it there: a sync point in defer mode.
@@ -306,8 +350,26 @@ SPECIAL = {
     aten._nested_tensor_from_mask_left_aligned.default: _h_not_left_aligned,
     aten._nested_tensor_from_mask.default: _h_nested_from_mask,
 }
+for _full in torch._C._dispatch_get_all_op_names():
+    # every in-place foreach op: _foreach_add_, _foreach_copy_, _foreach_mul_ ... (not _foreach_add)
+    _p, _, _ov = _full.partition("::")[2].partition(".")
+    if _full.startswith("aten::_foreach_") and _p.endswith("_"):
+        _o = getattr(getattr(aten, _p, None), _ov or "default", None)
+        if _o is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                  for a in _o._schema.arguments[:1]):
+            SPECIAL[_o] = _h_foreach_inplace
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")
     _o = getattr(getattr(aten, _p, None), _ov, None)
     if _o is not None:
         SPECIAL[_o] = _h_noop_self
+
+
+def register(handlers: dict) -> None:
+    """Add handlers ``{OpOverload: handler(func, args, kwargs)}`` from another module (the
+    distributed package's functional collectives): such an op then never takes the generic path."""
+    for f, h in handlers.items():
+        if f in SPECIAL and SPECIAL[f] is not h:
+            raise AssertionError(f"a second special handler for {f}")
+        SPECIAL[f] = h
+        engine.routes.pop(id(f), None)

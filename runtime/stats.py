@@ -39,6 +39,13 @@ def fresh() -> dict:
         "elided_bytes": 0,          # intermediates never materialised as buffers
         "peak_region": None,
         "miss_reasons": [],         # (region summary, what differed) for the report
+        "collectives": Counter(),   # collective kind -> count (deferfuse.distributed)
+        "collective_bytes": 0,      # bytes this process gave to collectives
+        "collective_seconds": 0.0,  # host time in collectives: checks, dispatch, waits
+        "collective_check_seconds": 0.0,   # ... of which agreeing with the other ranks
+        "collective_wait_seconds": 0.0,    # ... of which waiting for the results
+        "collective_compiles": 0,   # collective programs compiled
+        "collective_evictions": 0,  # times the collective program cache was dropped (bounded)
     }
 
 

@@ -215,7 +215,7 @@ def conj_view(x):
 
 # Views with several outputs. Eager mode makes each output a slice or select step of its own
 # (deferfuse/views.py); a compiled graph (runtime/graph.py) calls these.
-@op("split_with_sizes.default", "split_with_sizes_copy.default", "split.sizes")
+@op("split_with_sizes.default", "split.sizes")
 def split_with_sizes(x, split_sizes, dim=0):
     dim %= max(x.ndim, 1)
     bounds = np.cumsum(split_sizes)[:-1].tolist()
