@@ -41,13 +41,13 @@ def _value(a):
     if a.device.type != "tpu":
         return None, transfer.host_value(a, 0).array
     v = a.__dict__.get("_v")
-    if v is not None:
-        return v, engine.ready(v)
-    st, chain = a._s, a._chain
-    arr = engine.ready(st.val, st.device, "compiled graph")
+    if v is None:
+        v = a._s.val
+    arr = engine.ready(v, a._s.device if "_s" in a.__dict__ else 0, "compiled graph", check=False)
+    chain = a.__dict__.get("_chain")
     if chain:
-        return None, execute.read_view(arr, chain)
-    return st.val, arr
+        return v, execute.read_view(arr, chain)
+    return v, arr
 
 
 class CompiledGraph:
@@ -58,6 +58,8 @@ class CompiledGraph:
     def __init__(self, gm, example_inputs, kind: str):
         self._boxed_call = True     # in the instance: Dynamo's wrapper copies only its __dict__
         self.kind = kind
+        self.name = f"a compiled {kind} graph"      # (index-check messages name it)
+        self.src = "torch.compile"
         self.plan = GraphPlan(gm)
         self.jits: dict = {}
         self.written = {i for i, _ in self.plan.writes}
@@ -84,10 +86,11 @@ class CompiledGraph:
             donate = []
             getrc = sys.getrefcount
             for i in range(len(vals)):
-                # A written input whose value nothing but its storage holds (and ``vals``, and
-                # getrefcount's argument) gives its buffer to the program.
-                donate.append(i in self.written and vals[i] is not None
-                              and getrc(vals[i]) <= 3 and config.memory_planner)
+                # A written input, not a view, whose value nothing but its storage holds (and
+                # ``vals``, and getrefcount's argument) gives its buffer to the program.
+                donate.append(i in self.written and not tensors[i].__dict__.get("_chain")
+                              and vals[i] is not None and getrc(vals[i]) <= 3
+                              and config.memory_planner)
             donate = tuple(donate)
             entry = self.jits.get(donate)
             if entry is None:
@@ -117,18 +120,25 @@ class CompiledGraph:
                     key.val = Value(key.val.shape, key.val.dtype, key.val.nbytes, array=new_key)
             self.calls += 1
             S["compiled_calls"] += 1
-            if flags:
-                execute.raise_flags(flags, msgs, f" (in a compiled {self.kind} graph)")
-            res = []
+            res, made = [], []
             for o, node in zip(outs, plan.outputs):
                 val = node.meta.get("val") if hasattr(node, "meta") else None
-                if isinstance(val, torch.Tensor):
-                    res.append(_inner_of_value(o, val.dtype) if val.device.type == "tpu"
-                               else transfer.to_torch(o, val.dtype).reshape(val.shape))
+                if isinstance(val, torch.Tensor) and val.device.type == "tpu":
+                    inner = _inner_of_value(o, val.dtype)
+                    made.append(inner._v)
+                    res.append(inner)
+                elif isinstance(val, torch.Tensor):
+                    res.append(transfer.to_torch(o, val.dtype).reshape(val.shape))
                 elif isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
                     res.append(int(o))      # a size (dynamic shapes): a Python int again
                 else:
                     res.append(o)
+            # Index checks (an embedding's, a loss's targets) are read later, as a region's are:
+            # the graph's outputs are unchecked until then (NOTE [unchecked values]); all of them
+            # depend on every check, as one op's outputs do.
+            engine.runner.checks.add(flags, [(0, e, m) for e, m in msgs], (self,), [()], made,
+                                     [(0, i) for i in range(len(made))],
+                                     [v for v in vals if v is not None], False)
             return res
 
     @staticmethod

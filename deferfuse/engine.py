@@ -176,8 +176,10 @@ class Engine:
                                "was dropped by an earlier sync but is still read")
         self.flush(tr, "another thread's read", raise_errors=False)
 
-    def ready(self, v: Value, device: int = 0, reason: str = "cpu"):
-        """The array of ``v``, running what it waits for; raises the error of a failed value."""
+    def ready(self, v: Value, device: int = 0, reason: str = "cpu", check: bool = True):
+        """The array of ``v``, running what it waits for; raises the error of a failed value.
+        ``check``: read its index checks first (NOTE [unchecked values]); a program that takes it
+        as an input carries them on instead."""
         if v.array is None and v.node is not None:
             with self.lock:
                 if v.node is not None:
@@ -186,7 +188,7 @@ class Engine:
                     else:
                         self.resolve(v)
         c = v.chk
-        if c is not None:
+        if c is not None and check:
             if not c.done:
                 self.runner.checks.check(c)
             v.chk = None

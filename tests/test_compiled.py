@@ -201,3 +201,14 @@ def test_hugging_face_llama_trains_20_steps_compiled_as_on_cpu():
         ref_opt.zero_grad()
         assert loss.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-5)
     assert deferfuse.metrics()["graphs_run_eagerly"] == 0
+
+
+def test_an_index_error_in_a_graph_is_raised_at_the_read():
+    emb = nn.Embedding(5, 3).to("tpu")
+    cf = torch.compile(lambda i: emb(i) * 2, backend="tpu", fullgraph=True)
+    good = cf(torch.tensor([1, 4], device="tpu"))
+    assert_same(good, emb.weight.detach().cpu()[[1, 4]] * 2)
+    bad = cf(torch.tensor([1, 7], device="tpu"))     # dispatched; checked when read
+    with pytest.raises(IndexError, match="index out of range"):
+        bad.cpu()
+    assert_same(cf(torch.tensor([0], device="tpu")), emb.weight.detach().cpu()[[0]] * 2)
