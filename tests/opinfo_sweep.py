@@ -7,8 +7,9 @@ tolerances, ``TOL``); inputs are compared afterwards too (in-place writes). If t
 the tpu call must raise the same exception type. Random ops (``RANDOM``) are compared by shape and
 dtype, and must give the same values again under the same ``torch.manual_seed``; indices that may
 pick any of several equal values (``TIES``: sort, topk...) are compared through the values they
-select. With ``--backward``, float32 samples of autograd ops also compare the gradients of a
-fixed random-weighted sum of the float outputs with respect to the float inputs.
+select. With ``--backward``, floating-point samples of autograd ops (``BACKWARD_DTYPES``: float32,
+float64, bfloat16, float16) also compare the gradients of a fixed random-weighted sum of the float
+outputs with respect to the float inputs (for ``TIES`` ops, summed over tied inputs).
 
 Each (op, mode, dtype, direction) is classified:
   pass      every sample matches CPU and nothing ran on CPU fallback
@@ -59,6 +60,8 @@ import deferfuse  # noqa: E402
 from deferfuse.errors import LoweringError, RegionError  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "opinfo.json")
+# Dtypes whose gradients ``--backward`` compares (half precision included: a bf16 model trains).
+BACKWARD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
           "float64": torch.float64}
@@ -109,17 +112,36 @@ GAUGE = {"svd", "linalg.svd", "linalg.eig", "linalg.eigh"}
 # kthvalue pick any of the tied elements): the indices are compared through the input values they
 # select (``ties_view``), so a different choice among ties is no mismatch. {op: (index of the
 # indices output, position of ``dim`` in args)}.
-TIES = {"sort": (1, 0), "argsort": (None, 0), "topk": (1, 1), "kthvalue": (1, 1)}
+TIES = {"sort": (1, 0), "argsort": (None, 0), "topk": (1, 1), "kthvalue": (1, 1), "mode": (1, 0)}
+
+
+def _ties_dim(name: str, s, inp):
+    """The dim of a ``TIES`` op's sample, or None when its tie order is defined (stable=True)."""
+    pos = TIES[name][1]
+    if s.kwargs.get("stable") or not isinstance(inp, torch.Tensor) or inp.dim() == 0:
+        return None
+    return s.args[pos] if len(s.args) > pos else s.kwargs.get("dim", -1)
+
+
+def ties_grad(name: str, s, inp, g):
+    """A gradient ``g`` with respect to the input of a ``TIES`` op, summed over each group of equal
+    input values along ``dim``: which of several tied elements receives a gradient is as
+    unspecified as which index the forward returns, but the group's total is not."""
+    dim = _ties_dim(name, s, inp)
+    if dim is None or g is None:
+        return g
+    x = inp.detach().movedim(dim, -1)
+    gm = g.movedim(dim, -1).float()
+    eq = x.unsqueeze(-1) == x.unsqueeze(-2)
+    return (eq * gm.unsqueeze(-2)).sum(-1).movedim(-1, dim).to(g.dtype)
 
 
 def ties_view(name: str, s, inp, out):
     """``out`` with its indices replaced by the input values they select (see ``TIES``)."""
-    k, pos = TIES[name]
-    if s.kwargs.get("stable"):
-        return out
-    dim = s.args[pos] if len(s.args) > pos else s.kwargs.get("dim", -1)
+    k = TIES[name][0]
+    dim = _ties_dim(name, s, inp)
     idx = out if k is None else out[k]
-    if not isinstance(idx, torch.Tensor) or inp.dim() == 0:
+    if dim is None or not isinstance(idx, torch.Tensor):
         return out
     keep = idx.dim() == inp.dim()
     sel = torch.take_along_dim(inp, idx if keep else idx.unsqueeze(dim), dim)
@@ -299,6 +321,13 @@ class Snap:
         if d.layout == torch.strided:
             d = d.resolve_conj().resolve_neg()
         self.t = d.cpu() if self.device != "cpu" else d.clone()
+
+    @classmethod
+    def of(cls, t: torch.Tensor, device: str = "tpu") -> "Snap":
+        """A snapshot holding the CPU tensor ``t`` as if read from ``device``."""
+        snap = cls.__new__(cls)
+        snap.device, snap.t = device, t
+        return snap
 
 
 def snapshot(x):
@@ -599,6 +628,11 @@ def run_backward_sample(o, name: str, s, mode: str, seed: int):
         raise
     except Exception as e:
         return _classify_error(e), _err_text(e)
+    if name in TIES:
+        got = [Snap.of(ties_grad(name, s, c_in, g.t)) if g is not None and t is c_in else g
+               for g, t in zip(got, leaves)]
+        c_grads = [ties_grad(name, s, c_in, w) if t is c_in else w
+                   for w, t in zip(c_grads, leaves)]
     try:
         for i, (g, w) in enumerate(zip(got, c_grads)):
             if w is None and g is None:
@@ -761,7 +795,7 @@ def sweep(ops: dict, modes, dtypes, directions=("forward",), limit=None, timeout
                     rec = check_op(o, m, dt, "forward", samples=samples, limit=limit,
                                    timeout=timeout)
                 done(m, dname, "forward", rec)
-            if "backward" in directions and dt in (torch.float32, torch.float64):
+            if "backward" in directions and dt in BACKWARD_DTYPES:
                 for m in modes:
                     if (name, m, dname, "backward") in skip_cells:
                         continue
@@ -1122,7 +1156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="strict,defer")
     ap.add_argument("--dtypes", default="float32",
                     help=f"comma-separated, of {', '.join(DTYPES)}")
-    ap.add_argument("--backward", action="store_true", help="also compare gradients (float32)")
+    ap.add_argument("--backward", action="store_true", help="also compare gradients (floating dtypes)")
     ap.add_argument("--backward-only", action="store_true", help="gradients only, no forward")
     ap.add_argument("--ops", default="", help="comma-separated op names (with or without "
                     "variant: 'max' selects every max variant)")

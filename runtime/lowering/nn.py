@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import op
+from .precision import acc, round_to
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,26 +249,51 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
     return gi, gw, gb
 
 
-def _bn_train(x, weight, bias, eps):
-    axes = (0,) + tuple(range(2, x.ndim))
-    mean = jnp.mean(x, axis=axes)
-    var = jnp.mean(jnp.square(x - _per_channel(mean, x.ndim)), axis=axes)
-    invstd = lax.rsqrt(var + eps)
-    return _bn_apply(x, weight, bias, mean, invstd), mean, var, invstd
-
-
 def _bn_apply(x, weight, bias, mean, invstd):
-    out = (x - _per_channel(mean, x.ndim)) * _per_channel(invstd, x.ndim)
-    if weight is not None:
-        out = out * _per_channel(weight, x.ndim)
-    if bias is not None:
-        out = out + _per_channel(bias, x.ndim)
-    return out
+    """PyTorch's CPU batch norm transform: ``x * alpha + beta`` per channel in float32, with
+    ``alpha = invstd * weight`` and ``beta = bias - mean * alpha`` (mean and invstd as saved)."""
+    alpha = invstd if weight is None else invstd * acc(weight)
+    beta = -mean * alpha if bias is None else acc(bias) - mean * alpha
+    return x * _per_channel(alpha, x.ndim) + _per_channel(beta, x.ndim)
+
+
+def _bn_train(x_in, weight, bias, running_mean, running_var, momentum, eps, stat_dt):
+    """(output, saved mean, saved invstd, new running mean, new running var) in training mode,
+    rounded where PyTorch's CPU kernel rounds them: statistics kept in ``stat_dt`` (the input's
+    dtype, or float32 for a half input with float32 parameters) round before the output uses them.
+    A bfloat16 batch norm with bfloat16 parameters keeps its mean and variance sum in bfloat16 and
+    updates the running statistics in bfloat16 arithmetic (momentum itself rounded)."""
+    x = acc(x_in)
+    axes = (0,) + tuple(range(2, x.ndim))
+    n = x.size // x.shape[1]
+    mean = jnp.mean(x, axis=axes)
+    var_sum = jnp.sum(jnp.square(x - _per_channel(mean, x.ndim)), axis=axes)
+    r = lambda v: round_to(v, stat_dt)   # noqa: E731
+    m = jnp.asarray(momentum, jnp.float32)
+    if stat_dt == jnp.bfloat16:
+        mean, var_sum = r(mean), r(var_sum)
+        invstd = r(1.0 / jnp.sqrt(r(var_sum / r(jnp.float32(n))) + eps))
+        m = r(m)
+        new_mean = new_var = None
+        if running_mean is not None:
+            new_mean = r(r(m * mean) + r(r(1 - m) * acc(running_mean)))
+        if running_var is not None:
+            unbiased = r(var_sum / r(jnp.float32(max(n - 1, 1))))
+            new_var = r(m * unbiased + r(r(1 - m) * acc(running_var)))
+    else:
+        invstd = r(1.0 / jnp.sqrt(var_sum / n + eps))
+        mean_f, mean = mean, r(mean)
+        new_mean = new_var = None
+        if running_mean is not None:
+            new_mean = m * mean_f + (1 - m) * acc(running_mean)
+        if running_var is not None:
+            new_var = m * var_sum / max(n - 1, 1) + (1 - m) * acc(running_var)
+    return _bn_apply(x, weight, bias, mean, invstd), mean, invstd, new_mean, new_var
 
 
 def _bn_eval(x, weight, bias, running_mean, running_var, eps):
-    invstd = lax.rsqrt(_acc(running_var) + eps)
-    return _bn_apply(x, weight, bias, _acc(running_mean), invstd)
+    invstd = 1.0 / jnp.sqrt(acc(running_var) + eps)
+    return _bn_apply(acc(x), weight, bias, acc(running_mean), invstd)
 
 
 def _saved(avals, k, v):
@@ -279,21 +305,20 @@ def _saved(avals, k, v):
 @op("_native_batch_norm_legit_functional.default", meta=True)
 def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training,
                                         momentum, eps, *, _avals):
-    x = _acc(input)
+    # Running statistics may be None here (deferfuse/specials.py routes every batch norm variant
+    # to this op; deferfuse/meta.py gives CPU's output shapes and dtypes).
     if not training:
-        out = _bn_eval(x, weight, bias, running_mean, running_var, eps)
+        out = _bn_eval(input, weight, bias, running_mean, running_var, eps)
         return (out, _zeros(_avals[1]), _zeros(_avals[2]), running_mean, running_var)
-    out, mean, var, invstd = _bn_train(x, weight, bias, eps)
-    n = x.size // x.shape[1]
-    new_mean = (1 - momentum) * running_mean + momentum * mean
-    new_var = (1 - momentum) * running_var + momentum * var * (n / max(n - 1, 1))
+    out, mean, invstd, new_mean, new_var = _bn_train(
+        input, weight, bias, running_mean, running_var, momentum, eps, jnp.dtype(_avals[1][1]))
     return out, _saved(_avals, 1, mean), _saved(_avals, 2, invstd), new_mean, new_var
 
 
 @op("_native_batch_norm_legit_no_training.default", meta=True)
 def _native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum,
                                          eps, *, _avals):
-    out = _bn_eval(_acc(input), weight, bias, running_mean, running_var, eps)
+    out = _bn_eval(input, weight, bias, running_mean, running_var, eps)
     return out, _zeros(_avals[1]), _zeros(_avals[2])
 
 
