@@ -173,6 +173,13 @@ CAUSES = {
     "view_as_complex": ("lowering error", "float16 input makes complex32, which JAX lacks"),
 }
 
+# Ops whose CPU kernel is wrong in a dtype: the reference is the CPU op in float32 on float32
+# copies of the inputs, rounded to the dtype. {op: {dtype: reason}}
+_MEXP = ("CPU's half-precision matrix_exp returns NaN or values off by 1e30 for ordinary "
+         "inputs (exp of 0.1 * randn(5, 5) in bfloat16 has a -1.3e30 entry); tpu computes in "
+         "float32 and rounds once")
+CPU_BROKEN = {"matrix_exp": {torch.bfloat16: _MEXP, torch.float16: _MEXP}}
+
 # Ops not swept, one reason each.
 SKIP = {
     "to_sparse": "sparse layouts are not supported on the tpu device",
@@ -199,7 +206,12 @@ SKIP = {
 DEFAULT_TOL = {torch.float32: (1e-5, 1.3e-6), torch.float64: (1e-7, 1e-7),
                torch.bfloat16: (1e-5, 1.6e-2), torch.float16: (1e-5, 1e-3),
                torch.complex64: (1e-5, 1.3e-6), torch.complex128: (1e-7, 1e-7)}
-BACKWARD_TOL = {torch.float32: (1e-5, 1e-5)}
+# Half-precision gradients go through several rounded ops (the autograd formula's, each rounding
+# to the dtype on CPU, where a fused XLA region may round once): atol is that of PyTorch's own
+# CPU-vs-device test (test_compare_cpu, 1e-3), rtol two units in the last place of the dtype
+# (bfloat16's is assert_close's default).
+BACKWARD_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-3, 1.6e-2),
+                torch.float16: (1e-3, 2e-3)}
 TOL: dict = {}
 BACKWARD_TOL_OP: dict = {}
 
@@ -506,6 +518,19 @@ def _call(o, s, inp, args, kwargs):
     return o.op(inp, *args, **kwargs)
 
 
+def _cpu_call(name, o, s, inp, args, kwargs):
+    """The CPU reference: the op itself, or (``CPU_BROKEN``) the op in float32 on float32 copies
+    of the half-precision inputs, its floating outputs rounded back to the input's dtype."""
+    dt = inp.dtype if isinstance(inp, torch.Tensor) else None
+    if dt not in CPU_BROKEN.get(name, {}):
+        return _call(o, s, inp, args, kwargs)
+    up = _map((inp, args, kwargs), lambda t: t.float() if isinstance(t, torch.Tensor)
+              and t.dtype == dt else t)
+    out = _call(o, s, *up)
+    return _map(out, lambda t: t.to(dt) if isinstance(t, torch.Tensor)
+                and t.dtype == torch.float32 else t)
+
+
 def run_forward_sample(o, name: str, s, mode: str, random: bool):
     """None when the sample passes, else (group, message)."""
     tol_of = lambda dt: tolerance(name, dt)   # noqa: E731
@@ -535,7 +560,7 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
     c_err = c_out = None
     try:
         with torch.random.fork_rng(devices=[]):
-            c_out = _call(o, s, c_in, c_args, c_kw)
+            c_out = _cpu_call(name, o, s, c_in, c_args, c_kw)
             if gauge:
                 c_out = s.output_process_fn_grad(c_out)
             if name in TIES:
@@ -597,7 +622,7 @@ def run_backward_sample(o, name: str, s, mode: str, seed: int):
     # CPU first: only samples CPU can differentiate are compared.
     try:
         with torch.random.fork_rng(devices=[]):
-            c_out = _call(o, s, c_in, c_args, c_kw)
+            c_out = _cpu_call(name, o, s, c_in, c_args, c_kw)
         c_out = s.output_process_fn_grad(c_out)
         c_outs = _diff_outputs(c_out)
         if not c_outs:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import op
-from .precision import acc, round_to
+from .precision import HALF, acc, round_to
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,10 +140,22 @@ def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
 # --------------------------------------------------------------------------------------------
 # softmax
 
+def _last_dim(x, dim) -> bool:
+    """PyTorch's CPU softmax kernels take their "last dim" path for the last dim (not for
+    another whose later dims have size 1); the paths round half-precision values differently."""
+    return dim % x.ndim == x.ndim - 1
+
+
 @op("_softmax.default")
 def _softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.ones((), _acc(self).dtype)
+    if self.dtype in HALF and not half_to_float and not _last_dim(self, dim):
+        # CPU's kernel writes exp(x - max) to the half-precision output, sums it in float32
+        # before rounding, then scales the rounded values by 1 / sum.
+        x = acc(self)
+        e = jnp.exp(x - jnp.max(x, axis=dim, keepdims=True))
+        return round_to(e, self.dtype) * (1.0 / jnp.sum(e, axis=dim, keepdims=True))
     return jax.nn.softmax(_acc(self), axis=dim)
 
 
@@ -151,6 +163,12 @@ def _softmax(self, dim, half_to_float):
 def _log_softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.zeros((), _acc(self).dtype)
+    if self.dtype in HALF and not half_to_float and _last_dim(self, dim):
+        # CPU's last-dim kernel keeps the sum of exponentials and its log in the input's dtype.
+        x = acc(self)
+        m = jnp.max(x, axis=dim, keepdims=True)
+        total = round_to(jnp.sum(jnp.exp(x - m), axis=dim, keepdims=True), self.dtype)
+        return x - m - round_to(jnp.log(total), self.dtype)
     return jax.nn.log_softmax(_acc(self), axis=dim)
 
 
