@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full bench bench-quick bench-paired sweep wheel-test clean
+.PHONY: demo test test-full bench bench-quick bench-paired sweep module-sweep wheel-test clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ test-full: $(STAMP)
 
 sweep: $(STAMP)
 	$(BIN)/python tests/opinfo_sweep.py $(ARGS)
+
+module-sweep: $(STAMP)
+	$(BIN)/python tests/moduleinfo_sweep.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
