@@ -80,6 +80,9 @@ def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups
     dilation, output_padding = _tup(dilation, nd, 1), _tup(output_padding, nd, 0)
     sp = "DHW"[3 - nd:]
     spec = ("NC" + sp, "OI" + sp, "NC" + sp)
+    # Half precision: accumulate in float32 and add the bias there, rounding once (as CPU does;
+    # XLA's half-precision convolution rounded before the bias was added).
+    kw = {"preferred_element_type": jnp.float32} if x.dtype in HALF else {}
     if transposed:
         # The gradient of a convolution with respect to its input: dilate the input by the
         # stride, pad by dilation*(k-1)-padding, and convolve with the flipped, I/O-swapped kernel.
@@ -92,12 +95,12 @@ def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups
         dn = lax.conv_dimension_numbers(x.shape, wt.shape, spec)
         out = lax.conv_general_dilated(x, wt.astype(x.dtype), (1,) * nd, pads, lhs_dilation=stride,
                                        rhs_dilation=dilation, dimension_numbers=dn,
-                                       feature_group_count=groups)
+                                       feature_group_count=groups, **kw)
     else:
         dn = lax.conv_dimension_numbers(x.shape, w.shape, spec)
         out = lax.conv_general_dilated(x, w.astype(x.dtype), stride, [(p, p) for p in padding],
                                        rhs_dilation=dilation, dimension_numbers=dn,
-                                       feature_group_count=groups)
+                                       feature_group_count=groups, **kw)
     if b is not None:
         out = out + b.astype(out.dtype).reshape((1, -1) + (1,) * nd)
     return out[0] if unbatched else out
