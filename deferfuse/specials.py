@@ -219,6 +219,13 @@ def _h_one_hot(func, args, kwargs):
     return _run(func, op_info(func), (x, n), {})
 
 
+def _h_composite_explicit(func, args, kwargs):
+    """An op whose only kernel is PyTorch's own CompositeExplicitAutograd one, written in ops
+    that are lowered (the chunked linear_cross_entropy custom ops): that kernel itself, on tpu
+    tensors, instead of a copy to CPU and back."""
+    return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+
+
 def _h_pack_padded_sequence(func, args, kwargs):
     """PyTorch's own kernel (CompositeExplicitAutograd): it reads the lengths (a CPU tensor) and
     cuts the tpu input with ordinary ops, so the packed data is on tpu and ``batch_sizes`` stays a
@@ -312,6 +319,16 @@ SPECIAL = {
     aten._nested_tensor_from_mask_left_aligned.default: _h_not_left_aligned,
     aten._nested_tensor_from_mask.default: _h_nested_from_mask,
 }
+for _name in ("_linear_cross_entropy_batch_chunked", "_linear_cross_entropy_batch_chunked_no_reduction"):
+    _o = getattr(getattr(getattr(torch.ops, "torch_nn", None), _name, None), "default", None)
+    if _o is None:
+        try:    # registered when torch.nn.functional's linear_cross_entropy is first imported
+            import torch.nn.modules.linear_cross_entropy  # noqa: F401
+            _o = getattr(getattr(torch.ops.torch_nn, _name, None), "default", None)
+        except (ImportError, AttributeError):
+            _o = None
+    if _o is not None:
+        SPECIAL[_o] = _h_composite_explicit
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")
     _o = getattr(getattr(aten, _p, None), _ov, None)
