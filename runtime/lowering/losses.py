@@ -12,7 +12,7 @@ from jax import lax
 
 from . import check, check_index, op
 from .nn import _acc, _grad_scale, _reduce, _sum_to
-from .precision import acc, round_to
+from .precision import HALF, acc, round_to
 
 
 def _nll_parts(x, target, weight, ignore_index):
@@ -127,6 +127,17 @@ def huber_loss_backward(grad_output, self, target, reduction, delta):
 
 @op("binary_cross_entropy.default")
 def binary_cross_entropy(self, target, weight=None, reduction=1):
+    if self.dtype in HALF:
+        # CPU's kernel works in the dtype: each log, clamp, product and difference rounded, then
+        # the weight in a kernel of its own (rounded), then the reduction in float32.
+        r = functools.partial(round_to, dtype=self.dtype)
+        x, t = acc(self), acc(target)
+        log_x = jnp.maximum(r(jnp.log(x)), -100.0)
+        log_1mx = jnp.maximum(r(jnp.log1p(-x)), -100.0)
+        loss = r(r(r(t - 1) * log_1mx) - r(t * log_x))
+        if weight is not None:
+            loss = r(loss * acc(weight))
+        return _reduce(loss, reduction)
     x, t = _acc(self), _acc(target)
     loss = -(t * jnp.maximum(jnp.log(x), -100.0) + (1 - t) * jnp.maximum(jnp.log1p(-x), -100.0))
     if weight is not None:
@@ -164,6 +175,14 @@ def glu(self, dim=-1):
 
 @op("glu_backward.default")
 def glu_backward(grad_output, self, dim):
+    if self.dtype in HALF:
+        # CPU: sigmoid(b) into the first half (rounded), then (1 - s) * s * a * grad in float32
+        # (rounded), and the first half times grad (rounded).
+        r = functools.partial(round_to, dtype=self.dtype)
+        a, b = jnp.split(acc(self), 2, axis=dim)
+        g = acc(grad_output)
+        sig = r(jax.nn.sigmoid(b))
+        return jnp.concatenate([r(sig * g), r((1 - sig) * sig * a * g)], axis=dim)
     _, vjp = jax.vjp(lambda x: glu(x, dim), self)
     return vjp(grad_output.astype(self.dtype))[0]
 
