@@ -226,8 +226,8 @@ def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0
         rec.update(status="skip", reason=SKIP[name])
         return rec
     failures = []
+    fallbacks: dict = {}
     t0 = time.perf_counter()
-    deferfuse.reset_metrics()
     n = 0
     try:
         with ow.alarm(timeout):
@@ -239,9 +239,12 @@ def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0
             if limit:
                 inputs = inputs[:limit]
             for i, inp in enumerate(inputs):
+                deferfuse.reset_metrics()
                 r = run_sample(mi, name, inp, dtype, mode, direction)
                 if r == "n/a":
-                    continue
+                    continue        # (its CPU fallbacks, if any, are not counted either)
+                for aten_op, k in deferfuse.metrics()["cpu_fallbacks"].items():
+                    fallbacks[aten_op] = fallbacks.get(aten_op, 0) + k
                 n += 1
                 if r is None:
                     rec["passed"] += 1
@@ -256,7 +259,7 @@ def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0
         n = rec["passed"] + 1
     rec["samples"] = n
     rec["seconds"] = round(time.perf_counter() - t0, 3)
-    fb = deferfuse.metrics()["cpu_fallbacks"]
+    fb = fallbacks
     if fb:
         rec["fallbacks"] = dict(fb)
     if failures:
