@@ -9,6 +9,8 @@ PyTorch's CPU kernels do; the caller casts every output to PyTorch's dtype.
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -71,6 +73,40 @@ def _zeros(aval):
 # --------------------------------------------------------------------------------------------
 # convolution
 
+def _conv_transpose_slow_half(x, w, b, stride, padding, dilation, output_padding, groups):
+    """CPU's half-precision transposed convolution when its oneDNN path refuses an output padding
+    as large as the stride (slow_conv_transpose2d/3d): per kernel position, a product over input
+    channels accumulated in float32 and rounded (the "columns" GEMM), added into the output one
+    kernel position after another (col2im / col2vol, each sum rounded), then the bias (rounded)."""
+    dt = x.dtype
+    nd = w.ndim - 2
+    n, cin = x.shape[:2]
+    ins, ks, cout_g = x.shape[2:], w.shape[2:], w.shape[1]
+    outs = [(i - 1) * s - 2 * p + d * (k - 1) + o + 1
+            for i, s, p, d, k, o in zip(ins, stride, padding, dilation, ks, output_padding)]
+    xg = x.reshape((n, groups, cin // groups) + ins)
+    wg = w.reshape((groups, cin // groups, cout_g) + ks)
+    out = jnp.zeros((n, groups, cout_g) + tuple(outs), jnp.float32)
+    sp = "xyz"[:nd]
+    for kpos in itertools.product(*[range(k) for k in ks]):
+        src, dst = [slice(None)] * 3, [slice(None)] * 3
+        for i, s, p, d, kp, o in zip(ins, stride, padding, dilation, kpos, outs):
+            off = kp * d - p                        # the output index input 0 lands on
+            lo = -(off // s) if off < 0 else 0      # the first input landing inside
+            hi = min(i, (o - 1 - off) // s + 1) if o - 1 - off >= 0 else 0
+            src.append(slice(lo, max(lo, hi)))
+            dst.append(slice(off + lo * s, off + (max(lo, hi) - 1) * s + 1, s))
+        if any(sl.stop <= sl.start for sl in src[3:]):
+            continue
+        contrib = jnp.einsum(f"ngi{sp},gio->ngo{sp}", xg[tuple(src)],
+                             wg[(slice(None),) * 3 + kpos], preferred_element_type=jnp.float32)
+        out = round_to(out.at[tuple(dst)].add(round_to(contrib, dt)), dt)
+    out = out.reshape((n, groups * cout_g) + tuple(outs))
+    if b is not None:
+        out = round_to(out + acc(b).reshape((1, -1) + (1,) * nd), dt)
+    return out
+
+
 def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
     nd = w.ndim - 2
     unbatched = x.ndim == nd + 1
@@ -78,6 +114,10 @@ def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups
         x = x[None]
     stride, padding = _tup(stride, nd, 1), _tup(padding, nd, 0)
     dilation, output_padding = _tup(dilation, nd, 1), _tup(output_padding, nd, 0)
+    if (transposed and x.dtype in HALF and w.dtype == x.dtype
+            and any(o >= s for o, s in zip(output_padding, stride))):
+        out = _conv_transpose_slow_half(x, w, b, stride, padding, dilation, output_padding, groups)
+        return out[0] if unbatched else out
     sp = "DHW"[3 - nd:]
     spec = ("NC" + sp, "OI" + sp, "NC" + sp)
     # Half precision: accumulate in float32 and add the bias there, rounding once (as CPU does;
