@@ -107,14 +107,14 @@ def _conv_transpose_slow_half(x, w, b, stride, padding, dilation, output_padding
     return out
 
 
-def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups, cpu_slow=True):
     nd = w.ndim - 2
     unbatched = x.ndim == nd + 1
     if unbatched:
         x = x[None]
     stride, padding = _tup(stride, nd, 1), _tup(padding, nd, 0)
     dilation, output_padding = _tup(dilation, nd, 1), _tup(output_padding, nd, 0)
-    if (transposed and x.dtype in HALF and w.dtype == x.dtype
+    if (cpu_slow and transposed and x.dtype in HALF and w.dtype == x.dtype
             and any(o >= s for o, s in zip(output_padding, stride))):
         out = _conv_transpose_slow_half(x, w, b, stride, padding, dilation, output_padding, groups)
         return out[0] if unbatched else out
@@ -155,12 +155,13 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
 @op("convolution_backward.default")
 def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
                          transposed, output_padding, groups, output_mask):
-    def f(x, w):
-        return _conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
+    def f(x, w):    # gradients accumulate in float32 and round once (CPU's slow path too)
+        return _conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups,
+                     cpu_slow=False)
     gi = gw = gb = None
     if output_mask[0] or output_mask[1]:
-        _, vjp = jax.vjp(f, input, weight)
-        gi, gw = vjp(grad_output.astype(input.dtype))
+        out, vjp = jax.vjp(f, input, weight)
+        gi, gw = vjp(grad_output.astype(out.dtype))    # (float32 for half inputs: see _conv)
     if output_mask[2]:
         axes = (0,) + tuple(range(2, grad_output.ndim))
         if grad_output.ndim == weight.ndim - 1:          # unbatched
