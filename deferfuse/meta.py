@@ -360,10 +360,28 @@ def infer_view(func, args, kwargs):
         size, stride = _static(args[1]), _static(args[2])
         off = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
         off = base.storage_offset() if off is None else off
+        _check_storage_bounds(base, size, stride, off)
         step = (func, (size, stride, off, base._s.val.shape, _base_stride(base)), ())
     else:
         step = (func, tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items()))
     return [(tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, step)]
+
+
+def _check_storage_bounds(base, size, stride, offset) -> None:
+    """CPU's error for an as_strided view reaching past the end of its storage (the meta kernel
+    has no storage to check against)."""
+    if any(n == 0 for n in size):
+        return
+    numel = 1
+    for n in base._s.val.shape:
+        numel *= n
+    item = base.element_size()
+    needed = (offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1) * item
+    if needed > numel * item:
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+            f"itemsize {item} requiring a storage size of {needed} are out of bounds for storage "
+            f"of size {numel * item}")
 
 
 def _base_stride(t):
