@@ -75,6 +75,27 @@ CONTRACTION_TOL = {torch.float32: (1e-4, 1e-5)}
 # Modules not swept, one reason each.
 SKIP: dict = {}
 
+# Why the known failures fail (for the table; the sweep does not use it).
+_RNN = ("bfloat16: the cells use CUDA's fused cell arithmetic (gates in float32, runtime/lowering/"
+        "rnn.py), CPU composes unfused ops that each round; a few elements one or two ulps apart")
+CAUSES = {
+    "nn.GRUCell": _RNN, "nn.LSTMCell": _RNN, "nn.GRU": _RNN, "nn.LSTM": _RNN,
+    "nn.Embedding": "bfloat16 backward: CPU adds the weight gradient row by row in bfloat16 (a sum "
+                    "of ~900 ones stalls at 256); tpu accumulates in float32, as CUDA does",
+    "nn.ReplicationPad3d": "bfloat16 backward: CPU accumulates the padded border's gradient in "
+                           "bfloat16 element by element; tpu in float32",
+    "nn.LayerNorm": "bfloat16 backward: CPU's weight and bias gradients are accumulated another way "
+                    "(not float32-once, not row by row in bfloat16: not reproduced); ulps apart",
+    "nn.KLDivLoss": "bfloat16 backward (target gradient): one element two ulps apart through "
+                    "xlogy's cancellation",
+    "nn.Softmax2d": "bfloat16 backward: cancellation in softmax's backward, elements near zero "
+                    "1.7e-3 apart (atol 1e-3)",
+    "nn.TransformerEncoder": "bfloat16 backward: one in_proj_weight gradient entry a few ulps "
+                             "past two ulps of the tensor's largest entry (attention backward in "
+                             "float32 on tpu; CPU's flash backward rounds its probabilities)",
+    "nn.CTCLoss": "float32: aten._ctc_loss has no lowering (runs on CPU, in every dtype)",
+}
+
 
 def load_modules() -> dict:
     with warnings.catch_warnings():
@@ -388,6 +409,7 @@ def render_md(results: dict, summ: dict, runs: list) -> str:
           "them is compared again with an atol of two ulps of its largest entry (it sums many "
           "rounded terms); those passes are counted apart (the column before last): "
           + (", ".join(scaled) or "none") + "."]
+    L += ["", "## Causes", ""] + [f"- {n}: {c}" for n, c in CAUSES.items()]
     L += ["", "## Failures and fallbacks", ""]
     for n, r in results.items():
         for m, per in r.items():
