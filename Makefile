@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist sweep wheel-test clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist sweep module-sweep wheel-test clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -32,6 +32,9 @@ docs: $(STAMP)
 
 sweep: $(STAMP)
 	$(BIN)/python tests/opinfo_sweep.py $(ARGS)
+
+module-sweep: $(STAMP)
+	$(BIN)/python tests/moduleinfo_sweep.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"

@@ -326,6 +326,59 @@ def _like_self_rule(grad_output, self, *args, **kwargs):
     return "one", (_desc(torch.empty(self.shape, dtype=self.dtype, device="meta")),)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _stat_dtype(check, input, *params):
+    """CPU's dtype for a normalization's saved statistics: the input's, or float32 for a bfloat16
+    or float16 input whose parameters (weight, bias, running statistics: all that are given) are
+    float32 ("mixed type"). PyTorch's meta kernels follow CUDA (float32 for any half input).
+    Other combinations raise CPU's own error (``check``: the op to run on CPU stand-ins)."""
+    dts = {p.dtype for p in params if p is not None}
+    if not dts or dts == {input.dtype}:
+        return input.dtype
+    if input.dtype in _HALF and dts == {torch.float32}:
+        return torch.float32
+    err = cpu_error(check[0], check[1])
+    if err is not None:
+        raise err
+    return input.dtype
+
+
+def _bn_rule(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """The lowered ``_native_batch_norm_legit_functional``, shaped as CPU's ``native_batch_norm``:
+    saved statistics (C,) in training and (0,) in evaluation mode, in ``_stat_dtype``."""
+    if running_mean is None and not training:
+        raise RuntimeError("running_mean must be defined in evaluation mode")
+    dt = _stat_dtype((aten.native_batch_norm.default, (input, weight, bias, running_mean,
+                                                       running_var, training, momentum, eps)),
+                     input, weight, bias, running_mean, running_var)
+    c = (input.shape[1],) if training else (0,)
+    stat = (c, (1,), dt)
+    out = _desc(torch.empty_like(_to_meta(input)))
+    run = [None if r is None else (tuple(r.shape), (1,), r.dtype) for r in (running_mean, running_var)]
+    return "tuple", (out, stat, stat, run[0], run[1])
+
+
+def _bn_no_training_rule(input, weight, bias, running_mean, running_var, momentum, eps):
+    dt = _stat_dtype((aten.native_batch_norm.default, (input, weight, bias, running_mean,
+                                                       running_var, False, momentum, eps)),
+                     input, weight, bias, running_mean, running_var)
+    return "tuple", (_desc(torch.empty_like(_to_meta(input))), ((0,), (1,), dt), ((0,), (1,), dt))
+
+
+def _with_stat_dtype(func, params, stat_outputs):
+    """``func``'s meta outputs with its saved statistics (``stat_outputs``) in ``_stat_dtype``."""
+    def rule(*args, **kwargs):
+        structure, descs = _meta_outputs(func, args, kwargs)
+        dt = _stat_dtype((func, args), args[0], *[args[i] if len(args) > i else None
+                                                 for i in params])
+        descs = tuple((d[0], d[1], dt) if i in stat_outputs and d is not None else d
+                      for i, d in enumerate(descs))
+        return structure, descs
+    return rule
+
+
 # Ops whose meta kernel is missing (GRU, the margin losses' backward ops) or fails on valid input
 # (LSTM without biases): shape rules here, as PyTorch's CPU and CUDA kernels shape their outputs
 # (see runtime/lowering/rnn.py, losses.py).
@@ -336,7 +389,14 @@ _RULES = {aten._thnn_fused_lstm_cell.default: _lstm_cell_rule,
           aten.multi_margin_loss.default: _multi_margin_rule,
           aten.multilabel_margin_loss_forward.default: _multilabel_margin_rule,
           aten.multi_margin_loss_backward.default: _like_self_rule,
-          aten.multilabel_margin_loss_backward.default: _like_self_rule}
+          aten.multilabel_margin_loss_backward.default: _like_self_rule,
+          # normalizations: CPU's saved-statistics dtypes (and batch norm's shapes)
+          aten._native_batch_norm_legit_functional.default: _bn_rule,
+          aten._native_batch_norm_legit_no_training.default: _bn_no_training_rule,
+          aten.native_layer_norm.default:
+              _with_stat_dtype(aten.native_layer_norm.default, (2, 3), (1, 2)),
+          aten.native_group_norm.default:
+              _with_stat_dtype(aten.native_group_norm.default, (1, 2), (1, 2))}
 
 
 # Ops whose meta kernel takes any ``dim`` (the lowering then failed inside a region, or sort took
@@ -443,6 +503,11 @@ def _infer(func, args, kwargs):
         err = cpu_error(func, args, kwargs)
         if err is not None:
             raise RuntimeError(str(err))
+    return _meta_outputs(func, args, kwargs)
+
+
+def _meta_outputs(func, args, kwargs):
+    """(structure, descs) of ``func``'s outputs from its meta kernel."""
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
     if func is _GROUPED_MM and _grouped_mm_out is not None:
@@ -520,10 +585,28 @@ def _infer_view(func, args, kwargs):
         size, stride = _static(args[1]), _static(args[2])
         off = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
         off = base.storage_offset() if off is None else off
+        _check_storage_bounds(base, size, stride, off)
         step = (func, (size, stride, off, base._s.val.shape, _base_stride(base)), ())
     else:
         step = (func, tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items()))
     return [(tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, step)]
+
+
+def _check_storage_bounds(base, size, stride, offset) -> None:
+    """CPU's error for an as_strided view reaching past the end of its storage (the meta kernel
+    has no storage to check against)."""
+    if any(n == 0 for n in size):
+        return
+    numel = 1
+    for n in base._s.val.shape:
+        numel *= n
+    item = base.element_size()
+    needed = (offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1) * item
+    if needed > numel * item:
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+            f"itemsize {item} requiring a storage size of {needed} are out of bounds for storage "
+            f"of size {numel * item}")
 
 
 def _base_stride(t):

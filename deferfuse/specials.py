@@ -157,19 +157,37 @@ def _h_is_pinned(func, args, kwargs):
 
 
 _BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+# Batch norm variants: (their argument names, training (None: an argument), a reserve output).
+_BN_VARIANTS = {
+    aten.native_batch_norm.default: (_BN_ARGS, None, False),
+    aten._native_batch_norm_legit.default: (_BN_ARGS, None, False),
+    aten._native_batch_norm_legit.no_stats: (
+        ("input", "weight", "bias", "training", "momentum", "eps"), None, False),
+    aten._batch_norm_with_update.default: (
+        ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps"), True, True),
+}
 
 
 def _h_batch_norm(func, args, kwargs):
-    """native_batch_norm / _native_batch_norm_legit write running_mean/var in place (the former
-    without an alias annotation): run the lowered functional op, then write the stats back."""
-    a = dict(zip(_BN_ARGS, args), **kwargs)
+    """Every batch norm variant runs the lowered functional op (CPU's statistics dtypes and
+    shapes, deferfuse/meta.py), then writes the running statistics back in training mode
+    (native_batch_norm writes them without an alias annotation)."""
+    names, training, reserve = _BN_VARIANTS[func]
+    a = dict(zip(names, args), **kwargs)
+    if training is not None:
+        a["training"] = training
     fn = aten._native_batch_norm_legit_functional.default
-    if a.get("running_mean") is None or a.get("running_var") is None or fn not in LOWERINGS:
+    if fn not in LOWERINGS:
         return decompose(func, args, kwargs)
-    out, mean, invstd, new_mean, new_var = _run(fn, op_info(fn), tuple(a[n] for n in _BN_ARGS), {})
+    out, mean, invstd, new_mean, new_var = _run(
+        fn, op_info(fn), tuple(a.get(n) for n in _BN_ARGS), {})
     if a["training"]:
-        _write_stat(a["running_mean"], new_mean)
-        _write_stat(a["running_var"], new_var)
+        if a.get("running_mean") is not None:
+            _write_stat(a["running_mean"], new_mean)
+        if a.get("running_var") is not None:
+            _write_stat(a["running_var"], new_var)
+    if reserve:
+        return out, mean, invstd, _empty((0,), torch.uint8, a["input"]._s.device)
     return out, mean, invstd
 
 
@@ -210,6 +228,13 @@ def _h_one_hot(func, args, kwargs):
             raise RuntimeError("Can not infer total number of classes from empty tensor.")
         n = int(aten.max.default(x).item()) + 1
     return _run(func, op_info(func), (x, n), {})
+
+
+def _h_composite_explicit(func, args, kwargs):
+    """An op whose only kernel is PyTorch's own CompositeExplicitAutograd one, written in ops
+    that are lowered (the chunked linear_cross_entropy custom ops): that kernel itself, on tpu
+    tensors, instead of a copy to CPU and back."""
+    return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
 
 
 def _h_pack_padded_sequence(func, args, kwargs):
@@ -341,10 +366,9 @@ SPECIAL = {
     aten.resize_.default: _h_resize,
     aten.set_.source_Tensor: _h_set,
     aten.is_pinned.default: _h_is_pinned,
-    aten.native_batch_norm.default: _h_batch_norm,
     aten.rrelu_with_noise.default: _h_rrelu_with_noise,
     aten.rrelu_with_noise_.default: _h_rrelu_with_noise,
-    aten._native_batch_norm_legit.default: _h_batch_norm,
+    **{f: _h_batch_norm for f in _BN_VARIANTS},
     aten.one_hot.default: _h_one_hot,
     aten._pack_padded_sequence.default: _h_pack_padded_sequence,
     aten._nested_tensor_from_mask_left_aligned.default: _h_not_left_aligned,
@@ -358,6 +382,16 @@ for _full in torch._C._dispatch_get_all_op_names():
         if _o is not None and any(a.alias_info is not None and a.alias_info.is_write
                                   for a in _o._schema.arguments[:1]):
             SPECIAL[_o] = _h_foreach_inplace
+for _name in ("_linear_cross_entropy_batch_chunked", "_linear_cross_entropy_batch_chunked_no_reduction"):
+    _o = getattr(getattr(getattr(torch.ops, "torch_nn", None), _name, None), "default", None)
+    if _o is None:
+        try:    # registered when torch.nn.functional's linear_cross_entropy is first imported
+            import torch.nn.modules.linear_cross_entropy  # noqa: F401
+            _o = getattr(getattr(torch.ops.torch_nn, _name, None), "default", None)
+        except (ImportError, AttributeError):
+            _o = None
+    if _o is not None:
+        SPECIAL[_o] = _h_composite_explicit
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")
     _o = getattr(getattr(aten, _p, None), _ov, None)

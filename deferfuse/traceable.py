@@ -97,3 +97,21 @@ def install() -> None:
     TpuTensor._inner = property(_inner)
     TpuTensor.__tensor_flatten__ = _flatten
     TpuTensor.__tensor_unflatten__ = staticmethod(_unflatten)
+    _keep_module_conversion()
+
+
+def _keep_module_conversion() -> None:
+    """``module.to("tpu")`` converts parameters as it did before tpu tensors were traceable:
+    ``nn.Module._apply`` swaps a traceable wrapper subclass in with ``torch.utils.swap_tensors``,
+    which refuses a CPU parameter that an autograd graph still holds ("Couldn't swap ...weight"
+    after a CPU forward pass). A tpu parameter takes the new ``Parameter`` path, as a CUDA one
+    does; every other subclass keeps PyTorch's rule."""
+    import torch.nn.modules.module as module
+    orig = module.is_traceable_wrapper_subclass
+    if getattr(orig, "_deferfuse", False):
+        return
+
+    def is_traceable_wrapper_subclass(t):
+        return type(t) is not TpuTensor and orig(t)
+    is_traceable_wrapper_subclass._deferfuse = True
+    module.is_traceable_wrapper_subclass = is_traceable_wrapper_subclass

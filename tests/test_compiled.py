@@ -212,3 +212,14 @@ def test_an_index_error_in_a_graph_is_raised_at_the_read():
     with pytest.raises(IndexError, match="index out of range"):
         bad.cpu()
     assert_same(cf(torch.tensor([0], device="tpu")), emb.weight.detach().cpu()[[0]] * 2)
+
+
+def test_module_to_tpu_after_a_cpu_forward_pass():
+    """A tpu tensor is a traceable subclass; nn.Module._apply still converts parameters with a new
+    Parameter (PyTorch would swap a traceable subclass in, and refuse a parameter that an autograd
+    graph on CPU still holds)."""
+    lin = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    want = lin(x)                      # holds the CPU weight in its graph
+    lin = lin.to("tpu")
+    assert_same(lin(x.to("tpu")).detach(), want.detach())
