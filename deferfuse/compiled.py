@@ -332,6 +332,26 @@ class CompiledGraph:
         return e
 
 
+def backward_cut_pays(trace) -> bool:
+    """NOTE [no backward cut for graphs]: ``backward()`` dispatches the pending trace (NOTE
+    [backward cut] in dispatch.py) so the device computes the forward pass while the host records
+    the backward pass op by op. When the pending trace is a compiled forward graph and a few eager
+    ops around it, the backward pass is the graph's backward graph and a few ops: recording it costs
+    next to nothing, and the cut only split the step into two programs (measured, quick sizes,
+    paired: compiled training steps about 10% faster without it)."""
+    nodes = trace.nodes
+    if len(nodes) > _FEW_OPS:
+        return True
+    for n in nodes:
+        k = getattr(n.key, "key", None)
+        if type(k) is tuple and k and type(k[0]) is CompiledGraph:
+            return False
+    return True
+
+
+_FEW_OPS = 8
+
+
 class _Eager:
     """A graph with an op no lowering covers: run it op by op in the eager mode in force."""
     _boxed_call = True

@@ -268,6 +268,7 @@ def _wrap_autograd() -> None:
       device thread.
     - raise the error of a backward op that failed (NOTE [errors in backward] in route.py)."""
     import torch.autograd as autograd
+    from . import compiled
     from .tensor import TpuTensor
 
     def on_tpu(ts) -> bool:
@@ -281,7 +282,8 @@ def _wrap_autograd() -> None:
                 return orig(*args, **kwargs)
             ts = engine.state
             roots = args[0] if args else kwargs.get(first)
-            if ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots):
+            if (ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots)
+                    and compiled.backward_cut_pays(ts.trace)):
                 engine.sync("backward")
             errors = ts.backward_errors
             errors.clear()

@@ -74,6 +74,8 @@ def test_gpt_training_compiled_with_compiled_optimizer_matches_cpu():
         assert_same(p, q.detach(), atol=2e-5, rtol=1e-4)
     m = deferfuse.metrics()
     assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    # NOTE [no backward cut for graphs]: backward() of a compiled graph dispatches nothing.
+    assert "backward" not in m["syncs"], m["syncs"]
 
 
 def test_default_backend_changes_nothing_for_cpu(monkeypatch):
