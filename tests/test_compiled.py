@@ -78,6 +78,34 @@ def test_gpt_training_compiled_with_compiled_optimizer_matches_cpu():
     assert "backward" not in m["syncs"], m["syncs"]
 
 
+def test_a_loop_that_reads_its_loss_every_few_steps_is_cut_at_backward():
+    """NOTE [no backward cut for graphs]: a step that reads its loss runs as one program; a loop
+    that does not is still cut at each backward() (the last step's backward graph and update with
+    this step's forward graph), as in defer mode. Parameters and the last loss equal CPU's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(ref).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    cm = torch.compile(model, backend="tpu", fullgraph=True)
+    step = torch.compile(opt.step, backend="tpu")
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    xt, yt = x.to("tpu"), y.to("tpu")
+    for _ in range(4):
+        loss = F.cross_entropy(cm(xt), yt)
+        loss.backward()
+        step()
+        opt.zero_grad()
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p, q.detach(), atol=1e-5, rtol=1e-5)
+    assert deferfuse.metrics()["syncs"].get("backward", 0) == 3     # steps 2-4
+
+
 def test_default_backend_changes_nothing_for_cpu(monkeypatch):
     """NOTE [default backend]: tpu graphs go to the tpu backend; CPU graphs still to Inductor."""
     import torch._inductor.compile_fx as cfx
