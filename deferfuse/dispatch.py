@@ -38,7 +38,7 @@ _ops = engine.ops              # op key -> Entry
 class Entry:
     """What one op structure needs at run time, computed on its first call."""
     __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast", "made",
-                 "dev")
+                 "dev", "dyn")
 
 
 def user_frame() -> str:
@@ -63,7 +63,7 @@ def read(t: TpuTensor, reason: str = "cpu"):
     arr = engine.ready(t._s.val, t._s.device, reason)
     if not t._chain:
         return arr
-    return execute.read_view(arr, t._chain)
+    return execute.read_view(arr, t._chain, t._dyn)
 
 
 def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
@@ -231,6 +231,11 @@ def _run(func, info, args, kwargs):
             _ops[key] = entry = why
     if entry.__class__ is str:
         raise Fallback(entry)
+    if entry.dyn:
+        # Inputs that are views at dynamic offsets: the offsets are int inputs, after the op's
+        # own scalars (NOTE [dynamic offsets] in runtime/viewchain.py).
+        for i in entry.dyn:
+            scalars.extend(tensors[i]._dyn)
     # Inputs: each tensor's base value; a mutated input that is overwritten whole is not read.
     mut = entry.out[1]
     ins = list(map(_VAL, tensors))
@@ -343,6 +348,7 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
     bases = tuple((t._s.val.shape, t._s.val.dtype) for t in tensors)
     chains = tuple(t._chain for t in tensors)
     e.fn = build(info.low, targs, tkw, chains, bases, mut, info.kind == "self_mut", out_avals)
+    e.dyn = tuple(i for i, t in enumerate(tensors) if t._dyn)
     e.out = ((structure, metas), mut, info.low.rng, out_avals)
     e.jit = None
     e.key = key

@@ -97,12 +97,13 @@ def run_op(entry, ins, scalars, debug: bool):
 view_jits = Cache("view reads", 4096)    # view chain -> its jitted read
 
 
-def read_view(array, chain):
+def read_view(array, chain, dyn=()):
+    """The view ``chain`` of ``array``, at the dynamic offsets ``dyn`` (program inputs)."""
     j = view_jits.get(chain)
     if j is None:
-        j = view_jits[chain] = jax.jit(lambda a: apply_chain(a, chain))
+        j = view_jits[chain] = jax.jit(lambda a, d: apply_chain(a, chain, d))
     with x64(True):
-        return j(array)
+        return j(array, tuple(dyn))
 
 
 class no_interrupt:
