@@ -169,7 +169,11 @@ def _moving_strided(info, base, args, kwargs):
         return None
     extent = off + sum((n - 1) * s for n, s in zip(size, stride))
     if extent >= numel:
-        return None
+        item = base.element_size()
+        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset "
+                           f"{off}, and itemsize {item} requiring a storage size of "
+                           f"{(extent + 1) * item} are out of bounds for storage of size "
+                           f"{numel * item}")
     key = (info, base._sig, size, stride)
     v = _views.get(key)
     if v is None:
