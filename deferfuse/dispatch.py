@@ -38,7 +38,7 @@ _ops = engine.ops              # op key -> Entry
 class Entry:
     """What one op structure needs at run time, computed on its first call."""
     __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast", "made",
-                 "dev", "dyn")
+                 "dev", "dyn", "skey")
 
 
 def user_frame() -> str:
@@ -351,6 +351,7 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
     e.dyn = tuple(i for i, t in enumerate(tensors) if t._dyn)
     e.out = ((structure, metas), mut, info.low.rng, out_avals)
     e.jit = None
+    e.skey = None       # its stable description, made when a program is stored (diskcache.py)
     e.key = key
     res = [tuple(bases[m]) for m in mut] if mut else [a for a in out_avals]
     if info.low.rng:

@@ -203,7 +203,8 @@ class Engine:
         for v in ins:
             if v is not None and (v.array is None or v.chk is not None):
                 self.ready(v, dev, "mode exit")
-        return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug")
+        return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug",
+                              self.runner.programs)
 
     # --- caches -----------------------------------------------------------------------------------
     def caches(self) -> list:

@@ -30,7 +30,11 @@ def render() -> str:
     lines.append(f"compiles: {S['compiles']} ({S['region_compiles']} fused regions, {S['op_compiles']} "
                  f"single-op programs); {S['cache_hits']} region cache hits; "
                  f"{S['recompiles']} recompiles of a known region structure with new shapes or "
-                 f"constants; {S['disk_cache_hits']} answered from the on-disk cache.")
+                 f"constants.")
+    if S["disk_cache_hits"]:
+        lines.append(f"disk: {S['disk_cache_hits']} programs came from the on-disk cache instead of "
+                     f"compiling: {S['program_disk_hits']} loaded from disk whole (nothing traced), "
+                     f"{S['jax_disk_hits']} compiled by XLA from its own cache.")
     lines.append(f"time: compiling {S['compile_seconds']:.2f} s, executing (dispatch, asynchronous) "
                  f"{S['execute_seconds']:.2f} s.")
     lines.append("")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from . import execute, replay, stats
 from . import memory as memory_stats
 from .checks import CheckList, dependents, ext_dependents
+from .diskcache import ProgramStore, region_key
 from .errors import RegionError
 from .regions import Region, explain_miss, raise_oom
 from ..scheduler import cut, memory, pieces, steps
@@ -109,6 +110,7 @@ class Runner:
         self.churn = Cache("region structures", 8192)   # ops+wiring -> [compiles, keys, varied]
         self.once = Cache("regions run split once", 8192)
         self.checks = CheckList()
+        self.programs = ProgramStore()      # NOTE [program store] (diskcache.py)
         self.last = None        # [nodes, reason, src, pieces] of the latest trace (dump_trace)
         self.peak_seen = 0
 
@@ -310,7 +312,7 @@ class Runner:
             self.peak_seen = memory_stats.peak
             S["peak_region"] = reg.summary
         if cfg.cross_check:
-            replay.cross_check(run)
+            replay.cross_check(run, self.programs)
 
     def _compile(self, ctx, run: Run, key, mplan, don, keep):
         """Compile ``run`` as a region (or split it, or run it op by op); None when it ran here."""
@@ -347,9 +349,13 @@ class Runner:
             s0 += k
         order = _alias_order(run.outs, run.ext, mplan.donate, ctx.fl.partner)
         sig = run.out_sig if order is None else tuple([run.out_sig[j] for j in order])
+        store = self.programs
+        skey = region_key(run.entries, run.wirings, sig, mplan.donate, don, keep,
+                          tuple(type(s) is float for s in run.scalars),
+                          ctx.fl.device) if store.on else None
         try:
-            compiled, lowered, dt, msgs = execute.compile_region(plan, sig, mplan.donate, don, keep,
-                                                                 run.scalars, ctx.fl.device)
+            compiled, lowered, dt, msgs, fresh = execute.compile_region(
+                plan, sig, mplan.donate, don, keep, run.scalars, ctx.fl.device, store, skey)
         except Exception as e:   # a lowering failed while tracing: find the op
             self._around(ctx, run, None, e)
             return None
@@ -387,20 +393,23 @@ class Runner:
         reg.elided = max(node_bytes - out_bytes, 0)
         # What running it needs beyond what is allocated (outputs and donation are in the key).
         reg.transient = (reg.temp_bytes or 0) + out_bytes - mplan.donated_bytes
-        if n_compiled:
+        if n_compiled and fresh:
             S["recompiles"] += 1
         if seen:
             seen[0] += 1
         else:
             self.churn[struct] = [1, keys, set()]
         self.regions[key] = reg
-        S["miss_reasons"].append((reg.summary, why, dt))
+        how = "compiled" if fresh else ("loaded from disk" if lowered is None else
+                                        "compiled by XLA from its disk cache")
+        S["miss_reasons"].append((reg.summary, why if fresh else f"{why}; {how}", dt))
         del S["miss_reasons"][:-64]
         if cfg.debug >= 2:
-            print(f"[deferfuse] region MISS ({why}): {reg.summary}; compiled in {dt*1e3:.1f} ms",
+            print(f"[deferfuse] region MISS ({why}): {reg.summary}; {how} in {dt*1e3:.1f} ms",
                   file=sys.stderr)
         if cfg.debug >= 4:
-            print(lowered.as_text(), file=sys.stderr)
+            print(lowered.as_text() if lowered is not None else "(a program loaded from disk)",
+                  file=sys.stderr)
         return reg
 
     def _around(self, ctx, run: Run, failed_ext, err) -> None:
@@ -415,7 +424,7 @@ class Runner:
             first = next(iter(failed_ext.values()))
         rp, found = None, False
         while True:
-            rp, bad_pos, e = replay.run_around(run, bad, rp)
+            rp, bad_pos, e = replay.run_around(run, bad, rp, self.programs)
             if bad_pos is None:
                 break
             found = True

@@ -13,7 +13,9 @@ def fresh() -> dict:
         "op_compiles": 0,           # ... of which per-op programs (strict/debug)
         "region_compiles": 0,       # ... of which fused regions
         "cache_hits": 0,            # in-process region cache hits
-        "disk_cache_hits": 0,       # compiles answered by the persistent cache
+        "disk_cache_hits": 0,       # compiles answered by an on-disk cache (not in "compiles")
+        "program_disk_hits": 0,     # ... of which whole programs loaded from deferfuse's store
+        "jax_disk_hits": 0,         # ... of which XLA compiles answered by JAX's cache
         "recompiles": 0,            # region structures compiled again with new shapes
         "compile_seconds": 0.0,
         "execute_seconds": 0.0,

@@ -151,3 +151,43 @@ def test_bptt_over_slices_of_one_tensor_compiles_once(arch):
     m = deferfuse.metrics()
     assert m["shape_fallbacks"] == 0 and m["shape_splits"] == 0 and m["recompiles"] == 0, m
     assert "op by op" not in deferfuse.report(file=False)
+
+
+# --------------------------------------------------------------------------- the program store
+_SECOND_RUN = r"""
+import sys, torch, torch.nn as nn, deferfuse
+torch.manual_seed(0)
+model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 30)).to("tpu")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.randint(0, 30, (40,)).to("tpu")
+losses = []
+for i in range(0, 20, 5):
+    x, y = data[i:i + 5], data[i + 1:i + 6]
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    losses.append(loss.item())
+bad = torch.tensor([3, 31]).to("tpu")
+try:
+    model(bad).sum().item()
+    err = "none"
+except IndexError as e:
+    err = "IndexError"
+m = deferfuse.metrics()
+print(",".join(f"{v:.6f}" for v in losses), err, m["compiles"], m["program_disk_hits"],
+      "loaded from" in deferfuse.report(file=False))
+"""
+
+
+@pytest.mark.modes("defer", "strict")
+def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
+    import subprocess
+    import sys
+    env = {**__import__("os").environ, "DEFERFUSE_CACHE_DIR": str(tmp_path),
+           "TORCHTPU_MODE": tpu_mode}
+    runs = [subprocess.run([sys.executable, "-c", _SECOND_RUN], env=env, capture_output=True,
+                           text=True, check=True).stdout.split() for _ in range(2)]
+    first, second = runs
+    assert first[:2] == second[:2] and first[1] == "IndexError", runs   # losses, the error
+    assert int(first[2]) > 0 and int(first[3]) == 0, first
+    assert int(second[2]) == 0, second         # nothing compiled: every program came from disk
+    assert int(second[3]) > 0 and second[4] == "True", second
