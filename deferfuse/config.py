@@ -93,6 +93,9 @@ SETTINGS = {s.name: s for s in [
     Setting("shape_recompile_limit", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 2, int,
             "versions of one region structure compiled before its shape-changing ops are split "
             "off (and, if every op changes, before it runs op by op)"),
+    Setting("buckets", "DEFERFUSE_BUCKETS", True, _bool,
+            "run a region whose sizes keep changing (a growing sequence) padded to buckets of "
+            "lengths, one program per bucket (see docs/recompiles.md)"),
     Setting("gc_threshold", "DEFERFUSE_GC_THRESHOLD", 20000, int,
             "Python's young-generation garbage-collection threshold in defer mode, read at import "
             "and used when the threshold is still Python's default of 700 (0: leave it); see "

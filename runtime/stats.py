@@ -25,6 +25,10 @@ def fresh() -> dict:
         "shape_fallbacks": 0,       # regions run op by op because their shapes kept changing
         "region_evictions": 0,      # times every compiled region was dropped (max_regions)
         "shape_splits": 0,          # regions split into shape-stable and shape-changing pieces
+        "bucketed_runs": 0,         # regions run padded in a bucket's program (NOTE [buckets])
+        "bucket_programs": 0,       # ... programs made (or loaded) for new buckets
+        "bucket_refusals": Counter(),   # region structures that cannot run padded: why
+        "bucket_misfits": 0,        # versions of a bucketed structure whose sizes did not fit
         "needed_first_splits": 0,   # syncs that waited only for the ops the value read needs
         "loop_splits": 0,           # traces of many loop iterations run one region per iteration
         "budget_splits": 0,         # regions split to stay under DEFERFUSE_MEMORY_BUDGET
