@@ -80,6 +80,14 @@ def render() -> str:
                      f"ran as a second region behind them): {S['needed_first_splits']}")
     if S["shape_fallbacks"]:
         lines.append(f"regions run op by op because their shapes kept changing: {S['shape_fallbacks']}")
+    if S["bucketed_runs"] or S["bucket_refusals"] or S["bucket_misfits"]:
+        lines.append(f"buckets (a region whose sizes keep changing runs padded to the next power of "
+                     f"two, one program per bucket; see docs/recompiles.md): {S['bucketed_runs']} "
+                     f"regions ran padded, {S['bucket_programs']} bucket programs made or loaded"
+                     + (f", {S['bucket_misfits']} versions whose sizes did not fit their structure's "
+                        f"buckets (compiled exactly)" if S["bucket_misfits"] else ""))
+        for why, n in S["bucket_refusals"].most_common(4):
+            lines.append(f"  {n:6d}  region structure that cannot run padded: {why}")
     lines.append("memory:")
     lines.append(f"  live device buffers now {_mb(memory.allocated)}, peak {_mb(memory.peak)}"
                  + (f" (in {S['peak_region']})" if S["peak_region"] else ""))

@@ -204,51 +204,65 @@ def flatten(entry):
 
 
 class Fit:
-    """The length T of a region's versions and each int's form ``(a, b)`` (value ``a * T + b``)."""
+    """How a region's sizes follow one length ``s``: each int's form ``(a, b)``, its value
+    ``a * s + b`` (``s`` is 0 at the first version seen)."""
     __slots__ = ("pos0", "forms", "skels", "n")
 
     def value(self, ints) -> int | None:
-        """T of a version with these ints, or None if it does not fit."""
+        """``s`` of a version with these ints, or None if it does not fit."""
         if len(ints) != self.n:
             return None
-        t = ints[self.pos0]
+        a0, b0 = self.forms[self.pos0]
+        s, r = divmod(ints[self.pos0] - b0, a0)
+        if r:
+            return None
         for v, (a, b) in zip(ints, self.forms):
-            if v != a * t + b:
+            if v != a * s + b:
                 return None
-        return t
+        return s
+
+    def bucket(self, s: int) -> int:
+        """The ``s`` a version of length ``s`` is padded to: where the first size that changes
+        reaches the next power of two (``bucket_of``)."""
+        a0, b0 = self.forms[self.pos0]
+        return -(-(bucket_of(a0 * s + b0) - b0) // a0)
 
 
 def fit(versions, mask) -> Fit | None:
-    """The forms of three versions' ints (lists of equal length, whose ints may change with the
-    length where ``mask`` says so), or None."""
+    """The forms of three versions' ints (lists of equal length; an int may change only where
+    ``mask`` says so), or None: every int is constant or grows (or shrinks) with one length."""
     i1, i2, i3 = versions
     if not (len(i1) == len(i2) == len(i3) == len(mask)):
         return None
-    pos0 = next((k for k, (x, y) in enumerate(zip(i1, i2)) if x != y), None)
-    if pos0 is None:
+    ds = [y - x for x, y in zip(i1, i2)]
+    nz = [d for d in ds if d]
+    if not nz:
         return None
-    t1, t2, t3 = i1[pos0], i2[pos0], i3[pos0]
-    if t3 in (t1, t2):
-        return None
-    forms = []
-    for x, y, z, may in zip(i1, i2, i3, mask):
-        if x == y:
+    g = 0
+    for d in nz:
+        g = math.gcd(g, abs(d))
+    if nz[0] < 0:
+        g = -g
+    forms, s3 = [], None
+    for x, y, z, may, d in zip(i1, i2, i3, mask, ds):
+        if not d:
             if z != x:
                 return None
             forms.append((0, x))
             continue
-        if not may:
+        if not may or d * g < 0:
             return None
-        d = y - x
-        if d % (t2 - t1):
+        a = d // g
+        q, r = divmod(z - x, a)
+        if r or (s3 is not None and q != s3):
             return None
-        a = d // (t2 - t1)
-        b = x - a * t1
-        if a < 1 or z != a * t3 + b:
-            return None
-        forms.append((a, b))
+        s3 = q
+        forms.append((a, x))
+    if s3 in (0, g):
+        return None
     f = Fit()
-    f.pos0, f.forms, f.n = pos0, forms, len(forms)
+    f.pos0 = next(k for k, (a, _) in enumerate(forms) if a)
+    f.forms, f.n = forms, len(forms)
     return f
 
 
@@ -867,7 +881,8 @@ class Buckets:
         dt = time.perf_counter() - t0
         stats["bucket_programs"] += 1
         prog.summary = (f"{len(plan.nodes)} ops ({run.nodes[0].name} .. "
-                        f"{run.nodes[len(plan.nodes) - 1].name}) padded to the bucket of length {P}")
+                        f"{run.nodes[len(plan.nodes) - 1].name}) padded to the bucket of length "
+                        f"{at(plan.fit.forms[plan.fit.pos0], P)}")
         stats["miss_reasons"].append((prog.summary, f"a new bucket of a region whose sizes keep "
                                       f"changing; {how}", dt))
         del stats["miss_reasons"][:-64]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from . import execute, replay, stats
 from . import memory as memory_stats
 from .checks import CheckList, dependents, ext_dependents
-from .buckets import BucketHit, Buckets, bucket_of
+from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
 from .errors import RegionError
 from .regions import Region, explain_miss, raise_oom
@@ -457,7 +457,7 @@ class Runner:
     def _run_bucket(self, ctx, run: Run, hit) -> None:
         """Run ``run`` in its bucket's program (NOTE [buckets] in buckets.py)."""
         cfg = ctx.cfg
-        prog = self.buckets.program(hit.plan, bucket_of(hit.t), run, ctx.fl.device,
+        prog = self.buckets.program(hit.plan, hit.plan.fit.bucket(hit.t), run, ctx.fl.device,
                                     self.programs, cfg.debug, S)
         outs = run.outs
         with execute.no_interrupt():
@@ -475,7 +475,7 @@ class Runner:
             ctx.done.update(run.pos)
         S["bucketed_runs"] += 1
         if cfg.debug >= 2:
-            print(f"[deferfuse] region in bucket {prog.P} (length {hit.t}): {prog.summary}",
+            print(f"[deferfuse] region in bucket {prog.P} (at {hit.t}): {prog.summary}",
                   file=sys.stderr)
         if flags or self.checks.pending:
             self.checks.add(flags, prog.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,

@@ -191,3 +191,142 @@ def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
     assert int(first[2]) > 0 and int(first[3]) == 0, first
     assert int(second[2]) == 0, second         # nothing compiled: every program came from disk
     assert int(second[3]) > 0 and second[4] == "True", second
+
+
+# --------------------------------------------------------------------------- buckets
+def _lengths_loop(fn, make, lengths):
+    """``fn`` on inputs of each length, on tpu (defer) and on CPU: (got, want, metrics)."""
+    got, want = [], []
+    for t in lengths:
+        x = make(t)
+        want.append(fn(x))
+        got.append(fn(x.to("tpu")).cpu())      # a read per length: one region each
+    return got, want, deferfuse.metrics()
+
+
+_C = 4
+_RULES = {
+    "pointwise": lambda x: (x * 3 + 1).tanh(),
+    "sum": lambda x: (x * 3).sum(0),
+    "mean": lambda x: (x * 3).mean(0) + (x * 2).mean(),
+    "amax_argmax": lambda x: (x * 3).amax(0) + (x * 3).argmax(0) + torch.max(x, 0)[1],
+    "softmax": lambda x: (x * 3).softmax(0) + (x * 2).log_softmax(0) + x.logsumexp(0),
+    "contract": lambda x: (x * 2).t() @ (x + 1) + ((x * 2) @ (x + 1).t()).sum(),
+    "cat": lambda x: torch.cat([x * 2, x[:2] + 1, x], 0) * 1.5,
+    "reshape": lambda x: (x * 2).reshape(-1).cumsum(0),
+    "window": lambda x: (x * 2)[-1] + x[-2] + x[1:].sum(0),
+    "arange_mask": lambda x: ((x @ x.t()).masked_fill(torch.ones(
+        x.shape[0], x.shape[0], dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        .softmax(-1) @ x) * torch.arange(x.shape[0], device=x.device)[:, None],
+    "attention": lambda x: F.scaled_dot_product_attention(
+        x[-1:].reshape(1, 1, 1, _C), x.reshape(1, 1, -1, _C) * 2, x.reshape(1, 1, -1, _C) + 1)
+        + F.scaled_dot_product_attention(x.reshape(1, 1, -1, _C), x.reshape(1, 1, -1, _C),
+                                         x.reshape(1, 1, -1, _C), is_causal=True)[..., -1:, :],
+    "embedding": lambda ids: F.embedding(ids, torch.arange(20.).reshape(10, 2).to(ids.device)) * 2,
+}
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("rule", list(_RULES))
+def test_a_growing_dim_runs_in_buckets_as_cpu_computes(rule):
+    fn = _RULES[rule]
+    make = (lambda t: torch.randint(0, 10, (t,))) if rule == "embedding" else \
+        (lambda t: torch.randn(t, _C))
+    deferfuse.clear_caches()
+    got, want, m = _lengths_loop(fn, make, range(5, 14))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert m["bucketed_runs"] == 7 and not m["bucket_refusals"], m["bucket_refusals"]
+    # lengths 5 and 6 compiled exactly, 7..13 ran in the buckets of 8 and 16
+    assert m["region_compiles"] + m["disk_cache_hits"] == 4, m["miss_reasons"]
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("case", ["sort", "flip", "std", "merge_behind"])
+def test_ops_without_a_padding_rule_refuse_buckets_and_stay_exact(case):
+    fn = {"sort": lambda x: (x * 2).sort(0)[0],
+          "flip": lambda x: (x * 2).flip(0) + 1,
+          "std": lambda x: (x * 2).std(0),
+          "merge_behind": lambda x: (x * 2).reshape(2, -1).cumsum(1)}[case]   # (2T, 3) -> (2, 3T)
+    make = (lambda t: torch.randn(2 * t, 3)) if case == "merge_behind" else \
+        (lambda t: torch.randn(t, _C))
+    deferfuse.clear_caches()
+    got, want, m = _lengths_loop(fn, make, range(5, 10))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert m["bucketed_runs"] == 0
+    assert sum(m["bucket_refusals"].values()) == 1, m["bucket_refusals"]
+    assert "cannot run padded" in deferfuse.report(file=False)
+
+
+@pytest.mark.modes("defer")
+def test_a_bad_index_in_a_bucketed_region_still_raises():
+    table = torch.arange(20.).reshape(10, 2)
+    deferfuse.clear_caches()
+    for t in range(5, 12):
+        ids = torch.randint(0, 10, (t,))
+        got = F.embedding(ids.to("tpu"), table.to("tpu")) * 2
+        assert_same(got, F.embedding(ids, table) * 2)
+    assert deferfuse.metrics()["bucketed_runs"] > 0
+    ids = torch.randint(0, 10, (11,))
+    ids[7] = 10
+    with pytest.raises(IndexError):
+        (F.embedding(ids.to("tpu"), table.to("tpu")) * 2).cpu()
+
+
+class _TinyGPT(nn.Module):
+    """nanoGPT's shape: token and position embeddings, pre-norm blocks, causal attention."""
+
+    def __init__(self, vocab=40, d=16, layers=2, block=64):
+        super().__init__()
+        self.block = block
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.ln1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        for ln, qkv, proj in zip(self.ln1, self.qkv, self.proj):
+            q, k, v = qkv(ln(x)).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(b, t, 2, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+        return self.head(x)
+
+    @torch.no_grad()
+    def generate(self, idx, n):
+        for _ in range(n):
+            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
+            nxt = self(cond)[:, -1, :].argmax(-1, keepdim=True)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+@pytest.mark.modes("defer")
+def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
+    torch.manual_seed(0)
+    model = _TinyGPT().eval()
+    prompt = {p: torch.randint(0, 40, (1, p), generator=torch.Generator().manual_seed(p))
+              for p in (6, 9)}
+    want = {p: model.generate(x, 30) for p, x in prompt.items()}
+    model.to("tpu")
+    deferfuse.clear_caches()
+    compiles = []
+    for p in (6, 6, 9):
+        got = model.generate(prompt[p].to("tpu"), 30)
+        assert_same(got, want[p])                 # tokens equal CPU greedy
+        m = deferfuse.metrics()
+        compiles.append(m["region_compiles"] + m["disk_cache_hits"])
+    # One region per token (the loop body found though its shapes change), two exact lengths and
+    # then one program per bucket (8, 16, 32, 64): never one per length.
+    assert compiles[0] <= 9, deferfuse.metrics()["miss_reasons"]
+    assert compiles[1] == compiles[0]             # the second identical call compiles nothing
+    assert compiles[2] == compiles[1]             # nor a new prompt length in the same buckets
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] >= 60 and m["shape_fallbacks"] == 0 and m["shape_splits"] == 0
+    text = deferfuse.report(file=False)
+    assert "padded to the bucket of length 32" in text and "buckets" in text
