@@ -4,25 +4,27 @@ NOTE [buckets]: a loop that grows a sequence (generate() appending a token with 
 cache growing by one position per step) records the same region again and again with one size
 changed, and each version was a compile (a 1,800-op region compiled again per length, or the
 changing ops run one by one). Here such a region runs as a program compiled for a *bucket* of
-lengths: every size that depends on the length is padded to what it is at the next power of two,
-the inputs are padded with zeros, the region runs once for the whole bucket, and each output is cut
-back to its exact size. The exact length is a program input, so masks and offsets inside use it.
+lengths: every size that depends on the length is padded to what it is where the first of them
+reaches the next power of two, the inputs are padded with zeros (on the host: a new length costs no
+compile), the program runs, and each output is cut back to its exact size. The exact length is a
+program input, so masks and offsets inside use it.
 
-Finding the length. Two versions of a structure (same ops and wiring) that differ in sizes, and a
-third, are compared int by int: every int in the ops' structure (their static arguments, the sizes
-of their inputs, views and outputs) must be constant or ``a * T + b`` with integers ``a >= 1`` and
-``b``, one ``T`` for the whole region (the first int that differs), and the third version must fit
-what the first two say. Every later version is checked again before it runs; one that does not fit
-compiles exactly (counted in ``metrics()['bucket_misfits']``).
+Finding the length. Two versions of a structure (same ops and wiring) that differ in sizes are
+compared int by int: every int in the ops' structure (the sizes of their inputs, views and outputs,
+and static arguments that are sizes; nothing else may change) must be constant or ``a * s + b``,
+with integers ``a`` (all of one sign) and ``b``, one length ``s`` for the whole region (0 at the
+first version). Every later version is checked before it runs; one that does not fit compiles
+exactly (counted in ``metrics()['bucket_misfits']``). The second version already runs padded: it
+fits by construction, and the rules below make any version that fits exact.
 
 Padding is exact where it is used. Data that the padding adds is never read into a valid position:
 each op is admitted only by a rule below, from what it does along its padded dims (dims whose size
-depends on T; valid data is the prefix of length ``a * T + b``), and anything else refuses the
-whole region (it then runs as before; ``metrics()['bucket_refusals']`` says which op):
+depends on the length; valid data is the prefix of exact size ``a * s + b``), and anything else
+refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']`` says which op):
 
 - elementwise ops (PyTorch's ``pointwise`` tag) and dtype conversions; factories and ``tril``/
   ``triu``, whose values depend on the index alone (``arange(T)`` padded is ``arange(P)``, whose
-  first T values are ``arange(T)``'s);
+  first T values are ``arange(T)``'s), ``cumsum`` (a prefix depends on the prefix);
 - views that move dims (transpose, permute, squeeze, unsqueeze, expand); reshapes that keep each
   padded dim the first dim of its group of merged or split dims (``(T, C) -> (T * C)``, never
   ``(B, T) -> (B * T)``, which would interleave padding with data); windows at dynamic offsets
@@ -229,10 +231,11 @@ class Fit:
 
 
 def fit(versions, mask) -> Fit | None:
-    """The forms of three versions' ints (lists of equal length; an int may change only where
-    ``mask`` says so), or None: every int is constant or grows (or shrinks) with one length."""
-    i1, i2, i3 = versions
-    if not (len(i1) == len(i2) == len(i3) == len(mask)):
+    """The forms of versions' ints (lists of equal length, the first two different; an int may
+    change only where ``mask`` says so), or None: every int is constant or grows (or shrinks)
+    with one length, as the first two versions say and every other one confirms."""
+    i1, i2 = versions[0], versions[1]
+    if not all(len(v) == len(mask) for v in versions):
         return None
     ds = [y - x for x, y in zip(i1, i2)]
     nz = [d for d in ds if d]
@@ -243,26 +246,20 @@ def fit(versions, mask) -> Fit | None:
         g = math.gcd(g, abs(d))
     if nz[0] < 0:
         g = -g
-    forms, s3 = [], None
-    for x, y, z, may, d in zip(i1, i2, i3, mask, ds):
+    forms = []
+    for x, d, may in zip(i1, ds, mask):
         if not d:
-            if z != x:
-                return None
             forms.append((0, x))
-            continue
-        if not may or d * g < 0:
+        elif not may or d * g < 0:
             return None
-        a = d // g
-        q, r = divmod(z - x, a)
-        if r or (s3 is not None and q != s3):
-            return None
-        s3 = q
-        forms.append((a, x))
-    if s3 in (0, g):
-        return None
+        else:
+            forms.append((d // g, x))
     f = Fit()
     f.pos0 = next(k for k, (a, _) in enumerate(forms) if a)
     f.forms, f.n = forms, len(forms)
+    for v in versions[2:]:
+        if f.value(v) is None:
+            return None
     return f
 
 
@@ -272,7 +269,7 @@ def bucket_of(t: int) -> int:
 
 
 # --------------------------------------------------------------------------- shape forms
-# Forms are pairs (a, b) standing for a * T + b; a structure holding forms is made concrete at a
+# Forms are pairs (a, b) standing for a * s + b; a structure holding forms is made concrete at a
 # length with ``at``. (Every int of a structure becomes a form, so a pair of ints is always one.)
 _PROBES = (101, 211, 307)
 
@@ -805,12 +802,14 @@ class Buckets:
         ints = None
         if plan is None:
             vs = self.versions.get(struct)
-            if vs is None or len(vs) < 2:
+            if vs is None:
                 return None
             ints, mask, skels, lens = self._ints(entries)
-            if ints is None or skels != vs[0][4] or mask != vs[0][3]:
+            if ints is None or skels != vs[0][4] or mask != vs[0][3] or ints == vs[0][0]:
                 return None
-            f = fit([vs[0][0], vs[1][0], ints], mask)
+            # Two versions give the forms (each is exact on them; a later version that does not
+            # follow them compiles exactly: bucket_misfits), a third checks them.
+            f = fit([vs[0][0], ints] + [v[0] for v in vs[1:2]], mask)
             if f is None:
                 return None
             f.skels = skels
