@@ -834,7 +834,7 @@ class Buckets:
             return None
         return plan, t
 
-    def program(self, plan, P, run, device, store, debug, stats):
+    def program(self, plan, P, run, device, store, debug, stats, why=""):
         """The compiled program of ``plan`` at bucket ``P`` (compiled, or loaded from disk)."""
         is_float = tuple(type(s) is float for s in run.scalars)
         pk = (P, run.out_sig, is_float)
@@ -882,8 +882,8 @@ class Buckets:
         prog.summary = (f"{len(plan.nodes)} ops ({run.nodes[0].name} .. "
                         f"{run.nodes[len(plan.nodes) - 1].name}) padded to the bucket of length "
                         f"{at(plan.fit.forms[plan.fit.pos0], P)}")
-        stats["miss_reasons"].append((prog.summary, f"a new bucket of a region whose sizes keep "
-                                      f"changing; {how}", dt))
+        stats["miss_reasons"].append((prog.summary, (f"{why}; " if why else "") + "a new bucket "
+                                      f"of a region whose sizes keep changing; {how}", dt))
         del stats["miss_reasons"][:-64]
         if debug >= 2:
             import sys

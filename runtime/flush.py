@@ -360,7 +360,7 @@ class Runner:
             found = self.buckets.find(struct, run.entries, run.wirings, S)
             if found is not None:
                 hit = self.regions[key] = BucketHit(found[0], found[1], run.entries, run.wirings)
-                self._run_bucket(ctx, run, hit)
+                self._run_bucket(ctx, run, hit, explain_miss(self.regions.values(), keys))
                 return None
         if n_compiled >= cfg.shape_limit and key not in self.once:
             # NOTE [shape churn]: this structure keeps coming back with new shapes (generate()
@@ -454,11 +454,12 @@ class Runner:
                   file=sys.stderr)
         return reg
 
-    def _run_bucket(self, ctx, run: Run, hit) -> None:
-        """Run ``run`` in its bucket's program (NOTE [buckets] in buckets.py)."""
+    def _run_bucket(self, ctx, run: Run, hit, why: str = "") -> None:
+        """Run ``run`` in its bucket's program (NOTE [buckets] in buckets.py); ``why``: what
+        differs from the closest compiled region (for the report, if a program is made)."""
         cfg = ctx.cfg
         prog = self.buckets.program(hit.plan, hit.plan.fit.bucket(hit.t), run, ctx.fl.device,
-                                    self.programs, cfg.debug, S)
+                                    self.programs, cfg.debug, S, why)
         outs = run.outs
         with execute.no_interrupt():
             try:

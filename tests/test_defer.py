@@ -528,7 +528,8 @@ def test_growing_shape_splits_region_and_stays_correct(buckets):
     m = deferfuse.metrics()
     assert (m["bucketed_runs"] > 0 and m["shape_splits"] == 0) if buckets else \
         (m["shape_splits"] > 0 and m["bucketed_runs"] == 0), m
-    assert region_compiles[6] == region_compiles[-1], region_compiles
+    # (with buckets: the bucket of 16 is the last one made, at the 9th step)
+    assert region_compiles[8] == region_compiles[-1], region_compiles
     text = deferfuse.report(file=False)    # a second call: report() stays the function
     assert "input 0 has shape" in text or "is a view of a tensor of shape" in text, text
 
