@@ -517,8 +517,8 @@ def test_growing_shape_splits_region_and_stays_correct(buckets):
             h = torch.tanh(h @ w) * 0.9 + h.mean()
             seq = torch.cat([seq, h.argmax(-1, keepdim=True)], 1)
             out.append((seq * 2).sum().item() + h.sum().item())
-            m = deferfuse.metrics()     # programs made: compiled, or loaded from disk
-            region_compiles.append(m["region_compiles"] + m["disk_cache_hits"])
+            m = deferfuse.metrics()     # with buckets: programs made, compiled or loaded
+            region_compiles.append(m["region_compiles"] + buckets * m["program_disk_hits"])
         return out, region_compiles, seq
     want, _, want_seq = run("cpu")
     deferfuse.clear_caches()
@@ -530,7 +530,7 @@ def test_growing_shape_splits_region_and_stays_correct(buckets):
     assert (m["bucketed_runs"] > 0 and m["shape_splits"] == 0) if buckets else \
         (m["shape_splits"] > 0 and m["bucketed_runs"] == 0), m
     # (with buckets: the bucket of 16 is the last one made, at the 9th step)
-    assert region_compiles[8] == region_compiles[-1], region_compiles
+    assert region_compiles[8 if buckets else 6] == region_compiles[-1], region_compiles
     text = deferfuse.report(file=False)    # a second call: report() stays the function
     assert "input 0 has shape" in text or "is a view of a tensor of shape" in text, text
 
