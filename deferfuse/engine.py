@@ -205,7 +205,8 @@ class Engine:
             if v is not None and (v.array is None or v.chk is not None):
                 self.ready(v, dev, "mode exit")
         return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug",
-                              self.runner.programs)
+                              self.runner.programs,
+                              self.runner.buckets if config.buckets else None)
 
     # --- caches -----------------------------------------------------------------------------------
     def caches(self) -> list:

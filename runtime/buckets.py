@@ -451,7 +451,14 @@ def plan_node(entry, forms) -> NodePlan:
     if rng:
         raise Refused(f"{name} draws random numbers")
     if func in _FACTORIES or _is_pointwise(func):
-        pass
+        # Broadcasting: each input's dim (aligned from the right) is the output's or a 1.
+        fo = n.out_forms[0] if n.out_forms and n.out_forms[0] is not None else None
+        if fo is not None and func not in _FACTORIES:
+            for f in n.in_forms:
+                for d in range(1, len(f) + 1):
+                    if d > len(fo) or (f[-d] != fo[-d] and f[-d] != (0, 1)):
+                        raise Refused(f"{name}: inputs whose sizes do not broadcast alike "
+                                      "padded")
     elif func in _REDUCTIONS:
         pos, ident = _REDUCTIONS[func]
         f0 = n.in_forms[0]
@@ -901,6 +908,137 @@ class Buckets:
         res, flags = run_region(prog.compiled, [], keep, list(run.scalars) + [hit.t], device)
         prog.runs += 1
         return [cut(r, v.shape) for r, v in zip(res, run.outs)], flags
+
+
+    def refuse(self, plan, err, stats) -> None:
+        """A plan whose program could not be made: never used again (its structure compiles
+        exactly, as one with no plan)."""
+        why = f"{type(err).__name__} making a bucket program: {str(err)[:200]}"
+        stats["bucket_refusals"][why] += 1
+        for key, v in self.plans.items():
+            if v is plan:
+                self.plans[key] = why
+            elif type(v) is list and plan in v:
+                v.remove(plan)
+                self.versions.pop(key, None)        # (its versions made the failing plan)
+
+    # ------------------------------------------------------------------- one op (strict mode)
+    def note_op(self, entry) -> None:
+        """An op's own program compiled for these sizes (strict and debug mode): a version of its
+        structure without sizes (``ohash``: NOTE [shapeless loop bodies]). Many ops share one
+        (every linear layer), so a few versions are kept, and a new one is fitted to the closest."""
+        if getattr(entry, "ohash", None) is None or entry.out[1] or entry.out[2]:
+            return
+        ints, mask, skels, lens = self._ints([entry])
+        if ints is None:
+            return
+        fam = ("op", entry.ohash)
+        vs = self.versions.get(fam)
+        if vs is None:
+            vs = self.versions[fam] = []
+        if len(vs) < 8 and all(v[0] != ints for v in vs):
+            vs.append((ints, [entry], lens, mask, skels))
+
+    def _op_find(self, entry, wiring, stats):
+        fam = ("op", entry.ohash)
+        ints, mask, skels, lens = self._ints([entry])
+        if ints is None:
+            return None
+        plans = self.plans.get(fam)
+        if plans is None:
+            plans = self.plans[fam] = []
+        for plan in plans:
+            if plan.fit.skels == skels:
+                t = plan.fit.value(ints)
+                if t is not None:
+                    return plan, t
+        vs = [v for v in self.versions.get(fam, ()) if v[4] == skels and v[3] == mask]
+        if not vs or len(plans) >= 8:
+            return None
+        # the closest version: the fewest sizes differ (another layer differs in its weights too)
+        v = min(vs, key=lambda v: sum(x != y for x, y in zip(v[0], ints)))
+        f = fit([v[0], ints], mask)
+        if f is None:
+            return None
+        f.skels = skels
+        try:
+            plan = plan_region(f, v[1], [wiring], v[2])
+        except Refused as e:
+            stats["bucket_refusals"][str(e)] += 1
+            return None
+        except Exception as e:
+            stats["bucket_refusals"][f"{type(e).__name__}: {e}"] += 1
+            return None
+        plans.append(plan)
+        t = f.value(ints)
+        return None if t is None else (plan, t)
+
+    def op_program(self, entry, ins, scalars, store, debug, stats):
+        """NOTE [buckets] for one op (strict and debug mode run each op as its own program): a
+        callable ``(arrays, scalars) -> (outputs, flags)`` running ``entry`` padded in a bucket,
+        when an earlier version of the same op with other sizes fits; else None."""
+        if getattr(entry, "ohash", None) is None or entry.out[1] or entry.out[2]:
+            return None
+        wiring = tuple(None if v is None else i for i, v in enumerate(ins))
+        found = self._op_find(entry, wiring, stats)
+        if found is None:
+            return None
+        plan, t = found
+        run = _OpRun(entry, ins, scalars, wiring)
+        try:
+            prog = self.program(plan, plan.fit.bucket(t), run, entry.dev, store, debug, stats,
+                                f"{entry.name} with new sizes")
+        except Exception as e:     # a case the rules did not foresee: this op runs exactly
+            self.refuse(plan, e, stats)
+            return None
+        hit = BucketHit(plan, t, [entry], [wiring])
+        entry.msgs = [m[1:] for m in prog.msgs]     # (exception type, message) per flag
+        shapes = [None if a is None else _Shape(a[0]) for a in entry.res_avals]
+        buckets = self
+
+        def call(arrays, scalars_):
+            stats["bucketed_ops"] += 1
+            r = _OpRun(entry, [None if a is None else _Arr(a) for a in arrays], scalars_, wiring)
+            r.outs = shapes
+            return buckets.execute(prog, hit, r, entry.dev)
+        return call
+
+
+class _Shape:
+    __slots__ = ("shape",)
+
+    def __init__(self, shape):
+        self.shape = shape
+
+
+class _Arr:
+    """An input array seen as a Value (what ``Buckets.execute`` reads of one)."""
+    __slots__ = ("array", "dtype", "shape")
+
+    def __init__(self, a):
+        self.array, self.dtype, self.shape = a, a.dtype, a.shape
+
+
+class _OpNode:
+    __slots__ = ("name", "scalars")
+
+
+class _OpRun:
+    """One op as a region of one node (what ``Buckets.program`` and ``execute`` read of a run)."""
+    __slots__ = ("nodes", "wirings", "out_sig", "scalars", "ext", "outs")
+
+    def __init__(self, entry, ins, scalars, wiring):
+        n = _OpNode()
+        n.name, n.scalars = entry.name, scalars
+        self.nodes, self.wirings, self.scalars = [n], [wiring], list(scalars)
+        self.ext = [v if v is not None else _NoInput for v in ins]
+        self.out_sig = tuple((0, i) for i, a in enumerate(entry.res_avals) if a is not None)
+        self.outs = [_Shape(a[0]) for a in entry.res_avals if a is not None]
+
+
+class _NoInput:
+    array = None
+    dtype = None
 
 
 class _Null:

@@ -70,11 +70,14 @@ def sharding(device: int):
 _shardings: dict = {}
 
 
-def run_op(entry, ins, scalars, debug: bool, store=None):
-    """Run one op now as its own cached program on ``entry.dev``; returns output Values."""
+def run_op(entry, ins, scalars, debug: bool, store=None, buckets=None):
+    """Run one op now as its own cached program on ``entry.dev``; returns output Values.
+    ``buckets``: run an op whose sizes keep changing padded in a bucket (NOTE [buckets])."""
     arrays = [None if v is None else v.array for v in ins]
     with x64(True):
-        res, flags = call_op(entry, arrays, scalars, store)
+        if entry.jit is None and buckets is not None:
+            entry.jit = buckets.op_program(entry, ins, scalars, store, 0, S)
+        res, flags = call_op(entry, arrays, scalars, store, buckets)
         if flags:
             raise_flags(flags, entry.msgs)
         if debug:
@@ -84,13 +87,15 @@ def run_op(entry, ins, scalars, debug: bool, store=None):
     return _values(res, entry.res_avals)
 
 
-def call_op(entry, arrays, scalars, store=None):
+def call_op(entry, arrays, scalars, store=None, buckets=None):
     """(outputs, index-check flags) of one op's own program (strict and debug mode, op-by-op
     replays): compiled ahead of time for these inputs, or loaded from the program store (NOTE
     [program store] in diskcache.py), on first use. The caller holds ``x64(True)``."""
     j = entry.jit
     if j is None:
         j = entry.jit = _op_program(entry, arrays, scalars, store)
+        if buckets is not None:
+            buckets.note_op(entry)
     try:
         return j(arrays, scalars)
     except TypeError:

@@ -465,8 +465,16 @@ class Runner:
         """Run ``run`` in its bucket's program (NOTE [buckets] in buckets.py); ``why``: what
         differs from the closest compiled region (for the report, if a program is made)."""
         cfg = ctx.cfg
-        prog = self.buckets.program(hit.plan, hit.plan.fit.bucket(hit.t), run, ctx.fl.device,
-                                    self.programs, cfg.debug, S, why)
+        try:
+            prog = self.buckets.program(hit.plan, hit.plan.fit.bucket(hit.t), run, ctx.fl.device,
+                                        self.programs, cfg.debug, S, why)
+        except Exception as e:     # a case the rules did not foresee: run it exactly
+            self.buckets.refuse(hit.plan, e, S)
+            for k, v in self.regions.items():
+                if v.__class__ is BucketHit and v.plan is hit.plan:
+                    self.regions.pop(k)
+            self._around(ctx, run, None, None)
+            return
         outs = run.outs
         with execute.no_interrupt():
             try:

@@ -27,6 +27,7 @@ def fresh() -> dict:
         "shape_splits": 0,          # regions split into shape-stable and shape-changing pieces
         "bucketed_runs": 0,         # regions run padded in a bucket's program (NOTE [buckets])
         "bucket_programs": 0,       # ... programs made (or loaded) for new buckets
+        "bucketed_ops": 0,          # ops run padded in a bucket in strict/debug mode
         "bucket_refusals": Counter(),   # region structures that cannot run padded: why
         "bucket_misfits": 0,        # versions of a bucketed structure whose sizes did not fit
         "needed_first_splits": 0,   # syncs that waited only for the ops the value read needs
