@@ -725,25 +725,47 @@ def region_function(bp: BucketPlan, P: int, wirings, scalar_counts, out_sig, is_
     return region
 
 
-def pad(array, shape):
-    """``array`` zero-padded at the end of each dim to ``shape`` (on the host: a new size costs
-    no compile), placed where ``array`` is."""
+def pad(array, shape, moves):
+    """``array`` zero-padded at the end of each dim to ``shape``, where ``array`` is. On a CPU
+    device through the host (no program, so a new length compiles nothing); elsewhere a small
+    program per shape (a host round trip would cost more than its compile)."""
     if tuple(array.shape) == tuple(shape):
         return array
+    dev = next(iter(array.devices()))
+    if dev.platform != "cpu":
+        return _moved(moves, ("pad", tuple(array.shape), tuple(shape)), array)
     host = np.asarray(array)
     out = np.zeros(shape, host.dtype)
     out[tuple(slice(0, n) for n in host.shape)] = host
     with x64(True):
-        return jax.device_put(out, next(iter(array.devices())))
+        return jax.device_put(out, dev)
 
 
-def cut(array, shape):
-    """The exact ``shape`` prefix of a padded ``array`` (on the host, as ``pad``)."""
+def cut(array, shape, moves):
+    """The exact ``shape`` prefix of a padded ``array`` (as ``pad``)."""
     if tuple(array.shape) == tuple(shape):
         return array
+    dev = next(iter(array.devices()))
+    if dev.platform != "cpu":
+        return _moved(moves, ("cut", tuple(array.shape), tuple(shape)), array)
     host = np.asarray(array)[tuple(slice(0, n) for n in shape)]
     with x64(True):
-        return jax.device_put(np.ascontiguousarray(host), next(iter(array.devices())))
+        return jax.device_put(np.ascontiguousarray(host), dev)
+
+
+def _moved(moves, key, array):
+    """A pad or cut program from ``moves`` (a Cache: (what, shape in, shape out) -> program)."""
+    fn = moves.get(key)
+    if fn is None:
+        what, src, dst = key
+        if what == "pad":
+            cfg = [(0, d - s, 0) for s, d in zip(src, dst)]
+            fn = jax.jit(lambda a: lax.pad(a, jnp.zeros((), a.dtype), cfg))
+        else:
+            fn = jax.jit(lambda a: a[tuple(slice(0, n) for n in dst)])
+        moves[key] = fn
+    with x64(True):
+        return fn(array)
 
 
 # --------------------------------------------------------------------------- the manager
@@ -768,10 +790,10 @@ class Buckets:
         self.versions = Cache("bucket versions", 4096)   # structure -> [(ints, entries, lens)]
         self.plans = Cache("bucket plans", 4096)         # structure -> BucketPlan or a refusal
         self.ints = Cache("bucket ints", 1 << 15)        # id(entry) -> (entry, ints)
-        self.compiled = 0
+        self.moves = Cache("bucket pad and cut programs", 4096)   # off CPU: NOTE on pad()
 
     def caches(self) -> list:
-        return [self.versions, self.plans, self.ints]
+        return [self.versions, self.plans, self.ints, self.moves]
 
     def _ints(self, entries):
         """(ints, may-change mask, skeletons, ints per entry) of a version, or Nones."""
@@ -903,11 +925,11 @@ class Buckets:
         """Run a bucket program for ``run`` (length ``hit.t``): pad, run, cut; (results, flags)."""
         from .execute import run_region
         plan, P = hit.plan, prog.P
-        keep = [pad(v.array, at(plan.ext_forms[i], P)) if i in plan.ext_forms else v.array
-                for i, v in enumerate(run.ext)]
+        keep = [pad(v.array, at(plan.ext_forms[i], P), self.moves) if i in plan.ext_forms
+                else v.array for i, v in enumerate(run.ext)]
         res, flags = run_region(prog.compiled, [], keep, list(run.scalars) + [hit.t], device)
         prog.runs += 1
-        return [cut(r, v.shape) for r, v in zip(res, run.outs)], flags
+        return [cut(r, v.shape, self.moves) for r, v in zip(res, run.outs)], flags
 
 
     def refuse(self, plan, err, stats) -> None:
