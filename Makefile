@@ -4,11 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full bench bench-quick bench-paired sweep wheel-test clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist sweep module-sweep wheel-test clean
 
-$(STAMP): pyproject.toml constraints.txt
+# torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
+# PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
+$(STAMP): pyproject.toml constraints.txt tools/install_torch.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python tools/install_torch.py
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
@@ -18,11 +21,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+test-dist: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"
+
 test-full: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "slow or not slow"
 
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict --quiet
+
 sweep: $(STAMP)
 	$(BIN)/python tests/opinfo_sweep.py $(ARGS)
+
+module-sweep: $(STAMP)
+	$(BIN)/python tests/moduleinfo_sweep.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
@@ -35,6 +47,9 @@ bench-quick: $(STAMP)
 bench-paired: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/paired.py --quick $(ARGS)
+
+bench-dist: $(STAMP)
+	$(BIN)/python bench/dist.py $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow

@@ -37,7 +37,8 @@ import run as R
 
 # floor: a wrapper subclass that only makes its output (overhead only); jax: the hand-written
 # jax.jit program of the same step, where a workload has one.
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "floor", "jax"] + list(R.DEFER_VARIANTS)
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "compiled", "floor", "jax"] + \
+    list(R.DEFER_VARIANTS)
 GOAL = 1.5          # issue 3: defer at least 1.5x faster than strict eager on every workload
 
 
@@ -80,8 +81,11 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
                 ctx = W.Ctx(s)
                 make = lambda: W.WORKLOADS[w]["torch"](ctx, quick)  # noqa: E731
             with scopes[s]():
+                t0 = time.perf_counter()
                 built[s] = make()
-                for _ in range(warmup):
+                built[s].step()
+                out.setdefault("first_step_s", {})[s] = time.perf_counter() - t0    # compiles
+                for _ in range(warmup - 1):
                     built[s].step()
             if df is not None and s in R.DEFERFUSE:
                 # What building and warming this system up compiled (compile seconds are the
@@ -134,6 +138,8 @@ def _jax_drain():
 def _scope(df, s: str):
     """The block a deferfuse system's steps run in: its mode, and for a variant of defer
     (run.DEFER_VARIANTS, given as environment variables) the same settings as overrides."""
+    if s == "compiled":
+        return lambda: df.mode("defer")     # what a compiled step does not capture runs in defer
     if s not in R.DEFER_VARIANTS:
         return lambda: df.mode(s)
     from deferfuse.config import SETTINGS
@@ -225,6 +231,11 @@ def render_md(meta: dict, results: dict) -> str:
         if p:
             L.append(f"- {w}: defer / hand-written jax.jit program, paired: **{1 / p['median']:.2f}x** "
                      f"[{1 / p['p75']:.2f}-{1 / p['p25']:.2f}] (1.0 would be the JAX ceiling)")
+    for w in meta["workloads"]:
+        r = results.get(w)
+        if r and r["status"] == "ok" and r.get("first_step_s"):
+            L.append(f"- {w}: first step (compiles included): "
+                     + ", ".join(f"{s} {v:.2f} s" for s, v in r["first_step_s"].items()))
     ops = {w: results[w].get("us_per_op") for w in results if results[w].get("us_per_op")}
     for w, u in ops.items():
         L.append(f"- {w}: recording / dispatch cost per op (loop only): "

@@ -31,13 +31,14 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "defer_noplan", "defer_onepiece",
-           "defer_nocut", "torchax", "torchax_jit", "jax"]
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "compiled", "defer_noplan",
+           "defer_onepiece", "defer_nocut", "torchax", "torchax_jit", "jax"]
 # defer with one setting changed, for side-by-side comparisons: system -> environment
 DEFER_VARIANTS = {"defer_noplan": {"DEFERFUSE_NO_MEMORY_PLANNER": "1"},      # memory planner off
                   "defer_onepiece": {"DEFERFUSE_NEEDED_FIRST": "0"},         # no needed-first split
                   "defer_nocut": {"DEFERFUSE_BACKWARD_CUT": "0"}}            # no backward cut
-DEFERFUSE = ("strict", "debug", "defer") + tuple(DEFER_VARIANTS)
+# compiled: torch.compile(step, backend="tpu") (deferfuse's compiled mode), the rest in defer
+DEFERFUSE = ("strict", "debug", "defer", "compiled") + tuple(DEFER_VARIANTS)
 RATIO_TO = ["strict", "eager", "compile", "torchax", "torchax_jit", "jax"]
 
 
@@ -108,7 +109,7 @@ def _measure(w: str, s: str, quick: bool, warmup: int, steps: int) -> dict:
         if s in DEFERFUSE:
             import deferfuse as df
             df.reset_metrics()
-            scope = df.mode("defer" if s in DEFER_VARIANTS else s)
+            scope = df.mode("defer" if s in DEFER_VARIANTS or s == "compiled" else s)
             out["deferfuse_platform"] = df.platform()
         elif ctx.tx is not None:
             scope = ctx.env

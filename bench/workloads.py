@@ -72,7 +72,7 @@ class Ctx:
         self.tx = None
         if system in ("eager", "compile"):
             self.device = "cpu"
-        elif system in ("strict", "debug") or system.startswith("defer"):
+        elif system in ("strict", "debug", "compiled") or system.startswith("defer"):
             import deferfuse  # noqa: F401  (registers the device)
             self.device = "tpu"
         elif system in ("torchax", "torchax_jit"):
@@ -100,6 +100,8 @@ class Ctx:
         """``fn`` as this system runs it: compiled for 'compile' / 'torchax_jit', else unchanged."""
         if self.system == "compile":
             return torch.compile(fn)
+        if self.system == "compiled":
+            return torch.compile(fn, backend="tpu")
         if self.system == "torchax_jit":
             if what != "function":
                 raise NotApplicable(f"torchax_jit: no jitted form written for a {what}")
@@ -429,7 +431,7 @@ def _ov_k(quick):
 def overhead(ctx, quick):
     """µs per op of a chain of tiny multiplies, timed without the final sync: what recording costs
     in defer, what dispatching costs in strict, what a CPU op costs in eager."""
-    if ctx.system in ("compile", "torchax_jit"):
+    if ctx.system in ("compile", "compiled", "torchax_jit"):
         raise NotApplicable(f"{ctx.system}: per-op overhead is measured op by op only")
     k = _ov_k(quick)
     x = torch.randn(16, generator=_gen(1))
@@ -484,8 +486,8 @@ def _generate(ctx, quick, cache):
     new = _sizes(quick, 8, 32)
     ids = torch.randint(2, c["vocab_size"], (b, t), generator=_gen(1))
     model = model.to(ctx.device).eval()
-    if ctx.system == "compile":
-        model.forward = torch.compile(model.forward)
+    if ctx.system in ("compile", "compiled"):
+        model.forward = ctx.jit(model.forward)
     elif ctx.system == "torchax_jit":
         raise NotApplicable("torchax_jit: generate() is a Python loop; no jitted form written")
     ids = ctx.to(ids)

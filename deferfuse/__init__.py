@@ -12,12 +12,13 @@ from .config import MODES, config, override
 from .engine import engine as _engine
 from .engine import user_error as _user_error
 from .errors import LoweringError, RegionError
+from .jax_op import jax_op
 from .metrics import metrics, reset_metrics
 from .runtime import platform as _platform
 
 __all__ = ["mode", "current_mode", "sync", "metrics", "reset_metrics", "report", "platform",
            "dump_trace", "clear_caches", "config", "override", "LoweringError", "RegionError",
-           "MODES"]
+           "MODES", "jax_op"]
 __version__ = "0.1.0"
 
 

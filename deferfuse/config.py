@@ -96,6 +96,20 @@ SETTINGS = {s.name: s for s in [
     Setting("buckets", "DEFERFUSE_BUCKETS", True, _bool,
             "run a region whose sizes keep changing (a growing sequence) padded to buckets of "
             "lengths, one program per bucket (see docs/recompiles.md)"),
+    Setting("distributed", "DEFERFUSE_DISTRIBUTED", "auto", str,
+            "start JAX's distributed runtime at import: auto (when torchrun's WORLD_SIZE > 1), "
+            "1 (also JAX's own cluster discovery, e.g. a TPU pod), 0 (never); read at import"),
+    Setting("coordinator", "DEFERFUSE_COORDINATOR", "", str,
+            "host:port of JAX's coordination service (default MASTER_ADDR:MASTER_PORT+1)"),
+    Setting("dist_timeout", "DEFERFUSE_DIST_TIMEOUT", 60.0, float,
+            "seconds a collective waits for the other ranks before raising DistributedError "
+            "(a timeout given to init_process_group wins)"),
+    Setting("dist_check", "DEFERFUSE_DIST_CHECK", True, _bool,
+            "before each collective, check that every rank runs the same one (NOTE [collective "
+            "check] in deferfuse/distributed/coord.py)"),
+    Setting("dist_wait", "DEFERFUSE_DIST_WAIT", "block", str,
+            "block: a collective waits for its results (a failing rank is named at the call); "
+            "async: it returns at once and later ops wait on the device"),
     Setting("gc_threshold", "DEFERFUSE_GC_THRESHOLD", 20000, int,
             "Python's young-generation garbage-collection threshold in defer mode, read at import "
             "and used when the threshold is still Python's default of 700 (0: leave it); see "

@@ -1,8 +1,10 @@
 """Make ``tpu`` a PyTorch device: PrivateUse1 renamed, device guard and hooks, ``torch.tpu``.
 
-All use of ``torch.utils.backend_registration._setup_privateuseone_for_python_backend``
-(experimental in PyTorch) is here. Without its device guard, the first ``backward()`` through a
-tpu tensor aborts the interpreter.
+The device itself (PrivateUse1 renamed, PyTorch's experimental
+``_setup_privateuseone_for_python_backend`` with its device guard, without which the first
+``backward()`` through a tpu tensor aborts the interpreter) is registered by the top-level
+``deferfuse_autoload`` module, at ``import torch`` through the ``torch.backends`` entry point or
+here; ``register`` then fills ``torch.tpu`` and registers the kernels.
 """
 from __future__ import annotations
 
@@ -29,6 +31,12 @@ def _set_device(device) -> None:
     """``torch.tpu.set_device``: the calling thread's current device (as CUDA's, per thread)."""
     idx = device if isinstance(device, int) else _idx(device)
     if not 0 <= idx < _device_count():
+        from .runtime.cluster import CLUSTER
+        if CLUSTER.size > 1:
+            raise RuntimeError(
+                f"tpu:{idx} does not exist: this process has {_device_count()} tpu device(s), "
+                f"tpu:0 .. tpu:{_device_count() - 1}; in a job of several processes each has its "
+                "own devices (use torch.device('tpu'), not tpu:LOCAL_RANK; docs/distributed.md)")
         raise RuntimeError(f"tpu:{idx} does not exist: this machine has {_device_count()} tpu "
                            f"device(s), tpu:0 .. tpu:{_device_count() - 1}")
     engine.state.device = idx
@@ -148,6 +156,8 @@ def _make_module() -> types.ModuleType:
     m.is_bf16_supported = lambda *a, **k: True
     m.get_amp_supported_dtype = lambda: [torch.bfloat16, torch.float16]
     m._lazy_init = lambda: None
+    from . import streams
+    streams.install(m)
     return m
 
 
@@ -347,18 +357,23 @@ def _ctc_loss_cpu_lengths(log_probs, targets, input_lengths, target_lengths, bla
 
 def register() -> None:
     global _lib
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    import deferfuse_autoload
     from .route import dispatch
     from .specials import empty_memory_format, empty_strided, _h_copy_from
+    from . import distributed
+    distributed.register()      # before the first device lookup (NOTE [distributed start])
 
-    module = _make_module()
-    _setup_privateuseone_for_python_backend("tpu", backend_module=module)
+    # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at
+    # import torch, or now; either way the lazy parts are removed here.
+    deferfuse_autoload.begin()
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator()
     _enable_foreach()
     _keep_tied_parameters()
     _wrap_autograd()
-    from . import amp, attention, linear, serialization
+    from . import amp, attention, compiled, linear, serialization, traceable
+    traceable.install()
+    compiled.register()
     amp.register()
     serialization.register()
     attention.register()
@@ -390,3 +405,4 @@ def register() -> None:
             continue
         _lib.impl(o._schema.name.split("::")[1] + ("." + o._overloadname if o._overloadname != "default" else ""),
                   (lambda op: lambda *a, **k: dispatch(op, a, k))(o), "PrivateUse1")
+    deferfuse_autoload.complete(_make_module())

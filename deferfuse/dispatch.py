@@ -102,6 +102,14 @@ class Fallback(Exception):
         self.why = why
 
 
+class ForeignSubclass(Exception):
+    """An argument is another tensor subclass wrapping a tpu tensor (DTensor's
+    AsyncCollectiveTensor): __torch_dispatch__ returns NotImplemented so that its own runs first."""
+
+
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
+
+
 def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, device: list):
     """One argument -> its template entry (hashable), appending tensor and scalar inputs."""
     ta = type(a)
@@ -142,6 +150,8 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             t = new_tensor(_const_value(a, d), d, a.dtype, (), ())
             tensors.append(t)
             return (TS, len(tensors) - 1)
+        if getattr(type(a), "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
+            raise ForeignSubclass       # its own __torch_dispatch__ unwraps it: let it run
         raise _device_error(f"tpu:{device[0] if device[0] is not None else _local.ts.device}",
                             str(a.device))
     if ta is torch.device and a.type == "tpu":
@@ -224,6 +234,8 @@ def _run(func, info, args, kwargs):
         try:
             entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev)
         except NotImplementedError as e:
+            if getattr(e, "deferfuse_cpu_words", False):
+                raise                   # CPU's own refusal (NOTE [CPU's words] in meta.py)
             # No meta kernel, or an output shape that depends on the data (boolean masks).
             msg = str(e)
             why = "data-dependent shape" if ("nonzero" in msg or "data-dependent" in msg
@@ -452,6 +464,9 @@ def copy_into(dst: TpuTensor, src) -> TpuTensor:
 # pointers, which a tpu tensor does not have)
 
 def _repr(self, *, tensor_contents=None):
+    if "_s" not in self.__dict__:      # a tensor being traced (NOTE [inner tensor]): no value
+        return (f"TpuTensor(traced, size={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device='{self.device}')")
     try:
         cpu = to_cpu(self, "print")
     except Exception as e:
@@ -477,15 +492,5 @@ def _tolist(self):
         raise user_error(e)
 
 
-def _reduce_ex(self, proto):
-    # Saved as a plain CPU tensor, so torch.load (weights_only=True by default) reads it back
-    # without knowing deferfuse; move it back with .to("tpu").
-    cpu = to_cpu(self.detach(), "save")
-    if self.requires_grad and self.is_leaf:
-        cpu.requires_grad_(True)
-    return cpu.__reduce_ex__(proto)
-
-
 TpuTensor.__repr__ = _repr
 TpuTensor.tolist = _tolist
-TpuTensor.__reduce_ex__ = _reduce_ex

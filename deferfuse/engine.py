@@ -16,6 +16,7 @@ import threading
 import weakref
 
 import jax
+import numpy as np
 import torch
 
 from . import opinfo
@@ -27,6 +28,7 @@ from .runtime.flush import ASYNC_CUTS, Runner, Settings
 from .runtime.transfer import devices, materialize_empty
 from .scheduler.cache import Cache
 from .scheduler.records import Value, sig_id
+from .tensor import Storage
 
 
 def user_error(e: BaseException) -> BaseException:
@@ -175,8 +177,10 @@ class Engine:
                                "was dropped by an earlier sync but is still read")
         self.flush(tr, "another thread's read", raise_errors=False)
 
-    def ready(self, v: Value, device: int = 0, reason: str = "cpu"):
-        """The array of ``v``, running what it waits for; raises the error of a failed value."""
+    def ready(self, v: Value, device: int = 0, reason: str = "cpu", check: bool = True):
+        """The array of ``v``, running what it waits for; raises the error of a failed value.
+        ``check``: read its index checks first (NOTE [unchecked values]); a program that takes it
+        as an input carries them on instead."""
         if v.array is None and v.node is not None:
             with self.lock:
                 if v.node is not None:
@@ -185,7 +189,7 @@ class Engine:
                     else:
                         self.resolve(v)
         c = v.chk
-        if c is not None:
+        if c is not None and check:
             if not c.done:
                 self.runner.checks.check(c)
             v.chk = None
@@ -243,8 +247,6 @@ class Rng:
         return st
 
     def _new(self, seed: int, dev: int):
-        from .tensor import Storage
-        import numpy as np
         with x64(True):
             k = jax.device_put(jax.random.PRNGKey(seed & 0xFFFFFFFFFFFFFFFF), devices()[dev])
         return Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
@@ -264,13 +266,10 @@ class Rng:
             self.keys[d] = self._new(int(seed), d)
 
     def get_state(self, dev: int) -> torch.Tensor:
-        import numpy as np
         arr = self.engine.ready(self.storage(dev).val, dev, "rng state")
         return torch.from_numpy(np.asarray(jax.device_get(arr)).astype(np.int64))
 
     def set_state(self, state: torch.Tensor, dev: int) -> None:
-        from .tensor import Storage
-        import numpy as np
         self.engine.sync("rng state")
         a = state.detach().cpu().numpy().astype(np.uint32)
         if a.shape != (2,):

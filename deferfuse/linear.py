@@ -25,6 +25,7 @@ import torch
 from torch.autograd import forward_ad
 
 from .meta import cpu_error
+from .tensor import TpuTensor
 
 aten = torch.ops.aten
 _LINEAR = aten.linear.default
@@ -38,6 +39,10 @@ _lib = None
 
 
 def _fused_ok(x, w, b) -> bool:
+    if type(x) is not TpuTensor or type(w) is not TpuTensor or (b is not None
+                                                                and type(b) is not TpuTensor):
+        # A tensor subclass over tpu tensors (DTensor) has rules for aten ops, none for ours.
+        return False
     if w.dim() != 2 or x.dim() == 0 or x.is_nested:
         return False
     dt = x.dtype

@@ -99,21 +99,168 @@ _SAME_DTYPE = {getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm
                                                   "addmv", "dot", "vdot", "matmul")}
 
 
-def _stand_in(a):
-    """A CPU tensor of ``a``'s shape and dtype with no memory behind it (zero strides)."""
+def _stand_in(a, written=False):
+    """A CPU tensor of ``a``'s shape and dtype with no memory behind it (zero strides); one an op
+    writes gets memory of its own (CPU refuses to write to overlapping elements before it checks
+    shapes, and ``torch.empty`` touches no page until something is written)."""
     if isinstance(a, torch.Tensor):
+        if written:
+            return torch.empty(a.shape, dtype=a.dtype)
         return torch.zeros((), dtype=a.dtype).expand(a.shape)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+        return type(a)(_stand_in(x) for x in a)
+    if isinstance(a, torch.device) and a.type == "tpu":
+        return torch.device("cpu")
     return a
 
 
-def cpu_error(fn, args, kwargs=None):
+# The exceptions PyTorch raises for bad arguments. NotImplementedError (a RuntimeError) is left
+# alone: it says an op has no meta kernel or no lowering, which the dispatcher handles.
+_ARG_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
+
+
+def cpu_error(fn, args, kwargs=None, written=()):
     """CPU's own error for these operands, or None: ``fn`` run on CPU stand-ins of the same shapes
-    and dtypes, whose checks raise before any arithmetic (only call it for operands CPU refuses)."""
+    and dtypes, whose checks raise before any arithmetic (only call it for operands CPU refuses:
+    where it accepts them, it computes on the stand-ins). ``written``: positions and keyword names
+    of the arguments the op writes."""
     try:
-        fn(*[_stand_in(a) for a in args], **{k: _stand_in(v) for k, v in (kwargs or {}).items()})
-    except RuntimeError as e:
+        fn(*[_stand_in(a, i in written) for i, a in enumerate(args)],
+           **{k: _stand_in(v, k in written) for k, v in (kwargs or {}).items()})
+    except NotImplementedError as e:
+        # CPU's "not implemented for 'Float'" dtype refusals; not a missing kernel (CPU has one).
+        return e if "not implemented for" in str(e) else None
+    except _ARG_ERRORS as e:
         return e
     return None
+
+
+def _as_cpu_raised(err):
+    """``err`` again, raised at the call: the same type and message, without CPU's frames."""
+    try:
+        new = type(err)(str(err))
+    except Exception:           # an exception type that takes other arguments
+        new = err
+    # CPU's NotImplementedError ("not implemented for 'Float'") is not a missing meta kernel:
+    # the dispatcher raises it rather than falling back to CPU.
+    new.deferfuse_cpu_words = True
+    return new
+
+
+def _written(func) -> tuple:
+    out = _WRITTEN.get(func)
+    if out is None:
+        out = _WRITTEN[func] = tuple(
+            i if not a.kwarg_only else a.name for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    return out
+
+
+_WRITTEN: dict = {}
+
+
+def raise_like_cpu(func, args, kwargs, meta_error):
+    """NOTE [CPU's words]: a meta kernel refused these operands; raise what CPU raises for them
+    (its type and message: "mat1 and mat2 shapes cannot be multiplied (3x4 and 5x6)" where the
+    meta kernel says "a and b must have same reduction dim"), or the meta kernel's error where CPU
+    does not refuse stand-ins (checks that depend on strides)."""
+    err = cpu_error(func, args, kwargs, _written(func))
+    if err is None:
+        raise meta_error
+    raise _as_cpu_raised(err) from None
+
+
+# Arguments CPU requires to hold integer indices, which meta kernels (index_select, index_add,
+# index_put ...) or lowerings take as they are: found by name in each op's schema.
+_INDEX_NAMES = ("index", "indices")
+_INDEX_ARGS: dict = {}
+_INDEX_OK = (torch.int64, torch.int32)
+
+
+def _index_args(func) -> tuple:
+    out = _INDEX_ARGS.get(func)
+    if out is None:
+        name = func._schema.name
+        names = _INDEX_NAMES + (("target",) if "nll_loss" in name else ())
+        out = _INDEX_ARGS[func] = tuple(
+            (i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+            if a.name in names and "Tensor" in str(a.type))
+    return out
+
+
+def _bad_index(func, args, kwargs) -> bool:
+    for i, name, kw_only in _index_args(func):
+        v = kwargs.get(name) if kw_only or len(args) <= i else args[i]
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.dtype not in _INDEX_OK and not (
+                    t.dtype in (torch.bool, torch.uint8) and isinstance(v, (list, tuple))):
+                return True
+    return False
+
+
+# Arguments whose dtype must be self's (index_add's source, scatter's src, index_put's values,
+# masked_scatter's source): their meta kernels take any dtype and promote.
+_SAME_AS_SELF = ("source", "src", "values")
+
+
+def _source_dtype_differs(func, args, kwargs) -> bool:
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in _SAME_AS_SELF:
+            v = kwargs.get(a.name) if a.kwarg_only or len(args) <= i else args[i]
+            if isinstance(v, torch.Tensor) and v.dtype != args[0].dtype:
+                return True
+    return False
+
+
+_INT_ONLY = {getattr(aten, n) for n in ("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+                                        "bitwise_left_shift", "bitwise_right_shift", "gcd", "lcm")
+             if hasattr(aten, n)}
+
+
+def _cast_refused(func, args, kwargs) -> bool:
+    """An in-place (or out=) pointwise op whose result type cannot be cast to the tensor it writes
+    (``bool_t.mul_(float_t)``, ``long_t.mul_(2.5)``): CPU refuses, meta kernels do not all."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+    written, inputs = [], []
+    for i, a in enumerate(func._schema.arguments):
+        v = kwargs.get(a.name) if a.kwarg_only or len(args) <= i else args[i]
+        if a.alias_info is not None and a.alias_info.is_write:
+            if isinstance(v, torch.Tensor):
+                written.append(v)
+                if i == 0:
+                    inputs.append(_to_meta(v))
+        elif isinstance(v, torch.Tensor) or (
+                # a Scalar, or a number PyTorch passed for a Tensor argument (x.mul_(2.5))
+                isinstance(v, (bool, int, float, complex)) and a.name not in ("alpha", "value")
+                and isinstance(a.type, (torch.NumberType, torch.OptionalType, torch.TensorType))):
+            inputs.append(_to_meta(v))
+    if not written or not inputs:
+        return False
+    try:
+        _, result = elementwise_dtypes(*inputs,
+                                       type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    except Exception:
+        return False
+    return any(not torch.can_cast(result, w.dtype) for w in written)
+
+
+def _check_like_cpu(func, args, kwargs) -> None:
+    """NOTE [CPU's words]: dtype checks CPU makes and meta kernels skip, so the op was computed
+    anyway (an in-place cast, a source of another dtype) or failed in its lowering with JAX's
+    words (a float index, a float bitwise op). Each test is a cheap look at dtypes; only when it
+    finds one does CPU run on stand-ins to say what it raises."""
+    suspect = (_bad_index(func, args, kwargs) or _source_dtype_differs(func, args, kwargs)
+               or (func.overloadpacket in _INT_ONLY and any(
+                   isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())
+                   for a in args))
+               or (_written(func) and torch.Tag.pointwise in func.tags
+                   and _cast_refused(func, args, kwargs)))
+    if suspect:
+        err = cpu_error(func, args, kwargs, _written(func))
+        if err is not None:
+            raise _as_cpu_raised(err) from None
 
 
 def _rnn_cell_check(name, gates, hidden_gates, prev, factor):
@@ -179,6 +326,59 @@ def _like_self_rule(grad_output, self, *args, **kwargs):
     return "one", (_desc(torch.empty(self.shape, dtype=self.dtype, device="meta")),)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _stat_dtype(check, input, *params):
+    """CPU's dtype for a normalization's saved statistics: the input's, or float32 for a bfloat16
+    or float16 input whose parameters (weight, bias, running statistics: all that are given) are
+    float32 ("mixed type"). PyTorch's meta kernels follow CUDA (float32 for any half input).
+    Other combinations raise CPU's own error (``check``: the op to run on CPU stand-ins)."""
+    dts = {p.dtype for p in params if p is not None}
+    if not dts or dts == {input.dtype}:
+        return input.dtype
+    if input.dtype in _HALF and dts == {torch.float32}:
+        return torch.float32
+    err = cpu_error(check[0], check[1])
+    if err is not None:
+        raise err
+    return input.dtype
+
+
+def _bn_rule(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """The lowered ``_native_batch_norm_legit_functional``, shaped as CPU's ``native_batch_norm``:
+    saved statistics (C,) in training and (0,) in evaluation mode, in ``_stat_dtype``."""
+    if running_mean is None and not training:
+        raise RuntimeError("running_mean must be defined in evaluation mode")
+    dt = _stat_dtype((aten.native_batch_norm.default, (input, weight, bias, running_mean,
+                                                       running_var, training, momentum, eps)),
+                     input, weight, bias, running_mean, running_var)
+    c = (input.shape[1],) if training else (0,)
+    stat = (c, (1,), dt)
+    out = _desc(torch.empty_like(_to_meta(input)))
+    run = [None if r is None else (tuple(r.shape), (1,), r.dtype) for r in (running_mean, running_var)]
+    return "tuple", (out, stat, stat, run[0], run[1])
+
+
+def _bn_no_training_rule(input, weight, bias, running_mean, running_var, momentum, eps):
+    dt = _stat_dtype((aten.native_batch_norm.default, (input, weight, bias, running_mean,
+                                                       running_var, False, momentum, eps)),
+                     input, weight, bias, running_mean, running_var)
+    return "tuple", (_desc(torch.empty_like(_to_meta(input))), ((0,), (1,), dt), ((0,), (1,), dt))
+
+
+def _with_stat_dtype(func, params, stat_outputs):
+    """``func``'s meta outputs with its saved statistics (``stat_outputs``) in ``_stat_dtype``."""
+    def rule(*args, **kwargs):
+        structure, descs = _meta_outputs(func, args, kwargs)
+        dt = _stat_dtype((func, args), args[0], *[args[i] if len(args) > i else None
+                                                 for i in params])
+        descs = tuple((d[0], d[1], dt) if i in stat_outputs and d is not None else d
+                      for i, d in enumerate(descs))
+        return structure, descs
+    return rule
+
+
 # Ops whose meta kernel is missing (GRU, the margin losses' backward ops) or fails on valid input
 # (LSTM without biases): shape rules here, as PyTorch's CPU and CUDA kernels shape their outputs
 # (see runtime/lowering/rnn.py, losses.py).
@@ -189,7 +389,14 @@ _RULES = {aten._thnn_fused_lstm_cell.default: _lstm_cell_rule,
           aten.multi_margin_loss.default: _multi_margin_rule,
           aten.multilabel_margin_loss_forward.default: _multilabel_margin_rule,
           aten.multi_margin_loss_backward.default: _like_self_rule,
-          aten.multilabel_margin_loss_backward.default: _like_self_rule}
+          aten.multilabel_margin_loss_backward.default: _like_self_rule,
+          # normalizations: CPU's saved-statistics dtypes (and batch norm's shapes)
+          aten._native_batch_norm_legit_functional.default: _bn_rule,
+          aten._native_batch_norm_legit_no_training.default: _bn_no_training_rule,
+          aten.native_layer_norm.default:
+              _with_stat_dtype(aten.native_layer_norm.default, (2, 3), (1, 2)),
+          aten.native_group_norm.default:
+              _with_stat_dtype(aten.native_group_norm.default, (1, 2), (1, 2))}
 
 
 # Ops whose meta kernel takes any ``dim`` (the lowering then failed inside a region, or sort took
@@ -267,7 +474,18 @@ def dtype_error(func, args, kwargs):
 
 
 def infer(func, args, kwargs):
-    """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs."""
+    """(structure, [(size, stride, dtype) or None per output]) of ``func``'s outputs; bad
+    arguments raise what CPU raises (NOTE [CPU's words])."""
+    _check_like_cpu(func, args, kwargs)
+    try:
+        return _infer(func, args, kwargs)
+    except NotImplementedError:
+        raise
+    except _ARG_ERRORS as e:
+        raise_like_cpu(func, args, kwargs, e)
+
+
+def _infer(func, args, kwargs):
     rule = _RULES.get(func)
     if rule is not None:
         return rule(*args, **kwargs)
@@ -285,6 +503,11 @@ def infer(func, args, kwargs):
         err = cpu_error(func, args, kwargs)
         if err is not None:
             raise RuntimeError(str(err))
+    return _meta_outputs(func, args, kwargs)
+
+
+def _meta_outputs(func, args, kwargs):
+    """(structure, descs) of ``func``'s outputs from its meta kernel."""
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
     if func is _GROUPED_MM and _grouped_mm_out is not None:
@@ -336,7 +559,17 @@ def _static(x):
 
 
 def infer_view(func, args, kwargs):
-    """[(size, stride, offset, dtype, step)] of a view op's outputs; step None for an alias."""
+    """[(size, stride, offset, dtype, step)] of a view op's outputs; step None for an alias. Bad
+    arguments raise what CPU raises (NOTE [CPU's words])."""
+    try:
+        return _infer_view(func, args, kwargs)
+    except NotImplementedError:
+        raise
+    except _ARG_ERRORS as e:
+        raise_like_cpu(func, args, kwargs, e)
+
+
+def _infer_view(func, args, kwargs):
     base = args[0]
     m = _to_meta(base)
     out = func(m, *[_to_meta(a) for a in args[1:]], **{k: _to_meta(v) for k, v in kwargs.items()})
@@ -352,10 +585,28 @@ def infer_view(func, args, kwargs):
         size, stride = _static(args[1]), _static(args[2])
         off = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
         off = base.storage_offset() if off is None else off
+        _check_storage_bounds(base, size, stride, off)
         step = (func, (size, stride, off, base._s.val.shape, _base_stride(base)), ())
     else:
         step = (func, tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items()))
     return [(tuple(out.shape), tuple(out.stride()), out.storage_offset(), out.dtype, step)]
+
+
+def _check_storage_bounds(base, size, stride, offset) -> None:
+    """CPU's error for an as_strided view reaching past the end of its storage (the meta kernel
+    has no storage to check against)."""
+    if any(n == 0 for n in size):
+        return
+    numel = 1
+    for n in base._s.val.shape:
+        numel *= n
+    item = base.element_size()
+    needed = (offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1) * item
+    if needed > numel * item:
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+            f"itemsize {item} requiring a storage size of {needed} are out of bounds for storage "
+            f"of size {numel * item}")
 
 
 def _base_stride(t):

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import copy
 
+from .engine import engine
 from .runtime import memory, stats
 
 
 def metrics() -> dict:
     """A snapshot of every counter (see README, 'Seeing what happened')."""
-    from .engine import engine
     with engine.lock:
         m = copy.deepcopy(stats.S)
     m["caches"] = engine.cache_stats()
@@ -18,6 +18,7 @@ def metrics() -> dict:
     m["sync_sites"] = {f"{r} at {s}": n for (r, s), n in m["sync_sites"].items()}
     m["cpu_fallbacks"] = dict(m["cpu_fallbacks"])
     m["bucket_refusals"] = dict(m["bucket_refusals"])
+    m["collectives"] = dict(m["collectives"])
     m["memory_allocated"] = memory.allocated
     m["max_memory_allocated"] = memory.peak
     return m
@@ -27,13 +28,11 @@ def reset_metrics() -> None:
     """Zero every counter (compile caches are kept; clear them with ``deferfuse.clear_caches()``)."""
     stats.reset()
     memory.reset_peak()
-    from .engine import engine
     for trace in list(engine.traces):
         trace.counted = len(trace.nodes)
 
 
 def _pending() -> int:
-    from .engine import engine
     return sum(len(t.nodes) - t.counted for t in list(engine.traces))
 
 

@@ -131,6 +131,8 @@ def op_info(func) -> OpInfo:
     elif mut:
         if info.low is not None:
             info.kind = "self_mut"
+        elif _own_kernel(func) is not None:
+            info.kind = "decomp"
         else:
             f = _functional_of(func)
             if f is not None and f in LOWERINGS:
@@ -152,6 +154,8 @@ def op_info(func) -> OpInfo:
     elif func in _DECOMP or torch._C._dispatch_has_kernel_for_dispatch_key(
             func.name(), "CompositeImplicitAutograd"):
         info.kind = "decomp"
+    elif _own_kernel(func) is not None:
+        info.kind = "decomp"
     else:
         info.kind = "fallback"
     _INFOS[func] = info
@@ -169,4 +173,30 @@ def decompose(func, args, kwargs):
     d = _DECOMP.get(func)
     if d is not None:
         return d(*args, **kwargs)
+    k = _own_kernel(func)
+    if k is not None:
+        return func._op_dk(k, *args, **kwargs)
     return func.decompose(*args, **kwargs)
+
+
+_KERNEL_KEYS = (torch._C.DispatchKey.PrivateUse1, torch._C.DispatchKey.CompositeExplicitAutograd)
+_OWN: dict = {}
+
+
+def _own_kernel(func):
+    """NOTE [own kernels]: an op from outside aten (a library's, such as FSDP2's
+    ``fsdp.all_gather_copy_in`` or the functional collectives' ``_wrap_tensor_autograd``) with a
+    kernel for PrivateUse1, or one for every backend (CompositeExplicitAutograd), is written in
+    torch ops: run that kernel on the tpu tensors themselves, its ops recorded or run like any
+    other, rather than on CPU copies (which broke the views such kernels return). The dispatch
+    key of that kernel, or None."""
+    k = _OWN.get(func, 0)
+    if k == 0:
+        k = None
+        if func.namespace != "aten":
+            for key in _KERNEL_KEYS:
+                if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key.name):
+                    k = key
+                    break
+        _OWN[func] = k
+    return k

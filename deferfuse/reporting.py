@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 
+from .engine import engine
 from .runtime import flush, memory, stats
 
 
@@ -88,6 +89,7 @@ def render() -> str:
                         f"buckets (compiled exactly)" if S["bucket_misfits"] else ""))
         for why, n in S["bucket_refusals"].most_common(4):
             lines.append(f"  {n:6d}  region structure that cannot run padded: {why}")
+    lines += _compiled_lines(S)
     lines.append("memory:")
     lines.append(f"  live device buffers now {_mb(memory.allocated)}, peak {_mb(memory.peak)}"
                  + (f" (in {S['peak_region']})" if S["peak_region"] else ""))
@@ -96,10 +98,38 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def _compiled_lines(S) -> list:
+    """torch.compile on tpu: the graphs, their compiles and calls, Dynamo's graph breaks and
+    recompiles, with their reasons (Dynamo's own counters)."""
+    if not S["dynamo_graphs"]:
+        return []
+    import sys
+    lines = [f"compiled mode (torch.compile): {S['dynamo_graphs']} graphs from Dynamo, "
+             f"{S['compiled_graphs']} forward/backward/inference graphs, {S['graph_compiles']} "
+             f"program compiles (one per graph and input shapes), {S['compiled_calls']} calls"]
+    if S["graphs_run_eagerly"]:
+        lines.append(f"  graphs run op by op in the eager mode (an op with no lowering): "
+                     f"{S['graphs_run_eagerly']}: " + "; ".join(S["graph_fallback_reasons"][-3:]))
+    dyn = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(dyn, "counters", {}) if dyn else {}
+    breaks = counters.get("graph_break", {})
+    if breaks:
+        lines.append(f"  graph breaks (the code between runs in the eager mode in force): "
+                     f"{sum(breaks.values())}")
+        for why, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:5]:
+            lines.append(f"  {n:6d}  {why.strip().splitlines()[0][:110]}")
+    if S["graph_recompiles"]:
+        lines.append(f"  recompiles (a guard failed: a new shape, dtype or Python value; "
+                     f"TORCH_LOGS=recompiles names it): {len(S['graph_recompiles'])}")
+        for why in S["graph_recompiles"][-3:]:
+            lines.append(f"          {why}")
+    lines.append("")
+    return lines
+
+
 def dump_trace(path: str) -> str:
     """Write the last fused trace as Graphviz DOT (networkx), plus a PNG when `dot` exists."""
     import networkx as nx
-    from .engine import engine
     last = engine.runner.last
     if last is None:
         raise RuntimeError("no trace has run yet; run something in defer mode first")

@@ -6,16 +6,19 @@ Imported once, by device registration; it makes ``TpuTensor.__torch_dispatch__``
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
-from .dispatch import Fallback, _local, _run
+from .dispatch import Fallback, ForeignSubclass, _local, _run
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
 from .specials import SPECIAL
 from .tensor import TpuTensor
+from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
 
 _routes = engine.routes     # id(OpOverload) -> (handler(func, info, args, kwargs), OpInfo, op)
+_mode = torch._C._get_dispatch_mode
 
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
@@ -26,13 +29,23 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     if r is None:
         r = _routes[id(func)] = _route(func)
     kwargs = kwargs or {}
+    if _mode(FAKE) is not None:
+        return traced_dispatch(func, args, kwargs)   # NOTE [inner tensor] (traceable.py)
     try:
         return r[0](func, r[1], args, kwargs)
+    except ForeignSubclass:
+        return NotImplemented
     except Fallback as f:
         try:
             return fallback(func, r[1], args, kwargs, f.why)
         except BaseException as e:
             err = e
+    except AttributeError as e:
+        if _traced(args, kwargs):
+            # A tensor being traced reached the eager path with no fake mode on (Dynamo replaying
+            # a view on a fake base): NOTE [inner tensor] (traceable.py).
+            return traced_dispatch(func, args, kwargs)
+        err = e
     except BaseException as e:
         err = e
     if torch._C._current_autograd_node() is None:
@@ -47,6 +60,11 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     # (device.py) raise the kept error instead.
     _local.ts.backward_errors.append(err)
     return torch.empty(0)
+
+
+def _traced(args, kwargs) -> bool:
+    return any(isinstance(a, TpuTensor) and "_s" not in a.__dict__
+               for a in pytree.tree_leaves((args, kwargs)))
 
 
 def dispatch(func, args, kwargs):

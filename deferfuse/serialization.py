@@ -1,4 +1,24 @@
-"""``torch.load(f, map_location="tpu")`` and the storage paths that would crash the interpreter.
+"""Checkpoints of ``tpu`` tensors, ``torch.load(f, map_location=...)``, and the storage paths that
+would crash the interpreter.
+
+NOTE [tpu checkpoints]: ``torch.save`` records a ``tpu`` tensor as PyTorch records a tensor of any
+device without storage (XLA's, a PrivateUse1 backend's): a call to
+``torch._utils._rebuild_device_tensor_from_cpu_tensor(cpu_copy, dtype, "tpu:0", requires_grad)``,
+a ``Parameter`` wrapped in ``torch._utils._rebuild_parameter``. Both are on the ``weights_only``
+unpickler's allowlist, and nothing in the file names deferfuse, so:
+
+- ``torch.load(f)`` (``weights_only=True``) restores the tensors on the ``tpu`` device they were
+  saved from, as CUDA checkpoints come back on CUDA; the autoload entry point loads deferfuse
+  when the first one is made, so the loading script needs no ``import deferfuse``;
+- ``map_location="cpu"``, a ``torch.device``, a dict (``{"tpu:0": "cpu"}``) and a callable
+  (``lambda storage, loc: storage``) work as for CUDA checkpoints, where deferfuse is installed
+  or not;
+- where deferfuse is not installed (or autoload is off and it was not imported), loading without
+  ``map_location`` fails in PyTorch's parsing of the device string ``tpu:0``; ``torch.load``
+  there is PyTorch's own, so that message cannot be ours (docs/troubleshooting.md gives the fix).
+
+Tensors that shared a storage (a view and its base) are saved as separate copies, as for every
+device without storage; one tensor object saved twice (tied weights) stays one object.
 
 A ``tpu`` tensor has no PyTorch storage (it is a wrapper over a JAX array), and PrivateUse1 has no
 allocator a Python backend can register: anything that makes a storage on ``tpu``
@@ -14,14 +34,58 @@ checkpoint. Here:
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 
 import torch
+import torch._utils
 
-_STORAGE_HELP = ("tpu tensors have no PyTorch storage, so a storage cannot live on the tpu device; "
-                 "make the tensor on CPU and move it with .to('tpu'), or load checkpoints with "
-                 "torch.load(f, map_location='tpu') or map_location='cpu'")
+from .dispatch import to_cpu
+from .storage import STORAGE_HELP, untyped_storage
+from .tensor import TpuTensor
+
+
+
+class _Saved:
+    """Pickles as the rebuild call it holds (the argument of ``_rebuild_parameter``); the file
+    never names this class."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call):
+        self.call = call
+
+    def __reduce_ex__(self, proto):
+        return self.call
+
+
+def reduce_tensor(t, proto=2):
+    """``TpuTensor.__reduce_ex__``: see NOTE [tpu checkpoints]."""
+    cpu = to_cpu(t.detach(), "save")
+    is_param = getattr(t, "_is_param", False)
+    call = (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+            (cpu, t.dtype, str(t.device), t.requires_grad and not is_param))
+    if is_param:
+        return (torch._utils._rebuild_parameter,
+                (_Saved(call), t.requires_grad, collections.OrderedDict()))
+    return call
+
+
+def _restore_location_with_callable(orig):
+    """``torch._utils._get_restore_location`` (which PyTorch's rebuild of a tensor without
+    storage asks where to put it) also for a callable ``map_location``, which it refuses: the
+    callable gets an empty CPU storage and the saved location, as ``torch.load`` gives it each
+    storage; what it returns says where the tensor goes (``None``: where it was saved)."""
+    @functools.wraps(orig)
+    def wrapper(device):
+        loc = torch.serialization._serialization_tls.map_location
+        if callable(loc) and not isinstance(loc, (dict, str, torch.device)):
+            moved = loc(torch.UntypedStorage(0), device)
+            return device if moved is None else moved.device
+        return orig(device)
+    wrapper._deferfuse = True
+    return wrapper
 
 
 def _tpu_target(map_location):
@@ -83,19 +147,19 @@ def _refuse_storage_to(to):
     @functools.wraps(to)
     def wrapper(self, device, non_blocking=False):
         if torch.device(device).type == "tpu":
-            raise RuntimeError(_STORAGE_HELP)
+            raise RuntimeError(STORAGE_HELP)
         return to(self, device, non_blocking)
     wrapper._deferfuse = True
     return wrapper
 
 
 def _refuse_tpu(*args, **kwargs):
-    raise RuntimeError(_STORAGE_HELP)
+    raise RuntimeError(STORAGE_HELP)
 
 
 def _untyped_storage_new(cls, *args, device=None, **kwargs):
     if device is not None and torch.device(device).type == "tpu":
-        raise RuntimeError(_STORAGE_HELP)
+        raise RuntimeError(STORAGE_HELP)
     if device is not None:
         kwargs["device"] = device
     return torch._C.StorageBase.__new__(cls, *args, **kwargs)
@@ -104,6 +168,11 @@ def _untyped_storage_new(cls, *args, device=None, **kwargs):
 def register() -> None:
     import torch.serialization
     import torch.storage
+    TpuTensor.__reduce_ex__ = reduce_tensor
+    TpuTensor.untyped_storage = untyped_storage
+    if not getattr(torch._utils._get_restore_location, "_deferfuse", False):
+        torch._utils._get_restore_location = _restore_location_with_callable(
+            torch._utils._get_restore_location)
     if not getattr(torch.load, "_deferfuse", False):
         torch.load = torch.serialization.load = _wrap_load(torch.load)
     if not getattr(torch.storage._to, "_deferfuse", False):

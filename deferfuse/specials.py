@@ -157,19 +157,37 @@ def _h_is_pinned(func, args, kwargs):
 
 
 _BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+# Batch norm variants: (their argument names, training (None: an argument), a reserve output).
+_BN_VARIANTS = {
+    aten.native_batch_norm.default: (_BN_ARGS, None, False),
+    aten._native_batch_norm_legit.default: (_BN_ARGS, None, False),
+    aten._native_batch_norm_legit.no_stats: (
+        ("input", "weight", "bias", "training", "momentum", "eps"), None, False),
+    aten._batch_norm_with_update.default: (
+        ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps"), True, True),
+}
 
 
 def _h_batch_norm(func, args, kwargs):
-    """native_batch_norm / _native_batch_norm_legit write running_mean/var in place (the former
-    without an alias annotation): run the lowered functional op, then write the stats back."""
-    a = dict(zip(_BN_ARGS, args), **kwargs)
+    """Every batch norm variant runs the lowered functional op (CPU's statistics dtypes and
+    shapes, deferfuse/meta.py), then writes the running statistics back in training mode
+    (native_batch_norm writes them without an alias annotation)."""
+    names, training, reserve = _BN_VARIANTS[func]
+    a = dict(zip(names, args), **kwargs)
+    if training is not None:
+        a["training"] = training
     fn = aten._native_batch_norm_legit_functional.default
-    if a.get("running_mean") is None or a.get("running_var") is None or fn not in LOWERINGS:
+    if fn not in LOWERINGS:
         return decompose(func, args, kwargs)
-    out, mean, invstd, new_mean, new_var = _run(fn, op_info(fn), tuple(a[n] for n in _BN_ARGS), {})
+    out, mean, invstd, new_mean, new_var = _run(
+        fn, op_info(fn), tuple(a.get(n) for n in _BN_ARGS), {})
     if a["training"]:
-        _write_stat(a["running_mean"], new_mean)
-        _write_stat(a["running_var"], new_var)
+        if a.get("running_mean") is not None:
+            _write_stat(a["running_mean"], new_mean)
+        if a.get("running_var") is not None:
+            _write_stat(a["running_var"], new_var)
+    if reserve:
+        return out, mean, invstd, _empty((0,), torch.uint8, a["input"]._s.device)
     return out, mean, invstd
 
 
@@ -212,6 +230,13 @@ def _h_one_hot(func, args, kwargs):
     return _run(func, op_info(func), (x, n), {})
 
 
+def _h_composite_explicit(func, args, kwargs):
+    """An op whose only kernel is PyTorch's own CompositeExplicitAutograd one, written in ops
+    that are lowered (the chunked linear_cross_entropy custom ops): that kernel itself, on tpu
+    tensors, instead of a copy to CPU and back."""
+    return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+
+
 def _h_pack_padded_sequence(func, args, kwargs):
     """PyTorch's own kernel (CompositeExplicitAutograd): it reads the lengths (a CPU tensor) and
     cuts the tpu input with ordinary ops, so the packed data is on tpu and ``batch_sizes`` stays a
@@ -233,6 +258,50 @@ def _h_inplace_view(func, args, kwargs):
         aten.as_strided_.default(self, v.shape, v.stride(), v.storage_offset())
     self._chain, self._sig, self._dyn = v._chain, v._sig, v._dyn
     return self
+
+
+def _h_foreach_inplace(func, args, kwargs):
+    """An in-place foreach op (``torch._foreach_add_(xs, ys)``, ``_foreach_copy_`` ...). One op
+    writes every tensor of its first list from the values they held before it; tensors that are
+    views of one storage (the slices of one flat buffer: FSDP2 copies parameters into one) would
+    each write that storage from its old value, and the last write would undo the others. Those
+    run one element at a time, in order (a copy into consecutive slices as one copy)."""
+    dsts = args[0]
+    seen = set()
+    for d in dsts:
+        if type(d) is TpuTensor:
+            if id(d._s) in seen:
+                break
+            seen.add(id(d._s))
+    else:
+        return _run(func, op_info(func), args, kwargs)
+    if func is aten._foreach_copy_.default:
+        srcs = args[1]
+        span = _consecutive(dsts)
+        if span is not None and len({s.dtype for s in srcs}) == 1 and all(
+                type(s) is TpuTensor for s in srcs):
+            copy_into(span, aten.cat.default([s.reshape(-1) for s in srcs]))
+            return None
+    n = len(dsts)
+    for k in range(n):
+        func(*[a[k:k + 1] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args],
+             **kwargs)
+    return None
+
+
+def _consecutive(dsts):
+    """The 1-D view covering ``dsts`` when they are contiguous 1-D views of one storage that
+    follow each other, else None."""
+    d0 = dsts[0]
+    if type(d0) is not TpuTensor:
+        return None
+    at = d0.storage_offset()
+    for d in dsts:
+        if (type(d) is not TpuTensor or d._s is not d0._s or d.dim() != 1 or d.dtype != d0.dtype
+                or (d.numel() > 1 and d.stride(0) != 1) or d.storage_offset() != at):
+            return None
+        at += d.numel()
+    return aten.as_strided.default(d0, (at - d0.storage_offset(),), (1,), d0.storage_offset())
 
 
 def _h_linalg_check_errors(func, args, kwargs):
@@ -297,17 +366,44 @@ SPECIAL = {
     aten.resize_.default: _h_resize,
     aten.set_.source_Tensor: _h_set,
     aten.is_pinned.default: _h_is_pinned,
-    aten.native_batch_norm.default: _h_batch_norm,
     aten.rrelu_with_noise.default: _h_rrelu_with_noise,
     aten.rrelu_with_noise_.default: _h_rrelu_with_noise,
-    aten._native_batch_norm_legit.default: _h_batch_norm,
+    **{f: _h_batch_norm for f in _BN_VARIANTS},
     aten.one_hot.default: _h_one_hot,
     aten._pack_padded_sequence.default: _h_pack_padded_sequence,
     aten._nested_tensor_from_mask_left_aligned.default: _h_not_left_aligned,
     aten._nested_tensor_from_mask.default: _h_nested_from_mask,
 }
+for _full in torch._C._dispatch_get_all_op_names():
+    # every in-place foreach op: _foreach_add_, _foreach_copy_, _foreach_mul_ ... (not _foreach_add)
+    _p, _, _ov = _full.partition("::")[2].partition(".")
+    if _full.startswith("aten::_foreach_") and _p.endswith("_"):
+        _o = getattr(getattr(aten, _p, None), _ov or "default", None)
+        if _o is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                  for a in _o._schema.arguments[:1]):
+            SPECIAL[_o] = _h_foreach_inplace
+for _name in ("_linear_cross_entropy_batch_chunked", "_linear_cross_entropy_batch_chunked_no_reduction"):
+    _o = getattr(getattr(getattr(torch.ops, "torch_nn", None), _name, None), "default", None)
+    if _o is None:
+        try:    # registered when torch.nn.functional's linear_cross_entropy is first imported
+            import torch.nn.modules.linear_cross_entropy  # noqa: F401
+            _o = getattr(getattr(torch.ops.torch_nn, _name, None), "default", None)
+        except (ImportError, AttributeError):
+            _o = None
+    if _o is not None:
+        SPECIAL[_o] = _h_composite_explicit
 for _name in ("record_stream.default",):
     _p, _, _ov = _name.partition(".")
     _o = getattr(getattr(aten, _p, None), _ov, None)
     if _o is not None:
         SPECIAL[_o] = _h_noop_self
+
+
+def register(handlers: dict) -> None:
+    """Add handlers ``{OpOverload: handler(func, args, kwargs)}`` from another module (the
+    distributed package's functional collectives): such an op then never takes the generic path."""
+    for f, h in handlers.items():
+        if f in SPECIAL and SPECIAL[f] is not h:
+            raise AssertionError(f"a second special handler for {f}")
+        SPECIAL[f] = h
+        engine.routes.pop(id(f), None)

@@ -50,8 +50,9 @@ class TpuTensor(torch.Tensor):
     def __init__(self, *a, **k):
         pass
 
-    # __torch_dispatch__, __repr__, tolist and __reduce_ex__ are set by the op path
-    # (deferfuse/route.py, dispatch.py): they run ops and read values.
+    # __torch_dispatch__, __repr__ and tolist are set by the op path (deferfuse/route.py,
+    # dispatch.py), __reduce_ex__ and untyped_storage by serialization.py: they run ops and read
+    # values.
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError("deferfuse's op path is not loaded: import deferfuse")
@@ -96,9 +97,8 @@ class TpuTensor(torch.Tensor):
         self._chain = new._chain
         self._sig = new._sig
         self._dyn = new._dyn
+        self.__dict__.pop("_inner_t", None)     # NOTE [inner tensor] (traceable.py)
 
-    def untyped_storage(self):
-        raise RuntimeError("tpu tensors have no host-addressable storage; call .cpu() first")
 
     def data_ptr(self):
         # Unique per storage and view offset, for code that compares pointers (never dereference).

@@ -154,6 +154,8 @@ for _n, _pos in (("full.default", (0, "size")), ("zeros.default", (0, "size")),
                  ("new_zeros.default", (1, "size")), ("new_ones.default", (1, "size")),
                  ("arange.default", (0, "end")), ("arange.start", (1, "end")),
                  ("arange.start_step", (1, "end")), ("view_copy.default", (1, "size")),
+                 ("_unsafe_view.default", (1, "size")), ("view.default", (1, "size")),
+                 ("reshape.default", (1, "shape")), ("expand.default", (1, "size")),
                  ("expand_copy.default", (1, "size"))):
     _p, _, _o = _n.partition(".")
     _f = getattr(getattr(aten, _p, None), _o, None)
@@ -476,6 +478,10 @@ def plan_node(entry, forms) -> NodePlan:
             n.rule, n.extra = "reduce", (pdims, ident, dims)
     elif func in _SCANS:
         pass                                # each position depends on the prefix only
+    elif func in _RESHAPES and n.out_forms and n.out_forms[0] is not None:
+        # a recorded reshape (``_unsafe_view`` after a matmul): a copy whose padding stays where
+        # a view's would (NOTE [buckets])
+        _check_reshape(n.in_forms[0], n.out_forms[0], name)
     elif func is _LAYER_NORM:
         k = len(_arg(targs, tkw, 1, "normalized_shape"))
         if _padded(n.in_forms[0][len(n.in_forms[0]) - k:]):
@@ -674,11 +680,14 @@ def plan_region(f: Fit, entries, wirings, lengths) -> BucketPlan:
     return bp
 
 
-def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device) -> str | None:
-    """The stable description of a bucket's program (its program-store key)."""
+def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device,
+                  in_dtypes=()) -> str | None:
+    """The stable description of a bucket's program (its program-store key): the plan at ``P``
+    and the dtypes of the region's inputs (the plan's forms are sizes only)."""
     from .diskcache import Unstable, describe
     try:
         parts_ = ["bucket", str(P), str(device), describe(tuple(is_float)),
+                  " ".join(str(d) for d in in_dtypes),
                   describe(tuple(out_sig)), describe(tuple(wirings)),
                   describe(tuple(sorted((k, at(v, P)) for k, v in bp.ext_forms.items())))]
         for n in bp.nodes:
@@ -876,7 +885,8 @@ class Buckets:
         from .dtypes import x64
         from .execute import pack_scalars, sharding
         t0 = time.perf_counter()
-        key = describe_plan(plan, P, run.wirings, run.out_sig, is_float, device) \
+        key = describe_plan(plan, P, run.wirings, run.out_sig, is_float, device,
+                            [v.dtype for v in run.ext]) \
             if store is not None and store.on else None
         got = store.load(key, device) if key is not None else None
         prog = BucketProgram()

@@ -21,6 +21,7 @@ import weakref
 import numpy as np
 
 from . import stats
+from .lowering import flag_message
 
 
 def dependents(wirings, start: int) -> set:
@@ -117,7 +118,8 @@ class CheckList:
                 bad = ext_dependents(rec.wirings, failed)
                 first = next(iter(failed.values()))
         if rec.flags:
-            fired = [k for k, fl in enumerate(rec.flags) if bool(np.asarray(fl))]
+            values = [np.asarray(fl) for fl in rec.flags]
+            fired = [k for k, fl in enumerate(values) if bool(fl)]
             if fired:
                 stats.S["failed_checks"] += 1
                 own = None
@@ -125,7 +127,8 @@ class CheckList:
                 for k in fired:
                     pos, exc, msg = rec.msgs[k]
                     if own is None:
-                        own = exc(f"{msg} ({rec.names[k]} recorded at {rec.srcs[k]})")
+                        own = exc(f"{flag_message(msg, values[k])} ({rec.names[k]} recorded at "
+                                  f"{rec.srcs[k]})")
                     bad |= dependents(rec.wirings, pos)
                 self.errors.append(own)
                 first = first or own

@@ -18,7 +18,7 @@ from ..scheduler.records import Value
 from . import stats
 from .diskcache import fresh_compiles, op_key
 from .dtypes import x64
-from .lowering import take_flags
+from .lowering import flag_message, take_flags
 from .transfer import devices
 from .viewchain import apply_chain
 
@@ -54,8 +54,9 @@ def with_flags(fn, msgs: list):
 
 def raise_flags(flags, msgs, where: str = "") -> None:
     for fl, (exc, msg) in zip(flags, msgs):
-        if bool(np.asarray(fl)):
-            raise exc(msg + where)
+        fl = np.asarray(fl)
+        if bool(fl):
+            raise exc(flag_message(msg, fl) + where)
 
 
 def sharding(device: int):

@@ -7,6 +7,7 @@ import numpy as np
 
 from . import execute
 from .errors import RegionError
+from .lowering import flag_message
 
 
 class FlagFailure(Exception):
@@ -45,8 +46,10 @@ def run_around(run, skip: set, rp: Replay | None = None, store=None):
             with execute.x64(True):
                 res, flags = execute.call_op(entry, arrays, list(n.scalars), store)
                 for fl, (exc, msg) in zip(flags, entry.msgs):
-                    if bool(np.asarray(fl)):
-                        raise FlagFailure(exc(f"{msg} ({n.name} recorded at {n.src})"))
+                    fl = np.asarray(fl)
+                    if bool(fl):
+                        raise FlagFailure(exc(f"{flag_message(msg, fl)} ({n.name} recorded at "
+                                              f"{n.src})"))
         except Exception as e:
             return rp, j, e
         rp.ran.add(j)

@@ -35,10 +35,24 @@ def fresh() -> dict:
         "budget_splits": 0,         # regions split to stay under DEFERFUSE_MEMORY_BUDGET
         "failed_checks": 0,         # programs whose index checks failed (their dependents failed)
         "hash_collisions": 0,       # region keys that matched a region of another structure
+        "dynamo_graphs": 0,         # graphs Dynamo handed to the tpu backend (torch.compile)
+        "compiled_graphs": 0,       # ... forward, backward and inference graphs made of them
+        "graph_compiles": 0,        # ... programs compiled for them (a new shape: one more)
+        "compiled_calls": 0,        # ... calls of those graphs
+        "graphs_run_eagerly": 0,    # graphs with an op no lowering covers, run op by op
+        "graph_fallback_reasons": [],
+        "graph_recompiles": [],     # Dynamo frames compiled again (a guard failed), in words
         "donated_bytes": 0,
         "elided_bytes": 0,          # intermediates never materialised as buffers
         "peak_region": None,
         "miss_reasons": [],         # (region summary, what differed) for the report
+        "collectives": Counter(),   # collective kind -> count (deferfuse.distributed)
+        "collective_bytes": 0,      # bytes this process gave to collectives
+        "collective_seconds": 0.0,  # host time in collectives: checks, dispatch, waits
+        "collective_check_seconds": 0.0,   # ... of which agreeing with the other ranks
+        "collective_wait_seconds": 0.0,    # ... of which waiting for the results
+        "collective_compiles": 0,   # collective programs compiled
+        "collective_evictions": 0,  # times the collective program cache was dropped (bounded)
     }
 
 

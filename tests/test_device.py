@@ -162,16 +162,18 @@ def test_mixed_devices_raise():
 
 
 def test_save_load(tmp_path):
+    # Checkpoints come back where they were saved, as on CUDA (tests/test_checkpoints.py)
     m = torch.nn.Linear(3, 2).to("tpu")
     path = tmp_path / "m.pt"
     torch.save({"model": m.state_dict(), "t": torch.arange(4, device="tpu")}, path)
     ck = torch.load(path)                      # weights_only=True default
     ck2 = torch.load(path, map_location="cpu")
     for k, v in m.state_dict().items():
-        assert ck["model"][k].device.type == "cpu"
-        assert torch.equal(ck["model"][k], v.cpu())
+        assert ck["model"][k].device.type == "tpu"
+        assert torch.equal(ck["model"][k].cpu(), v.cpu())
+        assert ck2["model"][k].device.type == "cpu"
         assert torch.equal(ck2["model"][k], v.cpu())
-    assert torch.equal(ck["t"], torch.arange(4))
+    assert_same(ck["t"], torch.arange(4))
     m2 = torch.nn.Linear(3, 2).to("tpu")
     m2.load_state_dict(ck["model"])
     assert torch.equal(m2.weight.cpu(), m.weight.cpu())

@@ -84,6 +84,15 @@ DTYPES = {
 }
 DTYPE_LIMIT = 1
 
+# Half-precision gradients (``HALF_BACKWARD_LIMIT`` samples; the sweep's --backward in bfloat16 and
+# float16, tolerance ``BACKWARD_TOL``).
+HALF_BACKWARD = {
+    "bfloat16": ["nn.functional.layer_norm", "nn.functional.batch_norm", "softmax",
+                 "nn.functional.conv2d", "nn.functional.cross_entropy"],
+    "float16": ["log_softmax", "nn.functional.conv_transpose2d", "mm"],
+}
+HALF_BACKWARD_LIMIT = 1
+
 # Random ops: shape and dtype against CPU, and the same values again under the same seed.
 RANDOM = ["normal", "uniform", "bernoulli", "nn.functional.dropout", "randn", "randint_like",
           "multinomial"]
@@ -117,7 +126,8 @@ def _describe(rec) -> str:
 @pytest.mark.modes("strict")
 def test_subset_names_exist():
     ops = _ops()
-    names = SUBSET + BACKWARD + RANDOM + [n for v in DTYPES.values() for n in v]
+    names = SUBSET + BACKWARD + RANDOM + [n for v in DTYPES.values() for n in v] + \
+        [n for v in HALF_BACKWARD.values() for n in v]
     missing = [n for n in names + list(KNOWN_FAIL) if n not in ops]
     assert not missing, f"not in op_db: {missing}"
     assert not set(SUBSET + BACKWARD) & sweep.RANDOM, "random ops: keep them in RANDOM"
@@ -156,6 +166,12 @@ def test_opinfo_backward(name, tpu_mode):
                                         for d, ns in DTYPES.items() for n in ns])
 def test_opinfo_dtype(dtype, name, tpu_mode):
     _check(name, tpu_mode, sweep.DTYPES[dtype], "forward", DTYPE_LIMIT)
+
+
+@pytest.mark.parametrize("dtype,name", [pytest.param(d, n, id=f"{d}-{n}")
+                                        for d, ns in HALF_BACKWARD.items() for n in ns])
+def test_opinfo_half_backward(dtype, name, tpu_mode):
+    _check(name, tpu_mode, sweep.DTYPES[dtype], "backward", HALF_BACKWARD_LIMIT)
 
 
 @pytest.mark.parametrize("name", RANDOM)

@@ -1,4 +1,5 @@
-"""The wheel installs into a clean environment and imports from an unrelated folder.
+"""The wheel installs into a clean environment and imports from an unrelated folder; `make`
+installs the CPU build of torch and the project into a clean venv.
 
 Slow (builds a wheel and a venv): out of the default run, run by CI through `make wheel-test`.
 """
@@ -19,12 +20,16 @@ def test_wheel_installs_and_imports(tmp_path):
                    check=True, capture_output=True, text=True)
     wheel = next(dist.glob("deferfuse-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for pkg in ("deferfuse/__init__.py", "deferfuse/runtime/__init__.py",
+    for pkg in ("deferfuse/__init__.py", "deferfuse/distributed/__init__.py", "deferfuse/runtime/__init__.py",
                 "deferfuse/runtime/lowering/__init__.py", "deferfuse/runtime/lowering/pointwise.py",
                 "deferfuse/runtime/lowering/activations.py", "deferfuse/scheduler/__init__.py",
                 "deferfuse/scheduler/records.py", "deferfuse/scheduler/cut.py"):
         assert pkg in names, f"{pkg} missing from the wheel"
     assert not any(n.startswith(("runtime/", "scheduler/", "tests/")) for n in names)
+    # the autoload module and its torch.backends entry point (import torch registers tpu)
+    assert "deferfuse_autoload.py" in names
+    ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "[torch.backends]\ndeferfuse = deferfuse_autoload:autoload" in zipfile.ZipFile(wheel).read(ep).decode()
     # A clean venv that sees this environment's torch/jax (so nothing is downloaded), but not the
     # repository: the wheel alone must provide deferfuse.
     venv = tmp_path / "venv"
@@ -45,3 +50,23 @@ def test_wheel_installs_and_imports(tmp_path):
     out = subprocess.run([str(py), "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("30.0")
+
+
+def test_make_installs_cpu_torch_into_a_clean_venv(tmp_path):
+    # The README's path from nothing: make creates the venv, installs the CPU build of torch
+    # (here: the local wheel pip is configured with; elsewhere: PyTorch's CPU index) and the project.
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    r = subprocess.run(["make", "-C", ROOT, f"VENV={venv}", f"{venv}/.installed"], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    code = ("import torch, sys, importlib.metadata as md\n"
+            "assert torch.version.cuda is None, torch.version.cuda\n"
+            "print(torch.__version__, torch.accelerator.current_accelerator(), 'jax' in sys.modules,\n"
+            "      md.version('accelerate') != '', md.version('transformers') != '')\n")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    version, acc, jax_loaded, *extras = out.stdout.split()
+    assert version.startswith("2.13.0") and acc == "tpu" and jax_loaded == "False"
+    assert extras == ["True", "True"]

@@ -330,3 +330,70 @@ def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
     assert m["bucketed_runs"] >= 60 and m["shape_fallbacks"] == 0 and m["shape_splits"] == 0
     text = deferfuse.report(file=False)
     assert "padded to the bucket of length 32" in text and "buckets" in text
+
+
+# ------------------------------------------------------------------ real loops, as users write them
+@pytest.mark.modes("defer")
+def test_hugging_face_dynamic_cache_generate_second_call_compiles_nothing():
+    """HF ``generate()`` with the default dynamic cache (keys and values grow by one position per
+    token): CPU's greedy tokens, and the second identical call compiles nothing."""
+    pytest.importorskip("transformers")
+    import hf_matrix as hm
+    want = hm.cpu_generate("llama")
+    model, batch = hm.cpu_reference("llama")[:2]
+    tm = hm.to_tpu(model)
+    tb = hm._dev(batch, "tpu")
+    counts = []
+    for _ in range(2):
+        deferfuse.reset_metrics()
+        with torch.no_grad():
+            got = tm.generate(**hm._prompt(tb), **hm._gen_kwargs(do_sample=False))
+        assert_same(got, want, 0, 0)
+        m = deferfuse.metrics()
+        counts.append((m["compiles"], m["disk_cache_hits"]))
+    # the first call made its programs (compiled, or loaded from the program store on disk)
+    assert sum(counts[0]) > 0 and counts[1] == (0, 0), counts
+
+
+def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing():
+    """An epoch whose last batch is smaller (a DataLoader without drop_last): CPU's losses and
+    weights, and nothing new to compile in the second epoch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 3))
+    tmodel = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 3))
+    tmodel.load_state_dict(model.state_dict())
+    tmodel.to("tpu")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(b, 8, generator=g), torch.randint(0, 3, (b,), generator=g))
+            for b in (16, 16, 16, 5)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, tmodel)]
+    counts = []
+    for _ in range(2):
+        c0 = _compiles()
+        for x, y in data:
+            losses = []
+            for m, opt, dev in ((model, opts[0], "cpu"), (tmodel, opts[1], "tpu")):
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(m(x.to(dev)), y.to(dev))
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
+        counts.append(_compiles() - c0)
+    for p, q in zip(tmodel.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5)
+    assert counts[1] == 0, counts
+    # What this taught about the step's structure (split after two shapes) would shape the
+    # regions of later tests that count them.
+    deferfuse.clear_caches()
+
+
+def test_bucket_programs_are_keyed_by_dtype():
+    """The same op whose sizes change, in bfloat16 then float16: each dtype gets its own bucket
+    program (a program made for one was found by the other's key)."""
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randint(0, 4, (6, 40), generator=torch.Generator().manual_seed(0)).to(dt)
+        t = x.to("tpu")
+        for n in (16, 5, 7):
+            assert_same(torch.argmax(t[:, :n], 1), torch.argmax(x[:, :n], 1), 0, 0)
+            assert_same(t[:, :n].cumsum(1) * 2, x[:, :n].cumsum(1) * 2, 1e-2, 1e-2)

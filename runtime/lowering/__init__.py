@@ -38,7 +38,9 @@ MISSING: list[str] = []   # overload names a lowering asked for that this torch 
 # NOTE [index checks]: XLA never faults on a bad index (gathers clamp, scatters drop). A lowering
 # calls ``check_index`` to compute an out-of-range flag next to its result; the program returns the
 # flags and the runtime raises PyTorch's error when it reads them (at once in strict/debug mode, at
-# the next sync in defer mode, as CUDA reports device asserts).
+# the next sync in defer mode, as CUDA reports device asserts). A message with ``{index}`` in it
+# names the offending index as CPU does ("index 5 is out of bounds for dimension 1 with size 4"):
+# its flag is then that index, encoded so that zero still means "none" (``flag_message``).
 class _Traced(threading.local):
     """The flags traced so far by this thread: [(flag array, exception type, message)]. Per
     thread: two threads may trace programs at once (strict mode compiles on first use)."""
@@ -58,7 +60,24 @@ def check_index(index, size: int, exc=IndexError, message: str = "index out of r
     if index.size == 0:
         return
     lo = -size if allow_negative else 0
-    _traced.flags.append((jnp.any((index < lo) | (index >= size)), exc, message))
+    bad = (index < lo) | (index >= size)
+    if "{index}" not in message:
+        _traced.flags.append((jnp.any(bad), exc, message))
+        return
+    # The first offending entry in memory order (CPU's kernels report the first they meet), as
+    # v + 1 when v >= 0 and v itself when negative, so 0 stays "in range".
+    flat = index.reshape(-1).astype(jnp.int64)
+    first = flat[jnp.argmax(bad.reshape(-1))]
+    code = jnp.where(jnp.any(bad), jnp.where(first >= 0, first + 1, first), 0)
+    _traced.flags.append((code, exc, message))
+
+
+def flag_message(message: str, flag) -> str:
+    """``message`` of a flag that fired, with the index its flag carries in place of ``{index}``."""
+    if "{index}" not in message:
+        return message
+    code = int(flag)
+    return message.replace("{index}", str(code - 1 if code > 0 else code))
 
 
 def check(bad, exc=RuntimeError, message: str = "invalid argument"):

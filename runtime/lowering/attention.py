@@ -11,9 +11,11 @@ import jax.numpy as jnp
 
 from . import op
 from .nn import _acc
+from .precision import HALF, round_to
 
 
-def _sdpa(q, k, v, attn_mask, is_causal, scale):
+def _sdpa(q, k, v, attn_mask, is_causal, scale, exact_half=True):
+    half = q.dtype if q.dtype in HALF and exact_half else None
     dt = _acc(q).dtype
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     if k.ndim == 4 and k.shape[1] != q.shape[1]:    # grouped-query attention (enable_gqa)
@@ -25,10 +27,36 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
         s = jnp.where(jnp.tril(jnp.ones((L, S), jnp.bool_)), s, -jnp.inf)
     if attn_mask is not None:
         s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
+    if half is not None:
+        return _flash_half(s, v, half)
     lse = jax.nn.logsumexp(s, axis=-1)
     # A row with every key masked out attends to nothing: zeros, as CPU's flash kernel gives.
     p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0, lse)[..., None])
     return jnp.einsum("...ls,...se->...le", p, v), lse
+
+
+def _flash_half(s, v, dt):
+    """CPU's flash attention for a half-precision query: keys in blocks of up to 512; per block the
+    exponentials exp(s - running max) are rounded to the dtype for the product with v, while their
+    float32 sum, the running output and the final division stay float32."""
+    n = s.shape[-1]
+    split = 512 if n >= 512 else n
+    m = jnp.full(s.shape[:-1], -jnp.inf, jnp.float32)
+    total = jnp.zeros(s.shape[:-1], jnp.float32)
+    out = jnp.zeros(s.shape[:-1] + v.shape[-1:], jnp.float32)
+    for lo in range(0, n, max(split, 1)):
+        sb, vb = s[..., lo:lo + split], v[..., lo:lo + split, :]
+        m_new = jnp.maximum(m, jnp.max(sb, axis=-1))
+        safe = jnp.where(jnp.isneginf(m_new), 0, m_new)
+        p = jnp.exp(sb - safe[..., None])
+        fix = jnp.where(jnp.isneginf(m), 0, jnp.exp(m - safe))
+        total = total * fix + jnp.sum(p, axis=-1)
+        out = out * fix[..., None] + jnp.einsum("...ls,...se->...le", round_to(p, dt), vb)
+        m = m_new
+    dead = total == 0                       # every key masked: zeros, as on CPU
+    out = jnp.where(dead[..., None], 0, out / jnp.where(dead, 1, total)[..., None])
+    lse = jnp.where(dead, -jnp.inf, m + jnp.log(jnp.where(dead, 1, total)))
+    return out, lse
 
 
 def _no_dropout(dropout_p):
@@ -48,7 +76,7 @@ def sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_ma
 def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                             attn_mask=None, scale=None):
     _no_dropout(dropout_p)
-    _, vjp = jax.vjp(lambda q, k, v: _sdpa(q, k, v, attn_mask, is_causal, scale)[0],
+    _, vjp = jax.vjp(lambda q, k, v: _sdpa(q, k, v, attn_mask, is_causal, scale, False)[0],
                      query, key, value)
     return vjp(_acc(grad_out))
 

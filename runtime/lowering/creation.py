@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import torch
 
-from . import op
+from . import LOWERINGS, Lowering, op
 
 
 @op("copy_.default")
@@ -32,6 +33,13 @@ def zero_(self):
 def to_copy(x, *, dtype=None, memory_format=None, layout=None, device=None, pin_memory=None,
             non_blocking=False):
     return x
+
+
+# prims.convert_element_type (PyTorch's decompositions of renorm and others call it): the caller
+# casts the result to the dtype meta inference gives.
+_CONVERT = getattr(getattr(torch.ops.prims, "convert_element_type", None), "default", None)
+if _CONVERT is not None:
+    LOWERINGS[_CONVERT] = Lowering(lambda x, dtype: x)
 
 
 def _integral(dt) -> bool:

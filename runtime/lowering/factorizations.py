@@ -14,6 +14,7 @@ from jax import lax
 
 from . import check, op
 from .linalg import _LOWP, _mat
+from .precision import HALF, round_to
 
 _solve_tri = lax.linalg.triangular_solve
 
@@ -387,8 +388,30 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     kept = [d for d in range(nd) if d not in set(sumdim)]
     absent = [d for d in kept if all(letters[d] not in sub for sub in subs)]   # size 1 in all
     out = "".join(letters[d] for d in kept if d not in absent)
-    r = jnp.einsum(f"{subs[0]},{subs[1]},{subs[2]}->{out}", i1, i2, i3)
+    if i1.dtype in HALF:
+        r = _trilinear_half(i1, i2, i3, subs, letters, set(sumdim), out, unroll_dim)
+    else:
+        r = jnp.einsum(f"{subs[0]},{subs[1]},{subs[2]}->{out}", i1, i2, i3)
     return jnp.expand_dims(r, [kept.index(d) for d in absent]) if absent else r
+
+
+def _trilinear_half(i1, i2, i3, subs, letters, summed, out, unroll_dim):
+    """CPU's half-precision _trilinear: per index of ``unroll_dim``, i1 * i2 summed over the dims
+    i3 lacks (a product accumulated in float32, rounded), then that times i3 summed over the rest
+    (rounded); a summed ``unroll_dim`` adds the pieces one by one, each sum rounded."""
+    dt = i1.dtype
+    u = letters[unroll_dim]
+    s12 = {letters[d] for d in summed if letters[d] not in subs[2] and letters[d] != u}
+    mid = "".join(c for c in letters if (c in subs[0] or c in subs[1]) and c not in s12)
+    f32 = {"preferred_element_type": jnp.float32}
+    buf = round_to(jnp.einsum(f"{subs[0]},{subs[1]}->{mid}", i1, i2, **f32), dt)
+    if u not in {letters[d] for d in summed}:
+        return round_to(jnp.einsum(f"{mid},{subs[2]}->{out}", buf, i3.astype(jnp.float32)), dt)
+    pieces = jnp.einsum(f"{mid},{subs[2]}->{u}{out}", buf, i3.astype(jnp.float32))
+    acc = round_to(pieces[0], dt)
+    for k in range(1, pieces.shape[0]):
+        acc = round_to(acc + round_to(pieces[k], dt), dt)
+    return acc
 
 
 # --------------------------------------------------------------------------------------------

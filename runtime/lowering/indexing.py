@@ -24,7 +24,8 @@ _NOWRAP = {"wrap_negative_indices": False}   # PyTorch rejects negative indices 
 def _checked(index, size, dim, exc=RuntimeError, allow_negative=False, msg=None):
     """``index`` flagged if out of range for a dim of ``size``, then narrowed to int32 (64-bit
     integer arithmetic is emulated on accelerators; a valid index always fits)."""
-    check_index(index, size, exc, msg or f"index out of bounds for dimension {dim} with size {size}",
+    check_index(index, size, exc,
+                msg or f"index {{index}} is out of bounds for dimension {dim} with size {size}",
                 allow_negative)
     if index.dtype == jnp.int64 and size < 2 ** 31:
         index = index.astype(jnp.int32)
@@ -208,7 +209,8 @@ def _source(src, x, dim, n):
 def index_select(x, dim, index):
     shape = x.shape
     # CPU raises IndexError, except from its kernel for dim 1 of an input of 2 or more dims.
-    x1, idx, d = (_along(x, dim, index) if x.ndim > 1 and dim % x.ndim == 1 else
+    x1, idx, d = (_along(x, dim, index, msg="INDICES element is out of DATA bounds, id={index} "
+                         f"axis_dim={shape[1]}") if x.ndim > 1 and dim % x.ndim == 1 else
                   _along(x, dim, index, IndexError, msg="index out of range in self"))
     out = x1.at[idx].get(**_NOWRAP)
     if len(shape) == 0:
@@ -237,7 +239,9 @@ def index_reduce(x, dim, index, source, reduce, *, include_self=True):
 @op("index_copy.default")
 def index_copy(x, dim, index, source):
     shape = x.shape
-    x1, idx, d = _along(x, dim, index, IndexError)
+    x1, idx, d = _along(x, dim, index, IndexError, msg=f"index_copy_(): index {{index}} is out of "
+                        f"bounds for dimension {dim % max(x.ndim, 1)} with size "
+                        f"{_as1d(x).shape[dim % max(x.ndim, 1)]}")
     return _put(x1, idx, _source(source, x1, d, idx[-1].shape[0]), wrap=False).reshape(shape)
 
 
@@ -250,15 +254,15 @@ def index_fill(x, dim, index, value):
 
 @op("take.default")
 def take(x, index):
-    check_index(index, x.size, IndexError, f"out of range: tried to access an index outside a tensor "
-                f"of {x.size} elements")
+    check_index(index, x.size, IndexError, f"out of range: tried to access index {{index}} on a tensor "
+                f"of {x.size} elements.")
     return x.reshape(-1)[index]
 
 
 @op("put.default")
 def put(x, index, source, accumulate=False):
-    check_index(index, x.size, IndexError, f"out of range: tried to access an index outside a tensor "
-                f"of {x.size} elements")
+    check_index(index, x.size, IndexError, f"out of range: tried to access index {{index}} on a tensor "
+                f"of {x.size} elements.")
     flat = _put(x.reshape(-1), index.reshape(-1), jnp.asarray(source).reshape(-1), accumulate)
     return flat.reshape(x.shape)
 
@@ -298,11 +302,23 @@ def _is_mask(i):
     return i is not None and i.dtype in (jnp.bool_, jnp.uint8)
 
 
+def _index_msg(k: int, size: int) -> str:
+    # CPU numbers the dimension among the index tensors, not among x's dims: x[:, i] with i out
+    # of range says "dimension 0".
+    return f"index {{index}} is out of bounds for dimension {k} with size {size}"
+
+
 def _index_tuple(x, indices):
     """jnp index tuple for PyTorch ``indices`` (Tensor?[]) of integer tensors; None = full slice.
     Flags indices outside [-size, size) of their dim."""
-    return tuple(slice(None) if i is None else _checked(i, x.shape[d], d, IndexError, True)
-                 for d, i in enumerate(indices))
+    out, k = [], 0
+    for d, i in enumerate(indices):
+        if i is None:
+            out.append(slice(None))
+        else:
+            out.append(_checked(i, x.shape[d], d, IndexError, True, _index_msg(k, x.shape[d])))
+            k += 1
+    return tuple(out)
 
 
 @op("index.Tensor")
@@ -328,8 +344,9 @@ def _mask_put(x, indices, values, accumulate):
                 out.append(nz[k])
             d += m.ndim
         else:
-            adv_pos.append(len(out))
-            out.append(_checked(i, x.shape[d], d, IndexError, True))
+            out.append(_checked(i, x.shape[d], d, IndexError, True,
+                                _index_msg(len(adv_pos), x.shape[d])))
+            adv_pos.append(len(out) - 1)
             d += 1
     out = tuple(out)
     # Where the advanced-index dim lands in x[out] (NumPy/PyTorch rule), and its size there.

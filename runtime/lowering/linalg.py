@@ -1,14 +1,16 @@
 """Matrix products (mm, bmm, addmm and their family, dot, trace, cross). Factorizations, solves and
 determinants are in ``factorizations.py``.
 
-Half-precision products accumulate in float32 (as PyTorch's CPU kernels do); float32 keeps XLA's
-default precision.
+Half-precision products accumulate in float32 and round once, beta * self + alpha * product
+included (as PyTorch's CPU kernels do; ``addbmm`` rounds after each batch, as CPU's loop of
+``addmm_`` does); float32 keeps XLA's default precision.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from . import op
+from .precision import acc, round_to
 
 _LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -44,6 +46,8 @@ def _axpby(bias, prod, beta, alpha, dt=None):
         dt = bias.dtype
     if dt is not None:
         alpha, beta = _scalar(alpha, dt), _scalar(beta, dt)
+    if prod.dtype == jnp.float32:
+        bias = acc(bias)        # a half-precision product: beta * self in float32 too
     if not _is(alpha, 1):
         prod = prod * alpha
     if _is(beta, 0) or beta is False:
@@ -88,7 +92,14 @@ def addmv(bias, a, v, *, beta=1, alpha=1):
 
 @op("addbmm.default")
 def addbmm(bias, a, b, *, beta=1, alpha=1):
-    return _axpby(bias, _bmat(a, b, "bij,bjk->ik"), beta, alpha)
+    if a.dtype not in _LOWP or a.shape[0] == 0:
+        return _axpby(bias, _bmat(a, b, "bij,bjk->ik"), beta, alpha)
+    # CPU adds one batch at a time (``addmm_`` per batch), rounding the sum after each.
+    prods = _mat(a, b, "bij,bjk->bik")
+    out = round_to(_axpby(bias, prods[0], beta, alpha), a.dtype)
+    for k in range(1, a.shape[0]):
+        out = round_to(_axpby(out, prods[k], 1, alpha), a.dtype)
+    return out
 
 
 @op("baddbmm.default")
@@ -107,6 +118,14 @@ def addr(bias, u, v, *, beta=1, alpha=1):
     if u.dtype == jnp.bool_:
         return _axpby(bias, u[:, None] & v[None, :], beta, alpha)
     dt = jnp.result_type(bias, u, v)
+    if dt in _LOWP:
+        # Each product and sum rounds to the dtype, and so do alpha and beta (c10::Half and
+        # c10::BFloat16 arithmetic in CPU's kernel).
+        r = lambda x: round_to(x, dt)   # noqa: E731
+        prod = r(r(r(jnp.float32(alpha)) * acc(u)[:, None]) * acc(v)[None, :])
+        if _is(beta, 0) or beta is False:
+            return prod
+        return r(r(r(jnp.float32(beta)) * acc(bias)) + prod)
     alpha, beta = _scalar(alpha, dt), _scalar(beta, dt)
     prod = u[:, None] if _is(alpha, 1) else alpha * u[:, None]
     return _axpby(bias, prod * v[None, :], beta, 1)
@@ -140,4 +159,13 @@ def trace(x):
 def linalg_cross(a, b, *, dim=-1):
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    dt = jnp.result_type(a, b)
+    if dt in _LOWP:
+        # CPU's kernel rounds each product, then the difference (half-precision arithmetic).
+        d = dim % len(shape)
+        a, b = jnp.moveaxis(acc(a), d, 0), jnp.moveaxis(acc(b), d, 0)
+        r = lambda x: round_to(x, dt)   # noqa: E731
+        out = jnp.stack([r(r(a[(i + 1) % 3] * b[(i + 2) % 3]) - r(a[(i + 2) % 3] * b[(i + 1) % 3]))
+                         for i in range(3)])
+        return jnp.moveaxis(out, 0, d)
     return jnp.cross(a, b, axis=dim % len(shape))

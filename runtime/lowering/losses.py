@@ -4,12 +4,15 @@ inputs, as PyTorch's CPU kernels do, and glu's backward is ``jax.vjp`` of its fo
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import check, check_index, op
 from .nn import _acc, _grad_scale, _reduce, _sum_to
+from .precision import HALF, acc, round_to
 
 
 def _nll_parts(x, target, weight, ignore_index):
@@ -28,7 +31,7 @@ def _nll_parts(x, target, weight, ignore_index):
 @op("nll_loss_forward.default", "nll_loss2d_forward.default")
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
     check_index(jnp.where(target == ignore_index, 0, target), self.shape[0 if self.ndim == 1 else 1],
-                IndexError, "Target is out of bounds (a class index outside [0, C)).",
+                IndexError, "Target {index} is out of bounds.",
                 allow_negative=False)
     picked, w, _, _ = _nll_parts(self, target, weight, ignore_index)
     loss = -picked * w
@@ -83,8 +86,36 @@ def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
 
 @op("huber_loss.default")
 def huber_loss(self, target, reduction=1, delta=1.0):
-    d = jnp.abs(self - target)
+    if self.dtype == jnp.bfloat16:
+        # CPU's bfloat16 kernel works in bfloat16, each step (delta too) rounded; its float16
+        # kernel in float32.
+        r = functools.partial(round_to, dtype=self.dtype)
+        d, delta = r(jnp.abs(acc(self) - acc(target))), r(jnp.asarray(delta, jnp.float32))
+        loss = jnp.where(d < delta, r(r(0.5 * d) * d), r(delta * r(d - r(0.5 * delta))))
+        return _reduce(loss, reduction)
+    d = jnp.abs(acc(self) - acc(target))
     return _reduce(jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta)), reduction)
+
+
+@op("soft_margin_loss.default")
+def soft_margin_loss(self, target, reduction=1):
+    # CPU: neg, mul, exp, log1p as separate kernels, each rounding to the dtype (an exponent that
+    # overflows float16 gives inf, as there), then the reduction in float32. PyTorch's
+    # decomposition computes all of it in float32.
+    r = functools.partial(round_to, dtype=jnp.result_type(self, target))
+    loss = r(jnp.log1p(r(jnp.exp(r(-acc(self) * acc(target))))))
+    return _reduce(loss, reduction)
+
+
+@op("soft_margin_loss_backward.default")
+def soft_margin_loss_backward(grad_output, self, target, reduction):
+    # CPU: z = exp(-target * input); grad = target * z * -norm / (1 + z) * grad_output, one kernel
+    # per step, each rounding to the dtype.
+    r = functools.partial(round_to, dtype=jnp.result_type(self, target))
+    x, t, g = acc(self), acc(target), acc(grad_output)
+    norm = r(jnp.float32(-1.0 / x.size if reduction == 1 else -1.0))
+    z = r(jnp.exp(r(-t * x)))
+    return r(r(r(r(t * z) * norm) / r(z + 1)) * g)
 
 
 @op("huber_loss_backward.default")
@@ -96,6 +127,17 @@ def huber_loss_backward(grad_output, self, target, reduction, delta):
 
 @op("binary_cross_entropy.default")
 def binary_cross_entropy(self, target, weight=None, reduction=1):
+    if self.dtype in HALF:
+        # CPU's kernel works in the dtype: each log, clamp, product and difference rounded, then
+        # the weight in a kernel of its own (rounded), then the reduction in float32.
+        r = functools.partial(round_to, dtype=self.dtype)
+        x, t = acc(self), acc(target)
+        log_x = jnp.maximum(r(jnp.log(x)), -100.0)
+        log_1mx = jnp.maximum(r(jnp.log1p(-x)), -100.0)
+        loss = r(r(r(t - 1) * log_1mx) - r(t * log_x))
+        if weight is not None:
+            loss = r(loss * acc(weight))
+        return _reduce(loss, reduction)
     x, t = _acc(self), _acc(target)
     loss = -(t * jnp.maximum(jnp.log(x), -100.0) + (1 - t) * jnp.maximum(jnp.log1p(-x), -100.0))
     if weight is not None:
@@ -133,6 +175,14 @@ def glu(self, dim=-1):
 
 @op("glu_backward.default")
 def glu_backward(grad_output, self, dim):
+    if self.dtype in HALF:
+        # CPU: sigmoid(b) into the first half (rounded), then (1 - s) * s * a * grad in float32
+        # (rounded), and the first half times grad (rounded).
+        r = functools.partial(round_to, dtype=self.dtype)
+        a, b = jnp.split(acc(self), 2, axis=dim)
+        g = acc(grad_output)
+        sig = r(jax.nn.sigmoid(b))
+        return jnp.concatenate([r(sig * g), r((1 - sig) * sig * a * g)], axis=dim)
     _, vjp = jax.vjp(lambda x: glu(x, dim), self)
     return vjp(grad_output.astype(self.dtype))[0]
 

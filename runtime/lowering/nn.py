@@ -9,11 +9,14 @@ PyTorch's CPU kernels do; the caller casts every output to PyTorch's dtype.
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import op
+from .precision import HALF, acc, round_to
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,15 +73,56 @@ def _zeros(aval):
 # --------------------------------------------------------------------------------------------
 # convolution
 
-def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+def _conv_transpose_slow_half(x, w, b, stride, padding, dilation, output_padding, groups):
+    """CPU's half-precision transposed convolution when its oneDNN path refuses an output padding
+    as large as the stride (slow_conv_transpose2d/3d): per kernel position, a product over input
+    channels accumulated in float32 and rounded (the "columns" GEMM), added into the output one
+    kernel position after another (col2im / col2vol, each sum rounded), then the bias (rounded)."""
+    dt = x.dtype
+    nd = w.ndim - 2
+    n, cin = x.shape[:2]
+    ins, ks, cout_g = x.shape[2:], w.shape[2:], w.shape[1]
+    outs = [(i - 1) * s - 2 * p + d * (k - 1) + o + 1
+            for i, s, p, d, k, o in zip(ins, stride, padding, dilation, ks, output_padding)]
+    xg = x.reshape((n, groups, cin // groups) + ins)
+    wg = w.reshape((groups, cin // groups, cout_g) + ks)
+    out = jnp.zeros((n, groups, cout_g) + tuple(outs), jnp.float32)
+    sp = "xyz"[:nd]
+    for kpos in itertools.product(*[range(k) for k in ks]):
+        src, dst = [slice(None)] * 3, [slice(None)] * 3
+        for i, s, p, d, kp, o in zip(ins, stride, padding, dilation, kpos, outs):
+            off = kp * d - p                        # the output index input 0 lands on
+            lo = -(off // s) if off < 0 else 0      # the first input landing inside
+            hi = min(i, (o - 1 - off) // s + 1) if o - 1 - off >= 0 else 0
+            src.append(slice(lo, max(lo, hi)))
+            dst.append(slice(off + lo * s, off + (max(lo, hi) - 1) * s + 1, s))
+        if any(sl.stop <= sl.start for sl in src[3:]):
+            continue
+        contrib = jnp.einsum(f"ngi{sp},gio->ngo{sp}", xg[tuple(src)],
+                             wg[(slice(None),) * 3 + kpos], preferred_element_type=jnp.float32)
+        out = round_to(out.at[tuple(dst)].add(round_to(contrib, dt)), dt)
+    out = out.reshape((n, groups * cout_g) + tuple(outs))
+    if b is not None:
+        out = round_to(out + acc(b).reshape((1, -1) + (1,) * nd), dt)
+    return out
+
+
+def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups, cpu_slow=True):
     nd = w.ndim - 2
     unbatched = x.ndim == nd + 1
     if unbatched:
         x = x[None]
     stride, padding = _tup(stride, nd, 1), _tup(padding, nd, 0)
     dilation, output_padding = _tup(dilation, nd, 1), _tup(output_padding, nd, 0)
+    if (cpu_slow and transposed and x.dtype in HALF and w.dtype == x.dtype
+            and any(o >= s for o, s in zip(output_padding, stride))):
+        out = _conv_transpose_slow_half(x, w, b, stride, padding, dilation, output_padding, groups)
+        return out[0] if unbatched else out
     sp = "DHW"[3 - nd:]
     spec = ("NC" + sp, "OI" + sp, "NC" + sp)
+    # Half precision: accumulate in float32 and add the bias there, rounding once (as CPU does;
+    # XLA's half-precision convolution rounded before the bias was added).
+    kw = {"preferred_element_type": jnp.float32} if x.dtype in HALF else {}
     if transposed:
         # The gradient of a convolution with respect to its input: dilate the input by the
         # stride, pad by dilation*(k-1)-padding, and convolve with the flipped, I/O-swapped kernel.
@@ -91,12 +135,12 @@ def _conv(x, w, b, stride, padding, dilation, transposed, output_padding, groups
         dn = lax.conv_dimension_numbers(x.shape, wt.shape, spec)
         out = lax.conv_general_dilated(x, wt.astype(x.dtype), (1,) * nd, pads, lhs_dilation=stride,
                                        rhs_dilation=dilation, dimension_numbers=dn,
-                                       feature_group_count=groups)
+                                       feature_group_count=groups, **kw)
     else:
         dn = lax.conv_dimension_numbers(x.shape, w.shape, spec)
         out = lax.conv_general_dilated(x, w.astype(x.dtype), stride, [(p, p) for p in padding],
                                        rhs_dilation=dilation, dimension_numbers=dn,
-                                       feature_group_count=groups)
+                                       feature_group_count=groups, **kw)
     if b is not None:
         out = out + b.astype(out.dtype).reshape((1, -1) + (1,) * nd)
     return out[0] if unbatched else out
@@ -111,12 +155,13 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
 @op("convolution_backward.default")
 def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
                          transposed, output_padding, groups, output_mask):
-    def f(x, w):
-        return _conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
+    def f(x, w):    # gradients accumulate in float32 and round once (CPU's slow path too)
+        return _conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups,
+                     cpu_slow=False)
     gi = gw = gb = None
     if output_mask[0] or output_mask[1]:
-        _, vjp = jax.vjp(f, input, weight)
-        gi, gw = vjp(grad_output.astype(input.dtype))
+        out, vjp = jax.vjp(f, input, weight)
+        gi, gw = vjp(grad_output.astype(out.dtype))    # (float32 for half inputs: see _conv)
     if output_mask[2]:
         axes = (0,) + tuple(range(2, grad_output.ndim))
         if grad_output.ndim == weight.ndim - 1:          # unbatched
@@ -139,10 +184,22 @@ def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
 # --------------------------------------------------------------------------------------------
 # softmax
 
+def _last_dim(x, dim) -> bool:
+    """PyTorch's CPU softmax kernels take their "last dim" path for the last dim (not for
+    another whose later dims have size 1); the paths round half-precision values differently."""
+    return dim % x.ndim == x.ndim - 1
+
+
 @op("_softmax.default")
 def _softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.ones((), _acc(self).dtype)
+    if self.dtype in HALF and not half_to_float and not _last_dim(self, dim):
+        # CPU's kernel writes exp(x - max) to the half-precision output, sums it in float32
+        # before rounding, then scales the rounded values by 1 / sum.
+        x = acc(self)
+        e = jnp.exp(x - jnp.max(x, axis=dim, keepdims=True))
+        return round_to(e, self.dtype) * (1.0 / jnp.sum(e, axis=dim, keepdims=True))
     return jax.nn.softmax(_acc(self), axis=dim)
 
 
@@ -150,6 +207,12 @@ def _softmax(self, dim, half_to_float):
 def _log_softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.zeros((), _acc(self).dtype)
+    if self.dtype in HALF and not half_to_float and _last_dim(self, dim):
+        # CPU's last-dim kernel keeps the sum of exponentials and its log in the input's dtype.
+        x = acc(self)
+        m = jnp.max(x, axis=dim, keepdims=True)
+        total = round_to(jnp.sum(jnp.exp(x - m), axis=dim, keepdims=True), self.dtype)
+        return x - m - round_to(jnp.log(total), self.dtype)
     return jax.nn.log_softmax(_acc(self), axis=dim)
 
 
@@ -248,26 +311,51 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
     return gi, gw, gb
 
 
-def _bn_train(x, weight, bias, eps):
-    axes = (0,) + tuple(range(2, x.ndim))
-    mean = jnp.mean(x, axis=axes)
-    var = jnp.mean(jnp.square(x - _per_channel(mean, x.ndim)), axis=axes)
-    invstd = lax.rsqrt(var + eps)
-    return _bn_apply(x, weight, bias, mean, invstd), mean, var, invstd
-
-
 def _bn_apply(x, weight, bias, mean, invstd):
-    out = (x - _per_channel(mean, x.ndim)) * _per_channel(invstd, x.ndim)
-    if weight is not None:
-        out = out * _per_channel(weight, x.ndim)
-    if bias is not None:
-        out = out + _per_channel(bias, x.ndim)
-    return out
+    """PyTorch's CPU batch norm transform: ``x * alpha + beta`` per channel in float32, with
+    ``alpha = invstd * weight`` and ``beta = bias - mean * alpha`` (mean and invstd as saved)."""
+    alpha = invstd if weight is None else invstd * acc(weight)
+    beta = -mean * alpha if bias is None else acc(bias) - mean * alpha
+    return x * _per_channel(alpha, x.ndim) + _per_channel(beta, x.ndim)
+
+
+def _bn_train(x_in, weight, bias, running_mean, running_var, momentum, eps, stat_dt):
+    """(output, saved mean, saved invstd, new running mean, new running var) in training mode,
+    rounded where PyTorch's CPU kernel rounds them: statistics kept in ``stat_dt`` (the input's
+    dtype, or float32 for a half input with float32 parameters) round before the output uses them.
+    A bfloat16 batch norm with bfloat16 parameters keeps its mean and variance sum in bfloat16 and
+    updates the running statistics in bfloat16 arithmetic (momentum itself rounded)."""
+    x = acc(x_in)
+    axes = (0,) + tuple(range(2, x.ndim))
+    n = x.size // x.shape[1]
+    mean = jnp.mean(x, axis=axes)
+    var_sum = jnp.sum(jnp.square(x - _per_channel(mean, x.ndim)), axis=axes)
+    r = lambda v: round_to(v, stat_dt)   # noqa: E731
+    m = jnp.asarray(momentum, jnp.float32)
+    if stat_dt == jnp.bfloat16:
+        mean, var_sum = r(mean), r(var_sum)
+        invstd = r(1.0 / jnp.sqrt(r(var_sum / r(jnp.float32(n))) + eps))
+        m = r(m)
+        new_mean = new_var = None
+        if running_mean is not None:
+            new_mean = r(r(m * mean) + r(r(1 - m) * acc(running_mean)))
+        if running_var is not None:
+            unbiased = r(var_sum / r(jnp.float32(max(n - 1, 1))))
+            new_var = r(m * unbiased + r(r(1 - m) * acc(running_var)))
+    else:
+        invstd = r(1.0 / jnp.sqrt(var_sum / n + eps))
+        mean_f, mean = mean, r(mean)
+        new_mean = new_var = None
+        if running_mean is not None:
+            new_mean = m * mean_f + (1 - m) * acc(running_mean)
+        if running_var is not None:
+            new_var = m * var_sum / max(n - 1, 1) + (1 - m) * acc(running_var)
+    return _bn_apply(x, weight, bias, mean, invstd), mean, invstd, new_mean, new_var
 
 
 def _bn_eval(x, weight, bias, running_mean, running_var, eps):
-    invstd = lax.rsqrt(_acc(running_var) + eps)
-    return _bn_apply(x, weight, bias, _acc(running_mean), invstd)
+    invstd = 1.0 / jnp.sqrt(acc(running_var) + eps)
+    return _bn_apply(acc(x), weight, bias, acc(running_mean), invstd)
 
 
 def _saved(avals, k, v):
@@ -279,21 +367,20 @@ def _saved(avals, k, v):
 @op("_native_batch_norm_legit_functional.default", meta=True)
 def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training,
                                         momentum, eps, *, _avals):
-    x = _acc(input)
+    # Running statistics may be None here (deferfuse/specials.py routes every batch norm variant
+    # to this op; deferfuse/meta.py gives CPU's output shapes and dtypes).
     if not training:
-        out = _bn_eval(x, weight, bias, running_mean, running_var, eps)
+        out = _bn_eval(input, weight, bias, running_mean, running_var, eps)
         return (out, _zeros(_avals[1]), _zeros(_avals[2]), running_mean, running_var)
-    out, mean, var, invstd = _bn_train(x, weight, bias, eps)
-    n = x.size // x.shape[1]
-    new_mean = (1 - momentum) * running_mean + momentum * mean
-    new_var = (1 - momentum) * running_var + momentum * var * (n / max(n - 1, 1))
+    out, mean, invstd, new_mean, new_var = _bn_train(
+        input, weight, bias, running_mean, running_var, momentum, eps, jnp.dtype(_avals[1][1]))
     return out, _saved(_avals, 1, mean), _saved(_avals, 2, invstd), new_mean, new_var
 
 
 @op("_native_batch_norm_legit_no_training.default", meta=True)
 def _native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum,
                                          eps, *, _avals):
-    out = _bn_eval(_acc(input), weight, bias, running_mean, running_var, eps)
+    out = _bn_eval(input, weight, bias, running_mean, running_var, eps)
     return out, _zeros(_avals[1]), _zeros(_avals[2])
 
 

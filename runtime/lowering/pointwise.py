@@ -11,6 +11,7 @@ and bool inputs to float math compute in the default float dtype.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -22,6 +23,7 @@ from jax import lax
 
 from ..dtypes import NP_TO_TORCH, TORCH_TO_NP
 from . import op, trig
+from .precision import round_to
 
 # --------------------------------------------------------------------------------------------
 # dtype helpers (all static: they look at dtypes and Python values, never at traced data)
@@ -302,12 +304,14 @@ def _zeta(x, q):
 
 @op("logit.default")
 def logit(x, eps=None):
+    # Half precision: CPU's kernel works in the input's dtype, each step (eps too) rounded.
+    r = functools.partial(round_to, dtype=x.dtype)
     x = _uf(x)
     if eps is not None:
-        lo = _cast(eps, x.dtype)
-        hi = 1 - lo
+        lo = r(_cast(eps, x.dtype))
+        hi = r(1 - lo)
         x = jnp.where(x < lo, lo, jnp.where(x > hi, hi, x))
-    return jnp.log(x / (1 - x))
+    return r(jnp.log(r(x / r(1 - x))))
 
 
 def _trigamma(x):

@@ -3,6 +3,8 @@ bicubic, trilinear), in pure JAX. Shared helpers come from nn.py.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from jax import lax
 
 from . import op
 from .nn import _acc, _tup
+from .precision import HALF, acc, round_to
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,8 +166,43 @@ def _adaptive_avg(x, out_spatial):
     return y
 
 
+def _adaptive_avg3d_half(x, out_spatial):
+    """CPU's half-precision adaptive_avg_pool3d: each bin summed element by element in the
+    input's dtype (d, then h, then w; every sum rounded), then divided by its depth, height and
+    width one after the other (each quotient rounded)."""
+    r = functools.partial(round_to, dtype=x.dtype)
+    y = acc(x)
+    lead = x.ndim - 3
+    idx, valid, sizes = [], [], []
+    for i in range(3):
+        n_in, n_out = x.shape[lead + i], out_spatial[i]
+        start = (np.arange(n_out) * n_in) // n_out
+        end = -((-(np.arange(n_out) + 1) * n_in) // n_out)
+        k = int((end - start).max()) if n_out else 1
+        pos = start[:, None] + np.arange(k)[None, :]
+        idx.append(np.minimum(pos, n_in - 1))
+        valid.append(pos < end[:, None])
+        shp = [1, 1, 1]
+        shp[i] = n_out
+        sizes.append(jnp.asarray((end - start).reshape(shp), jnp.float32))
+    total = None
+    for kd, kh, kw in np.ndindex(idx[0].shape[1], idx[1].shape[1], idx[2].shape[1]):
+        t = jnp.take(y, jnp.asarray(idx[0][:, kd]), axis=lead)
+        t = jnp.take(t, jnp.asarray(idx[1][:, kh]), axis=lead + 1)
+        t = jnp.take(t, jnp.asarray(idx[2][:, kw]), axis=lead + 2)
+        ok = (valid[0][:, kd][:, None, None] & valid[1][:, kh][None, :, None]
+              & valid[2][:, kw][None, None, :])
+        t = jnp.where(jnp.asarray(ok), t, 0.0)       # adding 0 leaves a rounded sum as it is
+        total = t if total is None else r(total + t)
+    for size in sizes:
+        total = r(total / size)
+    return total
+
+
 def _adaptive_ops(nd):
     def forward(self, output_size, *, _avals):
+        if nd == 3 and self.dtype in HALF:
+            return _adaptive_avg3d_half(self, _avals[0][0][-3:])
         return _adaptive_avg(self, _avals[0][0][-nd:])
 
     def backward(grad_output, self):
@@ -309,6 +347,18 @@ def _aa_taps(n_in, n_out, scale, align_corners, cubic=False):
     return [(idx[:, k], w[:, k]) for k in range(len(j))]
 
 
+def _half_weights(taps, dtype, mode):
+    """PyTorch's CPU kernels keep half-precision inputs' interpolation weights in the input's
+    dtype: each cubic weight rounded; for linear, lambda rounded and 1 - lambda taken of that."""
+    def rnd(w):
+        return np.asarray(w, np.dtype(dtype)).astype(np.float32)
+    if mode == "linear":
+        (i0, _), (i1, lam) = taps
+        lam = rnd(lam)
+        return [(i0, rnd(np.float32(1) - lam)), (i1, lam)]
+    return [(i, rnd(w)) for i, w in taps]
+
+
 _TAPS = {"linear": _linear_taps, "cubic": _cubic_taps,
          "linear_aa": _aa_taps, "cubic_aa": lambda *a: _aa_taps(*a, cubic=True)}
 
@@ -325,6 +375,8 @@ def _upsample(x, out_spatial, scales, mode, align_corners=False):
                          axis=ax)
             continue
         taps = _TAPS[mode](n_in, n_out, scales[i], align_corners)
+        if x.dtype in HALF and (mode == "cubic" or mode == "linear" and nd != 2):
+            taps = _half_weights(taps, x.dtype, mode)       # (CPU's bilinear keeps float32 ones)
         shp = (1,) * ax + (n_out,) + (1,) * (x.ndim - ax - 1)
         acc = None
         for idx, w in taps:

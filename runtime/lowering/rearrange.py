@@ -153,3 +153,29 @@ def nonzero_static(x, *, size, fill_value=-1):
         return jnp.full((size, x.ndim), fill_value, jnp.int64)
     idx = jnp.nonzero(x, size=size, fill_value=fill_value)
     return jnp.stack(idx, axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# copies into several outputs (FSDP2's all-gather copy-out and reduce-scatter copy-in; their
+# out= forms write the outputs with one op)
+
+@op("split_with_sizes_copy.default", static=True)
+def split_with_sizes_copy(x, split_sizes, dim=0):
+    dim = dim % x.ndim
+    return jnp.split(x, np.cumsum(list(split_sizes))[:-1].tolist(), axis=dim)
+
+
+@op("_chunk_cat.default", static=True)
+def chunk_cat(tensors, dim, num_chunks):
+    """Each tensor padded with zeros along ``dim`` to a multiple of ``num_chunks``, viewed as
+    (..., num_chunks, rest), and the tensors concatenated after the chunk dimension."""
+    if len({t.ndim for t in tensors}) == 1:
+        dim = dim % tensors[0].ndim
+    parts = []
+    for t in tensors:
+        size = t.shape[dim]
+        padded = -(-size // num_chunks) * num_chunks
+        if padded != size:
+            t = jnp.pad(t, [(0, 0)] * dim + [(0, padded - size)] + [(0, 0)] * (t.ndim - dim - 1))
+        parts.append(t.reshape(t.shape[:dim] + (num_chunks, -1)))
+    return jnp.concatenate(parts, axis=dim + 1)

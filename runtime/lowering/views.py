@@ -211,3 +211,26 @@ def conj_view(x):
     # The conj bit as a view: read as a conjugated copy. Writing through one needs
     # its own inverse in runtime/viewchain.py (the generic index scatter would write it unchanged).
     return jnp.conj(x) if jnp.iscomplexobj(x) else x
+
+
+# Views with several outputs. Eager mode makes each output a slice or select step of its own
+# (deferfuse/views.py); a compiled graph (runtime/graph.py) calls these.
+@op("split_with_sizes.default", "split.sizes")
+def split_with_sizes(x, split_sizes, dim=0):
+    dim %= max(x.ndim, 1)
+    bounds = np.cumsum(split_sizes)[:-1].tolist()
+    return list(jnp.split(x, bounds, axis=dim))
+
+
+@op("split.Tensor", "split_copy.Tensor")
+def split(x, split_size, dim=0):
+    dim %= max(x.ndim, 1)
+    n = x.shape[dim]
+    sizes = [split_size] * (n // split_size) + ([n % split_size] if n % split_size else [])
+    return split_with_sizes(x, sizes or [0], dim)
+
+
+@op("unbind.int", "unbind_copy.int")
+def unbind(x, dim=0):
+    dim %= max(x.ndim, 1)
+    return [jnp.take(x, i, axis=dim) for i in range(x.shape[dim])]

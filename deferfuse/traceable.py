@@ -1,0 +1,118 @@
+"""``tpu`` tensors as PyTorch's compiler sees them: a traceable wrapper subclass over an inner tensor.
+
+NOTE [inner tensor]: Dynamo fakeifies a tensor subclass, and AOTAutograd traces through it, only
+when it is a traceable wrapper (``__tensor_flatten__`` / ``__tensor_unflatten__``, as DTensor is
+over its local tensor). A ``TpuTensor``'s inner tensor is a plain PrivateUse1 tensor of the same
+size and dtype (``torch._C._acc.create_empty_tensor``: no data, no kernels), made on first use and
+kept: compiled graphs are graphs of aten ops over inner tensors, faked while they are traced
+(FakeTensorMode runs them on meta kernels) and never run eagerly: at run time our backend
+(deferfuse/compiled.py) reads each inner tensor's value (``value_of``) and gives each output
+array an inner tensor of its own, which AOTAutograd wraps back into a ``TpuTensor``.
+
+While a graph is traced, the ``TpuTensor``s Dynamo and AOTAutograd make hold fake inner tensors and
+no storage; an op on them runs on the inner tensors (``traced_dispatch``) and wraps the results, as
+any traceable subclass does. ``route.torch_dispatch`` sends an op there when a FakeTensorMode is
+active, so eager ops pay nothing for it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from .tensor import Storage, TpuTensor, make
+
+_empty_inner = torch._C._acc.create_empty_tensor
+FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _inner(self):
+    """The inner tensor (NOTE [inner tensor]), made once per tensor. It holds the tensor's storage
+    and view (not the tensor: AOTAutograd keeps inner tensors saved for backward after the outer
+    ones are gone), so it always reads the tensor's current value."""
+    d = self.__dict__
+    i = d.get("_inner_t")
+    if "_s" not in d:
+        return i                # a tensor being traced: its inner tensor is fake
+    if (i is None or i._s is not self._s or i._chain is not self._chain
+            or i._dyn != self._dyn):
+        i = _empty_inner(tuple(self.shape), self.dtype)
+        i._s, i._chain, i._dyn = self._s, self._chain, self._dyn
+        i._view = (tuple(self.shape), tuple(self.stride()), self.storage_offset())
+        self._inner_t = i
+    return i
+
+
+def _flatten(self):
+    return ["_inner"], None
+
+
+def _unflatten(inner_tensors: dict, meta, outer_size, outer_stride):
+    """A ``TpuTensor`` over ``inner``: a fake one while tracing, a real one holding the value a
+    compiled graph computed (``inner._v``) at run time."""
+    inner = inner_tensors["_inner"]
+    v = inner.__dict__.get("_v")
+    if v is None:
+        t = torch.Tensor._make_wrapper_subclass(TpuTensor, outer_size, outer_stride, None, None,
+                                                inner.dtype, torch.strided, inner.device,
+                                                inner.requires_grad)
+        t._inner_t = inner
+        return t
+    size, stride = tuple(outer_size), tuple(outer_stride)
+    st = Storage(v, inner.device.index or 0, inner.dtype, stride)
+    # Its own inner tensor is made from its storage when needed: the tensor may be written in
+    # place later, and ``inner`` holds the value it had here.
+    return make(st, (), size, stride, 0, inner.dtype)
+
+
+def _traced_inner(t):
+    """The inner tensor an op being traced runs on: a fake one; for a real tpu tensor met while
+    tracing (a constant made in the traced code), a fake of its inner tensor."""
+    if "_s" not in t.__dict__:
+        return t._inner_t
+    mode = torch._C._get_dispatch_mode(FAKE)
+    if mode is None:
+        raise RuntimeError("deferfuse internal error: a real tpu tensor in a traced op outside a "
+                           "fake mode")
+    return mode.from_tensor(t._inner)
+
+
+def traced_dispatch(func, args, kwargs):
+    """An op on tensors being traced: run it on their inner tensors, wrap tpu results."""
+    ua, uk = pytree.tree_map_only(TpuTensor, _traced_inner, (args, kwargs))
+    out = func(*ua, **uk)
+    return pytree.tree_map_only(
+        torch.Tensor,
+        lambda o: (_unflatten({"_inner": o}, None, o.shape, o.stride())
+                   if o.device.type == "tpu" and type(o) is not TpuTensor else o),
+        out)
+
+
+def inner_for(v, dtype, device: int = 0):
+    """A plain inner tensor standing for the device value ``v`` (a compiled graph's output)."""
+    i = _empty_inner(tuple(v.shape), dtype)
+    i._v = v
+    return i
+
+
+def install() -> None:
+    TpuTensor._inner = property(_inner)
+    TpuTensor.__tensor_flatten__ = _flatten
+    TpuTensor.__tensor_unflatten__ = staticmethod(_unflatten)
+    _keep_module_conversion()
+
+
+def _keep_module_conversion() -> None:
+    """``module.to("tpu")`` converts parameters as it did before tpu tensors were traceable:
+    ``nn.Module._apply`` swaps a traceable wrapper subclass in with ``torch.utils.swap_tensors``,
+    which refuses a CPU parameter that an autograd graph still holds ("Couldn't swap ...weight"
+    after a CPU forward pass). A tpu parameter takes the new ``Parameter`` path, as a CUDA one
+    does; every other subclass keeps PyTorch's rule."""
+    import torch.nn.modules.module as module
+    orig = module.is_traceable_wrapper_subclass
+    if getattr(orig, "_deferfuse", False):
+        return
+
+    def is_traceable_wrapper_subclass(t):
+        return type(t) is not TpuTensor and orig(t)
+    is_traceable_wrapper_subclass._deferfuse = True
+    module.is_traceable_wrapper_subclass = is_traceable_wrapper_subclass

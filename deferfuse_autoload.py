@@ -1,0 +1,168 @@
+"""Register the ``tpu`` device at ``import torch``, cheaply; load deferfuse on first real use.
+
+PyTorch calls every function of the ``torch.backends`` entry-point group while ``import torch``
+runs (``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off); deferfuse's entry point is
+``autoload`` below. It must not import JAX or deferfuse itself (about a second), so it does only
+what names the device, in a few milliseconds:
+
+- renames PrivateUse1 to ``tpu`` and registers PyTorch's Python device guard and hooks, so
+  ``torch.device("tpu")`` parses and ``torch.accelerator.current_accelerator()`` is ``tpu``;
+- puts a module at ``torch.tpu`` whose attributes load deferfuse when first read (``is_available``
+  answers without it);
+- registers a PrivateUse1 backend fallback that loads deferfuse and calls the op again, so a
+  factory with ``device="tpu"``, ``.to("tpu")`` and ``torch.load`` of a ``tpu`` checkpoint work
+  without ``import deferfuse``;
+- wraps the ``torch.accelerator`` functions that need the device (``synchronize``, the memory
+  counters, streams) so that they load deferfuse first when ``tpu`` is the accelerator.
+
+``import deferfuse`` completes the registration (``complete``): it fills the ``torch.tpu``
+module, removes the fallback and restores ``torch.accelerator``'s functions. Without autoload it
+does the cheap part itself, so both routes end in the same state, and importing twice is a no-op.
+
+This module is top level, not ``deferfuse._autoload``: importing a submodule runs
+``deferfuse/__init__.py`` first, which is the expensive import this avoids.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import torch
+
+NAME = "tpu"
+
+# torch.accelerator functions that read or change the device's state. current_accelerator and
+# is_available answer without deferfuse.
+_ACCELERATOR_CALLS = (
+    "device_count", "current_device_index", "current_device_idx", "set_device_index",
+    "set_device_idx", "current_stream", "set_stream", "synchronize", "device_index",
+    "empty_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",
+    "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
+    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "get_device_capability")
+
+
+class _Loader:
+    """What the cheap registration made, and whether deferfuse has completed it (one object,
+    ``LOADER``; its state lives here, not in module globals)."""
+
+    def __init__(self):
+        self.registered = False   # PrivateUse1 renamed and torch.tpu in place
+        self.complete = False     # deferfuse imported and registered
+        self.loading = 0          # the thread running deferfuse's registration, or 0
+        self.module = None        # the torch.tpu module
+        self.fallback_lib = None  # the PrivateUse1 fallback's torch.library.Library
+        self.wrapped = {}         # torch.accelerator name -> the original function
+
+    def load(self, why: str) -> None:
+        """Import deferfuse (which calls ``complete``)."""
+        if self.complete:
+            return
+        if self.loading == threading.get_ident():
+            raise RuntimeError(
+                f"{why} needs the tpu device while deferfuse is still being imported")
+        # Another thread importing deferfuse holds Python's import lock: this waits for it.
+        try:
+            import deferfuse  # noqa: F401  (its device registration calls complete())
+        finally:
+            if self.loading == threading.get_ident():
+                self.loading = 0
+        if not self.complete:
+            raise RuntimeError(f"import deferfuse did not register the tpu device ({why})")
+
+
+LOADER = _Loader()
+
+
+class _LazyDeviceModule(types.ModuleType):
+    """``torch.tpu`` before deferfuse is loaded: reading an attribute it lacks loads deferfuse,
+    which fills this same module object (code may already hold a reference to it)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__") or LOADER.complete or LOADER.loading == threading.get_ident():
+            raise AttributeError(f"module 'torch.{NAME}' has no attribute '{name}'")
+        LOADER.load(f"torch.{NAME}.{name}")
+        return getattr(self, name)
+
+
+def _fallback(keyset, op, *args, **kwargs):
+    """A PrivateUse1 op with no kernel before deferfuse is loaded (a factory with
+    ``device="tpu"``, the copy of ``.to("tpu")``): load it, then call the op again."""
+    if LOADER.complete:
+        # Reached only when deferfuse registered no kernel for this op: PyTorch's own words.
+        raise NotImplementedError(
+            f"Could not run '{op._schema.name}' with arguments from the '{NAME}' backend")
+    LOADER.load(f"{op} on {NAME}")
+    return op(*args, **kwargs)
+
+
+def _lazy_accelerator_call(name: str, orig):
+    def call(*args, **kwargs):
+        if not LOADER.complete and torch._C._get_accelerator().type == NAME:
+            LOADER.load(f"torch.accelerator.{name}")
+        current = getattr(torch.accelerator, name)
+        return (orig if current is call else current)(*args, **kwargs)
+    call.__name__, call.__doc__, call.__qualname__ = orig.__name__, orig.__doc__, orig.__qualname__
+    return call
+
+
+def register() -> types.ModuleType:
+    """The cheap registration (idempotent); returns the ``torch.tpu`` module object."""
+    if LOADER.registered:
+        return LOADER.module
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", NAME):
+        raise RuntimeError(
+            f"deferfuse cannot register the '{NAME}' device: PyTorch's PrivateUse1 backend is "
+            f"already '{current}' (another device plugin); one process can have one")
+    module = _LazyDeviceModule(f"torch.{NAME}")
+    module.__doc__ = "The tpu device (deferfuse), loaded on first use."
+    module.is_available = lambda: True      # JAX always has a device (its CPU backend at least)
+    module._is_in_bad_fork = lambda: False
+    # NOTE: the order matters (rename, methods, module, hooks, guard); PyTorch's helper has it.
+    _setup_privateuseone_for_python_backend(NAME, backend_module=module)
+    lib = torch.library.Library("_", "IMPL")
+    lib.fallback(_fallback, "PrivateUse1", with_keyset=True)
+    acc = torch.accelerator
+    for name in _ACCELERATOR_CALLS:
+        orig = getattr(acc, name, None)
+        if orig is not None:
+            LOADER.wrapped[name] = orig
+            setattr(acc, name, _lazy_accelerator_call(name, orig))
+    LOADER.module, LOADER.fallback_lib, LOADER.registered = module, lib, True
+    return module
+
+
+def begin() -> types.ModuleType:
+    """Called by deferfuse's device registration before it registers kernels: registers the
+    device if autoload did not, undoes the lazy parts (the fallback, the torch.accelerator
+    wrappers) and returns the ``torch.tpu`` module for deferfuse to fill."""
+    module = register()
+    LOADER.loading = threading.get_ident()
+    for name, orig in LOADER.wrapped.items():
+        setattr(torch.accelerator, name, orig)
+    LOADER.wrapped.clear()
+    if LOADER.fallback_lib is not None:
+        # Safe inside the fallback itself (measured: the running call completes), and it frees
+        # PrivateUse1's one backend-fallback slot for code that registers its own.
+        LOADER.fallback_lib._destroy()
+        LOADER.fallback_lib = None
+    return module
+
+
+def complete(full: types.ModuleType) -> None:
+    """Called by deferfuse once its registration is done: ``full``'s functions become
+    ``torch.tpu``'s."""
+    module = LOADER.module
+    for k, v in vars(full).items():
+        if k not in ("__name__", "__loader__", "__spec__", "__package__"):
+            setattr(module, k, v)
+    LOADER.complete, LOADER.loading = True, 0
+
+
+def autoload() -> None:
+    """The ``torch.backends`` entry point: register ``tpu`` without importing JAX."""
+    if "deferfuse" in sys.modules and LOADER.complete:
+        return
+    register()

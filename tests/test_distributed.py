@@ -1,0 +1,350 @@
+"""torch.distributed on tpu: the ``tpu`` process group, DDP, DTensor, FSDP2, DCP and failures.
+
+Multi-process tests start 2 or 4 processes of tests/dist_worker.py on loopback, with the
+variables torchrun sets and one CPU JAX device each; a few run by default, the rest with
+``-m slow`` (``make test-dist`` runs them all). The in-process tests use a group of one process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deferfuse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "dist_worker.py")
+# The pytest process does nothing on tpu in the multi-process tests: run them once.
+once = pytest.mark.modes("strict")
+
+
+def _free_port() -> int:
+    """A port p with p + 1 free too (JAX's coordinator listens on MASTER_PORT + 1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def _env(rank, n, port, extra=None):
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)          # one CPU device per process
+    env.update(extra or {})
+    return env
+
+
+def launch(n, *args, extra_env=None, timeout=400, expect_ok=True, on_start=None):
+    """Run ``dist_worker.py *args`` in ``n`` processes; returns [(returncode, stdout, stderr)]."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, *map(str, args)],
+                              env=_env(r, n, port, extra_env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(n)]
+    if on_start is not None:
+        on_start(procs)
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            so, se = p.communicate()
+            raise AssertionError(f"rank {procs.index(p)} did not finish in {timeout} s:\n"
+                                 f"{so[-3000:]}\n{se[-3000:]}")
+        out.append((p.returncode, so, se))
+    if expect_ok:
+        for r, (rc, so, se) in enumerate(out):
+            assert rc == 0, f"rank {r} exited with {rc}:\n{so[-3000:]}\n{se[-6000:]}"
+    return out
+
+
+def results(out):
+    res = []
+    for rc, so, se in out:
+        line = [ln for ln in so.splitlines() if ln.startswith("RESULT ")]
+        assert line, f"no result:\n{so[-2000:]}\n{se[-4000:]}"
+        res.append(json.loads(line[-1][len("RESULT "):]))
+    return res
+
+
+# --------------------------------------------------------------------------- default run
+@once
+def test_collectives_two_processes():
+    """Every collective, ReduceOp and dtype on tpu equals the same collective through gloo on CPU
+    tensors (defer mode: each collective is a sync point)."""
+    res = results(launch(2, "collectives", "defer"))
+    assert all(r["checked"] == res[0]["checked"] > 30 for r in res)
+
+
+@once
+def test_ddp_two_processes_matches_cpu_training():
+    """DDP trains the small GPT for 20 steps on 2 processes as CPU trains it on the global batch."""
+    res = results(launch(2, "ddp", "defer"))
+    for r in res:
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 2e-5
+        assert r["syncs"].get("collective", 0) >= 20     # a sync point at each collective
+    assert res[0]["syncs"] == res[1]["syncs"]            # every rank cut its traces alike
+
+
+@once
+def test_killed_rank_is_named(tmp_path):
+    """A rank killed with SIGKILL makes the other fail with a DistributedError naming it, within
+    the timeout, never a hang."""
+    marker = str(tmp_path / "kill-me")
+    killed_at = []
+
+    def killer(procs):
+        deadline = time.monotonic() + 200
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at.append(time.monotonic())
+    out = launch(2, "fault", "defer", "kill", expect_ok=False, on_start=killer,
+                 extra_env={"DIST_TEST_MARKER": marker, "DEFERFUSE_DIST_TIMEOUT": "10"})
+    (rc0, so0, se0), (rc1, _, _) = out
+    assert rc1 == -signal.SIGKILL
+    assert rc0 != 0, so0
+    assert "DistributedError" in se0 and "rank 1 stopped sending heartbeats" in se0, se0[-3000:]
+    assert time.monotonic() - killed_at[0] < 60
+
+
+# --------------------------------------------------------------------------- slow: the rest
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("n,mode", [(2, "strict"), (4, "defer")])
+def test_collectives(n, mode):
+    res = results(launch(n, "collectives", mode))
+    assert all(r["checked"] == res[0]["checked"] for r in res)
+
+
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("n,mode,arg,env", [
+    (2, "strict", "", {}), (4, "defer", "", {}), (2, "defer", "bucket_view", {}),
+    (2, "defer", "", {"DEFERFUSE_DIST_WAIT": "async", "DEFERFUSE_DIST_CHECK": "0"})])
+def test_ddp(n, mode, arg, env):
+    for r in results(launch(n, "ddp", mode, arg, extra_env=env)):
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 2e-5
+
+
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("n,mode,arg", [(2, "defer", ""), (2, "strict", ""), (4, "defer", ""),
+                                        (2, "defer", "mp"), (4, "defer", "mp")])
+def test_fsdp2(n, mode, arg):
+    """fully_shard on each block and the root of the GPT (and a bf16 MixedPrecisionPolicy)."""
+    for r in results(launch(n, "fsdp", mode, arg)):
+        assert r["param_err"] <= (2e-3 if arg else 2e-5)
+
+
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("n,mode", [(2, "defer"), (4, "defer"), (2, "strict")])
+def test_dtensor_and_tensor_parallel(n, mode):
+    for r in results(launch(n, "tp", mode)):
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 2e-5
+
+
+@once
+@pytest.mark.slow
+def test_dcp_saves_and_loads_sharded_fsdp2(tmp_path):
+    res = results(launch(2, "dcp", "defer", str(tmp_path / "ckpt")))
+    assert any(f.endswith(".distcp") for f in res[0]["files"])
+
+
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("arg", ["", "device_id"])
+def test_init_process_group_without_backend_name(arg):
+    assert "tpu" in results(launch(2, "noname", "defer", arg))[0]["backend"]
+
+
+@once
+@pytest.mark.slow
+def test_two_dimensional_mesh():
+    results(launch(4, "mesh2d", "defer"))
+
+
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,words", [
+    ("raise", "rank 1 failed: ValueError: rank 1 broke on purpose"),
+    ("exit", "rank 1 exited"),
+    ("hang", "rank(s) 1 did not reach it within 8 s"),
+    ("mismatch", "ranks disagree on all_reduce"),
+    ("die_inside", "rank 1 stopped sending heartbeats"),
+])
+def test_failing_rank_is_named(kind, words):
+    t0 = time.monotonic()
+    out = launch(2, "fault", "defer", kind, expect_ok=False,
+                 extra_env={"DEFERFUSE_DIST_TIMEOUT": "8"})
+    rc0, so0, se0 = out[0]
+    assert rc0 != 0 and "DistributedError" in se0 and words in se0, se0[-3000:]
+    if kind == "mismatch":      # every rank says so, with both ranks' calls and their traces
+        assert out[1][0] != 0 and "rank 0: all_reduce(sum) float32[4]" in out[1][2]
+        assert "rank 1: all_reduce(sum) float32[8]" in out[1][2]
+        assert out[1][2].count("after a recorded trace of") >= 2, out[1][2][-3000:]
+    assert time.monotonic() - t0 < 120
+
+
+@once
+@pytest.mark.slow
+def test_torchrun(tmp_path):
+    """``torchrun --nproc_per_node=2`` a script that calls init_process_group("tpu")."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, deferfuse, torch.distributed as dist\n"
+        "dist.init_process_group('tpu')\n"
+        "t = torch.full((2,), float(dist.get_rank() + 1), device='tpu')\n"
+        "dist.all_reduce(t)\n"
+        "assert t.cpu().tolist() == [3.0, 3.0], t\n"
+        "print('TORCHRUN-OK', dist.get_rank(), flush=True)\n"
+        "dist.destroy_process_group()\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={_free_port()}", str(script)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert p.stdout.count("TORCHRUN-OK") == 2
+
+
+# --------------------------------------------------------------------------- one process
+@pytest.fixture
+def group(tmp_path):
+    """A tpu process group of this process alone."""
+    dist.init_process_group("tpu", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_one_process_group(group, tpu_mode):
+    """A group of one: every collective is the identity (or its reduction of one value)."""
+    x = torch.arange(6.).reshape(2, 3)
+    t = x.to("tpu")
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    dist.broadcast(t, 0)
+    assert torch.equal(t.cpu(), x)
+    out = torch.empty(2, 3, device="tpu")
+    dist.all_gather_into_tensor(out, t)
+    dist.reduce_scatter_tensor(out, t * 2)
+    assert torch.equal(out.cpu(), x * 2)
+    assert dist.get_backend() == "tpu"
+    c = torch.ones(2)
+    dist.all_reduce(c)          # a CPU tensor goes to the group's gloo
+    assert torch.equal(c, torch.ones(2))
+    import torch.distributed._functional_collectives as fc
+    y = fc.wait_tensor(fc.all_reduce(t, "sum", group))
+    assert torch.equal(y.cpu(), x) and type(y).__name__ == "TpuTensor"
+    assert deferfuse.metrics()["collectives"]["all_reduce"] >= 2
+
+
+def test_one_process_fsdp2(group, tpu_mode):
+    """fully_shard on a group of one: frees and reallocates parameter storage (resize_), uses
+    torch.tpu streams and events; trains as CPU does."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model.load_state_dict(ref.state_dict())
+    model = model.to("tpu")
+    fully_shard(model[0])
+    fully_shard(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
+            loss = m(xi).square().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    got = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v)
+
+
+def test_storage_resize(tpu_mode):
+    """untyped_storage(): size, resize_(0) frees the value, resize_ back allocates it."""
+    t = torch.arange(6., device="tpu")
+    v = t.view(2, 3)
+    st = t.untyped_storage()
+    assert st.size() == 24 and st.data_ptr() == v.untyped_storage().data_ptr() != 0
+    st.resize_(0)
+    assert t.untyped_storage().size() == 0 and st.data_ptr() == 0
+    st.resize_(24)
+    t.copy_(torch.ones(6))
+    assert torch.equal(v.cpu(), torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="resized to 0"):
+        st.resize_(8)
+
+
+def test_streams_and_events(tpu_mode):
+    s = torch.tpu.Stream(priority=-1)
+    assert isinstance(s, torch.Stream) and s.device.type == "tpu"
+    x = torch.ones(3, device="tpu")
+    with torch.tpu.stream(s):
+        y = x * 2
+    e = s.record_event()
+    torch.tpu.current_stream().wait_event(e)
+    torch.tpu.current_stream().wait_stream(s)
+    e.synchronize()
+    s.synchronize()
+    assert e.query() and torch.equal(y.cpu(), torch.full((3,), 2.))
+    assert torch.tpu.Event().record().query()
+
+
+def test_chunk_cat_and_split_copy(tpu_mode):
+    """The lowerings FSDP2's copies use, against CPU (out= forms included)."""
+    from util import assert_same
+    x = torch.randn(4, 10)
+    outs = [torch.empty(4, 3), torch.empty(4, 7)]
+    touts = [o.to("tpu") for o in outs]
+    torch.split_with_sizes_copy(x, [3, 7], dim=1, out=outs)
+    torch.split_with_sizes_copy(x.to("tpu"), [3, 7], dim=1, out=touts)
+    assert_same(touts, outs)
+    for ts, dim, chunks in (([torch.randn(5, 3), torch.randn(3, 3)], 0, 2),
+                            ([torch.randn(5, 3), torch.randn(3, 3)], 0, 3),
+                            ([torch.randn(2, 5), torch.randn(2, 3)], 1, 2),
+                            ([torch.randn(2, 5), torch.randn(2, 3)], -1, 3)):
+        assert_same(torch._chunk_cat([t.to("tpu") for t in ts], dim, chunks),
+                    torch._chunk_cat(ts, dim, chunks))
+    with pytest.raises(RuntimeError, match="same sizes of 0,...,dim-1"):
+        torch._chunk_cat([torch.randn(5, 3, device="tpu"), torch.randn(3, 4, device="tpu")], 1, 2)
+
+
+def test_foreach_into_views_of_one_buffer(tpu_mode):
+    """In-place foreach ops on slices of one buffer (FSDP2 copies parameters into one; an
+    optimizer over views of a flat buffer) write every slice, as on CPU."""
+    from util import assert_same
+    for make in (lambda b: list(torch.split(b.narrow(0, 2, 6), [2, 4])),
+                 lambda b: [b[2:4], b[6:10]], lambda b: [b[8:], b[:3]]):
+        base = torch.linspace(-1, 1, 10)
+        srcs = [torch.arange(4.)[:len(v)] + 1 for v in make(base)]
+        got, want = base.to("tpu"), base.clone()
+        for b, src in ((got, [s.to("tpu") for s in srcs]), (want, srcs)):
+            views = make(b)
+            torch._foreach_copy_(views, src)
+            torch._foreach_add_(views, src, alpha=2)
+            torch._foreach_mul_(views, [3.0, 0.5])
+            torch._foreach_addcmul_(views, src, src, value=0.25)
+            torch._foreach_lerp_(views, src, 0.5)
+        assert_same(got, want)
