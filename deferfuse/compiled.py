@@ -176,7 +176,7 @@ class CompiledGraph:
         ts = _local.ts
         with engine.lock:
             trace = ts.trace
-            ins, scalars, ints, views = [], [], [], []
+            ins, scalars, ints, views, offsets = [], [], [], [], []
             dev = None
             for i, (a, kind) in enumerate(zip(args, self.kinds)):
                 if kind == ARRAY:
@@ -192,6 +192,9 @@ class CompiledGraph:
                     c = d["_chain"]
                     if c:
                         views.append((i, c, v.shape, v.dtype))
+                        dyn = getattr(a, "_dyn", ())
+                        if dyn:     # NOTE [dynamic offsets]: a window's start is an input
+                            offsets.extend(dyn)
                 elif kind == SCALAR:
                     scalars.append(a.item())
                 elif kind == FLOAT:
@@ -200,6 +203,7 @@ class CompiledGraph:
                     ints.append(int(a))
             if dev is None:
                 dev = ts.device
+            scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
             aliases = ()
             if len(self.tpu_writes) > 1:
                 # Two written inputs on one storage (a tensor and its view): the second write
@@ -322,6 +326,9 @@ class CompiledGraph:
         e.name = self.name
         e.key = (self, (ints, views, aliases), (), (), dev)
         e.khash = hash((id(self), e.key[1], repr(e.key[1]), dev))
+        e.ohash = hash((id(self), "graph"))     # NOTE [shapeless loop bodies] (record.py)
+        e.dyn = ()              # (its views' offsets are among its scalars: GraphPlan.function)
+        e.skey = None
         e.res_avals = tuple((tuple(s.shape), np.dtype(s.dtype), _nbytes(tuple(s.shape),
                                                                         np.dtype(s.dtype)))
                             for s in shapes)
@@ -381,7 +388,11 @@ class _Eager:
 def _outer_of(a):
     """A tpu tensor for the inner tensor ``a`` (a graph run eagerly)."""
     size, stride, offset = a.__dict__.get("_view") or (tuple(a.shape), _contig(a.shape), 0)
-    return make(a._s, a._chain, size, stride, offset, a.dtype)
+    t = make(a._s, a._chain, size, stride, offset, a.dtype)
+    dyn = a.__dict__.get("_dyn")
+    if dyn:
+        t._dyn = dyn
+    return t
 
 
 def _compiler(kind: str):

@@ -34,9 +34,10 @@ def _inner(self):
     i = d.get("_inner_t")
     if "_s" not in d:
         return i                # a tensor being traced: its inner tensor is fake
-    if i is None or i._s is not self._s or i._chain is not self._chain:
+    if (i is None or i._s is not self._s or i._chain is not self._chain
+            or i.__dict__.get("_dyn", ()) != self._dyn):
         i = _empty_inner(tuple(self.shape), self.dtype)
-        i._s, i._chain = self._s, self._chain
+        i._s, i._chain, i._dyn = self._s, self._chain, self._dyn
         i._view = (tuple(self.shape), tuple(self.stride()), self.storage_offset())
         self._inner_t = i
     return i
@@ -61,7 +62,10 @@ def _unflatten(inner_tensors: dict, meta, outer_size, outer_stride):
         return t
     if "_out" not in d:
         size, stride, offset = d["_view"]
-        return make(st, inner._chain, size, stride, offset, inner.dtype)
+        t = make(st, inner._chain, size, stride, offset, inner.dtype)
+        if d.get("_dyn"):
+            t._dyn = d["_dyn"]
+        return t
     size, stride = tuple(outer_size), tuple(outer_stride)
     # A storage of its own: the tensor may be written in place later, and ``inner`` (saved for
     # the backward pass) keeps the value it had here.

@@ -21,7 +21,7 @@ import numpy as np
 from .dtypes import to_np_dtype
 from .errors import LoweringError
 from .lowering import LOWERINGS
-from .viewchain import apply_chain, scatter_chain
+from .viewchain import apply_chain, n_dynamic, scatter_chain
 
 _COPY = None     # aten.copy_.default, resolved once torch is imported (it always is here)
 
@@ -87,12 +87,14 @@ class GraphPlan:
         (index into ``self.writes``, the earlier write of the same storage or -1): its value is
         that storage's new base. ``traced()`` is called each time the function is traced."""
         plan = self
+        n_scalars = sum(1 for k in plan.kinds if k == SCALAR or k == FLOAT)
 
         def fn(arrays, scalars):
             if traced is not None:
                 traced()
-            env, bases = {}, {}
+            env, bases, dyns = {}, {}, {}
             ai = si = ii = 0
+            di = n_scalars      # the views' dynamic offsets follow the graph's scalars
             for k, (n, kind) in enumerate(zip(plan.placeholders, plan.kinds)):
                 if kind == ARRAY:
                     a = arrays[ai]
@@ -100,7 +102,10 @@ class GraphPlan:
                     c = chains.get(k)
                     if c:
                         bases[k] = a
-                        a = apply_chain(a, c)
+                        nd = n_dynamic(c)
+                        dyns[k] = tuple(scalars[di:di + nd])
+                        di += nd
+                        a = apply_chain(a, c, dyns[k])
                     env[n] = a
                 elif kind == SCALAR:
                     shape, dt = plan.scalar_avals[k]
@@ -122,9 +127,9 @@ class GraphPlan:
                     to_np_dtype(ph.dtype))
                 c = chains.get(i)
                 if prev >= 0:
-                    val = scatter_chain(newbase[prev], c or (), val)
+                    val = scatter_chain(newbase[prev], c or (), val, dyns.get(i, ()))
                 elif c:
-                    val = scatter_chain(bases[i], c, val)
+                    val = scatter_chain(bases[i], c, val, dyns[i])
                 newbase.append(val)
             res.extend(newbase)
             if plan.rng:

@@ -253,3 +253,21 @@ def test_module_to_tpu_after_a_cpu_forward_pass():
     want = lin(x)                      # holds the CPU weight in its graph
     lin = lin.to("tpu")
     assert_same(lin(x.to("tpu")).detach(), want.detach())
+
+
+def test_windows_at_moving_offsets_as_graph_inputs_match_cpu():
+    """A compiled graph whose inputs are windows of one tensor at moving offsets (truncated BPTT
+    over one token stream, NOTE [dynamic offsets]) reads and writes each window where it is."""
+    def f(x, w):
+        y = torch.tanh(x @ w)
+        x.mul_(0.5)                 # written through the window into the stream
+        return y.sum(0)
+    d, w = torch.randn(20, 4), torch.randn(4, 3)
+    t, tw = d.to("tpu"), w.to("tpu")
+    cf = torch.compile(f, backend="tpu")
+    for i in range(0, 12, 3):
+        got = cf(t[i:i + 5], tw)
+        want = f(d[i:i + 5], w)
+        assert_same(got, want, atol=1e-5)
+        assert_same(t, d, atol=1e-6)
+        assert_same(t[i + 1], d[i + 1], atol=1e-6)      # a select at a moving offset
