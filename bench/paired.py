@@ -64,7 +64,7 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
     df = None
     if set(systems) & set(R.DEFERFUSE):
         import deferfuse as df
-    built, scopes, out = {}, {}, {"na": {}, "warmup_compiles": {}}
+    built, scopes, out = {}, {}, {"na": {}, "failed": {}, "warmup_compiles": {}}
     for s in systems:
         torch.manual_seed(W.SEED)
         if df is not None:
@@ -96,6 +96,13 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
                                                  disk=m["disk_cache_hits"])
         except W.NotApplicable as e:
             out["na"][s] = str(e)
+        except Exception as e:
+            if s in ("eager", "defer"):
+                raise               # the reference systems: the workload itself is broken
+            # One system that cannot run this workload: reported, the others still measured.
+            built.pop(s, None)
+            out["failed"][s] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}" \
+                if str(e).strip() else type(e).__name__
     live = [s for s in systems if s in built]
     if df is not None:
         df.reset_metrics()
@@ -193,7 +200,8 @@ def render_md(meta: dict, results: dict) -> str:
          "system's final number (loss, sum) from eager's, relative (absolute below 1e-3).", "",
          "| workload | " + " | ".join(f"{s} ms" for s in meta["systems"]) + " | "
          + " | ".join(f"{s} / defer (paired)" for s in others) + f" | rounds at {GOAL}x vs strict |"
-         + " compile s in warm-up (defer, strict) | compiles after warm-up (defer, strict) | check |",
+         + " compile s in warm-up (defer, strict) | compiles after warm-up (defer, strict, compiled) |"
+         " check |",
          "|---|" + "---:|" * (len(meta["systems"]) + len(others) + 3) + "---|"]
     ratios = []
     for w in meta["workloads"]:
@@ -203,7 +211,8 @@ def render_md(meta: dict, results: dict) -> str:
             continue
         c = summarize(r)
         cells = [R._ms(c["median_ms"].get(s)) if s in c["median_ms"] else
-                 ("n/a" if s in r["na"] else "–") for s in meta["systems"]]
+                 ("n/a" if s in r["na"] else "failed" if s in r.get("failed", {}) else "–")
+                 for s in meta["systems"]]
         pr = []
         for s in others:
             p = c["paired"].get(s)
@@ -218,7 +227,8 @@ def render_md(meta: dict, results: dict) -> str:
         wc = r.get("warmup_compiles", {})
         csec = ", ".join(f"{wc[x]['compile_s']:.1f}" if x in wc else "–" for x in ("defer", "strict"))
         ca = r.get("compiles_after_warmup")
-        after = (", ".join(str(ca.get(x, "–")) for x in ("defer", "strict")) if ca is not None
+        after = (", ".join(str(ca.get(x, "–")) for x in ("defer", "strict", "compiled"))
+                 if ca is not None
                  else str(r.get("deferfuse_compiles_after_warmup", "–")))
         L.append(f"| {w} | " + " | ".join(cells + pr) + f" | {share} | {csec} | {after} | {chk} |")
     if ratios:
@@ -231,6 +241,17 @@ def render_md(meta: dict, results: dict) -> str:
         if p:
             L.append(f"- {w}: defer / hand-written jax.jit program, paired: **{1 / p['median']:.2f}x** "
                      f"[{1 / p['p75']:.2f}-{1 / p['p25']:.2f}] (1.0 would be the JAX ceiling)")
+    for w in meta["workloads"]:
+        r = results.get(w)
+        p = summarize(r)["paired"] if r and r["status"] == "ok" else {}
+        if p.get("jax") and p.get("compiled"):
+            L.append(f"- {w}: compiled / hand-written jax.jit program, paired: "
+                     f"**{p['compiled']['median'] / p['jax']['median']:.2f}x**; compiled / defer "
+                     f"{p['compiled']['median']:.2f}x")
+    for w in meta["workloads"]:
+        r = results.get(w)
+        for s, why in ((r or {}).get("failed") or {}).items():
+            L.append(f"- {w}: {s} failed: {why}")
     for w in meta["workloads"]:
         r = results.get(w)
         if r and r["status"] == "ok" and r.get("first_step_s"):

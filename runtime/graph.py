@@ -72,6 +72,11 @@ class GraphPlan:
                 missing.append(str(n.target))
             elif low.rng:
                 self.rng = True
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                c = getattr(gm, n.target, None)
+                if isinstance(c, torch.Tensor) and _is_fake(c) and c.numel():
+                    missing.append(f"a constant tensor {n.target} known only by its shape")
         if missing:
             raise LoweringError(", ".join(sorted(set(missing))), "no lowering in a compiled graph")
         out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -141,8 +146,17 @@ class GraphPlan:
         """Lower every node into ``env`` (placeholders filled); the RNG key after the graph's
         draws."""
         for n in self.gm.graph.nodes:
-            if n.op != "call_function" or (n.target is _COPY and n.args[0] in env
-                                           and n.args[0].op == "placeholder"):
+            if n.op == "get_attr":      # a constant the graph holds (a tensor made in the code)
+                env[n] = _constant(getattr(self.gm, n.target))
+                continue
+            if n.op != "call_function":
+                continue
+            if n.target is _COPY and n.args[0] in env and n.args[0].op == "placeholder":
+                # A write into an input (``writes``); the node itself is the input's new value
+                # (a graph may return it: an in-place function returning its argument).
+                ph = n.args[0].meta["val"]
+                env[n] = jnp.broadcast_to(_fill(n.args[1], env), tuple(ph.shape)).astype(
+                    to_np_dtype(ph.dtype))
                 continue
             args = _fill(n.args, env)
             kwargs = _fill(n.kwargs, env)
@@ -175,6 +189,26 @@ class GraphPlan:
                 res = res.astype(avals[0][1])
             env[n] = res
         return key
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
+
+
+def _constant(t):
+    """A graph's constant tensor as an array of the program (read once per trace)."""
+    import torch
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.numel() == 0 or _is_fake(t):      # (a fake one is empty: GraphPlan checks)
+        return jnp.zeros(tuple(t.shape), to_np_dtype(t.dtype))
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return jnp.asarray(t.float().numpy()).astype(to_np_dtype(t.dtype))
+    return jnp.asarray(t.numpy())
 
 
 def _sizes() -> dict:

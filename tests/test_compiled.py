@@ -271,3 +271,21 @@ def test_windows_at_moving_offsets_as_graph_inputs_match_cpu():
         assert_same(got, want, atol=1e-5)
         assert_same(t, d, atol=1e-6)
         assert_same(t[i + 1], d[i + 1], atol=1e-6)      # a select at a moving offset
+
+
+def test_an_in_place_function_returning_its_argument_matches_cpu():
+    """The graph returns the value its write put into the input (``copy_``'s result)."""
+    def f(x):
+        x.mul_(0.999)
+        x.add_(0.001)
+        x.clamp_(-2.0, 2.0)
+        x.sin_()
+        return x
+    d = torch.randn(64)
+    t = d.to("tpu")
+    cf = torch.compile(f, backend="tpu")
+    for _ in range(2):
+        got = cf(t)
+        f(d)
+        assert_same(got, d, atol=1e-6)
+        assert_same(t, d, atol=1e-6)
