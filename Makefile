@@ -46,7 +46,7 @@ bench-quick: $(STAMP)
 
 bench-paired: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
-	$(BIN)/python bench/paired.py --quick $(ARGS)
+	$(BIN)/python bench/paired.py --quick --systems eager,strict,defer,compiled,floor,jax $(ARGS)
 
 bench-dist: $(STAMP)
 	$(BIN)/python bench/dist.py $(ARGS)
