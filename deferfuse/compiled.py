@@ -66,8 +66,9 @@ class _Host:
 
     def __init__(self, gm, roots):
         self.memo: dict = {}
-        self.ok = all(self._ok(r) for r in roots)
-        need, stack = set(), list(roots)
+        # Only what the host can compute: a root it cannot (a value read back from the device)
+        # must not pull the device's nodes into the host's order.
+        need, stack = set(), [r for r in roots if self._ok(r)]
         while stack:
             n = stack.pop()
             if isinstance(n, torch.fx.Node) and n not in need:
@@ -279,6 +280,27 @@ class CompiledGraph:
                               float(x) if isinstance(val, (float, torch.SymFloat)) else int(x))
             return res
 
+    def _shapes(self, fn, ins, scalars):
+        """``fn``'s output shapes (``jax.eval_shape``), and {output index: value} of the outputs
+        that are Python numbers while it is traced (sizes: static in the program)."""
+        static = {}
+
+        def shaping(arrays, scalars_):
+            res = fn(arrays, scalars_)
+            for k, r in enumerate(res):
+                if isinstance(r, (bool, int, float)):
+                    static[k] = r
+            return res
+        self._shaping = True
+        try:
+            with x64(True):
+                shapes = jax.eval_shape(shaping, [jax.ShapeDtypeStruct(v.shape, v.dtype)
+                                                  for v in ins], list(scalars))
+        finally:
+            self._shaping = False
+            take_flags()        # the index checks eval_shape traced: not a region's
+        return shapes, static
+
     def _entry(self, key, ins, scalars, dev) -> Entry:
         """The op entry of this graph for these integer inputs, views and write aliases: its
         function, its outputs' shapes (traced once with ``jax.eval_shape``) and its key."""
@@ -310,14 +332,21 @@ class CompiledGraph:
         for w in self.host_writes:
             write_acts.append((HOST, plan.writes[w][0], plan.writes[w][1]))
         fn = plan.function(ints, chains, tuple(dev_outs), tuple(dev_writes), self._traced)
-        self._shaping = True
-        try:
-            with x64(True):
-                shapes = jax.eval_shape(fn, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in ins],
-                                        list(scalars))
-        finally:
-            self._shaping = False
-            take_flags()        # the index checks eval_shape traced: not a region's
+        shapes, static = self._shapes(fn, ins, scalars)
+        static = {k: v for k, v in static.items() if k < n}
+        if static:
+            # NOTE [static sizes]: a size of a device value (a KV cache's length, with dynamic
+            # shapes) is static in the program: a constant of this entry, never read back.
+            keep = [k for k in range(len(dev_outs)) if k not in static]
+            at = {k: i for i, k in enumerate(keep)}
+            out_acts = [(CONST, static[a[1]]) if a[0] == READ and a[1] in static else
+                        (a[0], at[a[1]], a[2]) if a[0] in (DEV, READ) else a for a in out_acts]
+            n_keep = len(keep)
+            write_acts = [(w, i, x - n + n_keep) if w in (DEV, READ) else (w, i, x)
+                          for w, i, x in write_acts]
+            dev_outs = [dev_outs[k] for k in keep]
+            fn = plan.function(ints, chains, tuple(dev_outs), tuple(dev_writes), self._traced)
+            shapes, _ = self._shapes(fn, ins, scalars)
         e = Entry()
         e.fn = fn
         e.jit = e.msgs = e.fast = e.made = None
@@ -419,10 +448,51 @@ def backend(gm, example_inputs, **kwargs):
         # The same frame compiled again: one of its guards failed (a new shape, dtype, Python
         # value); TORCH_LOGS=recompiles names the guard.
         S["graph_recompiles"].append(f"compile {cid} of a frame ({len(example_inputs)} inputs)")
-    return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
-                        inference_compiler=_compiler("inference"),
-                        decompositions=_decompositions(),
-                        keep_inference_input_mutations=True)(gm, example_inputs)
+    compiled = aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
+                            inference_compiler=_compiler("inference"),
+                            decompositions=_decompositions(),
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+    plain = _plain_outputs(gm)
+    return _wrap_plain(compiled, plain) if plain else compiled
+
+
+def _plain_outputs(gm) -> tuple:
+    """NOTE [plain outputs]: a tensor the graph makes on ``tpu`` from no ``tpu`` input
+    (``torch.zeros(..., device="tpu")``, ``cpu_tensor.to("tpu")``: a static cache's buffers and
+    length, made in the first compiled forward) is traced as a plain fake tensor, not a
+    ``TpuTensor``: AOTAutograd returns it as the graph made it, an inner tensor (NOTE [inner
+    tensor] in traceable.py), which eager ops cannot run on. The positions of such outputs of a
+    Dynamo graph; ``_wrap_plain`` makes them ``TpuTensor``s before Dynamo's code (an attribute
+    set in the compiled code, a returned value) sees them."""
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None:
+        return ()
+    vals = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    plain = []
+    for i, n in enumerate(vals):
+        v = n.meta.get("example_value", n.meta.get("val")) if isinstance(n, torch.fx.Node) else None
+        if (isinstance(v, torch.Tensor) and v.device.type == "tpu"
+                and not isinstance(v, TpuTensor)):
+            plain.append(i)
+    return tuple(plain)
+
+
+def _wrap_plain(compiled, plain: tuple):
+    """``compiled`` returning ``TpuTensor``s at the positions ``plain`` (NOTE [plain outputs])."""
+    import functools
+    from .traceable import _unflatten
+
+    @functools.wraps(compiled)
+    def run(*args):
+        outs = compiled(*args)
+        was_tuple = isinstance(outs, tuple)
+        outs = list(outs)
+        for i in plain:
+            o = outs[i]
+            if type(o) is not TpuTensor and "_s" in o.__dict__:
+                outs[i] = _unflatten({"_inner": o}, None, o.shape, o.stride())
+        return tuple(outs) if was_tuple else outs
+    return run
 
 
 def _on_tpu(x) -> bool:
