@@ -88,8 +88,33 @@ def _traced_inner(t):
     return mode.from_tensor(t._inner)
 
 
+def _lift_constant(func, t):
+    """NOTE [traced constants]: ``torch.tensor(data, device="tpu")`` in traced code (a Hugging Face
+    dynamic cache's empty ``keys``) makes a real ``tpu`` tensor and lifts it with ``lift_fresh``.
+    AOTAutograd keeps a lifted tensor as a constant of the graph, and a constant must be real: a
+    fake of the inner tensor failed ("Unexpected fake buffer"). The value is lifted on the CPU,
+    where constants are plain tensors, and moved to ``tpu`` in the graph. A tensor of at most one
+    element is made by a factory op instead: FakeTensorMode computes an op on such a constant for
+    real ("constant propagation"), and a plain ``tpu`` tensor has no kernels."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        cpu = t.cpu()
+    aten = torch.ops.aten
+    if cpu.numel() == 0:
+        out = aten.empty.memory_format(tuple(cpu.shape), dtype=cpu.dtype, device=t.device)
+    elif cpu.numel() == 1:
+        out = aten.full.default(tuple(cpu.shape), cpu.item(), dtype=cpu.dtype, device=t.device)
+    else:
+        out = aten._to_copy.default(func(cpu), device=t.device)
+    return _unflatten({"_inner": out}, None, out.shape, out.stride())
+
+
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
 def traced_dispatch(func, args, kwargs):
     """An op on tensors being traced: run it on their inner tensors, wrap tpu results."""
+    if func in _LIFTS and type(args[0]) is TpuTensor and "_s" in args[0].__dict__:
+        return _lift_constant(func, args[0])
     ua, uk = pytree.tree_map_only(TpuTensor, _traced_inner, (args, kwargs))
     out = func(*ua, **uk)
     return pytree.tree_map_only(
