@@ -207,6 +207,74 @@ def test_hugging_face_static_cache_generate_compiles_on_tpu():
     assert deferfuse.metrics()["dynamo_graphs"] >= 1
 
 
+def _tiny_llama(layers=1):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _compiles() -> tuple:
+    m = deferfuse.metrics()
+    return m["dynamo_graphs"], m["graph_compiles"], m["compiles"]
+
+
+@pytest.mark.parametrize("cache", [pytest.param("dynamic", marks=pytest.mark.slow), "static"])
+def test_hugging_face_generate_with_forward_compiled_matches_cpu(cache):
+    """generate() with model.forward under torch.compile(backend="tpu"): a graph's outputs (a
+    static cache's buffers made in the first forward, a dynamic cache's length) reach generate()'s
+    eager code as tpu tensors; the tokens are CPU's, and a fourth call compiles nothing (defer's
+    step detection still reshapes the regions around the graphs in the first calls)."""
+    ref = _tiny_llama().eval()
+    model = copy.deepcopy(ref).to("tpu")
+    model.forward = torch.compile(model.forward, backend="tpu")
+    ids = torch.randint(2, 128, (2, 6))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+              disable_compile=True)
+    if cache == "static":
+        kw["cache_implementation"] = cache
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        for i in range(4):
+            if i == 3:
+                before = _compiles()
+            got = model.generate(ids.to("tpu"), attention_mask=torch.ones_like(ids).to("tpu"),
+                                 **kw)
+            assert torch.equal(got.cpu(), want)
+    assert _compiles() == before
+    assert deferfuse.metrics()["graphs_run_eagerly"] == 0
+
+
+def test_hugging_face_llama_whole_training_step_compiled_matches_cpu():
+    """One torch.compile over zero_grad, forward (its dynamic cache makes tensors with
+    torch.tensor(..., device="tpu") inside the graph), backward and AdamW's step: the losses are
+    CPU's, and the third step compiles nothing."""
+    ref = _tiny_llama().train()
+    model = copy.deepcopy(ref).to("tpu")
+    ids = torch.randint(2, 128, (2, 8))
+
+    def make_step(m, x):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+    ref_step = make_step(ref, ids)
+    step = torch.compile(make_step(model, ids.to("tpu")), backend="tpu")
+    for i in range(3):
+        if i == 2:
+            before = _compiles()
+        assert step().item() == pytest.approx(ref_step().item(), rel=1e-5, abs=1e-6)
+    assert _compiles() == before
+    assert deferfuse.metrics()["graphs_run_eagerly"] == 0
+
+
 @pytest.mark.slow
 def test_hugging_face_llama_trains_20_steps_compiled_as_on_cpu():
     from transformers import LlamaConfig, LlamaForCausalLM
