@@ -13,6 +13,7 @@ deferred regions mix in one step.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -28,7 +29,7 @@ from .runtime import stats, transfer
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, SCALAR, SIZES, GraphPlan, fill
 from .tensor import Storage, TpuTensor, make
-from .traceable import output_inner
+from .traceable import _unflatten, output_inner
 
 S = stats.S
 _local = engine.local
@@ -479,9 +480,6 @@ def _plain_outputs(gm) -> tuple:
 
 def _wrap_plain(compiled, plain: tuple):
     """``compiled`` returning ``TpuTensor``s at the positions ``plain`` (NOTE [plain outputs])."""
-    import functools
-    from .traceable import _unflatten
-
     @functools.wraps(compiled)
     def run(*args):
         outs = compiled(*args)

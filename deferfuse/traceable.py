@@ -98,11 +98,12 @@ def _lift_constant(func, t):
     real ("constant propagation"), and a plain ``tpu`` tensor has no kernels."""
     with torch.utils._python_dispatch._disable_current_modes():
         cpu = t.cpu()
+        one = cpu.item() if cpu.numel() == 1 else None
     aten = torch.ops.aten
     if cpu.numel() == 0:
         out = aten.empty.memory_format(tuple(cpu.shape), dtype=cpu.dtype, device=t.device)
     elif cpu.numel() == 1:
-        out = aten.full.default(tuple(cpu.shape), cpu.item(), dtype=cpu.dtype, device=t.device)
+        out = aten.full.default(tuple(cpu.shape), one, dtype=cpu.dtype, device=t.device)
     else:
         out = aten._to_copy.default(func(cpu), device=t.device)
     return _unflatten({"_inner": out}, None, out.shape, out.stride())

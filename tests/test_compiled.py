@@ -301,6 +301,27 @@ def test_hugging_face_llama_trains_20_steps_compiled_as_on_cpu():
     assert deferfuse.metrics()["graphs_run_eagerly"] == 0
 
 
+def test_tensors_made_from_data_in_a_graph_with_backward_match_cpu():
+    """torch.tensor(data, device=...) inside a compiled function whose backward is traced (an HF
+    dynamic cache's empty keys): empty, one-element and longer constants."""
+    def f(x, dev):
+        empty = torch.tensor([], dtype=x.dtype, device=dev)
+        scale = torch.tensor(2.5, device=dev)
+        w = torch.tensor([1.0, -2.0, 0.5], device=dev)
+        return (torch.cat([empty, x]) * scale * w).sum() + empty.numel()
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    x = torch.randn(3)
+    for _ in range(2):
+        xt = x.clone().to("tpu").requires_grad_()
+        xc = x.clone().requires_grad_()
+        got, want = cf(xt, "tpu"), f(xc, "cpu")
+        got.backward()
+        want.backward()
+        assert_same(got, want, atol=1e-6)
+        assert_same(xt.grad, xc.grad, atol=1e-6)
+    assert deferfuse.metrics()["dynamo_graphs"] == 1
+
+
 def test_an_index_error_in_a_graph_is_raised_at_the_read():
     emb = nn.Embedding(5, 3).to("tpu")
     cf = torch.compile(lambda i: emb(i) * 2, backend="tpu", fullgraph=True)
