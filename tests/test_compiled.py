@@ -210,9 +210,10 @@ def test_hugging_face_static_cache_generate_compiles_on_tpu():
 def _tiny_llama(layers=1):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=64, bos_token_id=1, eos_token_id=None,
+                      pad_token_id=0)
     return LlamaForCausalLM(cfg)
 
 
@@ -289,7 +290,7 @@ def test_hugging_face_llama_trains_20_steps_compiled_as_on_cpu():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     for _ in range(20):
         ids = torch.randint(2, 128, (2, 16))
-        loss = cm(input_ids=ids.to("tpu"), labels=ids.to("tpu"), use_cache=False).loss
+        loss = cm(input_ids=ids.to("tpu"), labels=ids.to("tpu")).loss   # (its dynamic cache too)
         loss.backward()
         opt.step()
         opt.zero_grad()
