@@ -9,8 +9,8 @@ loop whose count changes compiles one program per bucket, not one per count. In 
 read of the count is a sync point like ``.item()`` (reason ``"data-dependent shape"``).
 
 Anything these handlers do not cover (a mask of another dtype, shapes that do not broadcast, an
-index with more dims than the tensor, ``unique_dim``, ``unique_consecutive`` with a ``dim``) goes
-to the CPU fallback as before, which raises CPU's own error for bad input.
+index with more dims than the tensor, ``unique_dim``, empty input to ``unique_consecutive`` with a
+``dim``) goes to the CPU fallback as before, which raises CPU's own error for bad input.
 """
 from __future__ import annotations
 
@@ -155,9 +155,33 @@ def _h_unique(func, args, kwargs):
 
 def _h_unique_consecutive(func, args, kwargs):
     a = dict(zip(("self", "return_inverse", "return_counts", "dim"), args), **kwargs)
+    x, inverse, counts = a["self"], a.get("return_inverse", False), a.get("return_counts", False)
     if a.get("dim") is not None:
+        return _unique_consecutive_dim(x, a["dim"], inverse, counts)
+    return _unique(x, False, inverse, counts)
+
+
+def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
+    """unique_consecutive along ``dim``: runs of equal slices (each slice compared whole)."""
+    if type(x) is not TpuTensor or x.is_complex() or x.dim() == 0 or x.numel() == 0:
+        raise Fallback(_WHY)        # CPU's errors and its rules for empty slices
+    dim = dim + x.dim() if dim < 0 else dim
+    if not 0 <= dim < x.dim():
         raise Fallback(_WHY)
-    return _unique(a["self"], False, a.get("return_inverse", False), a.get("return_counts", False))
+    L = x.shape[dim]
+    rows = aten.movedim.int(x, dim, 0).reshape(L, -1)
+    first = aten.cat.default([aten.ones.default([1], dtype=torch.bool, device=x.device),
+                              aten.ne.Tensor(rows[1:], rows[:-1]).any(1)])
+    starts, n = _nonzero_rows(first, fill=L)
+    starts = aten.select.int(starts, 1, 0)
+    values = aten.index_select.default(x, dim, _cut(starts, n))
+    empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
+    inv = first.to(torch.int64).cumsum(0) - 1 if inverse else empty
+    cnt = empty
+    if counts:
+        end = aten.full.default([1], L, dtype=torch.int64, device=x.device)
+        cnt = _cut(aten.cat.default([starts[1:], end]) - starts, n)
+    return values, inv, cnt
 
 
 HANDLERS = {
