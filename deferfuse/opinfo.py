@@ -13,7 +13,8 @@ from .runtime.lowering import LOWERINGS
 
 aten = torch.ops.aten
 
-# Ops whose output shape depends on the data: they sync and run on CPU (counted as such).
+# Ops whose output shape depends on the data. Those with a handler in datadep.py (a SPECIAL) run on
+# the device with one read of their size; the rest sync and run on CPU (counted as such).
 DATA_DEPENDENT = {o for o in (
     getattr(getattr(aten, p, None), ov, None) for p, ov in (
         ("nonzero", "default"), ("masked_select", "default"), ("_unique2", "default"),

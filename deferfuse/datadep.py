@@ -1,0 +1,200 @@
+"""Ops whose output size depends on the data, run on the device: nonzero, masked_select, indexing
+with a boolean mask, unique (sorted), unique_consecutive.
+
+NOTE [data-dependent sizes]: as on torch_xla, the only host sync is the output *size*: one small
+count (a scalar) is read back, and the data stays on the device. The result is then computed on
+the device at a static size, the count's bucket (the next power of two, at least 8, never more
+than the input holds: ``runtime/buckets.bucket_of``), and cut back to the count with a view. So a
+loop whose count changes compiles one program per bucket, not one per count. In defer mode the
+read of the count is a sync point like ``.item()`` (reason ``"data-dependent shape"``).
+
+Anything these handlers do not cover (a mask of another dtype, shapes that do not broadcast, an
+index with more dims than the tensor, ``unique_dim``, empty input to ``unique_consecutive`` with a
+``dim``) goes to the CPU fallback as before, which raises CPU's own error for bad input.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import Fallback, _run, to_cpu
+from .opinfo import op_info
+from .runtime.buckets import bucket_of
+from .tensor import TpuTensor
+
+aten = torch.ops.aten
+_WHY = "data-dependent shape"
+_MASKS = (torch.bool, torch.uint8)
+
+
+def _count(t: TpuTensor) -> int:
+    """The value of the 0-d count ``t``: the one host read (a sync point in defer mode)."""
+    return int(to_cpu(t, _WHY).item())
+
+
+def _size(n: int, cap: int) -> int:
+    """The static size a result of ``n`` rows is computed at: ``n``'s bucket, at most ``cap``."""
+    return min(bucket_of(n), cap)
+
+
+def _cut(t: TpuTensor, n: int) -> TpuTensor:
+    return t if t.shape[0] == n else aten.slice.Tensor(t, 0, 0, n)
+
+
+def _nonzero_rows(x: TpuTensor, fill: int = -1):
+    """(indices of x's nonzero elements computed at a bucketed size, with padding ``fill``;
+    their count)."""
+    numel = x.numel()
+    n = _count(aten.count_nonzero.default(x)) if numel else 0
+    return aten.nonzero_static.default(x, size=_size(n, numel), fill_value=fill), n
+
+
+def _h_nonzero(func, args, kwargs):
+    x = args[0]
+    if type(x) is not TpuTensor or x.is_complex():
+        raise Fallback(_WHY)
+    idx, n = _nonzero_rows(x)
+    return _cut(idx, n)
+
+
+def _broadcast(a, b):
+    try:
+        return tuple(torch.broadcast_shapes(a.shape, b.shape))
+    except RuntimeError:
+        raise Fallback(_WHY) from None      # CPU's own message
+
+
+def _h_masked_select(func, args, kwargs):
+    x, mask = args[0], args[1] if len(args) > 1 else kwargs["mask"]
+    if type(x) is not TpuTensor or type(mask) is not TpuTensor or mask.dtype != torch.bool:
+        raise Fallback(_WHY)                # CPU's errors (mask dtype, devices)
+    shape = _broadcast(x, mask)
+    flat_m = aten.expand.default(mask, shape).reshape(-1)
+    flat_x = aten.expand.default(x, shape).reshape(-1)
+    idx, n = _nonzero_rows(flat_m, fill=0)
+    return _cut(aten.index_select.default(flat_x, 0, aten.select.int(idx, 1, 0)), n)
+
+
+def _h_index(func, args, kwargs):
+    """``x[mask]`` (aten.index.Tensor with boolean or uint8 index tensors): each mask becomes its
+    nonzero() index columns, as PyTorch's own expandTensors does; then the integer index."""
+    x, indices = args[0], args[1]
+    if not any(i is not None and i.dtype in _MASKS for i in indices):
+        return _run(func, op_info(func), args, kwargs)
+    out = []
+    for i in indices:
+        if i is None or i.dtype not in _MASKS:
+            out.append(i)
+            continue
+        d = len(out)
+        if i.dim() == 0 or d + i.dim() > x.dim() or any(
+                i.shape[j] != x.shape[d + j] for j in range(i.dim())):
+            raise Fallback(_WHY)            # CPU's IndexError and its message
+        if type(i) is TpuTensor:
+            nz = _cut(*_nonzero_rows(i))
+        else:
+            nz = i.nonzero()                # a CPU mask: its nonzero() is CPU work, no sync
+        out.extend(aten.select.int(nz, 1, j) for j in range(i.dim()))
+    return aten.index.Tensor(x, out)
+
+
+def _groups(flat: TpuTensor, sort: bool):
+    """The runs of equal values of ``flat`` (sorted first when ``sort``): (the values in order,
+    the permutation sorting them or None, the bool marks of each run's first element, the run
+    starts at a bucketed size padded with numel, the number of runs)."""
+    N = flat.numel()
+    perm = None
+    if sort:
+        key = flat.to(torch.uint8) if flat.dtype == torch.bool else flat
+        sv, perm = aten.sort.stable(key, stable=True)
+        if key is not flat:
+            sv = sv.to(torch.bool)
+    else:
+        sv = flat
+    # NaN != NaN: every NaN is a run of its own, as on CPU.
+    first = aten.cat.default([aten.ones.default([1], dtype=torch.bool, device=flat.device),
+                              aten.ne.Tensor(sv[1:], sv[:-1])])
+    starts, n = _nonzero_rows(first, fill=N)
+    return sv, perm, first, aten.select.int(starts, 1, 0), n
+
+
+def _unique(x: TpuTensor, sort: bool, inverse: bool, counts: bool):
+    """(values, inverse or an empty int64 tensor, counts or an empty int64 tensor)."""
+    if type(x) is not TpuTensor or x.is_complex():
+        raise Fallback(_WHY)
+    empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
+    N = x.numel()
+    if N == 0:
+        inv = aten.empty.memory_format(list(x.shape), dtype=torch.int64, device=x.device)
+        return (aten.empty.memory_format([0], dtype=x.dtype, device=x.device),
+                inv if inverse else empty, empty)
+    flat = x.reshape(-1)
+    sv, perm, first, starts, n = _groups(flat, sort)
+    values = _cut(aten.index_select.default(sv, 0, starts.clamp(max=N - 1)), n)
+    inv = cnt = empty
+    if inverse:
+        gid = first.to(torch.int64).cumsum(0) - 1        # each sorted element's run
+        if perm is not None:
+            gid = aten.scatter.src(aten.empty_like.default(gid), 0, perm, gid)
+        inv = gid.reshape(x.shape)
+    if counts:
+        end = aten.full.default([1], N, dtype=torch.int64, device=x.device)
+        cnt = _cut(aten.cat.default([starts[1:], end]) - starts, n)
+    return values, inv, cnt
+
+
+def _h_unique2(func, args, kwargs):
+    a = dict(zip(("self", "sorted", "return_inverse", "return_counts"), args), **kwargs)
+    # Unsorted unique comes back sorted too (as on CUDA): PyTorch leaves its order unspecified.
+    return _unique(a["self"], True, a.get("return_inverse", False), a.get("return_counts", False))
+
+
+def _h_unique(func, args, kwargs):
+    a = dict(zip(("self", "sorted", "return_inverse"), args), **kwargs)
+    return _unique(a["self"], True, a.get("return_inverse", False), False)[:2]
+
+
+def _h_unique_consecutive(func, args, kwargs):
+    a = dict(zip(("self", "return_inverse", "return_counts", "dim"), args), **kwargs)
+    x, inverse, counts = a["self"], a.get("return_inverse", False), a.get("return_counts", False)
+    if a.get("dim") is not None:
+        return _unique_consecutive_dim(x, a["dim"], inverse, counts)
+    return _unique(x, False, inverse, counts)
+
+
+def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
+    """unique_consecutive along ``dim``: runs of equal slices (each slice compared whole)."""
+    if type(x) is not TpuTensor or x.is_complex() or x.dim() == 0 or x.numel() == 0:
+        raise Fallback(_WHY)        # CPU's errors and its rules for empty slices
+    dim = dim + x.dim() if dim < 0 else dim
+    if not 0 <= dim < x.dim():
+        raise Fallback(_WHY)
+    L = x.shape[dim]
+    rows = aten.movedim.int(x, dim, 0).reshape(L, -1)
+    first = aten.cat.default([aten.ones.default([1], dtype=torch.bool, device=x.device),
+                              aten.ne.Tensor(rows[1:], rows[:-1]).any(1)])
+    starts, n = _nonzero_rows(first, fill=L)
+    starts = aten.select.int(starts, 1, 0)
+    values = aten.index_select.default(x, dim, _cut(starts, n))
+    empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
+    inv = first.to(torch.int64).cumsum(0) - 1 if inverse else empty
+    cnt = empty
+    if counts:
+        end = aten.full.default([1], L, dtype=torch.int64, device=x.device)
+        cnt = _cut(aten.cat.default([starts[1:], end]) - starts, n)
+    return values, inv, cnt
+
+
+HANDLERS = {
+    aten.nonzero.default: _h_nonzero,
+    aten.masked_select.default: _h_masked_select,
+    aten.index.Tensor: _h_index,
+    aten._unique2.default: _h_unique2,
+    aten._unique.default: _h_unique,
+    aten.unique_consecutive.default: _h_unique_consecutive,
+}
+
+
+def register() -> None:
+    """Route the ops above to their handlers (instead of the CPU fallback)."""
+    from .specials import register as add
+    add(HANDLERS)
