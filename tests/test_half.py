@@ -6,6 +6,8 @@ accumulation and rounding points (addbmm, grid sampling, convolutions, softmax, 
 pooling, pointwise losses), fused float16 chains in defer mode, ties, and half-precision CPU
 fallbacks.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
