@@ -84,15 +84,9 @@ CAUSES = {
                     "of ~900 ones stalls at 256); tpu accumulates in float32, as CUDA does",
     "nn.ReplicationPad3d": "bfloat16 backward: CPU accumulates the padded border's gradient in "
                            "bfloat16 element by element; tpu in float32",
-    "nn.LayerNorm": "bfloat16 backward: CPU's weight and bias gradients are accumulated another way "
-                    "(not float32-once, not row by row in bfloat16: not reproduced); ulps apart",
-    "nn.KLDivLoss": "bfloat16 backward (target gradient): one element two ulps apart through "
-                    "xlogy's cancellation",
-    "nn.Softmax2d": "bfloat16 backward: cancellation in softmax's backward, elements near zero "
-                    "1.7e-3 apart (atol 1e-3)",
-    "nn.TransformerEncoder": "bfloat16 backward: one in_proj_weight gradient entry a few ulps "
-                             "past two ulps of the tensor's largest entry (attention backward in "
-                             "float32 on tpu; CPU's flash backward rounds its probabilities)",
+    "nn.LayerNorm": "bfloat16 backward: CPU sums the weight and bias gradients row by row into a "
+                    "bfloat16 buffer per thread, then adds the threads' buffers in float32 (its "
+                    "result depends on the thread count); tpu sums in float32 and rounds once",
     "nn.CTCLoss": "float32: aten._ctc_loss has no lowering (runs on CPU, in every dtype)",
 }
 
