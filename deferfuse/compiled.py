@@ -29,7 +29,7 @@ from .runtime import stats, transfer
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, SCALAR, SIZES, GraphPlan, fill
 from .tensor import Storage, TpuTensor, make
-from .traceable import _unflatten, output_inner
+from .traceable import output_inner, wrap_inner
 
 S = stats.S
 _local = engine.local
@@ -488,7 +488,7 @@ def _wrap_plain(compiled, plain: tuple):
         for i in plain:
             o = outs[i]
             if type(o) is not TpuTensor and "_s" in o.__dict__:
-                outs[i] = _unflatten({"_inner": o}, None, o.shape, o.stride())
+                outs[i] = wrap_inner(o)
         return tuple(outs) if was_tuple else outs
     return run
 

@@ -76,6 +76,11 @@ def _unflatten(inner_tensors: dict, meta, outer_size, outer_stride):
     return make(out, (), size, stride, 0, inner.dtype)
 
 
+def wrap_inner(o) -> TpuTensor:
+    """The ``TpuTensor`` whose inner tensor is ``o`` (a plain ``tpu`` tensor a graph made)."""
+    return _unflatten({"_inner": o}, None, o.shape, o.stride())
+
+
 def _traced_inner(t):
     """The inner tensor an op being traced runs on: a fake one; for a real tpu tensor met while
     tracing (a constant made in the traced code), a fake of its inner tensor."""
@@ -106,7 +111,7 @@ def _lift_constant(func, t):
         out = aten.full.default(tuple(cpu.shape), one, dtype=cpu.dtype, device=t.device)
     else:
         out = aten._to_copy.default(func(cpu), device=t.device)
-    return _unflatten({"_inner": out}, None, out.shape, out.stride())
+    return wrap_inner(out)
 
 
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -120,8 +125,7 @@ def traced_dispatch(func, args, kwargs):
     out = func(*ua, **uk)
     return pytree.tree_map_only(
         torch.Tensor,
-        lambda o: (_unflatten({"_inner": o}, None, o.shape, o.stride())
-                   if o.device.type == "tpu" and type(o) is not TpuTensor else o),
+        lambda o: wrap_inner(o) if o.device.type == "tpu" and type(o) is not TpuTensor else o,
         out)
 
 
