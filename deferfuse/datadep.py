@@ -111,10 +111,23 @@ def _groups(flat: TpuTensor, sort: bool):
     else:
         sv = flat
     # NaN != NaN: every NaN is a run of its own, as on CPU.
-    first = aten.cat.default([aten.ones.default([1], dtype=torch.bool, device=flat.device),
-                              aten.ne.Tensor(sv[1:], sv[:-1])])
-    starts, n = _nonzero_rows(first, fill=N)
-    return sv, perm, first, aten.select.int(starts, 1, 0), n
+    return (sv, perm) + _run_starts(aten.ne.Tensor(sv[1:], sv[:-1]), N)
+
+
+def _run_starts(differs: TpuTensor, size: int):
+    """From ``differs`` (element i + 1 differs from element i, of ``size`` elements): (the bool
+    marks of each run's first element, the run starts at a bucketed size padded with ``size``,
+    the number of runs)."""
+    first = aten.cat.default([aten.ones.default([1], dtype=torch.bool, device=differs.device),
+                              differs])
+    starts, n = _nonzero_rows(first, fill=size)
+    return first, aten.select.int(starts, 1, 0), n
+
+
+def _run_counts(starts: TpuTensor, size: int, n: int) -> TpuTensor:
+    """The length of each of the ``n`` runs starting at ``starts`` (padded with ``size``)."""
+    end = aten.full.default([1], size, dtype=torch.int64, device=starts.device)
+    return _cut(aten.cat.default([starts[1:], end]) - starts, n)
 
 
 def _unique(x: TpuTensor, sort: bool, inverse: bool, counts: bool):
@@ -137,8 +150,7 @@ def _unique(x: TpuTensor, sort: bool, inverse: bool, counts: bool):
             gid = aten.scatter.src(aten.empty_like.default(gid), 0, perm, gid)
         inv = gid.reshape(x.shape)
     if counts:
-        end = aten.full.default([1], N, dtype=torch.int64, device=x.device)
-        cnt = _cut(aten.cat.default([starts[1:], end]) - starts, n)
+        cnt = _run_counts(starts, N, n)
     return values, inv, cnt
 
 
@@ -170,17 +182,13 @@ def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
         raise Fallback(_WHY)
     L = x.shape[dim]
     rows = aten.movedim.int(x, dim, 0).reshape(L, -1)
-    first = aten.cat.default([aten.ones.default([1], dtype=torch.bool, device=x.device),
-                              aten.ne.Tensor(rows[1:], rows[:-1]).any(1)])
-    starts, n = _nonzero_rows(first, fill=L)
-    starts = aten.select.int(starts, 1, 0)
+    first, starts, n = _run_starts(aten.ne.Tensor(rows[1:], rows[:-1]).any(1), L)
     values = aten.index_select.default(x, dim, _cut(starts, n))
     empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
     inv = first.to(torch.int64).cumsum(0) - 1 if inverse else empty
     cnt = empty
     if counts:
-        end = aten.full.default([1], L, dtype=torch.int64, device=x.device)
-        cnt = _cut(aten.cat.default([starts[1:], end]) - starts, n)
+        cnt = _run_counts(starts, L, n)
     return values, inv, cnt
 
 
