@@ -17,6 +17,7 @@ from . import LOWERINGS, Lowering, op
 from .pointwise import (_BOOL, _I64, _bc, _cast, _common, _integral_only, _iscomplex, _isfloat,
                         _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
                         _zeta, frexp)
+from .precision import round_to
 from .unary_int import abs_, bitwise_not, conj_physical, isfinite, neg, round_, sign, signbit
 
 # --------------------------------------------------------------------------------------------
@@ -386,23 +387,18 @@ def lcm(x, y):
     return jnp.where(g == 0, jnp.zeros_like(x), jnp.abs(x // jnp.where(g == 0, 1, g) * y))
 
 
-def _half_rounded(v, ct):
-    """CPU's scalar kernels apply std::log/log1p to a half-precision value, which returns the
-    half-precision type: the logarithm is rounded before the product."""
-    return v.astype(ct).astype(v.dtype) if np.dtype(ct) in (jnp.bfloat16, jnp.float16) else v
-
-
 @op("xlogy.Tensor", "xlogy.Scalar_Self", "xlogy.Scalar_Other")
 def xlogy(x, y):
     ct, (x, y) = _common(x, y, float_=True)
-    lg = _half_rounded(jnp.log(y), ct)
+    # CPU's std::log of a half-precision value returns one: rounded before the product.
+    lg = round_to(jnp.log(y), ct)
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * lg))
 
 
 @op("special_xlog1py.default", "special_xlog1py.self_scalar", "special_xlog1py.other_scalar")
 def xlog1py(x, y):
     ct, (x, y) = _common(x, y, float_=True)
-    lg = _half_rounded(jnp.log1p(y), ct)
+    lg = round_to(jnp.log1p(y), ct)        # rounded before the product, as in xlogy
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * lg))
 
 

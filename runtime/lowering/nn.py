@@ -10,6 +10,7 @@ PyTorch's CPU kernels do; the caller casts every output to PyTorch's dtype.
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -211,9 +212,7 @@ def _softmax(self, dim, half_to_float):
         # exponentials and round once; the positions left over (the tail) divide the rounded ones.
         d = dim % x.ndim
         inner = x.shape[d + 1:]
-        n = 1
-        for k in inner:
-            n *= k
+        n = math.prod(inner)
         pos = jnp.arange(n).reshape(inner)
         return jnp.where(pos < n // _BF16_LANES * _BF16_LANES, e / s, round_to(e, self.dtype) / s)
     return jax.nn.softmax(_acc(self), axis=dim)
