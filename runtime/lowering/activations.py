@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax  # noqa: F401
 
 from . import op
+from .precision import acc, round_to
 from .pointwise import _cast, _common, _isinexact, _opmath, _rt, _scale  # noqa: F401
 
 
@@ -182,7 +183,12 @@ def silu_backward(g, x):
 
 @op("sigmoid_backward.default")
 def sigmoid_backward(g, y):
-    g, y = _gx(g, y)
+    rt, (g, y) = _common(g, y)
+    if rt == jnp.float16:
+        # CPU's float16 kernel computes in float16 (each of its three steps rounds); its
+        # bfloat16 one in float32, as here.
+        g, y = acc(g), acc(y)
+        return round_to(round_to(g * round_to(1 - y, jnp.float16), jnp.float16) * y, jnp.float16)
     return g * (1 - y) * y
 
 
