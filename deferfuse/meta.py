@@ -447,6 +447,9 @@ def _dtype_sig(a):
 _DTYPE_REFUSAL = re.compile(r"not implemented for '|(with|on) (a|two) bool tensors? (is|are) not "
                             r"supported")
 _DTYPE_ERRORS = Cache("dtype support", 4096)    # (op, dtypes of its arguments) -> error or None
+# CPU kernels that crash on stand-ins (oneDNN reads their real shapes): never probed.
+_NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), "default", None) for p in (
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward")) if o is not None}
 
 
 def dtype_error(func, args, kwargs):
@@ -459,7 +462,8 @@ def dtype_error(func, args, kwargs):
     err = _DTYPE_ERRORS.get(key, 0)
     if err == 0:
         err = None
-        if not (torch.Tag.nondeterministic_seeded in func.tags or "generator" in kwargs):
+        if not (torch.Tag.nondeterministic_seeded in func.tags or "generator" in kwargs
+                or func in _NO_STAND_INS):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
