@@ -371,13 +371,14 @@ def register() -> None:
     _enable_foreach()
     _keep_tied_parameters()
     _wrap_autograd()
-    from . import amp, attention, compiled, linear, serialization, traceable
+    from . import amp, attention, compiled, linear, rnn, serialization, traceable
     traceable.install()
     compiled.register()
     amp.register()
     serialization.register()
     attention.register()
     linear.register()
+    rnn.register()
 
     # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
     # (no Python dispatch): give those kernels.

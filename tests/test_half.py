@@ -6,9 +6,12 @@ accumulation and rounding points (addbmm, grid sampling, convolutions, softmax, 
 pooling, pointwise losses), fused float16 chains in defer mode, ties, and half-precision CPU
 fallbacks.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import deferfuse
 from util import assert_same, to_tpu
@@ -249,6 +252,96 @@ def test_multi_head_attention_forward(dt):
     got = t(q.to("tpu"), q.to("tpu"), q.to("tpu"), key_padding_mask=mask.to("tpu"))
     assert_same(got[0].detach(), want[0].detach(), **TOL[dt])
     assert_same(got[1].detach(), want[1].detach(), **TOL[dt])
+
+
+# --------------------------------------------------------------------------------------------
+# recurrent layers: CPU's algorithm (unfused cells, or oneDNN's LSTM where CPU runs it)
+
+def _grads_of(outs, wrt, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outs)
+    return torch.autograd.grad(loss, wrt)
+
+
+def _flat(out):
+    return [t for t in (out if isinstance(out, tuple) else (out,))
+            for t in (t if isinstance(t, tuple) else (t,))]
+
+
+def _module_same(make, args, dt):
+    """``make()`` (a module) on tpu and on CPU: outputs at the forward tolerance, the gradients
+    of the inputs and parameters at the sweep's half-precision backward tolerance."""
+    torch.manual_seed(0)
+    m = make().to(dt)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3)                       # larger gates: small hidden values, several ulps apart
+    mt = copy.deepcopy(m).to("tpu")
+    ca = [a.clone().requires_grad_() for a in args]
+    ta = [a.to("tpu").requires_grad_() for a in args]
+    deferfuse.reset_metrics()
+    want, got = _flat(m(*ca)), _flat(mt(*ta))
+    assert_same([g.detach() for g in got], [w.detach() for w in want], **TOL[dt])
+    gw = _grads_of(want, ca + list(m.parameters()))
+    gg = _grads_of(got, ta + list(mt.parameters()))
+    assert_same(list(gg), list(gw), atol=1e-3, rtol=2 * TOL[dt]["rtol"] if dt == torch.float16
+                else TOL[dt]["rtol"])
+    deferfuse.sync()
+    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+
+
+_RNNS = {
+    # CPU runs oneDNN's LSTM for these in bfloat16 on a processor with AVX512-BF16 or AMX
+    "lstm": (lambda: torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True), (7, 3, 3)),
+    "lstm_proj": (lambda: torch.nn.LSTM(3, 5, proj_size=2, batch_first=True), (3, 7, 3)),
+    "gru": (lambda: torch.nn.GRU(3, 4, num_layers=2, bidirectional=True, batch_first=True),
+            (3, 7, 3)),
+    "rnn_relu": (lambda: torch.nn.RNN(3, 4, nonlinearity="relu", num_layers=2, bias=False),
+                 (7, 3, 3)),
+    "lstm_cell": (lambda: torch.nn.LSTMCell(3, 6), (8, 3)),
+    "gru_cell": (lambda: torch.nn.GRUCell(3, 6), (8, 3)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_RNNS))
+def test_recurrent_layers_as_cpu(dt, kind):
+    """On tpu a recurrent layer used CUDA's fused cells (gates summed and activated in float32);
+    CPU rounds after each unfused op, or runs oneDNN (cell state rounded every step, rounded gate
+    gradients): hidden states and gradients were several ulps apart."""
+    make, shape = _RNNS[kind]
+    _module_same(make, [_rand(*shape, dt=dt, scale=3)], dt)
+
+
+def test_lstm_without_autograd_as_cpu(dt):
+    """Without autograd CPU runs oneDNN's LSTM in float16 too (where the processor has it)."""
+    torch.manual_seed(0)
+    m = torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True).to(dt)
+    x = _rand(3, 7, 3, dt=dt, scale=3)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3)
+        mt = copy.deepcopy(m).to("tpu")
+        deferfuse.reset_metrics()
+        assert_same(_flat(mt(x.to("tpu"))), _flat(m(x)), **TOL[dt])
+    deferfuse.sync()
+    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+
+
+def test_packed_sequences_as_cpu(dt):
+    x = _rand(6, 3, 3, dt=dt, scale=3)
+    lengths = torch.tensor([6, 4, 1])
+    for cls in (torch.nn.LSTM, torch.nn.GRU):
+        _module_same(lambda: _Packed(cls(3, 4, bidirectional=True), lengths), [x], dt)
+
+
+class _Packed(torch.nn.Module):
+    def __init__(self, rnn, lengths):
+        super().__init__()
+        self.rnn, self.lengths = rnn, lengths
+
+    def forward(self, x):
+        out, hidden = self.rnn(pack_padded_sequence(x, self.lengths))
+        return out.data, hidden
 
 
 def test_sigmoid_backward_rounds_as_cpu(dt):
