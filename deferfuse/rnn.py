@@ -10,10 +10,11 @@ per output). On CPU:
   each cell is a chain of unfused ops (``linear(h).add_(x)``, ``sigmoid_``, ``tanh_``, ``mul``,
   ``add_``), each rounding to the dtype;
 - ``aten::lstm`` runs oneDNN's LSTM instead, layer by layer (``mkldnn_rnn_layer``), when oneDNN
-  is enabled and supports the dtype on this processor (bfloat16: a processor with AVX512-BF16 or
-  AMX; float16 only without autograd) and the LSTM has no projections: gates in float32 from
-  float32 products, the cell state rounded to the dtype after every step, the activated gates
-  rounded for the backward pass, whose gate gradients are rounded before their products.
+  is enabled and has the dtype on this processor (``_is_mkldnn_bf16_supported``: on x86,
+  AVX-512 BW/VL/DQ or AVX-NE-CONVERT; float16 only without autograd) and the LSTM has no
+  projections: gates in float32 from float32 products, the cell state rounded to the dtype after
+  every step, the activated gates rounded for the backward pass, whose gate gradients are
+  rounded before their products.
 
 In half precision the two differ by several ulps on small hidden states, so for bfloat16 and
 float16 inputs the kernels here (for the AutogradPrivateUse1 key) run CPU's algorithm on tpu: the

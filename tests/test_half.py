@@ -291,7 +291,7 @@ def _module_same(make, args, dt):
 
 
 _RNNS = {
-    # CPU runs oneDNN's LSTM for these in bfloat16 on a processor with AVX512-BF16 or AMX
+    # CPU runs oneDNN's LSTM for these in bfloat16 where oneDNN has bfloat16 (x86 with AVX-512)
     "lstm": (lambda: torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True), (7, 3, 3)),
     "lstm_proj": (lambda: torch.nn.LSTM(3, 5, proj_size=2, batch_first=True), (3, 7, 3)),
     "gru": (lambda: torch.nn.GRU(3, 4, num_layers=2, bidirectional=True, batch_first=True),
