@@ -76,10 +76,7 @@ CONTRACTION_TOL = {torch.float32: (1e-4, 1e-5)}
 SKIP: dict = {}
 
 # Why the known failures fail (for the table; the sweep does not use it).
-_RNN = ("bfloat16: the cells use CUDA's fused cell arithmetic (gates in float32, runtime/lowering/"
-        "rnn.py), CPU composes unfused ops that each round; a few elements one or two ulps apart")
 CAUSES = {
-    "nn.GRUCell": _RNN, "nn.LSTMCell": _RNN, "nn.GRU": _RNN, "nn.LSTM": _RNN,
     "nn.Embedding": "bfloat16 backward: CPU adds the weight gradient row by row in bfloat16 (a sum "
                     "of ~900 ones stalls at 256); tpu accumulates in float32, as CUDA does",
     "nn.ReplicationPad3d": "bfloat16 backward: CPU accumulates the padded border's gradient in "
