@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist sweep module-sweep wheel-test clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep wheel-test clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -46,10 +46,15 @@ bench-quick: $(STAMP)
 
 bench-paired: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
-	$(BIN)/python bench/paired.py --quick $(ARGS)
+	$(BIN)/python bench/paired.py --quick --systems eager,strict,defer,compiled,floor,jax $(ARGS)
 
 bench-dist: $(STAMP)
 	$(BIN)/python bench/dist.py $(ARGS)
+
+# Programs that vary (docs/recompiles.md): first call, second call, new prompt, second process.
+bench-vary: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python bench/vary.py --quick $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow

@@ -64,9 +64,11 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
     df = None
     if set(systems) & set(R.DEFERFUSE):
         import deferfuse as df
-    built, scopes, out = {}, {}, {"na": {}}
+    built, scopes, out = {}, {}, {"na": {}, "failed": {}, "warmup_compiles": {}}
     for s in systems:
         torch.manual_seed(W.SEED)
+        if df is not None:
+            df.reset_metrics()
         scopes[s] = _scope(df, s) if s in R.DEFERFUSE else contextlib.nullcontext
         try:
             if s == "jax":
@@ -85,16 +87,32 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
                 out.setdefault("first_step_s", {})[s] = time.perf_counter() - t0    # compiles
                 for _ in range(warmup - 1):
                     built[s].step()
+            if df is not None and s in R.DEFERFUSE:
+                # What building and warming this system up compiled (compile seconds are the
+                # cost of a program that varies: issue 25).
+                m = df.metrics()
+                out["warmup_compiles"][s] = dict(compiles=m["compiles"],
+                                                 compile_s=m["compile_seconds"],
+                                                 disk=m["disk_cache_hits"])
         except W.NotApplicable as e:
             out["na"][s] = str(e)
+        except Exception as e:
+            if s in ("eager", "defer"):
+                raise               # the reference systems: the workload itself is broken
+            # One system that cannot run this workload: reported, the others still measured.
+            built.pop(s, None)
+            out["failed"][s] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}" \
+                if str(e).strip() else type(e).__name__
     live = [s for s in systems if s in built]
     if df is not None:
         df.reset_metrics()
     times = {s: [] for s in live}
     extras = {s: [] for s in live}
+    timed_compiles = {s: 0 for s in live if s in R.DEFERFUSE}
     drains = {s: (_jax_drain if s == "jax" else W.Ctx(s).sync) for s in live}
     for r in range(rounds):
         for s in (live if r % 2 == 0 else live[::-1]):
+            c0 = df.metrics()["compiles"] if s in timed_compiles else 0
             with scopes[s]():
                 t0 = time.perf_counter()
                 for _ in range(block):
@@ -106,9 +124,12 @@ def _measure(w: str, systems: list[str], quick: bool, warmup: int, rounds: int, 
                 # system's work runs on into the next system's steps.
                 drains[s]()
                 times[s].append((time.perf_counter() - t0) / block)
+            if s in timed_compiles:
+                timed_compiles[s] += df.metrics()["compiles"] - c0
     if df is not None:
         m = df.metrics()
         out["deferfuse_compiles_after_warmup"] = m["compiles"]
+        out["compiles_after_warmup"] = timed_compiles
         out["cpu_fallbacks"] = dict(m["cpu_fallbacks"])
     out["times_s"] = times
     out["us_per_op"] = {s: statistics.median(v) for s, v in extras.items() if v}
@@ -179,8 +200,9 @@ def render_md(meta: dict, results: dict) -> str:
          "system's final number (loss, sum) from eager's, relative (absolute below 1e-3).", "",
          "| workload | " + " | ".join(f"{s} ms" for s in meta["systems"]) + " | "
          + " | ".join(f"{s} / defer (paired)" for s in others) + f" | rounds at {GOAL}x vs strict |"
-         + " compiles after warm-up | check |",
-         "|---|" + "---:|" * (len(meta["systems"]) + len(others) + 2) + "---|"]
+         + " compile s in warm-up (defer, strict) | compiles after warm-up (defer, strict, compiled) |"
+         " check |",
+         "|---|" + "---:|" * (len(meta["systems"]) + len(others) + 3) + "---|"]
     ratios = []
     for w in meta["workloads"]:
         r = results.get(w)
@@ -189,7 +211,8 @@ def render_md(meta: dict, results: dict) -> str:
             continue
         c = summarize(r)
         cells = [R._ms(c["median_ms"].get(s)) if s in c["median_ms"] else
-                 ("n/a" if s in r["na"] else "–") for s in meta["systems"]]
+                 ("n/a" if s in r["na"] else "failed" if s in r.get("failed", {}) else "–")
+                 for s in meta["systems"]]
         pr = []
         for s in others:
             p = c["paired"].get(s)
@@ -201,8 +224,13 @@ def render_md(meta: dict, results: dict) -> str:
         worst = max(diffs.values()) if diffs else None
         chk = "–" if worst is None else (f"{worst:.0e}" if worst < 1e-3 else f"**{worst:.2g} DIFFERS**")
         share = "–" if not st else f"{st['at_goal'] * 100:.0f}%"
-        L.append(f"| {w} | " + " | ".join(cells + pr) + f" | {share} | "
-                 f"{r.get('deferfuse_compiles_after_warmup', '–')} | {chk} |")
+        wc = r.get("warmup_compiles", {})
+        csec = ", ".join(f"{wc[x]['compile_s']:.1f}" if x in wc else "–" for x in ("defer", "strict"))
+        ca = r.get("compiles_after_warmup")
+        after = (", ".join(str(ca.get(x, "–")) for x in ("defer", "strict", "compiled"))
+                 if ca is not None
+                 else str(r.get("deferfuse_compiles_after_warmup", "–")))
+        L.append(f"| {w} | " + " | ".join(cells + pr) + f" | {share} | {csec} | {after} | {chk} |")
     if ratios:
         g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         L += ["", f"Geometric mean of the paired strict/defer medians: **{g:.2f}x**; "
@@ -213,6 +241,17 @@ def render_md(meta: dict, results: dict) -> str:
         if p:
             L.append(f"- {w}: defer / hand-written jax.jit program, paired: **{1 / p['median']:.2f}x** "
                      f"[{1 / p['p75']:.2f}-{1 / p['p25']:.2f}] (1.0 would be the JAX ceiling)")
+    for w in meta["workloads"]:
+        r = results.get(w)
+        p = summarize(r)["paired"] if r and r["status"] == "ok" else {}
+        if p.get("jax") and p.get("compiled"):
+            L.append(f"- {w}: compiled / hand-written jax.jit program, paired: "
+                     f"**{p['compiled']['median'] / p['jax']['median']:.2f}x**; compiled / defer "
+                     f"{p['compiled']['median']:.2f}x")
+    for w in meta["workloads"]:
+        r = results.get(w)
+        for s, why in ((r or {}).get("failed") or {}).items():
+            L.append(f"- {w}: {s} failed: {why}")
     for w in meta["workloads"]:
         r = results.get(w)
         if r and r["status"] == "ok" and r.get("first_step_s"):

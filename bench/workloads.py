@@ -515,6 +515,156 @@ def hf_generate_static(ctx, quick):
     return _generate(ctx, quick, "static")
 
 
+# --------------------------------------------------------------------------- programs that vary
+# (issue 25) Loops whose offsets, lengths or batch sizes change from step to step.
+def _bptt_cfg(quick):
+    return _sizes(quick, dict(vocab=100, d=32, t=12, batch=8, tokens=4000),
+                  dict(vocab=1000, d=128, t=35, batch=20, tokens=40000))
+
+
+class _LSTMLM(nn.Module):
+    def __init__(self, vocab, d):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(vocab, d), nn.LSTM(d, d), nn.Linear(d, vocab)
+
+    def forward(self, x, h):
+        y, h = self.rnn(self.emb(x), h)
+        return self.out(y), h
+
+
+class _TransformerLM(nn.Module):
+    def __init__(self, vocab, d):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, x, h):
+        n = x.shape[0]
+        mask = torch.triu(torch.full((n, n), float("-inf"), device=x.device), 1)
+        return self.out(self.enc(self.emb(x), mask=mask)), h
+
+
+def _bptt(ctx, quick, arch):
+    """Truncated BPTT as in PyTorch's word-language-model example: one long token tensor, each
+    step trains on the slices ``data[i:i+T]``, ``data[i+1:i+1+T]`` at the next offset ``i`` (the
+    hidden state carried over, detached)."""
+    if ctx.system in ("compile", "torchax_jit"):
+        raise NotApplicable(f"{ctx.system}: a training step with a carried state is not written")
+    cfg = _bptt_cfg(quick)
+    torch.manual_seed(SEED)
+    model = (_LSTMLM if arch == "lstm" else _TransformerLM)(cfg["vocab"], cfg["d"])
+    data = torch.randint(0, cfg["vocab"], (cfg["tokens"] // cfg["batch"], cfg["batch"]),
+                         generator=_gen(1))
+    model = model.to(ctx.device)
+    data = ctx.to(data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    T = cfg["t"]
+    st = {"i": 0, "h": None, "loss": float("nan")}
+
+    def step():
+        i = st["i"]
+        if i + T + 1 > data.shape[0]:
+            i, st["h"] = 0, None
+        x, y = data[i:i + T], data[i + 1:i + 1 + T]
+        h = st["h"]
+        if h is not None:
+            h = tuple(z.detach() for z in h)
+        out, h = model(x, h)
+        loss = F.cross_entropy(out.reshape(-1, cfg["vocab"]), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        st["h"] = h if arch == "lstm" else None
+        st["i"] = i + T
+        st["loss"] = loss.item()
+
+    return Built(step=step, check=lambda: st["loss"], items=("tok", T * cfg["batch"]),
+                 info=dict(cfg, arch=arch))
+
+
+def bptt_lstm(ctx, quick):
+    return _bptt(ctx, quick, "lstm")
+
+
+def bptt_transformer(ctx, quick):
+    return _bptt(ctx, quick, "transformer")
+
+
+class _GrowGPT(nn.Module):
+    """nanoGPT's model and its own sampling loop: the sequence grows by one token per step with
+    ``torch.cat``, and every step runs the model on the whole sequence (no KV cache)."""
+
+    def __init__(self, vocab=96, d=64, layers=2, heads=4, block=128):
+        super().__init__()
+        self.block, self.heads = block, heads
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+    @torch.no_grad()
+    def generate(self, idx, n):
+        for _ in range(n):
+            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
+            nxt = torch.argmax(self(cond)[:, -1, :], dim=-1, keepdim=True)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def gpt_generate_grow(ctx, quick):
+    """``generate(50)`` of a 2-layer, 64-wide GPT from an 8-token prompt, the sequence growing by
+    one token per step (no KV cache); a step is one generate() call, the tokens read at the end."""
+    if ctx.system in ("compile", "torchax_jit"):
+        raise NotApplicable(f"{ctx.system}: a Python loop of growing shapes is not written")
+    torch.manual_seed(SEED)
+    model = _GrowGPT().eval().to(ctx.device)
+    n = 50
+    prompt = ctx.to(torch.randint(0, 96, (1, 8), generator=_gen(1)))
+    out = [None]
+
+    def step():
+        out[0] = model.generate(prompt, n).cpu()
+
+    return Built(step=step, check=lambda: float(out[0].sum()), items=("tok", n),
+                 info=dict(layers=2, d=64, prompt=8, new_tokens=n, kv_cache="none"))
+
+
+def ragged_train(ctx, quick):
+    """An epoch of an MLP over a dataset whose last batch is smaller (3 batches of 64 and one of
+    23, quick): a step is the epoch, each batch's loss read."""
+    cfg = _sizes(quick, dict(dims=(64, 256, 256, 10), batches=(64, 64, 64, 23)),
+                 dict(dims=(256, 1024, 1024, 10), batches=(256, 256, 256, 256, 77)))
+    torch.manual_seed(SEED)
+    d = cfg["dims"]
+    model = nn.Sequential(nn.Linear(d[0], d[1]), nn.ReLU(), nn.Linear(d[1], d[2]), nn.ReLU(),
+                          nn.Linear(d[2], d[3])).to(ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = _gen(1)
+    data = [(ctx.to(torch.randn(b, d[0], generator=g)), ctx.to(torch.randint(0, d[3], (b,),
+                                                                             generator=g)))
+            for b in cfg["batches"]]
+    last = [float("nan")]
+
+    def step():
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            last[0] = loss.item()
+
+    return Built(step=step, check=lambda: last[0], items=("batch", len(cfg["batches"])),
+                 info=cfg)
+
+
 # --------------------------------------------------------------------------- JAX twins
 def _jax():
     import jax
@@ -751,4 +901,12 @@ WORKLOADS = {
                                desc="tiny HF Llama, greedy generate, static cache"),
     "overhead": dict(torch=overhead, jax=overhead_jax, bound=None,
                      desc="per-op overhead: µs per tiny op (recorded / dispatched)"),
+    "bptt_lstm": dict(torch=bptt_lstm, jax=None, bound=None,
+                      desc="truncated BPTT LSTM language model over slices of one token tensor"),
+    "bptt_transformer": dict(torch=bptt_transformer, jax=None, bound=None,
+                             desc="truncated BPTT Transformer LM over slices of one token tensor"),
+    "gpt_generate_grow": dict(torch=gpt_generate_grow, jax=None, bound=None,
+                              desc="GPT sampling loop, sequence grown by torch.cat, generate(50)"),
+    "ragged_train": dict(torch=ragged_train, jax=None, bound=None,
+                         desc="MLP training epoch whose last batch is smaller"),
 }

@@ -111,5 +111,10 @@ def _tune_gc(threshold: int) -> None:
 _tune_gc(config.gc_threshold)
 _device.register()
 if config.persistent_cache:
+    import os as _os
+    import torch as _torch
+    from .config import codegen_key as _codegen_key
     from .runtime import diskcache as _diskcache
     _diskcache.enable(config.cache_dir)
+    _engine.runner.programs.enable(_os.path.join(config.cache_dir, "programs"),
+                                   (_torch.__version__, _codegen_key()))

@@ -93,6 +93,9 @@ SETTINGS = {s.name: s for s in [
     Setting("shape_recompile_limit", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 2, int,
             "versions of one region structure compiled before its shape-changing ops are split "
             "off (and, if every op changes, before it runs op by op)"),
+    Setting("buckets", "DEFERFUSE_BUCKETS", True, _bool,
+            "run a region whose sizes keep changing (a growing sequence) padded to buckets of "
+            "lengths, one program per bucket (see docs/recompiles.md)"),
     Setting("distributed", "DEFERFUSE_DISTRIBUTED", "auto", str,
             "start JAX's distributed runtime at import: auto (when torchrun's WORLD_SIZE > 1), "
             "1 (also JAX's own cluster discovery, e.g. a TPU pod), 0 (never); read at import"),

@@ -258,7 +258,8 @@ def _wrap_autograd() -> None:
       +9%, convnet +4%, GPT +1% and -2%, Llama +1%), but a loop that reads it every 10 steps ran 20%
       faster (``bench/`` workload ``gpt_train_log10``): without the cut its steps were recorded
       with the device idle and computed only at the read. ``DEFERFUSE_BACKWARD_CUT=0`` turns it
-      off.
+      off. Not after a compiled forward graph: NOTE [no backward cut for graphs] in
+      compiled.py.
     - NOTE [backward thread]: run the backward pass on the calling thread, as PyTorch does for CPU
       tensors (``torch.autograd.set_multithreading_enabled(False)``). For an accelerator PyTorch
       hands it to a device thread of its own and blocks the caller; every op of the backward pass is
@@ -268,6 +269,7 @@ def _wrap_autograd() -> None:
       device thread.
     - raise the error of a backward op that failed (NOTE [errors in backward] in route.py)."""
     import torch.autograd as autograd
+    from . import compiled
     from .tensor import TpuTensor
 
     def on_tpu(ts) -> bool:
@@ -281,7 +283,8 @@ def _wrap_autograd() -> None:
                 return orig(*args, **kwargs)
             ts = engine.state
             roots = args[0] if args else kwargs.get(first)
-            if ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots):
+            if (ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots)
+                    and compiled.backward_cut_pays(ts.trace)):
                 engine.sync("backward")
             errors = ts.backward_errors
             errors.clear()

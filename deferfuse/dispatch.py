@@ -38,7 +38,7 @@ _ops = engine.ops              # op key -> Entry
 class Entry:
     """What one op structure needs at run time, computed on its first call."""
     __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast", "made",
-                 "dev")
+                 "dev", "dyn", "skey", "ohash")
 
 
 def user_frame() -> str:
@@ -63,7 +63,7 @@ def read(t: TpuTensor, reason: str = "cpu"):
     arr = engine.ready(t._s.val, t._s.device, reason)
     if not t._chain:
         return arr
-    return execute.read_view(arr, t._chain)
+    return execute.read_view(arr, t._chain, t._dyn)
 
 
 def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
@@ -243,6 +243,11 @@ def _run(func, info, args, kwargs):
             _ops[key] = entry = why
     if entry.__class__ is str:
         raise Fallback(entry)
+    if entry.dyn:
+        # Inputs that are views at dynamic offsets: the offsets are int inputs, after the op's
+        # own scalars (NOTE [dynamic offsets] in runtime/viewchain.py).
+        for i in entry.dyn:
+            scalars.extend(tensors[i]._dyn)
     # Inputs: each tensor's base value; a mutated input that is overwritten whole is not read.
     mut = entry.out[1]
     ins = list(map(_VAL, tensors))
@@ -331,6 +336,7 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
     e.name = info.name
     # hash(-1) == hash(-2) in CPython: mix in the text of the key so such keys never collide.
     e.khash = hash((key, repr(key)))
+    e.ohash = _shapeless_hash(key)
     mut = ()
     if info.kind in ("self_mut", "func_mut"):
         mut_objs = [args[i] for i in info.mut_pos if i < len(args)] + \
@@ -355,8 +361,10 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
     bases = tuple((t._s.val.shape, t._s.val.dtype) for t in tensors)
     chains = tuple(t._chain for t in tensors)
     e.fn = build(info.low, targs, tkw, chains, bases, mut, info.kind == "self_mut", out_avals)
+    e.dyn = tuple(i for i, t in enumerate(tensors) if t._dyn)
     e.out = ((structure, metas), mut, info.low.rng, out_avals)
     e.jit = None
+    e.skey = None       # its stable description, made when a program is stored (diskcache.py)
     e.key = key
     res = [tuple(bases[m]) for m in mut] if mut else [a for a in out_avals]
     if info.low.rng:
@@ -381,6 +389,35 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
             e.fast = made           # a list: one such tuple (or None) per output
     _ops[key] = e
     return e
+
+
+def _skeleton(x):
+    """``x`` with every int replaced by a marker (sizes, dims, lengths), bools kept."""
+    t = type(x)
+    if t is int:
+        return "\0int"
+    if t is tuple or t is list:
+        return tuple(_skeleton(y) for y in x)
+    return x
+
+
+def _shapeless_hash(key) -> int:
+    """NOTE [shapeless loop bodies]: the hash of an op's structure without its sizes (its op, the
+    form of its arguments, the kinds of views and the ranks and dtypes of its inputs), which step
+    detection (deferfuse/record.py) finds loop bodies with: a generate() loop whose sequence grows
+    by one token per step repeats the same ops with new shapes, and hashed with its shapes it was
+    one 1,400-op trace with no loop in it."""
+    info, targs, tkw, sigs, dev = key
+    forms = []
+    for i in sigs:
+        sig = sig_id.of.get(i)
+        if sig is None:
+            forms.append(i)
+            continue
+        base_shape, base_dtype, chain, size, stride, dtype = sig
+        forms.append((len(base_shape), base_dtype, tuple(s[0] for s in chain), len(size), dtype))
+    text = repr((info, _skeleton(targs), _skeleton(tkw), forms, dev))
+    return hash(text)
 
 
 def from_cpu(c: torch.Tensor, device: int = 0, dtype=None) -> TpuTensor:

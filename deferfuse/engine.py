@@ -144,7 +144,8 @@ class Engine:
             if src is None:
                 src = self.sources.site(sys._getframe(1))
             cfg = Settings(config.debug, config.cross_check, config.memory_planner,
-                           config.shape_recompile_limit, config.memory_budget, config.step_detection)
+                           config.shape_recompile_limit, config.memory_budget, config.step_detection,
+                           config.buckets)
             ctx = self.runner.start(fl, reason, src, cfg, config.max_regions)
             try:
                 self.runner.run(ctx, later or reason in ASYNC_CUTS)
@@ -207,7 +208,9 @@ class Engine:
         for v in ins:
             if v is not None and (v.array is None or v.chk is not None):
                 self.ready(v, dev, "mode exit")
-        return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug")
+        return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug",
+                              self.runner.programs,
+                              self.runner.buckets if config.buckets else None)
 
     # --- caches -----------------------------------------------------------------------------------
     def caches(self) -> list:

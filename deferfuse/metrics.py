@@ -17,6 +17,7 @@ def metrics() -> dict:
     m["syncs"] = dict(m["syncs"])
     m["sync_sites"] = {f"{r} at {s}": n for (r, s), n in m["sync_sites"].items()}
     m["cpu_fallbacks"] = dict(m["cpu_fallbacks"])
+    m["bucket_refusals"] = dict(m["bucket_refusals"])
     m["collectives"] = dict(m["collectives"])
     m["memory_allocated"] = memory.allocated
     m["max_memory_allocated"] = memory.peak

@@ -2,7 +2,7 @@
 
 Each recorded node extends two rolling hashes: ``h`` over op structure and wiring (the region's
 compile-cache key, so a cache hit never walks the trace again) and ``hops`` over op structure
-alone (loop-body detection). Each thread records into a trace of its own (NOTE [threads] in
+without sizes (loop-body detection: NOTE [shapeless loop bodies] in dispatch.py). Each thread records into a trace of its own (NOTE [threads] in
 engine.py); the engine's lock is held while a trace records or runs.
 """
 from __future__ import annotations
@@ -105,6 +105,7 @@ class Trace:
         self.check_at = steps.LOOP_SPLIT_MIN_OPS     # next length to look for a loop body at
         self.after = None             # the body whose cut began this trace (NOTE [body phase])
         self.cut_body = None          # the body a pending "loop boundary" cut completes
+        self.cut_wait = None          # a body found, cut once the trace reaches check_at
         self.device = None            # the device of its ops (one device per trace)
         self.epoch = self.engine.next_epoch()       # storages taken by an earlier trace are taken again
 
@@ -183,7 +184,7 @@ class Trace:
         if scalars:
             self.scalars.extend(scalars)
         self.h = hash((self.h, entry.khash, wiring, len(scalars)))
-        self.hops = hops = hash((self.hops, entry.khash))
+        self.hops = hops = hash((self.hops, entry.ohash))   # NOTE [shapeless loop bodies]
         pos += 1
         bodies = self._known
         if bodies and (pos, hops) in bodies:
@@ -192,39 +193,67 @@ class Trace:
         elif pos >= config.trace_limit:
             self.cut = "trace limit"
         elif pos == self.check_at:
-            self.check_at *= 2
-            if config.step_detection and self._find_body():
-                self.cut = "loop boundary"
+            if self.cut_wait is not None:       # NOTE [aligned cuts]: the loop's boundary
+                self.cut, self.cut_body, self.cut_wait = "loop boundary", self.cut_wait, None
+            else:
+                self.check_at *= 2
+                if config.step_detection and self._find_body(align=True):
+                    self.cut = "loop boundary"
         return outs
 
-    def _find_body(self) -> bool:
+    def _find_body(self, align: bool = False) -> bool:
         """NOTE [early step detection]: at 256, 512, 1024 ... recorded ops, look for a loop body
         in the trace (steps.find_period: its last half repeats). If there is one, remember it and
         cut here: from now on the loop is cut at every repetition and each piece runs while the
         next is recorded. The trace limit alone left a loop that never syncs, and has no
         backward() to cut at (an evaluation loop collecting outputs), recording 20,000 ops with
-        the device idle. Counts and hashes only, never timing."""
+        the device idle. Counts and hashes only, never timing.
+
+        NOTE [aligned cuts]: with ``align``, the cut waits for the next boundary of the loop's
+        own iterations (where its repetitions begin: steps.loop_phase), not 256 ops, which
+        fall anywhere in one. Cut there, every later piece is one iteration as a fresh call of
+        the same loop records it, so a second call finds the regions (and buckets) the first
+        compiled; cut at 256, the pieces were the iteration rotated by some ops, and the next call
+        compiled them all again. Returns whether to cut now."""
         bodies = self.engine.bodies
-        key = (self.h, len(self.nodes))
+        key = (self.h, len(self.nodes), align)
         body = bodies.found.get(key, 0)
         if body == 0:
-            khashes = [n.key.khash for n in self.nodes]
-            L = steps.find_period(khashes)
+            ohashes = [n.key.ohash for n in self.nodes]
+            L = steps.find_period(ohashes)
             if L is not None:
                 # A short body (a chain of tiny ops) is cut every k repetitions: a cut costs a
                 # flush and a launch, which per 8 ops made the 1,000-op overhead loop 1.2x slower
-                # than one region. (k repetitions fit in any trace of 256 ops or more.)
+                # than one region. (k repetitions fit in any trace of 256 ops or more.) Not a
+                # body whose shapes change from one repetition to the next (NOTE [shapeless loop
+                # bodies]): each repetition is a region of its own, so they can share programs
+                # (runtime/buckets.py), where k of them would be a new structure every time.
+                n = len(ohashes)
+                start, wait = steps.loop_phase(ohashes, L) if align else (0, 0)
+                khashes = [n_.key.khash for n_ in self.nodes[-2 * L:]]
+                # The body ends at the cut (wait ops from now): by periodicity, its ops are those
+                # one period earlier, all recorded.
+                shift = L if wait else 0
                 k = -(-steps.CUT_MIN_OPS // L)
-                if k * L <= len(khashes):
-                    L *= k
-                body = steps.body_signature(khashes, L)
-                bodies.ops[body] = tuple(khashes[-L:])
+                if khashes[:L] != khashes[L:] or n + wait - shift - k * L < start:
+                    k = 1
+                if n + wait - shift - k * L < start:
+                    wait = shift = 0            # too few iterations to align on: cut here
+                L *= k
+                window = ohashes[n + wait - shift - L:n + wait - shift]
+                body = (steps.body_signature(window, L), wait)
+                bodies.ops[body[0]] = tuple(window)
             else:
                 body = None
             bodies.found[key] = body
         if body is None:
             return False
+        body, wait = body
         bodies.learn(body)
+        if wait:
+            self.cut_wait = body
+            self.check_at = len(self.nodes) + wait
+            return False
         self.cut_body = body
         return True
 
@@ -240,7 +269,7 @@ class Trace:
         if ops is None or not 0 < m < len(ops):
             return
         for n, k in zip(self.nodes, ops):
-            if n.key.khash != k:
+            if n.key.ohash != k:
                 return
         rot = ops[m:] + ops[:m]
         body = steps.body_signature(rot, len(rot))
@@ -331,7 +360,7 @@ class Trace:
             self.nodes.append(m)
             self.scalars.extend(n.scalars)
             self.h = hash((self.h, n.key.khash, wiring, len(n.scalars)))
-            self.hops = hash((self.hops, n.key.khash))
+            self.hops = hash((self.hops, n.key.ohash))
         for r in fl.storages:
             st = r()
             if st is not None and st.val.node is not None and st.val.node.trace is self:

@@ -31,7 +31,11 @@ def render() -> str:
     lines.append(f"compiles: {S['compiles']} ({S['region_compiles']} fused regions, {S['op_compiles']} "
                  f"single-op programs); {S['cache_hits']} region cache hits; "
                  f"{S['recompiles']} recompiles of a known region structure with new shapes or "
-                 f"constants; {S['disk_cache_hits']} answered from the on-disk cache.")
+                 f"constants.")
+    if S["disk_cache_hits"]:
+        lines.append(f"disk: {S['disk_cache_hits']} programs came from the on-disk cache instead of "
+                     f"compiling: {S['program_disk_hits']} loaded from disk whole (nothing traced), "
+                     f"{S['jax_disk_hits']} compiled by XLA from its own cache.")
     lines.append(f"time: compiling {S['compile_seconds']:.2f} s, executing (dispatch, asynchronous) "
                  f"{S['execute_seconds']:.2f} s.")
     lines.append("")
@@ -77,6 +81,14 @@ def render() -> str:
                      f"ran as a second region behind them): {S['needed_first_splits']}")
     if S["shape_fallbacks"]:
         lines.append(f"regions run op by op because their shapes kept changing: {S['shape_fallbacks']}")
+    if S["bucketed_runs"] or S["bucket_refusals"] or S["bucket_misfits"]:
+        lines.append(f"buckets (a region whose sizes keep changing runs padded to the next power of "
+                     f"two, one program per bucket; see docs/recompiles.md): {S['bucketed_runs']} "
+                     f"regions ran padded, {S['bucket_programs']} bucket programs made or loaded"
+                     + (f", {S['bucket_misfits']} versions whose sizes did not fit their structure's "
+                        f"buckets (compiled exactly)" if S["bucket_misfits"] else ""))
+        for why, n in S["bucket_refusals"].most_common(4):
+            lines.append(f"  {n:6d}  region structure that cannot run padded: {why}")
     lines += _compiled_lines(S)
     lines.append("memory:")
     lines.append(f"  live device buffers now {_mb(memory.allocated)}, peak {_mb(memory.peak)}"

@@ -143,7 +143,7 @@ def _h_set(func, args, kwargs):
     self = args[0]
     if len(args) > 1 and type(args[1]) is TpuTensor and tuple(args[1].shape) == tuple(self.shape):
         src = args[1]
-        self._s, self._chain, self._sig = src._s, src._chain, src._sig
+        self._s, self._chain, self._sig, self._dyn = src._s, src._chain, src._sig, src._dyn
         return self
     raise Fallback("set_ with a new shape")
 
@@ -256,7 +256,7 @@ def _h_inplace_view(func, args, kwargs):
     v = _INPLACE_VIEWS[func](*args, **kwargs)
     with torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON):
         aten.as_strided_.default(self, v.shape, v.stride(), v.storage_offset())
-    self._chain, self._sig = v._chain, v._sig
+    self._chain, self._sig, self._dyn = v._chain, v._sig, v._dyn
     return self
 
 

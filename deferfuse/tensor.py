@@ -41,6 +41,7 @@ class TpuTensor(torch.Tensor):
     """A tensor on the ``tpu`` device. Its value lives in JAX (see NOTE [storage model])."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    _dyn = ()   # the view chain's dynamic offsets (NOTE [dynamic offsets] in runtime/viewchain.py)
 
     @staticmethod
     def __new__(cls, storage: Storage, chain: tuple, size, stride, offset: int, dtype):
@@ -95,6 +96,7 @@ class TpuTensor(torch.Tensor):
         self._s = new._s
         self._chain = new._chain
         self._sig = new._sig
+        self._dyn = new._dyn
         self.__dict__.pop("_inner_t", None)     # NOTE [inner tensor] (traceable.py)
 
 

@@ -5,9 +5,10 @@ when it is a traceable wrapper (``__tensor_flatten__`` / ``__tensor_unflatten__`
 over its local tensor). A ``TpuTensor``'s inner tensor is a plain PrivateUse1 tensor of the same
 size and dtype (``torch._C._acc.create_empty_tensor``: no data, no kernels), made on first use and
 kept: compiled graphs are graphs of aten ops over inner tensors, faked while they are traced
-(FakeTensorMode runs them on meta kernels) and never run eagerly: at run time our backend
-(deferfuse/compiled.py) reads each inner tensor's value (``value_of``) and gives each output
-array an inner tensor of its own, which AOTAutograd wraps back into a ``TpuTensor``.
+(FakeTensorMode runs them on meta kernels) and never run eagerly. An inner tensor holds a storage
+and a view, as a ``TpuTensor`` does: an input's, the storage and view of the tensor it stands for;
+an output's, a storage of its own holding the value the graph computes (pending until it runs:
+NOTE [graphs are ops] in compiled.py), which AOTAutograd wraps back into a ``TpuTensor``.
 
 While a graph is traced, the ``TpuTensor``s Dynamo and AOTAutograd make hold fake inner tensors and
 no storage; an op on them runs on the inner tensors (``traced_dispatch``) and wraps the results, as
@@ -33,9 +34,10 @@ def _inner(self):
     i = d.get("_inner_t")
     if "_s" not in d:
         return i                # a tensor being traced: its inner tensor is fake
-    if i is None or i._s is not self._s or i._chain is not self._chain:
+    if (i is None or i._s is not self._s or i._chain is not self._chain
+            or i.__dict__.get("_dyn", ()) != self._dyn):
         i = _empty_inner(tuple(self.shape), self.dtype)
-        i._s, i._chain = self._s, self._chain
+        i._s, i._chain, i._dyn = self._s, self._chain, self._dyn
         i._view = (tuple(self.shape), tuple(self.stride()), self.storage_offset())
         self._inner_t = i
     return i
@@ -46,21 +48,32 @@ def _flatten(self):
 
 
 def _unflatten(inner_tensors: dict, meta, outer_size, outer_stride):
-    """A ``TpuTensor`` over ``inner``: a fake one while tracing, a real one holding the value a
-    compiled graph computed (``inner._v``) at run time."""
+    """A ``TpuTensor`` over ``inner``: a fake one while tracing; at run time, one holding the value
+    a compiled graph computed (an output's inner tensor: ``output_inner``), or the tensor an
+    input's inner tensor stands for (its storage and view)."""
     inner = inner_tensors["_inner"]
-    v = inner.__dict__.get("_v")
-    if v is None:
+    d = inner.__dict__
+    st = d.get("_s")
+    if st is None:
         t = torch.Tensor._make_wrapper_subclass(TpuTensor, outer_size, outer_stride, None, None,
                                                 inner.dtype, torch.strided, inner.device,
                                                 inner.requires_grad)
         t._inner_t = inner
         return t
+    if "_out" not in d:
+        size, stride, offset = d["_view"]
+        t = make(st, inner._chain, size, stride, offset, inner.dtype)
+        if d.get("_dyn"):
+            t._dyn = d["_dyn"]
+        return t
     size, stride = tuple(outer_size), tuple(outer_stride)
-    st = Storage(v, inner.device.index or 0, inner.dtype, stride)
-    # Its own inner tensor is made from its storage when needed: the tensor may be written in
-    # place later, and ``inner`` holds the value it had here.
-    return make(st, (), size, stride, 0, inner.dtype)
+    # A storage of its own: the tensor may be written in place later, and ``inner`` (saved for
+    # the backward pass) keeps the value it had here.
+    v = st.val
+    out = Storage(v, st.device, inner.dtype, stride)
+    if v.node is not None:
+        v.node.trace.track(out)
+    return make(out, (), size, stride, 0, inner.dtype)
 
 
 def _traced_inner(t):
@@ -86,10 +99,17 @@ def traced_dispatch(func, args, kwargs):
         out)
 
 
-def inner_for(v, dtype, device: int = 0):
-    """A plain inner tensor standing for the device value ``v`` (a compiled graph's output)."""
-    i = _empty_inner(tuple(v.shape), dtype)
-    i._v = v
+def output_inner(v, dtype, device: int = 0):
+    """A plain inner tensor standing for the value ``v`` (a compiled graph's output, pending or
+    ready): a storage of its own holding ``v``, kept among the storages the pending trace reads
+    back (the backward pass may read it after a sync)."""
+    i = _empty_inner(v.shape, dtype)
+    st = Storage(v, device, dtype)
+    if v.node is not None:
+        v.node.trace.track(st)
+    i._s = st
+    i._chain = ()
+    i._out = True
     return i
 
 

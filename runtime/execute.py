@@ -4,6 +4,7 @@ Every call into JAX happens inside ``x64(True)`` so 64-bit dtypes are PyTorch's 
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -15,6 +16,7 @@ import numpy as np
 from ..scheduler.cache import Cache
 from ..scheduler.records import Value
 from . import stats
+from .diskcache import fresh_compiles, op_key
 from .dtypes import x64
 from .lowering import flag_message, take_flags
 from .transfer import devices
@@ -69,23 +71,14 @@ def sharding(device: int):
 _shardings: dict = {}
 
 
-def run_op(entry, ins, scalars, debug: bool):
-    """Run one op now as its own cached jitted program on ``entry.dev``; returns output Values."""
-    j = entry.jit
+def run_op(entry, ins, scalars, debug: bool, store=None, buckets=None):
+    """Run one op now as its own cached program on ``entry.dev``; returns output Values.
+    ``buckets``: run an op whose sizes keep changing padded in a bucket (NOTE [buckets])."""
     arrays = [None if v is None else v.array for v in ins]
     with x64(True):
-        if j is None:
-            t0 = time.perf_counter()
-            entry.msgs = []
-            j = entry.jit = jax.jit(with_flags(entry.fn, entry.msgs),
-                                    out_shardings=sharding(entry.dev))
-            res = j(arrays, scalars)
-            S["compiles"] += 1
-            S["op_compiles"] += 1
-            S["compile_seconds"] += time.perf_counter() - t0
-        else:
-            res = j(arrays, scalars)
-        res, flags = res
+        if entry.jit is None and buckets is not None:
+            entry.jit = buckets.op_program(entry, ins, scalars, store, 0, S)
+        res, flags = call_op(entry, arrays, scalars, store, buckets)
         if flags:
             raise_flags(flags, entry.msgs)
         if debug:
@@ -95,15 +88,62 @@ def run_op(entry, ins, scalars, debug: bool):
     return _values(res, entry.res_avals)
 
 
+def call_op(entry, arrays, scalars, store=None, buckets=None):
+    """(outputs, index-check flags) of one op's own program (strict and debug mode, op-by-op
+    replays): compiled ahead of time for these inputs, or loaded from the program store (NOTE
+    [program store] in diskcache.py), on first use. The caller holds ``x64(True)``."""
+    j = entry.jit
+    if j is None:
+        j = entry.jit = _op_program(entry, arrays, scalars, store)
+        if buckets is not None:
+            buckets.note_op(entry)
+    try:
+        return j(arrays, scalars)
+    except TypeError:
+        if type(j) is not jax.stages.Compiled:
+            raise
+    # Inputs of other types than the program's (a weakly typed array): a jit over any inputs.
+    entry.msgs = []
+    j = entry.jit = jax.jit(with_flags(entry.fn, entry.msgs), out_shardings=sharding(entry.dev))
+    return j(arrays, scalars)
+
+
+def _op_program(entry, arrays, scalars, store):
+    key = op_key(entry, arrays, scalars, entry.dev) if store is not None and store.on else None
+    got = store.load(key, entry.dev) if key is not None else None
+    if got is not None:
+        entry.msgs = got[1]["msgs"]
+        return got[0]
+    t0 = time.perf_counter()
+    entry.msgs = []
+    hits = S["jax_disk_hits"]
+    with fresh_compiles() if key is not None else _nothing:
+        compiled = jax.jit(with_flags(entry.fn, entry.msgs),
+                           out_shardings=sharding(entry.dev)).lower(arrays, scalars).compile()
+    dt = time.perf_counter() - t0
+    fresh = S["jax_disk_hits"] == hits      # JAX's own persistent cache did not answer it
+    if fresh:
+        S["compiles"] += 1
+        S["op_compiles"] += 1
+        S["compile_seconds"] += dt
+        if key is not None:
+            store.save(key, compiled, {"msgs": entry.msgs})
+    return compiled
+
+
+_nothing = contextlib.nullcontext()
+
+
 view_jits = Cache("view reads", 4096)    # view chain -> its jitted read
 
 
-def read_view(array, chain):
+def read_view(array, chain, dyn=()):
+    """The view ``chain`` of ``array``, at the dynamic offsets ``dyn`` (program inputs)."""
     j = view_jits.get(chain)
     if j is None:
-        j = view_jits[chain] = jax.jit(lambda a: apply_chain(a, chain))
+        j = view_jits[chain] = jax.jit(lambda a, d: apply_chain(a, chain, d))
     with x64(True):
-        return j(array)
+        return j(array, tuple(dyn))
 
 
 class no_interrupt:
@@ -210,24 +250,35 @@ def region_function(plan, out_sig, donate, is_float=()):
     return region
 
 
-def compile_region(plan, out_sig, donate, don, keep, scalars, device: int = 0):
-    """jit and compile a region for these inputs on ``device``; returns (compiled, lowered,
-    seconds, index-check messages)."""
+def compile_region(plan, out_sig, donate, don, keep, scalars, device: int = 0, store=None,
+                   key=None):
+    """jit and compile a region for these inputs on ``device`` (or load it from ``store`` by its
+    stable ``key``: NOTE [program store] in diskcache.py); returns (compiled, lowered or None
+    when loaded, seconds, index-check messages, whether it compiled)."""
     t0 = time.perf_counter()
+    if key is not None:
+        got = store.load(key, device)
+        if got is not None:
+            return got[0], None, time.perf_counter() - t0, got[1]["msgs"], False
     fn = region_function(plan, out_sig, donate, tuple(type(s) is float for s in scalars))
     msgs = fn.msgs
     scalars = pack_scalars(scalars)
-    with x64(True), warnings.catch_warnings():
+    hits = S["jax_disk_hits"]
+    with x64(True), warnings.catch_warnings(), fresh_compiles() if key is not None else _nothing:
         # A donated buffer no output can reuse is still freed early; JAX's warning is noise here.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         lowered = jax.jit(fn, donate_argnums=(0,) if any(donate) else (),
                           out_shardings=sharding(device)).lower(don, keep, scalars)
         compiled = lowered.compile()
     dt = time.perf_counter() - t0
-    S["compiles"] += 1
-    S["region_compiles"] += 1
-    S["compile_seconds"] += dt
-    return compiled, lowered, dt, msgs
+    fresh = S["jax_disk_hits"] == hits     # not answered by JAX's own persistent cache
+    if fresh:
+        S["compiles"] += 1
+        S["region_compiles"] += 1
+        S["compile_seconds"] += dt
+        if key is not None:
+            store.save(key, compiled, {"msgs": list(msgs)})
+    return compiled, lowered, dt, msgs, fresh
 
 
 def run_region(compiled, don, keep, scalars, device: int = 0, debug: bool = False):

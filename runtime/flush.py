@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from . import execute, replay, stats
 from . import memory as memory_stats
 from .checks import CheckList, dependents, ext_dependents
+from .buckets import BucketHit, Buckets
+from .diskcache import ProgramStore, region_key
 from .errors import RegionError
 from .regions import Region, explain_miss, raise_oom
 from ..scheduler import cut, memory, pieces, steps
@@ -52,6 +54,7 @@ class Settings:
     shape_limit: int = 2
     budget: int = 0
     loop_split: bool = True
+    buckets: bool = True
 
 
 @dataclass(slots=True)
@@ -109,11 +112,13 @@ class Runner:
         self.churn = Cache("region structures", 8192)   # ops+wiring -> [compiles, keys, varied]
         self.once = Cache("regions run split once", 8192)
         self.checks = CheckList()
+        self.programs = ProgramStore()      # NOTE [program store] (diskcache.py)
+        self.buckets = Buckets()            # NOTE [buckets] (buckets.py)
         self.last = None        # [nodes, reason, src, pieces] of the latest trace (dump_trace)
         self.peak_seen = 0
 
     def caches(self) -> list:
-        return [self.structs, self.regions, self.churn, self.once]
+        return [self.structs, self.regions, self.churn, self.once, *self.buckets.caches()]
 
     def clear(self) -> None:
         for c in self.caches():
@@ -161,10 +166,13 @@ class Runner:
         if cfg.loop_split and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS and not cfg.cross_check:
             cuts = st.loop_cuts
             if cuts == 0:
-                cuts = st.loop_cuts = steps.periodic_cuts([e.khash for e in entries])
+                cuts = steps.periodic_cuts([e.ohash for e in entries])
+                # Repetitions whose sizes change (NOTE [shapeless loop bodies]): see _pieces.
+                vary = cuts is not None and steps.periodic_cuts([e.khash for e in entries]) != cuts
+                cuts = st.loop_cuts = None if cuts is None else (cuts, vary)
             if cuts is not None:        # see NOTE [loop split] in scheduler/steps.py
                 S["loop_splits"] += 1
-                self._pieces(ctx, st, whole, cuts, None, lf)
+                self._pieces(ctx, st, whole, cuts[0], None, lf, cuts[1])
                 return
         if fl.want is not None and not cfg.cross_check:
             split = st.splits.get(fl.want, 0)
@@ -185,10 +193,16 @@ class Runner:
                 return
         self._region(ctx, whole)
 
-    def _pieces(self, ctx, st, run: Run, cuts, order, later_from) -> None:
+    def _pieces(self, ctx, st, run: Run, cuts, order, later_from, reps=False) -> None:
         """Run ``run`` (a whole trace) as pieces, one region each, one after another: its nodes in
         ``order`` (a topological order; trace order when None) cut at ``cuts``. Pieces from index
-        ``later_from`` on are read at the next sync. The plan is cached with the structure."""
+        ``later_from`` on are read at the next sync. The plan is cached with the structure.
+
+        ``reps``: the pieces are repetitions of a loop body whose sizes change: each repetition
+        leaves every value any of them leaves (the last one leaves what the loop's variables
+        hold). A repetition then is the region the loop makes of it when it is cut at every
+        repetition (as later, and in the next call: NOTE [aligned cuts] in deferfuse/record.py),
+        and their programs (NOTE [buckets] in buckets.py) serve both."""
         nodes = run.nodes
         if nodes.__class__ is pieces.PieceNodes:
             iter(nodes)         # a piece split again: its nodes renumbered
@@ -204,6 +218,15 @@ class Runner:
         live_ids = {id(v) for v in run.outs}
         ext, held = run.ext, run.held
         entries = run.entries
+        union = None
+        if reps:
+            n_rep = max(len(pc.pos) for pc in plan)
+            union = set()
+            for pc in plan:
+                if len(pc.pos) == n_rep:
+                    for j, p in enumerate(pc.pos):
+                        for v in live.get(id(nodes[p]), ()):
+                            union.add((j, v.idx))
         for k, pc in enumerate(plan):
             sub_ext, sub_held = [], []
             for w, later in zip(pc.src, pc.later):
@@ -223,13 +246,21 @@ class Runner:
                 if lv is not None:
                     piece_outs.extend(lv)
                     sig.extend([(j, v.idx) for v in lv])
-            if pc.needed:
+            more = pc.needed
+            if union and len(pc.pos) == n_rep:
+                more = list(more) + sorted(union)
+            if more:
                 have = {id(v) for v in piece_outs}
-                for j, i in pc.needed:
+                for j, i in more:
                     v = nodes[pc.pos[j]].outs[i]
                     if id(v) not in have:
+                        have.add(id(v))
                         piece_outs.append(v)
                         sig.append((j, i))
+                if union and len(pc.pos) == n_rep:
+                    order = sorted(range(len(sig)), key=sig.__getitem__)
+                    piece_outs = [piece_outs[q] for q in order]
+                    sig = [sig[q] for q in order]
             sub = pieces.PieceNodes(nodes, pc)
             try:
                 self._region(ctx, Run(sub, [entries[p] for p in pc.pos], pc.wiring,
@@ -256,6 +287,11 @@ class Runner:
         if reg is not None and reg.__class__ is not tuple and not reg.matches(run.entries,
                                                                                run.wirings):
             S["hash_collisions"] += 1
+            reg = None
+        if reg.__class__ is BucketHit:  # runs in a bucket (NOTE [buckets])
+            if cfg.buckets:
+                self._run_bucket(ctx, run, reg)
+                return
             reg = None
         if reg.__class__ is tuple:      # split for the memory budget on an earlier run
             st = _Struct(run.entries, run.wirings)
@@ -310,7 +346,7 @@ class Runner:
             self.peak_seen = memory_stats.peak
             S["peak_region"] = reg.summary
         if cfg.cross_check:
-            replay.cross_check(run)
+            replay.cross_check(run, self.programs)
 
     def _compile(self, ctx, run: Run, key, mplan, don, keep):
         """Compile ``run`` as a region (or split it, or run it op by op); None when it ran here."""
@@ -320,15 +356,23 @@ class Runner:
         struct = tuple([(k[0], w) for k, w in zip(keys, run.wirings)])
         seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
-        if n_compiled >= cfg.shape_limit and key not in self.once:
-            # NOTE [shape churn]: this structure keeps coming back with new shapes (generate()
-            # growing its sequence and KV cache by one token per step). Split it: runs of ops whose
-            # keys never changed become regions of their own, compiled once; the ops whose shapes
-            # change run apart (as regions until those too churn, then op by op). A version that
-            # comes back (a bucketed batch shape, the same prompt length again) compiles whole on
-            # its second run.
-            self.once[key] = True
+        if seen and cfg.buckets and not cfg.cross_check:
+            found = self.buckets.find(struct, run.entries, run.wirings, S)
+            if found is not None:
+                hit = self.regions[key] = BucketHit(found[0], found[1], run.entries, run.wirings)
+                self._run_bucket(ctx, run, hit, explain_miss(self.regions.values(), keys))
+                return None
+        done = self.once.get(key) if n_compiled >= cfg.shape_limit else "whole"
+        if done is None:
+            # NOTE [shape churn]: this structure keeps coming back with new shapes that do not fit
+            # buckets (NOTE [buckets] in buckets.py). Split it: runs of ops whose keys never
+            # changed become regions of their own, compiled once; the ops whose shapes change run
+            # apart (as regions until those too churn, then op by op). A version that comes back
+            # (the same prompt length again) runs split the same way, so its pieces are found
+            # compiled (what a loop taught converges in one call), except one that ran op by op:
+            # that one recurs, and compiles whole on its second run.
             cuts = cut.churn_cuts(seen[1], keys, seen[2])
+            self.once[key] = cuts if cuts is not None else "whole"
             if cuts is not None:
                 S["shape_splits"] += 1
                 self._pieces(ctx, _Struct(run.entries, run.wirings), run, cuts, None,
@@ -336,6 +380,11 @@ class Runner:
                 return None
             S["shape_fallbacks"] += 1
             self._around(ctx, run, None, None)
+            return None
+        if done.__class__ is tuple:
+            S["shape_splits"] += 1
+            self._pieces(ctx, _Struct(run.entries, run.wirings), run, done, None,
+                         0 if run.later else None)
             return None
         if len(self.regions) >= self.max_regions:
             self._evict()
@@ -347,9 +396,13 @@ class Runner:
             s0 += k
         order = _alias_order(run.outs, run.ext, mplan.donate, ctx.fl.partner)
         sig = run.out_sig if order is None else tuple([run.out_sig[j] for j in order])
+        store = self.programs
+        skey = region_key(run.entries, run.wirings, sig, mplan.donate, don, keep,
+                          tuple(type(s) is float for s in run.scalars),
+                          ctx.fl.device) if store.on else None
         try:
-            compiled, lowered, dt, msgs = execute.compile_region(plan, sig, mplan.donate, don, keep,
-                                                                 run.scalars, ctx.fl.device)
+            compiled, lowered, dt, msgs, fresh = execute.compile_region(
+                plan, sig, mplan.donate, don, keep, run.scalars, ctx.fl.device, store, skey)
         except Exception as e:   # a lowering failed while tracing: find the op
             self._around(ctx, run, None, e)
             return None
@@ -387,21 +440,62 @@ class Runner:
         reg.elided = max(node_bytes - out_bytes, 0)
         # What running it needs beyond what is allocated (outputs and donation are in the key).
         reg.transient = (reg.temp_bytes or 0) + out_bytes - mplan.donated_bytes
-        if n_compiled:
+        if n_compiled and fresh:
             S["recompiles"] += 1
         if seen:
             seen[0] += 1
         else:
             self.churn[struct] = [1, keys, set()]
+        if cfg.buckets:
+            self.buckets.note(struct, run.entries)
         self.regions[key] = reg
-        S["miss_reasons"].append((reg.summary, why, dt))
+        how = "compiled" if fresh else ("loaded from disk" if lowered is None else
+                                        "compiled by XLA from its disk cache")
+        S["miss_reasons"].append((reg.summary, why if fresh else f"{why}; {how}", dt))
         del S["miss_reasons"][:-64]
         if cfg.debug >= 2:
-            print(f"[deferfuse] region MISS ({why}): {reg.summary}; compiled in {dt*1e3:.1f} ms",
+            print(f"[deferfuse] region MISS ({why}): {reg.summary}; {how} in {dt*1e3:.1f} ms",
                   file=sys.stderr)
         if cfg.debug >= 4:
-            print(lowered.as_text(), file=sys.stderr)
+            print(lowered.as_text() if lowered is not None else "(a program loaded from disk)",
+                  file=sys.stderr)
         return reg
+
+    def _run_bucket(self, ctx, run: Run, hit, why: str = "") -> None:
+        """Run ``run`` in its bucket's program (NOTE [buckets] in buckets.py); ``why``: what
+        differs from the closest compiled region (for the report, if a program is made)."""
+        cfg = ctx.cfg
+        try:
+            prog = self.buckets.program(hit.plan, hit.plan.fit.bucket(hit.t), run, ctx.fl.device,
+                                        self.programs, cfg.debug, S, why)
+        except Exception as e:     # a case the rules did not foresee: run it exactly
+            self.buckets.refuse(hit.plan, e, S)
+            for k, v in self.regions.items():
+                if v.__class__ is BucketHit and v.plan is hit.plan:
+                    self.regions.pop(k)
+            self._around(ctx, run, None, None)
+            return
+        outs = run.outs
+        with execute.no_interrupt():
+            try:
+                res, flags = self.buckets.execute(prog, hit, run, ctx.fl.device)
+            except Exception as e:
+                self._around(ctx, run, None, e)
+                return
+            n = 0
+            for v, r in zip(outs, res):
+                v.array = r
+                v.node = None
+                n += v.nbytes
+            memory_stats.account(n)
+            ctx.done.update(run.pos)
+        S["bucketed_runs"] += 1
+        if cfg.debug >= 2:
+            print(f"[deferfuse] region in bucket {prog.P} (at {hit.t}): {prog.summary}",
+                  file=sys.stderr)
+        if flags or self.checks.pending:
+            self.checks.add(flags, prog.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
+                            run.later or ctx.reason in ASYNC_CUTS)
 
     def _around(self, ctx, run: Run, failed_ext, err) -> None:
         """Run ``run`` op by op around what cannot run: the ops reading a failed input
@@ -415,7 +509,7 @@ class Runner:
             first = next(iter(failed_ext.values()))
         rp, found = None, False
         while True:
-            rp, bad_pos, e = replay.run_around(run, bad, rp)
+            rp, bad_pos, e = replay.run_around(run, bad, rp, self.programs)
             if bad_pos is None:
                 break
             found = True

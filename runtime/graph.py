@@ -1,11 +1,14 @@
 """An FX graph of aten ops (a compiled-mode graph from Dynamo and AOTAutograd) as one pure JAX
 function, lowered node by node through the one lowering table.
 
-The function takes the graph's tensor inputs as arrays (split into donated and kept, as a region's),
-its integer inputs as static values, and the RNG key when the graph draws random numbers; it
-returns the graph's outputs, the new values of the inputs the graph writes (``copy_`` into an
-input: AOTAutograd's inference graphs keep those in the graph), the new key and the index-check
-flags. Output dtypes are the graph's own (its nodes' fake values), as a region's are PyTorch's.
+The function is an op of a region (NOTE [graphs are ops] in deferfuse/compiled.py): it takes the
+arrays of the graph's device inputs (the base of a view input: its view is read inside) and the
+RNG key when the graph draws random numbers, and the region's scalars for its CPU scalar inputs
+(an optimizer's step count) and float inputs; its integer inputs (sizes, with dynamic shapes) are
+static. It returns the graph's device outputs, the new values of the inputs the graph writes
+(``copy_`` into an input: AOTAutograd keeps those in the graph; a view input's new value is its
+base's), and the new key. Output dtypes are the graph's own (its nodes' fake values), as a
+region's are PyTorch's.
 """
 from __future__ import annotations
 
@@ -17,9 +20,14 @@ import numpy as np
 
 from .dtypes import to_np_dtype
 from .errors import LoweringError
-from .lowering import LOWERINGS, take_flags
+from .lowering import LOWERINGS
+from .viewchain import apply_chain, n_dynamic, scatter_chain
 
 _COPY = None     # aten.copy_.default, resolved once torch is imported (it always is here)
+
+# What a placeholder is at run time: a device array, a CPU scalar tensor (a region scalar made an
+# array of its dtype), a float (a region scalar), an int (static: one program per value).
+ARRAY, SCALAR, FLOAT, INT = range(4)
 
 
 def _val_avals(val):
@@ -31,17 +39,21 @@ def _val_avals(val):
 
 
 class GraphPlan:
-    """What running one graph needs, worked out once: its inputs (tensor or int), the tensor
-    inputs it writes (and from which node), whether it draws random numbers, and its lowered
-    function."""
+    """What running one graph needs, worked out once: its inputs' kinds, the inputs it writes (and
+    from which node), whether it draws random numbers, and its outputs."""
 
-    def __init__(self, gm):
+    def __init__(self, gm, kinds: list):
         import torch
         global _COPY
         _COPY = torch.ops.aten.copy_.default
         self.gm = gm
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.is_tensor = [isinstance(n.meta.get("val"), torch.Tensor) for n in self.placeholders]
+        self.kinds = kinds
+        self.scalar_avals = {}      # placeholder index -> (shape, numpy dtype) of a SCALAR input
+        for i, (n, k) in enumerate(zip(self.placeholders, kinds)):
+            if k == SCALAR:
+                v = n.meta["val"]
+                self.scalar_avals[i] = (tuple(v.shape), to_np_dtype(v.dtype))
         self.writes = []        # (input index, node whose value it takes)
         index = {n: i for i, n in enumerate(self.placeholders)}
         self.rng = False
@@ -60,77 +72,143 @@ class GraphPlan:
                 missing.append(str(n.target))
             elif low.rng:
                 self.rng = True
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                c = getattr(gm, n.target, None)
+                if isinstance(c, torch.Tensor) and _is_fake(c) and c.numel():
+                    missing.append(f"a constant tensor {n.target} known only by its shape")
         if missing:
             raise LoweringError(", ".join(sorted(set(missing))), "no lowering in a compiled graph")
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self.outputs = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
 
-    def function(self, donate: tuple):
-        """The pure function (donated arrays, kept arrays, static ints, key) -> (outputs,
-        written values, key, flags); ``donate[i]`` for each tensor input."""
-        plan = self
-        order, nd, nk = [], 0, 0
-        for d in donate:
-            order.append((0, nd) if d else (1, nk))
-            nd, nk = nd + d, nk + (not d)
+    def function(self, ints: tuple, chains: dict, dev_outs: tuple, dev_writes: tuple,
+                 traced=None):
+        """The op function ``fn(arrays, scalars) -> [outputs, written values, key]``.
 
-        def fn(don, keep, ints, key):
-            take_flags()
-            env = {}
-            ti = ii = 0
-            for n, is_t in zip(plan.placeholders, plan.is_tensor):
-                if is_t:
-                    src, i = order[ti]
-                    env[n] = (don if src == 0 else keep)[i]
-                    ti += 1
+        ``arrays``: one per ARRAY input in order (``chains[i]``: input i's view of it), then the
+        key; ``scalars``: one per SCALAR or FLOAT input in order; ``ints``: the INT inputs.
+        ``dev_outs``: the indices of the outputs returned; ``dev_writes``: per write returned,
+        (index into ``self.writes``, the earlier write of the same storage or -1): its value is
+        that storage's new base. ``traced()`` is called each time the function is traced."""
+        plan = self
+        n_scalars = sum(1 for k in plan.kinds if k == SCALAR or k == FLOAT)
+
+        def fn(arrays, scalars):
+            if traced is not None:
+                traced()
+            env, bases, dyns = {}, {}, {}
+            ai = si = ii = 0
+            di = n_scalars      # the views' dynamic offsets follow the graph's scalars
+            for k, (n, kind) in enumerate(zip(plan.placeholders, plan.kinds)):
+                if kind == ARRAY:
+                    a = arrays[ai]
+                    ai += 1
+                    c = chains.get(k)
+                    if c:
+                        bases[k] = a
+                        nd = n_dynamic(c)
+                        dyns[k] = tuple(scalars[di:di + nd])
+                        di += nd
+                        a = apply_chain(a, c, dyns[k])
+                    env[n] = a
+                elif kind == SCALAR:
+                    shape, dt = plan.scalar_avals[k]
+                    env[n] = jnp.reshape(jnp.asarray(scalars[si]).astype(dt), shape)
+                    si += 1
+                elif kind == FLOAT:
+                    env[n] = scalars[si]
+                    si += 1
                 else:
                     env[n] = ints[ii]
                     ii += 1
-            for n in plan.gm.graph.nodes:
-                if n.op != "call_function" or (n.target is _COPY and n.args[0] in env
-                                               and n.args[0].op == "placeholder"):
-                    continue
-                args = _fill(n.args, env)
-                kwargs = _fill(n.kwargs, env)
-                if n.target is operator.getitem:
-                    env[n] = args[0][args[1]]
-                    continue
-                size = _SIZES.get(n.target)
-                if size is not None:            # a dynamic dimension: static in each program
-                    env[n] = size(*args)
-                    continue
-                if n.target in _EMPTIES:        # uninitialised memory: zeros, as eager mode reads it
-                    shape, dt = _val_avals(n.meta["val"])[0]
-                    env[n] = jnp.zeros(shape, dt)
-                    continue
-                if not hasattr(n.target, "_schema"):       # a Python function on sizes
-                    env[n] = n.target(*args, **kwargs)
-                    continue
-                low = LOWERINGS[n.target]
-                avals = _val_avals(n.meta.get("val"))
-                if low.rng:
-                    key, sub = jax.random.split(key)
-                    kwargs["key"] = sub
-                if low.meta:
-                    kwargs["_avals"] = avals
-                res = low.fn(*args, **kwargs)
-                if isinstance(res, (tuple, list)):
-                    res = tuple(r if r is None or a is None or r.dtype == a[1] else r.astype(a[1])
-                                for r, a in zip(res, avals))
-                elif res is not None and avals[0] is not None and res.dtype != avals[0][1]:
-                    res = res.astype(avals[0][1])
-                env[n] = res
-            outs = [_fill(o, env) for o in plan.outputs]
-            written = []
-            for i, src in plan.writes:
+            key = plan.run(env, arrays[ai] if plan.rng else None)
+            res = [_fill(plan.outputs[j], env) for j in dev_outs]
+            newbase = []
+            for w, prev in dev_writes:
+                i, src = plan.writes[w]
                 ph = plan.placeholders[i].meta["val"]
-                written.append(jnp.broadcast_to(_fill(src, env), tuple(ph.shape)).astype(
-                    to_np_dtype(ph.dtype)))
-            flags = take_flags()
-            msgs[:] = [(e, m) for _, e, m in flags]
-            return outs, written, key, [f for f, _, _ in flags]
-        msgs: list = []     # (exception type, message) per flag, filled when it traces
-        return fn, msgs
+                val = jnp.broadcast_to(_fill(src, env), tuple(ph.shape)).astype(
+                    to_np_dtype(ph.dtype))
+                c = chains.get(i)
+                if prev >= 0:
+                    val = scatter_chain(newbase[prev], c or (), val, dyns.get(i, ()))
+                elif c:
+                    val = scatter_chain(bases[i], c, val, dyns[i])
+                newbase.append(val)
+            res.extend(newbase)
+            if plan.rng:
+                res.append(key)
+            return res
+        return fn
+
+    def run(self, env: dict, key):
+        """Lower every node into ``env`` (placeholders filled); the RNG key after the graph's
+        draws."""
+        for n in self.gm.graph.nodes:
+            if n.op == "get_attr":      # a constant the graph holds (a tensor made in the code)
+                env[n] = _constant(getattr(self.gm, n.target))
+                continue
+            if n.op != "call_function":
+                continue
+            if n.target is _COPY and n.args[0] in env and n.args[0].op == "placeholder":
+                # A write into an input (``writes``); the node itself is the input's new value
+                # (a graph may return it: an in-place function returning its argument).
+                ph = n.args[0].meta["val"]
+                env[n] = jnp.broadcast_to(_fill(n.args[1], env), tuple(ph.shape)).astype(
+                    to_np_dtype(ph.dtype))
+                continue
+            args = _fill(n.args, env)
+            kwargs = _fill(n.kwargs, env)
+            if n.target is operator.getitem:
+                env[n] = args[0][args[1]]
+                continue
+            size = _SIZES.get(n.target)
+            if size is not None:            # a dynamic dimension: static in each program
+                env[n] = size(*args)
+                continue
+            if n.target in _EMPTIES:        # uninitialised memory: zeros, as eager mode reads it
+                shape, dt = _val_avals(n.meta["val"])[0]
+                env[n] = jnp.zeros(shape, dt)
+                continue
+            if not hasattr(n.target, "_schema"):       # a Python function on sizes
+                env[n] = n.target(*args, **kwargs)
+                continue
+            low = LOWERINGS[n.target]
+            avals = _val_avals(n.meta.get("val"))
+            if low.rng:
+                key, sub = jax.random.split(key)
+                kwargs["key"] = sub
+            if low.meta:
+                kwargs["_avals"] = avals
+            res = low.fn(*args, **kwargs)
+            if isinstance(res, (tuple, list)):
+                res = tuple(r if r is None or a is None or r.dtype == a[1] else r.astype(a[1])
+                            for r, a in zip(res, avals))
+            elif res is not None and avals[0] is not None and res.dtype != avals[0][1]:
+                res = res.astype(avals[0][1])
+            env[n] = res
+        return key
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
+
+
+def _constant(t):
+    """A graph's constant tensor as an array of the program (read once per trace)."""
+    import torch
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.numel() == 0 or _is_fake(t):      # (a fake one is empty: GraphPlan checks)
+        return jnp.zeros(tuple(t.shape), to_np_dtype(t.dtype))
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return jnp.asarray(t.float().numpy()).astype(to_np_dtype(t.dtype))
+    return jnp.asarray(t.numpy())
 
 
 def _sizes() -> dict:
@@ -142,7 +220,7 @@ def _sizes() -> dict:
             aten.sym_storage_offset.default: lambda x: 0}
 
 
-_SIZES = _sizes()
+SIZES = _SIZES = _sizes()
 
 
 def _empties() -> set:
@@ -172,9 +250,6 @@ def _fill(x, env):
     return x
 
 
-def jitted(plan: GraphPlan, donate: tuple, device_sharding):
-    """The graph's function, jitted for placement on one device (JAX compiles it per input shapes
-    and integer inputs, which are static): (jitted function, flag messages)."""
-    fn, msgs = plan.function(donate)
-    return jax.jit(fn, donate_argnums=(0,) if any(donate) else (), static_argnums=(2,),
-                   out_shardings=device_sharding), msgs
+def fill(x, env):
+    """``x`` (a node's argument) with the nodes in ``env`` replaced by their values."""
+    return _fill(x, env)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .lowering.precision import HALF, round_to
-from .viewchain import apply_chain, scatter_chain
+from .viewchain import apply_chain, n_dynamic, scatter_chain
 
 # NOTE [half outputs]: every op's output is rounded to its dtype, as in eager PyTorch. XLA computes
 # half-precision elementwise ops in float32 and, in a fused region, may skip the rounding between
@@ -72,6 +72,8 @@ def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
 
     ``arrays`` are the base values of the tensor inputs (then the RNG key when ``low.rng``);
     ``chains[i]`` reads input i's view out of its base; ``bases[i]`` is (shape, dtype) of base i.
+    ``scalars`` are the template's scalar inputs, then the dynamic offsets of each input's chain
+    in input order (NOTE [dynamic offsets] in viewchain.py).
     A mutating op (``mut``: the inputs it writes) returns the new base values of those inputs;
     with ``self_mut`` the lowering itself returns the written values, else the op's functional
     form does. Other ops return their outputs cast to the dtypes of ``out_avals`` (PyTorch's,
@@ -80,16 +82,27 @@ def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
     rng = low.rng
     fn = low.fn
     out_dtypes = [a[1] if a is not None else None for a in out_avals]
+    ndyn = [n_dynamic(c) for c in chains]
+    total_dyn = sum(ndyn)
 
     def node_fn(arrays, scalars):
         arrays = list(arrays)
+        dyns = [()] * len(chains)
+        if total_dyn:
+            k = len(scalars) - total_dyn
+            scalars, offs = scalars[:k], scalars[k:]
+            dyns, k = [], 0
+            for n in ndyn:
+                dyns.append(offs[k:k + n])
+                k += n
         kw = dict(tkwargs)
         if rng:
             key, sub = jax.random.split(arrays.pop())
             kw["key"] = sub
         if low.meta:
             kw["_avals"] = out_avals
-        vals = [None if a is None else (apply_chain(a, c) if c else a) for a, c in zip(arrays, chains)]
+        vals = [None if a is None else (apply_chain(a, c, d) if c else a)
+                for a, c, d in zip(arrays, chains, dyns)]
         args = [_fill(a, vals, scalars) for a in targs]
         kw = {k: _fill(v, vals, scalars) for k, v in kw.items()}
         res = fn(*args, **kw)
@@ -106,7 +119,7 @@ def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
                     shape, dt = bases[m]
                     outs.append(jnp.broadcast_to(jnp.asarray(r), shape).astype(dt))
                 else:
-                    outs.append(scatter_chain(base, chains[m], r))
+                    outs.append(scatter_chain(base, chains[m], r, dyns[m]))
         else:
             outs = [r if r is None or d is None else _rounded(r, d)
                     for r, d in zip(res, out_dtypes)]

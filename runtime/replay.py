@@ -10,13 +10,6 @@ from .errors import RegionError
 from .lowering import flag_message
 
 
-def _op_jit(entry):
-    if entry.jit is None:
-        entry.msgs = []
-        entry.jit = jax.jit(execute.with_flags(entry.fn, entry.msgs))
-    return entry.jit
-
-
 class FlagFailure(Exception):
     """An op's index check failed while running op by op (``error``: the error to raise)."""
 
@@ -34,7 +27,7 @@ class Replay:
         self.ran: set = set()
 
 
-def run_around(run, skip: set, rp: Replay | None = None):
+def run_around(run, skip: set, rp: Replay | None = None, store=None):
     """Run the ops of ``run`` not in ``skip`` (positions, grown by the ops that read a skipped
     op) and not run yet, in order. Returns (the ``Replay``, the position of the first op that
     raised or None, its exception)."""
@@ -51,7 +44,7 @@ def run_around(run, skip: set, rp: Replay | None = None):
             arrays = [None if w is None else
                       (run.ext[w].array if w.__class__ is int else env[w]) for w in wiring]
             with execute.x64(True):
-                res, flags = _op_jit(entry)(arrays, list(n.scalars))
+                res, flags = execute.call_op(entry, arrays, list(n.scalars), store)
                 for fl, (exc, msg) in zip(flags, entry.msgs):
                     fl = np.asarray(fl)
                     if bool(fl):
@@ -65,9 +58,9 @@ def run_around(run, skip: set, rp: Replay | None = None):
     return rp, None, None
 
 
-def cross_check(run) -> None:
+def cross_check(run, store=None) -> None:
     """Run ``run`` again op by op and compare every output it bound with the fused result."""
-    rp, bad, e = run_around(run, set())
+    rp, bad, e = run_around(run, set(), None, store)
     env = rp.env
     if bad is not None:
         n = run.nodes[bad]

@@ -13,7 +13,9 @@ def fresh() -> dict:
         "op_compiles": 0,           # ... of which per-op programs (strict/debug)
         "region_compiles": 0,       # ... of which fused regions
         "cache_hits": 0,            # in-process region cache hits
-        "disk_cache_hits": 0,       # compiles answered by the persistent cache
+        "disk_cache_hits": 0,       # compiles answered by an on-disk cache (not in "compiles")
+        "program_disk_hits": 0,     # ... of which whole programs loaded from deferfuse's store
+        "jax_disk_hits": 0,         # ... of which XLA compiles answered by JAX's cache
         "recompiles": 0,            # region structures compiled again with new shapes
         "compile_seconds": 0.0,
         "execute_seconds": 0.0,
@@ -23,6 +25,11 @@ def fresh() -> dict:
         "shape_fallbacks": 0,       # regions run op by op because their shapes kept changing
         "region_evictions": 0,      # times every compiled region was dropped (max_regions)
         "shape_splits": 0,          # regions split into shape-stable and shape-changing pieces
+        "bucketed_runs": 0,         # regions run padded in a bucket's program (NOTE [buckets])
+        "bucket_programs": 0,       # ... programs made (or loaded) for new buckets
+        "bucketed_ops": 0,          # ops run padded in a bucket in strict/debug mode
+        "bucket_refusals": Counter(),   # region structures that cannot run padded: why
+        "bucket_misfits": 0,        # versions of a bucketed structure whose sizes did not fit
         "needed_first_splits": 0,   # syncs that waited only for the ops the value read needs
         "loop_splits": 0,           # traces of many loop iterations run one region per iteration
         "budget_splits": 0,         # regions split to stay under DEFERFUSE_MEMORY_BUDGET

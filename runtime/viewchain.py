@@ -4,23 +4,77 @@ A chain is a tuple of steps ``(op, args, kwargs)`` whose op has a lowering; read
 order. Writing runs them backwards: each step's inverse puts the new view value into the step's
 input (``_INVERSE`` for the common views, an index scatter for the rest). See NOTE [storage model]
 in deferfuse/tensor.py.
+
+NOTE [dynamic offsets]: where a view only moves a window (``data[i:i+35]``, ``x[i]``,
+``narrow``, ``as_strided``'s offset), its start is data, not structure: the step is one of
+``DSLICE``, ``DSELECT``, ``DSTRIDED`` holding the sizes (static), and the start, normalised at
+record time (negative and clamped starts resolved, so it is always in range), is kept beside the
+chain in the tensor's ``_dyn`` (one int per dynamic step, in chain order). The chain alone is in
+the tensor's signature and so in every op key: a loop over ``data[i:i+35]`` is one structure for
+every ``i``, and each op reading such a view takes its offsets as int inputs (appended to the op's
+scalars: NOTE [packed scalars] in execute.py). Reading is ``lax.dynamic_slice``; writing through
+the view is ``lax.dynamic_update_slice``.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .lowering import LOWERINGS, aten
+from .lowering.views import _memory_order
+
+DSLICE = "\0dslice"      # args (dim, length, step); offset: the start along dim
+DSELECT = "\0dselect"    # args (dim,); offset: the index along dim
+DSTRIDED = "\0dstrided"  # args (size, stride, base_shape, base_stride); offset: storage offset
+DYNAMIC = frozenset((DSLICE, DSELECT, DSTRIDED))
 
 
-def apply_step(x, step):
+def _dslice(x, off, dim, length, step):
+    n = (length - 1) * step + 1 if length else 0
+    y = lax.dynamic_slice_in_dim(x, off, n, axis=dim)
+    return y if step == 1 else lax.slice_in_dim(y, 0, n, step, axis=dim)
+
+
+def _dselect(x, off, dim):
+    return lax.dynamic_index_in_dim(x, off, axis=dim, keepdims=False)
+
+
+def _dstrided(x, off, size, stride, base_shape, base_stride):
+    # as_strided's gather (runtime/lowering/views.py) with the offset added to static indices.
+    flat = _memory_order(x, base_stride)
+    idx = np.zeros(tuple(size), dtype=np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n) * s).reshape(shape)
+    return flat[idx + off]
+
+
+_DYN_APPLY = {DSLICE: _dslice, DSELECT: _dselect, DSTRIDED: _dstrided}
+
+
+def n_dynamic(chain) -> int:
+    """How many offsets a chain takes (its dynamic steps)."""
+    return sum(1 for s in chain if s[0] in DYNAMIC)
+
+
+def apply_step(x, step, off=None):
     op, args, kwargs = step
+    if op in DYNAMIC:
+        return _DYN_APPLY[op](x, off, *args)
     return LOWERINGS[op].fn(x, *args, **dict(kwargs))
 
 
-def apply_chain(x, chain):
+def apply_chain(x, chain, dyn=()):
+    """The view ``chain`` of ``x``, its dynamic steps at the offsets ``dyn`` (in order)."""
+    k = 0
     for step in chain:
-        x = apply_step(x, step)
+        if step[0] in DYNAMIC:
+            x = apply_step(x, step, dyn[k])
+            k += 1
+        else:
+            x = apply_step(x, step)
     return x
 
 
@@ -76,23 +130,49 @@ _INVERSE[aten.select.int] = _select_back
 _INVERSE[aten._conj.default] = lambda b, n: jnp.conj(n)   # writing through a conj view
 
 
-def _scatter_back(b, n, step):
+def _dslice_back(b, n, off, dim, length, step):
+    if step != 1:
+        return _scatter_back(b, n, (DSLICE, (dim, length, step), ()), off)
+    return lax.dynamic_update_slice_in_dim(b, n, off, axis=dim)
+
+
+def _dselect_back(b, n, off, dim):
+    return lax.dynamic_update_index_in_dim(b, n, off, axis=dim)
+
+
+_DYN_INVERSE = {DSLICE: _dslice_back, DSELECT: _dselect_back}
+
+
+def _scatter_back(b, n, step, off=None):
     # Generic inverse: run the view over the element indices of b, then scatter n to them.
-    idx = apply_step(jnp.arange(b.size, dtype=jnp.int32).reshape(b.shape), step)
+    idx = apply_step(jnp.arange(b.size, dtype=jnp.int32).reshape(b.shape), step, off)
     return b.reshape(-1).at[idx.reshape(-1)].set(n.reshape(-1).astype(b.dtype)).reshape(b.shape)
 
 
-def scatter_chain(base, chain, new):
-    """The value of ``base`` after its view ``apply_chain(base, chain)`` is overwritten by ``new``."""
+def scatter_chain(base, chain, new, dyn=()):
+    """The value of ``base`` after its view ``apply_chain(base, chain, dyn)`` is overwritten by
+    ``new``."""
     if not chain:
         return jnp.broadcast_to(new, base.shape).astype(base.dtype)
+    offs, k = [], 0
+    for step in chain:
+        if step[0] in DYNAMIC:
+            offs.append(dyn[k])
+            k += 1
+        else:
+            offs.append(None)
     inputs = [base]
-    for step in chain[:-1]:
-        inputs.append(apply_step(inputs[-1], step))
+    for step, off in zip(chain[:-1], offs):
+        inputs.append(apply_step(inputs[-1], step, off))
     n = new
-    for step, b in zip(reversed(chain), reversed(inputs)):
-        inv = _INVERSE.get(step[0])
-        view_shape = apply_step(b, step).shape
+    for step, off, b in zip(reversed(chain), reversed(offs), reversed(inputs)):
+        op = step[0]
+        view_shape = apply_step(b, step, off).shape
         n = jnp.broadcast_to(n, view_shape).astype(b.dtype)
+        if op in DYNAMIC:
+            inv = _DYN_INVERSE.get(op)
+            n = inv(b, n, off, *step[1]) if inv is not None else _scatter_back(b, n, step, off)
+            continue
+        inv = _INVERSE.get(op)
         n = inv(b, n, *step[1], **dict(step[2])) if inv is not None else _scatter_back(b, n, step)
     return n

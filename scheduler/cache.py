@@ -71,6 +71,9 @@ class Cache:
     def values(self):
         return list(self.young.values()) + list(self.old.values())
 
+    def items(self):
+        return list(self.young.items()) + list(self.old.items())
+
     def clear(self) -> None:
         self.young = {}
         self.old = {}

@@ -28,6 +28,18 @@ def find_period(khashes: list[int], min_len: int = 8) -> int | None:
     return None
 
 
+def loop_phase(khashes: list[int], L: int) -> tuple[int, int]:
+    """(where the repetitions begin, how many more ops until the next boundary of the loop's
+    iterations) (NOTE [aligned cuts] in deferfuse/record.py): the repetitions with period ``L``
+    begin where the trace stops differing from itself ``L`` ops later, and iterations start every
+    ``L`` ops from there."""
+    a = np.asarray(khashes, dtype=np.int64)
+    n = len(a)
+    miss = np.nonzero(a[:-L] != a[L:])[0]
+    start = int(miss[-1]) + 1 if len(miss) else 0
+    return start, (start - n) % L
+
+
 def rolling(h: int, khash: int) -> int:
     return hash((h, khash))
 

@@ -1,12 +1,28 @@
 """Every test runs in each mode it supports: strict and defer unless ``@pytest.mark.modes(...)``
 names others. Tests compare tpu results with CPU eager PyTorch on the same inputs."""
 
-import pytest
-import torch
+import os
+import tempfile
 
-import deferfuse
+# Each run starts from an empty program store (tests count compiles; a store left by an earlier run
+# of the same code would answer them from disk). Set before ``import torch``, which autoloads
+# deferfuse and reads the setting.
+_OWN_CACHE = None
+if "DEFERFUSE_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["DEFERFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="deferfuse-tests-")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import deferfuse  # noqa: E402
 
 ALL_MODES = ("strict", "defer")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        import shutil
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

@@ -74,6 +74,36 @@ def test_gpt_training_compiled_with_compiled_optimizer_matches_cpu():
         assert_same(p, q.detach(), atol=2e-5, rtol=1e-4)
     m = deferfuse.metrics()
     assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    # NOTE [no backward cut for graphs]: backward() of a compiled graph dispatches nothing.
+    assert "backward" not in m["syncs"], m["syncs"]
+
+
+def test_a_loop_that_reads_its_loss_every_few_steps_is_cut_at_backward():
+    """NOTE [no backward cut for graphs]: a step that reads its loss runs as one program; a loop
+    that does not is still cut at each backward() (the last step's backward graph and update with
+    this step's forward graph), as in defer mode. Parameters and the last loss equal CPU's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(ref).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    cm = torch.compile(model, backend="tpu", fullgraph=True)
+    step = torch.compile(opt.step, backend="tpu")
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    xt, yt = x.to("tpu"), y.to("tpu")
+    for _ in range(4):
+        loss = F.cross_entropy(cm(xt), yt)
+        loss.backward()
+        step()
+        opt.zero_grad()
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p, q.detach(), atol=1e-5, rtol=1e-5)
+    assert deferfuse.metrics()["syncs"].get("backward", 0) == 3     # steps 2-4
 
 
 def test_default_backend_changes_nothing_for_cpu(monkeypatch):
@@ -223,3 +253,39 @@ def test_module_to_tpu_after_a_cpu_forward_pass():
     want = lin(x)                      # holds the CPU weight in its graph
     lin = lin.to("tpu")
     assert_same(lin(x.to("tpu")).detach(), want.detach())
+
+
+def test_windows_at_moving_offsets_as_graph_inputs_match_cpu():
+    """A compiled graph whose inputs are windows of one tensor at moving offsets (truncated BPTT
+    over one token stream, NOTE [dynamic offsets]) reads and writes each window where it is."""
+    def f(x, w):
+        y = torch.tanh(x @ w)
+        x.mul_(0.5)                 # written through the window into the stream
+        return y.sum(0)
+    d, w = torch.randn(20, 4), torch.randn(4, 3)
+    t, tw = d.to("tpu"), w.to("tpu")
+    cf = torch.compile(f, backend="tpu")
+    for i in range(0, 12, 3):
+        got = cf(t[i:i + 5], tw)
+        want = f(d[i:i + 5], w)
+        assert_same(got, want, atol=1e-5)
+        assert_same(t, d, atol=1e-6)
+        assert_same(t[i + 1], d[i + 1], atol=1e-6)      # a select at a moving offset
+
+
+def test_an_in_place_function_returning_its_argument_matches_cpu():
+    """The graph returns the value its write put into the input (``copy_``'s result)."""
+    def f(x):
+        x.mul_(0.999)
+        x.add_(0.001)
+        x.clamp_(-2.0, 2.0)
+        x.sin_()
+        return x
+    d = torch.randn(64)
+    t = d.to("tpu")
+    cf = torch.compile(f, backend="tpu")
+    for _ in range(2):
+        got = cf(t)
+        f(d)
+        assert_same(got, d, atol=1e-6)
+        assert_same(t, d, atol=1e-6)

@@ -20,7 +20,7 @@ def test_wheel_installs_and_imports(tmp_path):
                    check=True, capture_output=True, text=True)
     wheel = next(dist.glob("deferfuse-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for pkg in ("deferfuse/__init__.py", "deferfuse/runtime/__init__.py",
+    for pkg in ("deferfuse/__init__.py", "deferfuse/distributed/__init__.py", "deferfuse/runtime/__init__.py",
                 "deferfuse/runtime/lowering/__init__.py", "deferfuse/runtime/lowering/pointwise.py",
                 "deferfuse/runtime/lowering/activations.py", "deferfuse/scheduler/__init__.py",
                 "deferfuse/scheduler/records.py", "deferfuse/scheduler/cut.py"):

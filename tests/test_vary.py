@@ -1,0 +1,399 @@
+"""Programs that vary (issue 25): moving offsets, growing sequences and new shapes compile a few
+programs, never one per offset or length, and compute what CPU computes."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deferfuse
+from util import assert_same
+
+
+def _compiles():
+    return deferfuse.metrics()["compiles"]
+
+
+# --------------------------------------------------------------------------- offsets are data
+def test_moving_windows_compile_once_and_match_cpu():
+    d = torch.randn(40, 3)
+    t = d.to("tpu")
+    got, want, after = [], [], []
+    for i in range(0, 30, 4):
+        # slice, narrow, select (negative too), a strided slice, integer indexing of a view
+        a = t[i:i + 5] * 2 + t.narrow(0, i + 1, 5).sum(0)
+        b = t[i] - t[-1 - i] + t[i:i + 9:3].mean(0) + t[i + 2:i + 6][1]
+        got.append(torch.cat([a.reshape(-1), b]).cpu())
+        a = d[i:i + 5] * 2 + d.narrow(0, i + 1, 5).sum(0)
+        b = d[i] - d[-1 - i] + d[i:i + 9:3].mean(0) + d[i + 2:i + 6][1]
+        want.append(torch.cat([a.reshape(-1), b]))
+        after.append(_compiles())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert after[1] == after[-1], after        # no offset after the first compiles anything
+    m = deferfuse.metrics()
+    assert m["recompiles"] == 0 and m["shape_fallbacks"] == 0 and m["shape_splits"] == 0
+
+
+def test_clamped_and_negative_starts_normalise_as_pytorch():
+    d = torch.arange(24.).reshape(6, 4)
+    t = d.to("tpu")
+    for sl in [slice(-3, None), slice(-100, 2), slice(4, 100), slice(-2, -1), slice(5, 3),
+               slice(1, None, 2), slice(None, -4)]:
+        assert_same(t[sl] + 0, d[sl] + 0)
+        assert_same(t[:, sl] * 1, d[:, sl] * 1)
+    for i in (-6, -1, 0, 5):
+        assert_same(t[i] + 0, d[i] + 0)
+        assert_same(t.select(1, i % 4 - 4) + 0, d.select(1, i % 4 - 4) + 0)
+    with pytest.raises(IndexError):
+        t[6]
+    with pytest.raises(IndexError):
+        t.select(1, -5)
+
+
+def test_writes_through_moving_windows_match_cpu():
+    want = torch.zeros(12, 2)
+    t = want.to("tpu")
+    after = []
+    for i in range(8):
+        for x in (t, want):
+            x[i:i + 3] += 1                     # in place through a slice
+            x[i] = i + 0.25                     # a row
+            x[i + 1:i + 4, 1].mul_(2)           # a slice of a select... of a slice
+            x.narrow(0, i + 2, 2).copy_(x[i:i + 2] * 0.5)
+        after.append(_compiles())
+    assert_same(t, want)
+    assert after[1] == after[-1], after
+
+
+def test_as_strided_offset_is_data():
+    d = torch.arange(30.)
+    t = d.to("tpu")
+    after = []
+    for off in range(0, 20, 3):
+        assert_same(t.as_strided((3, 2), (3, 1), off) * 2, d.as_strided((3, 2), (3, 1), off) * 2)
+        assert_same(t[1:].as_strided((2, 2), (1, 2), off) + 1,
+                    d[1:].as_strided((2, 2), (1, 2), off) + 1)
+        after.append(_compiles())
+    assert after[1] == after[-1], after
+    with pytest.raises(RuntimeError):
+        t.as_strided((3, 2), (3, 1), 28) + 0     # past the storage: PyTorch's error
+
+
+def test_views_at_moving_offsets_keep_autograd():
+    w = torch.randn(20, 4, requires_grad=True)
+    wt = w.detach().to("tpu").requires_grad_()
+    for i in range(0, 12, 5):
+        (w[i:i + 4] * torch.arange(4.)[:, None]).sum().backward()
+        (wt[i:i + 4] * torch.arange(4.).to("tpu")[:, None]).sum().backward()
+    assert_same(wt.grad, w.grad)
+
+
+# --------------------------------------------------------------------------- truncated BPTT
+V, T, B = 20, 6, 3
+
+
+class _LSTMLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(V, 8), nn.LSTM(8, 8), nn.Linear(8, V)
+
+    def forward(self, x, h):
+        y, h = self.rnn(self.emb(x), h)
+        return self.out(y), h
+
+
+class _TransformerLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.out = nn.Linear(16, V)
+
+    def forward(self, x, h):
+        n = x.shape[0]
+        mask = torch.triu(torch.full((n, n), float("-inf"), device=x.device), 1)
+        return self.out(self.enc(self.emb(x), mask=mask)), h
+
+
+def _bptt(model, data, dev, steps):
+    """The classic truncated-BPTT loop: batches are slices of one long token tensor."""
+    model = model.to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = data.to(dev)
+    h, losses, compiles = None, [], []
+    for k in range(steps):
+        i = k * T
+        x, y = data[i:i + T], data[i + 1:i + 1 + T]
+        if isinstance(h, tuple):
+            h = tuple(s.detach() for s in h)
+        out, h = model(x, h)
+        loss = F.cross_entropy(out.reshape(-1, V), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        compiles.append(_compiles())
+    return losses, compiles
+
+
+@pytest.mark.parametrize("arch", ["lstm", "transformer"])
+def test_bptt_over_slices_of_one_tensor_compiles_once(arch):
+    torch.manual_seed(0)
+    model = _LSTMLM() if arch == "lstm" else _TransformerLM()
+    data = torch.randint(0, V, (8 * T + 1, B))
+    import copy
+    want, _ = _bptt(copy.deepcopy(model), data, "cpu", 8)
+    deferfuse.reset_metrics()
+    got, compiles = _bptt(model, data, "tpu", 8)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert compiles[2] == compiles[-1], compiles      # every batch after the second: nothing
+    m = deferfuse.metrics()
+    assert m["shape_fallbacks"] == 0 and m["shape_splits"] == 0 and m["recompiles"] == 0, m
+    assert "op by op" not in deferfuse.report(file=False)
+
+
+# --------------------------------------------------------------------------- the program store
+_SECOND_RUN = r"""
+import sys, torch, torch.nn as nn, deferfuse
+torch.manual_seed(0)
+model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 30)).to("tpu")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.randint(0, 30, (40,)).to("tpu")
+losses = []
+for i in range(0, 20, 5):
+    x, y = data[i:i + 5], data[i + 1:i + 6]
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    losses.append(loss.item())
+bad = torch.tensor([3, 31]).to("tpu")
+try:
+    model(bad).sum().item()
+    err = "none"
+except IndexError as e:
+    err = "IndexError"
+m = deferfuse.metrics()
+print(",".join(f"{v:.6f}" for v in losses), err, m["compiles"], m["program_disk_hits"],
+      "loaded from" in deferfuse.report(file=False))
+"""
+
+
+@pytest.mark.modes("defer", "strict")
+def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
+    import subprocess
+    import sys
+    env = {**__import__("os").environ, "DEFERFUSE_CACHE_DIR": str(tmp_path),
+           "TORCHTPU_MODE": tpu_mode}
+    runs = [subprocess.run([sys.executable, "-c", _SECOND_RUN], env=env, capture_output=True,
+                           text=True, check=True).stdout.split() for _ in range(2)]
+    first, second = runs
+    assert first[:2] == second[:2] and first[1] == "IndexError", runs   # losses, the error
+    assert int(first[2]) > 0 and int(first[3]) == 0, first
+    assert int(second[2]) == 0, second         # nothing compiled: every program came from disk
+    assert int(second[3]) > 0 and second[4] == "True", second
+
+
+# --------------------------------------------------------------------------- buckets
+def _lengths_loop(fn, make, lengths):
+    """``fn`` on inputs of each length, on tpu (defer) and on CPU: (got, want, metrics)."""
+    got, want = [], []
+    for t in lengths:
+        x = make(t)
+        want.append(fn(x))
+        got.append(fn(x.to("tpu")).cpu())      # a read per length: one region each
+    return got, want, deferfuse.metrics()
+
+
+_C = 4
+_RULES = {
+    "pointwise": lambda x: (x * 3 + 1).tanh(),
+    "sum": lambda x: (x * 3).sum(0),
+    "mean": lambda x: (x * 3).mean(0) + (x * 2).mean(),
+    "amax_argmax": lambda x: (x * 3).amax(0) + (x * 3).argmax(0) + torch.max(x, 0)[1],
+    "softmax": lambda x: (x * 3).softmax(0) + (x * 2).log_softmax(0) + x.logsumexp(0),
+    "contract": lambda x: (x * 2).t() @ (x + 1) + ((x * 2) @ (x + 1).t()).sum(),
+    "cat": lambda x: torch.cat([x * 2, x[:2] + 1, x], 0) * 1.5,
+    "reshape": lambda x: (x * 2).reshape(-1).cumsum(0),
+    "window": lambda x: (x * 2)[-1] + x[-2] + x[1:].sum(0),
+    "arange_mask": lambda x: ((x @ x.t()).masked_fill(torch.ones(
+        x.shape[0], x.shape[0], dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        .softmax(-1) @ x) * torch.arange(x.shape[0], device=x.device)[:, None],
+    "attention": lambda x: F.scaled_dot_product_attention(
+        x[-1:].reshape(1, 1, 1, _C), x.reshape(1, 1, -1, _C) * 2, x.reshape(1, 1, -1, _C) + 1)
+        + F.scaled_dot_product_attention(x.reshape(1, 1, -1, _C), x.reshape(1, 1, -1, _C),
+                                         x.reshape(1, 1, -1, _C), is_causal=True)[..., -1:, :],
+    "embedding": lambda ids: F.embedding(ids, torch.arange(20.).reshape(10, 2).to(ids.device)) * 2,
+}
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("rule", list(_RULES))
+def test_a_growing_dim_runs_in_buckets_as_cpu_computes(rule):
+    fn = _RULES[rule]
+    make = (lambda t: torch.randint(0, 10, (t,))) if rule == "embedding" else \
+        (lambda t: torch.randn(t, _C))
+    deferfuse.clear_caches()
+    got, want, m = _lengths_loop(fn, make, range(5, 14))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
+    # length 5 compiled exactly, 6..13 ran in the buckets of 8 and 16
+    assert m["region_compiles"] + m["disk_cache_hits"] == 3, m["miss_reasons"]
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("case", ["sort", "flip", "std", "merge_behind"])
+def test_ops_without_a_padding_rule_refuse_buckets_and_stay_exact(case):
+    fn = {"sort": lambda x: (x * 2).sort(0)[0],
+          "flip": lambda x: (x * 2).flip(0) + 1,
+          "std": lambda x: (x * 2).std(0),
+          "merge_behind": lambda x: (x * 2).reshape(2, -1).cumsum(1)}[case]   # (2T, 3) -> (2, 3T)
+    make = (lambda t: torch.randn(2 * t, 3)) if case == "merge_behind" else \
+        (lambda t: torch.randn(t, _C))
+    deferfuse.clear_caches()
+    got, want, m = _lengths_loop(fn, make, range(5, 10))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert m["bucketed_runs"] == 0
+    assert sum(m["bucket_refusals"].values()) == 1, m["bucket_refusals"]
+    assert "cannot run padded" in deferfuse.report(file=False)
+
+
+@pytest.mark.modes("defer")
+def test_a_bad_index_in_a_bucketed_region_still_raises():
+    table = torch.arange(20.).reshape(10, 2)
+    deferfuse.clear_caches()
+    for t in range(5, 12):
+        ids = torch.randint(0, 10, (t,))
+        got = F.embedding(ids.to("tpu"), table.to("tpu")) * 2
+        assert_same(got, F.embedding(ids, table) * 2)
+    assert deferfuse.metrics()["bucketed_runs"] > 0
+    ids = torch.randint(0, 10, (11,))
+    ids[7] = 10
+    with pytest.raises(IndexError):
+        (F.embedding(ids.to("tpu"), table.to("tpu")) * 2).cpu()
+
+
+class _TinyGPT(nn.Module):
+    """nanoGPT's shape: token and position embeddings, pre-norm blocks, causal attention."""
+
+    def __init__(self, vocab=40, d=16, layers=2, block=64):
+        super().__init__()
+        self.block = block
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.ln1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        for ln, qkv, proj in zip(self.ln1, self.qkv, self.proj):
+            q, k, v = qkv(ln(x)).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(b, t, 2, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+        return self.head(x)
+
+    @torch.no_grad()
+    def generate(self, idx, n):
+        for _ in range(n):
+            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
+            nxt = self(cond)[:, -1, :].argmax(-1, keepdim=True)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+@pytest.mark.modes("defer")
+def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
+    torch.manual_seed(0)
+    model = _TinyGPT().eval()
+    prompt = {p: torch.randint(0, 40, (1, p), generator=torch.Generator().manual_seed(p))
+              for p in (6, 9)}
+    want = {p: model.generate(x, 30) for p, x in prompt.items()}
+    model.to("tpu")
+    deferfuse.clear_caches()
+    compiles = []
+    for p in (6, 6, 9):
+        got = model.generate(prompt[p].to("tpu"), 30)
+        assert_same(got, want[p])                 # tokens equal CPU greedy
+        m = deferfuse.metrics()
+        compiles.append(m["region_compiles"] + m["disk_cache_hits"])
+    # One region per token (the loop body found though its shapes change), two exact lengths and
+    # then one program per bucket (8, 16, 32, 64): never one per length.
+    assert compiles[0] <= 9, deferfuse.metrics()["miss_reasons"]
+    assert compiles[1] == compiles[0]             # the second identical call compiles nothing
+    assert compiles[2] == compiles[1]             # nor a new prompt length in the same buckets
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] >= 60 and m["shape_fallbacks"] == 0 and m["shape_splits"] == 0
+    text = deferfuse.report(file=False)
+    assert "padded to the bucket of length 32" in text and "buckets" in text
+
+
+# ------------------------------------------------------------------ real loops, as users write them
+@pytest.mark.modes("defer")
+def test_hugging_face_dynamic_cache_generate_second_call_compiles_nothing():
+    """HF ``generate()`` with the default dynamic cache (keys and values grow by one position per
+    token): CPU's greedy tokens, and the second identical call compiles nothing."""
+    pytest.importorskip("transformers")
+    import hf_matrix as hm
+    want = hm.cpu_generate("llama")
+    model, batch = hm.cpu_reference("llama")[:2]
+    tm = hm.to_tpu(model)
+    tb = hm._dev(batch, "tpu")
+    counts = []
+    for _ in range(2):
+        deferfuse.reset_metrics()
+        with torch.no_grad():
+            got = tm.generate(**hm._prompt(tb), **hm._gen_kwargs(do_sample=False))
+        assert_same(got, want, 0, 0)
+        m = deferfuse.metrics()
+        counts.append((m["compiles"], m["disk_cache_hits"]))
+    # the first call made its programs (compiled, or loaded from the program store on disk)
+    assert sum(counts[0]) > 0 and counts[1] == (0, 0), counts
+
+
+def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing():
+    """An epoch whose last batch is smaller (a DataLoader without drop_last): CPU's losses and
+    weights, and nothing new to compile in the second epoch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 3))
+    tmodel = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 3))
+    tmodel.load_state_dict(model.state_dict())
+    tmodel.to("tpu")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(b, 8, generator=g), torch.randint(0, 3, (b,), generator=g))
+            for b in (16, 16, 16, 5)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, tmodel)]
+    counts = []
+    for _ in range(2):
+        c0 = _compiles()
+        for x, y in data:
+            losses = []
+            for m, opt, dev in ((model, opts[0], "cpu"), (tmodel, opts[1], "tpu")):
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(m(x.to(dev)), y.to(dev))
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
+        counts.append(_compiles() - c0)
+    for p, q in zip(tmodel.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5)
+    assert counts[1] == 0, counts
+    # What this taught about the step's structure (split after two shapes) would shape the
+    # regions of later tests that count them.
+    deferfuse.clear_caches()
+
+
+def test_bucket_programs_are_keyed_by_dtype():
+    """The same op whose sizes change, in bfloat16 then float16: each dtype gets its own bucket
+    program (a program made for one was found by the other's key)."""
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randint(0, 4, (6, 40), generator=torch.Generator().manual_seed(0)).to(dt)
+        t = x.to("tpu")
+        for n in (16, 5, 7):
+            assert_same(torch.argmax(t[:, :n], 1), torch.argmax(x[:, :n], 1), 0, 0)
+            assert_same(t[:, :n].cumsum(1) * 2, x[:, :n].cumsum(1) * 2, 1e-2, 1e-2)
