@@ -5,6 +5,7 @@ Results are cached with the op's structural key by the dispatcher, so this runs 
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 
 import torch
@@ -423,11 +424,13 @@ def _check_dim(func, args, kwargs) -> None:
 def _tiny(a):
     """A CPU stand-in of ``a`` with every dimension at most 1 (tensors), recursively."""
     if isinstance(a, torch.Tensor):
-        return torch.zeros([min(s, 1) for s in a.shape], dtype=a.dtype)
+        return torch.zeros([min(s, 1) for s in a.shape], dtype=a.dtype, device="cpu")
     if isinstance(a, (list, tuple)):
         return type(a)(_tiny(x) for x in a)
     if isinstance(a, torch.device) and a.type == "tpu":
         return torch.device("cpu")
+    if isinstance(a, str) and (a == "tpu" or a.startswith("tpu:")):
+        return "cpu"
     return a
 
 
@@ -447,6 +450,7 @@ def _dtype_sig(a):
 _DTYPE_REFUSAL = re.compile(r"not implemented for '|(with|on) (a|two) bool tensors? (is|are) not "
                             r"supported")
 _DTYPE_ERRORS = Cache("dtype support", 4096)    # (op, dtypes of its arguments) -> error or None
+_PROBING = threading.local()                    # this thread is running a dtype probe
 # CPU kernels that crash on stand-ins (oneDNN reads their real shapes): never probed.
 _NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), "default", None) for p in (
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward")) if o is not None}
@@ -461,9 +465,14 @@ def dtype_error(func, args, kwargs):
            tuple((k, _dtype_sig(v)) for k, v in kwargs.items()))
     err = _DTYPE_ERRORS.get(key, 0)
     if err == 0:
+        if getattr(_PROBING, "on", False):
+            # A probe that reaches a tpu op again (a composite making tensors of its own, a
+            # default device) is not probed in turn: it would recurse without end.
+            return None
         err = None
         if not (torch.Tag.nondeterministic_seeded in func.tags or "generator" in kwargs
                 or func in _NO_STAND_INS):
+            _PROBING.on = True
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -473,6 +482,8 @@ def dtype_error(func, args, kwargs):
                     err = e
             except Exception:
                 pass
+            finally:
+                _PROBING.on = False
         _DTYPE_ERRORS[key] = err
     return err
 
