@@ -133,8 +133,8 @@ def _put(x, it):
 def parts(entry):
     """What builds an op's program (its static arguments, its inputs' base shapes, view chains and
     view sizes, its outputs' shapes), ints included: (targs, tkw, inputs, outputs)."""
-    if len(entry.out) < 4:
-        raise Refused(f"{entry.name} cannot run padded")   # a compiled graph (deferfuse/compiled.py)
+    if len(entry.out) < 4:      # a compiled graph (deferfuse/compiled.py), not an op
+        raise Refused(f"{entry.name} cannot run padded")
     info, targs, tkw, sigs, dev = entry.key
     ins = []
     for i in sigs:
@@ -704,8 +704,7 @@ def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device,
 def region_function(bp: BucketPlan, P: int, wirings, scalar_counts, out_sig, is_float):
     """``(don, keep, packed scalars) -> (outputs, flags)`` of the region at bucket ``P``; the
     length ``T`` is the last scalar."""
-    from .execute import _unpack_scalars
-    from .lowering import take_flags
+    from .execute import _unpack_scalars, run_nodes
     fns = [n.extra if n.rule == "exact" else NodeFn(n, P) for n in bp.nodes]
     exact = [n.rule == "exact" for n in bp.nodes]
     starts, s0 = [], 0
@@ -718,20 +717,9 @@ def region_function(bp: BucketPlan, P: int, wirings, scalar_counts, out_sig, is_
     def region(don, keep, packed):
         scalars = _unpack_scalars(packed, is_float)
         t = jnp.asarray(scalars[-1]).astype(jnp.int32)
-        env, flags = {}, []
-        msgs.clear()
-        take_flags()
-        for pos, (fn, wiring, (s, c), ex) in enumerate(zip(fns, wirings, starts, exact)):
-            arrays = [None if w is None else (keep[w] if type(w) is int else env[w])
-                      for w in wiring]
-            sc = scalars[s:s + c]
-            outs = fn(arrays, sc) if ex else fn(arrays, sc, t)
-            for i, o in enumerate(outs):
-                env[(pos, i)] = o
-            for fl, exc, m in take_flags():
-                flags.append(fl)
-                msgs.append((pos, exc, m))
-        return [env[k] for k in out_sig], flags
+        steps = ((fn if ex else (lambda a, sc, f=fn: f(a, sc, t)), wiring, scalars[s:s + c])
+                 for fn, wiring, (s, c), ex in zip(fns, wirings, starts, exact))
+        return run_nodes(steps, keep, out_sig, msgs)
     region.msgs = msgs
     return region
 

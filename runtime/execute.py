@@ -232,22 +232,29 @@ def region_function(plan, out_sig, donate, is_float=()):
     def region(don, keep, packed):
         scalars = _unpack_scalars(packed, is_float)
         ext = [(don if src == 0 else keep)[i] for src, i in order]
-        env = {}
-        flags = []
-        msgs.clear()
-        take_flags()
-        for pos, (fn, wiring, s0, ns) in enumerate(plan):
-            arrays = [None if w is None else (ext[w] if type(w) is int else env[w]) for w in wiring]
-            outs = fn(arrays, scalars[s0:s0 + ns])
-            for i, o in enumerate(outs):
-                env[(pos, i)] = o
-            for fl, exc, m in take_flags():
-                flags.append(fl)
-                msgs.append((pos, exc, m))
-        return [env[k] for k in out_sig], flags
+        return run_nodes(((fn, wiring, scalars[s0:s0 + ns]) for fn, wiring, s0, ns in plan), ext,
+                         out_sig, msgs)
     msgs: list = []     # (node pos, exception type, message) per flag, filled when it traces
     region.msgs = msgs
     return region
+
+
+def run_nodes(steps, ext, out_sig, msgs):
+    """Trace a region's nodes in order: ``steps`` gives each node's ``fn(arrays, scalars)``, its
+    wiring (an int: external input ``ext[w]``; a pair: output of an earlier node) and its
+    scalars. Returns (the outputs ``out_sig`` names, the index-check flags); ``msgs`` is refilled
+    with (node pos, exception type, message) per flag."""
+    env, flags = {}, []
+    msgs.clear()
+    take_flags()
+    for pos, (fn, wiring, sc) in enumerate(steps):
+        arrays = [None if w is None else (ext[w] if type(w) is int else env[w]) for w in wiring]
+        for i, o in enumerate(fn(arrays, sc)):
+            env[(pos, i)] = o
+        for fl, exc, m in take_flags():
+            flags.append(fl)
+            msgs.append((pos, exc, m))
+    return [env[k] for k in out_sig], flags
 
 
 def compile_region(plan, out_sig, donate, don, keep, scalars, device: int = 0, store=None,

@@ -55,14 +55,21 @@ class GraphPlan:
                 v = n.meta["val"]
                 self.scalar_avals[i] = (tuple(v.shape), to_np_dtype(v.dtype))
         self.writes = []        # (input index, node whose value it takes)
+        self.write_nodes = []   # the copy_ node of each write (``run`` puts the new value there)
         index = {n: i for i, n in enumerate(self.placeholders)}
         self.rng = False
         missing = []
         for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                c = getattr(gm, n.target, None)
+                if isinstance(c, torch.Tensor) and _is_fake(c) and c.numel():
+                    missing.append(f"a constant tensor {n.target} known only by its shape")
+                continue
             if n.op != "call_function":
                 continue
             if n.target is _COPY and n.args[0] in index:
                 self.writes.append((index[n.args[0]], n.args[1]))
+                self.write_nodes.append(n)
                 continue
             if (n.target in (operator.getitem,) or n.target in _SIZES or n.target in _EMPTIES
                     or not isinstance(n.target, torch._ops.OpOverload)):
@@ -72,11 +79,6 @@ class GraphPlan:
                 missing.append(str(n.target))
             elif low.rng:
                 self.rng = True
-        for n in gm.graph.nodes:
-            if n.op == "get_attr":
-                c = getattr(gm, n.target, None)
-                if isinstance(c, torch.Tensor) and _is_fake(c) and c.numel():
-                    missing.append(f"a constant tensor {n.target} known only by its shape")
         if missing:
             raise LoweringError(", ".join(sorted(set(missing))), "no lowering in a compiled graph")
         out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -126,10 +128,8 @@ class GraphPlan:
             res = [_fill(plan.outputs[j], env) for j in dev_outs]
             newbase = []
             for w, prev in dev_writes:
-                i, src = plan.writes[w]
-                ph = plan.placeholders[i].meta["val"]
-                val = jnp.broadcast_to(_fill(src, env), tuple(ph.shape)).astype(
-                    to_np_dtype(ph.dtype))
+                i = plan.writes[w][0]
+                val = env[plan.write_nodes[w]]      # (``run``: cast and broadcast to the input)
                 c = chains.get(i)
                 if prev >= 0:
                     val = scatter_chain(newbase[prev], c or (), val, dyns.get(i, ()))
