@@ -135,6 +135,21 @@ def test_softmax_and_log_softmax(dt):
     _same(lambda x: torch.log_softmax(x, 1), y, dt=dt)
 
 
+def test_softmax_over_channels_rounds_as_cpu(dt):
+    """nn.Softmax2d: CPU's bfloat16 kernel for a dim other than the last rounds the float32
+    quotient once for whole vectors of later positions, and divides the rounded exponentials only
+    for the positions left over; tpu rounded every exponential: outputs an ulp apart, and input
+    gradients (a cancellation in y * (g - sum(g * y))) 1.7e-3 apart."""
+    x = _rand(2, 3, 10, 10, dt=dt, scale=3)
+    gy = (torch.rand(2, 3, 10, 10, generator=torch.Generator().manual_seed(1)) + 0.5).to(dt)
+    exact = dict(atol=0, rtol=0) if dt == torch.bfloat16 else TOL[dt]
+    _same(lambda x: torch.softmax(x, 1), x, dt=dt, **exact)
+    xc, xt = x.clone().requires_grad_(), x.to("tpu").requires_grad_()
+    (want,) = torch.autograd.grad(torch.nn.Softmax2d()(xc), xc, gy)
+    (got,) = torch.autograd.grad(torch.nn.Softmax2d()(xt), xt, gy.to("tpu"))
+    assert_same(got, want, **(exact if dt == torch.bfloat16 else dict(atol=1e-3, rtol=2e-3)))
+
+
 def test_convolutions(dt):
     x, w, b = _rand(2, 2, 4, 4, dt=dt), _rand(2, 2, 4, 5, dt=dt, seed=1), _rand(4, dt=dt, seed=2)
     _same(lambda x, w, b: F.conv_transpose2d(x, w, b, stride=(3, 2), padding=(1, 2),
