@@ -150,6 +150,25 @@ def test_softmax_over_channels_rounds_as_cpu(dt):
     assert_same(got, want, **(exact if dt == torch.bfloat16 else dict(atol=1e-3, rtol=2e-3)))
 
 
+def test_xlogy_rounds_the_log_as_cpu(dt):
+    """CPU's xlogy/xlog1py kernels take std::log of the half-precision value, which rounds it to
+    the dtype before the product; tpu rounded once: an ulp apart in a fifth of the elements, and
+    nn.KLDivLoss's target gradient (xlogy(t, t) - t * input) two ulps apart."""
+    x = _rand(2000, dt=dt)
+    y = (torch.rand(2000, generator=torch.Generator().manual_seed(1)) * 5).to(dt)
+    exact = dict(atol=0, rtol=0)
+    _same(torch.xlogy, x, y, dt=dt, **exact)
+    _same(torch.special.xlog1py, x, y, dt=dt, **exact)
+    _same(lambda y: torch.xlogy(2.0, y), y, dt=dt, **exact)
+    inp = torch.log_softmax(_rand(10, 10, dt=dt, seed=2), 1)
+    tgt = torch.softmax(_rand(10, 10, dt=dt, seed=3), 1)
+    ic, tc = inp.clone().requires_grad_(), tgt.clone().requires_grad_()
+    it, tt = inp.to("tpu").requires_grad_(), tgt.to("tpu").requires_grad_()
+    want = torch.autograd.grad(F.kl_div(ic, tc, reduction="sum"), (ic, tc))
+    got = torch.autograd.grad(F.kl_div(it, tt, reduction="sum"), (it, tt))
+    assert_same(list(got), list(want), **exact)
+
+
 def test_convolutions(dt):
     x, w, b = _rand(2, 2, 4, 4, dt=dt), _rand(2, 2, 4, 5, dt=dt, seed=1), _rand(4, dt=dt, seed=2)
     _same(lambda x, w, b: F.conv_transpose2d(x, w, b, stride=(3, 2), padding=(1, 2),
