@@ -288,6 +288,35 @@ def test_multi_head_attention_forward(dt):
     assert_same(got[1].detach(), want[1].detach(), **TOL[dt])
 
 
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "float_mask", "bool_mask"])
+def test_attention_backward_rounds_as_cpu(dt, variant):
+    """CPU's flash attention backward rounds the rebuilt probabilities and the gradient of the
+    scores to the dtype before its products, and takes rowsum(grad_out * out) from the rounded
+    output; tpu differentiated its float32 forward: gradients ulps apart (nn.TransformerEncoder's
+    in_proj_weight gradient past two ulps of its largest entry)."""
+    q, k, v = (_rand(2, 3, 7, 4, dt=dt, seed=i) for i in range(3))
+    go = _rand(2, 3, 7, 4, dt=dt, seed=3)
+    kw = {"causal": dict(is_causal=True),
+          "float_mask": dict(attn_mask=_rand(7, 7, dt=dt, seed=4)),
+          "bool_mask": dict(attn_mask=torch.rand(7, 7, generator=torch.Generator().manual_seed(5))
+                            > 0.3)}.get(variant, {})
+    if "attn_mask" in kw:
+        kw["attn_mask"][:, 0] = True if kw["attn_mask"].dtype == torch.bool else 0
+
+    def grads(q, k, v, go, **kw):
+        q, k, v = (z.clone().requires_grad_() for z in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+        return torch.autograd.grad(out, (q, k, v), go)
+
+    want = grads(q, k, v, go, **kw)
+    tkw = {n: (a.to("tpu") if isinstance(a, torch.Tensor) else a) for n, a in kw.items()}
+    deferfuse.reset_metrics()
+    got = grads(*to_tpu([q, k, v, go]), **tkw)
+    assert_same(list(got), list(want), atol=0, rtol=0)
+    deferfuse.sync()
+    assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+
 # --------------------------------------------------------------------------------------------
 # recurrent layers: CPU's algorithm (unfused cells, or oneDNN's LSTM where CPU runs it)
 
