@@ -76,9 +76,39 @@ def sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_ma
 def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                             attn_mask=None, scale=None):
     _no_dropout(dropout_p)
+    if query.dtype in HALF and key.shape[-3:-2] == query.shape[-3:-2]:
+        return _flash_half_backward(grad_out, query, key, value, out, logsumexp, is_causal,
+                                    attn_mask, scale)
     _, vjp = jax.vjp(lambda q, k, v: _sdpa(q, k, v, attn_mask, is_causal, scale, False)[0],
                      query, key, value)
     return vjp(_acc(grad_out))
+
+
+def _flash_half_backward(grad_out, query, key, value, out, lse, is_causal, attn_mask, scale):
+    """CPU's flash attention backward for a half-precision query: the probabilities rebuilt in
+    float32 from the saved logsumexp, rowsum(grad_out * out) from the saved (rounded) output, and
+    the probabilities and the gradient of the scores rounded to the dtype before the products
+    that give the gradients of value, query and key (float32 accumulation, one rounding each).
+    The blocks CPU adds gradients over (queries past its split size, keys past 512) are not
+    modelled: one rounding per gradient."""
+    dt = query.dtype
+    q, k, v, do, o = (_acc(z) for z in (query, key, value, grad_out, out))
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("...le,...se->...ls", q, k) * sc
+    L, S = q.shape[-2], k.shape[-2]
+    if is_causal:
+        s = jnp.where(jnp.tril(jnp.ones((L, S), jnp.bool_)), s, -jnp.inf)
+    if attn_mask is not None:
+        s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
+    lse = lse.astype(jnp.float32)
+    p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0, lse)[..., None])
+    p = jnp.where(jnp.isneginf(lse)[..., None], 0, p)
+    dsum = jnp.sum(do * o, axis=-1, keepdims=True)
+    dv = jnp.einsum("...ls,...le->...se", round_to(p, dt), do)
+    ds = round_to(p * (jnp.einsum("...le,...se->...ls", do, v) - dsum), dt)
+    dq = sc * jnp.einsum("...ls,...se->...le", ds, k)
+    dk = sc * jnp.einsum("...ls,...le->...se", ds, q)
+    return dq.astype(dt), dk.astype(dt), dv.astype(dt)
 
 
 @op("_safe_softmax.default")

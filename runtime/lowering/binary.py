@@ -386,16 +386,24 @@ def lcm(x, y):
     return jnp.where(g == 0, jnp.zeros_like(x), jnp.abs(x // jnp.where(g == 0, 1, g) * y))
 
 
+def _half_rounded(v, ct):
+    """CPU's scalar kernels apply std::log/log1p to a half-precision value, which returns the
+    half-precision type: the logarithm is rounded before the product."""
+    return v.astype(ct).astype(v.dtype) if np.dtype(ct) in (jnp.bfloat16, jnp.float16) else v
+
+
 @op("xlogy.Tensor", "xlogy.Scalar_Self", "xlogy.Scalar_Other")
 def xlogy(x, y):
-    _, (x, y) = _common(x, y, float_=True)
-    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * jnp.log(y)))
+    ct, (x, y) = _common(x, y, float_=True)
+    lg = _half_rounded(jnp.log(y), ct)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * lg))
 
 
 @op("special_xlog1py.default", "special_xlog1py.self_scalar", "special_xlog1py.other_scalar")
 def xlog1py(x, y):
-    _, (x, y) = _common(x, y, float_=True)
-    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * jnp.log1p(y)))
+    ct, (x, y) = _common(x, y, float_=True)
+    lg = _half_rounded(jnp.log1p(y), ct)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(x), x * lg))
 
 
 @op("special_zeta.default", "special_zeta.self_scalar", "special_zeta.other_scalar")

@@ -190,6 +190,11 @@ def _last_dim(x, dim) -> bool:
     return dim % x.ndim == x.ndim - 1
 
 
+# bfloat16 values in one of PyTorch's CPU vectors with AVX-512 (its x86 build's usual kernels);
+# with AVX2 (16) the positions between the two vector lengths round differently.
+_BF16_LANES = 32
+
+
 @op("_softmax.default")
 def _softmax(self, dim, half_to_float):
     if self.ndim == 0:
@@ -199,7 +204,18 @@ def _softmax(self, dim, half_to_float):
         # before rounding, then scales the rounded values by 1 / sum.
         x = acc(self)
         e = jnp.exp(x - jnp.max(x, axis=dim, keepdims=True))
-        return round_to(e, self.dtype) * (1.0 / jnp.sum(e, axis=dim, keepdims=True))
+        s = jnp.sum(e, axis=dim, keepdims=True)
+        if self.dtype != jnp.bfloat16:
+            return round_to(e, self.dtype) * (1.0 / s)
+        # bfloat16 has its own kernel: vectors of positions after dim divide the float32
+        # exponentials and round once; the positions left over (the tail) divide the rounded ones.
+        d = dim % x.ndim
+        inner = x.shape[d + 1:]
+        n = 1
+        for k in inner:
+            n *= k
+        pos = jnp.arange(n).reshape(inner)
+        return jnp.where(pos < n // _BF16_LANES * _BF16_LANES, e / s, round_to(e, self.dtype) / s)
     return jax.nn.softmax(_acc(self), axis=dim)
 
 

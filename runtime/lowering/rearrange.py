@@ -9,6 +9,7 @@ from jax import lax
 
 from . import op
 from .indexing import _scalar_as
+from .precision import acc
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,8 +57,11 @@ op("replication_pad1d.default", "replication_pad2d.default", "replication_pad3d.
 
 def _pad_backward(fwd):
     def backward(grad_output, x, padding):
-        _, vjp = jax.vjp(lambda t: fwd(t, padding), x)
-        return vjp(grad_output.astype(x.dtype))[0]
+        # The border's gradient sums into the edge elements in float32 (a half-precision sum
+        # of many terms rounds at each one), rounded once.
+        up = acc(x)
+        _, vjp = jax.vjp(lambda t: fwd(t, padding), up)
+        return vjp(grad_output.astype(up.dtype))[0].astype(x.dtype)
     return backward
 
 
