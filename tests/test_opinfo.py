@@ -66,6 +66,8 @@ SUBSET = [
     "diagonal_scatter", "as_strided_scatter", "put", "nonzero_static", "complex", "polar",
     "special.modified_bessel_k0", "special.scaled_modified_bessel_k1", "nn.functional.embedding_bag",
     "ormqr", "linalg.householder_product",
+    # data-dependent output sizes (deferfuse/datadep.py)
+    "nonzero", "masked_select", "unique", "unique_consecutive",
 ]
 
 # Gradients (float32, ``BACKWARD_LIMIT`` samples): the sweep's --backward check.
