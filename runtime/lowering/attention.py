@@ -14,12 +14,8 @@ from .nn import _acc
 from .precision import HALF, round_to
 
 
-def _sdpa(q, k, v, attn_mask, is_causal, scale, exact_half=True):
-    half = q.dtype if q.dtype in HALF and exact_half else None
-    dt = _acc(q).dtype
-    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
-    if k.ndim == 4 and k.shape[1] != q.shape[1]:    # grouped-query attention (enable_gqa)
-        k, v = (jnp.repeat(z, q.shape[1] // k.shape[1], axis=1) for z in (k, v))
+def _scores(q, k, is_causal, attn_mask, scale):
+    """(the masked, scaled attention scores q k^T, the scale)."""
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = jnp.einsum("...le,...se->...ls", q, k) * sc
     L, S = q.shape[-2], k.shape[-2]
@@ -27,6 +23,16 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, exact_half=True):
         s = jnp.where(jnp.tril(jnp.ones((L, S), jnp.bool_)), s, -jnp.inf)
     if attn_mask is not None:
         s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
+    return s, sc
+
+
+def _sdpa(q, k, v, attn_mask, is_causal, scale, exact_half=True):
+    half = q.dtype if q.dtype in HALF and exact_half else None
+    dt = _acc(q).dtype
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    if k.ndim == 4 and k.shape[1] != q.shape[1]:    # grouped-query attention (enable_gqa)
+        k, v = (jnp.repeat(z, q.shape[1] // k.shape[1], axis=1) for z in (k, v))
+    s, sc = _scores(q, k, is_causal, attn_mask, scale)
     if half is not None:
         return _flash_half(s, v, half)
     lse = jax.nn.logsumexp(s, axis=-1)
@@ -93,13 +99,7 @@ def _flash_half_backward(grad_out, query, key, value, out, lse, is_causal, attn_
     modelled: one rounding per gradient."""
     dt = query.dtype
     q, k, v, do, o = (_acc(z) for z in (query, key, value, grad_out, out))
-    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("...le,...se->...ls", q, k) * sc
-    L, S = q.shape[-2], k.shape[-2]
-    if is_causal:
-        s = jnp.where(jnp.tril(jnp.ones((L, S), jnp.bool_)), s, -jnp.inf)
-    if attn_mask is not None:
-        s = jnp.where(attn_mask, s, -jnp.inf) if attn_mask.dtype == jnp.bool_ else s + attn_mask
+    s, sc = _scores(q, k, is_causal, attn_mask, scale)
     lse = lse.astype(jnp.float32)
     p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0, lse)[..., None])
     p = jnp.where(jnp.isneginf(lse)[..., None], 0, p)
