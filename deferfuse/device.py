@@ -374,7 +374,7 @@ def register() -> None:
     _enable_foreach()
     _keep_tied_parameters()
     _wrap_autograd()
-    from . import amp, attention, compiled, datadep, linear, serialization, traceable
+    from . import amp, attention, compiled, datadep, linear, rnn, serialization, traceable
     traceable.install()
     compiled.register()
     amp.register()
@@ -382,6 +382,7 @@ def register() -> None:
     attention.register()
     linear.register()
     datadep.register()
+    rnn.register()
 
     # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
     # (no Python dispatch): give those kernels.

@@ -451,6 +451,9 @@ _DTYPE_REFUSAL = re.compile(r"not implemented for '|(with|on) (a|two) bool tenso
                             r"supported")
 _DTYPE_ERRORS = Cache("dtype support", 4096)    # (op, dtypes of its arguments) -> error or None
 _PROBING = threading.local()                    # this thread is running a dtype probe
+# CPU kernels that crash on stand-ins (oneDNN reads their real shapes): never probed.
+_NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), "default", None) for p in (
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward")) if o is not None}
 
 
 def dtype_error(func, args, kwargs):
@@ -467,7 +470,8 @@ def dtype_error(func, args, kwargs):
             # default device) is not probed in turn: it would recurse without end.
             return None
         err = None
-        if not (torch.Tag.nondeterministic_seeded in func.tags or "generator" in kwargs):
+        if not (torch.Tag.nondeterministic_seeded in func.tags or "generator" in kwargs
+                or func in _NO_STAND_INS):
             _PROBING.on = True
             try:
                 with warnings.catch_warnings():

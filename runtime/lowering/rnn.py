@@ -10,14 +10,19 @@ gates in float32 for 16-bit inputs, and the same workspace layout, which the bac
 
 - LSTM: workspace ``[i, f, g, o]`` (activated gates, ``4H`` per row);
 - GRU: workspace ``[r, z, n, hx, hn + b_hn]`` (``5H`` per row).
+
+For bfloat16 and float16 inputs ``deferfuse/rnn.py`` runs CPU's algorithm instead: unfused ops, or
+oneDNN's LSTM layer (``mkldnn_rnn_layer`` and its backward), lowered at the end of this module.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax import nn as jnn
 
 from . import op
 from .nn import _acc
+from .precision import acc, round_to
 
 
 def _gates(input_gates, hidden_gates, input_bias, hidden_bias, k):
@@ -89,3 +94,100 @@ def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
         gbi = jnp.sum(_acc(grad_input), axis=0).astype(dt)
         gbh = jnp.sum(_acc(grad_hidden), axis=0).astype(dt)
     return grad_input, grad_hidden, (go * z).astype(dt), gbi, gbh
+
+
+# ---------------------------------------------------------------------------------------------
+# oneDNN's LSTM layer (``mkldnn_rnn_layer``): what CPU's ``aten::lstm`` runs for bfloat16 (and
+# float16 without autograd) on a processor oneDNN supports it on; ``deferfuse/rnn.py`` emits it
+# for tpu where CPU would. oneDNN's arithmetic, reproduced bit for bit in bfloat16 and float16:
+#
+# - forward: the bias is ``b_ih + b_hh`` rounded to the dtype (PyTorch adds them in the dtype);
+#   each step's gates are float32 sums of float32 products (all steps' input products at once,
+#   then the hidden product) plus the bias, activated in float32; the cell state is rounded to
+#   the dtype after every step (its workspace copy is in the dtype), the hidden state
+#   ``o * tanh(c)`` (of the unrounded c) too; the activated gates are kept rounded for the
+#   backward pass;
+# - backward: gradients flow in float32; each step's gate gradients are rounded to the dtype
+#   before their products (the input's, the previous hidden state's and the weights') and their
+#   sum (the bias's); the results are float32 (autograd rounds them to the parameters' dtype).
+
+_HI = lax.Precision.HIGHEST
+
+
+def _onednn_states(input, w0, w1, w2, w3, hx, cx, reverse, has_biases):
+    """The forward recurrence: per step (in time order) the rounded gates, the previous hidden
+    and cell states and the new ones; and the final states."""
+    dt = input.dtype
+    n_batch, hidden = input.shape[1], w1.shape[1]
+    x = acc(input)
+    bias = round_to(acc(w2) + acc(w3), dt) if has_biases else jnp.zeros((4 * hidden,), x.dtype)
+    layer = jnp.einsum("tbi,gi->tbg", x, acc(w0), precision=_HI)
+    wh = acc(w1)
+
+    def step(carry, xg):
+        h, c = carry
+        g = xg + jnp.dot(h, wh.T, precision=_HI) + bias
+        i, f, gg, o = jnp.split(g, 4, axis=1)
+        i, f, gg, o = jnn.sigmoid(i), jnn.sigmoid(f), jnp.tanh(gg), jnn.sigmoid(o)
+        c_new = f * c + i * gg
+        h_new = round_to(o * jnp.tanh(c_new), dt)
+        c_new = round_to(c_new, dt)
+        gates = tuple(round_to(v, dt) for v in (i, f, gg, o))
+        return (h_new, c_new), (gates, h, c, h_new, c_new)
+
+    h0 = acc(hx).reshape(n_batch, hidden)
+    c0 = acc(cx).reshape(n_batch, hidden)
+    return lax.scan(step, (h0, c0), layer, reverse=reverse)
+
+
+def _onednn_check(mode, batch_sizes):
+    if mode != 2 or batch_sizes:
+        raise NotImplementedError("mkldnn_rnn_layer: only an LSTM over a padded sequence is "
+                                  "lowered (the only one PyTorch's CPU LSTM runs)")
+
+
+@op("mkldnn_rnn_layer.default")
+def mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size,
+                     num_layers, has_biases, bidirectional, batch_first, train):
+    _onednn_check(mode, batch_sizes)
+    dt = input.dtype
+    (h, c), (_, _, _, ys, _) = _onednn_states(input, w0, w1, w2, w3, hx, cx, reverse, has_biases)
+    return (ys.astype(dt), h.reshape(hx.shape).astype(dt), c.reshape(cx.shape).astype(dt),
+            jnp.zeros((0,), jnp.uint8))
+
+
+@op("mkldnn_rnn_layer_backward.default")
+def mkldnn_rnn_layer_backward(input, w0, w1, w2, w3, hx, cx, output, hy, cy, grad_output,
+                              grad_hy, grad_cy, reverse, mode, hidden_size, num_layers,
+                              has_biases, train, bidirectional, batch_sizes, batch_first,
+                              workspace):
+    _onednn_check(mode, batch_sizes)
+    dt = input.dtype
+    steps, n_batch, hidden = input.shape[0], input.shape[1], w1.shape[1]
+    _, (gates, h_prev, c_prev, _, c_new) = _onednn_states(input, w0, w1, w2, w3, hx, cx,
+                                                          reverse, has_biases)
+    zeros = jnp.zeros((n_batch, hidden), jnp.float32)
+    gy = jnp.zeros((steps, n_batch, hidden), jnp.float32) if grad_output is None \
+        else acc(grad_output).astype(jnp.float32)
+    dh0 = zeros if grad_hy is None else acc(grad_hy).reshape(n_batch, hidden).astype(jnp.float32)
+    dc0 = zeros if grad_cy is None else acc(grad_cy).reshape(n_batch, hidden).astype(jnp.float32)
+    wi, wh = acc(w0), acc(w1)
+
+    def step(carry, xs):
+        dh, dc = carry
+        (i, f, g, o), cp, ct, dy = xs
+        tc = jnp.tanh(ct)
+        dht = dy + dh
+        dct = dc + (1 - tc * tc) * o * dht
+        dg = jnp.concatenate([g * dct * ((1 - i) * i), cp * dct * ((1 - f) * f),
+                              i * dct * (1 - g * g), tc * dht * ((1 - o) * o)], axis=1)
+        dg = round_to(dg, dt)
+        return (jnp.dot(dg, wh, precision=_HI), dct * f), (dg, jnp.dot(dg, wi, precision=_HI))
+
+    # The backward pass walks the steps in the other order than the forward one.
+    (dh, dc), (dgs, dx) = lax.scan(step, (dh0, dc0), (gates, c_prev, c_new, gy),
+                                   reverse=not reverse)
+    dw_ih = jnp.einsum("tbg,tbi->gi", dgs, acc(input), precision=_HI)
+    dw_hh = jnp.einsum("tbg,tbh->gh", dgs, h_prev, precision=_HI)
+    db = jnp.sum(dgs, axis=(0, 1))
+    return dx, dw_ih, dw_hh, db, db, dh.reshape(hx.shape), dc.reshape(cx.shape)
