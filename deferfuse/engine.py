@@ -70,6 +70,8 @@ class Engine:
         self.aliases = Cache("aliases", 1 << 15)
         self.routes: dict = {}      # id(OpOverload) -> route: one per op, bounded by the op set
         self.runner = Runner(config.max_regions)
+        # Per-op programs and view reads are dropped with the regions (NOTE [JIT mappings]).
+        self.runner.also_evict = (self.ops.clear, execute.view_jits.clear)
         self.bodies = Bodies()
         self.sources = SourceLines()
         self.rng = Rng(self)
@@ -208,6 +210,7 @@ class Engine:
         for v in ins:
             if v is not None and (v.array is None or v.chk is not None):
                 self.ready(v, dev, "mode exit")
+        self.runner.relieve()
         return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug",
                               self.runner.programs,
                               self.runner.buckets if config.buckets else None)
@@ -221,6 +224,7 @@ class Engine:
         out = {c.name: c.stats() for c in self.caches()}
         out["signatures"] = sig_id.stats()
         out["loop bodies"] = self.bodies.stats()
+        out["memory mappings"] = self.runner.maps.stats()
         return out
 
     def clear_caches(self) -> None:

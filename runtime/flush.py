@@ -16,6 +16,7 @@ from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
 from .errors import RegionError
+from .jitmaps import MapGuard
 from .regions import Region, explain_miss, raise_oom
 from ..scheduler import cut, memory, pieces, steps
 from ..scheduler.cache import Cache
@@ -105,7 +106,7 @@ class Runner:
 
     def __init__(self, max_regions: int = 4096):
         self.structs = Cache("trace structures", 8192)
-        # Past max_regions every region is dropped at once, with JAX's caches (_evict): the
+        # Past max_regions every region is dropped at once, with JAX's caches (evict): the
         # cache itself never rotates before that.
         self.regions = Cache("regions", 2 * max_regions + 2)
         self.max_regions = max_regions
@@ -116,6 +117,8 @@ class Runner:
         self.buckets = Buckets()            # NOTE [buckets] (buckets.py)
         self.last = None        # [nodes, reason, src, pieces] of the latest trace (dump_trace)
         self.peak_seen = 0
+        self.maps = MapGuard()              # NOTE [JIT mappings] (jitmaps.py)
+        self.also_evict: tuple = ()         # the owner's caches of compiled programs (the engine's)
 
     def caches(self) -> list:
         return [self.structs, self.regions, self.churn, self.once, *self.buckets.caches()]
@@ -124,16 +127,24 @@ class Runner:
         for c in self.caches():
             c.clear()
 
-    def _evict(self) -> None:
-        """Drop every compiled region and JAX's in-process executables: each compiled program holds
-        memory mappings of XLA's CPU JIT, and a process that compiles thousands (generate() over
-        many prompt lengths, a model zoo in one process) would otherwise run out of them and abort.
-        The on-disk cache makes recompiling what comes back cheap."""
+    def evict(self) -> None:
+        """Drop every compiled program: the regions, the owner's (``also_evict``: per-op programs,
+        view reads) and JAX's in-process executables. Each holds memory mappings of XLA's CPU JIT,
+        and a process that keeps thousands (generate() over many prompt lengths, a model zoo in one
+        process) would otherwise run out of them and crash (NOTE [JIT mappings]). The on-disk
+        caches make recompiling what comes back cheap."""
         import jax
         self.regions.evictions += len(self.regions)
         self.clear()
+        for clear in self.also_evict:
+            clear()
         jax.clear_caches()
         S["region_evictions"] += 1
+
+    def relieve(self) -> None:
+        """Drop every compiled program if the process nears its cap of memory mappings."""
+        if self.maps.pressed():
+            self.evict()
 
     # -----------------------------------------------------------------------------------------
     def start(self, fl: Flush, reason: str, src: str, cfg: Settings, max_regions: int) -> _Ctx:
@@ -386,8 +397,8 @@ class Runner:
             self._pieces(ctx, _Struct(run.entries, run.wirings), run, done, None,
                          0 if run.later else None)
             return None
-        if len(self.regions) >= self.max_regions:
-            self._evict()
+        if len(self.regions) >= self.max_regions or self.maps.pressed():
+            self.evict()
         why = explain_miss(self.regions.values(), keys)
         plan, s0 = [], 0
         for e, w, n in zip(run.entries, run.wirings, run.nodes):

@@ -36,6 +36,19 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("tpu_mode", modes, indirect=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_programs_after_each_file():
+    """Each test file starts without the compiled programs of the files before it (they come back
+    from the disk cache if needed): the whole run in one process would otherwise keep ~20,000
+    programs alive, near the process's cap of memory mappings (NOTE [JIT mappings]), where the
+    engine's own guard would drop them in the middle of some later test."""
+    yield
+    import jax
+    deferfuse.sync()
+    deferfuse.clear_caches()
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def tpu_mode(request):
     name = getattr(request, "param", "strict")

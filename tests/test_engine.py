@@ -576,6 +576,42 @@ def test_caches_are_bounded_and_counted():
         assert m[name]["size"] <= m[name]["capacity"]
 
 
+def test_programs_are_dropped_near_the_mapping_cap(tpu_mode):
+    """NOTE [JIT mappings]: every compiled program holds memory mappings, and a process past
+    vm.max_map_count crashed inside XLA. Near the cap the engine drops every compiled program
+    (here the guard says so at each program made): training goes on, with CPU's values."""
+    from deferfuse.runtime import jitmaps
+    assert jitmaps.mappings() > 0 and jitmaps.map_cap() > 0
+    guard = engine.runner.maps
+    saved = guard.every, guard.limit, guard.last
+    guard.every, guard.limit, guard.last = 1, 0, 0
+
+    def train(device):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(5, 6), torch.randn(5, 1)
+        losses = []
+        for n in (5, 4, 5, 3):               # new shapes keep compiling
+            loss = ((m(x[:n].to(device)) - y[:n].to(device)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, [p.detach() for p in m.parameters()]
+
+    try:
+        deferfuse.reset_metrics()
+        drops = guard.drops
+        got = train("tpu")
+        assert guard.drops > drops
+        assert deferfuse.metrics()["region_evictions"] > 0
+        assert deferfuse.metrics()["caches"]["memory mappings"]["drops"] == guard.drops
+    finally:
+        guard.every, guard.limit, guard.last = saved
+    assert_same(got, train("cpu"))
+
+
 @pytest.mark.modes("defer", "strict")
 def test_an_error_ends_in_the_users_frames():
     """NOTE [user frames]: an error raised at a read (a deferred index error) or at the call (a
