@@ -453,6 +453,7 @@ print("ok")
 """
 
 
+@pytest.mark.modes("strict")     # the subprocess runs in its own default mode
 def test_onednn_lstm_as_cpu_in_a_subprocess(dt):
     """Where CPU's aten::lstm runs oneDNN in half precision, tpu runs the lowering of oneDNN's
     LSTM layer: outputs and gradients as CPU's (NOTE [oneDNN in a subprocess])."""
@@ -469,6 +470,9 @@ def test_onednn_lstm_as_cpu_in_a_subprocess(dt):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
+# The recurrent kernels act at the autograd key, the same in both modes: defer (fused regions
+# must keep every op's rounding) covers them; strict runs the same ops one by one.
+@pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
 @pytest.mark.parametrize("kind", list(_RNNS))
 def test_recurrent_layers_as_cpu(dt, kind):
@@ -479,6 +483,7 @@ def test_recurrent_layers_as_cpu(dt, kind):
     _module_same(make, [_rand(*shape, dt=dt, scale=3)], dt)
 
 
+@pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
 def test_lstm_without_autograd_as_cpu(dt):
     """Without autograd CPU runs oneDNN's LSTM in float16 too (where the processor has it)."""
@@ -495,6 +500,7 @@ def test_lstm_without_autograd_as_cpu(dt):
     assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
 
 
+@pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
 def test_packed_sequences_as_cpu(dt):
     x = _rand(6, 3, 3, dt=dt, scale=3)
