@@ -414,10 +414,10 @@ _RNNS = {
 @pytest.fixture
 def no_onednn():
     """CPU's oneDNN off (tpu's kernels follow the same switch, as ATen's ``use_mkldnn`` does):
-    CPU's unfused cells on both sides. NOTE [oneDNN in a subprocess]: three full runs that called
-    CPU's bfloat16 oneDNN LSTM in the test process crashed later inside XLA (compile, cache read,
-    serialization); runs without it did not. Cause unproven, so CPU's oneDNN LSTM runs only in a
-    process of its own (test_onednn_lstm_as_cpu_in_a_subprocess)."""
+    CPU's unfused cells on both sides. NOTE [oneDNN in a subprocess]: CPU's oneDNN LSTM runs in
+    a process of its own (test_onednn_lstm_as_cpu_in_a_subprocess). It was moved there while full
+    runs crashed inside XLA; the cause turned out to be the process's cap of memory mappings
+    (NOTE [JIT mappings] in runtime/jitmaps.py), not oneDNN, and the check stayed where it is."""
     with torch.backends.mkldnn.flags(enabled=False):
         yield
 
