@@ -171,3 +171,40 @@ def test_slice_and_select_backward_and_scatter_are_one_op(case, no_cpu_fallbacks
     if case == "slice_step_neg":
         src = torch.randn(3, 6)
     assert_same(scatter(x.to("tpu"), src.to("tpu")), scatter(x, src))
+
+
+def _windows(dev):
+    """Views with an offset or index argument, taken one after another on one tensor and on views
+    of it, so that each meets the view cache entries of the ones before (NOTE [view cache keys])."""
+    x = torch.arange(36, dtype=torch.float32).reshape(6, 6).to(dev)
+    outs = [torch.as_strided(x, (2, 2), (4, 1)), torch.as_strided(x, (2, 2), (4, 1), 1),
+            torch.as_strided(x, (2, 2), (4, 1), 2), x[2:1], x[1:3], x[2:1, 1]]
+    for i in range(3):
+        row, rows = x[i], x[i:i + 2]
+        outs += [torch.as_strided(row, (2, 2), (1, 1)), torch.as_strided(row, (2, 2), (1, 1), 3),
+                 torch.as_strided(rows, (2,), (1,)), rows.select(0, 1).as_strided((2,), (2,)),
+                 rows.narrow(1, i, 2), x.narrow(0, i, 2), x.select(1, i), x[i:i + 2],
+                 torch.diagonal(x, i), torch.diagonal(rows, 1 - i), x.unfold(0, 2, i + 1),
+                 rows.unfold(1, 3, 3 - i)]
+    torch.as_strided(x[2], (2,), (1,)).mul_(-1)     # a write through an as_strided of a moved row
+    x[3:4].as_strided((3,), (2,)).add_(100)
+    return [(o.stride(), o.storage_offset(), o.clone()) for o in outs] + [((), 0, x)]
+
+
+@pytest.mark.modes("defer")   # views record nothing: the cache is the same in every mode
+def test_view_cache_keys_hold_the_whole_view():
+    """as_strided with and without an offset, x[2:1] and x[i:i+2], and as_strided (no offset) of
+    x[i] for each i were served one another's cached views: a ValueError, or silently the first
+    row's values."""
+    want = _windows("cpu")
+    got = _windows("tpu")
+    for i, ((gs, go, g), (ws, wo, w)) in enumerate(zip(got, want)):
+        assert (gs, go) == (ws, wo), i
+        assert_same(g, w, msg=str(i))
+
+
+def test_as_strided_with_and_without_offset():
+    x = torch.randn(4, 4)
+    t = x.to("tpu")
+    assert_same(torch.as_strided(t, (2, 2), (4, 1)), torch.as_strided(x, (2, 2), (4, 1)))
+    assert_same(torch.as_strided(t, (2, 2), (4, 1), 1), torch.as_strided(x, (2, 2), (4, 1), 1))
