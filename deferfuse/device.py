@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from . import device_info
+from . import device_info, subclass
 from .config import config
 from .engine import engine, user_error
 from .runtime import platform
@@ -341,6 +341,7 @@ def register() -> None:
     _patch_accelerator()
     _enable_foreach()
     _keep_tied_parameters()
+    subclass.install()
     _wrap_autograd()
     from . import amp, attention, compiled, datadep, linear, rnn, serialization, traceable
     traceable.install()

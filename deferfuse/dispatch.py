@@ -486,7 +486,14 @@ def _repr(self, *, tensor_contents=None):
         cpu = to_cpu(self, "print")
     except Exception as e:
         raise user_error(e)     # NOTE [user frames] (engine.py)
-    s = torch._tensor_str._str(cpu)
+    user = getattr(type(self), "_tpu_user", None)
+    if user is not None:
+        # Its class's name, as CPU prints it (NOTE [tpu subclasses]); Tensor.__repr__ formats
+        # with subclasses' __torch_function__ off.
+        with torch._C.DisableTorchFunctionSubclass():
+            s = torch._tensor_str._str(cpu.as_subclass(user))
+    else:
+        s = torch._tensor_str._str(cpu)
     dev = f"device='{self.device}'"
     if s.endswith(")"):
         # Insert the device after the values, where PyTorch puts it for cuda tensors.

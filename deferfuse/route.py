@@ -12,6 +12,7 @@ from .dispatch import Fallback, ForeignSubclass, OtherDevice, _local, _run
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
+from . import subclass
 from .specials import SPECIAL
 from .tensor import TpuTensor
 from .traceable import FAKE, traced_dispatch
@@ -23,6 +24,8 @@ _mode = torch._C._get_dispatch_mode
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
     """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper)."""
+    if cls is not TpuTensor and cls is not None:
+        return subclass.run(torch_dispatch, func, types, args, kwargs)  # NOTE [tpu subclasses]
     # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The route
     # keeps the OpOverload alive, so its id is never reused.
     r = _routes.get(id(func))
