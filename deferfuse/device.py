@@ -9,15 +9,15 @@ here; ``register`` then fills ``torch.tpu`` and registers the kernels.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import types
 
 import torch
 
+from . import device_info, subclass
 from .config import config
 from .engine import engine, user_error
-from .runtime import memory, platform
+from .runtime import platform
 from .tensor import _DEVICES
 
 _lib = None
@@ -29,26 +29,10 @@ def _device_count() -> int:
 
 def _set_device(device) -> None:
     """``torch.tpu.set_device``: the calling thread's current device (as CUDA's, per thread)."""
-    idx = device if isinstance(device, int) else _idx(device)
-    if not 0 <= idx < _device_count():
-        from .runtime.cluster import CLUSTER
-        if CLUSTER.size > 1:
-            raise RuntimeError(
-                f"tpu:{idx} does not exist: this process has {_device_count()} tpu device(s), "
-                f"tpu:0 .. tpu:{_device_count() - 1}; in a job of several processes each has its "
-                "own devices (use torch.device('tpu'), not tpu:LOCAL_RANK; docs/distributed.md)")
-        raise RuntimeError(f"tpu:{idx} does not exist: this machine has {_device_count()} tpu "
-                           f"device(s), tpu:0 .. tpu:{_device_count() - 1}")
-    engine.state.device = idx
+    engine.state.device = device_info.index(device)
 
 
-def _idx(device) -> int:
-    if device is None:
-        return engine.state.device
-    if isinstance(device, int):
-        return device
-    d = torch.device(device)
-    return d.index if d.index is not None else engine.state.device
+_idx = device_info.index
 
 
 def _synchronize(device=None) -> None:
@@ -78,35 +62,6 @@ def _seed():
 
 def _initial_seed():
     return engine.rng.seed
-
-
-def _memory_allocated(device=None) -> int:
-    return memory.allocated
-
-
-def _max_memory_allocated(device=None) -> int:
-    return memory.peak
-
-
-def _reset_peak_memory_stats(device=None) -> None:
-    memory.reset_peak()
-
-
-def _memory_stats(device=None) -> dict:
-    return {"allocated_bytes.all.current": memory.allocated, "allocated_bytes.all.peak": memory.peak}
-
-
-def _mem_get_info(device=None) -> tuple:
-    """(free bytes, total bytes) of the device, as ``torch.cuda.mem_get_info``: XLA's own limit
-    and use where the platform reports them (TPU, GPU), else the host's memory (JAX's CPU)."""
-    from .runtime.transfer import devices
-    d = devices()[_idx(device)]
-    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        total = stats["bytes_limit"]
-        return total - stats.get("bytes_in_use", 0), total
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 class _DeviceCtx:
@@ -143,16 +98,21 @@ def _make_module() -> types.ModuleType:
     m.set_rng_state = _set_rng_state
     m.get_rng_state_all = lambda: [_get_rng_state(f"tpu:{i}") for i in range(_device_count())]
     m.set_rng_state_all = lambda states: [_set_rng_state(s, f"tpu:{i}") for i, s in enumerate(states)]
-    m.memory_allocated = _memory_allocated
-    m.max_memory_allocated = _max_memory_allocated
-    m.reset_peak_memory_stats = _reset_peak_memory_stats
-    m.reset_max_memory_allocated = _reset_peak_memory_stats
-    m.memory_stats = _memory_stats
-    m.memory_reserved = _memory_allocated        # nothing is cached: reserved is allocated
-    m.mem_get_info = _mem_get_info
-    m.max_memory_reserved = _max_memory_allocated
+    d = device_info
+    m.memory_allocated = d.memory_allocated
+    m.max_memory_allocated = d.max_memory_allocated
+    m.reset_peak_memory_stats = d.reset_peak_memory_stats
+    m.reset_max_memory_allocated = d.reset_peak_memory_stats
+    m.reset_accumulated_memory_stats = d.reset_accumulated_memory_stats
+    m.memory_stats = d.memory_stats
+    m.memory_stats_as_nested_dict = d.memory_stats_as_nested_dict
+    m.memory_reserved = d.memory_allocated        # nothing is cached: reserved is allocated
+    m.max_memory_reserved = d.max_memory_allocated
+    m.mem_get_info = d.mem_get_info
     m.empty_cache = lambda: None
-    m.get_device_name = lambda device=None: f"deferfuse tpu on JAX {platform.name()}"
+    m.get_device_properties = d.get_device_properties
+    m.get_device_name = d.get_device_name
+    m.get_device_capability = d.get_device_capability
     m.is_bf16_supported = lambda *a, **k: True
     m.get_amp_supported_dtype = lambda: [torch.bfloat16, torch.float16]
     m._lazy_init = lambda: None
@@ -173,19 +133,27 @@ def _patch_accelerator() -> None:
         return orig(device)
     synchronize.__doc__ = orig.__doc__
     acc.synchronize = synchronize
-    # Its memory counters ask for a C++ DeviceAllocator (an internal assert for a Python backend):
-    # with tpu the accelerator they read ours. Nothing is cached, so reserved is allocated.
-    for name, ours in (("memory_allocated", _memory_allocated),
-                       ("max_memory_allocated", _max_memory_allocated),
-                       ("memory_reserved", _memory_allocated),
-                       ("max_memory_reserved", _max_memory_allocated),
-                       ("reset_peak_memory_stats", _reset_peak_memory_stats),
-                       ("reset_accumulated_memory_stats", lambda device=None: None),
-                       ("memory_stats", _memory_stats)):
+    # Its memory counters ask for a C++ DeviceAllocator (an internal assert for a Python backend),
+    # its device index and capability for the device guard, which a Python backend's does not
+    # keep: with tpu the accelerator they are ours. Nothing is cached, so reserved is allocated.
+    d = device_info
+    for name, ours in (("memory_allocated", d.memory_allocated),
+                       ("max_memory_allocated", d.max_memory_allocated),
+                       ("memory_reserved", d.memory_allocated),
+                       ("max_memory_reserved", d.max_memory_allocated),
+                       ("reset_peak_memory_stats", d.reset_peak_memory_stats),
+                       ("reset_accumulated_memory_stats", d.reset_accumulated_memory_stats),
+                       ("memory_stats", d.memory_stats),
+                       ("get_memory_info", d.mem_get_info),
+                       ("get_device_capability", d.accelerator_capability),
+                       ("set_device_index", _set_device),
+                       ("set_device_idx", _set_device)):
         if hasattr(acc, name):
             setattr(acc, name, _on_tpu_or(getattr(acc, name), ours))
-    if hasattr(acc, "get_memory_info"):
-        acc.get_memory_info = _on_tpu_or(acc.get_memory_info, _mem_get_info)
+    for name in ("current_device_index", "current_device_idx"):
+        if hasattr(acc, name):
+            setattr(acc, name, _on_tpu_or(getattr(acc, name), lambda: engine.state.device,
+                                          takes_device=False))
     if hasattr(acc, "empty_cache"):
         acc.empty_cache = _on_tpu_or(acc.empty_cache, lambda: None, takes_device=False)
 
@@ -373,6 +341,7 @@ def register() -> None:
     _patch_accelerator()
     _enable_foreach()
     _keep_tied_parameters()
+    subclass.install()
     _wrap_autograd()
     from . import amp, attention, compiled, datadep, linear, rnn, serialization, traceable
     traceable.install()

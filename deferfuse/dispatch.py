@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .config import config
+from .device_info import check
 from .engine import engine, user_error
 from .opinfo import decompose, op_info
 from .runtime import execute, transfer
@@ -107,6 +108,15 @@ class ForeignSubclass(Exception):
     AsyncCollectiveTensor): __torch_dispatch__ returns NotImplemented so that its own runs first."""
 
 
+class OtherDevice(Exception):
+    """An op on tensors of ``tpu:here`` asked for its result on device ``there`` (``new_ones``,
+    ``zeros_like`` with a ``device=``): the router runs it there (route._on_other_device)."""
+
+    def __init__(self, here: int, there: torch.device):
+        super().__init__(here, there)
+        self.here, self.there = here, there
+
+
 _NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
 
 
@@ -154,9 +164,14 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
             raise ForeignSubclass       # its own __torch_dispatch__ unwraps it: let it run
         raise _device_error(f"tpu:{device[0] if device[0] is not None else _local.ts.device}",
                             str(a.device))
-    if ta is torch.device and a.type == "tpu":
+    if ta is torch.device:
+        if a.type != "tpu":
+            raise OtherDevice(device[0], a)     # on tpu tensors (or it would not be here)
+        d = _local.ts.device if a.index is None else check(a.index)
         if device[0] is None:
-            device[0] = a.index if a.index is not None else _local.ts.device
+            device[0] = d
+        elif device[0] != d:
+            raise OtherDevice(device[0], torch.device("tpu", d))
         return ("\0dev",)
     return a
 
@@ -471,7 +486,14 @@ def _repr(self, *, tensor_contents=None):
         cpu = to_cpu(self, "print")
     except Exception as e:
         raise user_error(e)     # NOTE [user frames] (engine.py)
-    s = torch._tensor_str._str(cpu)
+    user = getattr(type(self), "_tpu_user", None)
+    if user is not None:
+        # Its class's name, as CPU prints it (NOTE [tpu subclasses]); Tensor.__repr__ formats
+        # with subclasses' __torch_function__ off.
+        with torch._C.DisableTorchFunctionSubclass():
+            s = torch._tensor_str._str(cpu.as_subclass(user))
+    else:
+        s = torch._tensor_str._str(cpu)
     dev = f"device='{self.device}'"
     if s.endswith(")"):
         # Insert the device after the values, where PyTorch puts it for cuda tensors.

@@ -69,6 +69,8 @@ class Engine:
         self.views = Cache("views", 1 << 15)
         self.aliases = Cache("aliases", 1 << 15)
         self.routes: dict = {}      # id(OpOverload) -> route: one per op, bounded by the op set
+        # user Tensor subclass -> its tpu class (NOTE [tpu subclasses]): one per class
+        self.subclasses = weakref.WeakKeyDictionary()
         self.runner = Runner(config.max_regions)
         # Per-op programs and view reads are dropped with the regions (NOTE [JIT mappings]).
         self.runner.also_evict = (self.ops.clear, execute.view_jits.clear)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import copy
 
 from .engine import engine
-from .runtime import memory, stats
+from .runtime import stats
+from .runtime.memory import COUNTERS as memory
 
 
 def metrics() -> dict:

@@ -6,7 +6,8 @@ import shutil
 import subprocess
 
 from .engine import engine
-from .runtime import flush, memory, stats
+from .runtime import flush, stats
+from .runtime.memory import COUNTERS as memory
 
 
 def _mb(n: int) -> str:

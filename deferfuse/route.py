@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .dispatch import Fallback, ForeignSubclass, _local, _run
+from .dispatch import Fallback, ForeignSubclass, OtherDevice, _local, _run
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
+from . import subclass
 from .specials import SPECIAL
 from .tensor import TpuTensor
 from .traceable import FAKE, traced_dispatch
@@ -23,6 +24,8 @@ _mode = torch._C._get_dispatch_mode
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
     """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper)."""
+    if cls is not TpuTensor and cls is not None:
+        return subclass.run(torch_dispatch, func, types, args, kwargs)  # NOTE [tpu subclasses]
     # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The route
     # keeps the OpOverload alive, so its id is never reused.
     r = _routes.get(id(func))
@@ -35,6 +38,11 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         return r[0](func, r[1], args, kwargs)
     except ForeignSubclass:
         return NotImplemented
+    except OtherDevice as d:
+        try:
+            return _on_other_device(func, r, args, kwargs, d)
+        except BaseException as e:
+            err = e
     except Fallback as f:
         try:
             return fallback(func, r[1], args, kwargs, f.why)
@@ -91,6 +99,25 @@ def _route(func):
     if kind == "unsupported_view":
         return _unsupported_view, info, func
     return _no_lowering, info, func
+
+
+def _on_other_device(func, r, args, kwargs, d: OtherDevice):
+    """``func`` on tensors of tpu:i with ``device=`` another device, whose result PyTorch puts on
+    that device (it was left on tpu:i). ``*_like`` and ``new_*`` read only their input's metadata:
+    they run on the device asked for, over empty stand-ins of their inputs (CPU's generator for a
+    ``rand_like(..., device="cpu")``, as on CPU); any other op (``linspace`` of tensors) is run
+    beside its inputs and its result moved."""
+    name = func._schema.name
+    if name.endswith("_like") or name.startswith("aten::new_"):
+        def stand_in(a):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=d.there)
+        return func(*pytree.tree_map_only(TpuTensor, stand_in, args), **kwargs)
+    here = torch.device("tpu", d.here)
+
+    def on_here(a):
+        return here if type(a) is torch.device and a.type == "tpu" else a
+    out = r[0](func, r[1], [on_here(a) for a in args], {k: on_here(v) for k, v in kwargs.items()})
+    return pytree.tree_map_only(TpuTensor, lambda t: t.to(d.there), out)
 
 
 def _data_dependent(func, info, args, kwargs):

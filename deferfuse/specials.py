@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .device_info import check
 from .dispatch import Fallback, _contig, _run, copy_into, from_cpu, new_tensor, read, to_cpu
 from .engine import engine
 from .opinfo import decompose, op_info
@@ -26,11 +27,12 @@ def _dense(t) -> bool:
 
 
 def _dev_index(device) -> int:
-    """The index of a tpu device argument: ``tpu`` alone is the thread's current device."""
+    """The index of a tpu device argument: ``tpu`` alone is the thread's current device; an index
+    past the devices there are raises (device_info.check)."""
     if device is None:
         return engine.state.device
     device = torch.device(device)
-    return device.index if device.index is not None else engine.state.device
+    return engine.state.device if device.index is None else check(device.index)
 
 
 def _empty(size, dtype, device: int, stride=None, memory_format=None):
@@ -69,8 +71,8 @@ def _h_empty_like(func, args, kwargs):
     m = func(torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta"),
              *args[1:], **{k: (torch.device("meta") if k == "device" else v) for k, v in kwargs.items()})
     dev = kwargs.get("device")
-    if dev is not None and torch.device(dev).type == "cpu":
-        return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+    if dev is not None and torch.device(dev).type != "tpu":
+        return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=dev)
     return _empty(m.shape, m.dtype, self._s.device if dev is None else _dev_index(dev), stride=m.stride())
 
 
@@ -79,6 +81,10 @@ def _h_new_empty(func, args, kwargs):
     dev = kwargs.get("device")
     size = args[1]
     stride = args[2] if func is aten.new_empty_strided.default else None
+    if dev is not None and torch.device(dev).type != "tpu":
+        if stride is None:
+            return torch.empty(size, dtype=kwargs.get("dtype") or self.dtype, device=dev)
+        return torch.empty_strided(size, stride, dtype=kwargs.get("dtype") or self.dtype, device=dev)
     return _empty(size, kwargs.get("dtype") or self.dtype,
                   self._s.device if dev is None else _dev_index(dev), stride=stride)
 
@@ -102,6 +108,8 @@ def _h_to_copy(func, args, kwargs):
     self = args[0]
     dev = kwargs.get("device")
     dtype = kwargs.get("dtype") or self.dtype
+    if dev is not None and torch.device(dev).type == "meta":
+        return torch.empty_strided(self.shape, self.stride(), dtype=dtype, device="meta")
     if dev is not None and torch.device(dev).type != "tpu":
         out = to_cpu(self, "cpu")
         out = out.to(dtype=dtype)
@@ -117,7 +125,8 @@ def _h_to_copy(func, args, kwargs):
         # Another tpu device: the value moves device to device (a sync point in defer mode).
         arr = transfer.to_device(read(self, "cpu"), _dev_index(dev))
         t = new_tensor(Value(tuple(arr.shape), arr.dtype, arr.nbytes, array=arr), _dev_index(dev),
-                       self.dtype, tuple(self.shape), _contig(self.shape))
+                       self.dtype, tuple(self.shape),
+                       tuple(self.stride()) if _dense(self) else _contig(self.shape))
         if dtype != self.dtype or kwargs.get("memory_format") not in (None, torch.preserve_format):
             kw = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
             return _run(func, op_info(func), (t,), dict(kw, dtype=dtype))

@@ -155,13 +155,14 @@ def _keep_module_conversion() -> None:
     ``nn.Module._apply`` swaps a traceable wrapper subclass in with ``torch.utils.swap_tensors``,
     which refuses a CPU parameter that an autograd graph still holds ("Couldn't swap ...weight"
     after a CPU forward pass). A tpu parameter takes the new ``Parameter`` path, as a CUDA one
-    does; every other subclass keeps PyTorch's rule."""
+    does (so does a tpu tensor of a subclass's class: NOTE [tpu subclasses]); every other
+    subclass keeps PyTorch's rule."""
     import torch.nn.modules.module as module
     orig = module.is_traceable_wrapper_subclass
     if getattr(orig, "_deferfuse", False):
         return
 
     def is_traceable_wrapper_subclass(t):
-        return type(t) is not TpuTensor and orig(t)
+        return not isinstance(t, TpuTensor) and orig(t)
     is_traceable_wrapper_subclass._deferfuse = True
     module.is_traceable_wrapper_subclass = is_traceable_wrapper_subclass

@@ -29,8 +29,14 @@ def run_view(func, info, args, kwargs):
         t = _moving_view(func, info, base, args, kwargs)
         if t is not None:
             return t
-    # The views made (see _views_of): a function of the op, the input's signature (its storage's
-    # shape and dtype and its view chain) and the static arguments, so cached.
+    # NOTE [view cache keys]: the views made (see _views_of) are a function of the op, the input's
+    # signature (its storage's shape and dtype, its view chain, sizes and strides) and the static
+    # arguments, so cached under (op, signature, arguments...). A view at a dynamic offset
+    # (_moving_view) is cached under (op, its step kind, signature, its static sizes): the kind, a
+    # string where the generic key has the signature, keeps the two kinds of entry apart (an
+    # as_strided with and one without an offset, ``x[2:1]`` and ``x[i:i+2]``, once shared one
+    # entry). The signature leaves out a moving input's offset and the storage's layout, so
+    # as_strided, whose step names both, adds them.
     key = [info, base._sig]     # OpInfo: object hashing (OpOverload.__hash__ is Python)
     for a in args[1:]:
         ta = type(a)
@@ -44,6 +50,12 @@ def run_view(func, info, args, kwargs):
         key.append(a)
     if key is not None and kwargs:
         key.append(tuple((k, const(v) if type(v) in (bool, float) else v) for k, v in kwargs.items()))
+    if key is not None and func is aten.as_strided.default:
+        # Its step names the storage's layout, and, with no offset given, the input's offset,
+        # which the input's signature leaves out when it moves (NOTE [view cache keys]).
+        key.append(base._s.stride)
+        if (args[3] if len(args) > 3 else kwargs.get("storage_offset")) is None:
+            key.append(base.storage_offset())
     if key is not None:
         key = tuple(key)
         views = _views.get(key)
@@ -96,7 +108,7 @@ def _moving_view(func, info, base, args, kwargs):
             return None         # out of range: the meta kernel raises PyTorch's IndexError
         if index < 0:
             index += n
-        key = (info, base._sig, dim)
+        key = (info, DSELECT, base._sig, dim)
         v = _views.get(key)
         if v is None:
             size = tuple(shape[:dim]) + tuple(shape[dim + 1:])
@@ -128,7 +140,7 @@ def _moving_view(func, info, base, args, kwargs):
         length = (end - start + step - 1) // step
         if length == 0 or (start == 0 and end == n):
             return None         # nothing to move: a window of nothing, or of everything
-        key = (info, base._sig, dim, length, step)
+        key = (info, DSLICE, base._sig, dim, length, step)
         v = _views.get(key)
         if v is None:
             st = base.stride()
@@ -174,7 +186,7 @@ def _moving_strided(info, base, args, kwargs):
                            f"{off}, and itemsize {item} requiring a storage size of "
                            f"{(extent + 1) * item} are out of bounds for storage of size "
                            f"{numel * item}")
-    key = (info, base._sig, size, stride)
+    key = (info, DSTRIDED, base._sig, size, stride, base._s.stride)
     v = _views.get(key)
     if v is None:
         step = (DSTRIDED, (size, stride, base._s.val.shape, _base_stride(base)), ())

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 
 from . import execute, replay, stats
-from . import memory as memory_stats
+from .memory import COUNTERS as memory_stats, LARGE
 from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
@@ -343,12 +343,7 @@ class Runner:
                     if d and v.array is not None:
                         v.fail(gone)
             bound = outs if reg.order is None else [outs[j] for j in reg.order]
-            n = 0
-            for v, r in zip(bound, res):     # Value.bind, with one account() for all
-                v.array = r
-                v.node = None
-                n += v.nbytes
-            memory_stats.account(n)
+            _bind_all(bound, res)
             ctx.done.update(run.pos)
         if flags or self.checks.pending:
             self.checks.add(flags, reg.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
@@ -493,12 +488,7 @@ class Runner:
             except Exception as e:
                 self._around(ctx, run, None, e)
                 return
-            n = 0
-            for v, r in zip(outs, res):
-                v.array = r
-                v.node = None
-                n += v.nbytes
-            memory_stats.account(n)
+            _bind_all(outs, res)
             ctx.done.update(run.pos)
         S["bucketed_runs"] += 1
         if cfg.debug >= 2:
@@ -551,6 +541,21 @@ class Runner:
                 if r is not None:
                     v.bind(r)
         ctx.done.update(run.pos)
+
+
+def _bind_all(values, arrays) -> None:
+    """Value.bind for each value, with one count of the buffers for all."""
+    n = k = big = nbig = 0
+    for v, r in zip(values, arrays):
+        v.array = r
+        v.node = None
+        b = v.nbytes
+        n += b
+        k += 1
+        if b > LARGE:
+            big += b
+            nbig += 1
+    memory_stats.add(n, k, big, nbig)
 
 
 def _alias_order(outs, ext, donate, partner):

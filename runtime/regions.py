@@ -83,6 +83,7 @@ def raise_oom(e, reg, memory):
     text = str(e)
     if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
         import torch
+        memory.ooms += 1
         raise torch.OutOfMemoryError(
             f"tpu out of memory running a fused region ({reg.summary}). Live device buffers "
             f"{memory.allocated / 2**20:.1f} MB, peak {memory.peak / 2**20:.1f} MB, this region's XLA "

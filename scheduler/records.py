@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# Memory accounting hook: the runtime installs a callable taking a byte delta (see runtime.memory).
+# Memory accounting hook: the runtime installs a callable taking one buffer's bytes and 1 when it
+# is allocated, -1 when freed (see runtime.memory).
 _account: list = [None]
 
 
@@ -71,20 +72,20 @@ class Value:
         self.err = None
         self.chk = None
         if array is not None:
-            _account[0](nbytes)
+            _account[0](nbytes, 1)
 
     def fail(self, err: BaseException) -> None:
         """Make this value failed (or donated): its array, if any, is dropped."""
         if self.array is not None:
             self.array = None
-            _account[0](-self.nbytes)
+            _account[0](self.nbytes, -1)
         self.node = None
         self.err = err
 
     def bind(self, array) -> None:
         self.array = array
         self.node = None
-        _account[0](self.nbytes)
+        _account[0](self.nbytes, 1)
 
     @property
     def pending(self) -> bool:
@@ -93,7 +94,7 @@ class Value:
     def __del__(self):
         if self.array is not None:
             try:
-                _account[0](-self.nbytes)
+                _account[0](self.nbytes, -1)
             except TypeError:   # interpreter shutdown
                 pass
 

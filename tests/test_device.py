@@ -434,3 +434,161 @@ def test_mem_get_info():
     free, total = torch.tpu.mem_get_info()
     assert 0 < free <= total
     assert torch.accelerator.get_memory_info()[1] == total == torch.tpu.mem_get_info("tpu:0")[1]
+
+
+# --- the device contract frameworks read (torch.cuda's, issue 32) -------------------------------
+
+def _jax_device(i=0):
+    return deferfuse.runtime.platform.jax_devices()[i]
+
+
+def test_get_device_properties():
+    """TorchTitan reads ``get_device_properties(i).total_memory`` and ``get_device_name``; other
+    code reads ``name``, ``major``/``minor`` and ``multi_processor_count``, as on torch.cuda."""
+    d = _jax_device()
+    p = torch.tpu.get_device_properties(0)
+    assert torch.get_device_module("tpu").get_device_properties("tpu:0").name == p.name
+    assert p.name == d.device_kind == torch.tpu.get_device_name() == torch.tpu.get_device_name(0)
+    stats = d.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        assert p.total_memory == stats["bytes_limit"]
+    else:       # XLA's CPU backend: the host's memory
+        assert p.total_memory == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert torch.tpu.mem_get_info(0)[1] == p.total_memory
+    assert isinstance(p.multi_processor_count, int) and p.multi_processor_count >= 1
+    if d.platform == "cpu":
+        assert p.multi_processor_count == len(os.sched_getaffinity(0))
+        assert (p.major, p.minor) == (0, 0)
+    assert torch.tpu.get_device_capability() == torch.tpu.get_device_capability(0) == (p.major,
+                                                                                     p.minor)
+    assert f"total_memory={p.total_memory // 2**20}MB" in repr(p)
+    caps = torch.accelerator.get_device_capability()
+    assert {torch.float32, torch.bfloat16, torch.int64, torch.bool} <= caps["supported_dtypes"]
+    with pytest.raises(ValueError, match="Expected a tpu device, but got: cpu"):
+        torch.tpu.get_device_properties("cpu")
+
+
+# CUDA's caching allocator's statistics (torch.cuda.memory_stats), every key PyTorch documents.
+_CUDA_STATS = [f"{s}.{p}.{m}" for s in ("allocation", "segment", "active", "inactive_split",
+                                        "allocated_bytes", "reserved_bytes", "active_bytes",
+                                        "inactive_split_bytes", "requested_bytes")
+               for p in ("all", "large_pool", "small_pool")
+               for m in ("current", "peak", "allocated", "freed")]
+_CUDA_STATS += [f"{s}.{m}" for s in ("oversize_allocations", "oversize_segments")
+                for m in ("current", "peak", "allocated", "freed")]
+_CUDA_STATS += ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+                "num_device_free", "max_split_size"]
+
+
+def test_memory_stats_has_cudas_keys_with_the_runtimes_counts():
+    import gc
+    gc.collect()
+    deferfuse.sync()
+    s0 = torch.tpu.memory_stats()
+    assert set(_CUDA_STATS) <= set(s0) and list(s0) == sorted(s0)
+    assert all(isinstance(v, int) for v in s0.values())
+    torch.tpu.reset_peak_memory_stats()
+    x = torch.ones(1024, 1024, device="tpu")      # 4 MiB: the large pool
+    y = torch.ones(10, device="tpu")               # 40 bytes: the small pool
+    deferfuse.sync()
+    s = torch.tpu.memory_stats("tpu:0")
+    assert s["allocated_bytes.all.current"] == torch.tpu.memory_allocated() >= s0[
+        "allocated_bytes.all.current"] + 4 * 2**20 + 40
+    assert s["allocated_bytes.large_pool.current"] >= s0["allocated_bytes.large_pool.current"] + 4 * 2**20
+    assert s["allocated_bytes.small_pool.current"] >= s0["allocated_bytes.small_pool.current"] + 40
+    assert s["allocation.all.current"] >= s0["allocation.all.current"] + 2
+    assert s["allocation.all.allocated"] >= s0["allocation.all.allocated"] + 2
+    for pool in ("all", "large_pool", "small_pool"):
+        cur = s[f"allocated_bytes.{pool}.current"]
+        assert cur - s0[f"allocated_bytes.{pool}.current"] == (
+            s[f"allocated_bytes.{pool}.allocated"] - s0[f"allocated_bytes.{pool}.allocated"]
+            - s[f"allocated_bytes.{pool}.freed"] + s0[f"allocated_bytes.{pool}.freed"])
+        # nothing cached, nothing split: every live buffer is active and reserved (TorchTitan
+        # reads these peaks)
+        for k in ("active_bytes", "reserved_bytes", "requested_bytes"):
+            assert s[f"{k}.{pool}.current"] == cur and s[f"{k}.{pool}.peak"] == s[
+                f"allocated_bytes.{pool}.peak"]
+        assert s[f"allocated_bytes.{pool}.peak"] >= cur
+    assert s["allocated_bytes.all.current"] == (s["allocated_bytes.large_pool.current"]
+                                               + s["allocated_bytes.small_pool.current"])
+    assert s["num_alloc_retries"] == s["num_ooms"] == s["inactive_split_bytes.all.current"] == 0
+    assert torch.tpu.memory_stats_as_nested_dict()["active_bytes"]["all"]["peak"] == s[
+        "active_bytes.all.peak"]
+    del x
+    s2 = torch.tpu.memory_stats()
+    assert s2["allocated_bytes.all.current"] <= s["allocated_bytes.all.current"] - 4 * 2**20
+    assert s2["allocated_bytes.all.freed"] >= s["allocated_bytes.all.freed"] + 4 * 2**20
+    assert s2["active_bytes.all.peak"] == s["active_bytes.all.peak"]
+    torch.tpu.reset_peak_memory_stats()
+    s3 = torch.tpu.memory_stats()
+    assert s3["active_bytes.all.peak"] == s3["active_bytes.all.current"] < s["active_bytes.all.peak"]
+    assert s3["allocation.all.peak"] == s3["allocation.all.current"]
+    torch.accelerator.reset_accumulated_memory_stats()
+    s4 = torch.tpu.memory_stats()
+    assert s4["allocated_bytes.all.allocated"] == s4["allocated_bytes.all.freed"] == 0
+    assert s4["allocated_bytes.all.current"] == s3["allocated_bytes.all.current"]
+    assert torch.accelerator.memory_stats()["reserved_bytes.all.peak"] == s4["reserved_bytes.all.peak"]
+    del y
+
+
+_BAD_INDEX_CALLS = {     # x: a tpu tensor
+    "ones": lambda i, x: torch.ones(2, device=f"tpu:{i}"),
+    "empty": lambda i, x: torch.empty(2, device=f"tpu:{i}"),
+    "tensor": lambda i, x: torch.tensor([1.0], device=f"tpu:{i}"),
+    "randn_device": lambda i, x: torch.randn(2, device=torch.device("tpu", i)),
+    "arange": lambda i, x: torch.arange(3, device=f"tpu:{i}"),
+    "cpu_to": lambda i, x: torch.ones(2).to(f"tpu:{i}"),
+    "tpu_to": lambda i, x: x.to(f"tpu:{i}"),
+    "tpu_method": lambda i, x: torch.ones(2).tpu(i),
+    "new_ones": lambda i, x: x.new_ones(3, device=f"tpu:{i}"),
+    "zeros_like": lambda i, x: torch.zeros_like(x, device=f"tpu:{i}"),
+    "empty_like": lambda i, x: torch.empty_like(x, device=f"tpu:{i}"),
+    "module_to": lambda i, x: torch.nn.Linear(2, 2).to(f"tpu:{i}"),
+    "set_device": lambda i, x: torch.tpu.set_device(i),
+    "device_ctx": lambda i, x: torch.tpu.device(i).__enter__(),
+    "accelerator_set_device_index": lambda i, x: torch.accelerator.set_device_index(i),
+    "mem_get_info": lambda i, x: torch.tpu.mem_get_info(i),
+    "memory_stats": lambda i, x: torch.tpu.memory_stats(f"tpu:{i}"),
+    "get_device_properties": lambda i, x: torch.tpu.get_device_properties(i),
+}
+
+
+def test_a_bad_device_index_raises_at_the_call():
+    """As CUDA's "invalid device ordinal" (a RuntimeError naming the device), at the call, in
+    every mode, with nothing recorded: the pending trace still runs, with CPU's values."""
+    n = torch.tpu.device_count()
+    x = torch.arange(4.0, device="tpu") * 2       # pending in defer mode
+    trace = deferfuse.engine.engine.state.trace
+    recorded = len(trace.nodes)
+    for name, call in _BAD_INDEX_CALLS.items():
+        with pytest.raises(RuntimeError, match=rf"invalid device ordinal: tpu:{n} does not exist: "
+                                               rf"this machine has {n} tpu device"):
+            call(n, x)
+        assert len(trace.nodes) == recorded, name
+    assert torch.tpu.current_device() == torch.accelerator.current_device_index() == 0
+    assert_same(x + 1, torch.arange(4.0) * 2 + 1)
+
+
+def test_a_device_argument_places_the_result_there():
+    """``new_*`` and ``*_like`` with ``device=`` another device, and ``.to("meta")``, give their
+    result on that device, as on CPU (they were left on tpu, or moved to CPU)."""
+    xc = torch.arange(6.0).reshape(2, 3).t()
+    x = xc.to("tpu")
+    calls = {"new_ones": lambda a, d: a.new_ones(2, device=d),
+             "new_empty": lambda a, d: a.new_empty((2, 2), device=d),
+             "new_tensor": lambda a, d: a.new_tensor([1.0], device=d),
+             "zeros_like": lambda a, d: torch.zeros_like(a, device=d),
+             "full_like": lambda a, d: torch.full_like(a, 2, dtype=torch.int64, device=d),
+             "empty_like": lambda a, d: torch.empty_like(a, device=d),
+             "rand_like": lambda a, d: torch.rand_like(a, device=d),
+             "to": lambda a, d: a.to(d)}
+    for dev in ("cpu", "meta"):
+        for name, f in calls.items():
+            torch.manual_seed(1)
+            w = f(xc, dev)
+            torch.manual_seed(1)
+            g = f(x, dev)
+            assert type(g) is torch.Tensor and g.device == w.device, (dev, name)
+            assert (g.dtype, g.shape, g.stride()) == (w.dtype, w.shape, w.stride()), (dev, name)
+            if dev == "cpu" and "empty" not in name:
+                assert torch.equal(g, w), name

@@ -61,6 +61,8 @@ def _pytorch_on_tpu(ns, out):
     assert ns["on_cpu"]["model"]["weight"].device.type == "cpu"
     assert isinstance(ns["whole"].weight, torch.nn.Parameter)
     assert "index 5 is out of bounds for dimension 1 with size 4 (aten.gather" in out
+    assert "Scaled [40.0, 50.0]" in out and isinstance(ns["s"], ns["Scaled"])
+    assert ns["props"].total_memory == torch.tpu.mem_get_info(0)[1]
 
 
 def _troubleshooting(ns, out):

@@ -527,6 +527,25 @@ def test_tpu_n_is_jax_device_n():
                 assert {x.id for x in d._s.val.array.devices()} == {1}
                 torch.tpu.set_device(0)
                 assert (torch.ones(1, device="tpu") + 0).device == torch.device("tpu:0")
+                # a device= names where the result goes (it stayed on tpu:0); moves keep strides
+                a = torch.ones(2, 3, device="tpu:0").t()
+                for f in (lambda: a.new_ones(2, device="tpu:1"), lambda: a.to("tpu:1"),
+                          lambda: torch.zeros_like(a, device="tpu:1"),
+                          lambda: torch.rand_like(a, device="tpu:1")):
+                    r = f()
+                    assert r.device == torch.device("tpu:1") and r.dtype == a.dtype, mode
+                    deferfuse.sync()
+                    assert {x.id for x in r._s.val.array.devices()} == {1}, mode
+                assert a.to("tpu:1").stride() == a.stride()
+                torch.accelerator.set_device_index(1)
+                assert torch.tpu.current_device() == torch.accelerator.current_device_index() == 1
+                torch.accelerator.set_device_index(0)
+                try:
+                    torch.ones(1, device="tpu:2")
+                except RuntimeError as e:
+                    assert "tpu:2 does not exist: this machine has 2 tpu device(s), tpu:0 .. tpu:1" in str(e)
+                else:
+                    raise AssertionError("tpu:2 did not raise")
         print("ok")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}

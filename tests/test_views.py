@@ -1,4 +1,7 @@
 """Aliasing through views and in-place writes matches CPU eager exactly."""
+import copy
+import io
+
 import pytest
 import torch
 
@@ -171,3 +174,215 @@ def test_slice_and_select_backward_and_scatter_are_one_op(case, no_cpu_fallbacks
     if case == "slice_step_neg":
         src = torch.randn(3, 6)
     assert_same(scatter(x.to("tpu"), src.to("tpu")), scatter(x, src))
+
+
+def _windows(dev):
+    """Views with an offset or index argument, taken one after another on one tensor and on views
+    of it, so that each meets the view cache entries of the ones before (NOTE [view cache keys])."""
+    x = torch.arange(36, dtype=torch.float32).reshape(6, 6).to(dev)
+    outs = [torch.as_strided(x, (2, 2), (4, 1)), torch.as_strided(x, (2, 2), (4, 1), 1),
+            torch.as_strided(x, (2, 2), (4, 1), 2), x[2:1], x[1:3], x[2:1, 1]]
+    for i in range(3):
+        row, rows = x[i], x[i:i + 2]
+        outs += [torch.as_strided(row, (2, 2), (1, 1)), torch.as_strided(row, (2, 2), (1, 1), 3),
+                 torch.as_strided(rows, (2,), (1,)), rows.select(0, 1).as_strided((2,), (2,)),
+                 rows.narrow(1, i, 2), x.narrow(0, i, 2), x.select(1, i), x[i:i + 2],
+                 torch.diagonal(x, i), torch.diagonal(rows, 1 - i), x.unfold(0, 2, i + 1),
+                 rows.unfold(1, 3, 3 - i)]
+    torch.as_strided(x[2], (2,), (1,)).mul_(-1)     # a write through an as_strided of a moved row
+    x[3:4].as_strided((3,), (2,)).add_(100)
+    return [(o.stride(), o.storage_offset(), o.clone()) for o in outs] + [((), 0, x)]
+
+
+@pytest.mark.modes("defer")   # views record nothing: the cache is the same in every mode
+def test_view_cache_keys_hold_the_whole_view():
+    """as_strided with and without an offset, x[2:1] and x[i:i+2], and as_strided (no offset) of
+    x[i] for each i were served one another's cached views: a ValueError, or silently the first
+    row's values."""
+    want = _windows("cpu")
+    got = _windows("tpu")
+    for i, ((gs, go, g), (ws, wo, w)) in enumerate(zip(got, want)):
+        assert (gs, go) == (ws, wo), i
+        assert_same(g, w, msg=str(i))
+
+
+def test_as_strided_with_and_without_offset():
+    x = torch.randn(4, 4)
+    t = x.to("tpu")
+    assert_same(torch.as_strided(t, (2, 2), (4, 1)), torch.as_strided(x, (2, 2), (4, 1)))
+    assert_same(torch.as_strided(t, (2, 2), (4, 1), 1), torch.as_strided(x, (2, 2), (4, 1), 1))
+
+
+# --- as_subclass and _make_subclass (NOTE [tpu subclasses]) ----------------------------------------
+
+class _Plain(torch.Tensor):
+    pass
+
+
+class _Slotted(torch.Tensor):
+    __slots__ = ["tag"]
+
+
+class _Logged(torch.Tensor):
+    """A __torch_function__ subclass that refuses foreign types, as many do."""
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if not all(issubclass(cls, t) for t in types):
+            return NotImplemented
+        _Logged.seen.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _MyParam(torch.nn.Parameter):
+    pass
+
+
+class TableBatchedEmbeddingSlice(torch.nn.Parameter):
+    """As TorchRec writes it: a slice of a table-batched embedding's flat weights, made with
+    ``as_subclass`` in ``__new__``, whose ``grad`` reads the weights' gradient."""
+
+    __slots__ = ["_original_tensor", "_start_offset", "_end_offset", "_num_embeddings",
+                 "_embedding_dim"]
+
+    def __init__(self, data, start_offset, end_offset, num_embeddings, embedding_dim):
+        super().__init__()
+        self._original_tensor = data
+        self._start_offset = start_offset
+        self._end_offset = end_offset
+        self._num_embeddings = num_embeddings
+        self._embedding_dim = embedding_dim
+        self._init_grad = None
+        if self._original_tensor.requires_grad:
+            self.retain_grad()
+
+    def __new__(cls, data, start_offset, end_offset, num_embeddings, embedding_dim):
+        return data[start_offset:end_offset].view(num_embeddings, embedding_dim).as_subclass(cls)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = TableBatchedEmbeddingSlice(
+                self._original_tensor.clone(), self._start_offset, self._end_offset,
+                self._num_embeddings, self._embedding_dim)
+        return memo[id(self)]
+
+    @property
+    def grad(self):
+        if self._original_tensor.grad is None:
+            return self._init_grad
+        return self._original_tensor.grad[self._start_offset:self._end_offset].view(
+            self._num_embeddings, self._embedding_dim)
+
+    @property
+    def grad_fn(self):
+        return None
+
+
+def _kind(t):
+    """A tensor's class as a test compares it: a tpu tensor's plain class is torch.Tensor's."""
+    if type(t).__name__ == "TpuTensor":
+        return "Tensor"
+    return type(t).__name__ if isinstance(t, torch.Tensor) else t
+
+
+def _subclasses(dev):
+    torch.manual_seed(0)
+    x = torch.randn(6, 4).to(dev)
+    out = []
+    r = x[2:4].as_subclass(_Plain)              # the issue's reproduction
+    y = r * 2 + x[0]
+    out += [_kind(r), _kind(y), y, _kind(r.sum()), _kind(r[0]), _kind(torch.cat([x, r])),
+            _kind(x[:2] + r), _kind(r.cpu()), r.cpu().device.type, _kind(r.detach())]
+    r.add_(10)                                  # written through the subclass ...
+    x[2, 0] = -1.0                              # ... and through the tensor
+    out += [x, r, isinstance(r, _Plain), r.storage_offset()]
+    r.t_()                                      # a change to the tensor itself
+    out += [r.shape, r.stride(), r]
+    s = x.as_subclass(_Slotted)
+    s.tag = "slot"
+    out += [_kind(s), s.tag, _kind(s.exp()), s.exp()]
+    buf = io.BytesIO()
+    torch.save(s, buf)
+    buf.seek(0)
+    s2 = torch.load(buf, weights_only=False)    # its class and its slot come back
+    out += [_kind(s2), s2.tag, s2]
+    for i in range(3):                          # rows at moving offsets
+        out.append(x[i].as_subclass(_Plain) + 0)
+    _Logged.seen.clear()
+    w = torch.randn(3, 4).to(dev).requires_grad_()
+    t = w.as_subclass(_Logged)                  # keeps the graph
+    loss = (t * t).sum()
+    loss.backward()
+    out += [_kind(t), t.requires_grad, t.is_leaf, _kind(loss), w.grad, list(_Logged.seen)]
+    m = torch.Tensor._make_subclass(_Plain, w, True)    # a leaf of its own
+    (m * 3).sum().backward()
+    out += [_kind(m), m.is_leaf, m.grad_fn, m.grad, w.grad]
+    with torch.no_grad():
+        m.mul_(0.5)                              # shares w's value
+    out += [w]
+    p = _MyParam(torch.ones(3).to(dev))
+    q = torch.Tensor._make_subclass(_MyParam, x[1], False)
+    out += [_kind(p), isinstance(p, torch.nn.Parameter), p.requires_grad, p.is_leaf, _kind(p * 2),
+            _kind(q), q.requires_grad]
+    return out
+
+
+def test_as_subclass_of_a_view():
+    x = torch.arange(8.0).reshape(4, 2)
+    t = x.to("tpu")
+    r, w = t[2:4].as_subclass(_Plain), x[2:4].as_subclass(_Plain)
+    m = torch.Tensor._make_subclass(_Plain, t, True)
+    assert type(r).__name__ == type(m).__name__ == "_Plain" and isinstance(r + 1, _Plain)
+    assert m.is_leaf and m.requires_grad and not t.requires_grad
+    assert_same((r + 1).as_subclass(torch.Tensor), (w + 1).as_subclass(torch.Tensor))
+
+
+@pytest.mark.modes("defer")     # the classes' own paths are the same in every mode
+def test_as_subclass_and_make_subclass_match_cpu():
+    """Plain, __slots__ and __torch_function__ subclasses and a Parameter subclass on tpu: the
+    classes, shared values, autograd and results CPU gives (as_subclass said "already associated
+    to a python object of type TpuTensor")."""
+    want = _subclasses("cpu")
+    got = _subclasses("tpu")
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if isinstance(w, torch.Tensor):
+            assert isinstance(g, type(w)), (i, type(g), type(w))
+            assert_same(g, w.as_subclass(torch.Tensor) if type(w) is not torch.Tensor else w,
+                        msg=str(i))
+        else:
+            assert g == w, (i, g, w)
+
+
+def _table_batched(dev):
+    torch.manual_seed(0)
+    weights = torch.nn.Parameter(torch.randn(20).to(dev))   # a TBE's flat weights
+    tables = [TableBatchedEmbeddingSlice(weights, 0, 12, 3, 4),
+              TableBatchedEmbeddingSlice(weights, 12, 20, 4, 2)]
+    mod = torch.nn.Module()
+    for k, t in enumerate(tables):
+        mod.register_parameter(f"t{k}", t)
+    idx = torch.tensor([[0, 2], [1, 1]]).to(dev)
+    loss = sum((torch.nn.functional.embedding(idx.clamp(max=t.shape[0] - 1), t) ** 2).sum()
+               for t in tables)
+    loss.backward()
+    mod.to(dev)                                  # where they are already: kept
+    copied = copy.deepcopy(tables[0])
+    out = [[_kind(t) for t in mod.parameters()], loss, weights.grad, tables[0].grad,
+           tables[1].grad, [t.shape for t in tables], _kind(copied), copied * 1]
+    with torch.no_grad():
+        weights.sub_(0.1 * weights.grad)         # the optimizer updates the flat weights ...
+        tables[1][0].fill_(5.0)                  # ... and a write through a slice reaches them
+    out += [tables[0] * 1, tables[1] * 1, weights, _kind(tables[0] * 1)]
+    return out
+
+
+@pytest.mark.modes("defer")
+def test_torchrec_table_batched_embedding_slice():
+    want, got = _table_batched("cpu"), _table_batched("tpu")
+    for i, (g, w) in enumerate(zip(got, want)):
+        if isinstance(w, torch.Tensor):
+            assert_same(g, w.detach().as_subclass(torch.Tensor), rtol=1e-5, msg=str(i))
+        else:
+            assert g == w, (i, g, w)
