@@ -29,12 +29,28 @@ def _rand(*shape, dt, scale=1.0, shift=0.0, seed=0):
     return (torch.randn(*shape, generator=g) * scale + shift).to(dt)
 
 
-def _same(fn, *args, dt, **tol):
-    """fn on tpu (copies of args) matches fn on CPU, and nothing ran on CPU."""
+def _same(fn, *args, dt, exact=False, **tol):
+    """fn on tpu (copies of args) matches fn on CPU, and nothing ran on CPU.
+
+    ``exact``: a contraction, where CPU's own half-precision kernels differ between CPUs (oneDNN
+    rounds partial sums to the dtype where the CPU has native half arithmetic, AVX512-BF16 or AMX,
+    and sums in float32 elsewhere); where tpu and CPU differ by more than the tolerance, tpu's
+    result must be, element by element, no farther from the float64 result than CPU's (within the
+    tolerance)."""
     deferfuse.reset_metrics()
     want = fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     got = fn(*to_tpu(list(args)))
-    assert_same(got, want, **(tol or TOL[dt]))
+    tol = tol or TOL[dt]
+    try:
+        assert_same(got, want, **tol)
+    except AssertionError:
+        if not exact:
+            raise
+        ref = fn(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+        assert got.dtype == want.dtype and got.shape == want.shape
+        g, r = got.cpu().double(), ref.double()
+        slack = (want.double() - r).abs() + tol["atol"] + tol["rtol"] * r.abs()
+        assert bool(((g - r).abs() <= slack).all()), "tpu farther from float64 than CPU"
     deferfuse.sync()
     assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
     return got, want
@@ -173,12 +189,13 @@ def test_convolutions(dt):
     x, w, b = _rand(2, 2, 4, 4, dt=dt), _rand(2, 2, 4, 5, dt=dt, seed=1), _rand(4, dt=dt, seed=2)
     _same(lambda x, w, b: F.conv_transpose2d(x, w, b, stride=(3, 2), padding=(1, 2),
                                              output_padding=(2, 1), groups=2, dilation=(4, 4)),
-          x, w, b, dt=dt)
+          x, w, b, dt=dt, exact=True)
     x3, w3, b3 = _rand(1, 3, 4, 4, 4, dt=dt, seed=3), _rand(3, 3, 3, 3, 3, dt=dt, seed=4), \
         _rand(3, dt=dt, seed=5)
     _same(lambda x, w, b: F.conv_transpose3d(x, w, b, stride=2, padding=2, output_padding=1),
-          x3, w3, b3, dt=dt)
-    _same(lambda x, w, b: F.conv3d(x, w, b, padding=1), x3, w3.transpose(0, 1), b3, dt=dt)
+          x3, w3, b3, dt=dt, exact=True)
+    _same(lambda x, w, b: F.conv3d(x, w, b, padding=1), x3, w3.transpose(0, 1), b3, dt=dt,
+          exact=True)
 
 
 def test_upsampling_and_adaptive_pooling(dt):
