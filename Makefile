@@ -18,14 +18,15 @@ $(STAMP): pyproject.toml constraints.txt tools/install_torch.py
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# Two worker processes (pytest-xdist), each test file in one of them (its caches stay warm).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"
 
 test-full: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m "slow or not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m "slow or not slow"
 
 docs: $(STAMP)
 	$(BIN)/python -m mkdocs build --strict --quiet

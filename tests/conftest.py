@@ -7,9 +7,12 @@ import tempfile
 # Each run starts from an empty program store (tests count compiles; a store left by an earlier run
 # of the same code would answer them from disk). Set before ``import torch``, which autoloads
 # deferfuse and reads the setting.
+# Under pytest-xdist (``-n 2``) each worker process gets its own store too: workers inherit the
+# controller's environment, and one worker's programs would answer another's compile counts.
 _OWN_CACHE = None
-if "DEFERFUSE_CACHE_DIR" not in os.environ:
+if "DEFERFUSE_CACHE_DIR" not in os.environ or os.environ.get("DEFERFUSE_TESTS_OWN_CACHE"):
     _OWN_CACHE = os.environ["DEFERFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="deferfuse-tests-")
+    os.environ["DEFERFUSE_TESTS_OWN_CACHE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -27,6 +30,21 @@ def pytest_unconfigure(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "modes(*names): run this test only in these modes")
+    config.addinivalue_line("markers", "slow_params(*ids): the parametrizations whose id has one of "
+                            "these parts are slow (kept out of the default run)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """``slow_params``: mark the long parametrizations of a test slow before ``-m`` selects."""
+    for item in items:
+        m = item.get_closest_marker("slow_params")
+        callspec = getattr(item, "callspec", None)
+        if m is None or callspec is None:
+            continue
+        parts = set(callspec.id.split("-"))
+        if parts & set(m.args):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_generate_tests(metafunc):

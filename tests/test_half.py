@@ -489,8 +489,10 @@ def test_onednn_lstm_as_cpu_in_a_subprocess(dt):
 
 # The recurrent kernels act at the autograd key, the same in both modes: defer (fused regions
 # must keep every op's rounding) covers them; strict runs the same ops one by one.
+# float16 runs the same kernels as bfloat16 with another rounding, at 2-3x the time: slow.
 @pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
+@pytest.mark.slow_params("fp16")
 @pytest.mark.parametrize("kind", list(_RNNS))
 def test_recurrent_layers_as_cpu(dt, kind):
     """On tpu a recurrent layer used CUDA's fused cells (gates summed and activated in float32);
@@ -519,6 +521,7 @@ def test_lstm_without_autograd_as_cpu(dt):
 
 @pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
+@pytest.mark.slow_params("fp16")
 def test_packed_sequences_as_cpu(dt):
     x = _rand(6, 3, 3, dt=dt, scale=3)
     lengths = torch.tensor([6, 4, 1])
