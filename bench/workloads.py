@@ -618,6 +618,37 @@ class _GrowGPT(nn.Module):
             idx = torch.cat((idx, nxt), dim=1)
         return idx
 
+    @torch.no_grad()
+    def sample(self, idx, n, top_k=1):
+        """nanoGPT's sampling loop as written there: the last position by a list index, top-k by a
+        boolean-mask write, softmax, multinomial."""
+        for _ in range(n):
+            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
+            logits = self(cond)[:, [-1], :][:, -1, :]
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("Inf")
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def nanogpt_sample(ctx, quick):
+    """nanoGPT's ``generate(idx, 50, top_k=1)`` loop (list index, top-k mask write, multinomial)
+    on the same GPT as ``gpt_generate_grow``, from a 1-token prompt."""
+    if ctx.system in ("compile", "torchax_jit"):
+        raise NotApplicable(f"{ctx.system}: a Python loop of growing shapes is not written")
+    torch.manual_seed(SEED)
+    model = _GrowGPT().eval().to(ctx.device)
+    n = 50
+    prompt = ctx.to(torch.zeros((1, 1), dtype=torch.long))
+    out = [None]
+
+    def step():
+        out[0] = model.sample(prompt, n).cpu()
+
+    return Built(step=step, check=lambda: float(out[0].sum()), items=("tok", n),
+                 info=dict(layers=2, d=64, prompt=1, new_tokens=n, kv_cache="none", top_k=1))
+
 
 def gpt_generate_grow(ctx, quick):
     """``generate(50)`` of a 2-layer, 64-wide GPT from an 8-token prompt, the sequence growing by
@@ -907,6 +938,8 @@ WORKLOADS = {
                              desc="truncated BPTT Transformer LM over slices of one token tensor"),
     "gpt_generate_grow": dict(torch=gpt_generate_grow, jax=None, bound=None,
                               desc="GPT sampling loop, sequence grown by torch.cat, generate(50)"),
+    "nanogpt_sample": dict(torch=nanogpt_sample, jax=None, bound=None,
+                           desc="nanoGPT's sampling loop (list index, top-k mask, multinomial)"),
     "ragged_train": dict(torch=ragged_train, jax=None, bound=None,
                          desc="MLP training epoch whose last batch is smaller"),
 }

@@ -36,6 +36,10 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
 - fused attention with padded keys: a key mask added (and the values masked to 0);
 - embeddings and index_select/gather with padded indices: the indices masked to 0 (so a padded
   index never trips the index check);
+- advanced indexing (``x[:, [-1]]``, ``x[i, j]``) with integer index tensors: padded index
+  entries masked to 0, and an index into a padded dim checked against the exact length and
+  wrapped by it (``-1`` is the last valid position; an out-of-range index raises CPU's error
+  naming the exact size);
 - ``cat`` along a padded dim: each input written at its exact offset into the padded output.
 
 Ops that write a padded tensor in place, random ops with padded outputs and everything not listed
@@ -54,7 +58,7 @@ from jax import lax
 
 from ..scheduler.records import sig_id
 from .dtypes import to_np_dtype, x64
-from .lowering import aten
+from .lowering import aten, check_index_sized
 from .node import CS, SS, TS, _fill
 from .viewchain import DSELECT, DSLICE, DSTRIDED, DYNAMIC, apply_chain, apply_step
 
@@ -100,6 +104,7 @@ _SDPA = getattr(getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", Non
 # index ops: op -> (input holding indices, input indexed, the dim it is indexed along or None)
 _INDEXED = {aten.embedding.default: (1, 0, 0), aten.index_select.default: (2, 0, "arg1"),
             aten.gather.default: (2, 0, "arg1")}
+_INDEX = aten.index.Tensor
 _LAYER_NORM = aten.native_layer_norm.default
 _CAT = aten.cat.default
 
@@ -509,6 +514,8 @@ def plan_node(entry, forms) -> NodePlan:
             raise Refused(f"{name} of a padded table")
         if _padded(n.in_forms[ii]):
             n.rule, n.extra = "index", ii
+    elif func is _INDEX:
+        n.rule, n.extra = "advanced", _plan_index(n, ins, targs, name)
     elif func is _CAT:
         fo = n.out_forms[0]
         d = (_arg(targs, tkw, 1, "dim") or 0) % len(fo)
@@ -519,6 +526,34 @@ def plan_node(entry, forms) -> NodePlan:
     else:
         raise Refused(f"{name} has no rule for padded dims")
     return n
+
+
+def _plan_index(n: NodePlan, ins, targs, name):
+    """``x[..., i, ...]`` (``index.Tensor``, integer index tensors): each index tensor's padded
+    positions are masked to 0, and an index along a padded dim of ``x`` is checked against and
+    wrapped by the dim's exact length (``x[:, [-1]]`` is the last valid position, not the padded
+    end). Returns ((input, its padded dims), ...) and ((input, form of the dim it indexes, its
+    number among the index tensors), ...)."""
+    f0 = n.in_forms[0]
+    slots = targs[1] if len(targs) > 1 else ()
+    masks, wraps, seen = [], [], {}
+    k = 0
+    for d, sl in enumerate(slots):
+        if sl is None:
+            continue
+        i = sl[1]
+        if to_np_dtype(ins[i][4]) in (np.bool_, np.uint8):
+            raise Refused(f"{name} with a boolean mask (a data-dependent shape)")
+        fi = n.in_forms[i]
+        if _padded(fi) and i not in seen:
+            masks.append((i, tuple(range(len(fi)))))
+        if f0[d][0]:
+            if i in seen:
+                raise Refused(f"{name}: one index tensor for two dims")
+            wraps.append((i, f0[d], k))
+        seen[i] = d
+        k += 1
+    return tuple(masks), tuple(wraps)
 
 
 # --------------------------------------------------------------------------- the padded program
@@ -581,6 +616,18 @@ class NodeFn:
             i = p.extra
             vals[i] = _mask_dims(vals[i], range(vals[i].ndim), p.in_forms[i],
                                  jnp.zeros((), vals[i].dtype), t)
+        elif rule == "advanced":
+            masks, wraps = p.extra
+            for i, dims in masks:
+                vals[i] = _mask_dims(vals[i], dims, p.in_forms[i], jnp.zeros((), vals[i].dtype), t)
+            for i, (a, b), k in wraps:
+                ext = jnp.asarray(a * t + b)
+                ix = vals[i]
+                check_index_sized(ix, ext, IndexError,
+                                  f"index {{index}} is out of bounds for dimension {k} with size "
+                                  "{size}")
+                ix = jnp.where(ix < 0, ix + ext.astype(ix.dtype), ix)
+                vals[i] = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
         elif rule == "reduce":
             pdims, ident, dims = p.extra
             x = vals[0]

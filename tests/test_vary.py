@@ -223,6 +223,9 @@ _RULES = {
         + F.scaled_dot_product_attention(x.reshape(1, 1, -1, _C), x.reshape(1, 1, -1, _C),
                                          x.reshape(1, 1, -1, _C), is_causal=True)[..., -1:, :],
     "embedding": lambda ids: F.embedding(ids, torch.arange(20.).reshape(10, 2).to(ids.device)) * 2,
+    # advanced indexing into the growing dim: -1 is the last valid position, not the padded end
+    "advanced_index": lambda x: (x * 2)[[-1, 0]] + x[:, [1]].sum()
+        + x[torch.tensor([-2], device=x.device)],
 }
 
 
@@ -275,6 +278,24 @@ def test_a_bad_index_in_a_bucketed_region_still_raises():
         (F.embedding(ids.to("tpu"), table.to("tpu")) * 2).cpu()
 
 
+@pytest.mark.modes("defer", "strict")
+def test_a_bad_advanced_index_into_a_growing_dim_raises_cpus_error():
+    """``x[[i]]`` along a padded dim is checked against the exact length (CPU's message)."""
+    deferfuse.clear_caches()
+    for t in range(5, 12):
+        x = torch.randn(t, 3)
+        assert_same((x.to("tpu") * 2)[[-1, t - 2]], (x * 2)[[-1, t - 2]])
+    x = torch.randn(11, 3)
+    with pytest.raises(IndexError) as cpu:
+        (x * 2)[[11]]
+    with pytest.raises(IndexError) as tpu:
+        (x.to("tpu") * 2)[[11]].cpu()
+    assert str(cpu.value) in str(tpu.value), (str(cpu.value), str(tpu.value))
+    with pytest.raises(IndexError) as tpu:
+        (x.to("tpu") * 2)[[-12]].cpu()
+    assert "index -12 is out of bounds for dimension 0 with size 11" in str(tpu.value)
+
+
 class _TinyGPT(nn.Module):
     """nanoGPT's shape: token and position embeddings, pre-norm blocks, causal attention."""
 
@@ -305,6 +326,19 @@ class _TinyGPT(nn.Module):
             idx = torch.cat((idx, nxt), dim=1)
         return idx
 
+    @torch.no_grad()
+    def sample(self, idx, n, top_k=1):
+        """nanoGPT's sampling loop: the last position by a list index, top-k by a boolean-mask
+        write, softmax and multinomial (top_k=1: one token has all the probability)."""
+        for _ in range(n):
+            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
+            logits = self(cond)[:, [-1], :][:, -1, :] / 1.0
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("Inf")
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
 
 @pytest.mark.modes("defer")
 def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
@@ -330,6 +364,23 @@ def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
     assert m["bucketed_runs"] >= 60 and m["shape_fallbacks"] == 0 and m["shape_splits"] == 0
     text = deferfuse.report(file=False)
     assert "padded to the bucket of length 32" in text and "buckets" in text
+
+
+@pytest.mark.modes("defer")
+def test_nanogpt_sampling_runs_in_buckets():
+    """nanoGPT's ``generate`` (``x[:, [-1], :]``, top-k through a boolean-mask write, multinomial)
+    gives CPU's tokens and compiles per bucket, not per length (it compiled ~600 programs)."""
+    torch.manual_seed(0)
+    model = _TinyGPT().eval()
+    x = torch.zeros((1, 1), dtype=torch.long)
+    want = model.sample(x, 30)
+    model.to("tpu")
+    deferfuse.clear_caches()
+    got = model.sample(x.to("tpu"), 30)
+    assert_same(got, want)
+    m = deferfuse.metrics()
+    assert not m["bucket_refusals"], m["bucket_refusals"]
+    assert m["compiles"] + m["disk_cache_hits"] <= 12, m["miss_reasons"]
 
 
 # ------------------------------------------------------------------ real loops, as users write them

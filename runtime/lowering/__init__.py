@@ -72,11 +72,31 @@ def check_index(index, size: int, exc=IndexError, message: str = "index out of r
     _traced.flags.append((code, exc, message))
 
 
+def check_index_sized(index, size, exc=IndexError, message: str = ""):
+    """``check_index`` against a size known only when the program runs (a padded dim's exact
+    length, NOTE [buckets]): ``message`` names ``{index}`` and ``{size}``; the flag carries both,
+    as ``code * 2**32 + size`` (``flag_message``)."""
+    import jax.numpy as jnp
+    if index.size == 0:
+        return
+    size = jnp.asarray(size).astype(jnp.int64)
+    bad = (index < -size) | (index >= size)
+    flat = index.reshape(-1).astype(jnp.int64)
+    first = flat[jnp.argmax(bad.reshape(-1))]
+    code = jnp.where(first >= 0, first + 1, first)
+    _traced.flags.append((jnp.where(jnp.any(bad), code * (2 ** 32) + size, 0), exc, message))
+
+
 def flag_message(message: str, flag) -> str:
-    """``message`` of a flag that fired, with the index its flag carries in place of ``{index}``."""
+    """``message`` of a flag that fired, with the index its flag carries in place of ``{index}``
+    (and the size in place of ``{size}``: ``check_index_sized``)."""
     if "{index}" not in message:
         return message
     code = int(flag)
+    if "{size}" in message:
+        size = code % 2 ** 32
+        code = (code - size) // 2 ** 32
+        message = message.replace("{size}", str(size))
     return message.replace("{index}", str(code - 1 if code > 0 else code))
 
 
