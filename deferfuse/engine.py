@@ -234,6 +234,7 @@ class Engine:
             for c in self.caches():
                 c.clear()
             self.bodies.known.clear()
+            self.bodies.outer.clear()
             self.routes.clear()
             opinfo.clear()
 

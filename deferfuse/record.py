@@ -65,8 +65,11 @@ class Bodies:
         self.evictions = 0
         self.found = Cache("body searches", capacity)       # (trace hash, length) -> body or None
         self.ops = Cache("body ops", capacity)              # body -> its ops' structure hashes
+        self.outer = steps.OuterLoop()                      # NOTE [outermost body]
 
     def learn(self, body) -> None:
+        if body in self.outer.suppressed:
+            return
         if len(self.known) >= self.capacity:
             self.evictions += len(self.known)
             self.known.clear()
@@ -74,12 +77,14 @@ class Bodies:
 
     def stats(self) -> dict:
         return {"size": len(self.known), "capacity": self.capacity, "inserts": None,
-                "evictions": self.evictions}
+                "evictions": self.evictions, "outer_loops": self.outer.found,
+                "suppressed": len(self.outer.suppressed)}
 
     def clear(self) -> None:
         self.known.clear()
         self.found.clear()
         self.ops.clear()
+        self.outer.clear()
 
 
 class Trace:
@@ -197,7 +202,8 @@ class Trace:
                 self.cut, self.cut_body, self.cut_wait = "loop boundary", self.cut_wait, None
             else:
                 self.check_at *= 2
-                if config.step_detection and self._find_body(align=True):
+                if config.step_detection and not self.engine.bodies.outer.within(pos) and \
+                        self._find_body(align=True):
                     self.cut = "loop boundary"
         return outs
 
@@ -249,6 +255,8 @@ class Trace:
         if body is None:
             return False
         body, wait = body
+        if body in bodies.outer.suppressed:
+            return False
         bodies.learn(body)
         if wait:
             self.cut_wait = body
@@ -274,6 +282,7 @@ class Trace:
         rot = ops[m:] + ops[:m]
         body = steps.body_signature(rot, len(rot))
         if body not in bodies.known:
+            bodies.outer.rotated(body, self.after)
             bodies.learn(body)
             bodies.ops[body] = rot
 
@@ -296,6 +305,8 @@ class Trace:
         if reason == "trace limit" and config.step_detection:
             self._find_body()
         body, self.cut_body = self.cut_body, None
+        if body is not None:
+            self.engine.bodies.outer.cut_by(body)
         self.engine.sync(reason)        # the owning thread records: this is its trace
         self.after = body       # the new trace starts at this body's first op (or None)
 
@@ -323,15 +334,21 @@ class Trace:
         want = ((want.node.pos,) if want is not None and want.node is not None
                 and want.node.trace is self and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
-        if config.step_detection and reason not in ASYNC_CUTS:
+        outer = self.engine.bodies.outer
+        whole = outer.within(len(nodes))
+        if config.step_detection and reason not in ASYNC_CUTS and not whole:
             if len(nodes) >= steps.LOOP_SPLIT_MIN_OPS:
                 # A sync after many repetitions of a loop body (a loop that logs every N steps):
                 # the loop goes on after the sync, so cut it at every repetition from here on.
                 self._find_body()
             elif self.after is not None:
                 self._rephase()
+        if config.step_detection:
+            forget = outer.trace_ended(len(nodes), self.h, reason not in ASYNC_CUTS)
+            if forget:
+                self.engine.bodies.known.difference_update(forget)
         fl = Flush(nodes, self.ext, self.ext_uses, self.scalars, self.h, outs, partner, want,
-                   self.device or 0, self.storages)
+                   self.device or 0, self.storages, whole)
         self.reset()
         return fl
 

@@ -44,6 +44,7 @@ class Flush:
     want: tuple | None
     device: int
     storages: list
+    whole: bool = False     # within an outer loop's body: never split at an inner loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +175,8 @@ class Runner:
         whole = Run(nodes, entries, wirings, range(len(nodes)), ext, held, fl.scalars, fl.h,
                     fl.outs, out_sig, later)
         lf = 0 if later else None       # pieces of a later run are later too
-        if cfg.loop_split and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS and not cfg.cross_check:
+        if cfg.loop_split and not fl.whole and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS and \
+                not cfg.cross_check:
             cuts = st.loop_cuts
             if cuts == 0:
                 cuts = steps.periodic_cuts([e.ohash for e in entries])

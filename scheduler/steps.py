@@ -99,3 +99,84 @@ def periodic_cuts(khashes: list[int], min_len: int = 8, max_candidates: int = 64
     if cuts[-1] != n:
         cuts.append(n)
     return tuple(cuts)
+
+
+OUTER_MAX_OPS = 1024     # an outer loop's body up to this many ops runs as whole traces
+
+
+class OuterLoop:
+    """NOTE [outermost body]: step detection looks at one trace at a time, so in a training step
+    with a loop of its own (an LSTM's time steps, a model's identical layers) it found the inner
+    body and cut there: word_language_model's step (477 ops, a sync at ``loss.item()``) ran as
+    about 94 regions a batch, one per time step or few. The loop a user writes around the step is
+    seen at its syncs instead: the traces from one sync to the next (an *interval*) have the same
+    structure, sizes included, as an interval seen recently. Where that interval is at most
+    ``OUTER_MAX_OPS`` ops and was cut or could be split by an inner loop, the outer loop is the
+    body: the inner bodies that cut it are never cut at again (unless they also cut a longer
+    interval: a short one may be the piece of a long loop between two syncs), and from then on an interval of at
+    most ``OUTER_MAX_OPS`` ops is neither searched for inner bodies nor split at them (it runs as
+    its traces: forward, backward and step), until an interval longer than that ends. Longer
+    intervals are searched as before (a loop that syncs every hundred steps, XLA's compile time of
+    a long program: NOTE [loop split]).
+
+    Pure bookkeeping on counts and hashes: the recorder tells it where traces end and which body
+    ended one; it answers whether a trace is within an outer body, and which bodies to forget."""
+
+    def __init__(self, recent: int = 4, capacity: int = 4096):
+        self.traces: list = []      # (length, structure hash) of each trace since the last sync
+        self.ops = 0                # ops in those traces
+        self.inner: set = set()     # bodies that cut a trace of this interval
+        self.recent: list = []      # the last ``recent`` intervals' signatures
+        self.nrecent = recent
+        self.capacity = capacity
+        self.quiet = False          # an outer loop was found: short intervals run whole
+        self.suppressed: set = set()    # inner bodies never cut at again
+        self.long: set = set()      # bodies that cut an interval longer than OUTER_MAX_OPS
+        self.origin: dict = {}      # a body seen from a sync partway into it -> the body
+        self.found = 0              # intervals that made inner bodies suppressed
+
+    def within(self, n: int) -> bool:
+        """Whether a trace of ``n`` ops, ending now, is within an outer loop's body."""
+        return self.quiet and self.ops + n <= OUTER_MAX_OPS
+
+    def cut_by(self, body) -> None:
+        self.inner.add(body)
+
+    def rotated(self, rot, body) -> None:
+        """``rot`` is ``body`` as seen from a sync partway into it (NOTE [body phase])."""
+        if len(self.origin) >= self.capacity:
+            self.origin.clear()
+        self.origin[rot] = self.origin.get(body, body)
+
+    def trace_ended(self, n: int, h: int, sync: bool) -> set:
+        """A trace of ``n`` ops with structure hash ``h`` ended (``sync``: at a sync that reads
+        values, ending the interval). Returns the bodies to forget now (often none)."""
+        self.traces.append((n, h))
+        self.ops += n
+        if not sync:
+            return set()
+        sig, ops, inner = tuple(self.traces), self.ops, self.inner
+        self.traces, self.ops, self.inner = [], 0, set()
+        forget = set()
+        if ops > OUTER_MAX_OPS:
+            self.quiet = False      # the program moved on to longer intervals: search them
+            if len(self.long) + len(inner) > self.capacity:
+                self.long.clear()
+            self.long |= inner      # bodies of long loops (a short interval may be a piece of one)
+        elif sig in self.recent:
+            origin = self.origin.get
+            forget = {b for b in inner - self.suppressed - self.long if origin(b) not in self.long}
+            if forget or (not inner and max(k for k, _ in sig) >= LOOP_SPLIT_MIN_OPS):
+                if forget or not self.quiet:
+                    self.found += 1
+                self.quiet = True
+                if len(self.suppressed) + len(forget) > self.capacity:
+                    self.suppressed.clear()
+                self.suppressed |= forget
+        if sig not in self.recent:
+            self.recent.append(sig)
+            del self.recent[:-self.nrecent]
+        return forget
+
+    def clear(self) -> None:
+        self.__init__(self.nrecent, self.capacity)

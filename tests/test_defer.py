@@ -378,9 +378,11 @@ def test_a_loop_that_syncs_now_and_then_is_cut_again_right_after_the_sync():
     deferfuse.sync()
     cuts_after_sync = []
     for segment in range(3):
-        for i in range(100):                    # 4 ops an iteration
+        # 4 ops an iteration; 1,360 ops from one sync to the next: more than an outer loop's body
+        # that runs whole (NOTE [outermost body] in scheduler/steps.py).
+        for i in range(300):
             h, ht = torch.tanh(x @ w), torch.tanh(xt @ wt)
-            if i == 99:     # a sync halfway through an iteration: the next trace starts there
+            if i == 299:    # a sync halfway through an iteration: the next trace starts there
                 assert_same(ht, h, atol=1e-4, rtol=1e-4)
                 before = deferfuse.metrics()["syncs"].get("loop boundary", 0)
             x, xt = h * 0.5 + 0.1, ht * 0.5 + 0.1
@@ -392,6 +394,59 @@ def test_a_loop_that_syncs_now_and_then_is_cut_again_right_after_the_sync():
     if deferfuse.current_mode() == "defer":
         # The body found is 128 ops (32 iterations): at least one cut in the 160 ops after a sync.
         assert all(c >= 1 for c in cuts_after_sync[1:]), cuts_after_sync
+
+
+class _WordLM(torch.nn.Module):
+    """pytorch/examples' word_language_model RNNModel (LSTM, its init and forward)."""
+
+    def __init__(self, ntoken=200, ninp=32, nhid=32):
+        super().__init__()
+        self.encoder = torch.nn.Embedding(ntoken, ninp)
+        self.rnn = torch.nn.LSTM(ninp, nhid, 1)
+        self.decoder = torch.nn.Linear(nhid, ntoken)
+        torch.nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
+        torch.nn.init.zeros_(self.decoder.bias)
+        torch.nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
+
+    def forward(self, x, hidden):
+        out, hidden = self.rnn(self.encoder(x), hidden)
+        return torch.nn.functional.log_softmax(self.decoder(out), dim=-1).view(-1, 200), hidden
+
+
+def test_a_training_step_with_a_time_loop_is_one_body_not_one_per_time_step():
+    # NOTE [outermost body] (scheduler/steps.py): word_language_model's training loop (bptt 35,
+    # clip_grad_norm_, the manual ``p.data.add_``, ``loss.item()`` every batch) ran as about 94
+    # regions a batch: step detection cut at the LSTM's time steps inside the step.
+    torch.manual_seed(0)
+    m = _WordLM()
+    data = torch.randint(0, 200, (35 * 8 + 1, 4))
+    runs = {}
+    for dev in ("cpu", "tpu"):
+        model = copy.deepcopy(m).to(dev)
+        hidden = (torch.zeros(1, 4, 32, device=dev), torch.zeros(1, 4, 32, device=dev))
+        losses, regions = [], []
+        for i in range(0, data.size(0) - 1, 35):
+            x, y = data[i:i + 35].to(dev), data[i + 1:i + 36].reshape(-1).to(dev)
+            before = deferfuse.metrics()["regions_run"]
+            model.zero_grad()
+            hidden = tuple(h.detach() for h in hidden)
+            out, hidden = model(x, hidden)
+            loss = torch.nn.functional.nll_loss(out, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-20.0)
+            losses.append(loss.item())
+            regions.append(deferfuse.metrics()["regions_run"] - before)
+        runs[dev] = (model, losses, regions)
+    (mc, lc, _), (mt, lt, regions) = runs["cpu"], runs["tpu"]
+    torch.testing.assert_close(torch.tensor(lt), torch.tensor(lc), atol=1e-5, rtol=1e-5)
+    for p, q in zip(mc.parameters(), mt.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-5)
+    if deferfuse.current_mode() == "defer":
+        # From the fourth batch on: the forward pass (cut at backward()) and the rest.
+        assert max(regions[4:]) <= 3, regions
+        assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] >= 1
 
 
 def test_many_steps_before_one_sync_compile_one_region_per_step():
