@@ -126,6 +126,60 @@ def test_killed_rank_is_named(tmp_path):
     assert time.monotonic() - killed_at[0] < 60
 
 
+def torchrun(tmp_path, script: str, *args, n=2, extra_env=None, timeout=300, check=True):
+    """Run ``script`` (its text) under ``python -m torch.distributed.run --nproc_per_node=n``."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    env.update(extra_env or {})
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                        f"--master_port={_free_port()}", str(path), *map(str, args)], env=env,
+                       capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+# A script that never imports deferfuse: the torch.backends entry point registered the tpu
+# process group at import torch; making the group loads deferfuse and starts JAX's runtime.
+NO_IMPORT = """
+import sys, torch, torch.distributed as dist
+spelling = sys.argv[1]
+assert "deferfuse" not in sys.modules and "jax" not in sys.modules
+if spelling == "default":
+    dist.init_process_group()                 # tpu is the accelerator: its default backend
+else:
+    dist.init_process_group(spelling)
+from jax._src import distributed
+assert distributed.global_state.client is not None, "JAX's distributed runtime did not start"
+from deferfuse.distributed.group import ProcessGroupTPU
+assert isinstance(dist.group.WORLD, ProcessGroupTPU), dist.group.WORLD
+r, n = dist.get_rank(), dist.get_world_size()
+x = torch.randn(5, 3, generator=torch.Generator().manual_seed(r))
+t = x.to("tpu")
+dist.all_reduce(t)
+c = x.clone()
+dist.all_reduce(c)                            # a CPU tensor: the group's gloo
+want = sum(torch.randn(5, 3, generator=torch.Generator().manual_seed(k)) for k in range(n))
+torch.testing.assert_close(t.cpu(), c)
+torch.testing.assert_close(c, want)
+assert t.device == torch.device("tpu:0") and t.dtype == torch.float32
+print("NOIMPORT-OK", r, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@once
+@pytest.mark.parametrize("spelling", ["tpu", "tpu_dist", "default"])
+def test_torchrun_without_import_deferfuse(tmp_path, spelling):
+    """init_process_group("tpu"), ("tpu_dist") and () in a script that never imports deferfuse,
+    under torchrun: a 2-rank all_reduce equals gloo's on CPU tensors and the CPU sum."""
+    p = torchrun(tmp_path, NO_IMPORT, spelling)
+    assert p.stdout.count("NOIMPORT-OK") == 2, p.stdout[-2000:]
+
+
 # --------------------------------------------------------------------------- slow: the rest
 @once
 @pytest.mark.slow
