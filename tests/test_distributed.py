@@ -180,6 +180,16 @@ def test_torchrun_without_import_deferfuse(tmp_path, spelling):
     assert p.stdout.count("NOIMPORT-OK") == 2, p.stdout[-2000:]
 
 
+@once
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_p2p_in_any_order(n):
+    """isend before irecv on every rank and a batch_isend_irecv ring, as through gloo; two ranks
+    that both block in send first are told so (2 ranks), not hung."""
+    res = results(launch(n, "p2p", "defer", extra_env={"DEFERFUSE_DIST_TIMEOUT": "20"}))
+    if n == 2:
+        assert all("each waits on a request the other has not matched" in r["error"] for r in res)
+
+
 # --------------------------------------------------------------------------- slow: the rest
 @once
 @pytest.mark.slow
