@@ -190,6 +190,73 @@ def test_p2p_in_any_order(n):
         assert all("each waits on a request the other has not matched" in r["error"] for r in res)
 
 
+SIGNALLED = """
+import os, signal, sys, time, torch, torch.distributed as dist
+if sys.argv[1] == "handler":                  # the program's own handler, installed first
+    def handler(sig, frame):
+        raise RuntimeError(f"stopping on signal {sig}")
+    signal.signal(signal.SIGTERM, handler)
+dist.init_process_group("tpu")
+r = dist.get_rank()
+t = torch.full((4,), float(r + 1), device="tpu")
+dist.all_reduce(t)
+assert t.cpu().tolist() == [3.0] * 4
+print(f"READY {r} {os.getpid()}", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 100:
+    time.sleep(0.05)
+print(f"STILL-RUNNING {r}", flush=True)
+"""
+
+
+@once
+@pytest.mark.parametrize("how,sig", [("default", "SIGTERM"), ("handler", "SIGTERM"),
+                                     ("default", "SIGINT")])
+def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):
+    """A signal to one rank of a 2-rank torchrun job ends it as it ends a CPU process (the default
+    action, KeyboardInterrupt, or the program's handler), and torchrun then ends the job within
+    seconds: JAX's preemption service no longer swallows SIGTERM, and a rank that raised does not
+    wait at exit for JAX's runtime to shut down."""
+    import re
+    path = tmp_path / "script.py"
+    path.write_text(SIGNALLED)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_ENABLE_PREEMPTION_SERVICE", None)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={_free_port()}", str(path), how], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=str(tmp_path))
+    pids, seen = {}, []
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            m = re.search(r"READY (\d) (\d+)", line)
+            if m:
+                pids[int(m.group(1))] = int(m.group(2))
+                if len(pids) == 2:
+                    break
+        assert len(pids) == 2, "".join(seen)[-4000:]
+        t0 = time.monotonic()
+        os.kill(pids[1], getattr(signal, sig))
+        rest, _ = p.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    out = "".join(seen) + rest
+    assert p.returncode != 0 and "STILL-RUNNING" not in out, out[-4000:]
+    assert "SIGTERM caught" not in out, out[-4000:]
+    assert took < 15, f"the job took {took:.1f} s to end:\n{out[-4000:]}"
+    if how == "handler":
+        assert "RuntimeError: stopping on signal 15" in out, out[-4000:]
+    elif sig == "SIGINT":
+        assert "KeyboardInterrupt" in out, out[-4000:]
+    else:
+        assert "exitcode  : -15" in out and "Signal 15 (SIGTERM) received" in out, out[-4000:]
+
+
 # --------------------------------------------------------------------------- slow: the rest
 @once
 @pytest.mark.slow
