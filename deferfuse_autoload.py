@@ -60,6 +60,7 @@ class _Loader:
         self.module = None        # the torch.tpu module
         self.fallback_lib = None  # the PrivateUse1 fallback's torch.library.Library
         self.wrapped = {}         # torch.accelerator name -> the original function
+        self.job = None           # (rank, world size, coordinator) of a group that loaded deferfuse
 
     def load(self, why: str) -> None:
         """Import deferfuse (which calls ``complete``)."""
@@ -115,8 +116,19 @@ def _lazy_accelerator_call(name: str, orig):
 
 def _create_group(opts, backend_options=None):
     """The tpu process group's constructor before deferfuse is loaded: load deferfuse (which starts
-    JAX's distributed runtime from the launcher's variables; NOTE [distributed start] in
-    runtime/cluster.py), then make the group."""
+    JAX's distributed runtime; NOTE [distributed start] in runtime/cluster.py), then make the group.
+
+    The default group tells deferfuse its rank and size, for launchers that pass them to
+    ``init_process_group`` instead of setting ``RANK``/``WORLD_SIZE`` first (Ray Train, mp.spawn),
+    and where torch's store listens: JAX's coordinator then listens on the store's port + 1 when
+    ``MASTER_ADDR``/``MASTER_PORT`` are not set (``init_method="tcp://host:port"``)."""
+    if not LOADER.complete and not opts.global_ranks_in_group and opts.group_size > 1:
+        store = opts.store
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+        LOADER.job = (opts.group_rank, opts.group_size,
+                      f"{host}:{port + 1}" if host and port else None)
     LOADER.load(f"init_process_group('{NAME}')")
     from deferfuse.distributed.group import create
     return create(opts, backend_options)

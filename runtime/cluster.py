@@ -53,10 +53,14 @@ class Cluster:
         self._seen: dict = {}      # rank -> (its last heartbeat, when we first saw it)
 
     def start(self, mode: str = "auto", coordinator: str | None = None,
-              init_timeout: int = 300, timeout: float = 60.0) -> None:
+              init_timeout: int = 300, timeout: float = 60.0, rank: int | None = None,
+              world: int | None = None, store_coordinator: str | None = None) -> None:
         """Start JAX's distributed runtime if this process is part of a job (once; see NOTE
         [distributed start]). ``mode``: ``auto`` (when the launcher's variables say so), ``1``
-        (also JAX's own discovery without them) or ``0`` (never)."""
+        (also JAX's own discovery without them) or ``0`` (never). ``rank`` and ``world``: those
+        the process group being made was given, used when ``RANK``/``WORLD_SIZE`` are not set,
+        with ``store_coordinator`` (torch's store's host and port + 1) when ``MASTER_ADDR`` is
+        not set either."""
         if self.started:
             return
         self.started = True
@@ -70,13 +74,16 @@ class Cluster:
         if mode in ("0", "false", "off", "no"):
             return
         env = os.environ
-        world = int(env.get("WORLD_SIZE", "1") or 1)
-        if "RANK" not in env or world <= 1:
+        given = rank is not None and world is not None and world > 1
+        if "RANK" in env and int(env.get("WORLD_SIZE", "1") or 1) > 1:
+            world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        elif not given:
             if mode in ("1", "true", "on", "yes"):
                 self._initialize(None, None, None, None, init_timeout)
             return
-        rank = int(env["RANK"])
         coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+        if not coordinator and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
+            coordinator = store_coordinator
         if not coordinator:
             if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
                 raise RuntimeError(

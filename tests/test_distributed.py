@@ -145,11 +145,19 @@ def torchrun(tmp_path, script: str, *args, n=2, extra_env=None, timeout=300, che
 # A script that never imports deferfuse: the torch.backends entry point registered the tpu
 # process group at import torch; making the group loads deferfuse and starts JAX's runtime.
 NO_IMPORT = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 spelling = sys.argv[1]
 assert "deferfuse" not in sys.modules and "jax" not in sys.modules
 if spelling == "default":
     dist.init_process_group()                 # tpu is the accelerator: its default backend
+elif spelling == "ray":                       # Ray Train: MASTER_* set, RANK/WORLD_SIZE not yet
+    assert "RANK" not in os.environ and "MASTER_PORT" in os.environ
+    dist.init_process_group("tpu_dist", init_method="env://", rank=int(sys.argv[2]),
+                            world_size=2)
+elif spelling == "tcp":                       # no variables at all
+    assert "MASTER_PORT" not in os.environ
+    dist.init_process_group("tpu", init_method=f"tcp://127.0.0.1:{sys.argv[3]}",
+                            rank=int(sys.argv[2]), world_size=2)
 else:
     dist.init_process_group(spelling)
 from jax._src import distributed
@@ -178,6 +186,38 @@ def test_torchrun_without_import_deferfuse(tmp_path, spelling):
     under torchrun: a 2-rank all_reduce equals gloo's on CPU tensors and the CPU sum."""
     p = torchrun(tmp_path, NO_IMPORT, spelling)
     assert p.stdout.count("NOIMPORT-OK") == 2, p.stdout[-2000:]
+
+
+@once
+@pytest.mark.parametrize("how", ["ray", "tcp"])
+def test_rank_given_to_init_process_group(tmp_path, how):
+    """Launchers that give the rank and size to init_process_group rather than in RANK and
+    WORLD_SIZE (Ray Train sets only MASTER_ADDR/MASTER_PORT first; init_method="tcp://" with no
+    variables): the group starts JAX's runtime with them (coordinator on the store's port + 1)."""
+    path = tmp_path / "script.py"
+    path.write_text(NO_IMPORT)
+    port = _free_port()
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                            "MASTER_PORT", "XLA_FLAGS", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
+        env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        if how == "ray":
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(path), how, str(r), str(port)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=str(tmp_path)))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=200))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (so, se) in zip(procs, outs):
+        assert p.returncode == 0 and "NOIMPORT-OK" in so, so[-2000:] + se[-4000:]
 
 
 @once

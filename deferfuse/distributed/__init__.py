@@ -26,7 +26,10 @@ def register() -> None:
     from ..config import config
     from ..runtime.cluster import CLUSTER
     from . import functional, group
-    CLUSTER.start(config.distributed, config.coordinator or None, timeout=config.dist_timeout)
+    # A process group being made loaded deferfuse: its rank and size (deferfuse_autoload).
+    rank, world, store_coordinator = deferfuse_autoload.LOADER.job or (None, None, None)
+    CLUSTER.start(config.distributed, config.coordinator or None, timeout=config.dist_timeout,
+                  rank=rank, world=world, store_coordinator=store_coordinator)
     deferfuse_autoload.register_backends(group.create)
     import torch.distributed as dist
     if dist.is_available():
