@@ -251,7 +251,7 @@ print(f"STILL-RUNNING {r}", flush=True)
 
 @once
 @pytest.mark.parametrize("how,sig", [("default", "SIGTERM"), ("handler", "SIGTERM"),
-                                     ("default", "SIGINT")])
+                                     pytest.param("default", "SIGINT", marks=pytest.mark.slow)])
 def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):
     """A signal to one rank of a 2-rank torchrun job ends it as it ends a CPU process (the default
     action, KeyboardInterrupt, or the program's handler), and torchrun then ends the job within
