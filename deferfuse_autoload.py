@@ -13,7 +13,12 @@ what names the device, in a few milliseconds:
   factory with ``device="tpu"``, ``.to("tpu")`` and ``torch.load`` of a ``tpu`` checkpoint work
   without ``import deferfuse``;
 - wraps the ``torch.accelerator`` functions that need the device (``synchronize``, the memory
-  counters, streams) so that they load deferfuse first when ``tpu`` is the accelerator.
+  counters, streams) so that they load deferfuse first when ``tpu`` is the accelerator;
+- registers the ``tpu`` process-group backend (and its alias ``tpu_dist``, Ray Train's name) with
+  torch.distributed, as the default backend of the ``tpu`` device, whose constructor loads
+  deferfuse, so ``init_process_group("tpu")`` or ``init_process_group()`` in a script that never
+  imports deferfuse starts JAX's distributed runtime when the group is made (``torch.distributed``
+  is already imported by ``import torch``: this costs nothing more).
 
 ``import deferfuse`` completes the registration (``complete``): it fills the ``torch.tpu``
 module, removes the fallback and restores ``torch.accelerator``'s functions. Without autoload it
@@ -31,6 +36,8 @@ import types
 import torch
 
 NAME = "tpu"
+# torch.distributed backend names of the tpu process group: "tpu", and Ray Train's use_tpu=True name.
+BACKENDS = (NAME, "tpu_dist")
 
 # torch.accelerator functions that read or change the device's state. current_accelerator and
 # is_available answer without deferfuse.
@@ -53,6 +60,7 @@ class _Loader:
         self.module = None        # the torch.tpu module
         self.fallback_lib = None  # the PrivateUse1 fallback's torch.library.Library
         self.wrapped = {}         # torch.accelerator name -> the original function
+        self.job = None           # (rank, world size, coordinator) of a group that loaded deferfuse
 
     def load(self, why: str) -> None:
         """Import deferfuse (which calls ``complete``)."""
@@ -106,6 +114,45 @@ def _lazy_accelerator_call(name: str, orig):
     return call
 
 
+def _create_group(opts, backend_options=None):
+    """The tpu process group's constructor before deferfuse is loaded: load deferfuse (which starts
+    JAX's distributed runtime; NOTE [distributed start] in runtime/cluster.py), then make the group.
+
+    The default group tells deferfuse its rank and size, for launchers that pass them to
+    ``init_process_group`` instead of setting ``RANK``/``WORLD_SIZE`` first (Ray Train, mp.spawn),
+    and where torch's store listens: JAX's coordinator then listens on the store's port + 1 when
+    ``MASTER_ADDR``/``MASTER_PORT`` are not set (``init_method="tcp://host:port"``)."""
+    if not LOADER.complete and not opts.global_ranks_in_group and opts.group_size > 1:
+        store = opts.store
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+        LOADER.job = (opts.group_rank, opts.group_size,
+                      f"{host}:{port + 1}" if host and port else None)
+    LOADER.load(f"init_process_group('{NAME}')")
+    from deferfuse.distributed.group import create
+    return create(opts, backend_options)
+
+
+def register_backends(create) -> None:
+    """Register ``create`` as the constructor of the ``tpu`` process-group backends (``BACKENDS``),
+    the default backend of the ``tpu`` device (``init_process_group()`` with no name). Called with
+    the lazy constructor here and with the real one by deferfuse; the second call replaces it."""
+    try:
+        import torch.distributed as dist
+    except ImportError:         # pragma: no cover (a torch built without distributed)
+        return
+    if not dist.is_available():
+        return
+    for name in BACKENDS:
+        if name.upper() in dist.Backend._plugins:
+            dist.Backend._plugins[name.upper()] = dist.Backend._BackendPlugin(create, True)
+        else:
+            dist.Backend.register_backend(name, create, extended_api=True, devices=[NAME, "cpu"])
+    # register_backend keeps a device's first default; "tpu" is ours whichever name came first.
+    dist.Backend.default_device_backend_map[NAME] = NAME
+
+
 def register() -> types.ModuleType:
     """The cheap registration (idempotent); returns the ``torch.tpu`` module object."""
     if LOADER.registered:
@@ -130,6 +177,7 @@ def register() -> types.ModuleType:
         if orig is not None:
             LOADER.wrapped[name] = orig
             setattr(acc, name, _lazy_accelerator_call(name, orig))
+    register_backends(_create_group)
     LOADER.module, LOADER.fallback_lib, LOADER.registered = module, lib, True
     return module
 

@@ -13,6 +13,13 @@ called ``jax.distributed.initialize`` itself before importing deferfuse keeps it
 
 After it, ``jax.devices()`` lists every process's devices: ``tpu:N`` are ``jax.local_devices()``.
 
+NOTE [signals]: SIGTERM and SIGINT end a rank as they end a CPU process: the default action (or
+the program's own handler; SIGINT raises KeyboardInterrupt). JAX's preemption service would
+install a SIGTERM handler that only logs "SIGTERM caught" and lets the process run on, so SLURM,
+Kubernetes and torchrun could stop a rank only with SIGKILL: deferfuse turns it off unless
+``JAX_ENABLE_PREEMPTION_SERVICE`` is set. A rank that ends by raising (after a signal or not)
+disconnects at exit within the distributed timeout, never waiting longer.
+
 NOTE [orderly exit]: rank 0's process hosts JAX's coordination service, and a process whose service
 is gone terminates itself (JAX's fatal "the leader task died"), even at exit. So at exit every other
 rank says so in the key-value store and disconnects, and rank 0 waits (up to the timeout) until
@@ -46,10 +53,14 @@ class Cluster:
         self._seen: dict = {}      # rank -> (its last heartbeat, when we first saw it)
 
     def start(self, mode: str = "auto", coordinator: str | None = None,
-              init_timeout: int = 300, timeout: float = 60.0) -> None:
+              init_timeout: int = 300, timeout: float = 60.0, rank: int | None = None,
+              world: int | None = None, store_coordinator: str | None = None) -> None:
         """Start JAX's distributed runtime if this process is part of a job (once; see NOTE
         [distributed start]). ``mode``: ``auto`` (when the launcher's variables say so), ``1``
-        (also JAX's own discovery without them) or ``0`` (never)."""
+        (also JAX's own discovery without them) or ``0`` (never). ``rank`` and ``world``: those
+        the process group being made was given, used when ``RANK``/``WORLD_SIZE`` are not set,
+        with ``store_coordinator`` (torch's store's host and port + 1) when ``MASTER_ADDR`` is
+        not set either."""
         if self.started:
             return
         self.started = True
@@ -63,13 +74,16 @@ class Cluster:
         if mode in ("0", "false", "off", "no"):
             return
         env = os.environ
-        world = int(env.get("WORLD_SIZE", "1") or 1)
-        if "RANK" not in env or world <= 1:
+        given = rank is not None and world is not None and world > 1
+        if "RANK" in env and int(env.get("WORLD_SIZE", "1") or 1) > 1:
+            world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        elif not given:
             if mode in ("1", "true", "on", "yes"):
                 self._initialize(None, None, None, None, init_timeout)
             return
-        rank = int(env["RANK"])
         coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+        if not coordinator and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
+            coordinator = store_coordinator
         if not coordinator:
             if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
                 raise RuntimeError(
@@ -96,11 +110,15 @@ class Cluster:
         # A process that dies must not take the others down with it (JAX's coordination service
         # would terminate every process): the process group reports it as an error instead.
         jax.config.update("jax_enable_recoverability", True)
+        # JAX's preemption service swallows SIGTERM: off unless asked for (NOTE [signals]).
+        if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
+            jax.config.update("jax_enable_preemption_service", False)
         try:
             distributed.initialize(coordinator_address=coordinator, num_processes=world,
                                    process_id=rank, local_device_ids=local,
                                    initialization_timeout=init_timeout,
-                                   heartbeat_timeout_seconds=max(20, int(self.dead_after) * 2))
+                                   heartbeat_timeout_seconds=max(20, int(self.dead_after) * 2),
+                                   shutdown_timeout_seconds=max(1, int(self.timeout)))
         except Exception as e:
             raise RuntimeError(
                 f"deferfuse could not start JAX's distributed runtime (process {rank} of {world}, "
@@ -160,7 +178,16 @@ class Cluster:
         except Exception:
             return
         if self.rank != 0:
-            distributed.shutdown()      # disconnect now, while rank 0 waits for it
+            # Disconnect now, while rank 0 waits for it; never for longer than the timeout (NOTE
+            # [signals]: a rank ending on an error or a signal must end).
+            t = threading.Thread(target=_quietly(distributed.shutdown), daemon=True,
+                                 name="deferfuse-shutdown")
+            t.start()
+            t.join(self.timeout)
+            if t.is_alive():
+                import sys
+                print(f"deferfuse: JAX's distributed runtime did not shut down within "
+                      f"{self.timeout:.0f} s; exiting without it", file=sys.stderr)
             return
         deadline = time.monotonic() + self.timeout
         others = set(range(1, self.size))
@@ -177,6 +204,15 @@ class Cluster:
                 self.client.get_live_nodes(list(range(self.size)))
         except Exception:
             pass
+
+
+def _quietly(fn):
+    def call():
+        try:
+            fn()
+        except Exception:       # the coordination service is gone: nothing left to tell it
+            pass
+    return call
 
 
 CLUSTER = Cluster()

@@ -499,6 +499,58 @@ def scenario_fault(mode, arg):
     return {}
 
 
+def scenario_p2p(mode, arg):
+    """Sends and receives posted in any order (NOTE [p2p matching]): every rank isend first then
+    irecv, and a batch_isend_irecv ring of two messages (float32 and int64), each against the same
+    on CPU tensors through gloo and the values the sender built; then two ranks that both block in
+    send first get a DistributedError instead of a hang."""
+    from deferfuse.distributed import DistributedError
+    r, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    nxt, prv = (r + 1) % n, (r - 1) % n
+
+    def made_by(k):      # what rank k sends: values and a shape of its own
+        return (torch.arange(3. * (k + 2)).reshape(k + 2, 3) + 100 * k,
+                torch.arange(k + 4, dtype=torch.int64) * (k + 1))
+    # every rank posts its send first, then its recv (symmetric on 2 ranks)
+    for group, dev in ((None, "tpu"), (gloo, "cpu")):
+        x, _ = made_by(r)
+        got = torch.empty(prv + 2, 3, device=dev)
+        s = dist.isend(x.to(dev), nxt, group=group)
+        q = dist.irecv(got, prv, group=group)
+        s.wait()
+        q.wait()
+        if dev == "tpu":
+            sym = got
+    same(sym, got, "isend first")
+    same(sym, made_by(prv)[0], "isend first (sender's values)")
+    # a batch_isend_irecv ring (pipeline parallelism's pattern), two messages each way
+    outs = {}
+    for group, dev in ((None, "tpu"), (gloo, "cpu")):
+        a, b = made_by(r)
+        ga = torch.empty(prv + 2, 3, device=dev)
+        gb = torch.empty(prv + 4, dtype=torch.int64, device=dev)
+        ops = [dist.P2POp(dist.isend, a.to(dev), nxt, group=group),
+               dist.P2POp(dist.irecv, ga, prv, group=group),
+               dist.P2POp(dist.isend, b.to(dev), nxt, group=group),
+               dist.P2POp(dist.irecv, gb, prv, group=group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        outs[dev] = [ga, gb]
+    same(outs["tpu"], outs["cpu"], "batch_isend_irecv ring")
+    same(outs["tpu"], list(made_by(prv)), "batch_isend_irecv ring (sender's values)")
+    # a send whose recv differs in shape: every rank of the pair says so
+    dist.barrier()
+    error = ""
+    if n == 2:
+        try:
+            dist.send(torch.ones(2, device="tpu"), nxt)      # both ranks send first, blocking
+        except DistributedError as e:
+            error = str(e)
+        assert "neither can post more" in error and "send float32[2] to" in error, error
+    return {"error": error}
+
+
 SCENARIOS = {k[len("scenario_"):]: v for k, v in globals().items() if k.startswith("scenario_")}
 
 

@@ -126,6 +126,177 @@ def test_killed_rank_is_named(tmp_path):
     assert time.monotonic() - killed_at[0] < 60
 
 
+def torchrun(tmp_path, script: str, *args, n=2, extra_env=None, timeout=300, check=True):
+    """Run ``script`` (its text) under ``python -m torch.distributed.run --nproc_per_node=n``."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    env.update(extra_env or {})
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                        f"--master_port={_free_port()}", str(path), *map(str, args)], env=env,
+                       capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+# A script that never imports deferfuse: the torch.backends entry point registered the tpu
+# process group at import torch; making the group loads deferfuse and starts JAX's runtime.
+NO_IMPORT = """
+import os, sys, torch, torch.distributed as dist
+spelling = sys.argv[1]
+assert "deferfuse" not in sys.modules and "jax" not in sys.modules
+if spelling == "default":
+    dist.init_process_group()                 # tpu is the accelerator: its default backend
+elif spelling == "ray":                       # Ray Train: MASTER_* set, RANK/WORLD_SIZE not yet
+    assert "RANK" not in os.environ and "MASTER_PORT" in os.environ
+    dist.init_process_group("tpu_dist", init_method="env://", rank=int(sys.argv[2]),
+                            world_size=2)
+elif spelling == "tcp":                       # no variables at all
+    assert "MASTER_PORT" not in os.environ
+    dist.init_process_group("tpu", init_method=f"tcp://127.0.0.1:{sys.argv[3]}",
+                            rank=int(sys.argv[2]), world_size=2)
+else:
+    dist.init_process_group(spelling)
+from jax._src import distributed
+assert distributed.global_state.client is not None, "JAX's distributed runtime did not start"
+from deferfuse.distributed.group import ProcessGroupTPU
+assert isinstance(dist.group.WORLD, ProcessGroupTPU), dist.group.WORLD
+r, n = dist.get_rank(), dist.get_world_size()
+x = torch.randn(5, 3, generator=torch.Generator().manual_seed(r))
+t = x.to("tpu")
+dist.all_reduce(t)
+c = x.clone()
+dist.all_reduce(c)                            # a CPU tensor: the group's gloo
+want = sum(torch.randn(5, 3, generator=torch.Generator().manual_seed(k)) for k in range(n))
+torch.testing.assert_close(t.cpu(), c)
+torch.testing.assert_close(c, want)
+assert t.device == torch.device("tpu:0") and t.dtype == torch.float32
+print("NOIMPORT-OK", r, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@once
+@pytest.mark.parametrize("spelling", ["tpu", "tpu_dist", "default"])
+def test_torchrun_without_import_deferfuse(tmp_path, spelling):
+    """init_process_group("tpu"), ("tpu_dist") and () in a script that never imports deferfuse,
+    under torchrun: a 2-rank all_reduce equals gloo's on CPU tensors and the CPU sum."""
+    p = torchrun(tmp_path, NO_IMPORT, spelling)
+    assert p.stdout.count("NOIMPORT-OK") == 2, p.stdout[-2000:]
+
+
+@once
+@pytest.mark.parametrize("how", ["ray", "tcp"])
+def test_rank_given_to_init_process_group(tmp_path, how):
+    """Launchers that give the rank and size to init_process_group rather than in RANK and
+    WORLD_SIZE (Ray Train sets only MASTER_ADDR/MASTER_PORT first; init_method="tcp://" with no
+    variables): the group starts JAX's runtime with them (coordinator on the store's port + 1)."""
+    path = tmp_path / "script.py"
+    path.write_text(NO_IMPORT)
+    port = _free_port()
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                            "MASTER_PORT", "XLA_FLAGS", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
+        env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        if how == "ray":
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(path), how, str(r), str(port)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=str(tmp_path)))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=200))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (so, se) in zip(procs, outs):
+        assert p.returncode == 0 and "NOIMPORT-OK" in so, so[-2000:] + se[-4000:]
+
+
+@once
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_p2p_in_any_order(n):
+    """isend before irecv on every rank and a batch_isend_irecv ring, as through gloo; two ranks
+    that both block in send first are told so (2 ranks), not hung."""
+    res = results(launch(n, "p2p", "defer", extra_env={"DEFERFUSE_DIST_TIMEOUT": "20"}))
+    if n == 2:
+        assert all("each waits on a request the other has not matched" in r["error"] for r in res)
+
+
+SIGNALLED = """
+import os, signal, sys, time, torch, torch.distributed as dist
+if sys.argv[1] == "handler":                  # the program's own handler, installed first
+    def handler(sig, frame):
+        raise RuntimeError(f"stopping on signal {sig}")
+    signal.signal(signal.SIGTERM, handler)
+dist.init_process_group("tpu")
+r = dist.get_rank()
+t = torch.full((4,), float(r + 1), device="tpu")
+dist.all_reduce(t)
+assert t.cpu().tolist() == [3.0] * 4
+print(f"READY {r} {os.getpid()}", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 100:
+    time.sleep(0.05)
+print(f"STILL-RUNNING {r}", flush=True)
+"""
+
+
+@once
+@pytest.mark.parametrize("how,sig", [("default", "SIGTERM"), ("handler", "SIGTERM"),
+                                     pytest.param("default", "SIGINT", marks=pytest.mark.slow)])
+def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):
+    """A signal to one rank of a 2-rank torchrun job ends it as it ends a CPU process (the default
+    action, KeyboardInterrupt, or the program's handler), and torchrun then ends the job within
+    seconds: JAX's preemption service no longer swallows SIGTERM, and a rank that raised does not
+    wait at exit for JAX's runtime to shut down."""
+    import re
+    path = tmp_path / "script.py"
+    path.write_text(SIGNALLED)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_ENABLE_PREEMPTION_SERVICE", None)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={_free_port()}", str(path), how], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=str(tmp_path))
+    pids, seen = {}, []
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            m = re.search(r"READY (\d) (\d+)", line)
+            if m:
+                pids[int(m.group(1))] = int(m.group(2))
+                if len(pids) == 2:
+                    break
+        assert len(pids) == 2, "".join(seen)[-4000:]
+        t0 = time.monotonic()
+        os.kill(pids[1], getattr(signal, sig))
+        rest, _ = p.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    out = "".join(seen) + rest
+    assert p.returncode != 0 and "STILL-RUNNING" not in out, out[-4000:]
+    assert "SIGTERM caught" not in out, out[-4000:]
+    assert took < 15, f"the job took {took:.1f} s to end:\n{out[-4000:]}"
+    if how == "handler":
+        assert "RuntimeError: stopping on signal 15" in out, out[-4000:]
+    elif sig == "SIGINT":
+        assert "KeyboardInterrupt" in out, out[-4000:]
+    else:
+        assert "exitcode  : -15" in out and "Signal 15 (SIGTERM) received" in out, out[-4000:]
+
+
 # --------------------------------------------------------------------------- slow: the rest
 @once
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """torch.distributed on ``tpu`` tensors, carried by JAX's distributed runtime and XLA's collectives.
 
-``import deferfuse`` registers the ``tpu`` backend: ``dist.init_process_group("tpu")`` (or with no
-backend name when ``tpu`` is the accelerator) under ``torchrun``; DDP, DTensor, DeviceMesh, FSDP2
+The ``tpu`` backend (alias ``tpu_dist``) is registered at ``import torch`` by the autoload entry
+point, whose constructor loads deferfuse, and again by ``import deferfuse`` with the constructor
+itself: ``dist.init_process_group("tpu")`` (or with no backend name when ``tpu`` is the
+accelerator) under ``torchrun``; DDP, DTensor, DeviceMesh, FSDP2
 and ``torch.distributed.checkpoint`` then work on tpu tensors. See docs/distributed.md.
 """
 from __future__ import annotations
@@ -20,12 +22,15 @@ def register() -> None:
     if _registered[0]:
         return
     _registered[0] = True
-    import torch.distributed as dist
+    import deferfuse_autoload
     from ..config import config
     from ..runtime.cluster import CLUSTER
     from . import functional, group
-    CLUSTER.start(config.distributed, config.coordinator or None, timeout=config.dist_timeout)
+    # A process group being made loaded deferfuse: its rank and size (deferfuse_autoload).
+    rank, world, store_coordinator = deferfuse_autoload.LOADER.job or (None, None, None)
+    CLUSTER.start(config.distributed, config.coordinator or None, timeout=config.dist_timeout,
+                  rank=rank, world=world, store_coordinator=store_coordinator)
+    deferfuse_autoload.register_backends(group.create)
+    import torch.distributed as dist
     if dist.is_available():
-        dist.Backend.register_backend("tpu", group.create, extended_api=True,
-                                      devices=["tpu", "cpu"])
         functional.register()

@@ -106,6 +106,17 @@ class Coordinator:
         """Publish ``desc`` (this rank's description of collective ``seq`` in ``scope``) and wait
         for every rank in ``ranks`` (global ranks; ``me`` is ours) to publish theirs; raise a
         ``DistributedError`` if any differs, failed, exited, died or is not there in time."""
+        got = self.gather(scope, seq, me, ranks, desc, line, what, timeout)
+        if any(d != desc for d, _ in got.values()):
+            lines = "\n".join(f"  rank {r}: {d} at {ln}" for r, (d, ln) in sorted(got.items()))
+            raise self.fail(f"ranks disagree on {what}: each rank must call the same collectives "
+                            f"in the same order, with the same shapes and dtypes:\n{lines}")
+
+    def gather(self, scope: str, seq: int, me: int, ranks: list, desc: str, line: str,
+               what: str, timeout: float) -> dict:
+        """Publish ``desc`` for step ``seq`` of ``scope`` and return every rank's {rank: (desc,
+        line)} once all have published; raise a ``DistributedError`` if one failed, exited, died
+        or is not there in time."""
         c = self.client
         base = f"df/c/{scope}/{seq // BLOCK}/{seq}/"
         c.key_value_set(base + str(me), f"{desc}\x1f{line}")
@@ -135,16 +146,13 @@ class Coordinator:
                         "still compiling (raise the timeout for a model that compiles for longer)")
             d, _, ln = v.partition("\x1f")
             got[r] = (d, ln)
-        if any(d != desc for d, _ in got.values()):
-            lines = "\n".join(f"  rank {r}: {d} at {ln}" for r, (d, ln) in sorted(got.items()))
-            raise self.fail(f"ranks disagree on {what}: each rank must call the same collectives "
-                            f"in the same order, with the same shapes and dtypes:\n{lines}")
         if seq % BLOCK == 0 and seq >= 2 * BLOCK and me == min(ranks):
             # Every rank has published collective seq, so all are past the directory before last.
             try:
                 c.key_value_delete(f"df/c/{scope}/{seq // BLOCK - 2}/")
             except Exception:
                 pass
+        return got
 
     def wait(self, ready, ranks: list, what: str, timeout: float) -> None:
         """Wait until ``ready()`` (a collective's results are computed), checking the other ranks

@@ -155,22 +155,26 @@ def _wait_tensor(func, args, kwargs):
 
 
 def _isend(func, args, kwargs):
+    # A result here is a value (wait_tensor has nothing left to do): the request completes now.
     x, dst, tag, name = args
-    _group(name).send([x], dst, tag)
+    _group(name).send([x], dst, tag).wait()
     return x
 
 
 def _irecv(func, args, kwargs):
     x, src, tag, name = args
-    _group(name).recv([x], src, tag)
+    _group(name).recv([x], src, tag).wait()
     return x
 
 
 def _batch_p2p(func, args, kwargs):
+    # Every request is posted before any is waited on (NOTE [p2p matching] in group.py).
     ops, peers, tags, tensors, name = args
     pg = _group(name)
-    for o, p, t, x in zip(ops, peers, tags, tensors):
-        (pg.send if o == "isend" else pg.recv)([x], p, t)
+    works = [(pg.send if o == "isend" else pg.recv)([x], p, t)
+             for o, p, t, x in zip(ops, peers, tags, tensors)]
+    for w in works:
+        w.wait()
     return list(tensors)
 
 
