@@ -12,6 +12,7 @@ runtime/prng.py says how ops draw from it).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -41,6 +42,7 @@ def _check_state(state) -> tuple:
 
 class TpuGenerator(torch._C.Generator):
     """The generator of one tpu device (``torch.Generator("tpu")``, or a device's default one)."""
+    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # C++ object -> generator
 
     def __new__(cls, device="tpu"):
         d = torch.device(device)
@@ -49,11 +51,13 @@ class TpuGenerator(torch._C.Generator):
         # The C++ object underneath is a CPU generator that tpu ops never read.
         self = super().__new__(cls, "cpu")
         if d.index is None:
-            from .engine import engine
-            d = torch.device("tpu", engine.state.device)
+            d = torch.device("tpu", torch.tpu.current_device())
         self._tpu_device = d
         self._seed = DEFAULT_SEED
         self._offset = 0
+        # A kernel receives the generator re-wrapped by PyTorch (a plain torch._C.Generator on
+        # the same C++ object): this finds the tpu generator again.
+        TpuGenerator._live[self._cdata] = self
         return self
 
     def __init__(self, device="tpu"):
@@ -152,8 +156,9 @@ class Rng:
         if gen is None:
             g = self.gens.get(dev)
             return (g if g is not None else self.generator(dev)).take(n)
-        if isinstance(gen, TpuGenerator):
-            return gen.take(n)
+        tg = gen if gen.__class__ is TpuGenerator else TpuGenerator._live.get(gen._cdata)
+        if tg is not None:
+            return tg.take(n)
         if gen.device.type != "cpu":
             raise RuntimeError(f"Expected a 'tpu' device type for generator but found "
                                f"'{gen.device.type}'")
