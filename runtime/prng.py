@@ -25,6 +25,7 @@ from jax import lax
 from jax.extend.random import define_prng_impl, threefry2x32_p
 
 from .dtypes import x64
+from .lowering import take_flags
 
 _U32 = np.uint32
 # Domain separation: keys for split and fold_in are hashed under the seed's key xor these
@@ -105,8 +106,11 @@ def draws(fn, avals, scalars) -> int:
     None per array): the sizes of the random-bits draws in its program, nested programs included
     (traced once; the caller keeps the answer)."""
     arrays = [None if a is None else jax.ShapeDtypeStruct(tuple(a[0]), a[1]) for a in avals]
-    with x64(True):
-        closed = jax.make_jaxpr(fn)(arrays, list(scalars))
+    try:
+        with x64(True):
+            closed = jax.make_jaxpr(fn)(arrays, list(scalars))
+    finally:
+        take_flags()        # the checks this trace made belong to no program
     return _count(closed.jaxpr)
 
 

@@ -197,7 +197,7 @@ def test_multinomial_invalid_probabilities_raise(probs, msg):
     lambda g: torch.bernoulli(torch.full((40,), 0.3).to("tpu"), generator=g),
 ])
 def test_a_cpu_generator_seeds_the_op(draw):
-    # NOTE [generators] (deferfuse/dispatch.py): a generator was ignored (the device's key drew,
+    # NOTE [generators] (deferfuse/generator.py): a generator was ignored (the device's key drew,
     # and a seeded generator did not reproduce), and each new generator object compiled again.
     def gen(seed):
         return torch.Generator().manual_seed(seed)
