@@ -131,9 +131,6 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
         return torch._C.Generator() if device is None else torch._C.Generator(device)
 
 
-Generator.__module__, Generator.__qualname__ = "torch", "Generator"
-
-
 def _is_tpu(device) -> bool:
     if isinstance(device, torch.device):
         return device.type == NAME
