@@ -106,6 +106,7 @@ def _make_module() -> types.ModuleType:
     m.__doc__ = "The tpu device (deferfuse): the calls PyTorch code commonly makes on torch.cuda."
     m.is_available = lambda: True
     m.is_initialized = lambda: True
+    m._initialized = True       # torch.utils.checkpoint saves the device's RNG state only then
     m._is_in_bad_fork = lambda: False
     m.device_count = _device_count
     m.current_device = lambda: engine.state.device
