@@ -12,6 +12,7 @@ runtime/prng.py says how ops draw from it).
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 
 import torch
@@ -55,6 +56,7 @@ class TpuGenerator(torch._C.Generator):
         self._tpu_device = d
         self._seed = DEFAULT_SEED
         self._offset = 0
+        self._lock = threading.Lock()       # two threads never draw the same offset (CUDA's mutex)
         # A kernel receives the generator re-wrapped by PyTorch (a plain torch._C.Generator on
         # the same C++ object): this finds the tpu generator again.
         TpuGenerator._live[self._cdata] = self
@@ -124,9 +126,10 @@ class TpuGenerator(torch._C.Generator):
     # --- what a random op takes ------------------------------------------------------------------
     def take(self, n: int) -> tuple:
         """(seed as int64, offset) for a draw of ``n`` values, and the offset moves past it."""
-        off = self._offset
-        self._offset = (off + increment(n)) & _U64
-        s = self._seed
+        with self._lock:
+            off = self._offset
+            self._offset = (off + increment(n)) & _U64
+            s = self._seed
         return (s - (1 << 64) if s >= 1 << 63 else s,
                 off - (1 << 64) if off >= 1 << 63 else off)
 
