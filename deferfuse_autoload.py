@@ -12,6 +12,8 @@ what names the device, in a few milliseconds:
 - registers a PrivateUse1 backend fallback that loads deferfuse and calls the op again, so a
   factory with ``device="tpu"``, ``.to("tpu")`` and ``torch.load`` of a ``tpu`` checkpoint work
   without ``import deferfuse``;
+- makes ``torch.Generator`` a factory that gives a tpu generator for ``device="tpu"``
+  (``Generator`` below) and PyTorch's own for every other device;
 - wraps the ``torch.accelerator`` functions that need the device (``synchronize``, the memory
   counters, streams) so that they load deferfuse first when ``tpu`` is the accelerator;
 - registers the ``tpu`` process-group backend (and its alias ``tpu_dist``, Ray Train's name) with
@@ -153,6 +155,37 @@ def register_backends(create) -> None:
     dist.Backend.default_device_backend_map[NAME] = NAME
 
 
+class _GeneratorType(type(torch._C.Generator)):
+    """``isinstance(g, torch.Generator)`` holds for every generator, as before the factory."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, torch._C.Generator)
+
+
+class Generator(torch._C.Generator, metaclass=_GeneratorType):
+    """``torch.Generator``: PyTorch's own for every device but ``tpu``, for which it is deferfuse's
+    (``deferfuse.generator.TpuGenerator``, a subclass of ``torch._C.Generator``; PyTorch's Python
+    backend hooks cannot make a device's generator)."""
+
+    def __new__(cls, device=None):
+        if device is not None and _is_tpu(device):
+            LOADER.load("torch.Generator('tpu')")
+            from deferfuse.generator import TpuGenerator
+            return TpuGenerator(device)
+        return torch._C.Generator() if device is None else torch._C.Generator(device)
+
+
+def _is_tpu(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == NAME
+    if isinstance(device, str):
+        return device.split(":")[0] == NAME
+    return False
+
+
 def register() -> types.ModuleType:
     """The cheap registration (idempotent); returns the ``torch.tpu`` module object."""
     if LOADER.registered:
@@ -178,6 +211,7 @@ def register() -> types.ModuleType:
             LOADER.wrapped[name] = orig
             setattr(acc, name, _lazy_accelerator_call(name, orig))
     register_backends(_create_group)
+    torch.Generator = Generator
     LOADER.module, LOADER.fallback_lib, LOADER.registered = module, lib, True
     return module
 

@@ -42,26 +42,49 @@ def _synchronize(device=None) -> None:
 
 
 def _manual_seed(seed) -> None:
-    engine.rng.manual_seed(int(seed))
+    """``torch.tpu.manual_seed``: the current device's generator (as CUDA's)."""
+    engine.rng.manual_seed(int(seed), engine.state.device)
+
+
+def _manual_seed_all(seed) -> None:
+    engine.rng.manual_seed_all(int(seed))
 
 
 def _get_rng_state(device="tpu") -> torch.Tensor:
-    return engine.rng.get_state(_idx(device))
+    """The 16-byte state of the device's generator: seed then offset (CUDA's layout)."""
+    return engine.rng.generator(_idx(device)).get_state()
 
 
 def _set_rng_state(new_state, device="tpu") -> None:
-    engine.rng.set_state(new_state, _idx(device))
+    engine.rng.generator(_idx(device)).set_state(new_state)
 
 
-def _seed():
-    import random
-    s = random.getrandbits(63)
-    engine.rng.manual_seed(s)
+def _seed() -> int:
+    return engine.rng.generator(engine.state.device).seed()
+
+
+def _seed_all() -> int:
+    s = _seed()
+    _manual_seed_all(s)
     return s
 
 
-def _initial_seed():
-    return engine.rng.seed
+def _initial_seed() -> int:
+    return engine.rng.generator(engine.state.device).initial_seed()
+
+
+class _DefaultGenerators:
+    """``torch.tpu.default_generators``: each device's generator, made on first use (counting the
+    devices starts JAX, which must wait until a distributed job has initialised it)."""
+
+    def __len__(self):
+        return _device_count()
+
+    def __getitem__(self, i):
+        return tuple(self)[i]
+
+    def __iter__(self):
+        return iter([engine.rng.generator(i) for i in range(_device_count())])
 
 
 class _DeviceCtx:
@@ -83,6 +106,7 @@ def _make_module() -> types.ModuleType:
     m.__doc__ = "The tpu device (deferfuse): the calls PyTorch code commonly makes on torch.cuda."
     m.is_available = lambda: True
     m.is_initialized = lambda: True
+    m._initialized = True       # torch.utils.checkpoint saves the device's RNG state only then
     m._is_in_bad_fork = lambda: False
     m.device_count = _device_count
     m.current_device = lambda: engine.state.device
@@ -90,10 +114,11 @@ def _make_module() -> types.ModuleType:
     m.device = _DeviceCtx
     m.synchronize = _synchronize
     m.manual_seed = _manual_seed
-    m.manual_seed_all = _manual_seed
+    m.manual_seed_all = _manual_seed_all
     m.seed = _seed
-    m.seed_all = _seed
+    m.seed_all = _seed_all
     m.initial_seed = _initial_seed
+    m.default_generators = _DefaultGenerators()
     m.get_rng_state = _get_rng_state
     m.set_rng_state = _set_rng_state
     m.get_rng_state_all = lambda: [_get_rng_state(f"tpu:{i}") for i in range(_device_count())]

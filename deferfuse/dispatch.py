@@ -10,14 +10,13 @@ import functools
 import operator
 import sys
 
-import numpy as np
 import torch
 
 from .config import config
 from .device_info import check
 from .engine import engine, user_error
 from .opinfo import decompose, op_info
-from .runtime import execute, transfer
+from .runtime import execute, prng, transfer
 from .runtime.dtypes import to_np_dtype
 from .runtime.node import SS, TS, build, const
 from .scheduler.records import Value, sig_id
@@ -39,7 +38,7 @@ _ops = engine.ops              # op key -> Entry
 class Entry:
     """What one op structure needs at run time, computed on its first call."""
     __slots__ = ("fn", "jit", "out", "khash", "name", "key", "res_avals", "msgs", "fast", "made",
-                 "dev", "dyn", "skey", "ohash")
+                 "dev", "dyn", "skey", "ohash", "draws")
 
 
 def user_frame() -> str:
@@ -233,9 +232,9 @@ def op_key(info, args, kwargs):
 def _run(func, info, args, kwargs):
     gen = None
     if kwargs and info.low.rng and kwargs.get("generator") is not None:
-        # NOTE [generators]: a CPU torch.Generator seeds this op (one draw from it makes a JAX key);
-        # the device's own key is left alone. It used to be ignored, and a new generator object
-        # made a new cache entry: another compile per call.
+        # The op draws from this generator, not the device's (NOTE [rng offsets] in
+        # runtime/prng.py); it is never part of the op's key, so a new generator object makes no
+        # new cache entry (no compile per call).
         gen = kwargs["generator"]
         kwargs = dict(kwargs, generator=None)
     low = info.low
@@ -247,7 +246,8 @@ def _run(func, info, args, kwargs):
         if err is not None:
             raise type(err)(str(err))       # CPU does not implement the op for these dtypes
         try:
-            entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev)
+            entry = _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev,
+                                   scalars)
         except NotImplementedError as e:
             if getattr(e, "deferfuse_cpu_words", False):
                 raise                   # CPU's own refusal (NOTE [CPU's words] in meta.py)
@@ -292,24 +292,17 @@ def _run(func, info, args, kwargs):
                         res.append(make(st, (), m[1], m[2], 0, m[0], m[3]))
                 return res if entry.out[0][0] == "list" else tuple(res)
             if low.rng:
-                ins.append(engine.rng.storage(dev).val if gen is None
-                           else engine.rng.generator_key(gen, dev))
+                scalars.extend(engine.rng.draw(gen, dev, entry.draws))
             outs = trace.record(entry, ins, scalars, dev)
-            return _bind(func, info, entry, outs, tensors, args, kwargs, dev, gen is None)
+            return _bind(func, info, entry, outs, tensors, args, kwargs, dev)
     if low.rng:
-        ins.append(engine.rng.storage(dev).val if gen is None else engine.rng.generator_key(gen, dev))
+        scalars.extend(engine.rng.draw(gen, dev, entry.draws))
     outs = engine.run_node(entry, ins, scalars, dev)
-    return _bind(func, info, entry, outs, tensors, args, kwargs, dev, gen is None)
+    return _bind(func, info, entry, outs, tensors, args, kwargs, dev)
 
 
-def _bind(func, info, entry, outs, tensors, args, kwargs, dev, device_key=True):
-    out_meta, mut, rng = entry.out[0], entry.out[1], entry.out[2]
-    if rng and device_key:
-        st = engine.rng.storage(dev)
-        v = outs[-1]
-        if v.node is not None:
-            v.node.trace.track_mut(st, v)
-        st.val = v
+def _bind(func, info, entry, outs, tensors, args, kwargs, dev):
+    out_meta, mut = entry.out[0], entry.out[1]
     if mut:
         for k, m in enumerate(mut):
             st = tensors[m]._s
@@ -344,7 +337,7 @@ def _bind(func, info, entry, outs, tensors, args, kwargs, dev, device_key=True):
     return tuple(made)
 
 
-def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
+def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev, scalars):
     out = infer(func, args, kwargs)
     e = Entry()
     e.dev = dev
@@ -381,9 +374,14 @@ def _compile_entry(func, info, args, kwargs, key, targs, tkw, tensors, dev):
     e.jit = None
     e.skey = None       # its stable description, made when a program is stored (diskcache.py)
     e.key = key
-    res = [tuple(bases[m]) for m in mut] if mut else [a for a in out_avals]
+    e.draws = 0
     if info.low.rng:
-        res.append(((2,), np.dtype(np.uint32)))
+        # How many values it draws: the offset its generator moves by (NOTE [rng offsets]).
+        avals = [None if (info.overwrites and m in mut and not t._chain) else bases[m]
+                 for m, t in enumerate(tensors)]
+        dyn = [o for i in e.dyn for o in tensors[i]._dyn]
+        e.draws = prng.draws(e.fn, avals, [*scalars, *dyn, 0, 0])
+    res = [tuple(bases[m]) for m in mut] if mut else [a for a in out_avals]
     e.res_avals = tuple(None if a is None else (a[0], a[1], _nbytes(a[0], a[1])) for a in res)
     # One new output and nothing written or random: _run's fast path in defer mode takes
     # (dtype, size, stride or None when contiguous, the output tensor's _sig).

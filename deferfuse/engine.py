@@ -15,20 +15,15 @@ import sys
 import threading
 import weakref
 
-import jax
-import numpy as np
-import torch
-
 from . import opinfo
 from .config import config
+from .generator import Rng
 from .record import Bodies, SourceLines, Trace
 from .runtime import execute, stats
-from .runtime.dtypes import x64
 from .runtime.flush import ASYNC_CUTS, Runner, Settings
-from .runtime.transfer import devices, materialize_empty
+from .runtime.transfer import materialize_empty
 from .scheduler.cache import Cache
 from .scheduler.records import Value, sig_id
-from .tensor import Storage
 
 
 def user_error(e: BaseException) -> BaseException:
@@ -76,7 +71,7 @@ class Engine:
         self.runner.also_evict = (self.ops.clear, execute.view_jits.clear)
         self.bodies = Bodies()
         self.sources = SourceLines()
-        self.rng = Rng(self)
+        self.rng = Rng()
         self.young_gc = 0           # NOTE [gc threshold] (deferfuse/__init__.py)
         self.raised_gc = 0
         self.local = _Local(self)
@@ -237,54 +232,6 @@ class Engine:
             self.bodies.outer.clear()
             self.routes.clear()
             opinfo.clear()
-
-
-class Rng:
-    """One PRNG key per device, held in a Storage so defer mode threads it through regions."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.keys: dict = {}
-        self.seed = 0
-
-    def storage(self, dev: int):
-        st = self.keys.get(dev)
-        if st is None:
-            st = self.keys[dev] = self._new(self.seed, dev)
-        return st
-
-    def _new(self, seed: int, dev: int):
-        with x64(True):
-            k = jax.device_put(jax.random.PRNGKey(seed & 0xFFFFFFFFFFFFFFFF), devices()[dev])
-        return Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
-
-    def generator_key(self, gen, dev: int):
-        """A fresh key Value for one op that was given ``generator=`` (NOTE [generators] in
-        dispatch.py): a 63-bit seed drawn from the generator, which advances it as a draw would."""
-        if gen.device.type != "cpu":
-            raise RuntimeError(f"expected a CPU torch.Generator for a tpu op, got one on {gen.device}")
-        seed = int(torch.randint(0, 2 ** 63 - 1, (), generator=gen))
-        return self._new(seed, dev).val
-
-    def manual_seed(self, seed: int) -> None:
-        self.engine.sync("manual_seed")
-        self.seed = int(seed)
-        for d in list(self.keys) or [0]:
-            self.keys[d] = self._new(int(seed), d)
-
-    def get_state(self, dev: int) -> torch.Tensor:
-        arr = self.engine.ready(self.storage(dev).val, dev, "rng state")
-        return torch.from_numpy(np.asarray(jax.device_get(arr)).astype(np.int64))
-
-    def set_state(self, state: torch.Tensor, dev: int) -> None:
-        self.engine.sync("rng state")
-        a = state.detach().cpu().numpy().astype(np.uint32)
-        if a.shape != (2,):
-            raise RuntimeError("expected an RNG state of 2 elements from torch.tpu.get_rng_state(), "
-                               f"got shape {tuple(a.shape)}")
-        with x64(True):
-            k = jax.device_put(a, devices()[dev])
-        self.keys[dev] = Storage(Value((2,), np.dtype(np.uint32), 8, array=k), dev, torch.int64)
 
 
 engine = Engine()

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import prng
 from .dtypes import to_np_dtype
 from .errors import LoweringError
 from .lowering import LOWERINGS
@@ -86,10 +87,11 @@ class GraphPlan:
 
     def function(self, ints: tuple, chains: dict, dev_outs: tuple, dev_writes: tuple,
                  traced=None):
-        """The op function ``fn(arrays, scalars) -> [outputs, written values, key]``.
+        """The op function ``fn(arrays, scalars) -> [outputs, written values]``.
 
-        ``arrays``: one per ARRAY input in order (``chains[i]``: input i's view of it), then the
-        key; ``scalars``: one per SCALAR or FLOAT input in order; ``ints``: the INT inputs.
+        ``arrays``: one per ARRAY input in order (``chains[i]``: input i's view of it);
+        ``scalars``: one per SCALAR or FLOAT input in order, the views' dynamic offsets, then
+        the generator's (seed, offset) when the graph draws; ``ints``: the INT inputs.
         ``dev_outs``: the indices of the outputs returned; ``dev_writes``: per write returned,
         (index into ``self.writes``, the earlier write of the same storage or -1): its value is
         that storage's new base. ``traced()`` is called each time the function is traced."""
@@ -124,7 +126,7 @@ class GraphPlan:
                 else:
                     env[n] = ints[ii]
                     ii += 1
-            key = plan.run(env, arrays[ai] if plan.rng else None)
+            plan.run(env, prng.key(scalars[-2], scalars[-1]) if plan.rng else None)
             res = [_fill(plan.outputs[j], env) for j in dev_outs]
             newbase = []
             for w, prev in dev_writes:
@@ -137,15 +139,13 @@ class GraphPlan:
                     val = scatter_chain(bases[i], c, val, dyns[i])
                 newbase.append(val)
             res.extend(newbase)
-            if plan.rng:
-                res.append(key)
             return res
         return fn
 
-    def run(self, env: dict, key):
-        """Lower every node into ``env`` (placeholders filled); the RNG key after the graph's
-        draws."""
-        for n in self.gm.graph.nodes:
+    def run(self, env: dict, key) -> None:
+        """Lower every node into ``env`` (placeholders filled); random node j draws with
+        ``key`` folded with j (NOTE [rng offsets] in prng.py)."""
+        for j, n in enumerate(self.gm.graph.nodes):
             if n.op == "get_attr":      # a constant the graph holds (a tensor made in the code)
                 env[n] = _constant(getattr(self.gm, n.target))
                 continue
@@ -177,8 +177,7 @@ class GraphPlan:
             low = LOWERINGS[n.target]
             avals = _val_avals(n.meta.get("val"))
             if low.rng:
-                key, sub = jax.random.split(key)
-                kwargs["key"] = sub
+                kwargs["key"] = jax.random.fold_in(key, j)
             if low.meta:
                 kwargs["_avals"] = avals
             res = low.fn(*args, **kwargs)
@@ -188,7 +187,6 @@ class GraphPlan:
             elif res is not None and avals[0] is not None and res.dtype != avals[0][1]:
                 res = res.astype(avals[0][1])
             env[n] = res
-        return key
 
 
 def _is_fake(t) -> bool:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
+from . import prng
 from .lowering.precision import HALF, round_to
 from .viewchain import apply_chain, n_dynamic, scatter_chain
 
@@ -70,10 +70,11 @@ def _fill(x, vals, scalars):
 def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
     """The function ``(arrays, scalars) -> outputs`` of one op.
 
-    ``arrays`` are the base values of the tensor inputs (then the RNG key when ``low.rng``);
+    ``arrays`` are the base values of the tensor inputs;
     ``chains[i]`` reads input i's view out of its base; ``bases[i]`` is (shape, dtype) of base i.
     ``scalars`` are the template's scalar inputs, then the dynamic offsets of each input's chain
-    in input order (NOTE [dynamic offsets] in viewchain.py).
+    in input order (NOTE [dynamic offsets] in viewchain.py), then, when ``low.rng``, the
+    generator's seed and offset (NOTE [rng offsets] in prng.py).
     A mutating op (``mut``: the inputs it writes) returns the new base values of those inputs;
     with ``self_mut`` the lowering itself returns the written values, else the op's functional
     form does. Other ops return their outputs cast to the dtypes of ``out_avals`` (PyTorch's,
@@ -87,6 +88,9 @@ def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
 
     def node_fn(arrays, scalars):
         arrays = list(arrays)
+        if rng:     # the generator's (seed, offset) come last (NOTE [rng offsets] in prng.py)
+            kw_key = prng.key(scalars[-2], scalars[-1])
+            scalars = scalars[:-2]
         dyns = [()] * len(chains)
         if total_dyn:
             k = len(scalars) - total_dyn
@@ -97,8 +101,7 @@ def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
                 k += n
         kw = dict(tkwargs)
         if rng:
-            key, sub = jax.random.split(arrays.pop())
-            kw["key"] = sub
+            kw["key"] = kw_key
         if low.meta:
             kw["_avals"] = out_avals
         vals = [None if a is None else (apply_chain(a, c, d) if c else a)
@@ -123,8 +126,6 @@ def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
         else:
             outs = [r if r is None or d is None else _rounded(r, d)
                     for r, d in zip(res, out_dtypes)]
-        if rng:
-            outs.append(key)
         return outs
 
     return node_fn

@@ -549,6 +549,44 @@ def scenario_p2p(mode, arg):
             error = str(e)
         assert "neither can post more" in error and "send float32[2] to" in error, error
     return {"error": error}
+def scenario_rng(mode, arg):
+    """Parameters initialised through DTensor's random ops (its OffsetBasedRNGTracker moves the
+    tpu generator's offset per shard) equal the same draws on one device with the same seed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    import torch.distributed.tensor as dtensor
+    n = dist.get_world_size()
+    mesh = init_device_mesh("tpu", (n,))
+    shape = (8, 6)
+
+    def draws(distributed):
+        """uniform_ (sharded, replicated), normal_, trunc_normal_ and randn, from seed 1234: as
+        DTensors on the mesh, or as plain tensors of this device."""
+        torch.manual_seed(1234)
+
+        def empty(placements):
+            t = torch.empty(shape, device="tpu")
+            return distribute_tensor(t, mesh, placements) if distributed else t
+        out = [empty([Shard(0)]).uniform_(-1, 1), empty([Replicate()]).uniform_(-1, 1),
+               torch.nn.init.normal_(empty([Shard(0)]), std=0.02),
+               torch.nn.init.trunc_normal_(empty([Shard(0)]), std=0.02)]
+        out.append(dtensor.randn(shape, device_mesh=mesh, placements=[Shard(0)]) if distributed
+                   else torch.randn(shape, device="tpu"))
+        return out
+
+    got = draws(True)
+    got = [g.full_tensor().cpu() for g in got]
+    want = [w.cpu() for w in draws(False)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (i, g.dtype, g.shape)
+        assert torch.equal(g, w), f"draw {i}: DTensor on {n} ranks differs from one device"
+    # The tracker leaves the generator where every rank agrees: the next plain draws are equal.
+    nxt = torch.rand(8, device="tpu")
+    gathered = [torch.empty(8, device="tpu") for _ in range(n)]
+    dist.all_gather(gathered, nxt)
+    assert all(torch.equal(x.cpu(), nxt.cpu()) for x in gathered)
+    return {"sums": [float(g.double().sum()) for g in got],
+            "state": torch.tpu.get_rng_state().tolist()}
 
 
 SCENARIOS = {k[len("scenario_"):]: v for k, v in globals().items() if k.startswith("scenario_")}

@@ -65,6 +65,9 @@ FIRST_USES = {
     "module to": "y = torch.nn.Linear(3, 3).to('tpu').bias.detach() * 0 + 2",
     "torch.tpu": "torch.tpu.manual_seed(0); y = torch.full((3,), 2.0, device='tpu')",
     "torch.accelerator": "torch.accelerator.synchronize(); y = torch.full((3,), 2.0, device='tpu')",
+    "torch.Generator": ("g = torch.Generator('tpu').manual_seed(0)\n"
+                        "y = torch.rand(3, device='tpu', generator=g) * 0 + 2\n"
+                        "assert g.get_offset() == 4 and isinstance(g, torch.Generator)"),
     # two threads at once: one imports deferfuse, the other waits for it
     "two threads": ("import threading\nout = []\n"
                     "ts = [threading.Thread(target=lambda: out.append(torch.full((3,), 2.0).to('tpu')))"
@@ -95,7 +98,7 @@ def test_first_use_loads_deferfuse():
 @pytest.mark.slow
 def test_each_first_use_loads_deferfuse():
     # (a process each: importing torch and JAX in five processes costs a minute on 2 cores)
-    _first_uses(["module to", "torch.tpu", "torch.accelerator"])
+    _first_uses(["module to", "torch.tpu", "torch.accelerator", "torch.Generator"])
 
 
 def test_autoload_off_and_import_deferfuse():

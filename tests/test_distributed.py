@@ -105,6 +105,17 @@ def test_ddp_two_processes_matches_cpu_training():
 
 
 @once
+@pytest.mark.slow
+def test_dtensor_random_init_two_ranks_equals_one_device():
+    """Parameters initialised through DTensor's random ops (uniform_, normal_, trunc_normal_,
+    randn; sharded and replicated) from one seed on 2 ranks equal the same draws on one device
+    (each rank checks), and the ranks' generators end alike: the tpu generator's (seed, offset)
+    state is what DTensor's tracker expects. (One rank: test_one_process_dtensor_random_init.)"""
+    two = results(launch(2, "rng", "defer"))
+    assert two[0]["sums"] == two[1]["sums"] and two[0]["state"] == two[1]["state"]
+
+
+@once
 def test_killed_rank_is_named(tmp_path):
     """A rank killed with SIGKILL makes the other fail with a DistributedError naming it, within
     the timeout, never a hang."""
@@ -451,6 +462,36 @@ def test_one_process_fsdp2(group, tpu_mode):
     got = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v)
+
+
+def test_one_process_dtensor_random_init(group, tpu_mode):
+    """DTensor's random ops (its OffsetBasedRNGTracker reads and moves the tpu generator's 16-byte
+    (seed, offset) state) on a mesh of one: the same numbers as plain draws from the same seed,
+    and the device's generator ends where the plain draws leave it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    import torch.distributed.tensor as dtensor
+    mesh = init_device_mesh("tpu", (1,))
+
+    def draws(distributed):
+        torch.manual_seed(7)
+
+        def empty(placements):
+            t = torch.empty(8, 6, device="tpu")
+            return distribute_tensor(t, mesh, placements) if distributed else t
+        out = [torch.nn.init.trunc_normal_(empty([Shard(0)]), std=0.02),
+               empty([Replicate()]).uniform_(-1, 1), empty([Shard(1)]).normal_(),
+               dtensor.randn(8, 6, device_mesh=mesh, placements=[Shard(0)]) if distributed
+               else torch.randn(8, 6, device="tpu")]
+        out = [o.full_tensor() if distributed else o for o in out]
+        return [o.cpu() for o in out], torch.tpu.get_rng_state()
+
+    got, state = draws(True)
+    want, want_state = draws(False)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape == (8, 6)
+        assert torch.equal(g, w)
+    assert torch.equal(state, want_state)
 
 
 def test_storage_resize(tpu_mode):

@@ -197,7 +197,7 @@ def test_multinomial_invalid_probabilities_raise(probs, msg):
     lambda g: torch.bernoulli(torch.full((40,), 0.3).to("tpu"), generator=g),
 ])
 def test_a_cpu_generator_seeds_the_op(draw):
-    # NOTE [generators] (deferfuse/dispatch.py): a generator was ignored (the device's key drew,
+    # NOTE [generators] (deferfuse/generator.py): a generator was ignored (the device's key drew,
     # and a seeded generator did not reproduce), and each new generator object compiled again.
     def gen(seed):
         return torch.Generator().manual_seed(seed)
@@ -222,3 +222,176 @@ def test_a_generator_and_the_distribution_it_draws():
     x = torch.empty(20000, device="tpu").normal_(3.0, 2.0, generator=torch.Generator().manual_seed(3))
     x = x.cpu()
     assert abs(float(x.mean()) - 3.0) < 0.06 and abs(float(x.std()) - 2.0) < 0.06
+
+
+# --------------------------------------------------------------------------------------------
+# The generator contract: CUDA's 16-byte (seed, offset) state, torch.Generator("tpu")
+# (NOTE [rng offsets] in runtime/prng.py). Random values are not CPU's (nor are CUDA's): the
+# comparisons with CPU are of shapes, dtypes, ranges and distributions.
+
+def _state(seed, offset):
+    return torch.tensor(list(seed.to_bytes(8, "little") + offset.to_bytes(8, "little")),
+                        dtype=torch.uint8)
+
+
+def test_rng_state_is_seed_and_offset_and_reading_it_never_syncs():
+    torch.manual_seed(2 ** 40 + 5)
+    s = torch.tpu.get_rng_state()
+    assert s.dtype == torch.uint8 and s.shape == (16,) and s.device.type == "cpu"
+    assert torch.equal(s, _state(2 ** 40 + 5, 0))
+    assert torch.tpu.initial_seed() == 2 ** 40 + 5
+    deferfuse.reset_metrics()
+    a = torch.randn(10, device=T)                   # 10 values: the offset moves by 12
+    assert torch.equal(torch.tpu.get_rng_state(), _state(2 ** 40 + 5, 12))
+    torch.tpu.set_rng_state(s)
+    b = torch.randn(10, device=T)
+    assert sum(deferfuse.metrics()["syncs"].values()) == 0    # the state is the host's
+    assert torch.equal(a.cpu(), b.cpu())            # the saved state replays the same numbers
+
+
+def test_offset_moves_along_one_stream():
+    """What DTensor's tracker relies on: the draw at offset o + k is the draw at o, k values on;
+    another offset, another stream."""
+    torch.tpu.set_rng_state(_state(99, 8))
+    whole = torch.rand(64, device=T).cpu()
+    torch.tpu.set_rng_state(_state(99, 8 + 24))
+    assert torch.equal(torch.rand(40, device=T).cpu(), whole[24:])
+    torch.tpu.set_rng_state(_state(99, 1000))
+    assert not torch.equal(torch.rand(64, device=T).cpu()[:8], whole[:8])
+    torch.tpu.set_rng_state(_state(98, 8))
+    assert not torch.equal(torch.rand(64, device=T).cpu()[:8], whole[:8])
+
+
+def test_unaligned_offset_raises_as_cuda():
+    with pytest.raises(RuntimeError, match="offset must be a multiple of 4"):
+        torch.tpu.set_rng_state(_state(99, 10))
+
+
+def test_bad_rng_state_raises_as_cpu():
+    for gen in (torch.Generator(), torch.Generator("tpu")):
+        with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
+            gen.set_state(torch.zeros(16))
+        with pytest.raises(RuntimeError):
+            gen.set_state(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="RNG state is wrong size"):
+        torch.tpu.set_rng_state(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_seed_functions_of_torch_tpu():
+    torch.tpu.manual_seed(3)
+    assert torch.tpu.initial_seed() == 3
+    a = torch.rand(5, device=T).cpu()
+    torch.tpu.manual_seed_all(3)
+    assert torch.equal(torch.rand(5, device=T).cpu(), a)
+    s = torch.tpu.seed()
+    assert torch.tpu.initial_seed() == s
+    states = torch.tpu.get_rng_state_all()
+    assert len(states) == torch.tpu.device_count() and torch.equal(states[0], _state(s, 0))
+    b = torch.rand(5, device=T).cpu()
+    torch.tpu.set_rng_state_all(states)
+    assert torch.equal(torch.rand(5, device=T).cpu(), b)
+    g = torch.tpu.default_generators[0]
+    assert g.device == torch.device("tpu", 0) and torch.equal(g.get_state(), torch.tpu.get_rng_state())
+    torch.tpu.set_rng_state_all(states)
+    with torch.random.fork_rng(devices=[0], device_type="tpu"):
+        torch.rand(5, device=T)
+    assert torch.equal(torch.rand(5, device=T).cpu(), b)
+
+
+def test_generator_object():
+    g = torch.Generator("tpu")
+    assert isinstance(g, torch.Generator) and isinstance(torch.Generator(), torch.Generator)
+    assert g.device == torch.device("tpu", 0)
+    assert torch.Generator(device="tpu").device == torch.Generator(torch.device("tpu", 0)).device
+    assert torch.Generator().device.type == "cpu"   # every other device: PyTorch's own
+    assert g.manual_seed(11) is g and g.initial_seed() == 11 and g.get_offset() == 0
+    assert torch.equal(g.get_state(), _state(11, 0))
+    torch.rand(7, device=T, generator=g)
+    assert g.get_offset() == 8
+    h = torch.Generator("tpu").set_state(g.get_state())
+    assert torch.equal(torch.rand(9, device=T, generator=g).cpu(),
+                       torch.rand(9, device=T, generator=h).cpu())
+    s = g.seed()
+    assert g.initial_seed() == s and g.get_offset() == 0
+    import copy
+    import pickle
+    for c in (g.clone_state(), copy.deepcopy(g), pickle.loads(pickle.dumps(g))):
+        assert torch.equal(c.get_state(), g.get_state()) and c.device == g.device
+
+
+GEN_DRAWS = {
+    "randn": lambda d, g: torch.randn(300, device=d, generator=g),
+    "rand": lambda d, g: torch.rand(20, 15, device=d, generator=g, dtype=torch.float64),
+    "randint": lambda d, g: torch.randint(-3, 7, (300,), device=d, generator=g),
+    "randperm": lambda d, g: torch.randperm(50, device=d, generator=g),
+    "normal_": lambda d, g: torch.empty(300, device=d).normal_(1.0, 2.0, generator=g),
+    "uniform_": lambda d, g: torch.empty(300, device=d).uniform_(-2, 3, generator=g),
+    "normal": lambda d, g: torch.normal(torch.zeros(300, device=d), 1.0, generator=g),
+    "bernoulli": lambda d, g: torch.bernoulli(torch.full((300,), 0.3, device=d), generator=g),
+    "bernoulli_": lambda d, g: torch.empty(300, device=d).bernoulli_(0.7, generator=g),
+    "multinomial": lambda d, g: torch.multinomial(torch.ones(4, 10, device=d), 5, generator=g),
+    "exponential_": lambda d, g: torch.empty(300, device=d).exponential_(2.0, generator=g),
+    "random_": lambda d, g: torch.empty(300, device=d).random_(0, 9, generator=g),
+    "init.normal_": lambda d, g: torch.nn.init.normal_(torch.empty(30, 10, device=d), generator=g),
+    "init.uniform_": lambda d, g: torch.nn.init.uniform_(torch.empty(30, 10, device=d), generator=g),
+    "init.trunc_normal_": lambda d, g: torch.nn.init.trunc_normal_(torch.empty(30, 10, device=d),
+                                                                   generator=g),
+    "init.kaiming_uniform_": lambda d, g: torch.nn.init.kaiming_uniform_(
+        torch.empty(30, 10, device=d), generator=g),
+    "init.xavier_normal_": lambda d, g: torch.nn.init.xavier_normal_(
+        torch.empty(30, 10, device=d), generator=g),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GEN_DRAWS))
+def test_generator_is_honoured_by_random_ops(name):
+    """Two tpu generators with one seed give the same numbers; the generator advances; the
+    device's default generator is left alone; shape and dtype are CPU's."""
+    draw = GEN_DRAWS[name]
+    want = draw("cpu", torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    before = torch.tpu.get_rng_state()
+    g1, g2 = torch.Generator("tpu").manual_seed(5), torch.Generator("tpu").manual_seed(5)
+    a, b = draw(T, g1), draw(T, g2)
+    assert a.device.type == "tpu" and a.dtype == want.dtype and a.shape == want.shape
+    assert torch.equal(a.cpu(), b.cpu())
+    assert g1.get_offset() > 0 and not torch.equal(draw(T, g1).cpu(), a.cpu())
+    assert torch.equal(torch.tpu.get_rng_state(), before)
+    if name == "randperm":
+        assert torch.equal(a.cpu().sort().values, torch.arange(50))
+    if name == "randint":
+        assert a.min() >= -3 and a.max() <= 6
+
+
+def test_a_tpu_generator_draws_the_right_distribution():
+    g = torch.Generator("tpu").manual_seed(3)
+    x = torch.empty(20000, device=T).normal_(3.0, 2.0, generator=g).cpu()
+    moments(x, 3.0, 2.0)
+    x = torch.rand(20000, device=T, generator=g).cpu()
+    assert x.min() >= 0 and x.max() < 1
+    moments(x, 0.5, 1 / math.sqrt(12))
+    for seed in range(6):
+        if seed == 3:
+            deferfuse.reset_metrics()
+        torch.rand(100, device=T, generator=torch.Generator("tpu").manual_seed(seed)).cpu()
+    assert deferfuse.metrics()["compiles"] == 0     # a new generator is not a new program
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpoint_replays_dropout(reentrant):
+    """torch.utils.checkpoint saves the device's RNG state and restores it to recompute: the
+    gradients through a checkpointed dropout equal those without checkpointing, as on CPU."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    x = torch.randn(6, 8, requires_grad=reentrant)
+    for d in ("cpu", T):
+        md, xd = m.to(d), x.detach().to(d).requires_grad_(reentrant)
+        grads = []
+        for ck in (False, True):
+            md.zero_grad()
+            torch.manual_seed(0)
+            y = checkpoint(md, xd, use_reentrant=reentrant) if ck else md(xd)
+            y.sum().backward()
+            grads.append(md[0].weight.grad.cpu().clone())
+        assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[1]), d

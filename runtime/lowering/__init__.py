@@ -28,7 +28,7 @@ aten = torch.ops.aten
 class Lowering:
     fn: Callable
     static: bool = False     # Python numbers are baked in (the op needs concrete values)
-    rng: bool = False        # receives ``key=`` (a fresh PRNG key) and draws random numbers
+    rng: bool = False        # receives ``key=`` (its generator's (seed, offset): runtime/prng.py)
     meta: bool = False       # receives ``out=((shape, np_dtype), ...)`` from meta inference
 
 

@@ -1,4 +1,5 @@
-"""Random ops (``rng=True``: each call gets a fresh ``key`` threaded by the runtime).
+"""Random ops (``rng=True``: each call gets a ``key`` made from its generator's (seed, offset), NOTE
+[rng offsets] in runtime/prng.py; a lowering draws from it once, or splits it).
 
 In-place generators that overwrite ``self`` (normal_, uniform_, random_, ...) may receive
 ``self=None`` (the runtime does not read a tensor it overwrites whole), so they take their shape
