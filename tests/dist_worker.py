@@ -549,6 +549,8 @@ def scenario_p2p(mode, arg):
             error = str(e)
         assert "neither can post more" in error and "send float32[2] to" in error, error
     return {"error": error}
+
+
 def scenario_rng(mode, arg):
     """Parameters initialised through DTensor's random ops (its OffsetBasedRNGTracker moves the
     tpu generator's offset per shard) equal the same draws on one device with the same seed."""
