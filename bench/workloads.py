@@ -584,6 +584,42 @@ def _bptt(ctx, quick, arch):
                  info=dict(cfg, arch=arch))
 
 
+def wlm_lstm(ctx, quick):
+    """pytorch/examples' word_language_model training loop with its LSTM (issue 33's sizes at both
+    sizes: 1 layer, 64 wide, bptt 35, batch 20, vocabulary 1000): log_softmax and NLLLoss,
+    ``model.zero_grad()``, ``clip_grad_norm_(0.25)``, the manual ``p.data.add_(p.grad,
+    alpha=-lr)`` and ``loss.item()`` every batch. Step detection once cut it at the LSTM's time
+    steps (about 94 regions a batch): NOTE [outermost body] in scheduler/steps.py."""
+    if ctx.system in ("compile", "torchax_jit"):
+        raise NotApplicable(f"{ctx.system}: a training step with a carried state is not written")
+    vocab, d, T, batch = 1000, 64, 35, 20
+    torch.manual_seed(SEED)
+    model = _LSTMLM(vocab, d).to(ctx.device)
+    data = ctx.to(torch.randint(0, vocab, (T * 40 + 1, batch), generator=_gen(1)))
+    st = {"i": 0, "h": None, "loss": float("nan")}
+
+    def step():
+        i = st["i"]
+        if i + T + 1 > data.shape[0]:
+            i, st["h"] = 0, None
+        x, y = data[i:i + T], data[i + 1:i + 1 + T].reshape(-1)
+        model.zero_grad()
+        h = st["h"]
+        if h is not None:
+            h = tuple(z.detach() for z in h)
+        out, h = model(x, h)
+        loss = F.nll_loss(F.log_softmax(out, dim=-1).view(-1, vocab), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-20.0)
+        st["h"], st["i"] = h, i + T
+        st["loss"] = loss.item()
+
+    return Built(step=step, check=lambda: st["loss"], items=("tok", T * batch),
+                 info=dict(vocab=vocab, d=d, t=T, batch=batch))
+
+
 def bptt_lstm(ctx, quick):
     return _bptt(ctx, quick, "lstm")
 
@@ -934,6 +970,8 @@ WORKLOADS = {
                      desc="per-op overhead: µs per tiny op (recorded / dispatched)"),
     "bptt_lstm": dict(torch=bptt_lstm, jax=None, bound=None,
                       desc="truncated BPTT LSTM language model over slices of one token tensor"),
+    "wlm_lstm": dict(torch=wlm_lstm, jax=None, bound=None,
+                     desc="word_language_model's LSTM training loop (clip_grad_norm_, p.data.add_)"),
     "bptt_transformer": dict(torch=bptt_transformer, jax=None, bound=None,
                              desc="truncated BPTT Transformer LM over slices of one token tensor"),
     "gpt_generate_grow": dict(torch=gpt_generate_grow, jax=None, bound=None,
