@@ -13,6 +13,13 @@ outputs of that run that depend on the failing op become failed (NOTE [value sta
 one raises the error, naming the op and the line that recorded it; outputs of later runs that
 read a failed value fail with the same error. Every other value is correct. The error itself is
 raised at the sync that found it (or at the next one).
+
+A later run names what it read by its record and output position, never by the value: by the time
+a check is read, the values a later run read are often dead (a training step's backward pass and
+optimizer step read the forward pass's activations, which autograd drops, and the gradients, which
+``zero_grad`` drops), and a failure looked up on them was lost: the step's outputs were computed
+from the out-of-range lookup's NaN fill, and every later loss and parameter came back NaN. A read
+record keeps the positions that failed (``failed``, ``err``) and forgets its ``ups``.
 """
 from __future__ import annotations
 
@@ -52,10 +59,10 @@ def ext_dependents(wirings, failed_ext) -> set:
 
 class Checks:
     """One program run whose values are unchecked: its own flags (maybe none), the unchecked
-    values it read (``ups``: (external input index, weak ref, their record)), and what is needed
-    to fail the right outputs."""
-    __slots__ = ("flags", "msgs", "names", "srcs", "wirings", "outs", "out_sig", "ups", "done",
-                 "later")
+    values it read (``ups``: (external input index, their record, their position in its
+    ``outs``)), and what is needed to fail the right outputs."""
+    __slots__ = ("flags", "msgs", "names", "srcs", "wirings", "outs", "at", "out_sig", "ups",
+                 "done", "later", "failed", "err")
 
     def __init__(self, flags, msgs, nodes, wirings, outs, out_sig, ups, later):
         self.flags = flags
@@ -64,10 +71,13 @@ class Checks:
         self.srcs = [nodes[p].src for p, _, _ in msgs] if flags else ()
         self.wirings = wirings
         self.outs = [weakref.ref(v) for v in outs]
+        self.at = {id(v): k for k, v in enumerate(outs)}
         self.out_sig = out_sig
         self.ups = ups
         self.done = False
         self.later = later          # read at the next sync, not the one that ran it
+        self.failed = None          # once read: the positions in ``outs`` that failed
+        self.err = None             # and their error
 
 
 class CheckList:
@@ -87,7 +97,7 @@ class CheckList:
                 if c is not None and not c.done:
                     if ups is None:
                         ups = []
-                    ups.append((i, weakref.ref(v), c))
+                    ups.append((i, c, c.at[id(v)]))
         if not flags and ups is None:
             return
         rec = Checks(flags, msgs, nodes, wirings, outs, out_sig, ups, later)
@@ -109,11 +119,10 @@ class CheckList:
         bad = None
         if rec.ups:
             failed = {}
-            for i, r, c in rec.ups:
+            for i, c, k in rec.ups:
                 self.check(c)
-                v = r()
-                if v is not None and v.err is not None:
-                    failed[i] = v.err
+                if c.failed is not None and k in c.failed:
+                    failed[i] = c.err
             if failed:
                 bad = ext_dependents(rec.wirings, failed)
                 first = next(iter(failed.values()))
@@ -132,10 +141,13 @@ class CheckList:
                     bad |= dependents(rec.wirings, pos)
                 self.errors.append(own)
                 first = first or own
+        rec.ups = None      # read: forget the runs it read (a chain as long as the training run)
         if bad:
-            for r, (p, _) in zip(rec.outs, rec.out_sig):
-                v = r()
-                if v is not None and p in bad:
+            rec.failed = {k for k, (p, _) in enumerate(rec.out_sig) if p in bad}
+            rec.err = first
+            for k in rec.failed:
+                v = rec.outs[k]()
+                if v is not None:
                     v.fail(first)
 
     def check_all(self, later: bool) -> None:
