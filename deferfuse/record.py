@@ -202,7 +202,8 @@ class Trace:
                 self.cut, self.cut_body, self.cut_wait = "loop boundary", self.cut_wait, None
             else:
                 self.check_at *= 2
-                if config.step_detection and not self.engine.bodies.outer.within(pos) and \
+                if config.step_detection and \
+                        not self.engine.bodies.outer.within(pos, nodes[0].key.ohash) and \
                         self._find_body(align=True):
                     self.cut = "loop boundary"
         return outs
@@ -335,7 +336,7 @@ class Trace:
                 and want.node.trace is self and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
         outer = self.engine.bodies.outer
-        whole = outer.within(len(nodes))
+        whole = outer.within(len(nodes), nodes[0].key.ohash)
         if config.step_detection and reason not in ASYNC_CUTS and not whole:
             if len(nodes) >= steps.LOOP_SPLIT_MIN_OPS:
                 # A sync after many repetitions of a loop body (a loop that logs every N steps):
@@ -344,7 +345,8 @@ class Trace:
             elif self.after is not None:
                 self._rephase()
         if config.step_detection:
-            forget = outer.trace_ended(len(nodes), self.h, reason not in ASYNC_CUTS)
+            forget = outer.trace_ended(len(nodes), self.h, reason not in ASYNC_CUTS,
+                                       nodes[0].key.ohash)
             if forget:
                 self.engine.bodies.known.difference_update(forget)
         fl = Flush(nodes, self.ext, self.ext_uses, self.scalars, self.h, outs, partner, want,

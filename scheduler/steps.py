@@ -113,11 +113,12 @@ class OuterLoop:
     structure, sizes included, as an interval seen recently. Where that interval is at most
     ``OUTER_MAX_OPS`` ops and was cut or could be split by an inner loop, the outer loop is the
     body: the inner bodies that cut it are never cut at again (unless they also cut a longer
-    interval: a short one may be the piece of a long loop between two syncs), and from then on an interval of at
-    most ``OUTER_MAX_OPS`` ops is neither searched for inner bodies nor split at them (it runs as
-    its traces: forward, backward and step), until an interval longer than that ends. Longer
-    intervals are searched as before (a loop that syncs every hundred steps, XLA's compile time of
-    a long program: NOTE [loop split]).
+    interval: a short one may be the piece of a long loop between two syncs), and from then on an
+    interval of at most ``OUTER_MAX_OPS`` ops that begins with the same op (the *head*: another
+    loop of the program starts elsewhere) is neither searched for inner bodies nor split at them
+    (it runs as its traces: forward, backward and step), until an interval with that head grows
+    longer. Longer intervals are searched as before (a loop that syncs every hundred steps, XLA's
+    compile time of a long program: NOTE [loop split]).
 
     Pure bookkeeping on counts and hashes: the recorder tells it where traces end and which body
     ended one; it answers whether a trace is within an outer body, and which bodies to forget."""
@@ -129,15 +130,23 @@ class OuterLoop:
         self.recent: list = []      # the last ``recent`` intervals' signatures
         self.nrecent = recent
         self.capacity = capacity
-        self.quiet = False          # an outer loop was found: short intervals run whole
+        self.heads: set = set()     # first op of each outer loop's body found: its intervals run whole
+        self.head = None            # first op of this interval
         self.suppressed: set = set()    # inner bodies never cut at again
         self.long: set = set()      # bodies that cut an interval longer than OUTER_MAX_OPS
         self.origin: dict = {}      # a body seen from a sync partway into it -> the body
         self.found = 0              # intervals that made inner bodies suppressed
 
-    def within(self, n: int) -> bool:
-        """Whether a trace of ``n`` ops, ending now, is within an outer loop's body."""
-        return self.quiet and self.ops + n <= OUTER_MAX_OPS
+    @property
+    def quiet(self) -> bool:
+        return bool(self.heads)
+
+    def within(self, n: int, head) -> bool:
+        """Whether a trace of ``n`` ops whose first op has structure ``head``, ending now, is
+        within an outer loop's body."""
+        if not self.traces:
+            self.head = head
+        return self.head in self.heads and self.ops + n <= OUTER_MAX_OPS
 
     def cut_by(self, body) -> None:
         self.inner.add(body)
@@ -148,9 +157,11 @@ class OuterLoop:
             self.origin.clear()
         self.origin[rot] = self.origin.get(body, body)
 
-    def trace_ended(self, n: int, h: int, sync: bool) -> set:
+    def trace_ended(self, n: int, h: int, sync: bool, head=None) -> set:
         """A trace of ``n`` ops with structure hash ``h`` ended (``sync``: at a sync that reads
         values, ending the interval). Returns the bodies to forget now (often none)."""
+        if not self.traces:
+            self.head = head
         self.traces.append((n, h))
         self.ops += n
         if not sync:
@@ -159,7 +170,7 @@ class OuterLoop:
         self.traces, self.ops, self.inner = [], 0, set()
         forget = set()
         if ops > OUTER_MAX_OPS:
-            self.quiet = False      # the program moved on to longer intervals: search them
+            self.heads.discard(self.head)   # the loop moved on to longer intervals: search them
             if len(self.long) + len(inner) > self.capacity:
                 self.long.clear()
             self.long |= inner      # bodies of long loops (a short interval may be a piece of one)
@@ -167,9 +178,11 @@ class OuterLoop:
             origin = self.origin.get
             forget = {b for b in inner - self.suppressed - self.long if origin(b) not in self.long}
             if forget or (not inner and max(k for k, _ in sig) >= LOOP_SPLIT_MIN_OPS):
-                if forget or not self.quiet:
+                if forget or self.head not in self.heads:
                     self.found += 1
-                self.quiet = True
+                if len(self.heads) >= self.capacity:
+                    self.heads.clear()
+                self.heads.add(self.head)
                 if len(self.suppressed) + len(forget) > self.capacity:
                     self.suppressed.clear()
                 self.suppressed |= forget

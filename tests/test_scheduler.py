@@ -161,23 +161,27 @@ def test_pieces_plan_renumbers_and_finds_what_crosses():
 
 def test_outer_loop_forgets_inner_bodies_once_the_interval_repeats():
     # NOTE [outermost body]: an interval (traces from one sync to the next) seen again, cut by an
-    # inner body and short enough, makes that body forgotten and later short intervals whole.
+    # inner body and short enough, makes that body forgotten and later short intervals with the
+    # same first op whole.
     o = steps.OuterLoop()
     forget = set()
     for _ in range(2):
-        assert not o.within(10)
+        assert not o.within(10, "embedding")
         o.cut_by("time step")
-        o.trace_ended(200, 1, False)
-        forget |= o.trace_ended(277, 2, True)
+        o.trace_ended(200, 1, False, "embedding")
+        forget |= o.trace_ended(277, 2, True, "mm")
     assert forget == {"time step"} and o.suppressed == {"time step"} and o.found == 1
-    assert o.within(steps.OUTER_MAX_OPS) and not o.within(steps.OUTER_MAX_OPS + 1)
+    assert o.within(steps.OUTER_MAX_OPS, "embedding")
+    assert not o.within(steps.OUTER_MAX_OPS + 1, "embedding")
+    assert not o.within(10, "linear")           # another loop: searched as before
     # A longer interval ends: long intervals are searched again, and a body that cut one is a
     # long loop's body, never forgotten for a short interval that is a piece of it.
     o.cut_by("long body")
-    assert o.trace_ended(steps.OUTER_MAX_OPS + 1, 3, True) == set() and not o.within(1)
+    assert o.trace_ended(steps.OUTER_MAX_OPS + 1, 3, True, "embedding") == set()
+    assert not o.within(1, "embedding")
     for _ in range(3):
         o.cut_by("long body")
-        assert o.trace_ended(100, 4, True) == set()
+        assert o.trace_ended(100, 4, True, "tanh") == set()
     assert "long body" not in o.suppressed
 
 
@@ -185,8 +189,8 @@ def test_outer_loop_needs_a_repeat_and_a_short_interval():
     o = steps.OuterLoop()
     for h in range(6):                      # every interval new: no outer loop
         o.cut_by("b")
-        assert o.trace_ended(300, h, True) == set()
+        assert o.trace_ended(300, h, True, "x") == set()
     for _ in range(3):                      # repeats, but longer than an outer body may be
         o.cut_by("c")
-        assert o.trace_ended(steps.OUTER_MAX_OPS + 5, 9, True) == set()
+        assert o.trace_ended(steps.OUTER_MAX_OPS + 5, 9, True, "x") == set()
     assert not o.quiet and o.found == 0
