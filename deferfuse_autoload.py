@@ -186,6 +186,31 @@ def _is_tpu(device) -> bool:
     return False
 
 
+def _native_guard_and_hooks():
+    """PyTorch's Python device guard and hooks, with methods that run no Python bytecode.
+
+    C++ calls them from noexcept code (a device guard's destructor, while a tensor is freed), and
+    a Python method runs the signal handlers pending at its first bytecode: a KeyboardInterrupt
+    raised there aborted the interpreter ("terminate called without an active exception"). A
+    built-in callable (``itertools.repeat(v).__next__``) runs none (NOTE [interrupt safety] in
+    runtime/interrupts.py)."""
+    import functools
+    import itertools
+    import operator
+    kind = torch._C._autograd.DeviceType.PrivateUse1
+    true = itertools.repeat(True).__next__
+
+    class DeviceGuard(torch._C._acc.DeviceGuard):
+        type_ = itertools.repeat(kind).__next__
+
+    class Hooks(torch._C._acc.PrivateUse1Hooks):
+        is_available = true
+        is_built = true
+        has_primary_context = functools.partial(operator.is_not, None)   # (dev_id) -> True
+
+    return DeviceGuard(), Hooks()
+
+
 def register() -> types.ModuleType:
     """The cheap registration (idempotent); returns the ``torch.tpu`` module object."""
     if LOADER.registered:
@@ -201,7 +226,9 @@ def register() -> types.ModuleType:
     module.is_available = lambda: True      # JAX always has a device (its CPU backend at least)
     module._is_in_bad_fork = lambda: False
     # NOTE: the order matters (rename, methods, module, hooks, guard); PyTorch's helper has it.
-    _setup_privateuseone_for_python_backend(NAME, backend_module=module)
+    guard, hooks = _native_guard_and_hooks()
+    _setup_privateuseone_for_python_backend(NAME, backend_module=module, hook=hooks,
+                                            device_guard=guard)
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(_fallback, "PrivateUse1", with_keyset=True)
     acc = torch.accelerator

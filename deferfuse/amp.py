@@ -168,6 +168,8 @@ def register() -> None:
     _libs.append(lib)
     aten_lib = torch.library.Library("aten", "IMPL")
     _libs.append(aten_lib)
+    from .engine import engine
+    held = engine.interrupts.around     # NOTE [interrupt safety] (runtime/interrupts.py)
     for name, policy in policy_table().items():
         op = _resolve(name)
         if op is None:
@@ -178,6 +180,6 @@ def register() -> None:
         elif policy == "banned":
             policy = BANNED[name]
         try:
-            aten_lib.impl(name, _kernel(op, policy, target), _KEY)
+            aten_lib.impl(name, held(_kernel(op, policy, target)), _KEY)
         except RuntimeError:
             pass    # already has a kernel for this key on this torch version

@@ -134,4 +134,6 @@ DECOMPOSITIONS = {aten._native_multi_head_attention.default: native_mha,
 def register() -> None:
     global _lib
     _lib = torch.library.Library("aten", "IMPL")
-    _lib.impl("scaled_dot_product_attention", sdpa, "AutogradPrivateUse1")
+    from .engine import engine
+    # NOTE [interrupt safety] (runtime/interrupts.py)
+    _lib.impl("scaled_dot_product_attention", engine.interrupts.around(sdpa), "AutogradPrivateUse1")

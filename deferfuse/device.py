@@ -274,6 +274,13 @@ def _wrap_autograd() -> None:
         def fn(*args, **kwargs):
             if torch.compiler.is_compiling():
                 return orig(*args, **kwargs)
+            # Held until backward() returns: a handler's exception inside the autograd engine
+            # aborted the interpreter (NOTE [interrupt safety] in runtime/interrupts.py).
+            engine.interrupts.install()
+            with engine.interrupts:
+                return run(*args, **kwargs)
+
+        def run(*args, **kwargs):
             ts = engine.state
             roots = args[0] if args else kwargs.get(first)
             if (ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots)
@@ -380,18 +387,20 @@ def register() -> None:
 
     # Factories with device="tpu" and no tpu tensor argument reach the PrivateUse1 key directly
     # (no Python dispatch): give those kernels.
+    # Each held: NOTE [interrupt safety] (runtime/interrupts.py).
+    held = engine.interrupts.around
     _lib = torch.library.Library("aten", "IMPL")
-    _lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
-    _lib.impl("empty_strided", empty_strided, "PrivateUse1")
-    _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _h_copy_from(None, (src, dst), {}),
-              "PrivateUse1")
-    _lib.impl("_copy_from_and_resize", lambda src, dst: _h_copy_from(None, (src, dst), {}),
+    _lib.impl("empty.memory_format", held(empty_memory_format), "PrivateUse1")
+    _lib.impl("empty_strided", held(empty_strided), "PrivateUse1")
+    _lib.impl("_copy_from", held(lambda src, dst, non_blocking=False:
+                                 _h_copy_from(None, (src, dst), {})), "PrivateUse1")
+    _lib.impl("_copy_from_and_resize", held(lambda src, dst: _h_copy_from(None, (src, dst), {})),
               "PrivateUse1")
     # one_hot is composite: without a backend kernel PyTorch decomposes it above Python dispatch,
     # skipping its range check on PrivateUse1. This kernel is never called (tpu tensors reach
     # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).
     _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
-    _lib.impl("ctc_loss.Tensor", _ctc_loss_cpu_lengths, "AutogradPrivateUse1")
+    _lib.impl("ctc_loss.Tensor", held(_ctc_loss_cpu_lengths), "AutogradPrivateUse1")
     _lib.impl("_pin_memory", _pin_memory, "CPU")
     # Lowered factories (no tensor argument) run as ops of their own, never through the
     # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.

@@ -67,6 +67,8 @@ class Engine:
         # user Tensor subclass -> its tpu class (NOTE [tpu subclasses]): one per class
         self.subclasses = weakref.WeakKeyDictionary()
         self.runner = Runner(config.max_regions)
+        self.interrupts = self.runner.interrupts     # NOTE [interrupt safety]
+        self.interrupts.install()
         # Per-op programs and view reads are dropped with the regions (NOTE [JIT mappings]).
         self.runner.also_evict = (self.ops.clear, execute.view_jits.clear)
         self.bodies = Bodies()
@@ -108,7 +110,8 @@ class Engine:
         value computed before the trace, so the host waits for none of it, and its index checks
         are read at the next sync."""
         trace = self.local.ts.trace
-        with self.lock:
+        self.interrupts.install()       # a handler set since the last sync (NOTE [interrupt safety])
+        with self.interrupts, self.lock:
             if trace.nodes:
                 src = self.sources.site(sys._getframe(1))
                 stats.S["syncs"][reason] += 1
@@ -136,7 +139,7 @@ class Engine:
         values that depend on it failed (NOTE [value states]) and every other value is computed;
         the error is raised once everything ran. An interrupt (Ctrl-C) stops the flush: what did
         not run is recorded again, so the next sync runs it."""
-        with self.lock:
+        with self.interrupts, self.lock:
             fl = trace.take(reason, want)
             if fl is None:
                 return

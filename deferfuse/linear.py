@@ -116,4 +116,6 @@ def linear(input, weight, bias=None):
 def register() -> None:
     global _lib
     _lib = torch.library.Library("aten", "IMPL")
-    _lib.impl("linear", linear, "AutogradPrivateUse1")
+    from .engine import engine
+    # NOTE [interrupt safety] (runtime/interrupts.py)
+    _lib.impl("linear", engine.interrupts.around(linear), "AutogradPrivateUse1")

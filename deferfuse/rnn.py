@@ -379,13 +379,15 @@ def gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
 
 def register() -> None:
     global _lib
+    from .engine import engine
+    held = engine.interrupts.around     # NOTE [interrupt safety] (runtime/interrupts.py)
     _lib = torch.library.Library("aten", "IMPL")
     key = "AutogradPrivateUse1"
-    _lib.impl("lstm.input", lstm_input, key)
-    _lib.impl("lstm.data", lstm_data, key)
+    _lib.impl("lstm.input", held(lstm_input), key)
+    _lib.impl("lstm.data", held(lstm_data), key)
     for name, cell in (("gru", _gru_cell), ("rnn_tanh", _tanh_cell), ("rnn_relu", _relu_cell)):
         inp, data = _one_hidden(name, cell)
-        _lib.impl(f"{name}.input", inp, key)
-        _lib.impl(f"{name}.data", data, key)
-    _lib.impl("lstm_cell", lstm_cell, key)
-    _lib.impl("gru_cell", gru_cell, key)
+        _lib.impl(f"{name}.input", held(inp), key)
+        _lib.impl(f"{name}.data", held(data), key)
+    _lib.impl("lstm_cell", held(lstm_cell), key)
+    _lib.impl("gru_cell", held(gru_cell), key)

@@ -5,6 +5,8 @@ Imported once, by device registration; it makes ``TpuTensor.__torch_dispatch__``
 """
 from __future__ import annotations
 
+import _thread
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -18,56 +20,68 @@ from .tensor import TpuTensor
 from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
 
+_held = engine.interrupts
+_get_ident = _thread.get_ident
 _routes = engine.routes     # id(OpOverload) -> (handler(func, info, args, kwargs), OpInfo, op)
 _mode = torch._C._get_dispatch_mode
 
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
-    """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper)."""
-    if cls is not TpuTensor and cls is not None:
-        return subclass.run(torch_dispatch, func, types, args, kwargs)  # NOTE [tpu subclasses]
-    # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The route
-    # keeps the OpOverload alive, so its id is never reused.
-    r = _routes.get(id(func))
-    if r is None:
-        r = _routes[id(func)] = _route(func)
-    kwargs = kwargs or {}
-    if _mode(FAKE) is not None:
-        return traced_dispatch(func, args, kwargs)   # NOTE [inner tensor] (traceable.py)
+    """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper).
+    A signal that arrives meanwhile is handled when it returns (NOTE [interrupt safety])."""
+    main = _get_ident() == _held.main
+    if main:
+        _held.depth += 1
     try:
-        return r[0](func, r[1], args, kwargs)
-    except ForeignSubclass:
-        return NotImplemented
-    except OtherDevice as d:
+        if cls is not TpuTensor and cls is not None:
+            return subclass.run(torch_dispatch, func, types, args, kwargs)  # NOTE [tpu subclasses]
+        # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The route
+        # keeps the OpOverload alive, so its id is never reused.
+        r = _routes.get(id(func))
+        if r is None:
+            r = _routes[id(func)] = _route(func)
+        kwargs = kwargs or {}
+        if _mode(FAKE) is not None:
+            return traced_dispatch(func, args, kwargs)   # NOTE [inner tensor] (traceable.py)
         try:
-            return _on_other_device(func, r, args, kwargs, d)
+            return r[0](func, r[1], args, kwargs)
+        except ForeignSubclass:
+            return NotImplemented
+        except OtherDevice as d:
+            try:
+                return _on_other_device(func, r, args, kwargs, d)
+            except BaseException as e:
+                err = e
+        except Fallback as f:
+            try:
+                return fallback(func, r[1], args, kwargs, f.why)
+            except BaseException as e:
+                err = e
+        except AttributeError as e:
+            if _traced(args, kwargs):
+                # A tensor being traced reached the eager path with no fake mode on (Dynamo
+                # replaying a view on a fake base): NOTE [inner tensor] (traceable.py).
+                return traced_dispatch(func, args, kwargs)
+            err = e
         except BaseException as e:
             err = e
-    except Fallback as f:
-        try:
-            return fallback(func, r[1], args, kwargs, f.why)
-        except BaseException as e:
-            err = e
-    except AttributeError as e:
-        if _traced(args, kwargs):
-            # A tensor being traced reached the eager path with no fake mode on (Dynamo replaying
-            # a view on a fake base): NOTE [inner tensor] (traceable.py).
-            return traced_dispatch(func, args, kwargs)
-        err = e
-    except BaseException as e:
-        err = e
-    if torch._C._current_autograd_node() is None:
-        raise user_error(err)       # NOTE [user frames] (engine.py)
-    # NOTE [errors in backward]: a Python exception leaving __torch_dispatch__ inside the autograd
-    # engine is still pending when the engine's stream guard, unwinding, calls the Python device
-    # guard of PrivateUse1 (a noexcept call): the interpreter aborted ("terminate called without
-    # an active exception"), or run_backward returned a SystemError without a message.
-    # (NotImplemented does not help: PyTorch's "all handlers returned NotImplemented" is a Python
-    # exception too.) So the error is kept and the op returns an empty CPU tensor: the engine's
-    # own checks of it fail in C++, which unwinds safely, and backward() and autograd.grad
-    # (device.py) raise the kept error instead.
-    _local.ts.backward_errors.append(err)
-    return torch.empty(0)
+        if torch._C._current_autograd_node() is None:
+            raise user_error(err)       # NOTE [user frames] (engine.py)
+        # NOTE [errors in backward]: a Python exception leaving __torch_dispatch__ inside the
+        # autograd engine is still pending when the engine's stream guard, unwinding, calls the
+        # Python device guard of PrivateUse1 (a noexcept call): the interpreter aborted
+        # ("terminate called without an active exception"), or run_backward returned a
+        # SystemError without a message. (NotImplemented does not help: PyTorch's "all handlers
+        # returned NotImplemented" is a Python exception too.) So the error is kept and the op
+        # returns an empty CPU tensor: the engine's own checks of it fail in C++, which unwinds
+        # safely, and backward() and autograd.grad (device.py) raise the kept error instead.
+        _local.ts.backward_errors.append(err)
+        return torch.empty(0)
+    finally:
+        if main:
+            _held.depth -= 1
+            if not _held.depth and _held.held:
+                _held.deliver()
 
 
 def _traced(args, kwargs) -> bool:

@@ -5,8 +5,6 @@ Every call into JAX happens inside ``x64(True)`` so 64-bit dtypes are PyTorch's 
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 import time
 import warnings
 
@@ -144,38 +142,6 @@ def read_view(array, chain, dyn=()):
         j = view_jits[chain] = jax.jit(lambda a, d: apply_chain(a, chain, d))
     with x64(True):
         return j(array, tuple(dyn))
-
-
-class no_interrupt:
-    """NOTE [interrupt safety]: between handing a program its donated buffers and binding its
-    results, an exception would leave values neither pending nor ready. A KeyboardInterrupt
-    (Ctrl-C) that arrives there is held back until the results are bound (main thread only:
-    Python delivers signals there); everywhere else in a flush it stops the flush, and the ops
-    that did not run are recorded again (deferfuse/engine.py)."""
-    __slots__ = ("old", "hit")
-
-    def __enter__(self):
-        self.old = None
-        if threading.current_thread() is _MAIN:
-            try:
-                self.old = signal.signal(signal.SIGINT, self._hold)
-            except (ValueError, TypeError):     # not the main interpreter, or no handler
-                self.old = None
-        self.hit = False
-        return self
-
-    def _hold(self, *args):
-        self.hit = True
-
-    def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGINT, self.old)
-            if self.hit and exc[0] is None:
-                raise KeyboardInterrupt
-        return False
-
-
-_MAIN = threading.main_thread()
 
 
 # NOTE [packed scalars]: a region's Python scalars (learning rates, step counts, the constants of

@@ -16,6 +16,7 @@ from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
 from .errors import RegionError
+from .interrupts import Interrupts
 from .jitmaps import MapGuard
 from .regions import Region, explain_miss, raise_oom
 from ..scheduler import cut, memory, pieces, steps
@@ -120,6 +121,7 @@ class Runner:
         self.peak_seen = 0
         self.maps = MapGuard()              # NOTE [JIT mappings] (jitmaps.py)
         self.also_evict: tuple = ()         # the owner's caches of compiled programs (the engine's)
+        self.interrupts = Interrupts()      # NOTE [interrupt safety] (interrupts.py)
 
     def caches(self) -> list:
         return [self.structs, self.regions, self.churn, self.once, *self.buckets.caches()]
@@ -326,7 +328,7 @@ class Runner:
                 print(f"    {j:5d} {n.name} {run.wirings[j]} at {n.src}", file=sys.stderr)
         memory_stats.transient(reg.transient)
         outs = run.outs
-        with execute.no_interrupt():
+        with self.interrupts:
             try:
                 res, flags = execute.run_region(reg.compiled, don, keep, run.scalars,
                                                  ctx.fl.device)
@@ -484,7 +486,7 @@ class Runner:
             self._around(ctx, run, None, None)
             return
         outs = run.outs
-        with execute.no_interrupt():
+        with self.interrupts:
             try:
                 res, flags = self.buckets.execute(prog, hit, run, ctx.fl.device)
             except Exception as e:
