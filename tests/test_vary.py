@@ -369,7 +369,8 @@ def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
 @pytest.mark.modes("defer")
 def test_nanogpt_sampling_runs_in_buckets():
     """nanoGPT's ``generate`` (``x[:, [-1], :]``, top-k through a boolean-mask write, multinomial)
-    gives CPU's tokens and compiles per bucket, not per length (it compiled ~600 programs)."""
+    gives CPU's tokens and compiles per bucket, not per length (it compiled ~600 programs); its
+    second call compiles nothing."""
     torch.manual_seed(0)
     model = _TinyGPT().eval()
     x = torch.zeros((1, 1), dtype=torch.long)
@@ -381,6 +382,12 @@ def test_nanogpt_sampling_runs_in_buckets():
     m = deferfuse.metrics()
     assert not m["bucket_refusals"], m["bucket_refusals"]
     assert m["compiles"] + m["disk_cache_hits"] <= 12, m["miss_reasons"]
+    # The second call makes nothing: its outputs are listed in the order of the trace (they came
+    # in another order and compiled a bucket program again: NOTE [outputs in trace order]).
+    deferfuse.reset_metrics()
+    assert_same(model.sample(x.to("tpu"), 30), want)
+    m = deferfuse.metrics()
+    assert m["compiles"] + m["disk_cache_hits"] == 0, m["miss_reasons"]
 
 
 # ------------------------------------------------------------------ real loops, as users write them
