@@ -392,12 +392,20 @@ def test_nanogpt_sampling_runs_in_buckets():
 
 # ------------------------------------------------------------------ real loops, as users write them
 @pytest.mark.modes("defer")
-def test_hugging_face_dynamic_cache_generate_second_call_compiles_nothing():
+@pytest.mark.parametrize("cache", [None, "static", "static compiled"])
+def test_hugging_face_generate_second_call_compiles_nothing(cache):
     """HF ``generate()`` with the default dynamic cache (keys and values grow by one position per
-    token): CPU's greedy tokens, and the second identical call compiles nothing."""
+    token) and with the static cache, its decode step run as recorded or (``static compiled``,
+    transformers' default) through ``torch.compile``: CPU's greedy tokens, and the second
+    identical call compiles nothing (the compiled static cache's second call compiled one program
+    per length: the tokens' ``cat`` had no bucket, NOTE [bucket families] in
+    runtime/buckets.py)."""
     pytest.importorskip("transformers")
     import hf_matrix as hm
-    want = hm.cpu_generate("llama")
+    want = hm.cpu_generate("llama", cache and "static")
+    kw = hm._cache_kwargs(cache and "static")
+    if cache == "static compiled":
+        del kw["disable_compile"]
     model, batch = hm.cpu_reference("llama")[:2]
     tm = hm.to_tpu(model)
     tb = hm._dev(batch, "tpu")
@@ -405,7 +413,8 @@ def test_hugging_face_dynamic_cache_generate_second_call_compiles_nothing():
     for _ in range(2):
         deferfuse.reset_metrics()
         with torch.no_grad():
-            got = tm.generate(**hm._prompt(tb), **hm._gen_kwargs(do_sample=False))
+            got = tm.generate(**hm._prompt(tb), **hm._gen_kwargs(do_sample=False),
+                              **kw)
         assert_same(got, want, 0, 0)
         m = deferfuse.metrics()
         counts.append((m["compiles"], m["disk_cache_hits"]))
