@@ -87,6 +87,15 @@ class Bodies:
         self.outer.clear()
 
 
+def _trace_order(v):
+    """NOTE [outputs in trace order]: a trace's outputs (the values live tensors still hold) are
+    listed by the op that makes them, then the output's index. Their order is part of a region's
+    key and of a bucket program's key, and the order in which storages were registered is not the
+    same from one call of a loop to the next (a sampling loop's second call compiled a bucket
+    program again for the same outputs, listed the other way round)."""
+    return (v.node.pos, v.idx)
+
+
 class Trace:
     """One thread's pending ops (see the module docstring)."""
 
@@ -332,6 +341,10 @@ class Trace:
                 outs.append(v)
                 if st.prev:
                     partner[id(v)] = st.prev
+        # In the order of the trace, not of the storages: which storage registered first changes
+        # from call to call (a loop's tensors are freed and made again), and the order of the
+        # outputs is part of a program's key (NOTE [outputs in trace order]).
+        outs.sort(key=_trace_order)
         want = ((want.node.pos,) if want is not None and want.node is not None
                 and want.node.trace is self and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted

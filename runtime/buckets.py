@@ -859,28 +859,37 @@ class Buckets:
         return out, mask, skels, lens
 
     def note(self, struct, entries) -> None:
-        """An exact version of ``struct`` compiled: keep the first two that differ."""
-        vs = self.versions.get(struct)
-        if vs is not None and len(vs) >= 2:
-            return
+        """An exact version of ``struct`` compiled: keep the first two that differ.
+
+        NOTE [bucket families]: versions and plans are kept per structure *and skeleton* (what is
+        left of the ops' keys without their ints: views, dtypes, static arguments). Two sites of
+        one structure that differ in more than sizes (HF's ``generate()`` grows the attention
+        mask with ``cat([mask, new_ones(B, 1)])`` and the tokens with ``cat([ids,
+        next[:, None]])``: one op, the same wiring, one input a view) are two families; under one
+        key the first took the place and the second never had a bucket, so it ran op by op in a
+        loop's first call and compiled per length in its second."""
         ints, mask, skels, lens = self._ints(entries)
         if ints is None:
             return
+        fam = (struct, tuple(skels))
+        vs = self.versions.get(fam)
         if vs is None:
-            self.versions[struct] = [(ints, list(entries), lens, mask, skels)]
-        elif vs[0][0] != ints and vs[0][4] == skels:
+            self.versions[fam] = [(ints, list(entries), lens, mask, skels)]
+        elif len(vs) < 2 and vs[0][0] != ints:
             vs.append((ints, list(entries), lens, mask, skels))
 
     def find(self, struct, entries, wirings, stats):
         """(plan, length) to run this version of ``struct`` in a bucket, or None."""
-        plan = self.plans.get(struct)
-        ints = None
+        ints, mask, skels, lens = self._ints(entries)
+        if ints is None:
+            return None
+        fam = (struct, tuple(skels))
+        plan = self.plans.get(fam)
         if plan is None:
-            vs = self.versions.get(struct)
+            vs = self.versions.get(fam)
             if vs is None:
                 return None
-            ints, mask, skels, lens = self._ints(entries)
-            if ints is None or skels != vs[0][4] or mask != vs[0][3] or ints == vs[0][0]:
+            if mask != vs[0][3] or ints == vs[0][0]:
                 return None
             # Two versions give the forms (each is exact on them; a later version that does not
             # follow them compiles exactly: bucket_misfits), a third checks them.
@@ -896,14 +905,10 @@ class Buckets:
             except Exception as e:      # a view or rule this code did not foresee: no buckets
                 plan = f"{type(e).__name__}: {e}"
                 stats["bucket_refusals"][plan] += 1
-            self.plans[struct] = plan
+            self.plans[fam] = plan
         if plan.__class__ is str:
             return None
-        if ints is None:
-            ints, mask, skels, _ = self._ints(entries)
-            if skels != plan.fit.skels:
-                ints = None
-        t = plan.fit.value(ints) if ints is not None else None
+        t = plan.fit.value(ints)
         if t is None:
             stats["bucket_misfits"] += 1
             return None

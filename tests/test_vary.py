@@ -369,7 +369,8 @@ def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
 @pytest.mark.modes("defer")
 def test_nanogpt_sampling_runs_in_buckets():
     """nanoGPT's ``generate`` (``x[:, [-1], :]``, top-k through a boolean-mask write, multinomial)
-    gives CPU's tokens and compiles per bucket, not per length (it compiled ~600 programs)."""
+    gives CPU's tokens and compiles per bucket, not per length (it compiled ~600 programs); its
+    second call compiles nothing."""
     torch.manual_seed(0)
     model = _TinyGPT().eval()
     x = torch.zeros((1, 1), dtype=torch.long)
@@ -381,16 +382,30 @@ def test_nanogpt_sampling_runs_in_buckets():
     m = deferfuse.metrics()
     assert not m["bucket_refusals"], m["bucket_refusals"]
     assert m["compiles"] + m["disk_cache_hits"] <= 12, m["miss_reasons"]
+    # The second call makes nothing: its outputs are listed in the order of the trace (they came
+    # in another order and compiled a bucket program again: NOTE [outputs in trace order]).
+    deferfuse.reset_metrics()
+    assert_same(model.sample(x.to("tpu"), 30), want)
+    m = deferfuse.metrics()
+    assert m["compiles"] + m["disk_cache_hits"] == 0, m["miss_reasons"]
 
 
 # ------------------------------------------------------------------ real loops, as users write them
 @pytest.mark.modes("defer")
-def test_hugging_face_dynamic_cache_generate_second_call_compiles_nothing():
+@pytest.mark.parametrize("cache", [None, "static", "static compiled"])
+def test_hugging_face_generate_second_call_compiles_nothing(cache):
     """HF ``generate()`` with the default dynamic cache (keys and values grow by one position per
-    token): CPU's greedy tokens, and the second identical call compiles nothing."""
+    token) and with the static cache, its decode step run as recorded or (``static compiled``,
+    transformers' default) through ``torch.compile``: CPU's greedy tokens, and the second
+    identical call compiles nothing (the compiled static cache's second call compiled one program
+    per length: the tokens' ``cat`` had no bucket, NOTE [bucket families] in
+    runtime/buckets.py)."""
     pytest.importorskip("transformers")
     import hf_matrix as hm
-    want = hm.cpu_generate("llama")
+    want = hm.cpu_generate("llama", cache and "static")
+    kw = hm._cache_kwargs(cache and "static")
+    if cache == "static compiled":
+        del kw["disable_compile"]
     model, batch = hm.cpu_reference("llama")[:2]
     tm = hm.to_tpu(model)
     tb = hm._dev(batch, "tpu")
@@ -398,7 +413,8 @@ def test_hugging_face_dynamic_cache_generate_second_call_compiles_nothing():
     for _ in range(2):
         deferfuse.reset_metrics()
         with torch.no_grad():
-            got = tm.generate(**hm._prompt(tb), **hm._gen_kwargs(do_sample=False))
+            got = tm.generate(**hm._prompt(tb), **hm._gen_kwargs(do_sample=False),
+                              **kw)
         assert_same(got, want, 0, 0)
         m = deferfuse.metrics()
         counts.append((m["compiles"], m["disk_cache_hits"]))
