@@ -191,6 +191,7 @@ dist.destroy_process_group()
 
 
 @once
+@pytest.mark.slow_params("tpu_dist", "default")     # the same registration as "tpu": slow
 @pytest.mark.parametrize("spelling", ["tpu", "tpu_dist", "default"])
 def test_torchrun_without_import_deferfuse(tmp_path, spelling):
     """init_process_group("tpu"), ("tpu_dist") and () in a script that never imports deferfuse,
@@ -200,6 +201,7 @@ def test_torchrun_without_import_deferfuse(tmp_path, spelling):
 
 
 @once
+@pytest.mark.slow_params("tcp")
 @pytest.mark.parametrize("how", ["ray", "tcp"])
 def test_rank_given_to_init_process_group(tmp_path, how):
     """Launchers that give the rank and size to init_process_group rather than in RANK and
@@ -261,6 +263,7 @@ print(f"STILL-RUNNING {r}", flush=True)
 
 
 @once
+@pytest.mark.slow_params("handler")
 @pytest.mark.parametrize("how,sig", [("default", "SIGTERM"), ("handler", "SIGTERM"),
                                      pytest.param("default", "SIGINT", marks=pytest.mark.slow)])
 def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):

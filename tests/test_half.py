@@ -127,6 +127,7 @@ def test_addr_cross_bilinear(dt):
     _same(F.bilinear, x1, x2, w, bias, dt=dt)
 
 
+@pytest.mark.slow_params("fp16")       # the kernels of bf16 with another rounding: slow
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 def test_grid_sample(dt, mode):
     """CPU samples half-precision grids in the dtype, step by step (a coordinate can land on
@@ -504,6 +505,7 @@ def test_recurrent_layers_as_cpu(dt, kind):
 
 @pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
+@pytest.mark.slow_params("fp16")
 def test_lstm_without_autograd_as_cpu(dt):
     """Without autograd CPU runs oneDNN's LSTM in float16 too (where the processor has it)."""
     torch.manual_seed(0)

@@ -745,6 +745,8 @@ def _check_grid_sample(x, grid, mode, padding, align):
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
 
 
+# Strict mode runs the same lowerings op by op (its compiles make it the slow half): slow.
+@pytest.mark.slow_params("strict")
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 @pytest.mark.parametrize("padding,align", [("zeros", False), ("border", True), ("reflection", False),
                                            ("reflection", True)])
@@ -756,6 +758,7 @@ def test_grid_sample_gradients(mode, padding, align):
                        align)
 
 
+@pytest.mark.slow_params("strict")
 @pytest.mark.parametrize("mode", ["bilinear", "nearest"])
 @pytest.mark.parametrize("padding,align", [("zeros", False), ("border", True), ("reflection", False)])
 def test_grid_sample_3d(mode, padding, align):
