@@ -34,8 +34,14 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
   reductions and layer norms over other dims;
 - matrix products with padded dims contracted: both operands masked to 0 there;
 - fused attention with padded keys: a key mask added (and the values masked to 0);
-- embeddings and index_select/gather with padded indices: the indices masked to 0 (so a padded
-  index never trips the index check);
+- embeddings, ``gather`` and ``index_select`` with padded indices: the indices masked to 0 (so a
+  padded index never trips the index check); ``gather``/``index_select`` along a padded dim: the
+  indices checked against the dim's exact length (CPU's error and message; negative indices are
+  out of range for them, as on CPU);
+- ``topk`` over other dims (elementwise in the padded ones) and along a padded dim: the padding
+  filled with what is never selected (-inf, or the least integer, for the largest; NaN, which
+  sorts last after any valid NaN, or the greatest integer, for the smallest) and ``k`` checked
+  against the exact length;
 - advanced indexing (``x[:, [-1]]``, ``x[i, j]``) with integer index tensors: padded index
   entries masked to 0, and an index into a padded dim checked against the exact length and
   wrapped by it (``-1`` is the last valid position; an out-of-range index raises CPU's error
@@ -58,7 +64,7 @@ from jax import lax
 
 from ..scheduler.records import sig_id
 from .dtypes import to_np_dtype, x64
-from .lowering import aten, check_index_sized
+from .lowering import aten, check, check_index_sized
 from .node import CS, SS, TS, _fill
 from .viewchain import DSELECT, DSLICE, DSTRIDED, DYNAMIC, apply_chain, apply_step
 
@@ -102,8 +108,10 @@ _PRODUCTS = {aten.mm.default: ((0, 1), (1, 0)), aten.addmm.default: ((1, 1), (2,
 _SDPA = getattr(getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default",
                 None)
 # index ops: op -> (input holding indices, input indexed, the dim it is indexed along or None)
-_INDEXED = {aten.embedding.default: (1, 0, 0), aten.index_select.default: (2, 0, "arg1"),
-            aten.gather.default: (2, 0, "arg1")}
+_INDEXED = {aten.embedding.default: (1, 0, 0)}
+# ops taking indices along a dim (input 0 indexed by input 1 along the dim, argument 1)
+_ALONG = {aten.gather.default, aten.index_select.default}
+_TOPK = aten.topk.default
 _INDEX = aten.index.Tensor
 _LAYER_NORM = aten.native_layer_norm.default
 _CAT = aten.cat.default
@@ -516,6 +524,16 @@ def plan_node(entry, forms) -> NodePlan:
             n.rule, n.extra = "index", ii
     elif func is _INDEX:
         n.rule, n.extra = "advanced", _plan_index(n, ins, targs, name)
+    elif func in _ALONG:
+        n.rule, n.extra = "along", _plan_along(n, func, targs, tkw, name)
+    elif func is _TOPK:
+        fx = n.in_forms[0]
+        d = _arg(targs, tkw, 2, "dim")
+        d = (-1 if d is None else d) % max(len(fx), 1)
+        if fx and fx[d][0]:
+            k = _arg(targs, tkw, 1, "k")
+            largest = _arg(targs, tkw, 3, "largest")
+            n.rule, n.extra = "topk", (d, fx[d], k, True if largest is None else bool(largest))
     elif func is _CAT:
         fo = n.out_forms[0]
         d = (_arg(targs, tkw, 1, "dim") or 0) % len(fo)
@@ -554,6 +572,30 @@ def _plan_index(n: NodePlan, ins, targs, name):
         seen[i] = d
         k += 1
     return tuple(masks), tuple(wraps)
+
+
+def _plan_along(n: NodePlan, func, targs, tkw, name):
+    """``gather`` and ``index_select`` (input 0 indexed by input 1 along ``dim``): the index's
+    padded positions masked to 0; an index along a padded dim checked against the dim's exact
+    length (negative indices are out of range for these ops, as on CPU) with CPU's error.
+    Returns (mask the index?, the form of the dim indexed if padded, exception, message)."""
+    fx, fi = n.in_forms[0], n.in_forms[1]
+    nd = len(fx)
+    d = (_arg(targs, tkw, 1, "dim") or 0) % max(nd, 1)
+    if func is aten.gather.default:
+        if len(fi) != nd:
+            raise Refused(f"{name} with an index of another rank")
+        for j in range(nd):
+            if j != d and fi[j][0] and not (fi[j][0] <= fx[j][0] and fi[j][1] <= fx[j][1]):
+                raise Refused(f"{name}: an index padded along a dim its input is not")
+        exc, msg = RuntimeError, f"index {{index}} is out of bounds for dimension {d} with size " \
+            "{size}"
+    elif nd > 1 and d == 1:
+        exc, msg = RuntimeError, "INDICES element is out of DATA bounds, id={index} axis_dim={size}"
+    else:
+        exc, msg = IndexError, "index out of range in self"
+    wrap = fx[d] if nd and fx[d][0] else None
+    return _padded(fi), wrap, exc, msg
 
 
 # --------------------------------------------------------------------------- the padded program
@@ -628,6 +670,27 @@ class NodeFn:
                                   "{size}")
                 ix = jnp.where(ix < 0, ix + ext.astype(ix.dtype), ix)
                 vals[i] = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
+        elif rule == "along":
+            mask, wrap, exc, msg = p.extra
+            ix = vals[1]
+            if mask:
+                ix = _mask_dims(ix, range(ix.ndim), p.in_forms[1], jnp.zeros((), ix.dtype), t)
+            if wrap is not None:
+                ext = jnp.asarray(wrap[0] * t + wrap[1])
+                check_index_sized(ix, ext, exc, msg, allow_negative=False)
+                ix = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
+            vals[1] = ix
+        elif rule == "topk":
+            d, form, k, largest = p.extra
+            x = vals[0]
+            # padding is never selected: the smallest value for largest (ties go to the lower,
+            # valid, index), NaN for smallest (sorted last, after any valid NaN)
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                fill = jnp.asarray(-jnp.inf if largest else jnp.nan, x.dtype)
+            else:
+                fill = _identity("-inf" if largest else "+inf", x.dtype)
+            vals[0] = _mask_dims(x, (d,), p.in_forms[0], fill, t)
+            check(form[0] * t + form[1] < k, RuntimeError, "selected index k out of range")
         elif rule == "reduce":
             pdims, ident, dims = p.extra
             x = vals[0]
