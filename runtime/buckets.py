@@ -48,8 +48,13 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
   naming the exact size);
 - ``cat`` along a padded dim: each input written at its exact offset into the padded output.
 
-Ops that write a padded tensor in place, random ops with padded outputs and everything not listed
-refuse the region. Where a region is refused, its shapes go on compiling as before (shape churn:
+- in-place writes that are elementwise, to a whole tensor (not a view of one): in-place pointwise
+  ops (``masked_fill_``, ``add_``) and ``x[mask] = v`` (``index_put_`` with one boolean mask over
+  leading dims and one value: nanoGPT's ``logits[logits < v[:, [-1]]] = -inf``); what they write
+  into the padding stays padding.
+
+Other in-place writes (to a view, ``index_copy_``, a mask's count of values), random ops with
+padded outputs and everything not listed refuse the region. Where a region is refused, its shapes go on compiling as before (shape churn:
 runtime/flush.py). Programs are kept per (structure, bucket); a bucket's program is stored on disk
 like any other (NOTE [program store] in diskcache.py).
 """
@@ -65,7 +70,7 @@ from jax import lax
 from ..scheduler.records import sig_id
 from .dtypes import to_np_dtype, x64
 from .lowering import aten, check, check_index_sized
-from .node import CS, SS, TS, _fill
+from .node import CS, SS, TS, _fill, _rounded
 from .viewchain import DSELECT, DSLICE, DSTRIDED, DYNAMIC, apply_chain, apply_step
 
 _DIM_MOVERS = {getattr(getattr(aten, p), o) for p, o in (
@@ -398,7 +403,7 @@ def _chain_forms(fbase, dtype, fchain, name) -> tuple:
 class NodePlan:
     """How one op runs padded: its structure as forms, its rule and what the rule needs."""
     __slots__ = ("rule", "extra", "low", "meta", "name", "targs", "tkw", "chains", "out_avals",
-                 "in_forms", "out_forms", "base_forms", "ndyn")
+                 "in_forms", "out_forms", "base_forms", "ndyn", "mut")
 
 
 def _is_pointwise(func) -> bool:
@@ -455,7 +460,7 @@ def plan_node(entry, forms) -> NodePlan:
             raise Refused(f"{name}: a view whose sizes do not follow from its chain")
         n.in_forms.append(tuple(fsize))
     n.out_forms = [None if o is None else tuple(o[0]) for o in f_outs]
-    n.rule, n.extra = "exact", entry.fn
+    n.rule, n.extra, n.mut = "exact", entry.fn, None
     touched = (any(_padded(f) for f in n.in_forms) or any(_padded(fb) for fb in n.base_forms)
                or any(f is not None and _padded(f) for f in n.out_forms)
                or any(a for a, _ in _forms_in(f_targs)) or any(a for a, _ in _forms_in(f_tkw)))
@@ -463,11 +468,13 @@ def plan_node(entry, forms) -> NodePlan:
         return n        # nothing of it depends on the length: its own function, unpadded
     n.rule = "plain"
     mut, rng = entry.out[1], entry.out[2]
-    if mut:
-        raise Refused(f"{name} writes a tensor in place")
     if rng:
         raise Refused(f"{name} draws random numbers")
-    if func in _FACTORIES or _is_pointwise(func):
+    if mut:
+        func = _plan_write(n, info, ins, targs, tkw, mut, name)
+    if func in _BOOL_PUT:
+        pass                                # (_plan_write: elementwise)
+    elif func in _FACTORIES or _is_pointwise(func):
         # Broadcasting: each input's dim (aligned from the right) is the output's or a 1.
         fo = n.out_forms[0] if n.out_forms and n.out_forms[0] is not None else None
         if fo is not None and func not in _FACTORIES:
@@ -572,6 +579,42 @@ def _plan_index(n: NodePlan, ins, targs, name):
         seen[i] = d
         k += 1
     return tuple(masks), tuple(wraps)
+
+
+_BOOL_PUT = {f for f in (getattr(getattr(aten, p, None), "default", None)
+                         for p in ("index_put", "index_put_", "_index_put_impl_")) if f is not None}
+
+
+def _plan_write(n: NodePlan, info, ins, targs, tkw, mut, name):
+    """An op writing tensors in place (NOTE [buckets]): admitted where the write is elementwise
+    and each tensor written is a whole base (no view of it), so the padding written is padding:
+    an in-place pointwise op (``masked_fill_``, ``add_``), or ``x[mask] = v`` (``index_put_``
+    with one boolean mask over x's leading dims and one value, which PyTorch makes of
+    ``logits[logits < v] = -inf``). Sets ``n.mut``; returns the op whose rule applies."""
+    for m in mut:
+        if n.chains[m]:
+            raise Refused(f"{name} writes a view of a padded tensor in place")
+    func = info.func
+    if func in _BOOL_PUT:
+        slots = targs[1] if len(targs) > 1 else ()
+        used = [sl for sl in slots if sl is not None]
+        vals = targs[2] if len(targs) > 2 else None
+        if (len(used) != 1 or to_np_dtype(ins[used[0][1]][4]) not in (np.bool_, np.uint8)
+                or slots[0] is None):
+            raise Refused(f"{name} with other than one boolean mask")
+        fx, fm = n.in_forms[0], n.in_forms[used[0][1]]
+        if tuple(fm) != tuple(fx[:len(fm)]):
+            raise Refused(f"{name}: a mask whose sizes are not its input's")
+        if not (type(vals) is tuple and vals and vals[0] is TS) or \
+                any(f != (0, 1) for f in n.in_forms[vals[1]]):
+            raise Refused(f"{name} writing more than one value through a mask")
+    else:
+        f = info.functional or func
+        if not _is_pointwise(f):
+            raise Refused(f"{name} writes a tensor in place")
+        func = f
+    n.mut = (tuple(mut), info.kind == "self_mut")
+    return func
 
 
 def _plan_along(n: NodePlan, func, targs, tkw, name):
@@ -720,6 +763,11 @@ class NodeFn:
                 kw["attn_mask"] = m
             res = p.low.fn(*args, **kw)
             res = list(res) if isinstance(res, (tuple, list)) else [res]
+            if p.mut is not None:      # the new values of the bases written (_plan_write)
+                mut, self_mut = p.mut
+                res = res if self_mut else res[:len(mut)]
+                return [_rounded(jnp.broadcast_to(jnp.asarray(r), a[0]), jnp.dtype(a[1]))
+                        for r, a in zip(res, self.out_avals)]
             if rule == "reduce" and p.extra[1] == "mean":
                 res = [self._mean(vals[0], res[0], t)]
         return [r if r is None or d is None or r.dtype == d else r.astype(d)

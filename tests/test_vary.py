@@ -236,7 +236,17 @@ _RULES = {
     "topk": lambda x: torch.cat([(x * 2).topk(2, 1)[0].flatten(),
                                  (x * 3).topk(3, 0)[0].flatten(),
                                  (x * 3).topk(4, 0, largest=False)[1].flatten().float()]),
+    # boolean-mask writes (nanoGPT's top-k masking; index_put_ and masked_fill_) and in-place
+    # pointwise ops on a padded tensor
+    "mask_write": lambda x: _mask_write(x * 2),
 }
+
+
+def _mask_write(y):
+    y[y < y.topk(2, 1)[0][:, [-1]]] = -float("inf")        # index_put_, one mask, one value
+    y[y[:, 0] > 0.5] = 7.0                                 # a mask over the leading dim
+    y.masked_fill_(y > 1.5, 2.0).mul_(1.5)
+    return y.softmax(-1) + y.softmax(0)
 
 
 @pytest.mark.modes("defer")
@@ -304,6 +314,36 @@ def test_a_bad_advanced_index_into_a_growing_dim_raises_cpus_error():
     with pytest.raises(IndexError) as tpu:
         (x.to("tpu") * 2)[[-12]].cpu()
     assert "index -12 is out of bounds for dimension 0 with size 11" in str(tpu.value)
+
+
+@pytest.mark.modes("defer")
+def test_in_place_writes_to_a_growing_input_run_in_buckets():
+    """A boolean-mask write and in-place ops on a padded region input: the input itself holds
+    CPU's values after each length; a write of a mask's count of values (a data-dependent
+    shape) still refuses."""
+    def fn(x):
+        x[x < 0] = -float("inf")
+        x.masked_fill_(x > 1, 1.0).add_(0.5)
+        return x.softmax(0)
+    deferfuse.clear_caches()
+    for t in range(5, 14):
+        x = torch.randn(t, 3)
+        xt = x.to("tpu")
+        assert_same(fn(xt), fn(x))
+        assert_same(xt, x)
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
+
+    def counted(x):
+        y = x * 2
+        y[y < 0] = y[y < 0] * 3
+        return y + 1
+    deferfuse.clear_caches()
+    deferfuse.reset_metrics()
+    got, want, m = _lengths_loop(counted, lambda t: torch.randn(t, 3), range(5, 10))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert m["bucketed_runs"] == 0 and m["bucket_refusals"], m
 
 
 @pytest.mark.modes("defer")
