@@ -51,10 +51,12 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
 - in-place writes that are elementwise, to a whole tensor (not a view of one): in-place pointwise
   ops (``masked_fill_``, ``add_``) and ``x[mask] = v`` (``index_put_`` with one boolean mask over
   leading dims and one value: nanoGPT's ``logits[logits < v[:, [-1]]] = -inf``); what they write
-  into the padding stays padding.
+  into the padding stays padding;
+- ``multinomial`` over the last dim with other dims padded: padded rows are given ones (a valid
+  distribution, so CPU's checks see only valid rows), their samples are cut off.
 
-Other in-place writes (to a view, ``index_copy_``, a mask's count of values), random ops with
-padded outputs and everything not listed refuse the region. Where a region is refused, its shapes go on compiling as before (shape churn:
+Other in-place writes (to a view, ``index_copy_``, a mask's count of values), other random ops
+touching padded dims and everything not listed refuse the region. Where a region is refused, its shapes go on compiling as before (shape churn:
 runtime/flush.py). Programs are kept per (structure, bucket); a bucket's program is stored on disk
 like any other (NOTE [program store] in diskcache.py).
 """
@@ -117,6 +119,7 @@ _INDEXED = {aten.embedding.default: (1, 0, 0)}
 # ops taking indices along a dim (input 0 indexed by input 1 along the dim, argument 1)
 _ALONG = {aten.gather.default, aten.index_select.default}
 _TOPK = aten.topk.default
+_MULTINOMIAL = aten.multinomial.default
 _INDEX = aten.index.Tensor
 _LAYER_NORM = aten.native_layer_norm.default
 _CAT = aten.cat.default
@@ -469,7 +472,13 @@ def plan_node(entry, forms) -> NodePlan:
     n.rule = "plain"
     mut, rng = entry.out[1], entry.out[2]
     if rng:
-        raise Refused(f"{name} draws random numbers")
+        fp = n.in_forms[0] if n.in_forms else ()
+        if func is not _MULTINOMIAL or mut or len(fp) < 2 or fp[-1][0]:
+            raise Refused(f"{name} draws random numbers")
+        # rows drawn from independently: padded rows are given a valid distribution (ones) so
+        # the distribution checks see only valid rows; their samples are cut off
+        n.rule, n.extra, n.mut = "multinomial", None, "rng"
+        return n
     if mut:
         func = _plan_write(n, info, ins, targs, tkw, mut, name)
     if func in _BOOL_PUT:
@@ -681,6 +690,11 @@ class NodeFn:
 
     def __call__(self, arrays, scalars, t):
         p = self.p
+        rng_key = None
+        if p.mut == "rng":     # the generator's (seed, offset) come last (NOTE [rng offsets])
+            from . import prng
+            rng_key = prng.key(scalars[-2], scalars[-1])
+            scalars = scalars[:-2]
         total = sum(p.ndyn)
         dyns = [()] * len(self.chains)
         if total:
@@ -723,6 +737,9 @@ class NodeFn:
                 check_index_sized(ix, ext, exc, msg, allow_negative=False)
                 ix = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
             vals[1] = ix
+        elif rule == "multinomial":
+            w = vals[0]
+            vals[0] = _mask_dims(w, range(w.ndim - 1), p.in_forms[0], jnp.ones((), w.dtype), t)
         elif rule == "topk":
             d, form, k, largest = p.extra
             x = vals[0]
@@ -744,6 +761,8 @@ class NodeFn:
             vals[2] = _mask_dims(v, (v.ndim - 2,), p.in_forms[2], jnp.zeros((), v.dtype), t)
             vals[1] = k
         kw = dict(self.tkw)
+        if rng_key is not None:
+            kw["key"] = rng_key
         if p.meta:
             kw["_avals"] = self.out_avals
         args = [_fill(a, vals, scalars) for a in self.targs]
@@ -763,7 +782,7 @@ class NodeFn:
                 kw["attn_mask"] = m
             res = p.low.fn(*args, **kw)
             res = list(res) if isinstance(res, (tuple, list)) else [res]
-            if p.mut is not None:      # the new values of the bases written (_plan_write)
+            if type(p.mut) is tuple:   # the new values of the bases written (_plan_write)
                 mut, self_mut = p.mut
                 res = res if self_mut else res[:len(mut)]
                 return [_rounded(jnp.broadcast_to(jnp.asarray(r), a[0]), jnp.dtype(a[1]))

@@ -367,6 +367,34 @@ def test_topk_along_a_growing_dim_never_selects_padding():
     assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
 
 
+@pytest.mark.modes("defer")
+def test_multinomial_over_rows_of_a_growing_dim_runs_in_buckets():
+    """``multinomial`` over the last dim with rows padded: random draws, so shapes, dtypes and
+    valid samples; one-hot probabilities give CPU's samples; a valid row of zeros still raises
+    CPU's error (the padded rows never do)."""
+    def fn(x, onehot):
+        p = (x * 2).softmax(-1)
+        if onehot:
+            p = (p == p.amax(-1, keepdim=True)).float()
+        return torch.cat([torch.multinomial(p, 1), torch.multinomial(p, 3, replacement=True)], 1)
+    deferfuse.clear_caches()
+    for t in range(5, 12):
+        x = torch.randn(t, 6)
+        got, want = fn(x.to("tpu"), False), fn(x, False)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert bool(((got >= 0) & (got < 6)).all().cpu())
+        assert_same(fn(x.to("tpu"), True), fn(x, True))
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] == 12 and not m["bucket_refusals"], m["bucket_refusals"]
+    x = torch.randn(11, 6)
+    x[9] = -float("inf")                        # softmax of a row of -inf: NaN
+    with pytest.raises(RuntimeError) as cpu:
+        fn(x, True)
+    with pytest.raises(RuntimeError) as tpu:
+        fn(x.to("tpu"), True).cpu()
+    assert str(cpu.value) in str(tpu.value), (str(cpu.value), str(tpu.value))
+
+
 _BAD = {   # op along a growing dim at length 11 (bucket 16) with an index or k past it
     "gather": lambda x, i: (x * 2).gather(0, torch.tensor([[0, i, 1]], device=x.device)),
     "index_select": lambda x, i: (x * 2).index_select(0, torch.tensor([0, i], device=x.device)),
