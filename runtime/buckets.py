@@ -56,8 +56,8 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
   distribution, so CPU's checks see only valid rows), their samples are cut off.
 
 Other in-place writes (to a view, ``index_copy_``, a mask's count of values), other random ops
-touching padded dims and everything not listed refuse the region. Where a region is refused, its shapes go on compiling as before (shape churn:
-runtime/flush.py). Programs are kept per (structure, bucket); a bucket's program is stored on disk
+touching padded dims and everything not listed refuse the region. Where a region is refused, its
+shapes go on compiling as before (shape churn: runtime/flush.py). Programs are kept per (structure, bucket); a bucket's program is stored on disk
 like any other (NOTE [program store] in diskcache.py).
 """
 from __future__ import annotations
