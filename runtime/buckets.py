@@ -34,17 +34,30 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
   reductions and layer norms over other dims;
 - matrix products with padded dims contracted: both operands masked to 0 there;
 - fused attention with padded keys: a key mask added (and the values masked to 0);
-- embeddings and index_select/gather with padded indices: the indices masked to 0 (so a padded
-  index never trips the index check);
+- embeddings, ``gather`` and ``index_select`` with padded indices: the indices masked to 0 (so a
+  padded index never trips the index check); ``gather``/``index_select`` along a padded dim: the
+  indices checked against the dim's exact length (CPU's error and message; negative indices are
+  out of range for them, as on CPU);
+- ``topk`` over other dims (elementwise in the padded ones) and along a padded dim: the padding
+  filled with what is never selected (-inf, or the least integer, for the largest; NaN, which
+  sorts last after any valid NaN, or the greatest integer, for the smallest) and ``k`` checked
+  against the exact length;
 - advanced indexing (``x[:, [-1]]``, ``x[i, j]``) with integer index tensors: padded index
   entries masked to 0, and an index into a padded dim checked against the exact length and
   wrapped by it (``-1`` is the last valid position; an out-of-range index raises CPU's error
   naming the exact size);
 - ``cat`` along a padded dim: each input written at its exact offset into the padded output.
 
-Ops that write a padded tensor in place, random ops with padded outputs and everything not listed
-refuse the region. Where a region is refused, its shapes go on compiling as before (shape churn:
-runtime/flush.py). Programs are kept per (structure, bucket); a bucket's program is stored on disk
+- in-place writes that are elementwise, to a whole tensor (not a view of one): in-place pointwise
+  ops (``masked_fill_``, ``add_``) and ``x[mask] = v`` (``index_put_`` with one boolean mask over
+  leading dims and one value: nanoGPT's ``logits[logits < v[:, [-1]]] = -inf``); what they write
+  into the padding stays padding;
+- ``multinomial`` over the last dim with other dims padded: padded rows are given ones (a valid
+  distribution, so CPU's checks see only valid rows), their samples are cut off.
+
+Other in-place writes (to a view, ``index_copy_``, a mask's count of values), other random ops
+touching padded dims and everything not listed refuse the region. Where a region is refused, its
+shapes go on compiling as before (shape churn: runtime/flush.py). Programs are kept per (structure, bucket); a bucket's program is stored on disk
 like any other (NOTE [program store] in diskcache.py).
 """
 from __future__ import annotations
@@ -58,8 +71,8 @@ from jax import lax
 
 from ..scheduler.records import sig_id
 from .dtypes import to_np_dtype, x64
-from .lowering import aten, check_index_sized
-from .node import CS, SS, TS, _fill
+from .lowering import aten, check, check_index_sized
+from .node import CS, SS, TS, _fill, _rounded
 from .viewchain import DSELECT, DSLICE, DSTRIDED, DYNAMIC, apply_chain, apply_step
 
 _DIM_MOVERS = {getattr(getattr(aten, p), o) for p, o in (
@@ -102,8 +115,11 @@ _PRODUCTS = {aten.mm.default: ((0, 1), (1, 0)), aten.addmm.default: ((1, 1), (2,
 _SDPA = getattr(getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default",
                 None)
 # index ops: op -> (input holding indices, input indexed, the dim it is indexed along or None)
-_INDEXED = {aten.embedding.default: (1, 0, 0), aten.index_select.default: (2, 0, "arg1"),
-            aten.gather.default: (2, 0, "arg1")}
+_INDEXED = {aten.embedding.default: (1, 0, 0)}
+# ops taking indices along a dim (input 0 indexed by input 1 along the dim, argument 1)
+_ALONG = {aten.gather.default, aten.index_select.default}
+_TOPK = aten.topk.default
+_MULTINOMIAL = aten.multinomial.default
 _INDEX = aten.index.Tensor
 _LAYER_NORM = aten.native_layer_norm.default
 _CAT = aten.cat.default
@@ -390,7 +406,7 @@ def _chain_forms(fbase, dtype, fchain, name) -> tuple:
 class NodePlan:
     """How one op runs padded: its structure as forms, its rule and what the rule needs."""
     __slots__ = ("rule", "extra", "low", "meta", "name", "targs", "tkw", "chains", "out_avals",
-                 "in_forms", "out_forms", "base_forms", "ndyn")
+                 "in_forms", "out_forms", "base_forms", "ndyn", "mut")
 
 
 def _is_pointwise(func) -> bool:
@@ -447,7 +463,7 @@ def plan_node(entry, forms) -> NodePlan:
             raise Refused(f"{name}: a view whose sizes do not follow from its chain")
         n.in_forms.append(tuple(fsize))
     n.out_forms = [None if o is None else tuple(o[0]) for o in f_outs]
-    n.rule, n.extra = "exact", entry.fn
+    n.rule, n.extra, n.mut = "exact", entry.fn, None
     touched = (any(_padded(f) for f in n.in_forms) or any(_padded(fb) for fb in n.base_forms)
                or any(f is not None and _padded(f) for f in n.out_forms)
                or any(a for a, _ in _forms_in(f_targs)) or any(a for a, _ in _forms_in(f_tkw)))
@@ -455,11 +471,19 @@ def plan_node(entry, forms) -> NodePlan:
         return n        # nothing of it depends on the length: its own function, unpadded
     n.rule = "plain"
     mut, rng = entry.out[1], entry.out[2]
-    if mut:
-        raise Refused(f"{name} writes a tensor in place")
     if rng:
-        raise Refused(f"{name} draws random numbers")
-    if func in _FACTORIES or _is_pointwise(func):
+        fp = n.in_forms[0] if n.in_forms else ()
+        if func is not _MULTINOMIAL or mut or len(fp) < 2 or fp[-1][0]:
+            raise Refused(f"{name} draws random numbers")
+        # rows drawn from independently: padded rows are given a valid distribution (ones) so
+        # the distribution checks see only valid rows; their samples are cut off
+        n.rule, n.extra, n.mut = "multinomial", None, "rng"
+        return n
+    if mut:
+        func = _plan_write(n, info, ins, targs, tkw, mut, name)
+    if func in _BOOL_PUT:
+        pass                                # (_plan_write: elementwise)
+    elif func in _FACTORIES or _is_pointwise(func):
         # Broadcasting: each input's dim (aligned from the right) is the output's or a 1.
         fo = n.out_forms[0] if n.out_forms and n.out_forms[0] is not None else None
         if fo is not None and func not in _FACTORIES:
@@ -516,6 +540,16 @@ def plan_node(entry, forms) -> NodePlan:
             n.rule, n.extra = "index", ii
     elif func is _INDEX:
         n.rule, n.extra = "advanced", _plan_index(n, ins, targs, name)
+    elif func in _ALONG:
+        n.rule, n.extra = "along", _plan_along(n, func, targs, tkw, name)
+    elif func is _TOPK:
+        fx = n.in_forms[0]
+        d = _arg(targs, tkw, 2, "dim")
+        d = (-1 if d is None else d) % max(len(fx), 1)
+        if fx and fx[d][0]:
+            k = _arg(targs, tkw, 1, "k")
+            largest = _arg(targs, tkw, 3, "largest")
+            n.rule, n.extra = "topk", (d, fx[d], k, True if largest is None else bool(largest))
     elif func is _CAT:
         fo = n.out_forms[0]
         d = (_arg(targs, tkw, 1, "dim") or 0) % len(fo)
@@ -554,6 +588,66 @@ def _plan_index(n: NodePlan, ins, targs, name):
         seen[i] = d
         k += 1
     return tuple(masks), tuple(wraps)
+
+
+_BOOL_PUT = {f for f in (getattr(getattr(aten, p, None), "default", None)
+                         for p in ("index_put", "index_put_", "_index_put_impl_")) if f is not None}
+
+
+def _plan_write(n: NodePlan, info, ins, targs, tkw, mut, name):
+    """An op writing tensors in place (NOTE [buckets]): admitted where the write is elementwise
+    and each tensor written is a whole base (no view of it), so the padding written is padding:
+    an in-place pointwise op (``masked_fill_``, ``add_``), or ``x[mask] = v`` (``index_put_``
+    with one boolean mask over x's leading dims and one value, which PyTorch makes of
+    ``logits[logits < v] = -inf``). Sets ``n.mut``; returns the op whose rule applies."""
+    for m in mut:
+        if n.chains[m]:
+            raise Refused(f"{name} writes a view of a padded tensor in place")
+    func = info.func
+    if func in _BOOL_PUT:
+        slots = targs[1] if len(targs) > 1 else ()
+        used = [sl for sl in slots if sl is not None]
+        vals = targs[2] if len(targs) > 2 else None
+        if (len(used) != 1 or to_np_dtype(ins[used[0][1]][4]) not in (np.bool_, np.uint8)
+                or slots[0] is None):
+            raise Refused(f"{name} with other than one boolean mask")
+        fx, fm = n.in_forms[0], n.in_forms[used[0][1]]
+        if tuple(fm) != tuple(fx[:len(fm)]):
+            raise Refused(f"{name}: a mask whose sizes are not its input's")
+        if not (type(vals) is tuple and vals and vals[0] is TS) or \
+                any(f != (0, 1) for f in n.in_forms[vals[1]]):
+            raise Refused(f"{name} writing more than one value through a mask")
+    else:
+        f = info.functional or func
+        if not _is_pointwise(f):
+            raise Refused(f"{name} writes a tensor in place")
+        func = f
+    n.mut = (tuple(mut), info.kind == "self_mut")
+    return func
+
+
+def _plan_along(n: NodePlan, func, targs, tkw, name):
+    """``gather`` and ``index_select`` (input 0 indexed by input 1 along ``dim``): the index's
+    padded positions masked to 0; an index along a padded dim checked against the dim's exact
+    length (negative indices are out of range for these ops, as on CPU) with CPU's error.
+    Returns (mask the index?, the form of the dim indexed if padded, exception, message)."""
+    fx, fi = n.in_forms[0], n.in_forms[1]
+    nd = len(fx)
+    d = (_arg(targs, tkw, 1, "dim") or 0) % max(nd, 1)
+    if func is aten.gather.default:
+        if len(fi) != nd:
+            raise Refused(f"{name} with an index of another rank")
+        for j in range(nd):
+            if j != d and fi[j][0] and not (fi[j][0] <= fx[j][0] and fi[j][1] <= fx[j][1]):
+                raise Refused(f"{name}: an index padded along a dim its input is not")
+        exc, msg = RuntimeError, f"index {{index}} is out of bounds for dimension {d} with size " \
+            "{size}"
+    elif nd > 1 and d == 1:
+        exc, msg = RuntimeError, "INDICES element is out of DATA bounds, id={index} axis_dim={size}"
+    else:
+        exc, msg = IndexError, "index out of range in self"
+    wrap = fx[d] if nd and fx[d][0] else None
+    return _padded(fi), wrap, exc, msg
 
 
 # --------------------------------------------------------------------------- the padded program
@@ -596,6 +690,11 @@ class NodeFn:
 
     def __call__(self, arrays, scalars, t):
         p = self.p
+        rng_key = None
+        if p.mut == "rng":     # the generator's (seed, offset) come last (NOTE [rng offsets])
+            from . import prng
+            rng_key = prng.key(scalars[-2], scalars[-1])
+            scalars = scalars[:-2]
         total = sum(p.ndyn)
         dyns = [()] * len(self.chains)
         if total:
@@ -628,6 +727,30 @@ class NodeFn:
                                   "{size}")
                 ix = jnp.where(ix < 0, ix + ext.astype(ix.dtype), ix)
                 vals[i] = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
+        elif rule == "along":
+            mask, wrap, exc, msg = p.extra
+            ix = vals[1]
+            if mask:
+                ix = _mask_dims(ix, range(ix.ndim), p.in_forms[1], jnp.zeros((), ix.dtype), t)
+            if wrap is not None:
+                ext = jnp.asarray(wrap[0] * t + wrap[1])
+                check_index_sized(ix, ext, exc, msg, allow_negative=False)
+                ix = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
+            vals[1] = ix
+        elif rule == "multinomial":
+            w = vals[0]
+            vals[0] = _mask_dims(w, range(w.ndim - 1), p.in_forms[0], jnp.ones((), w.dtype), t)
+        elif rule == "topk":
+            d, form, k, largest = p.extra
+            x = vals[0]
+            # padding is never selected: the smallest value for largest (ties go to the lower,
+            # valid, index), NaN for smallest (sorted last, after any valid NaN)
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                fill = jnp.asarray(-jnp.inf if largest else jnp.nan, x.dtype)
+            else:
+                fill = _identity("-inf" if largest else "+inf", x.dtype)
+            vals[0] = _mask_dims(x, (d,), p.in_forms[0], fill, t)
+            check(form[0] * t + form[1] < k, RuntimeError, "selected index k out of range")
         elif rule == "reduce":
             pdims, ident, dims = p.extra
             x = vals[0]
@@ -638,6 +761,8 @@ class NodeFn:
             vals[2] = _mask_dims(v, (v.ndim - 2,), p.in_forms[2], jnp.zeros((), v.dtype), t)
             vals[1] = k
         kw = dict(self.tkw)
+        if rng_key is not None:
+            kw["key"] = rng_key
         if p.meta:
             kw["_avals"] = self.out_avals
         args = [_fill(a, vals, scalars) for a in self.targs]
@@ -657,6 +782,11 @@ class NodeFn:
                 kw["attn_mask"] = m
             res = p.low.fn(*args, **kw)
             res = list(res) if isinstance(res, (tuple, list)) else [res]
+            if type(p.mut) is tuple:   # the new values of the bases written (_plan_write)
+                mut, self_mut = p.mut
+                res = res if self_mut else res[:len(mut)]
+                return [_rounded(jnp.broadcast_to(jnp.asarray(r), a[0]), jnp.dtype(a[1]))
+                        for r, a in zip(res, self.out_avals)]
             if rule == "reduce" and p.extra[1] == "mean":
                 res = [self._mean(vals[0], res[0], t)]
         return [r if r is None or d is None or r.dtype == d else r.astype(d)

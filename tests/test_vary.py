@@ -226,7 +226,27 @@ _RULES = {
     # advanced indexing into the growing dim: -1 is the last valid position, not the padded end
     "advanced_index": lambda x: (x * 2)[[-1, 0]] + x[:, [1]].sum()
         + x[torch.tensor([-2], device=x.device)],
+    # gather along the other dim with an index padded along the growing one, and along the
+    # growing dim (its indices checked against the exact length)
+    "gather": lambda x: (x * 2).gather(1, (x.abs() * 10).long() % _C).sum(1)
+        + (x * 3).gather(0, torch.tensor([[4, 0, 2, 1]], device=x.device)).sum(),
+    "index_select": lambda x: (x * 2).index_select(1, (x.abs() * 10).long()[:, 0] % _C).sum(1)
+        + (x * 3).index_select(0, torch.tensor([4, 0, 2], device=x.device)).sum(),
+    # top-k across the growing dim (elementwise in it) and along it (padding never selected)
+    "topk": lambda x: torch.cat([(x * 2).topk(2, 1)[0].flatten(),
+                                 (x * 3).topk(3, 0)[0].flatten(),
+                                 (x * 3).topk(4, 0, largest=False)[1].flatten().float()]),
+    # boolean-mask writes (nanoGPT's top-k masking; index_put_ and masked_fill_) and in-place
+    # pointwise ops on a padded tensor
+    "mask_write": lambda x: _mask_write(x * 2),
 }
+
+
+def _mask_write(y):
+    y[y < y.topk(2, 1)[0][:, [-1]]] = -float("inf")        # index_put_, one mask, one value
+    y[y[:, 0] > 0.5] = 7.0                                 # a mask over the leading dim
+    y.masked_fill_(y > 1.5, 2.0).mul_(1.5)
+    return y.softmax(-1) + y.softmax(0)
 
 
 @pytest.mark.modes("defer")
@@ -294,6 +314,126 @@ def test_a_bad_advanced_index_into_a_growing_dim_raises_cpus_error():
     with pytest.raises(IndexError) as tpu:
         (x.to("tpu") * 2)[[-12]].cpu()
     assert "index -12 is out of bounds for dimension 0 with size 11" in str(tpu.value)
+
+
+@pytest.mark.modes("defer")
+def test_in_place_writes_to_a_growing_input_run_in_buckets():
+    """A boolean-mask write and in-place ops on a padded region input: the input itself holds
+    CPU's values after each length; a write of a mask's count of values (a data-dependent
+    shape) still refuses."""
+    def fn(x):
+        x[x < 0] = -float("inf")
+        x.masked_fill_(x > 1, 1.0).add_(0.5)
+        return x.softmax(0)
+    deferfuse.clear_caches()
+    for t in range(5, 14):
+        x = torch.randn(t, 3)
+        xt = x.to("tpu")
+        assert_same(fn(xt), fn(x))
+        assert_same(xt, x)
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
+
+    def counted(x):
+        y = x * 2
+        y[y < 0] = y[y < 0] * 3
+        return y + 1
+    deferfuse.clear_caches()
+    deferfuse.reset_metrics()
+    got, want, m = _lengths_loop(counted, lambda t: torch.randn(t, 3), range(5, 10))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert m["bucketed_runs"] == 0 and m["bucket_refusals"], m
+
+
+@pytest.mark.modes("defer")
+def test_topk_along_a_growing_dim_never_selects_padding():
+    """Padding is -inf for the largest and NaN (sorted last) for the smallest: valid NaNs and
+    infinities are still chosen as CPU chooses them, integers too."""
+    def make(t):
+        x = torch.randn(t, 3)
+        inf = float("inf")
+        x[1, 0], x[2, 1], x[3, 2], x[4, 0] = float("nan"), -inf, inf, -inf
+        return x
+
+    def fn(x):
+        ints = (x.nan_to_num(0, 0, 0) * 4).long()
+        return torch.cat([(x * 2).topk(5, 0)[0], (x * 2).topk(5, 0, largest=False)[0],
+                          ints.topk(5, 0, largest=False)[0].float()])
+    deferfuse.clear_caches()
+    got, want, m = _lengths_loop(fn, make, range(5, 14))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, equal_nan=True)
+    assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
+
+
+@pytest.mark.modes("defer")
+def test_multinomial_over_rows_of_a_growing_dim_runs_in_buckets():
+    """``multinomial`` over the last dim with rows padded: random draws, so shapes, dtypes and
+    valid samples; one-hot probabilities give CPU's samples; a valid row of zeros still raises
+    CPU's error (the padded rows never do)."""
+    def fn(x, onehot):
+        p = (x * 2).softmax(-1)
+        if onehot:
+            p = (p == p.amax(-1, keepdim=True)).float()
+        return torch.cat([torch.multinomial(p, 1), torch.multinomial(p, 3, replacement=True)], 1)
+    deferfuse.clear_caches()
+    for t in range(5, 12):
+        x = torch.randn(t, 6)
+        got, want = fn(x.to("tpu"), False), fn(x, False)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert bool(((got >= 0) & (got < 6)).all().cpu())
+        assert_same(fn(x.to("tpu"), True), fn(x, True))
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] == 12 and not m["bucket_refusals"], m["bucket_refusals"]
+    x = torch.randn(11, 6)
+    x[9] = -float("inf")                        # softmax of a row of -inf: NaN
+    with pytest.raises(RuntimeError) as cpu:
+        fn(x, True)
+    with pytest.raises(RuntimeError) as tpu:
+        fn(x.to("tpu"), True).cpu()
+    assert str(cpu.value) in str(tpu.value), (str(cpu.value), str(tpu.value))
+
+
+_BAD = {   # op along a growing dim at length 11 (bucket 16) with an index or k past it
+    "gather": lambda x, i: (x * 2).gather(0, torch.tensor([[0, i, 1]], device=x.device)),
+    "index_select": lambda x, i: (x * 2).index_select(0, torch.tensor([0, i], device=x.device)),
+    "index_select_dim1": lambda x, i: (x * 2).t().index_select(1, torch.tensor([i],
+                                                                             device=x.device)),
+    "topk": lambda x, i: (x * 2).topk(min(i + 1, 16), 0)[0],
+}
+
+
+@pytest.mark.modes("defer", "strict")
+@pytest.mark.parametrize("case", list(_BAD))
+@pytest.mark.parametrize("bad", [11, 12, -1])
+def test_a_bad_index_along_a_growing_dim_raises_cpus_error(case, bad):
+    """gather, index_select and topk along a padded dim: an index (or k) valid in the bucket but
+    past the exact length raises CPU's error with CPU's message (negative: out of range for
+    these ops)."""
+    fn = _BAD[case]
+    deferfuse.clear_caches()
+    for t in range(5, 12):
+        x = torch.randn(t, 3)
+        assert_same(fn(x.to("tpu"), 2), fn(x, 2))
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] + m["bucketed_ops"] > 0, m
+    assert not m["bucket_refusals"], m["bucket_refusals"]
+    if case == "topk" and bad < 0:
+        return
+    x = torch.randn(11, 3)
+    with pytest.raises((IndexError, RuntimeError)) as cpu:
+        fn(x, bad)
+    with pytest.raises(cpu.type) as tpu:
+        fn(x.to("tpu"), bad).cpu()
+    assert str(cpu.value) in str(tpu.value), (str(cpu.value), str(tpu.value))
+    m = deferfuse.metrics()
+    runs = m["bucketed_runs"] + m["bucketed_ops"]
+    assert_same(fn(x.to("tpu"), 2), fn(x, 2))      # a good one after it still runs padded
+    # (topk's k is checked when it is recorded, its sizes exact: in defer mode the failed call's
+    # ``x * 2`` is left to the next region, a new structure)
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] + m["bucketed_ops"] > runs or case == "topk"
 
 
 class _TinyGPT(nn.Module):

@@ -72,7 +72,8 @@ def check_index(index, size: int, exc=IndexError, message: str = "index out of r
     _traced.flags.append((code, exc, message))
 
 
-def check_index_sized(index, size, exc=IndexError, message: str = ""):
+def check_index_sized(index, size, exc=IndexError, message: str = "",
+                      allow_negative: bool = True):
     """``check_index`` against a size known only when the program runs (a padded dim's exact
     length, NOTE [buckets]): ``message`` names ``{index}`` and ``{size}``; the flag carries both,
     as ``code * 2**32 + size`` (``flag_message``)."""
@@ -80,7 +81,7 @@ def check_index_sized(index, size, exc=IndexError, message: str = ""):
     if index.size == 0:
         return
     size = jnp.asarray(size).astype(jnp.int64)
-    bad = (index < -size) | (index >= size)
+    bad = ((index < -size) if allow_negative else (index < 0)) | (index >= size)
     flat = index.reshape(-1).astype(jnp.int64)
     first = flat[jnp.argmax(bad.reshape(-1))]
     code = jnp.where(first >= 0, first + 1, first)
