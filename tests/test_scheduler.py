@@ -194,3 +194,15 @@ def test_outer_loop_needs_a_repeat_and_a_short_interval():
         o.cut_by("c")
         assert o.trace_ended(steps.OUTER_MAX_OPS + 5, 9, True, "x") == set()
     assert not o.quiet and o.found == 0
+
+
+def test_an_interval_of_nothing_but_inner_pieces_stays_cut():
+    # An evaluation loop read once at its end: every trace but the last is a piece its body cut;
+    # cut, each piece runs while the next is recorded (NOTE [outermost body]).
+    o = steps.OuterLoop()
+    for _ in range(3):
+        for _ in range(7):
+            o.cut_by("forward")
+            o.trace_ended(128, 1, False, "embedding")
+        assert o.trace_ended(20, 2, True, "embedding") == set()
+    assert not o.quiet and o.found == 0 and not o.within(10, "embedding")
