@@ -46,8 +46,7 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
   entries masked to 0, and an index into a padded dim checked against the exact length and
   wrapped by it (``-1`` is the last valid position; an out-of-range index raises CPU's error
   naming the exact size);
-- ``cat`` along a padded dim: each input written at its exact offset into the padded output.
-
+- ``cat`` along a padded dim: each input written at its exact offset into the padded output;
 - in-place writes that are elementwise, to a whole tensor (not a view of one): in-place pointwise
   ops (``masked_fill_``, ``add_``) and ``x[mask] = v`` (``index_put_`` with one boolean mask over
   leading dims and one value: nanoGPT's ``logits[logits < v[:, [-1]]] = -inf``); what they write
@@ -57,8 +56,9 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
 
 Other in-place writes (to a view, ``index_copy_``, a mask's count of values), other random ops
 touching padded dims and everything not listed refuse the region. Where a region is refused, its
-shapes go on compiling as before (shape churn: runtime/flush.py). Programs are kept per (structure, bucket); a bucket's program is stored on disk
-like any other (NOTE [program store] in diskcache.py).
+shapes go on compiling as before (shape churn: runtime/flush.py). Programs are kept per
+(structure, bucket); a bucket's program is stored on disk like any other (NOTE [program store] in
+diskcache.py).
 """
 from __future__ import annotations
 
@@ -570,7 +570,7 @@ def _plan_index(n: NodePlan, ins, targs, name):
     number among the index tensors), ...)."""
     f0 = n.in_forms[0]
     slots = targs[1] if len(targs) > 1 else ()
-    masks, wraps, seen = [], [], {}
+    masks, wraps, seen = [], [], set()
     k = 0
     for d, sl in enumerate(slots):
         if sl is None:
@@ -585,7 +585,7 @@ def _plan_index(n: NodePlan, ins, targs, name):
             if i in seen:
                 raise Refused(f"{name}: one index tensor for two dims")
             wraps.append((i, f0[d], k))
-        seen[i] = d
+        seen.add(i)
         k += 1
     return tuple(masks), tuple(wraps)
 
@@ -651,6 +651,11 @@ def _plan_along(n: NodePlan, func, targs, tkw, name):
 
 
 # --------------------------------------------------------------------------- the padded program
+def _zero_outside(ix, ext):
+    """Indices outside [0, ext) (already flagged by an index check) read position 0 instead."""
+    return jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
+
+
 def _valid(shape, dim, form, t):
     ext = form[0] * t + form[1]
     return lax.broadcasted_iota(jnp.int32, shape, dim) < ext
@@ -726,7 +731,7 @@ class NodeFn:
                                   f"index {{index}} is out of bounds for dimension {k} with size "
                                   "{size}")
                 ix = jnp.where(ix < 0, ix + ext.astype(ix.dtype), ix)
-                vals[i] = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
+                vals[i] = _zero_outside(ix, ext)
         elif rule == "along":
             mask, wrap, exc, msg = p.extra
             ix = vals[1]
@@ -735,7 +740,7 @@ class NodeFn:
             if wrap is not None:
                 ext = jnp.asarray(wrap[0] * t + wrap[1])
                 check_index_sized(ix, ext, exc, msg, allow_negative=False)
-                ix = jnp.where((ix < 0) | (ix >= ext), jnp.zeros((), ix.dtype), ix)
+                ix = _zero_outside(ix, ext)
             vals[1] = ix
         elif rule == "multinomial":
             w = vals[0]

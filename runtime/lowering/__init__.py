@@ -64,12 +64,16 @@ def check_index(index, size: int, exc=IndexError, message: str = "index out of r
     if "{index}" not in message:
         _traced.flags.append((jnp.any(bad), exc, message))
         return
-    # The first offending entry in memory order (CPU's kernels report the first they meet), as
-    # v + 1 when v >= 0 and v itself when negative, so 0 stays "in range".
+    _traced.flags.append((jnp.where(jnp.any(bad), _first_bad(index, bad), 0), exc, message))
+
+
+def _first_bad(index, bad):
+    """The first offending entry of ``index`` in memory order (CPU's kernels report the first they
+    meet), as v + 1 when v >= 0 and v itself when negative, so 0 stays "in range"."""
+    import jax.numpy as jnp
     flat = index.reshape(-1).astype(jnp.int64)
     first = flat[jnp.argmax(bad.reshape(-1))]
-    code = jnp.where(jnp.any(bad), jnp.where(first >= 0, first + 1, first), 0)
-    _traced.flags.append((code, exc, message))
+    return jnp.where(first >= 0, first + 1, first)
 
 
 def check_index_sized(index, size, exc=IndexError, message: str = "",
@@ -82,9 +86,7 @@ def check_index_sized(index, size, exc=IndexError, message: str = "",
         return
     size = jnp.asarray(size).astype(jnp.int64)
     bad = ((index < -size) if allow_negative else (index < 0)) | (index >= size)
-    flat = index.reshape(-1).astype(jnp.int64)
-    first = flat[jnp.argmax(bad.reshape(-1))]
-    code = jnp.where(first >= 0, first + 1, first)
+    code = _first_bad(index, bad)
     _traced.flags.append((jnp.where(jnp.any(bad), code * (2 ** 32) + size, 0), exc, message))
 
 
