@@ -522,3 +522,18 @@ def test_inverse_trig_within_one_ulp_of_cpu(f):
     assert_same(got, want)
     assert torch.equal(got.cpu()[num].signbit(), want[num].signbit())
     assert fallbacks() == {}
+
+
+@DEFER
+@pytest.mark.parametrize("f", [torch.special.bessel_j0, torch.special.bessel_j1,
+                               torch.special.bessel_y0, torch.special.bessel_y1,
+                               torch.special.airy_ai], ids=lambda f: f.__name__)
+def test_bessel_and_airy_on_a_dense_grid(f):
+    """Every branch of CPU's rational approximations (|x| <= 5 or beyond, Ai's three regions and
+    its cut-offs), the oscillating tails (where an ulp of the phase shows) and the special values,
+    in float32 (CPU's tolerance) and from integers; none falls back to CPU."""
+    x = torch.cat([torch.linspace(-120, 120, 4801), torch.tensor(
+        [0., -0., 1e-6, -1e-6, 5., -5., 2.09, -2.09, 8.3203353, 103.892, 104., INF, -INF, NAN,
+         1e30, -1e30])])
+    assert check(f, x)
+    assert check(f, torch.arange(-40, 41))
