@@ -380,10 +380,34 @@ def _with_stat_dtype(func, params, stat_outputs):
     return rule
 
 
+def _geqrf_rule(a):
+    """geqrf: the reflectors in LAPACK's column-major layout (batches contiguous), tau per batch."""
+    if a.dim() < 2 or not (a.is_floating_point() or a.is_complex()):
+        err = cpu_error(aten.geqrf.default, (a,))
+        if err is not None:
+            raise err
+    *batch, m, n = a.shape
+    cols = max(m, 1) * n
+    stride = [0] * len(batch)
+    acc = max(cols, 1)
+    for i in range(len(batch) - 1, -1, -1):
+        stride[i] = acc
+        acc *= max(batch[i], 1)
+    k = min(m, n)
+    tau_stride = [0] * len(batch)
+    acc = max(k, 1)
+    for i in range(len(batch) - 1, -1, -1):
+        tau_stride[i] = acc
+        acc *= max(batch[i], 1)
+    return "tuple", ((tuple(a.shape), tuple(stride) + (1, max(m, 1)), a.dtype),
+                     (tuple(batch) + (k,), tuple(tau_stride) + (1,), a.dtype))
+
+
 # Ops whose meta kernel is missing (GRU, the margin losses' backward ops) or fails on valid input
 # (LSTM without biases): shape rules here, as PyTorch's CPU and CUDA kernels shape their outputs
 # (see runtime/lowering/rnn.py, losses.py).
 _RULES = {aten._thnn_fused_lstm_cell.default: _lstm_cell_rule,
+          aten.geqrf.default: _geqrf_rule,
           aten._thnn_fused_lstm_cell_backward_impl.default: _lstm_cell_backward_rule,
           aten._thnn_fused_gru_cell.default: _gru_cell_rule,
           aten._thnn_fused_gru_cell_backward.default: _gru_cell_backward_rule,

@@ -9,6 +9,7 @@ import torch
 from torch._decomp import core_aten_decompositions, decomposition_table
 
 from .attention import DECOMPOSITIONS as ATTENTION_DECOMPOSITIONS
+from .histogram import DECOMPOSITIONS as HISTOGRAM_DECOMPOSITIONS
 from .runtime.lowering import LOWERINGS
 
 aten = torch.ops.aten
@@ -168,6 +169,7 @@ _DECOMP = {k: v for k, v in decomposition_table.items()
            if not getattr(v, "__module__", "").startswith("torch._refs")}
 _DECOMP.update(core_aten_decompositions())
 _DECOMP.update(ATTENTION_DECOMPOSITIONS)
+_DECOMP.update(HISTOGRAM_DECOMPOSITIONS)
 
 
 def decompose(func, args, kwargs):

@@ -295,3 +295,26 @@ def test_mixed_dtype_products_raise_as_cpu(name):
         fn(*[a.to("tpu") for a in args])
         deferfuse.sync()
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("shape", [(4, 3), (3, 5), (2, 5, 4), (0, 3), (3, 0, 2)], ids=str)
+def test_geqrf_layout_and_values(shape):
+    """geqrf on tpu (it had no meta kernel, so it ran on CPU): LAPACK's reflectors and tau, in
+    CPU's column-major layout; bad input raises CPU's error."""
+    a = torch.randn(shape)
+    check(torch.geqrf, a)
+    got, want = torch.geqrf(tpu(a)), torch.geqrf(a)
+    assert [t.stride() for t in got] == [t.stride() for t in want] or a.numel() == 0
+    for bad in (torch.randn(3), torch.ones(3, 3, dtype=torch.long)):
+        with pytest.raises(type(_raised(torch.geqrf, bad))) as e:
+            torch.geqrf(tpu(bad))
+        assert str(e.value) == str(_raised(torch.geqrf, bad))
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:      # noqa: BLE001 - the exception CPU raises is the expectation
+        return e
+    raise AssertionError("CPU did not raise")

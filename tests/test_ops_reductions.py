@@ -255,3 +255,32 @@ def test_var_std_of_integers_raise_as_cpu(f):
     with pytest.raises(RuntimeError) as got:
         f(torch.ones(3, dtype=torch.long, device="tpu"))
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.modes("defer")
+def test_histogram_and_histogramdd():
+    """torch.histogram / histogramdd on tpu (CPU kernels only in PyTorch; deferfuse/histogram.py):
+    edges from the data, a range, or given edges; weights, density; values on inner edges, on the
+    right edge, outside the range and NaN; one value (the range widened by 0.5); errors CPU's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, generator=g)
+    x[0, :4] = torch.tensor([0.0, 1.0, -1.0, float("nan")])
+    w = torch.rand(3, 40, generator=g)
+    for kw in ({}, {"range": (-1.0, 1.0)}, {"range": (0.0, 1.0), "weight": w, "density": True}):
+        check(lambda t, kw=kw: torch.histogram(t, 7, **{k: tpu(v) if k == "weight" and
+                                                        t.device.type == "tpu" else v
+                                                        for k, v in kw.items()}),
+              x.nan_to_num() if "range" not in kw else x)
+    edges = torch.tensor([-2.0, -0.5, 0.0, 1.0, 3.0])
+    check(lambda t: torch.histogram(t, edges.to(t.device)), x)
+    check(lambda t: torch.histogram(t, 4), torch.full((5,), 2.0))      # one value: widened
+    pts = torch.randn(50, 2, generator=g)
+    check(lambda t: torch.histogramdd(t, [3, 4]), pts)
+    check(lambda t: torch.histogramdd(t, [3, 2], range=[-1.0, 1.0, 0.0, 2.0], density=True), pts)
+    check(lambda t: torch.histogramdd(t, [e.to(t.device) for e in (edges, edges[1:])]), pts)
+    for bad in (torch.tensor([1.0, float("inf")]), torch.tensor([float("nan"), 1.0])):
+        with pytest.raises(RuntimeError) as cpu:
+            torch.histogram(bad, 3)
+        with pytest.raises(RuntimeError) as got:
+            torch.histogram(tpu(bad), 3)
+        assert str(got.value) == str(cpu.value)

@@ -315,16 +315,6 @@ def _edges(lo, hi, bins, dt):
     return jnp.where(i < (bins + 1) // 2, lo + step * i, hi - step * (bins - i))
 
 
-def _bin_counts(x, edges, weight=None):
-    """Counts (or weights) of ``x`` per bin: a value on an inner edge goes to the bin on its right,
-    the last edge to the last bin, values outside the edges are not counted."""
-    bins = edges.shape[0] - 1
-    pos = jnp.clip(jnp.searchsorted(edges, x, side="right") - 1, 0, bins - 1)
-    ok = (x >= edges[0]) & (x <= edges[-1])
-    w = ok.astype(edges.dtype) if weight is None else jnp.where(ok, weight.reshape(-1), 0)
-    return jnp.zeros(bins, edges.dtype).at[pos].add(w.astype(edges.dtype))
-
-
 def _data_range(x, lo, hi, widen):
     """[lo, hi], the data's range when lo == hi, widened each way when that is one value."""
     if x.size:
@@ -340,28 +330,19 @@ def histc(x, bins=100, min=0, max=0):
     max, widened by 1 each way when that is one value)."""
     x = x.reshape(-1)
     lo, hi = _data_range(x, jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype), 1)
-    return _bin_counts(x, _edges(lo, hi, bins, x.dtype))
-
-
-def _density(hist, edges, density):
-    if not density:
-        return hist
-    return hist / (jnp.sum(hist) * (edges[1:] - edges[:-1]))
-
-
-@op("histogram.bin_ct")
-def histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
-    x = x.reshape(-1)
-    lo, hi = (x.dtype.type(0), x.dtype.type(0)) if range is None else range
-    lo, hi = _data_range(x, jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype), 0.5)
     edges = _edges(lo, hi, bins, x.dtype)
-    return _density(_bin_counts(x, edges, weight), edges, density), edges
-
-
-@op("histogram.bins_tensor")
-def histogram_bins_tensor(x, bins, *, weight=None, density=False):
-    edges = bins.astype(x.dtype)
-    return _density(_bin_counts(x.reshape(-1), edges, weight), edges, density), edges
+    # CPU's histc bins by linear interpolation between the outer edges, without histogram's
+    # search over the edges: bin = trunc((x - left) * bins / (right - left)), each step rounded
+    # to the input's dtype (16-bit floats round after every operation, as c10's types do)
+    left, right = edges[0], edges[-1]
+    r = (lambda v: v) if x.dtype not in (jnp.bfloat16, jnp.float16) else (
+        lambda v: v.astype(x.dtype).astype(jnp.float32))
+    xf, lf, rf = (v.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else v
+                  for v in (x, left, right))
+    t = r(r(r(xf - lf) * jnp.asarray(bins, xf.dtype)) / r(rf - lf))
+    ok = (x >= left) & (x <= right)
+    pos = jnp.clip(jnp.where(ok, jnp.trunc(t), 0).astype(jnp.int64), 0, bins - 1)
+    return jnp.zeros(bins, x.dtype).at[pos].add(ok.astype(x.dtype))
 
 
 def _segments_1d(data, lengths, reduce, initial):
