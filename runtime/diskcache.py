@@ -40,6 +40,21 @@ def _on_event(event: str, **kwargs) -> None:
         stats.S["jax_disk_hits"] += 1
 
 
+def _init_custom_calls(platform: str) -> None:
+    """NOTE [loaded programs and LAPACK]: on CPU, jaxlib's LAPACK custom calls (svd, eigh, qr, lu,
+    geqrf ...) take their LAPACK routines from a table that JAX fills the first time it *lowers*
+    such an op. A program loaded from the store skips lowering, so in a new process it called
+    through an empty table: a segmentation fault (strict ``torch.linalg.svd`` in a second
+    process). Filling the table is idempotent and cheap; done before every load on CPU."""
+    if platform != "cpu":
+        return
+    try:
+        from jax._src.lib import lapack
+        lapack._lapack.initialize()
+    except Exception:       # another jaxlib layout: loading still works where it did
+        pass
+
+
 def enable(cache_dir: str) -> str | None:
     """Turn JAX's persistent cache on (once); returns the folder in use, or None if unavailable."""
     current = jax.config.jax_compilation_cache_dir
@@ -242,6 +257,7 @@ class ProgramStore:
             from jax.experimental.serialize_executable import deserialize_and_load
             from .transfer import devices
             dev = devices()[device]
+            _init_custom_calls(dev.platform)
             compiled = deserialize_and_load(blob["exe"], blob["in_tree"], blob["out_tree"],
                                             dev.client, [dev])
             extra = _load_extra(blob["extra"])

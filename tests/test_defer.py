@@ -688,6 +688,29 @@ def test_disk_cache_second_process_compiles_nothing(tmp_path):
     assert first_hits == 0 and second_hits >= 1, runs
 
 
+def test_linalg_programs_loaded_in_a_second_process_run(tmp_path):
+    """A program with LAPACK calls (svd, qr, eigh) loaded from the program store in a new process
+    ran through jaxlib's LAPACK table before anything filled it: a segmentation fault (NOTE
+    [loaded programs and LAPACK] in runtime/diskcache.py). Both processes print CPU's values."""
+    code = ("import torch, deferfuse\n"
+            "a = torch.arange(15.).reshape(5, 3).sin()\n"
+            "t = a.to('tpu')\n"
+            "s = torch.linalg.svd(t, full_matrices=False)[1]\n"
+            "r = torch.linalg.qr(t)[1].abs()\n"
+            "e = torch.linalg.eigvalsh(t.mT @ t)\n"
+            "want = torch.cat([torch.linalg.svd(a, full_matrices=False)[1],\n"
+            "                  torch.linalg.qr(a)[1].abs().flatten(), torch.linalg.eigvalsh(a.mT @ a)])\n"
+            "got = torch.cat([s, r.flatten(), e]).cpu()\n"
+            "print(torch.allclose(got, want, atol=1e-4), deferfuse.metrics()['disk_cache_hits'])\n")
+    env = {**os.environ, "DEFERFUSE_CACHE_DIR": str(tmp_path), "TORCHTPU_MODE": "strict"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    out = [r.stdout.split() for r in runs]
+    assert out[0][0] == out[1][0] == "True", out
+    assert int(out[1][1]) >= 1, out          # the second process loaded what the first stored
+
+
 def test_memory_budget_splits_regions_and_matches():
     x = torch.randn(256, 256)
 
