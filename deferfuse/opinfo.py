@@ -10,6 +10,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 
 from .attention import DECOMPOSITIONS as ATTENTION_DECOMPOSITIONS
 from .histogram import DECOMPOSITIONS as HISTOGRAM_DECOMPOSITIONS
+from .lstsq import DECOMPOSITIONS as LSTSQ_DECOMPOSITIONS
 from .runtime.lowering import LOWERINGS
 
 aten = torch.ops.aten
@@ -170,6 +171,7 @@ _DECOMP = {k: v for k, v in decomposition_table.items()
 _DECOMP.update(core_aten_decompositions())
 _DECOMP.update(ATTENTION_DECOMPOSITIONS)
 _DECOMP.update(HISTOGRAM_DECOMPOSITIONS)
+_DECOMP.update(LSTSQ_DECOMPOSITIONS)
 
 
 def decompose(func, args, kwargs):

@@ -307,14 +307,39 @@ def test_geqrf_layout_and_values(shape):
     got, want = torch.geqrf(tpu(a)), torch.geqrf(a)
     assert [t.stride() for t in got] == [t.stride() for t in want] or a.numel() == 0
     for bad in (torch.randn(3), torch.ones(3, 3, dtype=torch.long)):
-        with pytest.raises(type(_raised(torch.geqrf, bad))) as e:
+        with pytest.raises(type(_raised(lambda: torch.geqrf(bad)))) as e:
             torch.geqrf(tpu(bad))
-        assert str(e.value) == str(_raised(torch.geqrf, bad))
+        assert str(e.value) == str(_raised(lambda: torch.geqrf(bad)))
 
 
-def _raised(fn, *args):
+def _raised(fn):
     try:
-        fn(*args)
+        fn()
     except Exception as e:      # noqa: BLE001 - the exception CPU raises is the expectation
         return e
     raise AssertionError("CPU did not raise")
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("driver", [None, "gels", "gelsd"], ids=str)
+def test_lstsq_drivers(driver):
+    """linalg.lstsq on tpu (deferfuse/lstsq.py; PyTorch has no kernel but CPU's and CUDA's): each
+    driver's outputs as CPU gives them (which are empty, ranks, singular values, residuals only
+    for tall full-rank systems), tall, wide, batched with broadcasting, a vector right-hand side,
+    a rank-deficient matrix; CPU's errors."""
+    g = torch.Generator().manual_seed(0)
+    cases = [((5, 3), (5, 2)), ((3, 5), (3, 2)), ((5, 3), (5,)), ((1, 5, 3), (2, 5, 2))]
+    for sa, sb in cases:
+        check(lambda a, b: torch.linalg.lstsq(a, b, driver=driver),
+              torch.randn(sa, generator=g), torch.randn(sb, generator=g))
+    if driver != "gels":        # gels assumes full rank (LAPACK's answer is undefined)
+        low = torch.randn(5, 2, generator=g) @ torch.randn(2, 3, generator=g)
+        check(lambda a, b: torch.linalg.lstsq(a, b, driver=driver), low,
+              torch.randn(5, 2, generator=g))
+    for a, b, d in ((torch.randn(3, 3), torch.randn(4, 2), driver),
+                    (torch.randn(3, 3), torch.randn(3, 2), "foo"),
+                    (torch.randn(3, 3), torch.randn(3, 2, dtype=torch.float64), driver)):
+        want = _raised(lambda: torch.linalg.lstsq(a, b, driver=d))
+        with pytest.raises(type(want)) as e:
+            torch.linalg.lstsq(tpu(a), tpu(b), driver=d)
+        assert str(e.value) == str(want)
