@@ -403,11 +403,17 @@ def _geqrf_rule(a):
                      (tuple(batch) + (k,), tuple(tau_stride) + (1,), a.dtype))
 
 
+def _ctc_backward_rule(grad, log_probs, *args, **kwargs):
+    """_ctc_loss_backward: a contiguous gradient shaped as ``log_probs``."""
+    return "one", (_desc(torch.empty(log_probs.shape, dtype=log_probs.dtype, device="meta")),)
+
+
 # Ops whose meta kernel is missing (GRU, the margin losses' backward ops) or fails on valid input
 # (LSTM without biases): shape rules here, as PyTorch's CPU and CUDA kernels shape their outputs
 # (see runtime/lowering/rnn.py, losses.py).
 _RULES = {aten._thnn_fused_lstm_cell.default: _lstm_cell_rule,
           aten.geqrf.default: _geqrf_rule,
+          aten._ctc_loss_backward.default: _ctc_backward_rule,
           aten._thnn_fused_lstm_cell_backward_impl.default: _lstm_cell_backward_rule,
           aten._thnn_fused_gru_cell.default: _gru_cell_rule,
           aten._thnn_fused_gru_cell_backward.default: _gru_cell_backward_rule,
@@ -475,9 +481,12 @@ _DTYPE_REFUSAL = re.compile(r"not implemented for '|(with|on) (a|two) bool tenso
                             r"supported")
 _DTYPE_ERRORS = Cache("dtype support", 4096)    # (op, dtypes of its arguments) -> error or None
 _PROBING = threading.local()                    # this thread is running a dtype probe
-# CPU kernels that crash on stand-ins (oneDNN reads their real shapes): never probed.
-_NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), "default", None) for p in (
-    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward")) if o is not None}
+# CPU kernels that crash on stand-ins (oneDNN reads their real shapes; CTC's backward indexes its
+# inputs by the real lengths, unchecked): never probed.
+_NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov in (
+    ("mkldnn_rnn_layer", "default"), ("mkldnn_rnn_layer_backward", "default"),
+    ("_ctc_loss", "default"), ("_ctc_loss", "Tensor"), ("_ctc_loss_backward", "default"),
+    ("_ctc_loss_backward", "Tensor"))) if o is not None}
 
 
 def dtype_error(func, args, kwargs):

@@ -9,6 +9,7 @@ import torch
 from torch._decomp import core_aten_decompositions, decomposition_table
 
 from .attention import DECOMPOSITIONS as ATTENTION_DECOMPOSITIONS
+from .ctc import DECOMPOSITIONS as CTC_DECOMPOSITIONS
 from .histogram import DECOMPOSITIONS as HISTOGRAM_DECOMPOSITIONS
 from .lstsq import DECOMPOSITIONS as LSTSQ_DECOMPOSITIONS
 from .runtime.lowering import LOWERINGS
@@ -171,6 +172,7 @@ _DECOMP = {k: v for k, v in decomposition_table.items()
 _DECOMP.update(core_aten_decompositions())
 _DECOMP.update(ATTENTION_DECOMPOSITIONS)
 _DECOMP.update(HISTOGRAM_DECOMPOSITIONS)
+_DECOMP.update(CTC_DECOMPOSITIONS)
 _DECOMP.update(LSTSQ_DECOMPOSITIONS)
 
 

@@ -102,9 +102,7 @@ BROKEN_GRADS = {"nn.Embedding": {"weight"}, "nn.LayerNorm": {"weight", "bias"},
                 "nn.ReplicationPad3d": {"input[0]"}}
 
 # Why the known failures fail (for the table; the sweep does not use it).
-CAUSES = {
-    "nn.CTCLoss": "float32: aten._ctc_loss has no lowering (runs on CPU, in every dtype)",
-}
+CAUSES: dict = {}
 
 
 def load_modules() -> dict:

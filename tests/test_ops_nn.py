@@ -635,6 +635,32 @@ def test_ctc_loss_lengths_on_cpu_or_tpu(lengths_on, reduction):
     assert_same(g_got, g_want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.modes("defer")
+def test_ctc_loss_edges_on_tpu():
+    """CTC forward and backward lowered (runtime/lowering/losses.py), no CPU fallback: repeated
+    labels (a blank must separate them), an empty target, an input too short for its target (inf,
+    and zero_infinity's zeros), an empty input, inputs shorter than the batch's longest; padded
+    and concatenated targets."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 5, 6, generator=g)
+    il, tl = [7, 5, 1, 0, 7], [3, 0, 2, 0, 4]
+    tg = torch.randint(1, 6, (5, 4), generator=g)
+    tg[0, :2] = 2                                           # a repeated label
+    flat = torch.cat([tg[b, :n] for b, n in enumerate(tl)])
+    before = dict(deferfuse.metrics()["cpu_fallbacks"])
+    for targets, zero_infinity, reduction in ((tg, False, "mean"), (flat, True, "none")):
+        def run(x, tg):
+            x = x.requires_grad_()
+            loss = F.ctc_loss(x.log_softmax(-1), tg, il, tl, reduction=reduction,
+                              zero_infinity=zero_infinity)
+            return loss, torch.autograd.grad(loss.sum(), x)[0]
+        want, g_want = run(x.clone(), targets)
+        got, g_got = run(x.to("tpu"), targets.to("tpu"))
+        assert_same(got, want, atol=1e-5, rtol=1e-5)
+        assert_same(g_got, g_want, atol=1e-5, rtol=1e-5)
+    assert deferfuse.metrics()["cpu_fallbacks"] == before
+
+
 @pytest.mark.parametrize("enforce_sorted", [True, False])
 def test_packed_sequence_through_lstm(enforce_sorted):
     # pack_padded_sequence keeps batch_sizes on CPU (PackedSequence requires it; a CPU fallback

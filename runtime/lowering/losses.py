@@ -260,3 +260,136 @@ def multilabel_margin_loss_forward(self, target, reduction):
 def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
     out, vjp = jax.vjp(lambda x: _reduce(_multilabel_margin(x, target), reduction), _acc(self))
     return vjp(_acc(grad_output).reshape(out.shape))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# CTC loss: PyTorch's CPU kernels (LossCTC.cpp), vectorized over the batch and the extended target
+# (blank, l1, blank, l2, ..., blank): the alpha recursion forward and the beta recursion backward
+# as scans over time, each step's log-sum-exp of up to three predecessors written as CPU writes it
+# (the largest subtracted, 0 when all are -inf). States past a sample's 2 * length and times past
+# its input length hold -inf (CPU leaves them unwritten; nothing reads them).
+
+def _ctc_targets(targets, target_lengths, lmax: int):
+    """(N, lmax) padded targets from 2-D targets or 1-D concatenated ones (static lengths)."""
+    n = len(target_lengths)
+    if targets.ndim == 2:
+        return targets[:, :lmax].astype(jnp.int32)
+    offs = [sum(target_lengths[:i]) for i in range(n)]
+    idx = jnp.asarray([[min(offs[b] + j, max(targets.shape[0] - 1, 0)) for j in range(lmax)]
+                       for b in range(n)], jnp.int32).reshape(n, lmax)
+    return targets[idx].astype(jnp.int32) if targets.shape[0] else jnp.zeros((n, lmax), jnp.int32)
+
+
+def _ctc_setup(log_probs, targets, target_lengths, blank, lmax):
+    n = log_probs.shape[1]
+    s = 2 * lmax + 1
+    tg = _ctc_targets(targets, target_lengths, lmax)
+    sidx = jnp.arange(s)
+    prime = jnp.where(sidx % 2 == 0, blank, tg[:, jnp.clip((sidx - 1) // 2, 0, max(lmax - 1, 0))]
+                      if lmax else blank)
+    prime = jnp.broadcast_to(prime, (n, s)).astype(jnp.int32)
+    lpg = jnp.take_along_axis(log_probs, jnp.broadcast_to(prime[None], (log_probs.shape[0], n, s)),
+                              axis=2)                                   # (T, N, S)
+    tl = jnp.asarray(target_lengths, jnp.int32).reshape(n)
+    live = sidx[None, :] <= 2 * tl[:, None]                             # (N, S)
+    return prime, lpg, tl, live, sidx
+
+
+def _lse3(a, b, c):
+    m = jnp.maximum(jnp.maximum(a, b), c)
+    m = jnp.where(m == -jnp.inf, 0, m)
+    return jnp.log(jnp.exp(a - m) + jnp.exp(b - m) + jnp.exp(c - m)) + m
+
+
+def _shift(x, k):
+    """x[..., s - k] at s (k > 0) or x[..., s + |k|] (k < 0), -inf where out of range."""
+    pad = jnp.full(x.shape[:-1] + (abs(k),), -jnp.inf, x.dtype)
+    return (jnp.concatenate([pad, x[..., :-k]], -1) if k > 0
+            else jnp.concatenate([x[..., -k:], pad], -1))
+
+
+@op("_ctc_loss.default")
+def ctc_loss_forward(log_probs, targets, input_lengths, target_lengths, blank=0,
+                     zero_infinity=False):
+    t_len, n, _ = log_probs.shape
+    lmax = max(list(target_lengths) + [0])
+    prime, lpg, tl, live, sidx = _ctc_setup(log_probs, targets, target_lengths, blank, lmax)
+    il = jnp.asarray(input_lengths, jnp.int32).reshape(n)
+    ninf = jnp.asarray(-jnp.inf, log_probs.dtype)
+    first = jnp.where((sidx[None] == 0) | ((sidx[None] == 1) & (tl[:, None] > 0)), lpg[0], ninf)
+    first = jnp.where(il[:, None] > 0, first, ninf)
+    three = (sidx[None] > 1) & (prime != _shift_int(prime, 2))
+
+    def step(prev, xs):
+        t, lp_t = xs
+        new = _lse3(prev, _shift(prev, 1), jnp.where(three, _shift(prev, 2), ninf)) + lp_t
+        new = jnp.where(live & (t < il)[:, None], new, ninf)
+        return new, new
+    if t_len > 1:
+        _, rest = lax.scan(step, first, (jnp.arange(1, t_len), lpg[1:]))
+        alpha = jnp.concatenate([first[None], rest], 0)                 # (T, N, S)
+    else:
+        alpha = first[None]
+    last = alpha[jnp.clip(il - 1, 0, t_len - 1), jnp.arange(n)]         # (N, S)
+    bidx = jnp.arange(n)
+    l1 = last[bidx, 2 * tl]
+    l2 = jnp.where(tl > 0, last[bidx, jnp.maximum(2 * tl - 1, 0)], ninf)
+    m = jnp.maximum(l1, l2)
+    m = jnp.where(m == -jnp.inf, 0, m)
+    ll = jnp.where(tl > 0, jnp.log(jnp.exp(l1 - m) + jnp.exp(l2 - m)) + m, last[:, 0])
+    ll = jnp.where(il > 0, ll, jnp.where(tl == 0, 0, ninf))
+    return -ll, jnp.transpose(alpha, (1, 0, 2))
+
+
+def _shift_int(x, k):
+    pad = jnp.full(x.shape[:-1] + (k,), -1, x.dtype)
+    return jnp.concatenate([pad, x[..., :-k]], -1)
+
+
+@op("_ctc_loss_backward.default")
+def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood,
+                      log_alpha, blank, zero_infinity=False):
+    t_len, n, c = log_probs.shape
+    lmax = (log_alpha.shape[2] - 1) // 2
+    prime, lpg, tl, live, sidx = _ctc_setup(log_probs, targets, target_lengths, blank, lmax)
+    il = jnp.asarray(input_lengths, jnp.int32).reshape(n)
+    ninf = jnp.asarray(-jnp.inf, log_probs.dtype)
+    # s + 2 is another label than s (and s < 2L - 1): the beta recursion's third summand
+    nxt2 = jnp.concatenate([prime[:, 2:], jnp.full((n, 2), -1, prime.dtype)], -1)
+    three = (sidx[None] < 2 * tl[:, None] - 1) & (nxt2 != prime)
+    below = sidx[None] < 2 * tl[:, None]
+
+    def step(nxt, xs):
+        t, lp_t = xs
+        rec = _lse3(nxt, jnp.where(below, _shift(nxt, -1), ninf),
+                    jnp.where(three, _shift(nxt, -2), ninf)) + lp_t
+        init = jnp.where((sidx[None] == 2 * tl[:, None])
+                         | ((sidx[None] == 2 * tl[:, None] - 1) & (tl[:, None] > 0)), lp_t, ninf)
+        new = jnp.where((t == il - 1)[:, None], init, jnp.where((t < il - 1)[:, None], rec, ninf))
+        new = jnp.where(live, new, ninf)
+        return new, new
+    _, beta = lax.scan(step, jnp.full((n, prime.shape[1]), -jnp.inf, log_probs.dtype),
+                       (jnp.arange(t_len), lpg), reverse=True)           # (T, N, S)
+    alpha = jnp.transpose(log_alpha, (1, 0, 2))
+    lab = jnp.where(live[None] & (jnp.arange(t_len)[:, None, None] < il[None, :, None]),
+                    alpha + beta, ninf)
+    # per label, CPU's running log-sum over the states carrying it, s from 2L down to 0 (an
+    # empty sum is -inf and takes the first term as it is): the same additions in the same order,
+    # which matters where the gradient's two terms nearly cancel
+    bi = jnp.arange(n)[None, :]
+
+    def gather(acc, xs):
+        lab_s, p_s = xs                                   # (T, N), (N,)
+        cur = acc[:, bi[0], p_s]                          # (T, N)
+        m = jnp.maximum(cur, lab_s)
+        both = jnp.log(jnp.exp(cur - m) + jnp.exp(lab_s - m)) + m
+        new = jnp.where(cur == -jnp.inf, lab_s, both)
+        return acc.at[:, bi[0], p_s].set(new), None
+    lcab, _ = lax.scan(gather, jnp.full((t_len, n, c), -jnp.inf, lab.dtype),
+                       (jnp.moveaxis(lab, 2, 0), prime.T), reverse=True)
+    nll = neg_log_likelihood[None, :, None]
+    res = (jnp.exp(log_probs) - jnp.exp(lcab + nll - log_probs)) * grad[None, :, None]
+    res = jnp.where(jnp.arange(t_len)[:, None, None] < il[None, :, None], res, 0)
+    if zero_infinity:
+        res = jnp.where((neg_log_likelihood == jnp.inf)[None, :, None], 0, res)
+    return res
