@@ -118,8 +118,9 @@ class TpuAttentionImpl(AttentionImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
         block_size = kv_cache.shape[2]
-        slots = slot_mapping.to(torch.int64)
-        # padded tokens have slot -1 (vLLM's PAD_SLOT_ID); the runner passes them only past n
+        # padded tokens have slot -1 (vLLM's PAD_SLOT_ID), which indexing would wrap to the last
+        # block: send them to block 0, vLLM's null block, which no request reads
+        slots = slot_mapping.to(torch.int64).clamp(min=0)
         kv = torch.cat([key[:n], value[:n]], dim=-1).to(kv_cache.dtype)
         kv_cache[slots // block_size, :, slots % block_size] = kv
 
