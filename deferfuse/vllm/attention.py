@@ -114,6 +114,7 @@ class TpuAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
 
+    @torch._dynamo.dont_skip_tracing
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
@@ -124,6 +125,7 @@ class TpuAttentionImpl(AttentionImpl):
         kv = torch.cat([key[:n], value[:n]], dim=-1).to(kv_cache.dtype)
         kv_cache[slots // block_size, :, slots % block_size] = kv
 
+    @torch._dynamo.dont_skip_tracing
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TpuAttentionMetadata | None,
                 output: torch.Tensor, output_scale=None, output_block_scale=None) -> torch.Tensor:

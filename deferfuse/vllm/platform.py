@@ -121,12 +121,16 @@ class TpuPlatform(Platform):
 
         # No CUDA graphs; vLLM's own torch.compile path (Inductor passes) is off: the model runs
         # in defer mode, each step recorded and run as fused, cached XLA programs.
+        # compilation_config={"mode": 1, "backend": "tpu"} (STOCK_TORCH_COMPILE) compiles the model
+        # with torch.compile(backend="tpu"), deferfuse's compiled mode
         compilation_config = vllm_config.compilation_config
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-        if compilation_config.mode != CompilationMode.NONE:
+        stock = (compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE
+                 and compilation_config.backend in ("tpu", "deferfuse"))
+        if not stock:
             compilation_config.mode = CompilationMode.NONE
-        if vllm_config.model_config is not None:
-            vllm_config.model_config.enforce_eager = True
+            if vllm_config.model_config is not None:
+                vllm_config.model_config.enforce_eager = True
 
         # async scheduling copies each step's tokens on a second CUDA stream behind CUDA events;
         # the step's tolist() is the sync point here

@@ -14,6 +14,7 @@ import contextlib
 import gc
 
 import torch
+from vllm.config import CompilationMode
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 from vllm.platforms import current_platform
@@ -79,6 +80,16 @@ class TpuModelRunner(GPUModelRunner):
         self.model = get_model(vllm_config=self.vllm_config)
         if self.lora_config:
             self.model = self.load_lora_model(self.model, self.vllm_config, self.device)
+        cc = self.vllm_config.compilation_config
+        if cc.mode == CompilationMode.STOCK_TORCH_COMPILE:
+            # deferfuse's compiled mode: each Dynamo graph one jax.jit program (docs/compiled.md).
+            # vLLM's parameter subclasses (ModelWeightParameter ...) only carry weight loaders:
+            # plain Parameters from here on, which is what compiled graphs take
+            for mod in self.model.modules():
+                for name, p in list(mod._parameters.items()):
+                    if p is not None and type(p) is not torch.nn.Parameter:
+                        mod._parameters[name] = torch.nn.Parameter(p.data, requires_grad=False)
+            self.model.compile(fullgraph=True, backend=cc.init_backend(self.vllm_config))
 
     def get_model(self) -> torch.nn.Module:
         return self.model
