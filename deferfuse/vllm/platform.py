@@ -33,8 +33,6 @@ class TpuPlatform(Platform):
     device_type: str = "tpu"
     dispatch_key: str = "PrivateUse1"
     dist_backend: str = "tpu"
-    ray_device_key: str = "TPU"
-    device_control_env_var: str = "DEFERFUSE_VISIBLE_DEVICES"
     # vLLM compiles a few small helpers with torch.compile(backend=simple_compile_backend)
     simple_compile_backend: str = "tpu"
 

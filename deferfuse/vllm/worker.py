@@ -2,9 +2,9 @@
 
 ``TpuWorker`` is vLLM's GPU ``Worker`` with the device set up as ``tpu:N`` and the KV cache sized
 from the device's free memory (or ``kv_cache_memory_bytes``). ``TpuModelRunner`` is vLLM's
-``GPUModelRunner`` with, as the in-tree XPU runner does, ``torch.cuda``'s streams and events swapped
-for ``torch.tpu``'s while it is built (one stream per device: docs/engine.md), the KV cache
-allocated as one plain tensor a layer (vLLM's default carves every layer out of one int8 buffer
+``GPUModelRunner`` with, as the in-tree XPU runner does, ``torch.cuda``'s streams and events
+swapped for ``torch.tpu``'s while it is built (NOTE [one stream] in deferfuse/streams.py), the KV
+cache allocated as one plain tensor a layer (vLLM's default carves every layer out of one int8 buffer
 through ``as_strided`` and dtype views), and sampled tokens read with one ``tolist()``, the step's
 sync point.
 """
