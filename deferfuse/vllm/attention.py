@@ -9,9 +9,9 @@ CPU backend lays it out.
 - **attend**: each request's blocks are gathered through its block table row (only the blocks the
   longest sequence of the step needs), queries are laid out per request (a decode step is one query
   a request: no scatter), and ``scaled_dot_product_attention`` runs with a causal mask from each
-  query's position. Its sizes change with the batch; deferfuse runs such regions padded to
-  power-of-two buckets (docs/recompiles.md), so a long generation compiles a few programs, not one
-  a token.
+  query's position. Its sizes change with the batch and the sequence length; deferfuse runs such
+  regions padded to power-of-two buckets (docs/recompiles.md), so the programs grow with the
+  logarithm of the length, not one a token.
 
 What the metadata builder computes on the host from vLLM's host-side copies: where each token's
 query sits in the per-request layout. Everything else stays on the device.
