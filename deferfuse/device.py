@@ -181,6 +181,9 @@ def _patch_accelerator() -> None:
                                           takes_device=False))
     if hasattr(acc, "empty_cache"):
         acc.empty_cache = _on_tpu_or(acc.empty_cache, lambda: None, takes_device=False)
+    # the host (pinned) allocator it empties is one a Python backend has not got: a segfault
+    if hasattr(acc, "empty_host_cache"):
+        acc.empty_host_cache = _on_tpu_or(acc.empty_host_cache, lambda: None, takes_device=False)
 
 
 def _on_tpu_or(orig, ours, takes_device=True):

@@ -23,13 +23,16 @@ def test_wheel_installs_and_imports(tmp_path):
     for pkg in ("deferfuse/__init__.py", "deferfuse/distributed/__init__.py", "deferfuse/runtime/__init__.py",
                 "deferfuse/runtime/lowering/__init__.py", "deferfuse/runtime/lowering/pointwise.py",
                 "deferfuse/runtime/lowering/activations.py", "deferfuse/scheduler/__init__.py",
-                "deferfuse/scheduler/records.py", "deferfuse/scheduler/cut.py"):
+                "deferfuse/scheduler/records.py", "deferfuse/scheduler/cut.py",
+                "deferfuse/vllm/__init__.py", "deferfuse/vllm/platform.py"):
         assert pkg in names, f"{pkg} missing from the wheel"
     assert not any(n.startswith(("runtime/", "scheduler/", "tests/")) for n in names)
     # the autoload module and its torch.backends entry point (import torch registers tpu)
     assert "deferfuse_autoload.py" in names
     ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "[torch.backends]\ndeferfuse = deferfuse_autoload:autoload" in zipfile.ZipFile(wheel).read(ep).decode()
+    # vLLM's platform plugin (docs/serving.md)
+    assert "[vllm.platform_plugins]\ndeferfuse = deferfuse.vllm:register" in zipfile.ZipFile(wheel).read(ep).decode()
     # A clean venv that sees this environment's torch/jax (so nothing is downloaded), but not the
     # repository: the wheel alone must provide deferfuse.
     venv = tmp_path / "venv"

