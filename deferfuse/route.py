@@ -26,6 +26,25 @@ _routes = engine.routes     # id(OpOverload) -> (handler(func, info, args, kwarg
 _mode = torch._C._get_dispatch_mode
 
 
+def _in_base_mode(run):
+    """NOTE [views in inference mode]: a view of a normal tensor taken under
+    ``torch.inference_mode()`` is a normal tensor (PyTorch's view ops then give it the base's
+    version counter, which an inference tensor cannot take: "Cannot set version_counter for
+    inference tensor"). A tensor made in inference mode is an inference tensor, so the view of a
+    normal base is made with inference mode off, as CPU's view kernels make theirs from the base."""
+    def view(func, info, args, kwargs):
+        if _inference_on():
+            base = args[0]
+            if isinstance(base, torch.Tensor) and not base.is_inference():
+                with torch.inference_mode(False):
+                    return run(func, info, args, kwargs)
+        return run(func, info, args, kwargs)
+    return view
+
+
+_inference_on = torch.is_inference_mode_enabled
+
+
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
     """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper).
     A signal that arrives meanwhile is handled when it returns (NOTE [interrupt safety])."""
@@ -103,9 +122,9 @@ def _route(func):
     if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
         return _run, info, func
     if func in ALIAS_OPS:
-        return run_alias, info, func
+        return _in_base_mode(run_alias), info, func
     if kind == "view":
-        return run_view, info, func
+        return _in_base_mode(run_view), info, func
     if kind == "decomp":
         return _decomp, info, func
     if kind == "data_dependent":

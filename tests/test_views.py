@@ -386,3 +386,21 @@ def test_torchrec_table_batched_embedding_slice():
             assert_same(g, w.detach().as_subclass(torch.Tensor), rtol=1e-5, msg=str(i))
         else:
             assert g == w, (i, g, w)
+
+
+def test_views_of_normal_tensors_in_inference_mode():
+    """Under torch.inference_mode(), a view (or detach) of a tensor made outside it is a normal
+    tensor sharing the base's version counter, as on CPU; a view of an inference tensor is an
+    inference tensor; computed results are inference tensors (NOTE [views in inference mode]).
+    vLLM's model runner slices its persistent buffers this way."""
+    for dev in ("cpu", "tpu"):
+        x = torch.arange(16.0).reshape(4, 4).to(dev)
+        with torch.inference_mode():
+            y = torch.ones(4, 4, device=dev)
+            z, d, w = x[1:3], x.detach(), y.t()[0]
+            got = (z.is_inference(), d.is_inference(), w.is_inference(), (z * 2).is_inference())
+            assert got == (False, False, True, True), (dev, got)
+            assert (z * 2).sum().item() == 2 * sum(range(4, 12))
+        z.add_(1)                                  # outside: the view writes through to its base
+        assert x._version == z._version == 1
+        assert x[1:3].sum().item() == sum(range(4, 12)) + 8
