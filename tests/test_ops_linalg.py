@@ -343,3 +343,14 @@ def test_lstsq_drivers(driver):
         with pytest.raises(type(want)) as e:
             torch.linalg.lstsq(tpu(a), tpu(b), driver=d)
         assert str(e.value) == str(want)
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64], ids=str)
+def test_eig_general_matrices(dtype):
+    """linalg.eig / eigvals on tpu (LAPACK's geev through JAX on the CPU platform; it was a CPU
+    fallback): eigenvalues and unit eigenvectors as CPU gives them, batched, real and complex."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 4, 4, generator=g, dtype=dtype)
+    check(torch.linalg.eig, a, tol=(1e-4, 1e-4))
+    check(torch.linalg.eigvals, a[0], tol=(1e-4, 1e-4))

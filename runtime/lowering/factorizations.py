@@ -426,6 +426,22 @@ def geqrf(a):
     return f(a)
 
 
+@op("linalg_eig.default")
+def linalg_eig(a):
+    """Eigen-decomposition of a general matrix: LAPACK's geev through JAX, which offers it on CPU
+    only (on other platforms this raises NotImplementedError and the op runs on the host CPU).
+    LAPACK normalizes each eigenvector to unit norm with its largest component real, as CPU
+    eager's geev does."""
+    from .. import platform
+    if platform.name() != "cpu":
+        raise NotImplementedError("linalg_eig: JAX has a general eigensolver on CPU only")
+    ct = jnp.complex128 if a.dtype in (jnp.float64, jnp.complex128) else jnp.complex64
+    if not a.size:
+        return (jnp.zeros(a.shape[:-1], ct), jnp.zeros(a.shape, ct))
+    w, v = lax.linalg.eig(a, compute_left_eigenvectors=False)
+    return w.astype(ct), v.astype(ct)
+
+
 @op("linalg_householder_product.default")
 def householder_product(a, tau):
     return lax.linalg.householder_product(a, tau)
