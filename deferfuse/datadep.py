@@ -192,7 +192,43 @@ def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
     return values, inv, cnt
 
 
+def _h_bincount(func, args, kwargs):
+    """bincount: its length is max(minlength, the largest value + 1), one read of the input's
+    smallest and largest values (a negative one raises CPU's error); the counts (or weights)
+    are added on the device at that length's bucket and cut to it."""
+    x = args[0]
+    weights = args[1] if len(args) > 1 else kwargs.get("weights")
+    minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+    if (type(x) is not TpuTensor or x.dim() != 1 or x.is_floating_point() or x.is_complex()
+            or x.dtype == torch.bool or minlength < 0
+            or (weights is not None and (type(weights) is not TpuTensor or weights.dim() != 1
+                                         or weights.shape[0] != x.shape[0]
+                                         or weights.dtype in (torch.float16, torch.bfloat16)
+                                         or weights.is_complex()))):
+        raise Fallback(_WHY)                # CPU's errors, and its kernels' dtypes
+    if x.numel():
+        lo, hi = to_cpu(aten.stack.default([aten.min.default(x), aten.max.default(x)]),
+                        _WHY).tolist()
+        if lo < 0:
+            raise Fallback(_WHY)            # CPU's "non-negative integral inputs" error
+        n = max(minlength, hi + 1)
+    else:
+        n = minlength
+    if weights is None:
+        dtype = torch.int64
+        w = aten.ones_like.default(x, dtype=dtype)
+    else:
+        dtype = weights.dtype if weights.is_floating_point() else torch.float64
+        w = aten._to_copy.default(weights, dtype=dtype)
+    size = bucket_of(n) if n else 0
+    out = aten.zeros.default([size], dtype=dtype, device=x.device)
+    if x.numel():
+        out = aten.index_put.default(out, [x], w, True)
+    return _cut(out, n)
+
+
 HANDLERS = {
+    aten.bincount.default: _h_bincount,
     aten.nonzero.default: _h_nonzero,
     aten.masked_select.default: _h_masked_select,
     aten.index.Tensor: _h_index,

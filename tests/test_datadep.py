@@ -116,3 +116,24 @@ def test_varying_count_compiles_per_bucket(tpu_mode):
     if tpu_mode == "defer":
         assert deferfuse.metrics()["syncs"].get("data-dependent shape", 0) >= 3 * len(compiles)
     _no_fallback()
+
+
+def test_bincount_on_tpu():
+    """bincount: its length read from the data once (the input's smallest and largest values),
+    counts or weights added on the device; weights' dtypes, minlength, an empty input, and CPU's
+    errors (a negative value, a float input) as CPU raises them; no CPU fallback."""
+    x = torch.tensor([1, 3, 3, 0, 7])
+    before = dict(deferfuse.metrics()["cpu_fallbacks"])
+    for args in [(x,), (x, None, 10), (x, torch.linspace(0, 1, 5)),
+                 (x.int(), torch.ones(5, dtype=torch.int32)), (torch.tensor([], dtype=torch.long),),
+                 (torch.tensor([], dtype=torch.long), None, 3)]:
+        want = torch.bincount(*args)
+        got = torch.bincount(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
+        assert_same(got, want)
+    assert deferfuse.metrics()["cpu_fallbacks"] == before
+    for bad in (torch.tensor([-1, 2]), x.float()):
+        with pytest.raises(Exception) as cpu:
+            torch.bincount(bad)
+        with pytest.raises(type(cpu.value), match=str(cpu.value).replace("(", r"\(").replace(
+                ")", r"\)").replace(".", r"\.")):
+            torch.bincount(bad.to("tpu"))
