@@ -413,6 +413,7 @@ class _WordLM(torch.nn.Module):
         return torch.nn.functional.log_softmax(self.decoder(out), dim=-1).view(-1, 200), hidden
 
 
+@pytest.mark.modes("defer")
 def test_a_training_step_with_a_time_loop_is_one_body_not_one_per_time_step():
     # NOTE [outermost body] (scheduler/steps.py): word_language_model's training loop (bptt 35,
     # clip_grad_norm_, the manual ``p.data.add_``, ``loss.item()`` every batch) ran as about 94
@@ -443,10 +444,9 @@ def test_a_training_step_with_a_time_loop_is_one_body_not_one_per_time_step():
     torch.testing.assert_close(torch.tensor(lt), torch.tensor(lc), atol=1e-5, rtol=1e-5)
     for p, q in zip(mc.parameters(), mt.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-5)
-    if deferfuse.current_mode() == "defer":
-        # From the fourth batch on: the forward pass (cut at backward()) and the rest.
-        assert max(regions[4:]) <= 3, regions
-        assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] >= 1
+    # From the fourth batch on: the forward pass (cut at backward()) and the rest.
+    assert max(regions[4:]) <= 3, regions
+    assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] >= 1
 
 
 def test_many_steps_before_one_sync_compile_one_region_per_step():
