@@ -5,9 +5,9 @@ Tiny models built from configs here, random weights, no hub access: a Stable Dif
 prompt embeddings directly, and a DiT pipeline (``DiTTransformer2DModel``, class labels). Each runs
 in defer mode, with the denoiser under ``torch.compile(backend="tpu")``, and split over two devices
 with ``device_map="balanced"`` (a fresh process with two forced host devices). Both pipelines start
-from the same latents on both devices (made on CPU, or drawn from a CPU generator), since CPU's and
-tpu's generators draw different numbers; a seeded ``torch.Generator("tpu")`` is checked to repeat
-itself.
+from the same latents on both devices, since CPU's and tpu's generators draw different numbers:
+Stable Diffusion's drawn by a seeded ``torch.Generator("tpu")`` (and copied to CPU), DiT's by a CPU
+generator (the pipeline moves them to tpu).
 """
 import os
 import subprocess
@@ -61,17 +61,21 @@ BUILDERS = textwrap.dedent("""
         p.set_progress_bar_config(disable=True)
         return p
 
-    def sd_inputs():
-        g = torch.Generator().manual_seed(1)
-        return dict(prompt_embeds=torch.randn(2, 5, 16, generator=g),
-                    negative_prompt_embeds=torch.randn(2, 5, 16, generator=g),
-                    latents=torch.randn(2, 4, 8, 8, generator=g))
+    def tpu_latents(seed=3):
+        # What a pipeline does with generator=torch.Generator("tpu") (diffusers' randn_tensor).
+        from diffusers.utils.torch_utils import randn_tensor
+        return randn_tensor((2, 4, 8, 8), generator=torch.Generator("tpu").manual_seed(seed),
+                            device=torch.device("tpu"))
 
-    def sd_run(p, device, steps, **kw):
+    def sd_run(p, device, steps, latents=None, **kw):
+        g = torch.Generator().manual_seed(1)
+        x = dict(prompt_embeds=torch.randn(2, 5, 16, generator=g),
+                 negative_prompt_embeds=torch.randn(2, 5, 16, generator=g))
+        x = {k: v.to(device) for k, v in x.items()}
+        latents = tpu_latents() if latents is None else latents
         with torch.no_grad():
-            x = {k: v.to(device) for k, v in sd_inputs().items()}
-            out = p(**x, num_inference_steps=steps, guidance_scale=5.0, height=16, width=16,
-                    output_type="pt", **kw).images
+            out = p(**x, latents=latents.to(device), num_inference_steps=steps, guidance_scale=5.0,
+                    height=16, width=16, output_type="pt", **kw).images
         return out
 
     def dit_pipe():
@@ -97,7 +101,7 @@ pytestmark = pytest.mark.modes("defer")
 
 @pytest.fixture(scope="module")
 def sd_ref():
-    return B.sd_run(B.sd_pipe(), "cpu", STEPS)
+    return B.sd_run(B.sd_pipe(), "cpu", STEPS, B.tpu_latents().cpu())
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +115,15 @@ def _no_fallbacks():
 
 
 def test_unet_pipeline_matches_cpu_and_each_step_is_one_cached_program(sd_ref):
-    """Stable Diffusion (UNet, DDIM, guidance, VAE decode): CPU's images; from the third step on the
+    """Stable Diffusion (UNet, DDIM, guidance, VAE decode) from latents a seeded
+    ``torch.Generator("tpu")`` drew: CPU's images from the same latents; from the third step on the
     denoising loop compiles nothing (the first step's programs carry the loop's prologue), every
-    step runs the same number of programs, and a second call compiles nothing at all."""
+    step runs the same programs (one for the UNet and the step, and DDIM's own ``.item()`` reads),
+    and a second call compiles nothing at all. The generator draws the same latents again under the
+    same seed, and others under another."""
+    a, b, c = B.tpu_latents(3), B.tpu_latents(3), B.tpu_latents(4)
+    assert a.device.type == "tpu" and a.shape == (2, 4, 8, 8)
+    assert torch.equal(a.cpu(), b.cpu()) and not torch.equal(a.cpu(), c.cpu())
     p = B.sd_pipe().to("tpu")
     per_step = []
 
@@ -137,10 +147,9 @@ def test_unet_pipeline_matches_cpu_and_each_step_is_one_cached_program(sd_ref):
     _no_fallbacks()
 
 
-def test_dit_pipeline_matches_cpu_and_tpu_generator_repeats(dit_ref):
+def test_dit_pipeline_matches_cpu(dit_ref):
     """DiT (class labels, guidance, learned sigma, VAE decode): CPU's images from a CPU generator's
-    latents; a second call compiles nothing; a seeded ``torch.Generator("tpu")`` gives the same
-    images twice and other images under another seed."""
+    latents (the pipeline moves them to tpu); a second call compiles nothing."""
     p = B.dit_pipe().to("tpu")
     got = B.dit_run(p, STEPS)
     assert got.shape == dit_ref.shape == (2, 3, 16, 16)
@@ -148,28 +157,26 @@ def test_dit_pipeline_matches_cpu_and_tpu_generator_repeats(dit_ref):
     deferfuse.reset_metrics()
     assert_same(B.dit_run(p, STEPS), dit_ref, **TOL)
     assert deferfuse.metrics()["compiles"] == 0, deferfuse.metrics()["miss_reasons"]
-    a = B.dit_run(p, 2, torch.Generator("tpu").manual_seed(3))
-    b = B.dit_run(p, 2, torch.Generator("tpu").manual_seed(3))
-    c = B.dit_run(p, 2, torch.Generator("tpu").manual_seed(4))
-    assert torch.equal(a.cpu(), b.cpu())
-    assert (a - c).abs().max().item() > 0.01
     _no_fallbacks()
 
 
-def test_compiled_denoisers_match_cpu(sd_ref, dit_ref):
-    """``torch.compile(unet, backend="tpu")`` and the same for DiT's transformer: one graph each,
+@pytest.mark.parametrize("which", ["dit", pytest.param("unet", marks=pytest.mark.slow)])
+def test_compiled_denoiser_matches_cpu(which, request):
+    """``torch.compile(denoiser, backend="tpu")`` (DiT's transformer; the UNet, slow): graphs with
     none run eagerly, CPU's images; a second call compiles no graph and no program."""
-    sd = B.sd_pipe().to("tpu")
-    sd.unet = torch.compile(sd.unet, backend="tpu")
-    dit = B.dit_pipe().to("tpu")
-    dit.transformer = torch.compile(dit.transformer, backend="tpu")
-    assert_same(B.sd_run(sd, "tpu", STEPS), sd_ref, **TOL)
-    assert_same(B.dit_run(dit, STEPS), dit_ref, **TOL)
+    if which == "dit":
+        ref, p = request.getfixturevalue("dit_ref"), B.dit_pipe().to("tpu")
+        p.transformer = torch.compile(p.transformer, backend="tpu")
+        run = lambda: B.dit_run(p, STEPS)  # noqa: E731
+    else:
+        ref, p = request.getfixturevalue("sd_ref"), B.sd_pipe().to("tpu")
+        p.unet = torch.compile(p.unet, backend="tpu")
+        run = lambda: B.sd_run(p, "tpu", STEPS)  # noqa: E731
+    assert_same(run(), ref, **TOL)
     m = deferfuse.metrics()
-    assert m["compiled_graphs"] >= 2 and m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    assert m["compiled_graphs"] >= 1 and m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
     deferfuse.reset_metrics()
-    assert_same(B.sd_run(sd, "tpu", STEPS), sd_ref, **TOL)
-    assert_same(B.dit_run(dit, STEPS), dit_ref, **TOL)
+    assert_same(run(), ref, **TOL)
     m = deferfuse.metrics()
     assert m["graph_compiles"] == 0 and m["compiles"] == 0, (m["graph_recompiles"], m["miss_reasons"])
     _no_fallbacks()
@@ -180,31 +187,29 @@ SPLIT = BUILDERS + textwrap.dedent("""
     import deferfuse
     from diffusers.utils import logging
     logging.set_verbosity_error()
-    STEPS, d = int(sys.argv[1]), tempfile.mkdtemp()
+    STEPS, which, d = int(sys.argv[1]), sys.argv[2], tempfile.mkdtemp()
     assert torch.tpu.device_count() == 2
-    # A pipeline's components on two devices: the transformer on one, the VAE on the other.
-    # accelerate counts one chip per process for "tpu" unless max_memory names the devices.
-    dit_pipe().save_pretrained(d + "/dit")
-    want = dit_run(dit_pipe(), STEPS)
-    p = DiTPipeline.from_pretrained(d + "/dit", device_map="balanced",
-                                    max_memory={0: "1GB", 1: "1GB"})
-    p.set_progress_bar_config(disable=True)
-    assert sorted(p.hf_device_map.values()) == [0, 1], p.hf_device_map
-    assert {str(p.transformer.device), str(p.vae.device)} == {"tpu:0", "tpu:1"}
-    got = dit_run(p, STEPS)
-    got = got.cpu()
-    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-3, rtol=1e-3), \\
-        (got - want).abs().max()
-    # One model's layers on two devices (accelerate's hooks move activations between them).
-    u = unet()
-    u.save_pretrained(d + "/unet")
-    size = sum(t.numel() * 4 for t in u.parameters())
-    u = UNet2DConditionModel.from_pretrained(d + "/unet", device_map="balanced",
-                                             max_memory={0: size // 2, 1: size})
-    assert set(u.hf_device_map.values()) == {0, 1}, u.hf_device_map
-    want = sd_run(sd_pipe(), "cpu", STEPS)
-    got = sd_run(sd_pipe(unet_model=u, vae_model=vae().to("tpu")), "tpu", STEPS)
-    got = got.cpu()
+    if which == "dit":
+        # A pipeline's components on two devices: the transformer on one, the VAE on the other.
+        # accelerate counts one chip per process for "tpu" unless max_memory names the devices.
+        dit_pipe().save_pretrained(d)
+        want = dit_run(dit_pipe(), STEPS)
+        p = DiTPipeline.from_pretrained(d, device_map="balanced", max_memory={0: "1GB", 1: "1GB"})
+        p.set_progress_bar_config(disable=True)
+        assert sorted(p.hf_device_map.values()) == [0, 1], p.hf_device_map
+        assert {str(p.transformer.device), str(p.vae.device)} == {"tpu:0", "tpu:1"}
+        got = dit_run(p, STEPS).cpu()
+    else:
+        # One model's blocks on two devices (accelerate's hooks move activations between them).
+        u = unet()
+        u.save_pretrained(d)
+        size = sum(t.numel() * 4 for t in u.parameters())
+        u = UNet2DConditionModel.from_pretrained(d, device_map="balanced",
+                                                 max_memory={0: size // 2, 1: size})
+        assert set(u.hf_device_map.values()) == {0, 1}, u.hf_device_map
+        lat = tpu_latents()
+        want = sd_run(sd_pipe(), "cpu", STEPS, lat.cpu())
+        got = sd_run(sd_pipe(unet_model=u, vae_model=vae().to("tpu")), "tpu", STEPS, lat).cpu()
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-3, rtol=1e-3), \\
         (got - want).abs().max()
     assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
@@ -212,12 +217,13 @@ SPLIT = BUILDERS + textwrap.dedent("""
 """)
 
 
-def test_split_over_two_devices_with_balanced_device_map():
-    """``device_map="balanced"``: DiT's pipeline with its transformer and VAE on tpu:0 and tpu:1,
-    and a UNet whose blocks are split over both: CPU's images (a fresh process, two forced host
+@pytest.mark.parametrize("which", ["dit", pytest.param("unet", marks=pytest.mark.slow)])
+def test_split_over_two_devices_with_balanced_device_map(which):
+    """``device_map="balanced"``: DiT's pipeline with its transformer and VAE on tpu:0 and tpu:1;
+    (slow) a UNet whose blocks are split over both: CPU's images (a fresh process, two forced host
     devices)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "HF_HUB_OFFLINE": "1", "TORCHTPU_MODE": "defer"}
-    out = subprocess.run([sys.executable, "-c", SPLIT, "2"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", SPLIT, "2", which], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
