@@ -15,7 +15,8 @@ included), then ``--calls`` timed calls of ``--steps`` steps each, ``output_type
 ``sd`` (the VAE left out: the denoising loop alone), ending at a read of the latents. A row gives the best
 timed call divided by its steps, the first call's wall time, and what the timed calls compiled
 (0: each step reuses its programs). Systems: ``cpu`` (CPU eager PyTorch), ``defer`` (tpu,
-DeferAndFuse), ``compiled`` (tpu, the denoiser under ``torch.compile(backend="tpu")``). Every tpu row's
+DeferAndFuse), ``cpu1`` (CPU eager on one thread: on a busy machine PyTorch's thread pool
+slows down far more than one thread), ``compiled`` (tpu, the denoiser under ``torch.compile(backend="tpu")``). Every tpu row's
 latents are checked against the CPU row's (max abs difference). Results: bench/results/diffusers.{json,md}.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "diffusers")
 PIPELINES = ("sd", "dit")
-SYSTEMS = ("cpu", "defer", "compiled")
+SYSTEMS = ("cpu", "cpu1", "defer", "compiled")
 
 
 def build(which: str):
@@ -84,7 +85,9 @@ def child(a) -> None:
     from diffusers.utils import logging
     logging.set_verbosity_error()
     p = build(a.pipeline)
-    device = "cpu" if a.system == "cpu" else "tpu"
+    device = "cpu" if a.system.startswith("cpu") else "tpu"
+    if a.system == "cpu1":
+        torch.set_num_threads(1)
     df = None
     if device == "tpu":
         import deferfuse as df
@@ -116,6 +119,7 @@ def main() -> int:
     ap.add_argument("--pipelines", default=",".join(PIPELINES))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--results", default=RESULTS)
+    ap.add_argument("--merge", action="store_true", help="keep the other rows of the results file")
     ap.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -142,8 +146,8 @@ def main() -> int:
             else:
                 row = dict(pipeline=pipeline, system=system, **json.loads(line[0][7:]))
                 lat = torch.load(out)
-                if system == "cpu":
-                    ref = lat
+                if system.startswith("cpu"):
+                    ref = lat if ref is None else ref
                 elif ref is not None:
                     row["max_abs_diff"] = float((lat - ref).abs().max())
             rows.append(row)
@@ -151,6 +155,13 @@ def main() -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     meta = dict(steps=a.steps, calls=a.calls, load_avg_1min=load, cpus=os.cpu_count(),
                 torch=torch.__version__)
+    if a.merge and os.path.exists(a.results + ".json"):
+        with open(a.results + ".json") as f:
+            old = json.load(f)
+        done = {(r["pipeline"], r["system"]) for r in rows}
+        rows = [r for r in old["rows"] if (r["pipeline"], r["system"]) not in done] + rows
+        rows.sort(key=lambda r: (PIPELINES.index(r["pipeline"]), SYSTEMS.index(r["system"])))
+        meta = dict(old["meta"], merged=meta)
     os.makedirs(os.path.dirname(a.results), exist_ok=True)
     with open(a.results + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
@@ -161,12 +172,15 @@ def main() -> int:
 
 
 def render(meta, rows) -> str:
-    names = {"cpu": "CPU eager", "defer": "tpu defer", "compiled": "tpu compiled"}
+    names = {"cpu": "CPU eager", "cpu1": "CPU eager, 1 thread", "defer": "tpu defer",
+             "compiled": "tpu compiled"}
     out = ["# Diffusers: seconds per denoising step", "",
            f"`python bench/diffusers_bench.py` ({meta['steps']} steps a call, best of "
            f"{meta['calls']} timed calls after a first call; float32, batch 2 with guidance; "
            f"{meta['cpus']} CPUs, 1-minute load average {meta['load_avg_1min']:.1f} at the end; "
-           f"torch {meta['torch']}). The tpu device here is XLA's CPU backend.", "",
+           f"torch {meta['torch']}). The tpu device here is XLA's CPU backend.",
+           *([f"Rows merged from a later run (load average {meta['merged']['load_avg_1min']:.1f} at "
+              f"its end)."] if "merged" in meta else []), "",
            "| pipeline | system | ms per step | vs CPU eager | first call (s) | compiles in timed calls | max abs diff vs CPU |",
            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     cpu = {r["pipeline"]: r.get("step_s") for r in rows if r["system"] == "cpu"}
