@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep wheel-test clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary bench-diffusers sweep module-sweep wheel-test clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -56,6 +56,11 @@ bench-dist: $(STAMP)
 bench-vary: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/vary.py --quick $(ARGS)
+
+# Diffusers pipelines (docs/serving.md): ms per denoising step, CPU eager, tpu defer and compiled.
+bench-diffusers: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[diffusers]"
+	$(BIN)/python bench/diffusers_bench.py --steps 8 --calls 2 $(ARGS)
 
 wheel-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_packaging.py -m slow
