@@ -4,7 +4,8 @@ Tiny models built from configs here, random weights, no hub access: a Stable Dif
 (``UNet2DConditionModel`` with cross-attention, DDIM, classifier-free guidance, a VAE decoder) fed
 prompt embeddings directly, and a DiT pipeline (``DiTTransformer2DModel``, class labels). Each runs
 in defer mode, with the denoiser under ``torch.compile(backend="tpu")``, and split over two devices
-with ``device_map="balanced"`` (a fresh process with two forced host devices). Both pipelines start
+with ``device_map="balanced"`` (a fresh process with two forced host devices); the UNet's compiled
+and split runs, and a Flux transformer's flow-matching loop, are slow tests (``-m slow``). Both pipelines start
 from the same latents on both devices, since CPU's and tpu's generators draw different numbers:
 Stable Diffusion's drawn by a seeded ``torch.Generator("tpu")`` (and copied to CPU), DiT's by a CPU
 generator (the pipeline moves them to tpu).
@@ -227,3 +228,44 @@ def test_split_over_two_devices_with_balanced_device_map(which):
     out = subprocess.run([sys.executable, "-c", SPLIT, "2", which], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_flux_transformer_loop_matches_cpu():
+    """A tiny ``FluxTransformer2DModel`` (one double-stream and one single-stream block, rotary
+    position ids) denoised by flow matching (``FlowMatchEulerDiscreteScheduler``), written as
+    Flux's pipeline loops: CPU's latents in defer mode and compiled; a second compiled loop compiles
+    nothing."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    torch.manual_seed(13)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2,
+                                   joint_attention_dim=32, pooled_projection_dim=32,
+                                   axes_dims_rope=(4, 4, 8)).eval()
+    x, text, pooled = torch.randn(2, 16, 8), torch.randn(2, 5, 32), torch.randn(2, 32)
+    img_ids = torch.stack([torch.zeros(16), torch.arange(16.) // 4, torch.arange(16.) % 4], 1)
+    txt_ids = torch.zeros(5, 3)
+
+    def loop(m, dev):
+        s = FlowMatchEulerDiscreteScheduler()
+        s.set_timesteps(STEPS, device=dev)
+        lat = x.to(dev)
+        with torch.no_grad():
+            for t in s.timesteps:
+                out = m(hidden_states=lat, encoder_hidden_states=text.to(dev),
+                        pooled_projections=pooled.to(dev), timestep=(t / 1000).expand(2),
+                        img_ids=img_ids.to(dev), txt_ids=txt_ids.to(dev)).sample
+                lat = s.step(out, t, lat).prev_sample
+        return lat
+
+    want = loop(model, "cpu")
+    model.to("tpu")
+    assert_same(loop(model, "tpu"), want, **TOL)
+    compiled = torch.compile(model, backend="tpu")
+    assert_same(loop(compiled, "tpu"), want, **TOL)
+    deferfuse.reset_metrics()
+    assert_same(loop(compiled, "tpu"), want, **TOL)
+    m = deferfuse.metrics()
+    assert m["graph_compiles"] == 0 and m["compiles"] == 0, (m["graph_recompiles"], m["miss_reasons"])
+    assert m["graphs_run_eagerly"] == 0
+    _no_fallbacks()
