@@ -29,6 +29,10 @@ def run_view(func, info, args, kwargs):
         t = _moving_view(func, info, base, args, kwargs)
         if t is not None:
             return t
+    elif func is aten.unbind.int:
+        ts = _moving_unbind(info, base, args, kwargs)
+        if ts is not None:
+            return ts
     # NOTE [view cache keys]: the views made (see _views_of) are a function of the op, the input's
     # signature (its storage's shape and dtype, its view chain, sizes and strides) and the static
     # arguments, so cached under (op, signature, arguments...). A view at a dynamic offset
@@ -153,6 +157,22 @@ def _moving_view(func, info, base, args, kwargs):
     t = make(base._s, chain, size, stride, base.storage_offset() + index * unit, dtype, sig)
     t._dyn = base._dyn + (index,)
     return t
+
+
+def _moving_unbind(info, base, args, kwargs):
+    """``unbind`` (what ``for t in x`` calls) as one dynamic ``select`` per output: every output
+    has the same signature, so a loop over the rows of a tensor (a diffusion pipeline's
+    ``for t in timesteps``) is one structure for every row, as ``x[i]`` is."""
+    nd = base.dim()
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if nd == 0 or type(dim) is not int or not -nd <= dim < nd or len(args) + len(kwargs) > 2:
+        return None
+    dim %= nd
+    n = base.shape[dim]
+    if n <= 1:
+        return None
+    out = [_moving_view(aten.select.int, info, base, (base, dim, i), {}) for i in range(n)]
+    return None if any(t is None for t in out) else out
 
 
 def _dyn_view(base, step, size, stride, unit):

@@ -79,6 +79,27 @@ def test_as_strided_offset_is_data():
         t.as_strided((3, 2), (3, 1), 28) + 0     # past the storage: PyTorch's error
 
 
+def test_iterating_rows_is_one_program_and_writes_through():
+    """``for t in x`` (unbind) gives every row the same signature, as ``x[i]`` does: a loop over a
+    tensor's rows (a diffusion pipeline's ``for t in timesteps``) compiles once, not once a row,
+    and each row is still a view (a write through it reaches ``x``, a negative dim works)."""
+    d = torch.arange(12.).reshape(6, 2)
+    t = d.to("tpu")
+    y = torch.randn(2)
+    yt = y.to("tpu")
+    after = []
+    for rt, rd in zip(t, d):
+        assert_same(rt * yt + rt.sum(), rd * y + rd.sum())
+        after.append(_compiles())
+    assert after[1] == after[-1], after
+    for x in (t, d):
+        x.unbind(0)[4].add_(100)
+        x.unbind(-1)[1].mul_(-1)
+    assert_same(t, d)
+    assert_same(torch.stack(t.unbind(1)) + 0, torch.stack(d.unbind(1)) + 0)
+    assert len(torch.ones(1, 3).to("tpu").unbind(0)) == 1
+
+
 def test_views_at_moving_offsets_keep_autograd():
     w = torch.randn(20, 4, requires_grad=True)
     wt = w.detach().to("tpu").requires_grad_()
