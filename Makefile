@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep bench-diffusers wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep bench-diffusers test-diffusers wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -72,6 +72,11 @@ test-vllm: $(VLLM_STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	.venv-vllm/bin/python bench/vllm.py $(ARGS)
+
+# The Diffusers tests with the diffusers extra installed (CI runs them after the default run).
+test-diffusers: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[diffusers]"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_diffusers.py
 
 # Diffusers pipelines (docs/serving.md): ms per denoising step, CPU eager, tpu defer and compiled.
 bench-diffusers: $(STAMP)
