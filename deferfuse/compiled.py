@@ -531,6 +531,8 @@ def _skip_deferfuse() -> None:
     for mod in ("deferfuse", "deferfuse.runtime", "deferfuse.scheduler", "deferfuse_autoload", "jax",
                 "jaxlib"):
         trace_rules.add(mod)
+    from . import flex
+    flex.for_dynamo()
 
 
 _skipping = False

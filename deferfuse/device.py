@@ -375,12 +375,13 @@ def register() -> None:
     _keep_tied_parameters()
     subclass.install()
     _wrap_autograd()
-    from . import amp, attention, compiled, datadep, linear, rnn, serialization, traceable
+    from . import amp, attention, compiled, datadep, flex, linear, rnn, serialization, traceable
     traceable.install()
     compiled.register()
     amp.register()
     serialization.register()
     attention.register()
+    flex.register()
     linear.register()
     datadep.register()
     rnn.register()

@@ -184,8 +184,10 @@ class GraphPlan:
             if isinstance(res, (tuple, list)):
                 res = tuple(r if r is None or a is None or r.dtype == a[1] else r.astype(a[1])
                             for r, a in zip(res, avals))
-            elif res is not None and avals[0] is not None and res.dtype != avals[0][1]:
-                res = res.astype(avals[0][1])
+            elif res is not None and avals[0] is not None and (
+                    not hasattr(res, "dtype") or res.dtype != avals[0][1]):
+                # (a Python number: ``_to_copy`` of a literal, as vmapped flex attention traces)
+                res = jnp.asarray(res).astype(avals[0][1])
             env[n] = res
 
 

@@ -1,0 +1,175 @@
+"""What training frameworks call on ``tpu``: the device module's queries, flex attention (eager
+and compiled, score and block masks, forward and backward), the RNG HOPs of compiled activation
+checkpointing, and Ray Train's process-group backends. Each against CPU eager."""
+import copy
+import math
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as fa
+
+import deferfuse
+from util import assert_same, cpu
+
+pytestmark = pytest.mark.usefixtures("no_cpu_fallbacks")
+
+
+# --------------------------------------------------------------------------------------------
+# torch.tpu: the device-module calls TorchTitan and Ray make on torch.cuda
+
+@pytest.mark.modes("strict")
+def test_device_module_queries():
+    m = torch.tpu
+    n = m.device_count()
+    assert n >= 1 and m.is_available() and m.current_device() == 0
+    p = m.get_device_properties(0)
+    assert isinstance(p.name, str) and p.name and p.total_memory > 0
+    assert p.multi_processor_count >= 1
+    assert m.get_device_name() == p.name and m.get_device_capability() == (p.major, p.minor)
+    free, total = m.mem_get_info()
+    assert 0 <= free <= total
+    x = torch.ones(256, 256, device="tpu")
+    m.synchronize()
+    stats = m.memory_stats()
+    assert stats["allocated_bytes.all.current"] >= x.numel() * 4
+    assert m.memory_allocated() >= x.numel() * 4 and m.max_memory_allocated() >= m.memory_allocated()
+    m.reset_peak_memory_stats()
+    m.empty_cache()
+    m.set_device(0)
+    with m.device(0):
+        assert m.current_device() == 0
+    # torch.accelerator and torch.get_device_module name the same module
+    assert torch.get_device_module("tpu") is m
+    assert torch.accelerator.current_accelerator().type == "tpu"
+
+
+# --------------------------------------------------------------------------------------------
+# flex attention
+
+L, E = 128, 16
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+
+def _bias(score, b, h, q_idx, kv_idx):
+    return score + (q_idx - kv_idx).float() * 0.05 + h * 0.1
+
+
+def _dense(q, k, v, score_mod=None, mask_mod=None, scale=None, gqa=False):
+    """The CPU reference: flex attention written out densely (CPU's flex attention has no
+    backward)."""
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    h = torch.arange(q.shape[1])[None, :, None, None]
+    qi = torch.arange(q.shape[2])[None, None, :, None]
+    ki = torch.arange(k.shape[2])[None, None, None, :]
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, qi, ki), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return s.softmax(-1) @ v, lse
+
+
+def _inputs(hq=2, hkv=2):
+    torch.manual_seed(0)
+    return (torch.randn(2, hq, L, E), torch.randn(2, hkv, L, E), torch.randn(2, hkv, L, E))
+
+
+def _compare(fn, score_mod, mask_mod, gqa=False, hq=2, hkv=2):
+    """``fn(q, k, v, block_mask)`` on tpu: output and the gradients of q, k, v against
+    ``_dense`` on CPU."""
+    q, k, v = _inputs(hq, hkv)
+    bm = fa.create_block_mask(mask_mod, None, None, L, L, device="tpu") if mask_mod else None
+    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = fn(tq, tk, tv, bm)
+    g = torch.randn(out.shape)
+    out.backward(g.to("tpu"))
+    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+    want, _ = _dense(cq, ck, cv, score_mod, mask_mod, gqa=gqa)
+    want.backward(g)
+    assert_same(out, want.detach(), atol=2e-5, rtol=1e-5, msg="output")
+    for name, t, c in (("q", tq, cq), ("k", tk, ck), ("v", tv, cv)):
+        assert_same(t.grad, c.grad, atol=3e-5, rtol=1e-5, msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("case", ["score_mod+causal", "window", "gqa+bias"])
+def test_flex_attention_eager(case):
+    """Eager, strict and defer: PyTorch's own dense flex attention on tpu tensors, forward and
+    backward, with a score function, a block mask, or both, GQA too."""
+    score_mod, mask_mod, gqa, hq, hkv = {
+        "score_mod+causal": (_bias, _causal, False, 2, 2),
+        "window": (None, _window, False, 2, 2),
+        "gqa+bias": (_bias, None, True, 4, 2),
+    }[case]
+
+    def fn(q, k, v, bm):
+        return fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+    _compare(fn, score_mod, mask_mod, gqa, hq, hkv)
+
+
+def test_flex_attention_cpu_unchanged():
+    """CPU keeps PyTorch's checks: its flex attention still has no backward."""
+    q = torch.randn(1, 1, L, E, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        fa.flex_attention(q, q, q)
+
+
+def test_flex_attention_lse():
+    q, k, v = _inputs()
+    bm = fa.create_block_mask(_causal, None, None, L, L, device="tpu")
+    out, aux = fa.flex_attention(q.to("tpu"), k.to("tpu"), v.to("tpu"), score_mod=_bias,
+                                 block_mask=bm, return_aux=fa.AuxRequest(lse=True))
+    want, lse = _dense(q, k, v, _bias, _causal)
+    assert_same(out, want, atol=2e-5, rtol=1e-5)
+    assert_same(aux.lse, lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.modes("defer")
+def test_flex_attention_compiled():
+    """A compiled module with flex attention inside: one graph (no break), every op lowered
+    (no graph run eagerly), forward and backward equal to CPU."""
+    lin = torch.nn.Linear(E, E)
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = lin
+
+        def forward(self, q, k, v, bm):
+            return self.proj(fa.flex_attention(q, k, v, score_mod=_bias, block_mask=bm))
+
+    ref_lin = copy.deepcopy(lin)
+    m = Attn().to("tpu")
+    compiled = torch.compile(m, backend="tpu", fullgraph=True)
+    deferfuse.reset_metrics()
+
+    def fn(q, k, v, bm):
+        return compiled(q, k, v, bm)
+
+    def ref_mod(s, b, h, qi, ki):
+        return _bias(s, b, h, qi, ki)
+    q, k, v = _inputs()
+    bm = fa.create_block_mask(_causal, None, None, L, L, device="tpu")
+    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = fn(tq, tk, tv, bm)
+    out.sum().backward()
+    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+    want = ref_lin(_dense(cq, ck, cv, ref_mod, _causal)[0])
+    want.sum().backward()
+    assert_same(out, want.detach(), atol=3e-5, rtol=1e-5)
+    for t, c in ((tq, cq), (tk, ck), (tv, cv)):
+        assert_same(t.grad, c.grad, atol=5e-5, rtol=1e-5)
+    assert_same(m.proj.weight.grad, ref_lin.weight.grad, atol=1e-4, rtol=1e-5)
+    met = deferfuse.metrics()
+    assert met["dynamo_graphs"] == 1, met["graph_recompiles"]
+    assert met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
