@@ -14,6 +14,7 @@ deferred regions mix in one step.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 
 import jax
@@ -32,6 +33,7 @@ from .tensor import Storage, TpuTensor, make
 from .traceable import output_inner, wrap_inner
 
 S = stats.S
+_getitem = operator.getitem
 _local = engine.local
 
 # What becomes of each output of a graph: a device output of its op (DEV), an input's value
@@ -420,8 +422,35 @@ def _outer_of(a):
     return t
 
 
+def _rng_states_on_device(gm) -> None:
+    """NOTE [rng state HOPs] (runtime/graph.py): the state that ``run_and_save_rng_state`` saves
+    for a recomputed random op is, for PyTorch, a CPU generator's state (a device without
+    graph-safe RNG), which would read it back to the host every step, at a size that can be
+    symbolic. Ours is the draw's 16-byte key: the state node of a forward graph and the state
+    input of a backward graph are made 16 bytes on ``tpu``, so the key stays on the device."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "_name", None)
+        if name == "run_and_save_rng_state":
+            state = [u for u in n.users if u.target is _getitem and u.args[1] == 0]
+        elif name == "run_with_rng_state" and isinstance(n.args[0], torch.fx.Node):
+            state = [n.args[0]]
+        else:
+            continue
+        for st in state:
+            val = st.meta.get("val")
+            if val is None or val.device.type == "tpu":
+                continue
+            dev = next((a.meta["val"].device for a in n.all_input_nodes
+                        if _on_device(a.meta.get("val"))), torch.device("tpu", 0))
+            with val.fake_mode:
+                st.meta["val"] = torch.empty(16, dtype=torch.uint8, device=dev)
+
+
 def _compiler(kind: str):
     def compile_graph(gm, example_inputs):
+        _rng_states_on_device(gm)
         try:
             return CompiledGraph(gm, example_inputs, kind)
         except LoweringError as e:

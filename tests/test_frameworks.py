@@ -173,3 +173,46 @@ def test_flex_attention_compiled():
     met = deferfuse.metrics()
     assert met["dynamo_graphs"] == 1, met["graph_recompiles"]
     assert met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
+
+
+# --------------------------------------------------------------------------------------------
+# compiled activation checkpointing: run_and_save_rng_state / run_with_rng_state
+
+@pytest.mark.modes("defer")
+def test_compiled_checkpoint_recomputes_the_same_dropout():
+    """``torch.compile`` of a checkpointed block with dropout: AOTAutograd recomputes the dropout
+    in the backward graph through ``run_with_rng_state`` with the state the forward graph saved
+    (``run_and_save_rng_state``). The gradient must use the forward's mask: it is read off the
+    output (the kept entries are the nonzero ones) and the gradient computed on CPU from it. The
+    state stays on the device: no sync but the reads of the test."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 32))
+
+        def inner(self, x):
+            return torch.nn.functional.dropout(x * self.w, 0.5, training=True)
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    m = Block().to("tpu")
+    compiled = torch.compile(m, backend="tpu")
+    x, g = torch.randn(64, 32), torch.randn(64, 32)
+    deferfuse.reset_metrics()
+    masks = []
+    for _ in range(2):
+        m.w.grad = None
+        y = compiled(x.to("tpu"))
+        y.backward(g.to("tpu"))
+        keep = cpu(y) != 0
+        masks.append(keep)
+        assert 0.3 < keep.float().mean().item() < 0.7
+        assert_same(y, (keep * x * cpu(m.w) * 2), atol=1e-5)
+        assert_same(m.w.grad, keep * x * 2 * g, atol=1e-5)
+    assert not torch.equal(masks[0], masks[1])      # each step draws anew
+    met = deferfuse.metrics()
+    assert met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
+    assert set(met["syncs"]) == {"cpu"}, met["syncs"]      # the test's own reads alone
