@@ -38,6 +38,10 @@ def test_device_module_queries():
     m.set_device(0)
     with m.device(0):
         assert m.current_device() == 0
+    # torch.tpu.memory: what a profiler's memory snapshot calls (TorchTitan's)
+    m.memory._record_memory_history(max_entries=10)
+    assert m.memory._snapshot() == {"segments": [], "device_traces": [[]]}
+    assert m.memory.memory_allocated() == m.memory_allocated()
     # torch.accelerator and torch.get_device_module name the same module
     assert torch.get_device_module("tpu") is m
     assert torch.accelerator.current_accelerator().type == "tpu"
