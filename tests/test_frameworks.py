@@ -270,3 +270,40 @@ def test_ray_torch_trainer(tmp_path):
                                        atol=1e-6, rtol=0)
             for a, b in zip(got["weights"], want["weights"]):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# varlen flash attention (aten._flash_attention_forward/_backward with sequence boundaries)
+
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 1)], ids=["causal", "full", "window"])
+def test_varlen_attention(window):
+    """``torch.nn.attention.varlen.varlen_attn`` (TorchTitan's varlen attention) on packed
+    sequences: each against SDPA on its own sequence on CPU, forward and backward, GQA too."""
+    from torch.nn.attention.varlen import varlen_attn
+    lens = [5, 11, 7]
+    cu = torch.tensor([0, 5, 16, 23], dtype=torch.int32)
+    q = torch.randn(sum(lens), 4, 8)
+    k, v = torch.randn(sum(lens), 2, 8), torch.randn(sum(lens), 2, 8)
+    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = varlen_attn(tq, tk, tv, cu.to("tpu"), cu.to("tpu"), max(lens), max(lens),
+                      window_size=window, enable_gqa=True)
+    g = torch.randn(out.shape)
+    out.backward(g.to("tpu"))
+    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+    parts = []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = e - s
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        mask = torch.ones(n, n, dtype=torch.bool)
+        if window[0] >= 0:
+            mask &= j >= i - window[0]
+        if window[1] >= 0:
+            mask &= j <= i + window[1]
+        qq, kk, vv = (x[s:e].transpose(0, 1) for x in (cq, ck, cv))
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=mask, enable_gqa=True).transpose(0, 1))
+    want = torch.cat(parts)
+    want.backward(g)
+    assert_same(out, want.detach(), atol=1e-5, rtol=1e-5)
+    for t, c in ((tq, cq), (tk, ck), (tv, cv)):
+        assert_same(t.grad, c.grad, atol=1e-5, rtol=1e-5)
