@@ -5,16 +5,17 @@ import json
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 
 def train_loop(config):
     dev = config["device"]
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 1)).to(dev)
-    ddp = DistributedDataParallel(model)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    # Ray's get_device() is CPU without a GPU resource: name the device (DDP without device_ids)
+    from ray.train.torch import prepare_model
+    ddp = prepare_model(model, move_to_device=torch.device(dev))
+    model = ddp.module
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)      # each rank its own batches
     losses = []
