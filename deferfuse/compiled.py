@@ -461,7 +461,29 @@ def _compiler(kind: str):
 def _decompositions() -> dict:
     """PyTorch's decompositions for the ops with no lowering of their own (the lowered ones stay
     whole: one lowering each, as in eager mode)."""
-    return {op: fn for op, fn in _DECOMP.items() if op not in LOWERINGS}
+    table = {op: fn for op, fn in _DECOMP.items() if op not in LOWERINGS}
+    table.update(_custom_op_bodies())
+    return table
+
+
+# PyTorch's own custom ops whose bodies are aten ops we lower (varlen_attn's forward and backward
+# call aten._flash_attention_forward/_backward): traced through, not kept whole in the graph.
+_TRACE_THROUGH = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_backward")
+
+
+def _custom_op_bodies() -> dict:
+    table = {}
+    for name in _TRACE_THROUGH:
+        ns, op_name = name.split("::")
+        packet = getattr(getattr(torch.ops, ns), op_name, None)
+        if packet is None:
+            continue
+        op = packet.default
+        if torch._C._dispatch_has_kernel_for_dispatch_key(
+                op.name(), torch._C.DispatchKey.CompositeExplicitAutograd):
+            table[op] = functools.partial(op._op_dk,
+                                          torch._C.DispatchKey.CompositeExplicitAutograd)
+    return table
 
 
 def backend(gm, example_inputs, **kwargs):

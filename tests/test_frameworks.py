@@ -275,23 +275,13 @@ def test_ray_torch_trainer(tmp_path):
 # --------------------------------------------------------------------------------------------
 # varlen flash attention (aten._flash_attention_forward/_backward with sequence boundaries)
 
-@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 1)], ids=["causal", "full", "window"])
-def test_varlen_attention(window):
-    """``torch.nn.attention.varlen.varlen_attn`` (TorchTitan's varlen attention) on packed
-    sequences: each against SDPA on its own sequence on CPU, forward and backward, GQA too."""
-    from torch.nn.attention.varlen import varlen_attn
-    lens = [5, 11, 7]
-    cu = torch.tensor([0, 5, 16, 23], dtype=torch.int32)
-    q = torch.randn(sum(lens), 4, 8)
-    k, v = torch.randn(sum(lens), 2, 8), torch.randn(sum(lens), 2, 8)
-    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
-    out = varlen_attn(tq, tk, tv, cu.to("tpu"), cu.to("tpu"), max(lens), max(lens),
-                      window_size=window, enable_gqa=True)
-    g = torch.randn(out.shape)
-    out.backward(g.to("tpu"))
-    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+LENS, CU = [5, 11, 7], torch.tensor([0, 5, 16, 23], dtype=torch.int32)
+
+
+def _varlen_ref(q, k, v, window):
+    """Each packed sequence on its own through SDPA on CPU, the window as a boolean mask."""
     parts = []
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+    for s, e in zip(CU[:-1].tolist(), CU[1:].tolist()):
         n = e - s
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
         mask = torch.ones(n, n, dtype=torch.bool)
@@ -299,11 +289,50 @@ def test_varlen_attention(window):
             mask &= j >= i - window[0]
         if window[1] >= 0:
             mask &= j <= i + window[1]
-        qq, kk, vv = (x[s:e].transpose(0, 1) for x in (cq, ck, cv))
+        qq, kk, vv = (x[s:e].transpose(0, 1) for x in (q, k, v))
         parts.append(torch.nn.functional.scaled_dot_product_attention(
             qq, kk, vv, attn_mask=mask, enable_gqa=True).transpose(0, 1))
-    want = torch.cat(parts)
+    return torch.cat(parts)
+
+
+def _varlen_compare(fn, window):
+    q = torch.randn(sum(LENS), 4, 8)
+    k, v = torch.randn(sum(LENS), 2, 8), torch.randn(sum(LENS), 2, 8)
+    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = fn(tq, tk, tv, CU.to("tpu"))
+    g = torch.randn(out.shape)
+    out.backward(g.to("tpu"))
+    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+    want = _varlen_ref(cq, ck, cv, window)
     want.backward(g)
     assert_same(out, want.detach(), atol=1e-5, rtol=1e-5)
     for t, c in ((tq, cq), (tk, ck), (tv, cv)):
         assert_same(t.grad, c.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 1)], ids=["causal", "full", "window"])
+def test_varlen_attention(window):
+    """``torch.nn.attention.varlen.varlen_attn`` (TorchTitan's varlen attention) on packed
+    sequences: each against SDPA on its own sequence on CPU, forward and backward, GQA too."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    def fn(q, k, v, cu):
+        return varlen_attn(q, k, v, cu, cu, max(LENS), max(LENS), window_size=window,
+                           enable_gqa=True)
+    _varlen_compare(fn, window)
+
+
+@pytest.mark.modes("defer")
+def test_varlen_attention_compiled():
+    """The same under ``torch.compile``: varlen_attn's custom ops are traced through to the
+    lowered flash ops (one graph, none run eagerly)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    @torch.compile(backend="tpu", fullgraph=True)
+    def fn(q, k, v, cu):
+        return varlen_attn(q, k, v, cu, cu, max(LENS), max(LENS), window_size=(-1, 0),
+                           enable_gqa=True)
+    deferfuse.reset_metrics()
+    _varlen_compare(fn, (-1, 0))
+    met = deferfuse.metrics()
+    assert met["dynamo_graphs"] == 1 and met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
