@@ -161,7 +161,10 @@ class CompiledGraph:
                 self.outs[j] = (READ, o, val)
         self.host_writes = [w for w in self.cpu_writes if host._ok(plan.writes[w][1])]
         self.read_writes = [w for w in self.cpu_writes if w not in self.host_writes]
-        self.host = host if host.order else None
+        # (an output that is a CPU input itself, as a packed sequence's lengths saved for the
+        # backward pass, needs the inputs' values even when the host computes nothing)
+        self.host = host if host.order or self.host_writes or any(
+            o[0] == HOST for o in self.outs) else None
         self.phs = phs
         self.entries: dict = {}     # (ints, views, write aliases) -> Entry; see _entry
         self.evictions = 0

@@ -21,6 +21,9 @@ compiled.py), so a compiled model keeps flex attention in its graph, with no bre
 """
 from __future__ import annotations
 
+import importlib
+import sys
+
 import torch
 
 
@@ -37,16 +40,16 @@ def _device_check(original):
 def register() -> None:
     """Give the flex attention HOPs their tpu kernels and let ``flex_attention`` accept tpu."""
     import torch.nn.attention.flex_attention as fa
-    import importlib
     hops = importlib.import_module("torch._higher_order_ops.flex_attention")
     from .tensor import TpuTensor
     for hop, impl in ((hops.flex_attention, hops.sdpa_dense),
                       (hops.flex_attention_backward, hops.sdpa_dense_backward)):
         if TpuTensor not in hop.python_key_table:
             hop.py_impl(TpuTensor)(impl)
-    if getattr(fa._validate_device, "_deferfuse", False):
-        return
-    fa._validate_device = _device_check(fa._validate_device)
+    if not getattr(fa._validate_device, "_deferfuse", False):
+        fa._validate_device = _device_check(fa._validate_device)
+    if "torch._dynamo" in sys.modules:
+        for_dynamo()        # Dynamo was imported first (a script that never imports deferfuse)
 
 
 def for_dynamo() -> None:
