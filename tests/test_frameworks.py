@@ -106,10 +106,13 @@ def _compare(fn, score_mod, mask_mod, gqa=False, hq=2, hkv=2):
         assert_same(t.grad, c.grad, atol=3e-5, rtol=1e-5, msg=f"grad {name}")
 
 
+# Strict mode runs the first case alone (the same ops one program each: slow, and no new path).
+@pytest.mark.modes("defer", "strict")
+@pytest.mark.slow_params("strict")
 @pytest.mark.parametrize("case", ["score_mod+causal", "window", "gqa+bias"])
-def test_flex_attention_eager(case):
-    """Eager, strict and defer: PyTorch's own dense flex attention on tpu tensors, forward and
-    backward, with a score function, a block mask, or both, GQA too."""
+def test_flex_attention_eager(case, tpu_mode):
+    """Eager: PyTorch's own dense flex attention on tpu tensors, forward and backward, with a
+    score function, a block mask, or both, GQA too."""
     score_mod, mask_mod, gqa, hq, hkv = {
         "score_mod+causal": (_bias, _causal, False, 2, 2),
         "window": (None, _window, False, 2, 2),
@@ -121,6 +124,15 @@ def test_flex_attention_eager(case):
     _compare(fn, score_mod, mask_mod, gqa, hq, hkv)
 
 
+@pytest.mark.modes("strict")
+def test_flex_attention_strict():
+    """Strict mode, one op at a time: a score function with a block mask."""
+    def fn(q, k, v, bm):
+        return fa.flex_attention(q, k, v, score_mod=_bias, block_mask=bm)
+    _compare(fn, _bias, _causal)
+
+
+@pytest.mark.modes("strict")
 def test_flex_attention_cpu_unchanged():
     """CPU keeps PyTorch's checks: its flex attention still has no backward."""
     q = torch.randn(1, 1, L, E, requires_grad=True)
@@ -128,6 +140,7 @@ def test_flex_attention_cpu_unchanged():
         fa.flex_attention(q, q, q)
 
 
+@pytest.mark.modes("defer")
 def test_flex_attention_lse():
     q, k, v = _inputs()
     bm = fa.create_block_mask(_causal, None, None, L, L, device="tpu")
@@ -310,6 +323,7 @@ def _varlen_compare(fn, window):
         assert_same(t.grad, c.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.modes("defer")
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 1)], ids=["causal", "full", "window"])
 def test_varlen_attention(window):
     """``torch.nn.attention.varlen.varlen_attn`` (TorchTitan's varlen attention) on packed
