@@ -42,10 +42,14 @@ def register() -> None:
     import torch.nn.attention.flex_attention as fa
     hops = importlib.import_module("torch._higher_order_ops.flex_attention")
     from .tensor import TpuTensor
-    for hop, impl in ((hops.flex_attention, hops.sdpa_dense),
-                      (hops.flex_attention_backward, hops.sdpa_dense_backward)):
-        if TpuTensor not in hop.python_key_table:
+    # (looked up defensively: private names, which another torch version may spell otherwise)
+    for hop_name, impl_name in (("flex_attention", "sdpa_dense"),
+                                ("flex_attention_backward", "sdpa_dense_backward")):
+        hop, impl = getattr(hops, hop_name, None), getattr(hops, impl_name, None)
+        if hop is not None and impl is not None and TpuTensor not in hop.python_key_table:
             hop.py_impl(TpuTensor)(impl)
+    if not hasattr(fa, "_validate_device"):
+        return
     if not getattr(fa._validate_device, "_deferfuse", False):
         fa._validate_device = _device_check(fa._validate_device)
     if "torch._dynamo" in sys.modules:
@@ -57,7 +61,7 @@ def for_dynamo() -> None:
     on its skip list: the device check is marked for Dynamo to trace through (NOTE [flex device
     check]). Not at import: importing Dynamo costs seconds."""
     import torch.nn.attention.flex_attention as fa
-    check = fa._validate_device
+    check = getattr(fa, "_validate_device", None)
     if getattr(check, "_deferfuse", False) and not getattr(check, "_dynamo", False):
         check = torch._dynamo.dont_skip_tracing(check)
         check._deferfuse = check._dynamo = True
