@@ -14,6 +14,7 @@ deferred regions mix in one step.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 
 import jax
@@ -32,6 +33,7 @@ from .tensor import Storage, TpuTensor, make
 from .traceable import output_inner, wrap_inner
 
 S = stats.S
+_getitem = operator.getitem
 _local = engine.local
 
 # What becomes of each output of a graph: a device output of its op (DEV), an input's value
@@ -159,7 +161,10 @@ class CompiledGraph:
                 self.outs[j] = (READ, o, val)
         self.host_writes = [w for w in self.cpu_writes if host._ok(plan.writes[w][1])]
         self.read_writes = [w for w in self.cpu_writes if w not in self.host_writes]
-        self.host = host if host.order else None
+        # (an output that is a CPU input itself, as a packed sequence's lengths saved for the
+        # backward pass, needs the inputs' values even when the host computes nothing)
+        self.host = host if host.order or self.host_writes or any(
+            o[0] == HOST for o in self.outs) else None
         self.phs = phs
         self.entries: dict = {}     # (ints, views, write aliases) -> Entry; see _entry
         self.evictions = 0
@@ -420,8 +425,35 @@ def _outer_of(a):
     return t
 
 
+def _rng_states_on_device(gm) -> None:
+    """NOTE [rng state HOPs] (runtime/graph.py): the state that ``run_and_save_rng_state`` saves
+    for a recomputed random op is, for PyTorch, a CPU generator's state (a device without
+    graph-safe RNG), which would read it back to the host every step, at a size that can be
+    symbolic. Ours is the draw's 16-byte key: the state node of a forward graph and the state
+    input of a backward graph are made 16 bytes on ``tpu``, so the key stays on the device."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "_name", None)
+        if name == "run_and_save_rng_state":
+            state = [u for u in n.users if u.target is _getitem and u.args[1] == 0]
+        elif name == "run_with_rng_state" and isinstance(n.args[0], torch.fx.Node):
+            state = [n.args[0]]
+        else:
+            continue
+        for st in state:
+            val = st.meta.get("val")
+            if val is None or val.device.type == "tpu":
+                continue
+            dev = next((a.meta["val"].device for a in n.all_input_nodes
+                        if _on_device(a.meta.get("val"))), torch.device("tpu", 0))
+            with val.fake_mode:
+                st.meta["val"] = torch.empty(16, dtype=torch.uint8, device=dev)
+
+
 def _compiler(kind: str):
     def compile_graph(gm, example_inputs):
+        _rng_states_on_device(gm)
         try:
             return CompiledGraph(gm, example_inputs, kind)
         except LoweringError as e:
@@ -432,7 +464,29 @@ def _compiler(kind: str):
 def _decompositions() -> dict:
     """PyTorch's decompositions for the ops with no lowering of their own (the lowered ones stay
     whole: one lowering each, as in eager mode)."""
-    return {op: fn for op, fn in _DECOMP.items() if op not in LOWERINGS}
+    table = {op: fn for op, fn in _DECOMP.items() if op not in LOWERINGS}
+    table.update(_custom_op_bodies())
+    return table
+
+
+# PyTorch's own custom ops whose bodies are aten ops we lower (varlen_attn's forward and backward
+# call aten._flash_attention_forward/_backward): traced through, not kept whole in the graph.
+_TRACE_THROUGH = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_backward")
+
+
+def _custom_op_bodies() -> dict:
+    table = {}
+    for name in _TRACE_THROUGH:
+        ns, op_name = name.split("::")
+        packet = getattr(getattr(torch.ops, ns), op_name, None)
+        if packet is None:
+            continue
+        op = packet.default
+        if torch._C._dispatch_has_kernel_for_dispatch_key(
+                op.name(), torch._C.DispatchKey.CompositeExplicitAutograd):
+            table[op] = functools.partial(op._op_dk,
+                                          torch._C.DispatchKey.CompositeExplicitAutograd)
+    return table
 
 
 def backend(gm, example_inputs, **kwargs):
@@ -531,6 +585,8 @@ def _skip_deferfuse() -> None:
     for mod in ("deferfuse", "deferfuse.runtime", "deferfuse.scheduler", "deferfuse_autoload", "jax",
                 "jaxlib"):
         trace_rules.add(mod)
+    from . import flex
+    flex.for_dynamo()
 
 
 _skipping = False

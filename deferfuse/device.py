@@ -141,9 +141,31 @@ def _make_module() -> types.ModuleType:
     m.is_bf16_supported = lambda *a, **k: True
     m.get_amp_supported_dtype = lambda: [torch.bfloat16, torch.float16]
     m._lazy_init = lambda: None
+    m.memory = _memory_module(m)
     from . import streams
     streams.install(m)
     return m
+
+
+def _memory_module(m) -> types.ModuleType:
+    """``torch.tpu.memory``, as ``torch.cuda.memory``: the counters, and the memory-history calls
+    a profiler makes (TorchTitan's memory snapshot). XLA keeps no allocation history: recording is
+    accepted and the snapshot is empty (no segments, no traces)."""
+    mem = types.ModuleType("torch.tpu.memory")
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved", "memory_stats", "memory_stats_as_nested_dict",
+                 "reset_peak_memory_stats", "reset_accumulated_memory_stats", "mem_get_info",
+                 "empty_cache"):
+        setattr(mem, name, getattr(m, name))
+    mem._record_memory_history = lambda *a, **k: None
+    mem._snapshot = lambda device=None: {"segments": [], "device_traces": [[]]}
+
+    def _dump_snapshot(filename="dump_snapshot.pickle"):
+        import pickle
+        with open(filename, "wb") as f:
+            pickle.dump(mem._snapshot(), f)
+    mem._dump_snapshot = _dump_snapshot
+    return mem
 
 
 def _patch_accelerator() -> None:
@@ -378,12 +400,13 @@ def register() -> None:
     _keep_tied_parameters()
     subclass.install()
     _wrap_autograd()
-    from . import amp, attention, compiled, datadep, linear, rnn, serialization, traceable
+    from . import amp, attention, compiled, datadep, flex, linear, rnn, serialization, traceable
     traceable.install()
     compiled.register()
     amp.register()
     serialization.register()
     attention.register()
+    flex.register()
     linear.register()
     datadep.register()
     rnn.register()

@@ -16,6 +16,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from . import prng
@@ -72,10 +73,16 @@ class GraphPlan:
                 self.writes.append((index[n.args[0]], n.args[1]))
                 self.write_nodes.append(n)
                 continue
-            if (n.target in (operator.getitem,) or n.target in _SIZES or n.target in _EMPTIES
-                    or not isinstance(n.target, torch._ops.OpOverload)):
+            target = n.target
+            hop = _RNG_HOPS.get(getattr(target, "_name", None))
+            if hop is not None and isinstance(target, torch._ops.HigherOrderOperator):
+                target = n.args[hop]            # NOTE [rng state HOPs]: the random op inside
+                if hop == 0:
+                    self.rng = True
+            elif (target in (operator.getitem,) or target in _SIZES or target in _EMPTIES
+                    or not isinstance(target, torch._ops.OpOverload)):
                 continue
-            low = LOWERINGS.get(n.target)
+            low = LOWERINGS.get(target)
             if low is None:
                 missing.append(str(n.target))
             elif low.rng:
@@ -171,6 +178,10 @@ class GraphPlan:
                 shape, dt = _val_avals(n.meta["val"])[0]
                 env[n] = jnp.zeros(shape, dt)
                 continue
+            hop = _RNG_HOPS.get(getattr(n.target, "_name", None))
+            if hop is not None:
+                env[n] = _rng_hop(n, hop, args, kwargs, key, j)
+                continue
             if not hasattr(n.target, "_schema"):       # a Python function on sizes
                 env[n] = n.target(*args, **kwargs)
                 continue
@@ -184,9 +195,58 @@ class GraphPlan:
             if isinstance(res, (tuple, list)):
                 res = tuple(r if r is None or a is None or r.dtype == a[1] else r.astype(a[1])
                             for r, a in zip(res, avals))
-            elif res is not None and avals[0] is not None and res.dtype != avals[0][1]:
-                res = res.astype(avals[0][1])
+            elif res is not None and avals[0] is not None and (
+                    not hasattr(res, "dtype") or res.dtype != avals[0][1]):
+                # (a Python number: ``_to_copy`` of a literal, as vmapped flex attention traces)
+                res = jnp.asarray(res).astype(avals[0][1])
             env[n] = res
+
+
+# NOTE [rng state HOPs]: AOTAutograd's partitioner, when the backward pass recomputes a random op
+# (activation checkpointing in a compiled graph), rewrites it in the forward graph as
+# ``run_and_save_rng_state(op, *args)`` -> (state, out) and in the backward graph as
+# ``run_with_rng_state(state, op, *args)`` -> out, which must draw the same numbers. PyTorch's
+# kernels for them save and restore a device generator's state; inside one program the state is
+# the draw's key: the forward node draws with its key (the graph's key folded with its index, as
+# any random node) and returns that key's 16 bytes at the front of a state tensor of the shape
+# and dtype PyTorch gave it (a CPU generator's state); the backward node draws with the key it
+# reads there. The value of the argument: 0, the forward HOP, whose op is its first argument; 1,
+# the backward HOP, whose op follows the state.
+_RNG_HOPS = {"run_and_save_rng_state": 0, "run_with_rng_state": 1}
+
+
+def _rng_hop(n, hop: int, args, kwargs, key, j: int):
+    import torch
+    op, rest = args[hop], args[hop + 1:]
+    low = LOWERINGS[op]
+    out_node = n if hop == 1 else next((u for u in n.users if u.args[1] == 1), None)
+    avals = _val_avals(out_node.meta.get("val")) if out_node is not None else (None,)
+    if hop == 0:
+        k = jax.random.fold_in(key, j)
+    else:
+        state = args[0]
+        data = lax.bitcast_convert_type(state.reshape(-1)[:16].reshape(4, 4), np.uint32)
+        k = jax.random.wrap_key_data(data, impl=prng.IMPL)
+    kw = dict(kwargs)
+    kw["key"] = k
+    if low.meta:
+        kw["_avals"] = avals
+    res = low.fn(*rest, **kw)
+    if isinstance(res, (tuple, list)):
+        avals = tuple(avals) + (None,) * (len(res) - len(avals))
+        res = tuple(r if r is None or a is None or r.dtype == a[1] else r.astype(a[1])
+                    for r, a in zip(res, avals))
+    elif avals[0] is not None and res.dtype != avals[0][1]:
+        res = res.astype(avals[0][1])
+    if hop == 1:
+        return res
+    st_node = next((u for u in n.users if u.args[1] == 0), None)
+    st_val = st_node.meta["val"] if st_node is not None else torch.empty(16, dtype=torch.uint8)
+    shape, dt = tuple(st_val.shape), to_np_dtype(st_val.dtype)
+    raw = lax.bitcast_convert_type(jax.random.key_data(k), np.uint8).reshape(-1)
+    flat = jnp.zeros(int(np.prod(shape)) * np.dtype(dt).itemsize, np.uint8).at[:16].set(raw)
+    return (lax.bitcast_convert_type(flat.reshape(-1, np.dtype(dt).itemsize), dt).reshape(shape)
+            if np.dtype(dt).itemsize > 1 else flat.astype(dt).reshape(shape)), res
 
 
 def _is_fake(t) -> bool:

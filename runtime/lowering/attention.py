@@ -119,3 +119,93 @@ def _safe_softmax(self, dim, dtype=None):
         return jnp.ones((), x.dtype)
     dead = jnp.all(x == -jnp.inf, axis=dim, keepdims=True)
     return jnp.where(dead, 0, jax.nn.softmax(x, axis=dim))
+
+
+def _segments(cu, n):
+    """For each of ``n`` packed tokens: its sequence (``len(cu) - 1`` past the last one) and its
+    position in it, from the cumulative lengths ``cu``; and each sequence's length."""
+    i = jnp.arange(n)
+    seg = jnp.searchsorted(cu[1:], i, side="right")
+    start = cu[jnp.minimum(seg, cu.shape[0] - 1)]
+    return seg, i - start, cu[1:] - cu[:-1]
+
+
+def _varlen(q, k, v, cu_q, cu_k, is_causal, scale, left, right):
+    """Flash attention over packed sequences (FlashAttention's varlen convention): ``q`` (total_q,
+    Hq, D), ``k``/``v`` (total_k, Hk, D), token i of sequence b attending to the keys of b alone;
+    causal and window masks aligned at each sequence's end (key j sees query i when
+    j <= i + len_k - len_q). Returns (output (total_q, Hq, Dv), logsumexp (Hq, total_q)); a query
+    that sees no key gives zeros."""
+    dt = _acc(q).dtype
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    if k.shape[1] != q.shape[1]:
+        k, v = (jnp.repeat(z, q.shape[1] // k.shape[1], axis=1) for z in (k, v))
+    sq, pq, lq = _segments(cu_q, q.shape[0])
+    sk, pk, lk = _segments(cu_k, k.shape[0])
+    nseq = lq.shape[0]
+    shift = (jnp.concatenate([lk - lq, jnp.zeros((1,), lk.dtype)]))[jnp.minimum(sq, nseq)]
+    diag = pq + shift                       # the key position level with each query
+    ok = (sq[:, None] == sk[None, :]) & (sq[:, None] < nseq)
+    if is_causal:
+        right = 0
+    if right is not None and right >= 0:
+        ok &= pk[None, :] <= diag[:, None] + right
+    if left is not None and left >= 0:
+        ok &= pk[None, :] >= diag[:, None] - left
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("qhd,khd->hqk", q, k) * sc
+    s = jnp.where(ok[None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0, lse)[..., None])
+    return jnp.einsum("hqk,khd->qhd", p, v), lse
+
+
+def _dense_as_varlen(q, k, v, is_causal, scale, left, right):
+    """The batched form (B, L, H, D) as packed sequences of equal length."""
+    b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = jnp.arange(b + 1, dtype=jnp.int32) * lq
+    cu_k = jnp.arange(b + 1, dtype=jnp.int32) * lk
+    out, lse = _varlen(q.reshape((-1,) + q.shape[2:]), k.reshape((-1,) + k.shape[2:]),
+                       v.reshape((-1,) + v.shape[2:]), cu_q, cu_k, is_causal, scale, left, right)
+    return (out.reshape(q.shape[:3] + v.shape[-1:]),
+            lse.reshape(lse.shape[0], b, lq).transpose(1, 0, 2))
+
+
+def _flash(q, k, v, cu_q, cu_k, is_causal, scale, left, right):
+    if cu_q is None:
+        return _dense_as_varlen(q, k, v, is_causal, scale, left, right)
+    return _varlen(q, k, v, cu_q, cu_k, is_causal, scale, left, right)
+
+
+def _flash_unsupported(seqused_k=None, alibi_slopes=None, block_table=None):
+    for name, x in (("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes),
+                    ("block_table", block_table)):
+        if x is not None:
+            raise NotImplementedError(f"_flash_attention_forward with {name} on tpu")
+
+
+@op("_flash_attention_forward.default", meta=True)
+def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                            is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+                            window_size_right=None, seqused_k=None, alibi_slopes=None,
+                            block_table=None, num_splits=None, _avals=None):
+    """CUDA's flash attention (``varlen_attn``, TorchTitan's varlen attention): packed sequences
+    given by their cumulative lengths, or a (B, L, H, D) batch; sliding windows. The random state
+    and the debug mask it also returns are zeros of their shapes (no dropout)."""
+    _no_dropout(dropout_p)
+    _flash_unsupported(seqused_k, alibi_slopes, block_table)
+    out, lse = _flash(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale,
+                      window_size_left, window_size_right)
+    rest = tuple(jnp.zeros(a[0], a[1]) for a in _avals[2:])
+    return (out.astype(query.dtype), lse) + rest
+
+
+@op("_flash_attention_backward.default")
+def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                             max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                             window_size_left=None, window_size_right=None):
+    _no_dropout(dropout_p)
+    _, vjp = jax.vjp(lambda q, k, v: _flash(q, k, v, cum_seq_q, cum_seq_k, is_causal, scale,
+                                            window_size_left, window_size_right)[0],
+                     query, key, value)
+    return tuple(g.astype(x.dtype) for g, x in zip(vjp(_acc(grad_out)), (query, key, value)))

@@ -17,6 +17,13 @@ def copy_(self, src, non_blocking=False):
     return src
 
 
+@op("copy.default")
+def copy(self, src, non_blocking=False):
+    """The functional copy (AOTAutograd's graphs have it where eager code wrote ``copy_``): ``src``
+    cast to ``self``'s dtype and broadcast to its shape."""
+    return jnp.broadcast_to(jnp.asarray(src).astype(self.dtype), self.shape)
+
+
 @op("fill_.Scalar", "fill_.Tensor")
 def fill_(self, value):
     if self is None:        # overwritten whole: the runtime broadcasts the value

@@ -1,0 +1,352 @@
+"""What training frameworks call on ``tpu``: the device module's queries, flex attention (eager
+and compiled, score and block masks, forward and backward), the RNG HOPs of compiled activation
+checkpointing, and Ray Train's process-group backends. Each against CPU eager."""
+import copy
+import math
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as fa
+
+import deferfuse
+from util import assert_same, cpu
+
+pytestmark = pytest.mark.usefixtures("no_cpu_fallbacks")
+
+
+# --------------------------------------------------------------------------------------------
+# torch.tpu: the device-module calls TorchTitan and Ray make on torch.cuda
+
+@pytest.mark.modes("strict")
+def test_device_module_queries():
+    m = torch.tpu
+    n = m.device_count()
+    assert n >= 1 and m.is_available() and m.current_device() == 0
+    p = m.get_device_properties(0)
+    assert isinstance(p.name, str) and p.name and p.total_memory > 0
+    assert p.multi_processor_count >= 1
+    assert m.get_device_name() == p.name and m.get_device_capability() == (p.major, p.minor)
+    free, total = m.mem_get_info()
+    assert 0 <= free <= total
+    x = torch.ones(256, 256, device="tpu")
+    m.synchronize()
+    stats = m.memory_stats()
+    assert stats["allocated_bytes.all.current"] >= x.numel() * 4
+    assert m.memory_allocated() >= x.numel() * 4 and m.max_memory_allocated() >= m.memory_allocated()
+    m.reset_peak_memory_stats()
+    m.empty_cache()
+    m.set_device(0)
+    with m.device(0):
+        assert m.current_device() == 0
+    # torch.tpu.memory: what a profiler's memory snapshot calls (TorchTitan's)
+    m.memory._record_memory_history(max_entries=10)
+    assert m.memory._snapshot() == {"segments": [], "device_traces": [[]]}
+    assert m.memory.memory_allocated() == m.memory_allocated()
+    # torch.accelerator and torch.get_device_module name the same module
+    assert torch.get_device_module("tpu") is m
+    assert torch.accelerator.current_accelerator().type == "tpu"
+
+
+# --------------------------------------------------------------------------------------------
+# flex attention
+
+L, E = 128, 16
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+
+def _bias(score, b, h, q_idx, kv_idx):
+    return score + (q_idx - kv_idx).float() * 0.05 + h * 0.1
+
+
+def _dense(q, k, v, score_mod=None, mask_mod=None, scale=None, gqa=False):
+    """The CPU reference: flex attention written out densely (CPU's flex attention has no
+    backward)."""
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    h = torch.arange(q.shape[1])[None, :, None, None]
+    qi = torch.arange(q.shape[2])[None, None, :, None]
+    ki = torch.arange(k.shape[2])[None, None, None, :]
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, qi, ki), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return s.softmax(-1) @ v, lse
+
+
+def _inputs(hq=2, hkv=2):
+    torch.manual_seed(0)
+    return (torch.randn(2, hq, L, E), torch.randn(2, hkv, L, E), torch.randn(2, hkv, L, E))
+
+
+def _compare(fn, score_mod, mask_mod, gqa=False, hq=2, hkv=2):
+    """``fn(q, k, v, block_mask)`` on tpu: output and the gradients of q, k, v against
+    ``_dense`` on CPU."""
+    q, k, v = _inputs(hq, hkv)
+    bm = fa.create_block_mask(mask_mod, None, None, L, L, device="tpu") if mask_mod else None
+    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = fn(tq, tk, tv, bm)
+    g = torch.randn(out.shape)
+    out.backward(g.to("tpu"))
+    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+    want, _ = _dense(cq, ck, cv, score_mod, mask_mod, gqa=gqa)
+    want.backward(g)
+    assert_same(out, want.detach(), atol=2e-5, rtol=1e-5, msg="output")
+    for name, t, c in (("q", tq, cq), ("k", tk, ck), ("v", tv, cv)):
+        assert_same(t.grad, c.grad, atol=3e-5, rtol=1e-5, msg=f"grad {name}")
+
+
+# Strict mode runs the first case alone (the same ops one program each: slow, and no new path).
+@pytest.mark.modes("defer", "strict")
+@pytest.mark.slow_params("strict")
+@pytest.mark.parametrize("case", ["score_mod+causal", "window", "gqa+bias"])
+def test_flex_attention_eager(case, tpu_mode):
+    """Eager: PyTorch's own dense flex attention on tpu tensors, forward and backward, with a
+    score function, a block mask, or both, GQA too."""
+    score_mod, mask_mod, gqa, hq, hkv = {
+        "score_mod+causal": (_bias, _causal, False, 2, 2),
+        "window": (None, _window, False, 2, 2),
+        "gqa+bias": (_bias, None, True, 4, 2),
+    }[case]
+
+    def fn(q, k, v, bm):
+        return fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+    _compare(fn, score_mod, mask_mod, gqa, hq, hkv)
+
+
+@pytest.mark.modes("strict")
+def test_flex_attention_strict():
+    """Strict mode, one op at a time: a score function with a block mask."""
+    def fn(q, k, v, bm):
+        return fa.flex_attention(q, k, v, score_mod=_bias, block_mask=bm)
+    _compare(fn, _bias, _causal)
+
+
+@pytest.mark.modes("strict")
+def test_flex_attention_cpu_unchanged():
+    """CPU keeps PyTorch's checks: its flex attention still has no backward."""
+    q = torch.randn(1, 1, L, E, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        fa.flex_attention(q, q, q)
+
+
+@pytest.mark.modes("defer")
+def test_flex_attention_lse():
+    q, k, v = _inputs()
+    bm = fa.create_block_mask(_causal, None, None, L, L, device="tpu")
+    out, aux = fa.flex_attention(q.to("tpu"), k.to("tpu"), v.to("tpu"), score_mod=_bias,
+                                 block_mask=bm, return_aux=fa.AuxRequest(lse=True))
+    want, lse = _dense(q, k, v, _bias, _causal)
+    assert_same(out, want, atol=2e-5, rtol=1e-5)
+    assert_same(aux.lse, lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.modes("defer")
+def test_flex_attention_compiled():
+    """A compiled module with flex attention inside: one graph (no break), every op lowered
+    (no graph run eagerly), forward and backward equal to CPU."""
+    lin = torch.nn.Linear(E, E)
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = lin
+
+        def forward(self, q, k, v, bm):
+            return self.proj(fa.flex_attention(q, k, v, score_mod=_bias, block_mask=bm))
+
+    ref_lin = copy.deepcopy(lin)
+    m = Attn().to("tpu")
+    compiled = torch.compile(m, backend="tpu", fullgraph=True)
+    deferfuse.reset_metrics()
+
+    def fn(q, k, v, bm):
+        return compiled(q, k, v, bm)
+
+    def ref_mod(s, b, h, qi, ki):
+        return _bias(s, b, h, qi, ki)
+    q, k, v = _inputs()
+    bm = fa.create_block_mask(_causal, None, None, L, L, device="tpu")
+    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = fn(tq, tk, tv, bm)
+    out.sum().backward()
+    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+    want = ref_lin(_dense(cq, ck, cv, ref_mod, _causal)[0])
+    want.sum().backward()
+    assert_same(out, want.detach(), atol=3e-5, rtol=1e-5)
+    for t, c in ((tq, cq), (tk, ck), (tv, cv)):
+        assert_same(t.grad, c.grad, atol=5e-5, rtol=1e-5)
+    assert_same(m.proj.weight.grad, ref_lin.weight.grad, atol=1e-4, rtol=1e-5)
+    met = deferfuse.metrics()
+    assert met["dynamo_graphs"] == 1, met["graph_recompiles"]
+    assert met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
+
+
+# --------------------------------------------------------------------------------------------
+# compiled activation checkpointing: run_and_save_rng_state / run_with_rng_state
+
+@pytest.mark.modes("defer")
+def test_compiled_checkpoint_recomputes_the_same_dropout():
+    """``torch.compile`` of a checkpointed block with dropout: AOTAutograd recomputes the dropout
+    in the backward graph through ``run_with_rng_state`` with the state the forward graph saved
+    (``run_and_save_rng_state``). The gradient must use the forward's mask: it is read off the
+    output (the kept entries are the nonzero ones) and the gradient computed on CPU from it. The
+    state stays on the device: no sync but the reads of the test."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 32))
+
+        def inner(self, x):
+            return torch.nn.functional.dropout(x * self.w, 0.5, training=True)
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    m = Block().to("tpu")
+    compiled = torch.compile(m, backend="tpu")
+    x, g = torch.randn(64, 32), torch.randn(64, 32)
+    deferfuse.reset_metrics()
+    masks = []
+    for _ in range(2):
+        m.w.grad = None
+        y = compiled(x.to("tpu"))
+        y.backward(g.to("tpu"))
+        keep = cpu(y) != 0
+        masks.append(keep)
+        assert 0.3 < keep.float().mean().item() < 0.7
+        assert_same(y, (keep * x * cpu(m.w) * 2), atol=1e-5)
+        assert_same(m.w.grad, keep * x * 2 * g, atol=1e-5)
+    assert not torch.equal(masks[0], masks[1])      # each step draws anew
+    met = deferfuse.metrics()
+    assert met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
+    assert set(met["syncs"]) == {"cpu"}, met["syncs"]      # the test's own reads alone
+
+
+# --------------------------------------------------------------------------------------------
+# Ray Train
+
+@pytest.mark.slow       # a local Ray cluster and three trainings: about 2 minutes on 2 cores
+@pytest.mark.modes("strict")      # (the workers run in deferfuse's default mode)
+def test_ray_torch_trainer(tmp_path):
+    """``TorchTrainer``, 2 workers, DDP, ``TorchConfig(backend="tpu")`` and ``"tpu_dist"``, model on
+    ``tpu``, no hook in the workers (they never import deferfuse): losses and weights within 1e-6
+    of the same training with gloo on CPU. Ray's ``"tpu_dist"`` first imports ``torch_tpu._loader``
+    (TorchTPU's package, which deferfuse does not replace): the workers get an empty stand-in on
+    their path, which registers nothing."""
+    ray = pytest.importorskip("ray", reason="Ray Train is optional: pip install -e '.[ray]'")
+    pytest.importorskip("ray.train.torch", reason="Ray Train is optional: pip install -e '.[ray]'")
+    import json
+    import os
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    stub = tmp_path / "stub" / "torch_tpu"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "_loader.py").write_text("def load():\n    pass\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, str(stub.parent)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    try:
+        import ray_worker
+        runs = {}
+        for backend, dev in (("gloo", "cpu"), ("tpu", "tpu"), ("tpu_dist", "tpu")):
+            out = str(tmp_path / backend)
+            TorchTrainer(ray_worker.train_loop, train_loop_config={"device": dev, "out": out},
+                         scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
+                                                      resources_per_worker={"CPU": 1}),
+                         torch_config=TorchConfig(backend=backend),
+                         run_config=RunConfig(storage_path=str(tmp_path / "ray"),
+                                              name=backend)).fit()
+            runs[backend] = [json.loads(open(f"{out}.{r}.json").read()) for r in range(2)]
+    finally:
+        ray.shutdown()
+    for backend in ("tpu", "tpu_dist"):
+        for rank in range(2):
+            got, want = runs[backend][rank], runs["gloo"][rank]
+            assert got["backend"] == backend and got["device"].startswith("tpu")
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                                       atol=1e-6, rtol=0)
+            for a, b in zip(got["weights"], want["weights"]):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# varlen flash attention (aten._flash_attention_forward/_backward with sequence boundaries)
+
+LENS, CU = [5, 11, 7], torch.tensor([0, 5, 16, 23], dtype=torch.int32)
+
+
+def _varlen_ref(q, k, v, window):
+    """Each packed sequence on its own through SDPA on CPU, the window as a boolean mask."""
+    parts = []
+    for s, e in zip(CU[:-1].tolist(), CU[1:].tolist()):
+        n = e - s
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        mask = torch.ones(n, n, dtype=torch.bool)
+        if window[0] >= 0:
+            mask &= j >= i - window[0]
+        if window[1] >= 0:
+            mask &= j <= i + window[1]
+        qq, kk, vv = (x[s:e].transpose(0, 1) for x in (q, k, v))
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=mask, enable_gqa=True).transpose(0, 1))
+    return torch.cat(parts)
+
+
+def _varlen_compare(fn, window):
+    q = torch.randn(sum(LENS), 4, 8)
+    k, v = torch.randn(sum(LENS), 2, 8), torch.randn(sum(LENS), 2, 8)
+    tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = fn(tq, tk, tv, CU.to("tpu"))
+    g = torch.randn(out.shape)
+    out.backward(g.to("tpu"))
+    cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+    want = _varlen_ref(cq, ck, cv, window)
+    want.backward(g)
+    assert_same(out, want.detach(), atol=1e-5, rtol=1e-5)
+    for t, c in ((tq, cq), (tk, ck), (tv, cv)):
+        assert_same(t.grad, c.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 1)], ids=["causal", "full", "window"])
+def test_varlen_attention(window):
+    """``torch.nn.attention.varlen.varlen_attn`` (TorchTitan's varlen attention) on packed
+    sequences: each against SDPA on its own sequence on CPU, forward and backward, GQA too."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    def fn(q, k, v, cu):
+        return varlen_attn(q, k, v, cu, cu, max(LENS), max(LENS), window_size=window,
+                           enable_gqa=True)
+    _varlen_compare(fn, window)
+
+
+@pytest.mark.modes("defer")
+def test_varlen_attention_compiled():
+    """The same under ``torch.compile``: varlen_attn's custom ops are traced through to the
+    lowered flash ops (one graph, none run eagerly)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    @torch.compile(backend="tpu", fullgraph=True)
+    def fn(q, k, v, cu):
+        return varlen_attn(q, k, v, cu, cu, max(LENS), max(LENS), window_size=(-1, 0),
+                           enable_gqa=True)
+    deferfuse.reset_metrics()
+    _varlen_compare(fn, (-1, 0))
+    met = deferfuse.metrics()
+    assert met["dynamo_graphs"] == 1 and met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
