@@ -47,6 +47,12 @@ IMAGE, PATCH = 32, 8
 F32_TOL = (1e-4, 1e-4)
 # The OpInfo sweep's bfloat16 backward tolerance (opinfo_sweep.BACKWARD_TOL).
 BF16_TOL = (1e-3, 1.6e-2)
+# A whole model in bfloat16 rounds at each op on CPU, and once per fused chain of ops on tpu (XLA
+# computes a fused elementwise chain in float32), so an element computed by cancellation can differ
+# by a few bfloat16 units of the tensor's largest magnitude. Where a tensor fails BF16_TOL and the
+# no-less-accurate rule, it still passes within BF16_SCALE x max(1, |CPU| max) (two bfloat16 eps),
+# and the table counts those passes apart ("bf16, scale rule").
+BF16_SCALE = 1.6e-2
 
 # One model class per model_type: the first mapping (in this order) that names the model_type.
 KINDS = (("causal", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
@@ -185,7 +191,7 @@ def tiny_config(cfg, depth=0):
     if isinstance(d.get("depths"), list) and all(isinstance(x, int) for x in d["depths"]):
         _set(cfg, "depths", [1] * len(d["depths"]))
     if isinstance(d.get("hidden_sizes"), list) and all(isinstance(x, int) for x in d["hidden_sizes"]):
-        _set(cfg, "hidden_sizes", [8 * 2 ** i for i in range(len(d["hidden_sizes"]))])
+        _set(cfg, "hidden_sizes", [32 * 2 ** i for i in range(len(d["hidden_sizes"]))])
     # Per-layer lists as long as the old layer count: keep the first entries.
     for n_old in set(old_layers.values()):
         for k, v in d.items():
@@ -193,6 +199,8 @@ def tiny_config(cfg, depth=0):
                 _set(cfg, k, v[:LAYERS])
     if d.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
         _set(cfg, "decoder_start_token_id", d.get("pad_token_id") or 0)
+    if isinstance(d.get("num_groups"), int) and d["num_groups"] > 4:
+        _set(cfg, "num_groups", 4)     # group norms over the narrowed channels
     if isinstance(d.get("num_labels"), int):
         _set(cfg, "num_labels", 3)
     return cfg
@@ -215,6 +223,14 @@ def build(model_type: str, dtype=None):
             model = cls._from_config(cfg, attn_implementation="eager")
         except Exception:  # noqa: BLE001 - models without an eager attention switch
             model = cls._from_config(cfg)
+    # Parameters initialised to all zeros (MoE routers, gates, biases) get small random values:
+    # a zero router ties every expert for every token, and which of equal scores CPU's topk returns
+    # is its sort kernel's order, not the model's (tpu's topk breaks ties by the lower index).
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() and not bool(p.any()):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
     return kind, model.eval(), cfg
 
 
@@ -302,6 +318,9 @@ def run_model(model, batch, device):
     dt = next(model.parameters()).dtype
     b = {k: (v.to(device, dt) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
          for k, v in batch.items()}
+    import inspect
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        b["use_cache"] = False      # a training step: no cache (hybrid models' caches refuse it)
     out = model(**b)
     loss = loss_of(out)
     logits = getattr(out, "logits", None)
@@ -311,9 +330,10 @@ def run_model(model, batch, device):
     return [t.detach().cpu() for t in keep], {n: (None if g is None else g.detach().cpu()) for n, g in grads.items()}
 
 
-def _close(got, want, tol, ref=None):
+def _close(got, want, tol, ref=None, loose=None, name=""):
     """None when ``got`` matches ``want`` within ``tol`` (atol scaled by want's magnitude), or
-    no farther from ``ref`` than ``want`` is; else a message."""
+    no farther from ``ref`` than ``want`` is, or (``loose``, a list: ``name`` is appended to it)
+    within ``BF16_SCALE`` of want's largest magnitude; else a message."""
     import torch
     if got.dtype != want.dtype or got.shape != want.shape:
         return f"dtype/shape {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
@@ -328,18 +348,21 @@ def _close(got, want, tol, ref=None):
         slack = (w - r).abs() + atol + rtol * r.abs()
         if bool(((g - r).abs() <= slack).logical_or(g.isnan() & r.isnan()).all()):
             return None
+    if loose is not None and bool(((g - w).abs() <= BF16_SCALE * scale).logical_or(g.isnan() & w.isnan()).all()):
+        loose.append(name)
+        return None
     i = int(bad.flatten().nonzero()[0])
     return (f"{int(bad.sum())}/{bad.numel()} elements differ, first at {i}: {float(g.flatten()[i]):.6g} vs "
             f"{float(w.flatten()[i]):.6g} (atol {atol:.2g}, rtol {rtol:.2g})")
 
 
-def compare(got, want, tol, ref=None):
+def compare(got, want, tol, ref=None, loose=None):
     """Raise AssertionError at the first output or gradient that differs."""
     outs_g, grads_g = got
     outs_w, grads_w = want
     names = ["loss", "logits"]
     for i, (g, w) in enumerate(zip(outs_g, outs_w)):
-        msg = _close(g, w, tol, None if ref is None else ref[0][i])
+        msg = _close(g, w, tol, None if ref is None else ref[0][i], loose, names[i])
         if msg:
             raise AssertionError(f"{names[i]}: {msg}")
     if sorted(grads_g) != sorted(grads_w):
@@ -351,7 +374,7 @@ def compare(got, want, tol, ref=None):
                                  f"{'none' if w is None else 'a gradient'} on CPU")
         if w is None:
             continue
-        msg = _close(g, w, tol, None if ref is None else ref[1][n])
+        msg = _close(g, w, tol, None if ref is None else ref[1][n], loose, n)
         if msg:
             raise AssertionError(f"grad {n}: {msg}")
 
@@ -422,7 +445,10 @@ def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict
             ref = run_model(ref_model, {k: (v.to(torch.bfloat16).float() if isinstance(v, torch.Tensor)
                                             and v.is_floating_point() else v) for k, v in batch.items()}, "cpu")
             cw = run_model(cm, batch, "cpu")
-            compare(run_model(tm, batch, "tpu"), cw, BF16_TOL, ref)
+            loose = []
+            compare(run_model(tm, batch, "tpu"), cw, BF16_TOL, ref, loose)
+            if loose:
+                row["bf16_scale_rule"] = loose[:5]
         stage("bf16", bf16)
     if "gen" in stages and kind in ("causal", "seq2seq", "speech2seq") and model.can_generate():
         gen_in = {k: v for k, v in batch.items() if k not in ("labels", "return_loss")}
@@ -481,6 +507,7 @@ def summary(rows: dict, enumerated: int) -> dict:
     gen = [r for r in built if r.get("gen") is not None]
     return dict(enumerated=enumerated, run=len(rows), built=len(built),
                 f32=sum(1 for r in built if r.get("f32")), bf16=sum(1 for r in built if r.get("bf16")),
+                bf16_opinfo=sum(1 for r in built if r.get("bf16") and not r.get("bf16_scale_rule")),
                 gen_run=len(gen), gen=sum(1 for r in gen if r.get("gen")))
 
 
@@ -499,12 +526,15 @@ def write_markdown(data, path):
              "the default one (tests/hf_sweep.py `tiny_config`), random weights, batch "
              f"{BATCH} x {SEQ}; each in its own process with a timeout; defer mode.",
              "- f32: loss, logits and every gradient against CPU (atol 1e-4 x max(1, |CPU|max), rtol 1e-4); "
-             "bf16: the model in bfloat16 against CPU bfloat16 (atol 1e-3 x scale, rtol 1.6e-2, or no "
-             "farther from the float32 result than CPU's bfloat16); gen: greedy generate(max_new_tokens=5) "
+             "bf16: the model in bfloat16 against CPU bfloat16 (the OpInfo rule: atol 1e-3 x scale, rtol 1.6e-2, or "
+             "no farther from the float32 result than CPU's bfloat16; the scale rule: within 1.6e-2 x scale, "
+             "scale = max(1, |CPU|max), for tensors that fail the OpInfo rule); gen: greedy generate(max_new_tokens=5) "
              "tokens equal to CPU's.", "",
-             "| enumerated | run | built | f32 fwd+bwd pass | bf16 fwd+bwd pass | generative | generate pass |",
-             "|---:|---:|---:|---:|---:|---:|---:|",
+             "| enumerated | run | built | f32 fwd+bwd pass | bf16 pass, OpInfo rule | bf16 pass, with scale rule "
+             "| generative | generate pass |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|",
              f"| {s['enumerated']} | {s['run']} | {s['built']} | {s['f32']} ({_pct(s['f32'], s['built'])}) | "
+             f"{s['bf16_opinfo']} ({_pct(s['bf16_opinfo'], s['built'])}) | "
              f"{s['bf16']} ({_pct(s['bf16'], s['built'])}) | {s['gen_run']} | {s['gen']} "
              f"({_pct(s['gen'], s['gen_run'])}) |", "",
              "## Failures (built, a stage fails)", "",
@@ -535,7 +565,8 @@ def main(argv=None):
     p.add_argument("--part", default="1/1", help="K/N: the K-th of N interleaved slices")
     p.add_argument("--timeout", type=int, default=120)
     p.add_argument("--stages", default="f32,bf16,gen")
-    p.add_argument("--skip-done", action="store_true", help="skip model_types already in the json")
+    p.add_argument("--skip-done", action="store_true",
+                   help="skip model_types the json has built (rerun the others)")
     p.add_argument("--list", action="store_true")
     p.add_argument("-v", action="store_true")
     a = p.parse_args(argv)
@@ -557,8 +588,8 @@ def main(argv=None):
     k, n = (int(x) for x in a.part.split("/"))
     names = names[k - 1::n]
     data = load_results()
-    if a.skip_done:
-        names = [m for m in names if m not in data["rows"]]
+    if a.skip_done:     # rows already there, except those that timed out or crashed
+        names = [m for m in names if not data["rows"].get(m, {}).get("built")]
     os.makedirs(RESULTS, exist_ok=True)
     for i, mt in enumerate(names):
         row = run_subprocess(mt, a.timeout, stages)
