@@ -93,7 +93,10 @@ def enumerate_archs() -> dict:
 _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "embedding_size", "word_embed_proj_dim",
            "projection_dim", "text_embed_dim", "vision_embed_dim", "hidden_dim_model", "d_embed", "emb_dim",
            "projection_size", "proj_dim", "query_dim", "output_hidden_size", "classifier_proj_size",
-           "kv_channels", "embed_size", "n_embed", "hidden_size_per_head")
+           "kv_channels", "embed_size", "n_embed", "hidden_size_per_head",
+           # widths of another tower that this one reads (cross attention, projectors)
+           "encoder_hidden_size", "cross_attention_hidden_size", "mm_hidden_size", "vision_hidden_size",
+           "text_hidden_size", "audio_hidden_size", "image_hidden_size")
 _INTER = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
           "moe_intermediate_size", "shared_expert_intermediate_size", "hidden_dim", "ffn_hidden_size",
           "expert_intermediate_size", "decoder_intermediate_size", "encoder_intermediate_size",
@@ -515,9 +518,58 @@ def _pct(a, b):
     return f"{100 * a / b:.1f}%" if b else "-"
 
 
+def causes(rows) -> list:
+    """[((stage, cause), count)], most common first: each failure's first error line with its
+    numbers and quoted names blanked, so one cause in several models counts once per model."""
+    import collections
+    import re
+    tally = collections.Counter()
+    for r in rows.values():
+        for stage, e in r.get("errors", {}).items():
+            if stage in ("f32", "bf16", "gen") and r.get(stage) is not False:
+                continue
+            if stage == "gen" and e.startswith("n/a"):
+                continue
+            key = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", re.sub(r"'[^']*'|`[^`]*`", "'..'", e))[:110]
+            tally[("tpu " + stage if stage in ("f32", "bf16", "gen") else stage, key)] += 1
+    return tally.most_common()
+
+
+DOCS = os.path.join(ROOT, "docs", "coverage.md")
+DOCS_MARKS = ("<!-- hf-sweep table -->", "<!-- /hf-sweep table -->")
+
+
+def docs_table() -> str:
+    """The table now between the marks in docs/coverage.md."""
+    with open(DOCS) as f:
+        text = f.read()
+    return text.split(DOCS_MARKS[0], 1)[1].split(DOCS_MARKS[1], 1)[0].strip()
+
+
+def update_docs():
+    with open(DOCS) as f:
+        text = f.read()
+    head, rest = text.split(DOCS_MARKS[0], 1)
+    tail = rest.split(DOCS_MARKS[1], 1)[1]
+    with open(DOCS, "w") as f:
+        f.write(head + DOCS_MARKS[0] + "\n" + "\n".join(summary_table(load_results())) + "\n"
+                + DOCS_MARKS[1] + tail)
+
+
+def summary_table(data) -> list:
+    """The figures as markdown table lines (bench/results/hf-sweep.md and docs/coverage.md)."""
+    s = summary(data["rows"], data.get("enumerated", len(data["rows"])))
+    return ["| enumerated | run | built | f32 fwd+bwd pass | bf16 pass, OpInfo rule | bf16 pass, with scale rule "
+            "| generative | generate pass |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {s['enumerated']} | {s['run']} | {s['built']} | {s['f32']} ({_pct(s['f32'], s['built'])}) | "
+            f"{s['bf16_opinfo']} ({_pct(s['bf16_opinfo'], s['built'])}) | "
+            f"{s['bf16']} ({_pct(s['bf16'], s['built'])}) | {s['gen_run']} | {s['gen']} "
+            f"({_pct(s['gen'], s['gen_run'])}) |"]
+
+
 def write_markdown(data, path):
     rows = data["rows"]
-    s = summary(rows, data.get("enumerated", len(rows)))
     mark = {True: "ok", False: "**FAIL**", None: "–"}
     lines = ["# Every Hugging Face architecture on tpu (`make sweep-hf`)", "",
              f"- date: {data.get('date', '')}; versions: {data.get('versions', '')}",
@@ -530,13 +582,7 @@ def write_markdown(data, path):
              "no farther from the float32 result than CPU's bfloat16; the scale rule: within 1.6e-2 x scale, "
              "scale = max(1, |CPU|max), for tensors that fail the OpInfo rule); gen: greedy generate(max_new_tokens=5) "
              "tokens equal to CPU's.", "",
-             "| enumerated | run | built | f32 fwd+bwd pass | bf16 pass, OpInfo rule | bf16 pass, with scale rule "
-             "| generative | generate pass |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|",
-             f"| {s['enumerated']} | {s['run']} | {s['built']} | {s['f32']} ({_pct(s['f32'], s['built'])}) | "
-             f"{s['bf16_opinfo']} ({_pct(s['bf16_opinfo'], s['built'])}) | "
-             f"{s['bf16']} ({_pct(s['bf16'], s['built'])}) | {s['gen_run']} | {s['gen']} "
-             f"({_pct(s['gen'], s['gen_run'])}) |", "",
+             *summary_table(data), "",
              "## Failures (built, a stage fails)", "",
              "| model_type | class | f32 | bf16 | gen | first error |", "|---|---|---|---|---|---|"]
     for mt, r in sorted(rows.items()):
@@ -545,6 +591,9 @@ def write_markdown(data, path):
                              and r.get(k) is False)
             lines.append(f"| {mt} | {r.get('cls')} | {mark[r.get('f32')]} | {mark[r.get('bf16')]} | "
                          f"{mark[r.get('gen')]} | {errs.replace('|', '/')} |")
+    lines += ["", "## Most common causes", "", "| count | stage | cause |", "|---:|---|---|"]
+    for (stage, cause), n in causes(rows)[:15]:
+        lines.append(f"| {n} | {stage} | {cause.replace('|', '/')} |")
     lines += ["", "## Not built tiny on CPU (or timed out / crashed)", "", "| model_type | class | reason |",
               "|---|---|---|"]
     for mt, r in sorted(rows.items()):
@@ -568,6 +617,8 @@ def main(argv=None):
     p.add_argument("--skip-done", action="store_true",
                    help="skip model_types the json has built (rerun the others)")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--table", action="store_true", help="print the figures table of the json and exit")
+    p.add_argument("--docs", action="store_true", help="put the figures table into docs/coverage.md and exit")
     p.add_argument("-v", action="store_true")
     a = p.parse_args(argv)
     stages = tuple(a.stages.split(","))
@@ -579,6 +630,12 @@ def main(argv=None):
         row = check(a.one, stages, verbose=a.v)
         print("HFSWEEP " + json.dumps(row), flush=True)
         return row
+    if a.table:
+        print("\n".join(summary_table(load_results())))
+        return None
+    if a.docs:
+        update_docs()
+        return None
     archs = enumerate_archs()
     if a.list:
         for mt, (k, c) in archs.items():

@@ -68,3 +68,8 @@ def test_tiny_config_shrinks_nested_configs():
     assert cfg.vision_config.image_size == hs.IMAGE and cfg.text_config.vocab_size == hs.VOCAB
     g = hs.tiny_config(transformers.AutoConfig.for_model("gemma3_text"))
     assert len(g.layer_types) == g.num_hidden_layers == hs.LAYERS
+
+
+def test_docs_show_the_latest_sweep():
+    """docs/coverage.md shows the figures of bench/results/hf-sweep.json (``hf_sweep.py --docs``)."""
+    assert hs.docs_table() == "\n".join(hs.summary_table(hs.load_results()))
