@@ -163,6 +163,11 @@ def tiny_config(cfg, depth=0):
         _set(cfg, k, 16)
     for k in ints(("qk_rope_head_dim", "qk_nope_head_dim")):
         _set(cfg, k, 4)
+    if isinstance(d.get("qk_rope_head_dim"), int) and d.get("head_dim") == d["qk_rope_head_dim"]:
+        _set(cfg, "head_dim", 4)    # multi-head latent attention: rotary over the rope part
+    for k, v in (("index_head_dim", HEAD_DIM), ("index_n_heads", HEADS)):
+        if isinstance(d.get(k), int):
+            _set(cfg, k, v)
     for k in ints(("first_k_dense_replace",)):
         _set(cfg, k, min(d[k], 1))
     if isinstance(d.get("window_size"), int) and d["window_size"] > 4:
