@@ -33,6 +33,7 @@ def _check(model_type, stage):
     return row
 
 
+@pytest.mark.modes("strict")     # no device work: once
 def test_sample_is_twenty_enumerated_architectures():
     every = hs.enumerate_archs()
     assert len(SAMPLE) == len(set(SAMPLE)) == 20
@@ -59,6 +60,7 @@ def test_greedy_generate(model_type, tpu_mode):
     assert row["kind"] in ("causal", "seq2seq", "speech2seq")
 
 
+@pytest.mark.modes("strict")     # no device work: once
 def test_tiny_config_shrinks_nested_configs():
     """Sizes shrink consistently, nested text and vision configs too (no model built)."""
     cfg = hs.tiny_config(transformers.AutoConfig.for_model("clip"))
@@ -70,6 +72,7 @@ def test_tiny_config_shrinks_nested_configs():
     assert len(g.layer_types) == g.num_hidden_layers == hs.LAYERS
 
 
+@pytest.mark.modes("strict")     # no device work: once
 def test_docs_show_the_latest_sweep():
     """docs/coverage.md shows the figures of bench/results/hf-sweep.json (``hf_sweep.py --docs``)."""
     assert hs.docs_table() == "\n".join(hs.summary_table(hs.load_results()))
