@@ -195,6 +195,11 @@ def tiny_config(cfg, depth=0):
         _set(cfg, "image_size", [IMAGE, IMAGE])
         if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
             _set(cfg, "patch_size", PATCH)
+    if isinstance(d.get("depths"), list) and isinstance(d.get("window_size"), int) and \
+            isinstance(getattr(cfg, "patch_size", None), int) and isinstance(d.get("image_size"), int):
+        # windowed stages (swin): each stage's grid at least one window of 2, halving per stage
+        _set(cfg, "window_size", 2)
+        _set(cfg, "image_size", cfg.patch_size * 2 ** len(d["depths"]))
     # Per-stage lists of vision backbones: one block per stage, narrow stages.
     if isinstance(d.get("depths"), list) and all(isinstance(x, int) for x in d["depths"]):
         _set(cfg, "depths", [1] * len(d["depths"]))
