@@ -115,6 +115,13 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_tok
               "cls_token_id", "mask_token_id", "unk_token_id")
 
 
+def _get(cfg, name):
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - a per-layer attribute read globally raises its own error
+        return None
+
+
 def _set(cfg, name, value):
     try:
         setattr(cfg, name, value)
@@ -128,7 +135,7 @@ def tiny_config(cfg, depth=0):
     d = cfg.to_dict()
     # Nested configs first (text_config, vision_config, audio_config, encoder, decoder, ...).
     for k in list(d):
-        v = getattr(cfg, k, None)
+        v = _get(cfg, k)
         if isinstance(v, PretrainedConfig) and depth < 3:
             tiny_config(v, depth + 1)
     old_layers = {k: d[k] for k in _LAYERS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
@@ -249,9 +256,9 @@ def build(model_type: str, dtype=None):
 
 def _sub(cfg, *names):
     """The first of ``names`` found on cfg or on its nested configs."""
-    for c in (cfg, *(getattr(cfg, k) for k in getattr(cfg, "sub_configs", {}) if getattr(cfg, k, None) is not None)):
+    for c in (cfg, *(_get(cfg, k) for k in (_get(cfg, "sub_configs") or {}) if _get(cfg, k) is not None)):
         for n in names:
-            v = getattr(c, n, None)
+            v = _get(c, n)
             if v is not None:
                 return v
     return None
@@ -660,8 +667,8 @@ def main(argv=None):
     os.makedirs(RESULTS, exist_ok=True)
     for i, mt in enumerate(names):
         row = run_subprocess(mt, a.timeout, stages)
-        row.setdefault("kind", archs.get(mt, (None, None))[0])
-        row.setdefault("cls", archs.get(mt, (None, None))[1])
+        row["kind"] = row.get("kind") or archs.get(mt, (None, None))[0]
+        row["cls"] = row.get("cls") or archs.get(mt, (None, None))[1]
         print(f"[{i + 1}/{len(names)}] {mt}: built={row.get('built')} f32={row.get('f32')} "
               f"bf16={row.get('bf16')} gen={row.get('gen')} {row.get('seconds')}s "
               f"{json.dumps(row.get('errors'))[:300]}", flush=True)
