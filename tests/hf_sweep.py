@@ -177,6 +177,13 @@ def tiny_config(cfg, depth=0):
             _set(cfg, k, v)
     for k in ints(("first_k_dense_replace",)):
         _set(cfg, k, min(d[k], 1))
+    # State-space mixers (mamba2, bamba): heads x head dim = expand x hidden size.
+    for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
+        if all(isinstance(d.get(k), int) for k in (heads, dim, expand)) and "hidden_size" in d:
+            _set(cfg, dim, HEAD_DIM)
+            _set(cfg, heads, d[expand] * HIDDEN // HEAD_DIM)
+            for k in ints(("n_groups", "mamba_n_groups")):
+                _set(cfg, k, 1)
     if isinstance(d.get("window_size"), int) and d["window_size"] > 4:
         _set(cfg, "window_size", 4)   # attention windows (swin's divide the 8 x 8 patch grid)
     for k in ints(_POSITIONS):
