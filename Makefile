@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep bench-diffusers test-diffusers wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -36,6 +36,12 @@ sweep: $(STAMP)
 
 module-sweep: $(STAMP)
 	$(BIN)/python tests/moduleinfo_sweep.py $(ARGS)
+
+# Every Hugging Face architecture (tests/hf_sweep.py), each in its own process with a timeout;
+# ARGS selects a part (--part 2/4, --only llama,t5, --skip-done, --timeout 300). Results accumulate in
+# bench/results/hf-sweep.json and .md. Hours for all of them.
+sweep-hf: $(STAMP)
+	$(BIN)/python tests/hf_sweep.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"

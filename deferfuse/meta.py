@@ -489,11 +489,20 @@ _NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov
     ("_ctc_loss_backward", "Tensor"))) if o is not None}
 
 
+# Ops CPU refuses for integer tensors and CUDA accepts, which code written for accelerators calls
+# with integers on any device but CPU (transformers' MoE layers count tokens per expert with an
+# integer ``histc`` off CPU): tpu accepts them, as CUDA does.
+_ACCELERATOR_INT_OK = {aten.histc.default}
+
+
 def dtype_error(func, args, kwargs):
     """CPU's refusal of these dtypes (``"abs_cpu" not implemented for 'Bool'``), or None. Meta
     kernels check shapes, not which dtypes a CPU kernel implements, so a tpu op would compute what
     CPU refuses. Found by running the CPU kernel once per op and argument dtypes on stand-ins of
     at most one element per dimension (other errors from those stand-ins are ignored)."""
+    if func in _ACCELERATOR_INT_OK and isinstance(args[0], torch.Tensor) and not (
+            args[0].is_floating_point() or args[0].is_complex() or args[0].dtype == torch.bool):
+        return None
     key = (func, tuple(_dtype_sig(a) for a in args),
            tuple((k, _dtype_sig(v)) for k, v in kwargs.items()))
     err = _DTYPE_ERRORS.get(key, 0)

@@ -283,3 +283,15 @@ def test_histogram_and_histogramdd():
         with pytest.raises(RuntimeError) as got:
             torch.histogram(tpu(bad), 3)
         assert str(got.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_histc_of_integers_counts_like_float(dtype):
+    """CPU refuses an integer histc; CUDA (and tpu) count in the input's dtype, and transformers'
+    MoE layers call it with integer expert ids off CPU. The counts are CPU's float histc's."""
+    x = torch.tensor([0, 1, 1, 3, 5, 2, 7, 3], dtype=dtype)
+    for kw in (dict(bins=4, min=0, max=3), dict(bins=3)):
+        want = torch.histc(x.float(), **kw).to(dtype)
+        assert_same(torch.histc(x.to("tpu"), **kw), want, 0, 0)
+    with pytest.raises(NotImplementedError):
+        torch.histc(x, bins=4)      # CPU still refuses it

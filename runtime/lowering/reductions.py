@@ -327,8 +327,16 @@ def _data_range(x, lo, hi, widen):
 @op("histc.default")
 def histc(x, bins=100, min=0, max=0):
     """PyTorch's CPU histc: ``bins`` equal bins over [min, max] (the data's range when min ==
-    max, widened by 1 each way when that is one value)."""
+    max, widened by 1 each way when that is one value); CUDA's for integers (CPU refuses them):
+    bin ``(x - min) * bins // (max - min)``, ``max`` in the last bin, counts in the input's dtype."""
     x = x.reshape(-1)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        lo, hi = _data_range(x, jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype), 1)
+        wide = jnp.int64 if jnp.iinfo(x.dtype).bits <= 32 else x.dtype
+        pos = (x.astype(wide) - lo) * bins // jnp.maximum(hi - lo, 1).astype(wide)
+        pos = jnp.clip(pos, 0, bins - 1)
+        ok = (x >= lo) & (x <= hi)
+        return jnp.zeros(bins, x.dtype).at[pos].add(ok.astype(x.dtype))
     lo, hi = _data_range(x, jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype), 1)
     edges = _edges(lo, hi, bins, x.dtype)
     # CPU's histc bins by linear interpolation between the outer edges, without histogram's

@@ -1,0 +1,712 @@
+"""Every Hugging Face architecture on tpu: forward, backward and greedy generate against CPU eager.
+
+``make sweep-hf`` (``python tests/hf_sweep.py [--part K/N] [--only a,b] [--timeout S]``) enumerates
+every ``model_type`` in transformers' auto mappings, picks one model class for it (causal LM, else
+masked LM, seq2seq LM, speech seq2seq, sequence classification, image classification, else the base
+model), builds it from a tiny config derived from the default one (``tiny_config``: sizes shrunk
+consistently, nested text/vision/audio configs too) and runs, each architecture in its own process
+with a timeout:
+
+- f32: forward and backward of the loss in defer mode; the loss (and logits) and every parameter's
+  gradient against the same model on CPU (``F32_TOL``, scaled by each tensor's largest magnitude).
+- bf16: the same with the model in bfloat16, against CPU in bfloat16 with the OpInfo sweep's
+  bfloat16 backward tolerance (``BF16_TOL``); where that fails, tpu still passes when, element by
+  element, it is no farther from the float32 result than CPU's bfloat16 result is (the OpInfo
+  sweep's "no less accurate" rule: CPU's own bfloat16 kernels round differently by machine).
+- gen: one greedy ``generate(max_new_tokens=5)`` for generative models, tokens equal to CPU's.
+
+Results accumulate in ``bench/results/hf-sweep.json`` (one entry per model_type, a run updates the
+entries it ran) and ``bench/results/hf-sweep.md`` is written from it. ``tests/test_hf_sweep.py`` runs a
+fixed sample of 20 architectures in the default suite.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+BATCH, SEQ, NEW_TOKENS = 2, 8, 5
+VOCAB = 128
+HIDDEN, HEADS, HEAD_DIM, INTER, LAYERS = 32, 4, 8, 64, 2
+IMAGE, PATCH = 32, 8
+# (atol, rtol), each atol scaled by max(1, the CPU tensor's largest magnitude).
+F32_TOL = (1e-4, 1e-4)
+# The OpInfo sweep's bfloat16 backward tolerance (opinfo_sweep.BACKWARD_TOL).
+BF16_TOL = (1e-3, 1.6e-2)
+# A whole model in bfloat16 rounds at each op on CPU, and once per fused chain of ops on tpu (XLA
+# computes a fused elementwise chain in float32), so an element computed by cancellation can differ
+# by a few bfloat16 units of the tensor's largest magnitude. Where a tensor fails BF16_TOL and the
+# no-less-accurate rule, it still passes within BF16_SCALE x max(1, |CPU| max) (two bfloat16 eps),
+# and the table counts those passes apart ("bf16, scale rule").
+BF16_SCALE = 1.6e-2
+
+# One model class per model_type: the first mapping (in this order) that names the model_type.
+KINDS = (("causal", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+         ("masked", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+         ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+         ("speech2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+         ("seqcls", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+         ("imgcls", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+         ("base", "MODEL_MAPPING_NAMES"))
+
+
+def enumerate_archs() -> dict:
+    """{model_type: (kind, class name)} over every auto mapping that names a model class."""
+    from transformers.models.auto import modeling_auto as ma
+    every = set()
+    for n in dir(ma):
+        if n.startswith("MODEL_") and n.endswith("MAPPING_NAMES"):
+            every |= set(getattr(ma, n))
+    out = {}
+    for mt in sorted(every):
+        for kind, mapping in KINDS:
+            cls = getattr(ma, mapping).get(mt)
+            if cls:
+                out[mt] = (kind, cls[0] if isinstance(cls, (tuple, list)) else cls)
+                break
+        else:  # only in a task mapping outside KINDS (detection, segmentation, ...): its first one
+            for n in sorted(dir(ma)):
+                if n.startswith("MODEL_FOR_") and n.endswith("MAPPING_NAMES"):
+                    cls = getattr(ma, n).get(mt)
+                    if cls:
+                        out[mt] = ("other:" + n[10:-14].lower(), cls[0] if isinstance(cls, (tuple, list)) else cls)
+                        break
+    return out
+
+
+# ---------------------------------------------------------------- tiny configs
+
+_HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "embedding_size", "word_embed_proj_dim",
+           "projection_dim", "text_embed_dim", "vision_embed_dim", "hidden_dim_model", "d_embed", "emb_dim",
+           "projection_size", "proj_dim", "query_dim", "output_hidden_size", "classifier_proj_size",
+           "kv_channels", "embed_size", "n_embed", "hidden_size_per_head",
+           # widths of another tower that this one reads (cross attention, projectors)
+           "encoder_hidden_size", "cross_attention_hidden_size", "mm_hidden_size", "vision_hidden_size",
+           "text_hidden_size", "audio_hidden_size", "image_hidden_size")
+_INTER = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
+          "moe_intermediate_size", "shared_expert_intermediate_size", "hidden_dim", "ffn_hidden_size",
+          "expert_intermediate_size", "decoder_intermediate_size", "encoder_intermediate_size",
+          "intermediate_size_mlp", "dense_intermediate_size", "mlp_dim", "ff_dim", "linear_units")
+_LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+           "num_decoder_layers", "num_encoder_layers", "decoder_num_layers", "encoder_num_layers",
+           "text_layers", "vision_layers", "num_blocks")
+_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+          "decoder_attention_heads", "decoder_num_attention_heads", "encoder_num_attention_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+_HEAD_DIM = ("head_dim", "d_kv", "attention_head_dim", "kv_head_dim", "v_head_dim", "qk_head_dim")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_POSITIONS = ("max_position_embeddings", "n_positions", "max_target_positions", "max_source_positions",
+              "n_ctx", "max_seq_len", "seq_length", "max_sequence_length", "max_length")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+              "cls_token_id", "mask_token_id", "unk_token_id")
+
+
+def _get(cfg, name):
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - a per-layer attribute read globally raises its own error
+        return None
+
+
+def _set(cfg, name, value):
+    try:
+        setattr(cfg, name, value)
+    except Exception:  # noqa: BLE001 - read-only property of some configs
+        pass
+
+
+def tiny_config(cfg, depth=0):
+    """Shrink ``cfg`` (a PretrainedConfig) in place, and the configs nested in it; returns it."""
+    from transformers import PretrainedConfig
+    d = cfg.to_dict()
+    # Nested configs first (text_config, vision_config, audio_config, encoder, decoder, ...).
+    for k in list(d):
+        v = _get(cfg, k)
+        if isinstance(v, PretrainedConfig) and depth < 3:
+            tiny_config(v, depth + 1)
+    old_layers = {k: d[k] for k in _LAYERS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
+    if isinstance(d.get("depths"), list):   # a stage count (swin's num_layers), not a layer count
+        old_layers = {k: v for k, v in old_layers.items() if v != len(d["depths"])}
+    old_heads = next((d[k] for k in _HEADS if isinstance(d.get(k), int)), None)
+
+    def ints(names):
+        return [k for k in names if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)]
+    for k in ints(_HIDDEN):
+        _set(cfg, k, HIDDEN)
+    for k in ints(_INTER):
+        _set(cfg, k, INTER)
+    for k in old_layers:
+        _set(cfg, k, min(d[k], LAYERS))
+    for k in ints(_HEADS):
+        _set(cfg, k, HEADS)
+    for k in _HEADS:        # per-stage head counts of vision backbones, for stages 8, 16, 32, ... wide
+        if isinstance(d.get(k), list) and d[k] and all(isinstance(x, int) for x in d[k]):
+            _set(cfg, k, [min(2 ** i, 8) for i in range(len(d[k]))])
+    for k in ints(_KV_HEADS):
+        _set(cfg, k, HEADS if old_heads is None or d[k] >= old_heads else 2)
+    for k in ints(_HEAD_DIM):
+        _set(cfg, k, HEAD_DIM)
+    for k in ints(_EXPERTS):
+        _set(cfg, k, 4)
+    for k in ints(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")):
+        _set(cfg, k, min(d[k], 2))
+    for k in ints(("n_group", "topk_group")):
+        _set(cfg, k, 1)
+    for k in ints(("kv_lora_rank", "q_lora_rank")):
+        _set(cfg, k, 16)
+    for k in ints(("qk_rope_head_dim", "qk_nope_head_dim")):
+        _set(cfg, k, 4)
+    if isinstance(d.get("qk_rope_head_dim"), int) and d.get("head_dim") == d["qk_rope_head_dim"]:
+        _set(cfg, "head_dim", 4)    # multi-head latent attention: rotary over the rope part
+    for k, v in (("index_head_dim", HEAD_DIM), ("index_n_heads", HEADS)):
+        if isinstance(d.get(k), int):
+            _set(cfg, k, v)
+    for k in ints(("first_k_dense_replace",)):
+        _set(cfg, k, min(d[k], 1))
+    # State-space mixers (mamba2, bamba): heads x head dim = expand x hidden size.
+    for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
+        if all(isinstance(d.get(k), int) for k in (heads, dim, expand)) and "hidden_size" in d:
+            _set(cfg, dim, HEAD_DIM)
+            _set(cfg, heads, d[expand] * HIDDEN // HEAD_DIM)
+            for k in ints(("n_groups", "mamba_n_groups")):
+                _set(cfg, k, 1)
+    if isinstance(d.get("window_size"), int) and d["window_size"] > 4:
+        _set(cfg, "window_size", 4)   # attention windows (swin's divide the 8 x 8 patch grid)
+    for k in ints(_POSITIONS):
+        if d[k] > 128:
+            _set(cfg, k, 128)
+    if isinstance(d.get("vocab_size"), int) and d["vocab_size"] > VOCAB:
+        _set(cfg, "vocab_size", VOCAB)
+        for k in ints(("decoder_vocab_size", "target_vocab_size", "output_vocab_size")):
+            _set(cfg, k, VOCAB)
+    vocab = getattr(cfg, "vocab_size", None)
+    if isinstance(vocab, int):
+        for k in _TOKEN_IDS:
+            v = d.get(k)
+            if isinstance(v, int) and v >= vocab:
+                _set(cfg, k, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(k, 2))
+            elif isinstance(v, list):
+                _set(cfg, k, [x for x in v if x < vocab] or [2])
+    if isinstance(d.get("image_size"), int) and d["image_size"] > IMAGE:
+        _set(cfg, "image_size", IMAGE)
+        if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
+            _set(cfg, "patch_size", PATCH)
+    elif isinstance(d.get("image_size"), (list, tuple)) and len(d["image_size"]) == 2:
+        _set(cfg, "image_size", [IMAGE, IMAGE])
+        if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
+            _set(cfg, "patch_size", PATCH)
+    if isinstance(d.get("depths"), list) and isinstance(d.get("window_size"), int) and \
+            isinstance(getattr(cfg, "patch_size", None), int) and isinstance(d.get("image_size"), int):
+        # windowed stages (swin): each stage's grid at least one window of 2, halving per stage
+        _set(cfg, "window_size", 2)
+        _set(cfg, "image_size", cfg.patch_size * 2 ** len(d["depths"]))
+    # Per-stage lists of vision backbones: one block per stage, narrow stages.
+    if isinstance(d.get("depths"), list) and all(isinstance(x, int) for x in d["depths"]):
+        _set(cfg, "depths", [1] * len(d["depths"]))
+    if isinstance(d.get("hidden_sizes"), list) and all(isinstance(x, int) for x in d["hidden_sizes"]):
+        _set(cfg, "hidden_sizes", [32 * 2 ** i for i in range(len(d["hidden_sizes"]))])
+    # Per-layer lists as long as the old layer count: keep the first entries.
+    for n_old in set(old_layers.values()):
+        for k, v in d.items():
+            if isinstance(v, list) and len(v) == n_old and n_old > LAYERS and k not in ("depths", "hidden_sizes"):
+                _set(cfg, k, v[:LAYERS])
+    if d.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
+        _set(cfg, "decoder_start_token_id", d.get("pad_token_id") or 0)
+    if isinstance(d.get("num_groups"), int) and d["num_groups"] > 4:
+        _set(cfg, "num_groups", 4)     # group norms over the narrowed channels
+    if isinstance(d.get("num_labels"), int):
+        _set(cfg, "num_labels", 3)
+    return cfg
+
+
+def build(model_type: str, dtype=None):
+    """(kind, CPU model in eval mode seeded, config) for ``model_type``."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+    kind, cls_name = enumerate_archs()[model_type]
+    cfg = tiny_config(AutoConfig.for_model(model_type))
+    if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
+        cfg.num_labels = 3
+    cls = getattr(transformers, cls_name)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = cls._from_config(cfg, attn_implementation="eager")
+        except Exception:  # noqa: BLE001 - models without an eager attention switch
+            model = cls._from_config(cfg)
+    # Parameters initialised to all zeros (MoE routers, gates, biases) get small random values:
+    # a zero router ties every expert for every token, and which of equal scores CPU's topk returns
+    # is its sort kernel's order, not the model's (tpu's topk breaks ties by the lower index).
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() and not bool(p.any()):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    return kind, model.eval(), cfg
+
+
+def _sub(cfg, *names):
+    """The first of ``names`` found on cfg or on its nested configs."""
+    for c in (cfg, *(_get(cfg, k) for k in (_get(cfg, "sub_configs") or {}) if _get(cfg, k) is not None)):
+        for n in names:
+            v = _get(c, n)
+            if v is not None:
+                return v
+    return None
+
+
+def inputs(kind, model, cfg, name=None) -> dict:
+    """Dummy inputs for ``name`` (the model's ``main_input_name``), and labels for a loss where the
+    head has one."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    name = name or getattr(model, "main_input_name", "input_ids")
+    vocab = _sub(cfg, "vocab_size") or VOCAB
+    batch = {}
+    if name == "input_ids":
+        ids = torch.randint(3, min(vocab, VOCAB), (BATCH, SEQ), generator=g)
+        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    elif name == "pixel_values":
+        size = _sub(cfg, "image_size") or IMAGE
+        size = size if isinstance(size, int) else size[0]
+        ch = _sub(cfg, "num_channels") or 3
+        batch = dict(pixel_values=torch.randn(BATCH, ch, size, size, generator=g))
+    elif name == "input_features":
+        bins = _sub(cfg, "num_mel_bins", "feature_size", "input_feat_per_channel") or 80
+        frames = 2 * (_sub(cfg, "max_source_positions") or SEQ)
+        batch = dict(input_features=torch.randn(BATCH, bins, min(frames, 64), generator=g))
+    elif name == "input_values" and _sub(cfg, "num_mel_bins") and _sub(cfg, "max_length"):
+        # a spectrogram (audio-spectrogram-transformer): (batch, frames, mel bins)
+        batch = dict(input_values=torch.randn(BATCH, _sub(cfg, "max_length"), _sub(cfg, "num_mel_bins"),
+                                              generator=g))
+    elif name == "input_values":   # a waveform
+        batch = dict(input_values=torch.randn(BATCH, 1600, generator=g))
+    else:
+        raise NotImplementedError(f"main_input_name {name!r}: no dummy input for it")
+    if kind in ("causal", "masked") and "input_ids" in batch:
+        batch["labels"] = batch["input_ids"].clone()
+    elif kind in ("seq2seq", "speech2seq"):
+        batch["labels"] = torch.randint(3, min(vocab, VOCAB), (BATCH, SEQ - 2), generator=g)
+    elif kind in ("seqcls", "imgcls"):
+        batch["labels"] = torch.randint(0, 3, (BATCH,), generator=g)
+    return batch
+
+
+def _floats(out):
+    """The floating tensors of a model output, in order (tuples and ModelOutputs flattened)."""
+    import torch
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _floats(o)]
+    if hasattr(out, "to_tuple"):
+        return _floats(out.to_tuple())
+    return []
+
+
+def loss_of(out):
+    """The head's loss, else a fixed random-weighted mean of every floating output (a base model;
+    a plain mean square of layer-normed outputs is nearly constant, its gradients rounding noise)."""
+    import torch
+    loss = getattr(out, "loss", None)
+    if loss is not None:
+        return loss
+    fl = _floats(out)
+    if not fl:
+        raise RuntimeError("the model returns no floating tensor to take a loss of")
+    total = 0
+    for i, t in enumerate(fl):
+        w = torch.randn(t.shape, generator=torch.Generator().manual_seed(2 + i)).to(t.device)
+        total = total + (t.float() * w).mean()
+    return total
+
+
+def run_model(model, batch, device):
+    """(loss, [compared outputs], {param name: grad}) of one forward and backward on ``device``."""
+    import torch
+    dt = next(model.parameters()).dtype
+    b = {k: (v.to(device, dt) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
+         for k, v in batch.items()}
+    import inspect
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        b["use_cache"] = False      # a training step: no cache (hybrid models' caches refuse it)
+    out = model(**b)
+    loss = loss_of(out)
+    logits = getattr(out, "logits", None)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    keep = [loss] + ([logits] if isinstance(logits, torch.Tensor) else [])
+    return [t.detach().cpu() for t in keep], {n: (None if g is None else g.detach().cpu()) for n, g in grads.items()}
+
+
+def _close(got, want, tol, ref=None, loose=None, name=""):
+    """None when ``got`` matches ``want`` within ``tol`` (atol scaled by want's magnitude), or
+    no farther from ``ref`` than ``want`` is, or (``loose``, a list: ``name`` is appended to it)
+    within ``BF16_SCALE`` of want's largest magnitude; else a message."""
+    import torch
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"dtype/shape {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    scale = max(1.0, float(want.detach().double().abs().nan_to_num(0, 0, 0).max())) if want.numel() else 1.0
+    atol, rtol = tol[0] * scale, tol[1]
+    g, w = got.double(), want.double()
+    bad = ~((g - w).abs() <= atol + rtol * w.abs()) & ~(g.isnan() & w.isnan())
+    if not bool(bad.any()):
+        return None
+    if ref is not None:
+        r = ref.double()
+        slack = (w - r).abs() + atol + rtol * r.abs()
+        if bool(((g - r).abs() <= slack).logical_or(g.isnan() & r.isnan()).all()):
+            return None
+    if loose is not None and bool(((g - w).abs() <= BF16_SCALE * scale).logical_or(g.isnan() & w.isnan()).all()):
+        loose.append(name)
+        return None
+    i = int(bad.flatten().nonzero()[0])
+    return (f"{int(bad.sum())}/{bad.numel()} elements differ, first at {i}: {float(g.flatten()[i]):.6g} vs "
+            f"{float(w.flatten()[i]):.6g} (atol {atol:.2g}, rtol {rtol:.2g})")
+
+
+def compare(got, want, tol, ref=None, loose=None):
+    """Raise AssertionError at the first output or gradient that differs."""
+    outs_g, grads_g = got
+    outs_w, grads_w = want
+    names = ["loss", "logits"]
+    for i, (g, w) in enumerate(zip(outs_g, outs_w)):
+        msg = _close(g, w, tol, None if ref is None else ref[0][i], loose, names[i])
+        if msg:
+            raise AssertionError(f"{names[i]}: {msg}")
+    if sorted(grads_g) != sorted(grads_w):
+        raise AssertionError("parameter names differ")
+    for n, w in grads_w.items():
+        g = grads_g[n]
+        if (g is None) != (w is None):
+            raise AssertionError(f"grad {n}: {'none' if g is None else 'a gradient'} on tpu, "
+                                 f"{'none' if w is None else 'a gradient'} on CPU")
+        if w is None:
+            continue
+        msg = _close(g, w, tol, None if ref is None else ref[1][n], loose, n)
+        if msg:
+            raise AssertionError(f"grad {n}: {msg}")
+
+
+def _first_line(e):
+    text = f"{type(e).__name__}: {e}".strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict:
+    """One architecture: {'kind','cls','params','built','f32','bf16','gen': True/False/None, 'errors'}."""
+    import torch
+    import deferfuse
+    row = dict(model_type=model_type, kind=None, cls=None, params=None, built=False,
+               f32=None, bf16=None, gen=None, errors={}, fallbacks={})
+    t0 = time.time()
+    try:
+        kind, model, cfg = build(model_type)
+        row.update(kind=kind, cls=type(model).__name__, params=sum(p.numel() for p in model.parameters()))
+        batch = inputs(kind, model, cfg)
+        try:
+            want = run_model(model, batch, "cpu")
+        except Exception:  # noqa: BLE001 - a two-tower model (text and image) wants both
+            import inspect
+            params = inspect.signature(model.forward).parameters
+            other = {"input_ids": "pixel_values", "pixel_values": "input_ids"}.get(
+                getattr(model, "main_input_name", "input_ids"))
+            if other not in params:
+                raise
+            model.zero_grad(set_to_none=True)
+            batch = {**inputs(kind, model, cfg, other), **batch}
+            if "return_loss" in params:
+                batch["return_loss"] = True
+            want = run_model(model, batch, "cpu")
+        model.zero_grad(set_to_none=True)
+        row["built"] = True
+    except Exception as e:  # noqa: BLE001 - reported: cannot be built tiny on CPU
+        row["errors"]["build"] = _first_line(e)
+        if verbose:
+            traceback.print_exc()
+        row["seconds"] = round(time.time() - t0, 1)
+        return row
+
+    def stage(key, fn):
+        deferfuse.reset_metrics()
+        try:
+            with deferfuse.mode("defer"):
+                fn()
+            row[key] = True
+        except Exception as e:  # noqa: BLE001 - every failure is reported in the table
+            row[key] = False
+            row["errors"][key] = _first_line(e)
+            if verbose:
+                traceback.print_exc()
+        for k, v in deferfuse.metrics()["cpu_fallbacks"].items():
+            row["fallbacks"][k] = row["fallbacks"].get(k, 0) + v
+
+    if "f32" in stages:
+        def f32():
+            tm = copy.deepcopy(model).to("tpu")
+            compare(run_model(tm, batch, "tpu"), want, F32_TOL)
+        stage("f32", f32)
+    if "bf16" in stages:
+        cm = copy.deepcopy(model).to(torch.bfloat16)
+        try:
+            ref_model = copy.deepcopy(cm).float()   # the same bfloat16 weights, computed in float32
+            ref = run_model(ref_model, {k: (v.to(torch.bfloat16).float() if isinstance(v, torch.Tensor)
+                                            and v.is_floating_point() else v) for k, v in batch.items()}, "cpu")
+            cw = run_model(cm, batch, "cpu")
+        except Exception as e:  # noqa: BLE001 - the model refuses bfloat16 on CPU too: not a tpu failure
+            row["errors"]["bf16"] = "n/a, fails on CPU: " + _first_line(e)
+        else:
+            def bf16():
+                tm = copy.deepcopy(cm).to("tpu")
+                tm.zero_grad(set_to_none=True)
+                loose = []
+                compare(run_model(tm, batch, "tpu"), cw, BF16_TOL, ref, loose)
+                if loose:
+                    row["bf16_scale_rule"] = loose[:5]
+            stage("bf16", bf16)
+    if "gen" in stages and kind in ("causal", "seq2seq", "speech2seq") and model.can_generate():
+        gen_in = {k: v for k, v in batch.items() if k not in ("labels", "return_loss")}
+        kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+        pad = _sub(cfg, "pad_token_id")
+        kw["pad_token_id"] = pad if isinstance(pad, int) else 0
+        try:
+            with torch.no_grad():
+                want_tokens = model.generate(**gen_in, **kw)
+        except Exception as e:  # noqa: BLE001 - generate fails on CPU too: not a tpu failure
+            row["errors"]["gen"] = "n/a, fails on CPU: " + _first_line(e)
+        else:
+            def gen():
+                tm = copy.deepcopy(model).to("tpu")
+                with torch.no_grad():
+                    got = tm.generate(**{k: v.to("tpu") for k, v in gen_in.items()}, **kw).cpu()
+                if got.shape != want_tokens.shape or not torch.equal(got, want_tokens):
+                    raise AssertionError(f"tokens differ: {got.tolist()} vs {want_tokens.tolist()}")
+            stage("gen", gen)
+    row["seconds"] = round(time.time() - t0, 1)
+    return row
+
+
+# ---------------------------------------------------------------- the driver
+
+def _json_path():
+    return os.path.join(RESULTS, "hf-sweep.json")
+
+
+def load_results():
+    try:
+        with open(_json_path()) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {"rows": {}}
+
+
+def run_subprocess(model_type, timeout, stages):
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", model_type, "--stages", ",".join(stages)]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return dict(model_type=model_type, built=None, f32=None, bf16=None, gen=None,
+                    errors={"timeout": f"timed out after {timeout} s"}, seconds=round(time.time() - t0, 1))
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("HFSWEEP "):
+            return json.loads(line[8:])
+    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
+    return dict(model_type=model_type, built=None, f32=None, bf16=None, gen=None,
+                errors={"crash": f"exit {p.returncode}: {tail}"}, seconds=round(time.time() - t0, 1))
+
+
+def summary(rows: dict, enumerated: int) -> dict:
+    built = [r for r in rows.values() if r.get("built")]
+    gen = [r for r in built if r.get("gen") is not None]
+    return dict(enumerated=enumerated, run=len(rows), built=len(built),
+                f32=sum(1 for r in built if r.get("f32")), bf16=sum(1 for r in built if r.get("bf16")),
+                bf16_opinfo=sum(1 for r in built if r.get("bf16") and not r.get("bf16_scale_rule")),
+                bf16_run=sum(1 for r in built if r.get("bf16") is not None),
+                gen_run=len(gen), gen=sum(1 for r in gen if r.get("gen")))
+
+
+def _pct(a, b):
+    return f"{100 * a / b:.1f}%" if b else "-"
+
+
+def causes(rows) -> list:
+    """[((stage, cause), count)], most common first: each failure's first error line with its
+    numbers and quoted names blanked, so one cause in several models counts once per model."""
+    import collections
+    import re
+    tally = collections.Counter()
+    for r in rows.values():
+        for stage, e in r.get("errors", {}).items():
+            if stage in ("f32", "bf16", "gen") and r.get(stage) is not False:
+                continue
+            if stage == "gen" and e.startswith("n/a"):
+                continue
+            key = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", re.sub(r"'[^']*'|`[^`]*`", "'..'", e))[:110]
+            tally[("tpu " + stage if stage in ("f32", "bf16", "gen") else stage, key)] += 1
+    return tally.most_common()
+
+
+DOCS = os.path.join(ROOT, "docs", "coverage.md")
+DOCS_MARKS = ("<!-- hf-sweep table -->", "<!-- /hf-sweep table -->")
+
+
+def docs_table() -> str:
+    """The table now between the marks in docs/coverage.md."""
+    with open(DOCS) as f:
+        text = f.read()
+    return text.split(DOCS_MARKS[0], 1)[1].split(DOCS_MARKS[1], 1)[0].strip()
+
+
+def update_docs():
+    with open(DOCS) as f:
+        text = f.read()
+    head, rest = text.split(DOCS_MARKS[0], 1)
+    tail = rest.split(DOCS_MARKS[1], 1)[1]
+    with open(DOCS, "w") as f:
+        f.write(head + DOCS_MARKS[0] + "\n" + "\n".join(summary_table(load_results())) + "\n"
+                + DOCS_MARKS[1] + tail)
+
+
+def summary_table(data) -> list:
+    """The figures as markdown table lines (bench/results/hf-sweep.md and docs/coverage.md)."""
+    s = summary(data["rows"], data.get("enumerated", len(data["rows"])))
+    return ["| enumerated | run | built | f32 fwd+bwd pass | bf16 pass, OpInfo rule | bf16 pass, with scale rule "
+            "| generative | generate pass |",  # bf16 % over the models CPU runs in bfloat16
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {s['enumerated']} | {s['run']} | {s['built']} | {s['f32']} ({_pct(s['f32'], s['built'])}) | "
+            f"{s['bf16_opinfo']} ({_pct(s['bf16_opinfo'], s['bf16_run'])}) | "
+            f"{s['bf16']} ({_pct(s['bf16'], s['bf16_run'])}) | {s['gen_run']} | {s['gen']} "
+            f"({_pct(s['gen'], s['gen_run'])}) |"]
+
+
+def write_markdown(data, path):
+    rows = data["rows"]
+    mark = {True: "ok", False: "**FAIL**", None: "–"}
+    lines = ["# Every Hugging Face architecture on tpu (`make sweep-hf`)", "",
+             f"- date: {data.get('date', '')}; versions: {data.get('versions', '')}",
+             "- each model_type of transformers' auto mappings, one class (causal LM, masked LM, seq2seq, "
+             "speech seq2seq, sequence/image classification, else base model), a tiny config derived from "
+             "the default one (tests/hf_sweep.py `tiny_config`), random weights, batch "
+             f"{BATCH} x {SEQ}; each in its own process with a timeout; defer mode.",
+             "- f32: loss, logits and every gradient against CPU (atol 1e-4 x max(1, |CPU|max), rtol 1e-4); "
+             "bf16: the model in bfloat16 against CPU bfloat16 (the OpInfo rule: atol 1e-3 x scale, rtol 1.6e-2, or "
+             "no farther from the float32 result than CPU's bfloat16; the scale rule: within 1.6e-2 x scale, "
+             "scale = max(1, |CPU|max), for tensors that fail the OpInfo rule); gen: greedy generate(max_new_tokens=5) "
+             "tokens equal to CPU's.", "",
+             *summary_table(data), "",
+             "## Failures (built, a stage fails)", "",
+             "| model_type | class | f32 | bf16 | gen | first error |", "|---|---|---|---|---|---|"]
+    for mt, r in sorted(rows.items()):
+        if r.get("built") and (r.get("f32") is False or r.get("bf16") is False or r.get("gen") is False):
+            errs = "; ".join(f"[{k}] {v}" for k, v in r["errors"].items() if k in ("f32", "bf16", "gen")
+                             and r.get(k) is False)
+            lines.append(f"| {mt} | {r.get('cls')} | {mark[r.get('f32')]} | {mark[r.get('bf16')]} | "
+                         f"{mark[r.get('gen')]} | {errs.replace('|', '/')} |")
+    lines += ["", "## Most common causes", "", "| count | stage | cause |", "|---:|---|---|"]
+    for (stage, cause), n in causes(rows)[:15]:
+        lines.append(f"| {n} | {stage} | {cause.replace('|', '/')} |")
+    lines += ["", "## Not built tiny on CPU (or timed out / crashed)", "", "| model_type | class | reason |",
+              "|---|---|---|"]
+    for mt, r in sorted(rows.items()):
+        if not r.get("built"):
+            why = "; ".join(f"[{k}] {v}" for k, v in r["errors"].items())
+            lines.append(f"| {mt} | {r.get('cls') or data.get('classes', {}).get(mt, '')} | {why.replace('|', '/')} |")
+    lines += ["", "## Passing", "", ", ".join(
+        f"{mt}" + ("" if r.get("bf16") else " (f32 only)") for mt, r in sorted(rows.items())
+        if r.get("built") and r.get("f32") and r.get("gen") is not False and r.get("bf16") is not False) , ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--one", help="run one model_type in this process and print its row as JSON")
+    p.add_argument("--only", help="comma list of model_types")
+    p.add_argument("--part", default="1/1", help="K/N: the K-th of N interleaved slices")
+    p.add_argument("--timeout", type=int, default=120)
+    p.add_argument("--stages", default="f32,bf16,gen")
+    p.add_argument("--skip-done", action="store_true",
+                   help="skip model_types the json has built (rerun the others)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--table", action="store_true", help="print the figures table of the json and exit")
+    p.add_argument("--docs", action="store_true", help="put the figures table into docs/coverage.md and exit")
+    p.add_argument("-v", action="store_true")
+    a = p.parse_args(argv)
+    stages = tuple(a.stages.split(","))
+    if a.one:
+        import torch  # noqa: F401
+        import transformers
+        transformers.logging.set_verbosity_error()
+        warnings.simplefilter("ignore")
+        row = check(a.one, stages, verbose=a.v)
+        print("HFSWEEP " + json.dumps(row), flush=True)
+        return row
+    if a.table:
+        print("\n".join(summary_table(load_results())))
+        return None
+    if a.docs:
+        update_docs()
+        return None
+    archs = enumerate_archs()
+    if a.list:
+        for mt, (k, c) in archs.items():
+            print(mt, k, c)
+        return None
+    names = a.only.split(",") if a.only else list(archs)
+    k, n = (int(x) for x in a.part.split("/"))
+    names = names[k - 1::n]
+    data = load_results()
+    if a.skip_done:     # rows already there, except those that timed out or crashed
+        names = [m for m in names if not data["rows"].get(m, {}).get("built")]
+    os.makedirs(RESULTS, exist_ok=True)
+    for i, mt in enumerate(names):
+        row = run_subprocess(mt, a.timeout, stages)
+        row["kind"] = row.get("kind") or archs.get(mt, (None, None))[0]
+        row["cls"] = row.get("cls") or archs.get(mt, (None, None))[1]
+        print(f"[{i + 1}/{len(names)}] {mt}: built={row.get('built')} f32={row.get('f32')} "
+              f"bf16={row.get('bf16')} gen={row.get('gen')} {row.get('seconds')}s "
+              f"{json.dumps(row.get('errors'))[:300]}", flush=True)
+        import fcntl
+        with open(_json_path() + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # parts run side by side update one file
+            _store(mt, row, archs)
+    print(json.dumps(load_results().get("summary")), flush=True)
+
+
+def _store(mt, row, archs):
+    import jax
+    import torch
+    import transformers
+    data = load_results()   # another part may have written meanwhile
+    data["rows"][mt] = row
+    data.update(enumerated=len(archs), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), versions=f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"jax {jax.__version__}")
+    data["summary"] = summary(data["rows"], len(archs))
+    with open(_json_path() + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(_json_path() + ".tmp", _json_path())
+    write_markdown(data, os.path.join(RESULTS, "hf-sweep.md"))
+
+
+if __name__ == "__main__":
+    main()

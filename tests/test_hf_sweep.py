@@ -1,0 +1,78 @@
+"""A fixed sample of 20 Hugging Face architectures from the sweep over every architecture
+(tests/hf_sweep.py, ``make sweep-hf``; latest table bench/results/hf-sweep.md): each built from a
+tiny config derived from its default one, forward and backward of its loss on tpu in defer mode
+against CPU (loss, logits and every gradient), in float32 and bfloat16, and greedy generation for a
+few generative ones. The default run takes float32 for two of them (an image classifier and a
+masked LM; gpt2 and llama are in test_hf_models.py); the rest are marked slow."""
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face sweep needs transformers")
+
+import hf_sweep as hs  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+SAMPLE = ["vit", "distilbert", "llama", "gpt2", "bert", "albert", "roberta", "electra", "t5", "bart",
+          "mistral", "qwen2", "gemma", "opt", "gpt_neox", "apertus", "biogpt", "convnext", "deit",
+          "whisper"]
+FAST = {"vit", "distilbert"}
+GENERATE = ["gpt2", "t5", "biogpt"]
+
+
+def _params(names, fast=()):
+    return [pytest.param(n, id=n, marks=() if n in fast else (pytest.mark.slow,)) for n in names]
+
+
+def _check(model_type, stage):
+    row = hs.check(model_type, (stage,))
+    assert row["built"], f"{model_type}: not built: {row['errors']}"
+    assert row[stage] is True, f"{model_type} {stage}: {row['errors'].get(stage)}"
+    return row
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_sample_is_twenty_enumerated_architectures():
+    every = hs.enumerate_archs()
+    assert len(SAMPLE) == len(set(SAMPLE)) == 20
+    assert set(SAMPLE) <= set(every), set(SAMPLE) - set(every)
+    assert len(every) > 500     # every model_type of transformers' auto mappings
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("model_type", _params(SAMPLE, FAST))
+def test_forward_backward_float32(model_type, tpu_mode):
+    _check(model_type, "f32")
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("model_type", _params(SAMPLE))
+def test_forward_backward_bfloat16(model_type, tpu_mode):
+    _check(model_type, "bf16")
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("model_type", _params(GENERATE))
+def test_greedy_generate(model_type, tpu_mode):
+    row = _check(model_type, "gen")
+    assert row["kind"] in ("causal", "seq2seq", "speech2seq")
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_tiny_config_shrinks_nested_configs():
+    """Sizes shrink consistently, nested text and vision configs too (no model built)."""
+    cfg = hs.tiny_config(transformers.AutoConfig.for_model("clip"))
+    for sub in (cfg.text_config, cfg.vision_config):
+        assert sub.hidden_size == hs.HIDDEN and sub.num_hidden_layers == hs.LAYERS
+        assert sub.num_attention_heads == hs.HEADS and sub.intermediate_size == hs.INTER
+    assert cfg.vision_config.image_size == hs.IMAGE and cfg.text_config.vocab_size == hs.VOCAB
+    g = hs.tiny_config(transformers.AutoConfig.for_model("gemma3_text"))
+    assert len(g.layer_types) == g.num_hidden_layers == hs.LAYERS
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_docs_show_the_latest_sweep():
+    """docs/coverage.md shows the figures of bench/results/hf-sweep.json (``hf_sweep.py --docs``)."""
+    assert hs.docs_table() == "\n".join(hs.summary_table(hs.load_results()))
