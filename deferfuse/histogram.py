@@ -89,7 +89,7 @@ def _hist(flat: torch.Tensor, edges: list, weight, density: bool) -> torch.Tenso
     return hist
 
 
-def _check(x, bins_dtype_of, weight):
+def _check(x, weight):
     if weight is not None and weight.dtype != x.dtype:
         raise RuntimeError("torch.histogramdd: if weight tensor is provided, input tensor and "
                            f"weight tensor should have the same dtype, but got input({x.dtype}), "
@@ -103,7 +103,7 @@ def _flat(x):
 def histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
     if bins <= 0:
         raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
-    _check(x, None, weight)
+    _check(x, weight)
     flat = x.reshape(-1, 1)
     edges = _bin_edges(flat, [bins], range)
     return _hist(flat, edges, weight, density), edges[0]
@@ -113,7 +113,7 @@ def histogram_bins_tensor(x, bins, *, weight=None, density=False):
     if bins.dim() != 1:
         raise RuntimeError("torch.histogramdd: bins tensor should have one dimension, but got "
                            f"{bins.dim()} dimensions in the bins tensor for dimension 0")
-    _check(x, None, weight)
+    _check(x, weight)
     edges = bins.contiguous()
     return _hist(x.reshape(-1, 1), [edges], weight, density), edges.clone()
 
@@ -123,13 +123,13 @@ def histogramdd_bin_edges(x, bins, range=None, weight=None, density=False):
 
 
 def histogramdd_from_bin_cts(x, bins, range=None, weight=None, density=False):
-    _check(x, None, weight)
+    _check(x, weight)
     flat = _flat(x)
     return _hist(flat, _bin_edges(flat, bins, range), weight, density)
 
 
 def histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
-    _check(x, None, weight)
+    _check(x, weight)
     return _hist(_flat(x), [b.contiguous() for b in bins], weight, density)
 
 

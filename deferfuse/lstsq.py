@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 aten = torch.ops.aten
-_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
 
 
 def _check(a, b, rcond, driver) -> None:

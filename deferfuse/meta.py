@@ -387,20 +387,11 @@ def _geqrf_rule(a):
         if err is not None:
             raise err
     *batch, m, n = a.shape
-    cols = max(m, 1) * n
-    stride = [0] * len(batch)
-    acc = max(cols, 1)
-    for i in range(len(batch) - 1, -1, -1):
-        stride[i] = acc
-        acc *= max(batch[i], 1)
-    k = min(m, n)
-    tau_stride = [0] * len(batch)
-    acc = max(k, 1)
-    for i in range(len(batch) - 1, -1, -1):
-        tau_stride[i] = acc
-        acc *= max(batch[i], 1)
-    return "tuple", ((tuple(a.shape), tuple(stride) + (1, max(m, 1)), a.dtype),
-                     (tuple(batch) + (k,), tuple(tau_stride) + (1,), a.dtype))
+    # a batch of transposed contiguous (n, m) matrices; tau contiguous (meta tensors give
+    # PyTorch's strides, a size-0 dim counted as 1)
+    refl = torch.empty((*batch, n, m), dtype=a.dtype, device="meta").mT
+    tau = torch.empty((*batch, min(m, n)), dtype=a.dtype, device="meta")
+    return "tuple", (_desc(refl), _desc(tau))
 
 
 def _ctc_backward_rule(grad, log_probs, *args, **kwargs):

@@ -301,9 +301,9 @@ def _lse3(a, b, c):
     return jnp.log(jnp.exp(a - m) + jnp.exp(b - m) + jnp.exp(c - m)) + m
 
 
-def _shift(x, k):
-    """x[..., s - k] at s (k > 0) or x[..., s + |k|] (k < 0), -inf where out of range."""
-    pad = jnp.full(x.shape[:-1] + (abs(k),), -jnp.inf, x.dtype)
+def _shift(x, k, fill=-jnp.inf):
+    """x[..., s - k] at s (k > 0) or x[..., s + |k|] (k < 0), ``fill`` where out of range."""
+    pad = jnp.full(x.shape[:-1] + (abs(k),), fill, x.dtype)
     return (jnp.concatenate([pad, x[..., :-k]], -1) if k > 0
             else jnp.concatenate([x[..., -k:], pad], -1))
 
@@ -318,7 +318,7 @@ def ctc_loss_forward(log_probs, targets, input_lengths, target_lengths, blank=0,
     ninf = jnp.asarray(-jnp.inf, log_probs.dtype)
     first = jnp.where((sidx[None] == 0) | ((sidx[None] == 1) & (tl[:, None] > 0)), lpg[0], ninf)
     first = jnp.where(il[:, None] > 0, first, ninf)
-    three = (sidx[None] > 1) & (prime != _shift_int(prime, 2))
+    three = (sidx[None] > 1) & (prime != _shift(prime, 2, -1))
 
     def step(prev, xs):
         t, lp_t = xs
@@ -341,11 +341,6 @@ def ctc_loss_forward(log_probs, targets, input_lengths, target_lengths, blank=0,
     return -ll, jnp.transpose(alpha, (1, 0, 2))
 
 
-def _shift_int(x, k):
-    pad = jnp.full(x.shape[:-1] + (k,), -1, x.dtype)
-    return jnp.concatenate([pad, x[..., :-k]], -1)
-
-
 @op("_ctc_loss_backward.default")
 def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood,
                       log_alpha, blank, zero_infinity=False):
@@ -355,8 +350,7 @@ def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, n
     il = jnp.asarray(input_lengths, jnp.int32).reshape(n)
     ninf = jnp.asarray(-jnp.inf, log_probs.dtype)
     # s + 2 is another label than s (and s < 2L - 1): the beta recursion's third summand
-    nxt2 = jnp.concatenate([prime[:, 2:], jnp.full((n, 2), -1, prime.dtype)], -1)
-    three = (sidx[None] < 2 * tl[:, None] - 1) & (nxt2 != prime)
+    three = (sidx[None] < 2 * tl[:, None] - 1) & (_shift(prime, -2, -1) != prime)
     below = sidx[None] < 2 * tl[:, None]
 
     def step(nxt, xs):
