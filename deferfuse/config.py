@@ -70,6 +70,8 @@ SETTINGS = {s.name: s for s in [
             "use the persistent on-disk compile cache"),
     Setting("cross_check", "DEFERFUSE_CROSS_CHECK", False, _bool,
             "run every fused region also op by op and raise at the first op that differs"),
+    Setting("c_record", "DEFERFUSE_C_RECORD", True, _bool,
+            "record the common ops through the C record path (deferfuse/_fastpath.c); 0: Python only"),
     Setting("source_lines", "DEFERFUSE_SOURCE_LINES", True, _bool,
             "remember the user's source line of every recorded op (for error messages)"),
     Setting("cpu_fallback", "DEFERFUSE_CPU_FALLBACK", True, _bool,

@@ -22,13 +22,28 @@ def metrics() -> dict:
     m["collectives"] = dict(m["collectives"])
     m["memory_allocated"] = memory.allocated
     m["max_memory_allocated"] = memory.peak
+    m["c_record"] = _c_record_stats()
     return m
+
+
+def _c_record_stats() -> dict:
+    """Op calls the C record path took (``hits``) and handed to the Python path (``misses``)."""
+    try:
+        from . import _fastpath
+    except ImportError:         # not built: every call takes the Python path (route.py warns)
+        return {"hits": 0, "misses": 0}
+    return _fastpath.stats()
 
 
 def reset_metrics() -> None:
     """Zero every counter (compile caches are kept; clear them with ``deferfuse.clear_caches()``)."""
     stats.reset()
     memory.reset_peak()
+    try:
+        from . import _fastpath
+        _fastpath.reset_stats()
+    except ImportError:
+        pass
     for trace in list(engine.traces):
         trace.counted = len(trace.nodes)
 

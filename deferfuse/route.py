@@ -43,6 +43,8 @@ def _in_base_mode(run):
 
 
 _inference_on = torch.is_inference_mode_enabled
+_view = _in_base_mode(run_view)         # the routes of view ops (one object: the C path knows it)
+_alias = _in_base_mode(run_alias)
 
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
@@ -122,9 +124,9 @@ def _route(func):
     if kind == "lowered" or kind == "self_mut" or kind == "func_mut":
         return _run, info, func
     if func in ALIAS_OPS:
-        return _in_base_mode(run_alias), info, func
+        return _alias, info, func
     if kind == "view":
-        return _in_base_mode(run_view), info, func
+        return _view, info, func
     if kind == "decomp":
         return _decomp, info, func
     if kind == "data_dependent":
@@ -175,4 +177,40 @@ def _unsupported_view(func, info, args, kwargs):
         "input first, or file an issue")
 
 
-TpuTensor.__torch_dispatch__ = classmethod(torch_dispatch)
+def c_record_objects(py_dispatch=torch_dispatch) -> dict:
+    """What the C record path works on (``_fastpath.setup``'s argument): the engine's objects, and
+    ``py_dispatch``, the Python path it hands every uncommon call to."""
+    from . import dispatch as d, tensor as t, views
+    from .config import config
+    from .runtime.node import SS, TS, const
+    from .runtime.viewchain import DSELECT, DSLICE
+    from .scheduler.records import Node, Value
+    return dict(
+        TpuTensor=TpuTensor, py_dispatch=py_dispatch, routes=_routes, run=_run,
+        get_mode=_mode, fake_key=FAKE, interrupts=_held, local=_local,
+        lock_acquire=engine.lock.acquire, lock_release=engine.lock.release, ops=engine.ops,
+        TS=TS, SS=SS, special_scalars=d._SPECIAL_SCALARS, const=const, Value=Value, Node=Node,
+        Storage=t.Storage, wrap=t._wrap, strided=t._STRIDED, devices=t._DEVICES, config=config,
+        sources=engine.sources, dtype_type=torch.dtype, memory_format_type=torch.memory_format,
+        layout_type=torch.layout, view=_view, alias=_alias, views=engine.views,
+        aliases=engine.aliases, moving=(*views._MOVING, torch.ops.aten.unbind.int),
+        inference_on=_inference_on, Tensor=torch.Tensor, select=torch.ops.aten.select.int,
+        slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE)
+
+
+def _c_record_path():
+    """``TpuTensor.__torch_dispatch__``: the C record path (NOTE [C record path] in
+    deferfuse/_fastpath.c), whose every uncommon case is ``torch_dispatch``; ``torch_dispatch``
+    itself where the extension was not built (a source tree used without ``pip install``)."""
+    try:
+        from . import _fastpath
+    except ImportError as e:
+        import warnings
+        warnings.warn(f"deferfuse: the C record path is not built ({e}); recording runs in Python "
+                      "(slower). Reinstall deferfuse (pip install) to build it.", RuntimeWarning)
+        return torch_dispatch
+    _fastpath.setup(c_record_objects())
+    return _fastpath.dispatch
+
+
+TpuTensor.__torch_dispatch__ = classmethod(_c_record_path())

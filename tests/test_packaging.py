@@ -27,6 +27,8 @@ def test_wheel_installs_and_imports(tmp_path):
                 "deferfuse/vllm/__init__.py", "deferfuse/vllm/platform.py"):
         assert pkg in names, f"{pkg} missing from the wheel"
     assert not any(n.startswith(("runtime/", "scheduler/", "tests/")) for n in names)
+    # the C record path, built into the wheel (NOTE [C record path])
+    assert any(n.startswith("deferfuse/_fastpath") and n.endswith((".so", ".pyd")) for n in names), names
     # the autoload module and its torch.backends entry point (import torch registers tpu)
     assert "deferfuse_autoload.py" in names
     ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -47,6 +49,9 @@ def test_wheel_installs_and_imports(tmp_path):
     code = ("import deferfuse, torch, sys\n"
             "assert 'site-packages' in deferfuse.__file__ or 'dist-packages' in deferfuse.__file__, deferfuse.__file__\n"
             "import deferfuse.runtime, deferfuse.scheduler\n"
+            "from deferfuse import _fastpath\n"
+            "from deferfuse.tensor import TpuTensor\n"
+            "assert TpuTensor.__dict__['__torch_dispatch__'].__func__ is _fastpath.dispatch\n"
             "x = torch.arange(6.).to('tpu')\n"
             "print((x * 2).sum().item())\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

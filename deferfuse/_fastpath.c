@@ -1,0 +1,1273 @@
+/* deferfuse._fastpath: the common case of recording one op in defer mode, in C.
+
+NOTE [C record path]: ``TpuTensor.__torch_dispatch__`` is ``dispatch`` below. For the op calls
+that make most of a training step (a lowered op on tpu tensors, positional arguments that are
+tpu tensors, Python numbers or int lists, an op cache hit whose outputs are new tensors, defer
+mode, no cut due) it does what route.torch_dispatch -> dispatch._run -> Trace.record ->
+tensor.make do, with the same keys, the same rolling hashes and the same objects, and no Python
+frame of its own. Anything else (a miss of the op cache, a keyword argument, an in-place or random
+op, a cut due, an input pending in another trace, strict mode, a fake mode) goes to the Python
+path unchanged (``py_dispatch``), before any state is touched: the Python path stays the one
+definition, and this file is its fast case. It uses CPython's API only (no torch headers), so it
+is not tied to torch's ABI.
+
+The Python objects it works on are handed over once by ``setup`` (deferfuse/route.py); they live
+as long as the interpreter (the engine is a process singleton).
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <frameobject.h>
+#include <pythread.h>
+#include <structmember.h>
+
+/* The records the C path makes without running their Python __init__: each slot written at its
+   member offset (checked against the class's __slots__ at setup, so a class that changes makes
+   setup fail, not a record with a slot missing). */
+typedef struct {
+    PyTypeObject *type;
+    int n;
+    Py_ssize_t off[12];
+} Layout;
+
+static int layout_of(Layout *L, PyObject *type, const char *const *names, int n) {
+    if (!PyType_Check(type) || n > 12) { PyErr_SetString(PyExc_TypeError, "layout_of"); return -1; }
+    PyObject *slots = PyObject_GetAttrString(type, "__slots__");
+    if (slots == NULL) return -1;
+    PyObject *want = PyList_New(0);
+    if (want == NULL) { Py_DECREF(slots); return -1; }
+    for (int i = 0; i < n; i++) {
+        PyObject *nm = PyUnicode_FromString(names[i]);
+        if (nm == NULL || PyList_Append(want, nm) < 0) { Py_XDECREF(nm); goto bad; }
+        Py_DECREF(nm);
+    }
+    PyObject *have = PySequence_List(slots);
+    if (have == NULL) goto bad;
+    PyObject *wr = PyUnicode_FromString("__weakref__");
+    Py_ssize_t k = wr ? PySequence_Index(have, wr) : -1;
+    Py_XDECREF(wr);
+    if (k >= 0) PySequence_DelItem(have, k);
+    PyErr_Clear();
+    int same = PyObject_RichCompareBool(have, want, Py_EQ);
+    Py_DECREF(have);
+    if (same != 1) {
+        if (same == 0)
+            PyErr_Format(PyExc_RuntimeError, "deferfuse._fastpath: %R's __slots__ changed: update "
+                         "deferfuse/_fastpath.c (it makes these records)", type);
+        goto bad;
+    }
+    L->type = (PyTypeObject *)type;
+    L->n = n;
+    for (int i = 0; i < n; i++) {
+        PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, names[i]);
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+            PyErr_Format(PyExc_RuntimeError, "deferfuse._fastpath: %R.%s is not a slot", type, names[i]);
+            goto bad;
+        }
+        L->off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    Py_DECREF(slots); Py_DECREF(want);
+    return 0;
+bad:
+    Py_DECREF(slots); Py_DECREF(want);
+    return -1;
+}
+
+/* A new instance with its slots set to vals (borrowed: each gets a new reference). */
+static PyObject *make_record(Layout *L, PyObject *const *vals) {
+    PyObject *o = L->type->tp_alloc(L->type, 0);
+    if (o == NULL) return NULL;
+    for (int i = 0; i < L->n; i++) {
+        Py_INCREF(vals[i]);
+        *(PyObject **)((char *)o + L->off[i]) = vals[i];
+    }
+    return o;
+}
+
+static Layout L_value, L_node, L_storage;
+static const char *const VALUE_SLOTS[] = {"array", "node", "idx", "shape", "dtype", "nbytes",
+                                          "err", "chk"};
+static const char *const NODE_SLOTS[] = {"key", "ins", "wiring", "s0", "scalars", "outs", "src",
+                                         "pos", "trace"};
+static const char *const STORAGE_SLOTS[] = {"val", "device", "dtype", "stride", "wr", "ep", "prev"};
+
+/* ------------------------------------------------------------------ the objects from setup */
+typedef struct {
+    PyObject *tpu_type;     /* TpuTensor */
+    PyObject *py_dispatch;  /* route.torch_dispatch(cls, func, types, args, kwargs) */
+    PyObject *routes;       /* id(func) -> (handler, OpInfo, func) */
+    PyObject *run_fn;       /* dispatch._run: the handler whose calls this file takes */
+    PyObject *get_mode;     /* torch._C._get_dispatch_mode */
+    PyObject *fake_key;     /* its argument for fake tensor mode */
+    PyObject *held;         /* engine.interrupts (NOTE [interrupt safety]) */
+    PyObject *local;        /* engine.local: .ts is the thread's state */
+    PyObject *lock_acquire, *lock_release;   /* engine.lock's */
+    PyObject *ops;          /* engine.ops (a two-generation Cache) */
+    PyObject *ts_tag, *ss_tag;               /* runtime.node.TS, SS */
+    PyObject *special;      /* dispatch._SPECIAL_SCALARS */
+    PyObject *const_fn;     /* runtime.node.const */
+    PyObject *value_type, *node_type, *storage_type;
+    PyObject *wrap;         /* torch.Tensor._make_wrapper_subclass */
+    PyObject *strided;      /* torch.strided */
+    PyObject *devices;      /* tensor._DEVICES: torch.device("tpu", i) */
+    PyObject *config;       /* deferfuse.config.config */
+    PyObject *sources;      /* engine.sources (SourceLines) */
+    PyObject *defer_str;    /* "defer" */
+    PyObject *empty_tuple;
+    PyObject *dtype_type, *memory_format_type, *layout_type;   /* kept as they are in keys */
+    PyObject *view_fn, *alias_fn;  /* the routes of view ops and of detach/alias */
+    PyObject *views, *aliases;     /* engine.views, engine.aliases (Caches) */
+    PyObject *moving;              /* view ops with a path of their own (views._MOVING, unbind) */
+    PyObject *inference_on;        /* torch.is_inference_mode_enabled */
+    PyObject *tensor_type;         /* torch.Tensor */
+    PyObject *select_op, *slice_op;    /* aten.select.int, aten.slice.Tensor */
+    PyObject *dselect, *dslice;        /* runtime.viewchain.DSELECT, DSLICE */
+    PyObject *one, *zero;
+    PyObject *loop_boundary;  /* "loop boundary" */
+    PyObject *ts_pairs[64]; /* (TS, i) for i < 64 */
+    int ready;
+    unsigned long long hits, misses;
+} FastState;
+
+static FastState S;
+
+/* interned attribute names */
+static PyObject *A_s, *A_device, *A_val, *A_sig, *A_dyn, *A_chain, *A_low, *A_static, *A_rng,
+    *A_scalar_pos, *A_mode, *A_trace, *A_cut, *A_nodes, *A_node, *A_pos, *A_idx, *A_array,
+    *A_err, *A_fast, *A_dyn_e, *A_res_avals, *A_khash, *A_ohash, *A_scalars, *A_h, *A_hops,
+    *A_known, *A_check_at, *A_storages, *A_wr, *A_ext_ids, *A_ext, *A_ext_uses, *A_ts,
+    *A_main, *A_depth, *A_held, *A_deliver, *A_young, *A_get, *A_source_lines, *A_trace_limit,
+    *A_codes, *A_site, *A_f_lasti, *A_out, *A_cut_body, *A_c_record, *A_mut_kw, *A_scalar_kw, *A_dtype, *A_epoch, *A_ep, *A_prev, *A_returns,
+    *A_overwrites, *A_shape, *A_storage_offset;
+
+static int intern_names(void) {
+#define I(var, s) if (!(var = PyUnicode_InternFromString(s))) return -1;
+    I(A_s, "_s") I(A_device, "device") I(A_val, "val") I(A_sig, "_sig") I(A_dyn, "_dyn")
+    I(A_chain, "_chain") I(A_low, "low") I(A_static, "static") I(A_rng, "rng")
+    I(A_scalar_pos, "scalar_pos") I(A_mode, "mode") I(A_trace, "trace") I(A_cut, "cut")
+    I(A_nodes, "nodes") I(A_node, "node") I(A_pos, "pos") I(A_idx, "idx") I(A_array, "array")
+    I(A_err, "err") I(A_fast, "fast") I(A_dyn_e, "dyn") I(A_res_avals, "res_avals")
+    I(A_khash, "khash") I(A_ohash, "ohash") I(A_scalars, "scalars") I(A_h, "h")
+    I(A_hops, "hops") I(A_known, "_known") I(A_check_at, "check_at") I(A_storages, "storages")
+    I(A_wr, "wr") I(A_ext_ids, "_ext_ids") I(A_ext, "ext") I(A_ext_uses, "ext_uses")
+    I(A_ts, "ts") I(A_main, "main") I(A_depth, "depth") I(A_held, "held")
+    I(A_deliver, "deliver") I(A_young, "young") I(A_get, "get")
+    I(A_source_lines, "source_lines") I(A_trace_limit, "trace_limit") I(A_codes, "codes")
+    I(A_site, "site") I(A_f_lasti, "f_lasti") I(A_out, "out") I(A_cut_body, "cut_body") I(A_c_record, "c_record") I(A_mut_kw, "mut_kw") I(A_scalar_kw, "scalar_kw") I(A_dtype, "dtype") I(A_epoch, "epoch") I(A_ep, "ep") I(A_prev, "prev")
+    I(A_returns, "returns") I(A_overwrites, "overwrites")
+    I(A_shape, "shape") I(A_storage_offset, "storage_offset")
+#undef I
+    return 0;
+}
+
+/* An attribute of a tpu tensor: its instance dict first (where make() puts _s, _chain, _sig,
+   _dyn), then the class (TpuTensor._dyn's default). Borrowed reference, or NULL (no error set)
+   when absent. */
+static PyObject *tensor_attr(PyObject *t, PyObject *name) {
+    PyObject **dp = _PyObject_GetDictPtr(t);
+    if (dp != NULL && *dp != NULL) {
+        PyObject *v = PyDict_GetItemWithError(*dp, name);
+        if (v != NULL || PyErr_Occurred()) return v;
+    }
+    return _PyType_Lookup(Py_TYPE(t), name);
+}
+
+/* getattr returning a new reference; NULL with the error set */
+#define GET(o, n) PyObject_GetAttr((o), (n))
+
+static int is_true_attr(PyObject *o, PyObject *name, int *out) {
+    PyObject *v = GET(o, name);
+    if (v == NULL) return -1;
+    *out = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return *out < 0 ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------ the op key (dispatch.op_key) */
+typedef struct {
+    PyObject *tensors, *scalars;    /* lists */
+    long dev;                       /* -1: none yet */
+    int is_static;
+} KeyState;
+
+#define NOT_FAST ((PyObject *)&_Py_NotImplementedStruct)
+
+/* One argument -> its template entry, as dispatch._encode; NOT_FAST (not a new reference) when
+   the argument needs the Python path (another device, a CPU tensor, a device object ...). */
+static PyObject *encode(PyObject *a, int info_scalar, KeyState *ks) {
+    PyTypeObject *ta = Py_TYPE(a);
+    if ((PyObject *)ta == S.tpu_type) {
+        PyObject *st = tensor_attr(a, A_s);
+        if (st == NULL) return PyErr_Occurred() ? NULL : NOT_FAST;
+        PyObject *d = GET(st, A_device);
+        if (d == NULL) return NULL;
+        long dv = PyLong_AsLong(d);
+        Py_DECREF(d);
+        if (dv == -1 && PyErr_Occurred()) return NULL;
+        if (ks->dev == -1) ks->dev = dv;
+        else if (ks->dev != dv) return NOT_FAST;     /* the Python path raises */
+        Py_ssize_t n = PyList_GET_SIZE(ks->tensors);
+        if (n >= 64) return NOT_FAST;
+        if (PyList_Append(ks->tensors, a) < 0) return NULL;
+        Py_INCREF(S.ts_pairs[n]);
+        return S.ts_pairs[n];
+    }
+    if (ta == &PyFloat_Type || ta == &PyLong_Type) {
+        if (info_scalar && !ks->is_static) {
+            int special = PySet_Contains(S.special, a);
+            if (special < 0) return NULL;
+            if (!special) {
+                PyObject *k = PyLong_FromSsize_t(PyList_GET_SIZE(ks->scalars));
+                if (k == NULL) return NULL;
+                PyObject *e = PyTuple_Pack(3, S.ss_tag, k, (PyObject *)ta);
+                Py_DECREF(k);
+                if (e == NULL || PyList_Append(ks->scalars, a) < 0) { Py_XDECREF(e); return NULL; }
+                return e;
+            }
+        }
+        return PyObject_CallOneArg(S.const_fn, a);
+    }
+    if (ta == &PyBool_Type || ta == &PyComplex_Type)
+        return PyObject_CallOneArg(S.const_fn, a);
+    if (ta == &PyList_Type || ta == &PyTuple_Type) {
+        Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+        PyObject **items = PySequence_Fast_ITEMS(a);
+        if (m && (PyObject *)Py_TYPE(items[0]) == S.tpu_type) {
+            /* a list of tpu tensors on one device: tensor inputs n .. n+m-1 */
+            for (Py_ssize_t j = 1; j < m; j++)
+                if ((PyObject *)Py_TYPE(items[j]) != S.tpu_type) return NOT_FAST;
+        } else if (ks->is_static || !info_scalar) {
+            int ints = 1;
+            for (Py_ssize_t j = 0; j < m && ints; j++)
+                ints = Py_TYPE(items[j]) == &PyLong_Type || items[j] == Py_None;
+            if (ints) return ta == &PyTuple_Type ? (Py_INCREF(a), a) : PyList_AsTuple(a);
+        }
+        PyObject *t = PyTuple_New(m);
+        if (t == NULL) return NULL;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            PyObject *e = encode(items[j], info_scalar, ks);
+            if (e == NULL || e == NOT_FAST) { Py_DECREF(t); return e; }
+            PyTuple_SET_ITEM(t, j, e);
+        }
+        return t;
+    }
+    if (a == Py_None || PyUnicode_CheckExact(a) || (PyObject *)ta == S.dtype_type ||
+            (PyObject *)ta == S.memory_format_type || (PyObject *)ta == S.layout_type) {
+        Py_INCREF(a);       /* kept as it is */
+        return a;
+    }
+    return NOT_FAST;        /* a CPU tensor, a subclass, a device, anything rarer */
+}
+
+/* The key of one op call (dispatch.op_key). Returns 1 and fills *key, *tensors, *scalars, *dev;
+   0 when the call is not the fast case; -1 on error. */
+static int op_key(PyObject *info, PyObject *args, PyObject *kwargs, PyObject **key,
+                  PyObject **tensors_out, PyObject **scalars_out, long *dev_out) {
+    int result = -1;
+    PyObject *low = NULL, *sp = NULL, *targs = NULL, *tkw = NULL, *sigs = NULL, *dev_obj = NULL;
+    KeyState ks = {NULL, NULL, -1, 0};
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+
+    low = GET(info, A_low);
+    if (low == NULL) goto done;
+    if (is_true_attr(low, A_static, &ks.is_static) < 0) goto done;
+    sp = GET(info, A_scalar_pos);
+    if (sp == NULL) goto done;
+    targs = PyTuple_New(nargs);
+    ks.tensors = PyList_New(0);
+    ks.scalars = PyList_New(0);
+    if (!targs || !ks.tensors || !ks.scalars) goto done;
+
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        int in_sp = 0;
+        PyTypeObject *ta = Py_TYPE(a);
+        if (ta == &PyFloat_Type || ta == &PyLong_Type || ta == &PyList_Type ||
+                ta == &PyTuple_Type) {
+            PyObject *io = PyLong_FromSsize_t(i);
+            if (io == NULL) goto done;
+            in_sp = PySet_Contains(sp, io);
+            Py_DECREF(io);
+            if (in_sp < 0) goto done;
+        }
+        PyObject *e = encode(a, in_sp, &ks);
+        if (e == NULL) goto done;
+        if (e == NOT_FAST) { result = 0; goto done; }
+        PyTuple_SET_ITEM(targs, i, e);
+    }
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        /* keywords: (name, entry) in the call's order; an op writing an out= keyword is not
+           the fast case */
+        PyObject *mut_kw = GET(info, A_mut_kw);
+        if (mut_kw == NULL) goto done;
+        int any = PyObject_IsTrue(mut_kw);
+        Py_DECREF(mut_kw);
+        if (any) { result = any < 0 ? -1 : 0; goto done; }
+        PyObject *skw = GET(info, A_scalar_kw);
+        if (skw == NULL) goto done;
+        tkw = PyTuple_New(PyDict_GET_SIZE(kwargs));
+        if (tkw == NULL) { Py_DECREF(skw); goto done; }
+        Py_ssize_t pos = 0, j = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            int in_skw = PySet_Contains(skw, k);
+            if (in_skw < 0) { Py_DECREF(skw); goto done; }
+            PyObject *e = encode(v, in_skw, &ks);
+            if (e == NULL || e == NOT_FAST) {
+                Py_DECREF(skw);
+                if (e == NOT_FAST) result = 0;
+                goto done;
+            }
+            PyObject *pair = PyTuple_Pack(2, k, e);
+            Py_DECREF(e);
+            if (pair == NULL) { Py_DECREF(skw); goto done; }
+            PyTuple_SET_ITEM(tkw, j++, pair);
+        }
+        Py_DECREF(skw);
+    } else {
+        tkw = S.empty_tuple;
+        Py_INCREF(tkw);
+    }
+    if (ks.dev == -1) { result = 0; goto done; }   /* no tensor input: the thread's device */
+
+    Py_ssize_t nt = PyList_GET_SIZE(ks.tensors);
+    sigs = PyTuple_New(nt);
+    if (sigs == NULL) goto done;
+    for (Py_ssize_t j = 0; j < nt; j++) {
+        PyObject *s = tensor_attr(PyList_GET_ITEM(ks.tensors, j), A_sig);
+        if (s == NULL) { if (PyErr_Occurred()) goto done; result = 0; goto done; }
+        Py_INCREF(s);
+        PyTuple_SET_ITEM(sigs, j, s);
+    }
+    dev_obj = PyLong_FromLong(ks.dev);
+    if (dev_obj == NULL) goto done;
+    *key = PyTuple_Pack(5, info, targs, tkw, sigs, dev_obj);
+    if (*key == NULL) goto done;
+    *tensors_out = ks.tensors; ks.tensors = NULL;
+    *scalars_out = ks.scalars; ks.scalars = NULL;
+    *dev_out = ks.dev;
+    result = 1;
+done:
+    Py_XDECREF(low); Py_XDECREF(sp); Py_XDECREF(targs); Py_XDECREF(tkw); Py_XDECREF(ks.tensors);
+    Py_XDECREF(ks.scalars); Py_XDECREF(sigs); Py_XDECREF(dev_obj);
+    return result;
+}
+
+/* A Cache's entry for key (a new reference), Py_None when absent (the Python path fills it). */
+static PyObject *cache_get(PyObject *cache, PyObject *key) {
+    PyObject *young = GET(cache, A_young);
+    if (young == NULL) return NULL;
+    PyObject *e = PyDict_GetItemWithError(young, key);
+    Py_DECREF(young);
+    if (e != NULL) { Py_INCREF(e); return e; }
+    if (PyErr_Occurred()) return NULL;
+    /* the old generation (promotes the entry): Cache.get */
+    PyObject *get = GET(cache, A_get);
+    if (get == NULL) return NULL;
+    e = PyObject_CallOneArg(get, key);
+    Py_DECREF(get);
+    return e;
+}
+
+/* ------------------------------------------------------------------ source lines (Trace.record) */
+static PyObject *source_line(void) {
+    PyFrameObject *f = PyEval_GetFrame();      /* the caller of the op: no frame of ours between */
+    if (f == NULL) Py_RETURN_NONE;
+    PyCodeObject *code = PyFrame_GetCode(f);
+    PyObject *src = NULL;
+    PyObject *codes = GET(S.sources, A_codes);
+    if (codes == NULL) { Py_DECREF(code); return NULL; }
+    PyObject *young = GET(codes, A_young);
+    Py_DECREF(codes);
+    if (young == NULL) { Py_DECREF(code); return NULL; }
+    PyObject *id = PyLong_FromVoidPtr(code);
+    if (id == NULL) { Py_DECREF(young); Py_DECREF(code); return NULL; }
+    PyObject *e = PyDict_GetItemWithError(young, id);
+    Py_DECREF(id);
+    if (e != NULL && PyTuple_CheckExact(e) && PyTuple_GET_SIZE(e) == 3 &&
+            PyTuple_GET_ITEM(e, 0) == (PyObject *)code && PyTuple_GET_ITEM(e, 1) == Py_False) {
+#if PY_VERSION_HEX >= 0x030B0000
+        PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+#else
+        PyObject *lasti = PyObject_GetAttr((PyObject *)f, A_f_lasti);
+#endif
+        if (lasti != NULL) {
+            src = PyDict_GetItemWithError(PyTuple_GET_ITEM(e, 2), lasti);
+            Py_XINCREF(src);
+            Py_DECREF(lasti);
+        }
+    }
+    Py_DECREF(young);
+    Py_DECREF(code);
+    if (src != NULL || PyErr_Occurred()) return src;
+    return PyObject_CallMethodOneArg(S.sources, A_site, (PyObject *)f);
+}
+
+/* ------------------------------------------------------------------ recording (Trace.record) */
+/* The fast case of Trace.record(entry, ins, scalars, dev) followed by _run's per-output Storage
+   and make(). Returns the op's result, Py_NotImplemented when it is not the fast case (nothing
+   was changed), NULL on error. The caller holds the engine's lock. */
+static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObject *ins,
+                        PyObject *scalars, long dev, PyObject *tensors, PyObject *mut,
+                        PyObject *info, PyObject *args, PyObject *kwargs) {
+    PyObject *result = NULL, *cut = NULL, *tdev = NULL, *nodes = NULL, *wiring = NULL,
+             *ext_ids = NULL, *ext = NULL, *ext_uses = NULL, *res = NULL, *outs = NULL,
+             *src = NULL, *node = NULL, *tscalars = NULL, *h = NULL, *hops = NULL,
+             *khash = NULL, *ohash = NULL, *dev_obj = NULL, *s0 = NULL, *pos_obj = NULL,
+             *known = NULL, *check_at = NULL, *storages = NULL, *made = NULL;
+    Py_ssize_t n_in = PyList_GET_SIZE(ins);
+
+    cut = GET(trace, A_cut);
+    if (cut == NULL) goto done;
+    if (cut != Py_None) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
+    nodes = GET(trace, A_nodes);
+    if (nodes == NULL) goto done;
+    Py_ssize_t pos = PyList_GET_SIZE(nodes);
+    tdev = GET(trace, A_device);
+    if (tdev == NULL) goto done;
+    dev_obj = PyLong_FromLong(dev);
+    if (dev_obj == NULL) goto done;
+    if (pos > 0) {
+        int same = PyObject_RichCompareBool(tdev, dev_obj, Py_EQ);
+        if (same < 0) goto done;
+        if (!same) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
+    }
+    /* The next op's checks (Trace.record's tail): a due check of the trace for a loop body goes
+       to the Python path, which records this op and then looks. */
+    check_at = GET(trace, A_check_at);
+    if (check_at == NULL) goto done;
+    Py_ssize_t check = PyLong_AsSsize_t(check_at);
+    if (check == -1 && PyErr_Occurred()) goto done;
+    PyObject *limit_o = GET(S.config, A_trace_limit);
+    if (limit_o == NULL) goto done;
+    Py_ssize_t limit = PyLong_AsSsize_t(limit_o);
+    Py_DECREF(limit_o);
+    if (limit == -1 && PyErr_Occurred()) goto done;
+    if (pos + 1 == check || pos + 1 >= limit) {
+        result = Py_NotImplemented; Py_INCREF(result); goto done;
+    }
+
+    /* wiring: per input, (pos, idx) of a node of this trace, or an external input's index.
+       A first pass decides (an input pending in another trace, or failed, donated or empty, goes
+       to the Python path before anything changed); the second registers external inputs. */
+    wiring = PyTuple_New(n_in);
+    if (wiring == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n_in; i++) {
+        PyObject *v = PyList_GET_ITEM(ins, i);
+        PyObject *w = NULL;
+        if (v == Py_None) {     /* a written input overwritten whole: not read */
+            Py_INCREF(Py_None);
+            PyTuple_SET_ITEM(wiring, i, Py_None);
+            continue;
+        }
+        PyObject *n = GET(v, A_node);
+        if (n == NULL) goto done;
+        if (n != Py_None) {
+            PyObject *p = GET(n, A_pos);
+            if (p == NULL) { Py_DECREF(n); goto done; }
+            Py_ssize_t pi = PyLong_AsSsize_t(p);
+            if (pi >= 0 && pi < pos && PyList_GET_ITEM(nodes, pi) == n) {
+                PyObject *idx = GET(v, A_idx);
+                if (idx == NULL) { Py_DECREF(p); Py_DECREF(n); goto done; }
+                w = PyTuple_Pack(2, p, idx);
+                Py_DECREF(idx);
+            }
+            Py_DECREF(p);
+            Py_DECREF(n);
+            if (w == NULL) {
+                if (PyErr_Occurred()) goto done;
+                result = Py_NotImplemented; Py_INCREF(result); goto done;   /* another trace's */
+            }
+            PyTuple_SET_ITEM(wiring, i, w);
+        } else {
+            Py_DECREF(n);
+            PyObject *arr = GET(v, A_array);
+            if (arr == NULL) goto done;
+            int absent = arr == Py_None;
+            Py_DECREF(arr);
+            if (absent) {   /* failed, donated or empty: the Python path */
+                result = Py_NotImplemented; Py_INCREF(result); goto done;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < n_in; i++) {
+        if (PyTuple_GET_ITEM(wiring, i) != NULL) continue;
+        PyObject *v = PyList_GET_ITEM(ins, i);
+        PyObject *w;
+        if (ext_ids == NULL) {
+            ext_ids = GET(trace, A_ext_ids);
+            ext = GET(trace, A_ext);
+            ext_uses = GET(trace, A_ext_uses);
+            if (!ext_ids || !ext || !ext_uses) goto done;
+        }
+        PyObject *id = PyLong_FromVoidPtr(v);
+        if (id == NULL) goto done;
+        PyObject *k = PyDict_GetItemWithError(ext_ids, id);
+        if (k == NULL) {
+            if (PyErr_Occurred()) { Py_DECREF(id); goto done; }
+            k = PyLong_FromSsize_t(PyList_GET_SIZE(ext));
+            if (k == NULL || PyDict_SetItem(ext_ids, id, k) < 0 || PyList_Append(ext, v) < 0 ||
+                    PyList_Append(ext_uses, S.one) < 0) {
+                Py_XDECREF(k); Py_DECREF(id); goto done;
+            }
+            w = k;
+        } else {
+            Py_ssize_t ki = PyLong_AsSsize_t(k);
+            PyObject *u1 = PyNumber_Add(PyList_GET_ITEM(ext_uses, ki), S.one);
+            if (u1 == NULL) { Py_DECREF(id); goto done; }
+            PyList_SetItem(ext_uses, ki, u1);      /* steals u1 */
+            Py_INCREF(k);
+            w = k;
+        }
+        Py_DECREF(id);
+        PyTuple_SET_ITEM(wiring, i, w);
+    }
+
+    /* output Values */
+    res = GET(entry, A_res_avals);
+    if (res == NULL) goto done;
+    Py_ssize_t n_out = PyTuple_GET_SIZE(res);
+    outs = PyTuple_New(n_out);
+    if (outs == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n_out; k++) {
+        PyObject *a = PyTuple_GET_ITEM(res, k);
+        PyObject *o;
+        if (a == Py_None) {
+            o = Py_None; Py_INCREF(o);
+        } else {
+            /* Value(shape, dtype, nbytes, idx=k): pending, its node set below */
+            PyObject *ko = PyLong_FromSsize_t(k);
+            if (ko == NULL) goto done;
+            PyObject *vals[8] = {Py_None, Py_None, ko, PyTuple_GET_ITEM(a, 0),
+                                 PyTuple_GET_ITEM(a, 1), PyTuple_GET_ITEM(a, 2), Py_None, Py_None};
+            o = make_record(&L_value, vals);
+            Py_DECREF(ko);
+        }
+        if (o == NULL) goto done;
+        PyTuple_SET_ITEM(outs, k, o);
+    }
+
+    /* the user's source line (NOTE [record depth] in record.py) */
+    int lines;
+    if (is_true_attr(S.config, A_source_lines, &lines) < 0) goto done;
+    if (lines) {
+        src = source_line();
+        if (src == NULL) goto done;
+    } else {
+        src = Py_None; Py_INCREF(src);
+    }
+
+    tscalars = GET(trace, A_scalars);
+    if (tscalars == NULL) goto done;
+    s0 = PyLong_FromSsize_t(PyList_GET_SIZE(tscalars));
+    pos_obj = PyLong_FromSsize_t(pos);
+    if (s0 == NULL || pos_obj == NULL) goto done;
+    {
+        PyObject *vals[9] = {entry, ins, wiring, s0, scalars, outs, src, pos_obj, trace};
+        node = make_record(&L_node, vals);
+    }
+    if (node == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n_out; k++) {
+        PyObject *o = PyTuple_GET_ITEM(outs, k);
+        if (o != Py_None && PyObject_SetAttr(o, A_node, node) < 0) goto done;
+    }
+    if (PyObject_SetAttr(trace, A_device, dev_obj) < 0) goto done;
+    if (PyList_Append(nodes, node) < 0) goto done;
+    Py_ssize_t ns = PyList_GET_SIZE(scalars);
+    if (ns && PyList_SetSlice(tscalars, PyList_GET_SIZE(tscalars), PyList_GET_SIZE(tscalars),
+                                scalars) < 0)
+        goto done;
+
+    /* the rolling hashes: h over structure and wiring, hops over structure without sizes */
+    h = GET(trace, A_h);
+    khash = GET(entry, A_khash);
+    hops = GET(trace, A_hops);
+    ohash = GET(entry, A_ohash);
+    if (!h || !khash || !hops || !ohash) goto done;
+    {
+        PyObject *nso = PyLong_FromSsize_t(ns);
+        if (nso == NULL) goto done;
+        PyObject *t = PyTuple_Pack(4, h, khash, wiring, nso);
+        Py_DECREF(nso);
+        if (t == NULL) goto done;
+        Py_hash_t hv = PyObject_Hash(t);
+        Py_DECREF(t);
+        if (hv == -1 && PyErr_Occurred()) goto done;
+        PyObject *hn = PyLong_FromSsize_t(hv);
+        if (hn == NULL || PyObject_SetAttr(trace, A_h, hn) < 0) { Py_XDECREF(hn); goto done; }
+        Py_DECREF(hn);
+        t = PyTuple_Pack(2, hops, ohash);
+        if (t == NULL) goto done;
+        hv = PyObject_Hash(t);
+        Py_DECREF(t);
+        if (hv == -1 && PyErr_Occurred()) goto done;
+        Py_DECREF(hops);
+        hops = PyLong_FromSsize_t(hv);
+        if (hops == NULL || PyObject_SetAttr(trace, A_hops, hops) < 0) goto done;
+    }
+    /* a known loop body ends here: cut before the next op */
+    known = GET(trace, A_known);
+    if (known == NULL) goto done;
+    if (PySet_Size(known) > 0) {
+        PyObject *p1 = PyLong_FromSsize_t(pos + 1);
+        if (p1 == NULL) goto done;
+        PyObject *b = PyTuple_Pack(2, p1, hops);
+        Py_DECREF(p1);
+        if (b == NULL) goto done;
+        int in = PySet_Contains(known, b);
+        if (in > 0 && (PyObject_SetAttr(trace, A_cut, S.loop_boundary) < 0 ||
+                       PyObject_SetAttr(trace, A_cut_body, b) < 0))
+            in = -1;
+        Py_DECREF(b);
+        if (in < 0) goto done;
+    }
+
+    storages = GET(trace, A_storages);
+    if (storages == NULL) goto done;
+    if (fast == Py_None) {
+        /* an op that writes its inputs (dispatch._bind): each written storage takes its new
+           value (Trace.track_mut first), and the op returns the arguments it names */
+        PyObject *epoch = GET(trace, A_epoch);
+        if (epoch == NULL) goto done;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(mut) && k < n_out; k++) {
+            Py_ssize_t m = PyLong_AsSsize_t(PyTuple_GET_ITEM(mut, k));
+            PyObject *st = m < 0 ? NULL : tensor_attr(PyList_GET_ITEM(tensors, m), A_s);
+            if (st == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "deferfuse: no storage");
+                Py_DECREF(epoch); goto done;
+            }
+            PyObject *ep = GET(st, A_ep);
+            if (ep == NULL) { Py_DECREF(epoch); goto done; }
+            int same = PyObject_RichCompareBool(ep, epoch, Py_EQ);
+            Py_DECREF(ep);
+            if (same < 0) { Py_DECREF(epoch); goto done; }
+            if (!same) {
+                PyObject *old = GET(st, A_val), *wr = GET(st, A_wr);
+                PyObject *prev = old ? PyLong_FromVoidPtr(old) : NULL;
+                int bad = !old || !wr || !prev || PyObject_SetAttr(st, A_ep, epoch) < 0 ||
+                          PyObject_SetAttr(st, A_prev, prev) < 0 || PyList_Append(storages, wr) < 0;
+                Py_XDECREF(old); Py_XDECREF(wr); Py_XDECREF(prev);
+                if (bad) { Py_DECREF(epoch); goto done; }
+            }
+            if (PyObject_SetAttr(st, A_val, PyTuple_GET_ITEM(outs, k)) < 0) {
+                Py_DECREF(epoch); goto done;
+            }
+        }
+        Py_DECREF(epoch);
+        PyObject *rets = GET(info, A_returns);
+        if (rets == NULL) goto done;
+        Py_ssize_t nr = rets == Py_None ? 0 : PySequence_Size(rets);
+        if (nr < 0) { Py_DECREF(rets); goto done; }
+        if (nr == 0) { Py_DECREF(rets); result = Py_None; Py_INCREF(result); goto done; }
+        PyObject *tup = PyTuple_New(nr);
+        if (tup == NULL) { Py_DECREF(rets); goto done; }
+        for (Py_ssize_t j = 0; j < nr; j++) {
+            PyObject *r = PySequence_GetItem(rets, j), *a = NULL;
+            if (r == NULL) { Py_DECREF(tup); Py_DECREF(rets); goto done; }
+            if (r == Py_None) {
+                a = Py_None; Py_INCREF(a);
+            } else {
+                int kw = PyObject_IsTrue(PyTuple_GET_ITEM(r, 2));
+                if (kw > 0) {
+                    a = kwargs ? PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(r, 1)) : NULL;
+                    if (a == NULL && !PyErr_Occurred())
+                        PyErr_SetObject(PyExc_KeyError, PyTuple_GET_ITEM(r, 1));
+                    Py_XINCREF(a);
+                } else if (kw == 0) {
+                    Py_ssize_t ai = PyLong_AsSsize_t(PyTuple_GET_ITEM(r, 0));
+                    a = ai >= 0 && ai < PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, ai) : NULL;
+                    if (a == NULL && !PyErr_Occurred())
+                        PyErr_SetString(PyExc_IndexError, "deferfuse: returned argument");
+                    Py_XINCREF(a);
+                }
+            }
+            Py_DECREF(r);
+            if (a == NULL) { Py_DECREF(tup); Py_DECREF(rets); goto done; }
+            PyTuple_SET_ITEM(tup, j, a);
+        }
+        Py_DECREF(rets);
+        if (nr == 1) { result = PyTuple_GET_ITEM(tup, 0); Py_INCREF(result); Py_DECREF(tup); }
+        else result = tup;
+        goto done;
+    }
+    /* the outputs: a Storage and a tensor each (_run's fast path and tensor.make) */
+    int one = PyTuple_CheckExact(fast);
+    Py_ssize_t n_made = one ? 1 : PyList_GET_SIZE(fast);
+    if (n_made > n_out) n_made = n_out;
+    made = PyTuple_New(n_made);
+    if (made == NULL) goto done;
+    PyObject *device = PyList_GetItem(S.devices, dev);
+    if (device == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n_made; k++) {
+        PyObject *m = one ? fast : PyList_GET_ITEM(fast, k);
+        if (m == Py_None) {
+            Py_INCREF(Py_None);
+            PyTuple_SET_ITEM(made, k, Py_None);
+            continue;
+        }
+        PyObject *dtype = PyTuple_GET_ITEM(m, 0), *size = PyTuple_GET_ITEM(m, 1),
+                 *stride = PyTuple_GET_ITEM(m, 2), *sig = PyTuple_GET_ITEM(m, 3);
+        /* Storage(value, dev, dtype, stride): wr its own weak reference, ep and prev 0 */
+        PyObject *zero = S.zero;
+        PyObject *svals[7] = {PyTuple_GET_ITEM(outs, k), dev_obj, dtype, stride, Py_None, zero, zero};
+        PyObject *st = make_record(&L_storage, svals);
+        if (st == NULL) goto done;
+        PyObject *wr = PyWeakref_NewRef(st, NULL);
+        if (wr == NULL) { Py_DECREF(st); goto done; }
+        Py_SETREF(*(PyObject **)((char *)st + L_storage.off[4]), wr);
+        if (PyList_Append(storages, wr) < 0) { Py_DECREF(st); goto done; }
+        PyObject *wargs[8] = {S.tpu_type, size, stride, Py_None, Py_None, dtype, S.strided, device};
+        PyObject *t = PyObject_Vectorcall(S.wrap, wargs, 8, NULL);
+        if (t == NULL) { Py_DECREF(st); goto done; }
+        if (PyObject_SetAttr(t, A_s, st) < 0 || PyObject_SetAttr(t, A_chain, S.empty_tuple) < 0 ||
+                PyObject_SetAttr(t, A_sig, sig) < 0) {
+            Py_DECREF(st); Py_DECREF(t); goto done;
+        }
+        Py_DECREF(st);
+        PyTuple_SET_ITEM(made, k, t);
+    }
+    if (one) {
+        result = PyTuple_GET_ITEM(made, 0);
+        Py_INCREF(result);
+    } else {
+        PyObject *o = GET(entry, A_out);        /* ((structure, metas), ...): a list or a tuple */
+        if (o == NULL) goto done;
+        PyObject *structure = PyTuple_GET_ITEM(PyTuple_GET_ITEM(o, 0), 0);
+        int is_list = PyUnicode_CompareWithASCIIString(structure, "list") == 0;
+        Py_DECREF(o);
+        if (is_list) result = PySequence_List(made);
+        else { result = made; Py_INCREF(made); }
+    }
+done:
+    Py_XDECREF(cut); Py_XDECREF(tdev); Py_XDECREF(nodes); Py_XDECREF(wiring); Py_XDECREF(ext_ids);
+    Py_XDECREF(ext); Py_XDECREF(ext_uses); Py_XDECREF(res); Py_XDECREF(outs); Py_XDECREF(src);
+    Py_XDECREF(node); Py_XDECREF(tscalars); Py_XDECREF(h); Py_XDECREF(hops); Py_XDECREF(khash);
+    Py_XDECREF(ohash); Py_XDECREF(dev_obj); Py_XDECREF(s0); Py_XDECREF(pos_obj);
+    Py_XDECREF(known); Py_XDECREF(check_at); Py_XDECREF(storages); Py_XDECREF(made);
+    return result;
+}
+
+/* ------------------------------------------------------------------ interrupts (depth) */
+static int held_enter(int *main) {
+    PyObject *m = GET(S.held, A_main);
+    if (m == NULL) return -1;
+    unsigned long mid = PyLong_AsUnsignedLong(m);
+    Py_DECREF(m);
+    if (mid == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    *main = PyThread_get_thread_ident() == mid;
+    if (!*main) return 0;
+    PyObject *d = GET(S.held, A_depth);
+    if (d == NULL) return -1;
+    PyObject *d1 = PyNumber_Add(d, S.one);
+    Py_DECREF(d);
+    if (d1 == NULL) return -1;
+    int r = PyObject_SetAttr(S.held, A_depth, d1);
+    Py_DECREF(d1);
+    return r;
+}
+
+/* Leaves one level; at the outermost, calls the handlers of signals that arrived meanwhile.
+   Returns -1 when that raised (the error is set). */
+static int held_exit(int main, int deliver) {
+    if (!main) return 0;
+    PyObject *exc_type, *exc_val, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
+    PyObject *d = GET(S.held, A_depth);
+    int ret = 0;
+    if (d != NULL) {
+        PyObject *d1 = PyNumber_Subtract(d, S.one);
+        Py_DECREF(d);
+        if (d1 != NULL) {
+            long depth = PyLong_AsLong(d1);
+            if (PyObject_SetAttr(S.held, A_depth, d1) < 0) ret = -1;
+            Py_DECREF(d1);
+            if (ret == 0 && depth == 0 && deliver) {
+                PyObject *h = GET(S.held, A_held);
+                if (h == NULL) ret = -1;
+                else {
+                    int any = PyObject_IsTrue(h);
+                    Py_DECREF(h);
+                    if (any > 0) {
+                        PyErr_Restore(exc_type, exc_val, exc_tb);
+                        exc_type = exc_val = exc_tb = NULL;
+                        if (PyErr_Occurred()) return -1;    /* the op's error goes first */
+                        PyObject *r = PyObject_CallMethodNoArgs(S.held, A_deliver);
+                        if (r == NULL) return -1;
+                        Py_DECREF(r);
+                        return 0;
+                    }
+                    if (any < 0) ret = -1;
+                }
+            }
+        } else ret = -1;
+    } else ret = -1;
+    if (exc_type != NULL) {
+        PyErr_Restore(exc_type, exc_val, exc_tb);
+        return -1;
+    }
+    return ret;
+}
+
+/* ------------------------------------------------------------------ __torch_dispatch__ */
+static PyObject *miss(PyObject *const *args, Py_ssize_t nargs) {
+    S.misses++;
+    return PyObject_Vectorcall(S.py_dispatch, args, nargs, NULL);
+}
+
+/* tensor.make: a TpuTensor over storage st (sig: its interned signature, never None here) */
+static PyObject *make_tensor(PyObject *st, PyObject *chain, PyObject *size, PyObject *stride,
+                             PyObject *offset, PyObject *dtype, PyObject *sig) {
+    PyObject *d = GET(st, A_device);
+    if (d == NULL) return NULL;
+    Py_ssize_t di = PyLong_AsSsize_t(d);
+    Py_DECREF(d);
+    if (di == -1 && PyErr_Occurred()) return NULL;
+    PyObject *device = PyList_GetItem(S.devices, di);
+    if (device == NULL) return NULL;
+    int off = PyObject_IsTrue(offset);
+    if (off < 0) return NULL;
+    PyObject *wargs[8] = {S.tpu_type, size, stride, off ? offset : Py_None, Py_None, dtype,
+                          S.strided, device};
+    PyObject *t = PyObject_Vectorcall(S.wrap, wargs, 8, NULL);
+    if (t == NULL) return NULL;
+    if (PyObject_SetAttr(t, A_s, st) < 0 || PyObject_SetAttr(t, A_chain, chain) < 0 ||
+            PyObject_SetAttr(t, A_sig, sig) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* One view result from a cached (size, stride, offset, dtype, chain, sig, rel) and the input's
+   offset (views.run_view) */
+static PyObject *make_view(PyObject *st, PyObject *v, PyObject *off0) {
+    if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 7 || PyTuple_GET_ITEM(v, 5) == Py_None)
+        return NOT_FAST;
+    PyObject *offset = PyTuple_GET_ITEM(v, 2);
+    int rel = PyObject_IsTrue(PyTuple_GET_ITEM(v, 6));
+    if (rel < 0) return NULL;
+    if (rel) {
+        offset = PyNumber_Add(offset, off0);
+        if (offset == NULL) return NULL;
+    } else {
+        Py_INCREF(offset);
+    }
+    PyObject *t = make_tensor(st, PyTuple_GET_ITEM(v, 4), PyTuple_GET_ITEM(v, 0),
+                              PyTuple_GET_ITEM(v, 1), offset, PyTuple_GET_ITEM(v, 3),
+                              PyTuple_GET_ITEM(v, 5));
+    Py_DECREF(offset);
+    return t;
+}
+
+static int exact_int(PyObject *o, long long *v) {
+    if (Py_TYPE(o) != &PyLong_Type) return 0;
+    int overflow;
+    *v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (*v == -1 && PyErr_Occurred())) { PyErr_Clear(); return 0; }
+    return 1;
+}
+
+/* select.int and slice.Tensor as views at a moving offset (views._moving_view), when their
+   cached description exists; NOT_FAST otherwise (the Python path decides, raises or caches). */
+static PyObject *try_moving(PyObject *func, PyObject *info, PyObject *base, PyObject *args,
+                            PyObject *kwargs, PyObject *st, PyObject *sig) {
+    int select = func == S.select_op;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) return NOT_FAST;
+    PyObject *shape = GET(base, A_shape);
+    if (shape == NULL) return NULL;
+    if (!PyTuple_Check(shape)) { Py_DECREF(shape); return NOT_FAST; }
+    long long nd = PyTuple_GET_SIZE(shape), dim = 0, index, n;
+    PyObject *key = NULL, *result = NOT_FAST;
+    if (nd == 0) goto done;
+    if (select) {
+        long long idx;
+        if (nargs != 3 || !exact_int(PyTuple_GET_ITEM(args, 1), &dim) ||
+                !exact_int(PyTuple_GET_ITEM(args, 2), &idx) || dim < -nd || dim >= nd)
+            goto done;
+        dim = (dim % nd + nd) % nd;
+        if (!exact_int(PyTuple_GET_ITEM(shape, dim), &n)) goto done;
+        if (n <= 1 || idx < -n || idx >= n) goto done;     /* the meta kernel raises */
+        index = idx < 0 ? idx + n : idx;
+        key = Py_BuildValue("(OOOL)", info, S.dselect, sig, dim);
+    } else {
+        long long start = 0, end, step = 1;
+        PyObject *a;
+        if (nargs > 5) goto done;
+        if (nargs > 1 && !exact_int(PyTuple_GET_ITEM(args, 1), &dim)) goto done;
+        if (nargs > 4 && !exact_int(PyTuple_GET_ITEM(args, 4), &step)) goto done;
+        if (step < 1 || dim < -nd || dim >= nd) goto done;
+        dim = (dim % nd + nd) % nd;
+        if (!exact_int(PyTuple_GET_ITEM(shape, dim), &n)) goto done;
+        end = n;
+        if (nargs > 2 && (a = PyTuple_GET_ITEM(args, 2)) != Py_None && !exact_int(a, &start))
+            goto done;
+        if (nargs > 3 && (a = PyTuple_GET_ITEM(args, 3)) != Py_None && !exact_int(a, &end))
+            goto done;
+        /* PyTorch's slice bounds: negatives from the end, clamped to [0, n] */
+        if (start < 0) start += n;
+        if (end < 0) end += n;
+        start = start < 0 ? 0 : (start > n ? n : start);
+        end = end < start ? start : (end > n ? n : end);
+        long long length = (end - start + step - 1) / step;
+        if (length == 0 || (start == 0 && end == n)) goto done;
+        index = start;
+        key = Py_BuildValue("(OOOLLL)", info, S.dslice, sig, dim, length, step);
+    }
+    if (key == NULL) { result = NULL; goto done; }
+    PyObject *v = cache_get(S.views, key);
+    if (v == NULL) { result = NULL; goto done; }
+    if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 6) { Py_DECREF(v); goto done; }
+    /* (size, stride, offset per unit, dtype, chain, signature) */
+    long long unit, off0;
+    PyObject *o0 = PyObject_CallMethodNoArgs(base, A_storage_offset);
+    if (o0 == NULL) { Py_DECREF(v); result = NULL; goto done; }
+    int ok = exact_int(o0, &off0) && exact_int(PyTuple_GET_ITEM(v, 2), &unit);
+    Py_DECREF(o0);
+    PyObject *dyn = ok ? tensor_attr(base, A_dyn) : NULL;
+    if (dyn == NULL || !PyTuple_Check(dyn)) {
+        Py_DECREF(v);
+        if (PyErr_Occurred()) result = NULL;
+        goto done;
+    }
+    PyObject *offset = PyLong_FromLongLong(off0 + index * unit);
+    PyObject *ix = PyLong_FromLongLong(index);
+    PyObject *ndyn = ix ? PyTuple_New(PyTuple_GET_SIZE(dyn) + 1) : NULL;
+    if (offset == NULL || ndyn == NULL) {
+        Py_XDECREF(offset); Py_XDECREF(ix); Py_XDECREF(ndyn); Py_DECREF(v);
+        result = NULL;
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dyn); j++) {
+        Py_INCREF(PyTuple_GET_ITEM(dyn, j));
+        PyTuple_SET_ITEM(ndyn, j, PyTuple_GET_ITEM(dyn, j));
+    }
+    PyTuple_SET_ITEM(ndyn, PyTuple_GET_SIZE(dyn), ix);
+    result = make_tensor(st, PyTuple_GET_ITEM(v, 4), PyTuple_GET_ITEM(v, 0), PyTuple_GET_ITEM(v, 1),
+                         offset, PyTuple_GET_ITEM(v, 3), PyTuple_GET_ITEM(v, 5));
+    if (result != NULL && PyObject_SetAttr(result, A_dyn, ndyn) < 0) Py_CLEAR(result);
+    Py_DECREF(offset); Py_DECREF(ndyn); Py_DECREF(v);
+done:
+    Py_DECREF(shape);
+    Py_XDECREF(key);
+    return result;
+}
+
+/* A view op (views.run_view) or detach/alias (views.run_alias) whose results are cached, on a
+   tpu tensor that does not move (NOTE [dynamic offsets]); else NOT_FAST. */
+static PyObject *try_view(PyObject *func, PyObject *info, PyObject *args, PyObject *kwargs,
+                          int alias) {
+    PyObject *result = NULL, *key = NULL, *views = NULL;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (nargs < 1) return NOT_FAST;
+    PyObject *base = PyTuple_GET_ITEM(args, 0);
+    if ((PyObject *)Py_TYPE(base) != S.tpu_type) return NOT_FAST;
+    PyObject *inf = PyObject_CallNoArgs(S.inference_on);   /* NOTE [views in inference mode] */
+    if (inf == NULL) return NULL;
+    int on = inf == Py_True;
+    Py_DECREF(inf);
+    if (on) return NOT_FAST;
+    PyObject *st = tensor_attr(base, A_s), *sig = tensor_attr(base, A_sig),
+             *chain = tensor_attr(base, A_chain);
+    if (st == NULL || sig == NULL || chain == NULL) return PyErr_Occurred() ? NULL : NOT_FAST;
+    if (func == S.select_op || func == S.slice_op)     /* a window on an input that may move */
+        return try_moving(func, info, base, args, kwargs, st, sig);
+    PyObject *dyn = tensor_attr(base, A_dyn);
+    if (dyn == NULL) return PyErr_Occurred() ? NULL : NOT_FAST;
+    int moves = PyObject_IsTrue(dyn);
+    if (moves) return moves < 0 ? NULL : NOT_FAST;
+
+    if (alias) {
+        PyObject *m = cache_get(S.aliases, sig);
+        if (m == NULL) return NULL;
+        if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 3) { Py_DECREF(m); return NOT_FAST; }
+        PyObject *dtype = GET(base, A_dtype);
+        if (dtype != NULL)
+            result = make_tensor(st, chain, PyTuple_GET_ITEM(m, 0), PyTuple_GET_ITEM(m, 1),
+                                 PyTuple_GET_ITEM(m, 2), dtype, sig);
+        Py_XDECREF(dtype);
+        Py_DECREF(m);
+        return result;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(S.moving); i++)
+        if (PyTuple_GET_ITEM(S.moving, i) == func) return NOT_FAST;
+    Py_ssize_t nkw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
+    key = PyTuple_New(nargs + 1 + (nkw ? 1 : 0));
+    if (key == NULL) return NULL;
+    Py_INCREF(info); PyTuple_SET_ITEM(key, 0, info);
+    Py_INCREF(sig); PyTuple_SET_ITEM(key, 1, sig);
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i), *e;
+        PyTypeObject *ta = Py_TYPE(a);
+        if (ta == &PyList_Type) e = PyList_AsTuple(a);
+        else if (ta == &PyBool_Type || ta == &PyFloat_Type) e = PyObject_CallOneArg(S.const_fn, a);
+        else {
+            int ist = PyObject_IsInstance(a, S.tensor_type);
+            if (ist) { Py_DECREF(key); return ist < 0 ? NULL : NOT_FAST; }
+            e = a; Py_INCREF(e);
+        }
+        if (e == NULL) goto done;
+        PyTuple_SET_ITEM(key, i + 1, e);
+    }
+    if (nkw) {
+        PyObject *kw = PyTuple_New(nkw);
+        if (kw == NULL) goto done;
+        PyTuple_SET_ITEM(key, nargs + 1, kw);
+        Py_ssize_t pos = 0, j = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            PyObject *e = (Py_TYPE(v) == &PyBool_Type || Py_TYPE(v) == &PyFloat_Type)
+                          ? PyObject_CallOneArg(S.const_fn, v) : (Py_INCREF(v), v);
+            if (e == NULL) goto done;
+            PyObject *pair = PyTuple_Pack(2, k, e);
+            Py_DECREF(e);
+            if (pair == NULL) goto done;
+            PyTuple_SET_ITEM(kw, j++, pair);
+        }
+    }
+    views = cache_get(S.views, key);
+    if (views == NULL) goto done;
+    if (!PyTuple_CheckExact(views) || PyTuple_GET_SIZE(views) != 3) {
+        result = NOT_FAST;
+        goto done;
+    }
+    PyObject *made = PyTuple_GET_ITEM(views, 0), *off0 = PyTuple_GET_ITEM(views, 2);
+    int multi = PyObject_IsTrue(PyTuple_GET_ITEM(views, 1));
+    if (multi < 0 || !PyList_CheckExact(made)) { result = multi < 0 ? NULL : NOT_FAST; goto done; }
+    if (multi) {
+        Py_ssize_t n = PyList_GET_SIZE(made);
+        PyObject *out = PyList_New(n);
+        if (out == NULL) goto done;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *t = make_view(st, PyList_GET_ITEM(made, j), off0);
+            if (t == NULL || t == NOT_FAST) { Py_DECREF(out); result = t; goto done; }
+            PyList_SET_ITEM(out, j, t);
+        }
+        result = out;
+    } else if (PyList_GET_SIZE(made) >= 1) {
+        result = make_view(st, PyList_GET_ITEM(made, 0), off0);
+    } else {
+        result = NOT_FAST;
+    }
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(views);
+    return result;
+}
+
+/* The fast case, or Py_NotImplemented (nothing changed) when it is not. */
+static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
+    PyObject *result = NULL, *route = NULL, *mode = NULL, *low = NULL, *key = NULL,
+             *tensors = NULL, *scalars = NULL, *entry = NULL, *fast = NULL, *dyn = NULL,
+             *ins = NULL, *ts = NULL, *tmode = NULL, *trace = NULL, *mut = NULL;
+    long dev = -1;
+
+    if (kwargs == Py_None) kwargs = NULL;
+    if (!PyTuple_CheckExact(args) || (kwargs != NULL && !PyDict_CheckExact(kwargs)))
+        goto not_fast;
+    PyObject *fid = PyLong_FromVoidPtr(func);
+    if (fid == NULL) return NULL;
+    route = PyDict_GetItemWithError(S.routes, fid);
+    Py_DECREF(fid);
+    if (route == NULL) { if (PyErr_Occurred()) return NULL; goto not_fast; }
+    Py_INCREF(route);
+    if (!PyTuple_CheckExact(route) || PyTuple_GET_SIZE(route) < 2) goto not_fast;
+    PyObject *handler = PyTuple_GET_ITEM(route, 0);
+    if (handler != S.run_fn && handler != S.view_fn && handler != S.alias_fn) goto not_fast;
+    mode = PyObject_CallOneArg(S.get_mode, S.fake_key);
+    if (mode == NULL) goto done;
+    if (mode != Py_None) goto not_fast;
+    PyObject *info = PyTuple_GET_ITEM(route, 1);
+    if (handler != S.run_fn) {
+        result = try_view(func, info, args, kwargs, handler == S.alias_fn);
+        if (result == NOT_FAST) Py_INCREF(result);
+        goto done;
+    }
+    low = GET(info, A_low);
+    if (low == NULL) goto done;
+    int rng;
+    if (is_true_attr(low, A_rng, &rng) < 0) goto done;
+    if (rng) goto not_fast;
+
+    int k = op_key(info, args, kwargs, &key, &tensors, &scalars, &dev);
+    if (k < 0) goto done;
+    if (k == 0) goto not_fast;
+    entry = cache_get(S.ops, key);
+    if (entry == NULL) goto done;
+    if (entry == Py_None || PyUnicode_Check(entry)) goto not_fast;
+    fast = GET(entry, A_fast);
+    if (fast == NULL) goto done;
+    if (fast == Py_None) {
+        /* an op that writes inputs: entry.out[1], the written tensors' indexes */
+        PyObject *o = GET(entry, A_out);
+        if (o == NULL) goto done;
+        if (PyTuple_CheckExact(o) && PyTuple_GET_SIZE(o) >= 2 &&
+                PyTuple_CheckExact(PyTuple_GET_ITEM(o, 1)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(o, 1))) {
+            mut = PyTuple_GET_ITEM(o, 1);
+            Py_INCREF(mut);
+        }
+        Py_DECREF(o);
+        if (mut == NULL) goto not_fast;
+    } else if (!(PyTuple_CheckExact(fast) || PyList_CheckExact(fast))) {
+        goto not_fast;
+    }
+    dyn = GET(entry, A_dyn_e);
+    if (dyn == NULL) goto done;
+    if (!PyTuple_CheckExact(dyn)) goto not_fast;
+    /* inputs that are views at dynamic offsets: the offsets are int inputs after the op's own
+       scalars (NOTE [dynamic offsets] in runtime/viewchain.py) */
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dyn); j++) {
+        Py_ssize_t ti = PyLong_AsSsize_t(PyTuple_GET_ITEM(dyn, j));
+        if (ti < 0 || ti >= PyList_GET_SIZE(tensors)) {
+            if (PyErr_Occurred()) goto done;
+            goto not_fast;
+        }
+        PyObject *offs = tensor_attr(PyList_GET_ITEM(tensors, ti), A_dyn);
+        if (offs == NULL) { if (PyErr_Occurred()) goto done; goto not_fast; }
+        Py_ssize_t ns = PyList_GET_SIZE(scalars);
+        if (PyList_SetSlice(scalars, ns, ns, offs) < 0) goto done;
+    }
+
+    Py_ssize_t nt = PyList_GET_SIZE(tensors);
+    ins = PyList_New(nt);
+    if (ins == NULL) goto done;
+    for (Py_ssize_t i = 0; i < nt; i++) {
+        PyObject *st = tensor_attr(PyList_GET_ITEM(tensors, i), A_s);
+        if (st == NULL) { if (!PyErr_Occurred()) goto not_fast; goto done; }
+        PyObject *v = GET(st, A_val);
+        if (v == NULL) goto done;
+        PyList_SET_ITEM(ins, i, v);
+    }
+    if (mut != NULL) {
+        /* a written input overwritten whole, not through a view, is not read */
+        int overwrites;
+        if (is_true_attr(info, A_overwrites, &overwrites) < 0) goto done;
+        for (Py_ssize_t j = 0; overwrites && j < PyTuple_GET_SIZE(mut); j++) {
+            Py_ssize_t m = PyLong_AsSsize_t(PyTuple_GET_ITEM(mut, j));
+            if (m < 0 || m >= nt) { if (PyErr_Occurred()) goto done; goto not_fast; }
+            PyObject *chain = tensor_attr(PyList_GET_ITEM(tensors, m), A_chain);
+            if (chain == NULL) { if (PyErr_Occurred()) goto done; goto not_fast; }
+            int has = PyObject_IsTrue(chain);
+            if (has < 0) goto done;
+            if (!has) {
+                Py_INCREF(Py_None);
+                PyList_SetItem(ins, m, Py_None);
+            }
+        }
+    }
+    ts = GET(S.local, A_ts);
+    if (ts == NULL) goto done;
+    tmode = GET(ts, A_mode);
+    if (tmode == NULL) goto done;
+    int defer = PyObject_RichCompareBool(tmode, S.defer_str, Py_EQ);
+    if (defer < 0) goto done;
+    if (!defer) goto not_fast;
+
+    PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+    trace = GET(ts, A_trace);
+    if (trace != NULL)
+        result = record(trace, entry, fast, ins, scalars, dev, tensors, mut, info, args, kwargs);
+    PyObject *exc_type, *exc_val, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
+    r = PyObject_CallNoArgs(S.lock_release);
+    if (r == NULL) { Py_XDECREF(result); result = NULL; Py_XDECREF(exc_type);
+                     Py_XDECREF(exc_val); Py_XDECREF(exc_tb); goto done; }
+    Py_DECREF(r);
+    PyErr_Restore(exc_type, exc_val, exc_tb);
+    goto done;
+not_fast:
+    result = Py_NotImplemented;
+    Py_INCREF(result);
+done:
+    Py_XDECREF(route); Py_XDECREF(mode); Py_XDECREF(low); Py_XDECREF(key); Py_XDECREF(tensors);
+    Py_XDECREF(scalars); Py_XDECREF(entry); Py_XDECREF(fast); Py_XDECREF(dyn); Py_XDECREF(ins);
+    Py_XDECREF(ts); Py_XDECREF(tmode); Py_XDECREF(trace); Py_XDECREF(mut);
+    return result;
+}
+
+/* dispatch(cls, func, types, args=(), kwargs=None): TpuTensor.__torch_dispatch__ */
+static PyObject *dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!S.ready || nargs < 4 || args[0] != S.tpu_type) return miss(args, nargs);
+    int on;
+    if (is_true_attr(S.config, A_c_record, &on) < 0) return NULL;
+    if (!on) return miss(args, nargs);
+    int main;
+    if (held_enter(&main) < 0) return NULL;
+    PyObject *r = try_fast(args[1], args[3], nargs > 4 ? args[4] : NULL);
+    if (r == Py_NotImplemented) {
+        Py_DECREF(r);
+        if (held_exit(main, 0) < 0) return NULL;    /* the Python path holds and delivers */
+        return miss(args, nargs);
+    }
+    if (r != NULL) S.hits++;
+    if (held_exit(main, 1) < 0) { Py_XDECREF(r); return NULL; }
+    return r;
+}
+
+static PyObject *setup(PyObject *self, PyObject *kw) {
+    if (!PyDict_Check(kw)) { PyErr_SetString(PyExc_TypeError, "setup(dict)"); return NULL; }
+#define F(field, name) { PyObject *v = PyDict_GetItemString(kw, name); \
+    if (v == NULL) { PyErr_Format(PyExc_KeyError, "setup: %s missing", name); return NULL; } \
+    Py_INCREF(v); Py_XSETREF(S.field, v); }
+    F(tpu_type, "TpuTensor") F(py_dispatch, "py_dispatch") F(routes, "routes") F(run_fn, "run")
+    F(get_mode, "get_mode") F(fake_key, "fake_key") F(held, "interrupts") F(local, "local")
+    F(lock_acquire, "lock_acquire") F(lock_release, "lock_release") F(ops, "ops")
+    F(ts_tag, "TS") F(ss_tag, "SS") F(special, "special_scalars") F(const_fn, "const")
+    F(value_type, "Value") F(node_type, "Node") F(storage_type, "Storage") F(wrap, "wrap")
+    F(strided, "strided") F(devices, "devices") F(config, "config") F(sources, "sources")
+    F(view_fn, "view") F(alias_fn, "alias") F(views, "views") F(aliases, "aliases")
+    F(moving, "moving") F(inference_on, "inference_on") F(tensor_type, "Tensor")
+    F(select_op, "select") F(slice_op, "slice") F(dselect, "DSELECT") F(dslice, "DSLICE")
+    F(dtype_type, "dtype_type") F(memory_format_type, "memory_format_type") F(layout_type, "layout_type")
+#undef F
+    if (!PyAnySet_Check(S.special) || !PyList_Check(S.devices)) {
+        PyErr_SetString(PyExc_TypeError, "setup: special_scalars must be a set, devices a list");
+        return NULL;
+    }
+    for (int i = 0; i < 64; i++) {
+        PyObject *n = PyLong_FromLong(i);
+        if (n == NULL) return NULL;
+        Py_XSETREF(S.ts_pairs[i], PyTuple_Pack(2, S.ts_tag, n));
+        Py_DECREF(n);
+        if (S.ts_pairs[i] == NULL) return NULL;
+    }
+    if (layout_of(&L_value, S.value_type, VALUE_SLOTS, 8) < 0 ||
+            layout_of(&L_node, S.node_type, NODE_SLOTS, 9) < 0 ||
+            layout_of(&L_storage, S.storage_type, STORAGE_SLOTS, 7) < 0)
+        return NULL;
+    S.ready = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *stats(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("{sKsK}", "hits", S.hits, "misses", S.misses);
+}
+
+static PyObject *reset_stats(PyObject *self, PyObject *unused) {
+    S.hits = S.misses = 0;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
+     "TpuTensor.__torch_dispatch__: the C record path's fast case, else the Python path."},
+    {"setup", setup, METH_O, "Hand over the engine's objects (deferfuse/route.py)."},
+    {"stats", stats, METH_NOARGS, "Calls taken by the fast case (hits) and passed on (misses)."},
+    {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath",
+                                    "deferfuse's C record path (NOTE [C record path]).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    if (intern_names() < 0) return NULL;
+    S.defer_str = PyUnicode_InternFromString("defer");
+    S.empty_tuple = PyTuple_New(0);
+    S.one = PyLong_FromLong(1);
+    S.zero = PyLong_FromLong(0);
+    S.loop_boundary = PyUnicode_InternFromString("loop boundary");
+    if (!S.defer_str || !S.empty_tuple || !S.one || !S.loop_boundary) return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,214 @@
+"""The C record path (deferfuse/_fastpath.c, NOTE [C record path]): it is the dispatch, it takes
+the common calls, and what it records is what the Python path records (same op keys, wiring,
+scalars, rolling hashes and source lines), so both share every compiled program; results equal
+CPU eager's either way."""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import _fastpath
+from deferfuse.engine import engine
+from deferfuse.tensor import TpuTensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _hits():
+    return _fastpath.stats()["hits"]
+
+
+def _mixed(x, w, idx):
+    """Ops of every kind the C path takes (and some it passes on): scalars of each Python type,
+    int lists, keywords, views, writes in place, a multi-output op, a view at a moving offset."""
+    y = x @ w                                   # a plain op
+    y = y * 3 + 2.5                             # int and float scalar inputs
+    y = y * 2 - 1                               # special scalars: baked constants
+    y = y.transpose(0, 1).contiguous().view(-1, 4)      # views, then a copy
+    y = torch.where(y > 0, y, y * 0.5)
+    y.mul_(1.5).add_(y, alpha=-0.25)            # in place, a keyword scalar
+    y.t()[1].add_(2)                            # in place through a view at a moving offset
+    a, b = y.chunk(2, dim=0)                    # a multi-view op
+    s = a.sum(dim=[0, 1], keepdim=True) + b.mean(dim=0).sum()
+    v, m = torch.var_mean(y, dim=1, correction=0)      # a multi-output op
+    z = torch.ones_like(y, dtype=torch.float32) * s     # a keyword
+    r = y[idx]                                   # select at a moving offset (the Python path)
+    z = z + r.sum() + v.sum() + m.sum()
+    z = torch.softmax(z.detach(), dim=-1, dtype=torch.float32)
+    return z
+
+
+def _inputs(device):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 8, generator=g)
+    w = torch.randn(8, 4, generator=g)
+    return x.to(device), w.to(device)
+
+
+def _record(fn, *args):
+    """Run ``fn`` in defer mode and return its result and what its trace holds before the sync."""
+    deferfuse.sync()
+    out = fn(*args)
+    tr = engine.local.ts.trace
+    rec = dict(h=tr.h, hops=tr.hops, scalars=list(tr.scalars),
+               nodes=[(n.key.key, n.wiring, n.s0, list(n.scalars), n.src) for n in tr.nodes])
+    deferfuse.sync()
+    return out, rec
+
+
+@pytest.mark.modes("defer")
+def test_the_c_path_is_the_dispatch_and_takes_common_ops(tpu_mode):
+    assert TpuTensor.__dict__["__torch_dispatch__"].__func__ is _fastpath.dispatch
+    x, w = _inputs("tpu")
+    (x @ w).relu() * 3         # the first call fills the op cache (the Python path)
+    before = _hits()
+    y = (x @ w).relu() * 3
+    assert _hits() - before == 3
+    assert deferfuse.metrics()["c_record"]["hits"] >= 3
+    torch.testing.assert_close(y.cpu(), (_inputs("cpu")[0] @ _inputs("cpu")[1]).relu() * 3)
+
+
+@pytest.mark.modes("strict")
+def test_strict_mode_goes_the_python_way(tpu_mode):
+    x, w = _inputs("tpu")
+    x @ w
+    before = _hits()
+    y = x @ w
+    assert _hits() == before
+    torch.testing.assert_close(y.cpu(), _inputs("cpu")[0] @ _inputs("cpu")[1])
+
+
+@pytest.mark.modes("defer")
+def test_both_paths_record_the_same_trace(tpu_mode):
+    xc, wc = _inputs("cpu")
+    want = [_mixed(xc, wc, i) for i in range(3)]
+    x, w = _inputs("tpu")
+    recs = {}
+    for on in (True, False):
+        with deferfuse.override(c_record=on):
+            for i in range(3):
+                before = _hits()
+                out, rec = _record(_mixed, x, w, i)
+                recs.setdefault(on, []).append(rec)
+                torch.testing.assert_close(out.cpu(), want[i], rtol=1e-5, atol=1e-6)
+                assert (_hits() > before) == on
+    for a, b in zip(recs[True], recs[False]):
+        assert len(a["nodes"]) > 15
+        assert a["nodes"] == b["nodes"]
+        assert (a["h"], a["hops"], a["scalars"]) == (b["h"], b["hops"], b["scalars"])
+    # The user's line: this file's, through either path
+    assert all(__file__ in n[4] for n in recs[True][0]["nodes"])
+
+
+def _mlp_losses(device, steps=6):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                            torch.nn.Linear(32, 5)).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 12, generator=g).to(device)
+    y = torch.randint(0, 5, (16,), generator=g).to(device)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m(x * (1 + i)), y)     # an int scalar that moves
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.modes("defer")
+def test_training_equals_cpu_and_shares_programs_across_paths(tpu_mode):
+    want = _mlp_losses("cpu")
+    with deferfuse.override(c_record=True):
+        got_c = _mlp_losses("tpu")
+    compiles = deferfuse.metrics()["compiles"]
+    with deferfuse.override(c_record=False):
+        got_py = _mlp_losses("tpu")
+    torch.testing.assert_close(got_c, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_py, want, rtol=1e-5, atol=1e-6)
+    # the Python path finds every program the C path's trace compiled
+    assert deferfuse.metrics()["compiles"] == compiles
+
+
+@pytest.mark.modes("defer")
+def test_an_error_mid_training_then_good_steps(tpu_mode):
+    """An op that fails (an index out of range) while the C path records the ops around it: the
+    error is raised, and training on good data goes on with CPU's values."""
+    def run(device):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 4).to(device)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        out = []
+        for ids in ([1, 2], [3, 12], [4, 5]):
+            try:
+                loss = (emb(torch.tensor(ids, device=device)) * 2.0).sum()
+                out.append(loss.item())         # tpu raises here, CPU at emb()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            except IndexError as e:
+                out.append(type(e))
+        return out, emb.weight.detach().cpu()
+    want, got = run("cpu"), run("tpu")
+    assert got[0][1] is IndexError and want[0][1] is IndexError
+    torch.testing.assert_close([got[0][0], got[0][2]], [want[0][0], want[0][2]])
+    torch.testing.assert_close(got[1], want[1])
+
+
+@pytest.mark.modes("defer")
+def test_threads_record_through_the_c_path(tpu_mode):
+    xc, wc = _inputs("cpu")
+    want = [_mixed(xc * k, wc, k % 3) for k in range(1, 5)]
+    x, w = _inputs("tpu")
+    got, errs = {}, []
+
+    def work(k):
+        try:
+            with deferfuse.mode("defer"):
+                got[k] = _mixed(x * k, w, k % 3).cpu()
+        except BaseException as e:      # noqa: BLE001  (reported below)
+            errs.append(e)
+    before = _hits()
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs, errs
+    assert _hits() > before
+    for k in range(1, 5):
+        torch.testing.assert_close(got[k], want[k - 1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.modes("defer")
+def test_views_made_by_the_c_path_alias_their_base(tpu_mode):
+    for device in ("cpu", "tpu"):
+        x = torch.arange(24.0).reshape(4, 6).to(device)
+        t = x.t()
+        t = x.t()               # the second is made by the C path (the first filled the cache)
+        d = x.detach()
+        t[1, 2] = -5.0          # writes through views land in the base
+        d[0, 0] = 7.0
+        res = (x.cpu(), t.cpu(), d.cpu(), t.stride(), d.storage_offset())
+        if device == "cpu":
+            want = res
+    torch.testing.assert_close(res[0], want[0])
+    torch.testing.assert_close(res[1], want[1])
+    torch.testing.assert_close(res[2], want[2])
+    assert res[3:5] == want[3:5]
+
+
+def test_a_missing_compiler_is_a_clear_install_error(tmp_path):
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), LDSHARED=str(tmp_path / "no-such-cc"))
+    out = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                          "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "deferfuse needs a C compiler" in out.stdout + out.stderr
