@@ -108,7 +108,8 @@ def test_ddp_two_processes_matches_cpu_training():
 @pytest.mark.slow
 def test_dtensor_random_init_two_ranks_equals_one_device():
     """Parameters initialised through DTensor's random ops (uniform_, normal_, trunc_normal_,
-    randn; sharded and replicated) from one seed on 2 ranks equal the same draws on one device
+    randn; sharded and replicated; from the device's generator and from an explicit
+    torch.Generator("tpu")) from one seed on 2 ranks equal the same draws on one device
     (each rank checks), and the ranks' generators end alike: the tpu generator's (seed, offset)
     state is what DTensor's tracker expects. (One rank: test_one_process_dtensor_random_init.)"""
     two = results(launch(2, "rng", "defer"))
@@ -495,6 +496,40 @@ def test_one_process_dtensor_random_init(group, tpu_mode):
         assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape == (8, 6)
         assert torch.equal(g, w)
     assert torch.equal(state, want_state)
+
+
+def test_one_process_dtensor_random_ops_take_a_tpu_generator(group, tpu_mode):
+    """A DTensor random op with ``generator=torch.Generator("tpu")`` (NOTE [generators in
+    DTensor] in deferfuse/generator.py): the numbers a plain tensor draws from a generator of the
+    same seed, the generator moved as far, the device's own generator untouched (it failed an
+    assertion inside DTensor: it was given CPU's 5056-byte generator state)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("tpu", (1,))
+    torch.manual_seed(3)
+    before = torch.tpu.get_rng_state()
+
+    def draws(distributed):
+        g = torch.Generator(device="tpu").manual_seed(11)
+
+        def empty():
+            t = torch.empty(8, 6, device="tpu")
+            return distribute_tensor(t, mesh, [Shard(0)]) if distributed else t
+        out = [empty().uniform_(-1, 1, generator=g), empty().normal_(generator=g),
+               empty().bernoulli_(0.3, generator=g)]
+        out = [o.full_tensor() if distributed else o for o in out]
+        return [o.cpu() for o in out], g.get_state()
+
+    got, got_state = draws(True)
+    want, want_state = draws(False)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape == (8, 6)
+        assert torch.equal(g, w)
+    assert torch.equal(got_state, want_state) and int(got_state[8:].view(torch.int64)) > 0
+    assert torch.equal(torch.tpu.get_rng_state(), before)
+    # The generator's own stream, 48 values on (the uniform_ draw), without DTensor
+    assert torch.equal(got[1], torch.empty(8, 6, device="tpu").normal_(
+        generator=torch.Generator("tpu").manual_seed(11).set_offset(48)).cpu())
 
 
 def test_storage_resize(tpu_mode):
