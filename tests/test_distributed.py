@@ -312,6 +312,81 @@ def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):
         assert "exitcode  : -15" in out and "Signal 15 (SIGTERM) received" in out, out[-4000:]
 
 
+SHUTDOWN = """
+import os, signal, sys, time, torch, torch.distributed as dist
+dist.init_process_group("tpu")
+r = dist.get_rank()
+t = torch.full((4,), float(r + 1), device="tpu")
+dist.all_reduce(t)
+assert t.cpu().tolist() == [3.0] * 4
+if r == 1:
+    def handler(sig, frame):
+        raise RuntimeError(f"stopping on signal {sig}")
+    signal.signal(signal.SIGTERM, handler)
+    if sys.argv[1] == "hung":
+        # JAX's shutdown never returning, as it hung under torchrun (issue 32)
+        from jax._src import distributed
+
+        class Hung:
+            def __init__(self, client):
+                self.client = client
+
+            def __getattr__(self, name):
+                return getattr(self.client, name)
+
+            def shutdown(self):
+                time.sleep(3600)
+        distributed.global_state.client = Hung(distributed.global_state.client)
+print(f"READY {r} {os.getpid()}", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 100:
+    time.sleep(0.05)
+print(f"STILL-RUNNING {r}", flush=True)
+"""
+
+
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["waits", "hung"])
+def test_a_rank_that_raised_on_sigterm_exits_within_the_timeout(tmp_path, how):
+    """NOTE [signals] in runtime/cluster.py: rank 1 gets SIGTERM, its handler raises, and rank 0
+    runs on (no launcher ends it). Rank 1 exits within the distributed timeout (5 s here) plus
+    its start of exit, whether JAX's shutdown waits for rank 0 at its barrier (``waits``) or never
+    returns (``hung``: the bound is deferfuse's own, which says so); rank 0 is left running."""
+    path = tmp_path / "script.py"
+    path.write_text(SHUTDOWN)
+    port = _free_port()
+    extra = {"DEFERFUSE_DIST_TIMEOUT": "5"}
+    procs = [subprocess.Popen([sys.executable, str(path), how], env=_env(r, 2, port, extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        pid = procs[1].pid
+        for line in procs[1].stdout:
+            if line.startswith("READY"):
+                break
+        else:
+            raise AssertionError(procs[1].communicate()[1][-4000:])
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        try:
+            _, err = procs[1].communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            procs[1].kill()
+            raise AssertionError(f"rank 1 still running 60 s after SIGTERM ({how})")
+        took = time.monotonic() - t0
+        assert procs[0].poll() is None, procs[0].communicate()[1][-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[1].returncode == 1 and "RuntimeError: stopping on signal 15" in err, err[-4000:]
+    assert took < 5 + 10, f"rank 1 took {took:.1f} s to exit:\n{err[-4000:]}"
+    if how == "hung":
+        assert "did not shut down within 5 s" in err, err[-4000:]
+
+
 # --------------------------------------------------------------------------- slow: the rest
 @once
 @pytest.mark.slow
