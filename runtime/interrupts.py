@@ -29,9 +29,10 @@ or a backward pass that failed). So:
   device guard (``PythonDeviceGuard::getStream``, noexcept, called by autograd's
   ``set_history`` after an op returns) could run the handler; its exception there ended in
   ``std::terminate`` ("terminate called without an active exception", exit 134). A pending call
-  runs only at a bytecode boundary of the main thread (and in an interrupted lock wait), right
-  after the handlers Python runs there, so a signal that arrives in Python code is raised at the
-  same point as before.
+  runs only at a bytecode boundary of the main thread (and in an interrupted lock wait), so the
+  handler's exception leaves the torch call that was under way after it completes, or the
+  Python code that was running, a few milliseconds later than Python would raise it; a call that
+  waits (``time.sleep``, a socket) is interrupted by the signal sent again (``_Later``).
 - ``signal.getsignal`` and ``signal.signal`` return the user's handler, not the wrapper
   (``Interrupts._hide``).
 """
@@ -41,6 +42,7 @@ import _thread
 import signal
 import sys
 import threading
+import time
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGALRM", "SIGTERM", "SIGHUP", "SIGUSR1",
                                               "SIGUSR2", "SIGVTALRM") if hasattr(signal, n))
@@ -139,9 +141,27 @@ class Interrupts:
         signal.getsignal, signal.signal = getsignal, set_signal
 
     def _wrap(self, handler):
+        later = self._later
+
         def held(signum, frame):
-            if self.depth or self._later.schedule():
-                self.held.append((handler, signum))
+            later.inside += 1
+            try:
+                if later.forced:    # sent again: the main thread waits in a system call
+                    later.forced = False
+                    if self.depth or not self.held:     # held, or delivered since: this is all
+                        return None
+                    later.pending = False
+                    now = True
+                else:
+                    self.held.append((handler, signum))
+                    if self.depth or later.request():
+                        return None
+                    self.held.pop()
+                    now = False
+            finally:
+                later.inside -= 1
+            if now:
+                self.deliver(frame)
                 return None
             return handler(signum, frame)       # no pending call to be had: as Python would
         held.__deferfuse_held__ = self
@@ -160,20 +180,28 @@ class Interrupts:
 
 
 class _Later:
-    """Delivers the held signals at the interpreter's next pending-call check, which only its
-    bytecode loop makes (NOTE [interrupt safety]: never inside C code that checks signals).
+    """Delivers the held signals at the main thread's next bytecode boundary (NOTE [interrupt
+    safety]: never inside C code that checks signals).
 
     ``Py_AddPendingCall(PyObject_IsTrue, later)``: the interpreter calls ``bool(later)`` at a
-    bytecode boundary of the main thread; ``__bool__`` calls the handlers, and an exception it
-    raises is raised there, as a handler's is. Python itself runs the pending calls right after
-    the signal handlers when it checks at a bytecode boundary, so a signal that arrives in
-    Python code is delivered as soon as before."""
+    bytecode boundary of the main thread (or in an interrupted lock wait); ``__bool__`` calls the
+    handlers, and an exception it raises is raised there, as a handler's is. The call is added
+    from a thread of its own (``_ask``), which runs once the main thread lets go of the GIL: added
+    from the handler itself, it ran at the handler's own next bytecode, inside the C code that
+    ran the handler. A pending call the interpreter meets inside one of our handlers (``inside``)
+    asks again. If it has not run after ``WAIT`` seconds, the main thread is waiting in a system
+    call (``time.sleep``, a socket), which a signal ends: the signal is sent again, and its
+    handler (``forced``) calls the held handlers at once, where Python checks signals for that
+    call, as Python would."""
 
-    __slots__ = ("owner", "pending", "_add", "_is_true")
+    __slots__ = ("owner", "pending", "inside", "forced", "_add", "_is_true")
+    WAIT = 0.05
 
     def __init__(self, owner: Interrupts):
         self.owner = owner
-        self.pending = False
+        self.pending = False        # a pending call asked for and not run yet
+        self.inside = 0             # our signal handlers running now
+        self.forced = False         # the next signal is the one sent again: deliver now
         try:
             import ctypes
             api = ctypes.pythonapi
@@ -184,21 +212,41 @@ class _Later:
         except (ImportError, AttributeError):       # not CPython: deliver as Python does
             self._add = None
 
-    def schedule(self) -> bool:
-        """True when the held signals will be delivered by a pending call (one is enough)."""
-        if self.pending:
-            return True
-        if self._add is None or self._add(self._is_true, id(self)) != 0:
+    def request(self) -> bool:
+        """True when the held signals will be delivered later (a pending call, one is enough)."""
+        if self._add is None:
             return False
-        self.pending = True
+        if not self.pending:
+            self.pending = True
+            _thread.start_new_thread(self._ask, (True,))
         return True
 
+    def _ask(self, watch: bool) -> None:
+        if self._add(self._is_true, id(self)) == 0 and watch:
+            time.sleep(self.WAIT)
+            if not self.pending or not self.owner.held:
+                return
+        elif not watch:
+            return
+        self.forced = True          # not run yet (or the queue was full): send it again
+        signal.pthread_kill(self.owner.main, self.owner.held[-1][1])
+
     def __bool__(self) -> bool:
+        if self.inside or sys._getframe(1).f_code is _HELD_CODE:
+            # Run at a bytecode of our own handler (its first: before ``inside`` counts it),
+            # which may be inside C code: not here.
+            _thread.start_new_thread(self._ask, (False,))
+            return False
         self.pending = False
         o = self.owner
         if o.held and not o.depth:          # inside deferfuse, its outermost exit delivers
             o.deliver(sys._getframe(1))
         return False
+
+
+# The code of every wrapper ``Interrupts._wrap`` makes (``_Later.__bool__`` knows its frames).
+_HELD_CODE = next(c for c in Interrupts._wrap.__code__.co_consts
+                  if getattr(c, "co_name", None) == "held")
 
 
 def _resend(main: int, sigs) -> None:

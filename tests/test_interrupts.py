@@ -159,3 +159,37 @@ def test_getsignal_returns_the_users_handler_and_the_handler_is_still_held():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, prev)
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("wait", ["sleep", "loop", "event"])
+def test_a_signal_outside_deferfuse_is_raised_promptly(wait):
+    """Outside deferfuse a handler runs from a pending call (NOTE [interrupt safety]), which a
+    blocking call (``time.sleep``, a lock wait) does not run: the signal is sent again after
+    ``_Later.WAIT`` so that the call ends, as it ends on CPU. A pure Python loop is interrupted
+    at its next bytecode."""
+    import signal
+    import threading
+    import time
+    import deferfuse  # noqa: F401
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, handler)
+    t0 = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            if wait == "sleep":
+                time.sleep(10)
+            elif wait == "event":
+                threading.Event().wait(10)
+            else:
+                while time.monotonic() - t0 < 10:
+                    pass
+        took = time.monotonic() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert took < 3, took       # 0.1 s and WAIT (0.05 s) on an idle machine
