@@ -224,12 +224,12 @@ class _Later:
     def _ask(self, watch: bool) -> None:
         if self._add(self._is_true, id(self)) == 0 and watch:
             time.sleep(self.WAIT)
-            if not self.pending or not self.owner.held:
-                return
         elif not watch:
             return
-        self.forced = True          # not run yet (or the queue was full): send it again
-        signal.pthread_kill(self.owner.main, self.owner.held[-1][1])
+        held = self.owner.held
+        if self.pending and held:   # not run yet (or the queue was full): send it again
+            self.forced = True
+            signal.pthread_kill(self.owner.main, held[-1][1])
 
     def __bool__(self) -> bool:
         if self.inside or sys._getframe(1).f_code is _HELD_CODE:
