@@ -13,7 +13,8 @@ what names the device, in a few milliseconds:
   factory with ``device="tpu"``, ``.to("tpu")`` and ``torch.load`` of a ``tpu`` checkpoint work
   without ``import deferfuse``;
 - makes ``torch.Generator`` a factory that gives a tpu generator for ``device="tpu"``
-  (``Generator`` below) and PyTorch's own for every other device;
+  (``Generator`` below) and PyTorch's own for every other device, which TorchScript takes as it
+  takes ``torch._C.Generator`` (``_script_takes_both_generators``);
 - wraps the ``torch.accelerator`` functions that need the device (``synchronize``, the memory
   counters, streams) so that they load deferfuse first when ``tpu`` is the accelerator;
 - registers the ``tpu`` process-group backend (and its alias ``tpu_dist``, Ray Train's name) with
@@ -178,6 +179,37 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
         return torch._C.Generator() if device is None else torch._C.Generator(device)
 
 
+def _script_takes_both_generators() -> None:
+    """TorchScript with ``torch.Generator`` the factory: both classes are its one Generator type.
+
+    It maps an annotation by ``ann is torch.Generator`` (``torch.jit.annotations.try_ann_to_type``,
+    which its C++ also looks up by name), so an annotation that holds PyTorch's own class
+    (``torch._C.Generator``, or ``torch.Generator`` read before this module replaced it) failed:
+    "Unsupported annotation typing.Optional[torch._C.Generator]"; and it finds the builtin
+    ``aten::Generator`` (``torch.Generator()`` in scripted code) by the class's id, so the factory
+    was compiled as a class: "Class Generator does not have an __init__ function defined". Both
+    modules are imported by ``import torch``: this imports nothing."""
+    builtins = sys.modules.get("torch.jit._builtins")
+    if builtins is not None:
+        # ``torch.Generator(...)`` in scripted code is the builtin ``aten::Generator``, found by
+        # the class's id; the table is built on first use (the list), or already (the table).
+        if builtins._builtin_table is None:
+            builtins._builtin_ops.append((Generator, "aten::Generator"))
+        else:
+            builtins._builtin_table[id(Generator)] = "aten::Generator"
+    ann = sys.modules.get("torch.jit.annotations")
+    orig = getattr(ann, "try_ann_to_type", None)
+    if orig is None or getattr(orig, "__deferfuse__", False):
+        return
+
+    def try_ann_to_type(ann, loc, rcb=None):
+        return orig(Generator if ann is torch._C.Generator else ann, loc, rcb)
+    try_ann_to_type.__wrapped__ = orig
+    try_ann_to_type.__doc__ = orig.__doc__
+    try_ann_to_type.__deferfuse__ = True
+    ann.try_ann_to_type = try_ann_to_type
+
+
 def _is_tpu(device) -> bool:
     if isinstance(device, torch.device):
         return device.type == NAME
@@ -239,6 +271,7 @@ def register() -> types.ModuleType:
             setattr(acc, name, _lazy_accelerator_call(name, orig))
     register_backends(_create_group)
     torch.Generator = Generator
+    _script_takes_both_generators()
     LOADER.module, LOADER.fallback_lib, LOADER.registered = module, lib, True
     return module
 

@@ -60,7 +60,16 @@ class TpuGenerator(torch._C.Generator):
         # A kernel receives the generator re-wrapped by PyTorch (a plain torch._C.Generator on
         # the same C++ object): this finds the tpu generator again.
         TpuGenerator._live[self._cdata] = self
+        if not _DTENSOR.hooked:
+            _DTENSOR.hook()
         return self
+
+    @classmethod
+    def of(cls, gen):
+        """The tpu generator ``gen`` is (itself, or PyTorch's re-wrapping of one), else ``gen``."""
+        if gen is None or gen.__class__ is cls:
+            return gen
+        return cls._live.get(gen._cdata, gen)
 
     def __init__(self, device="tpu"):
         pass
@@ -159,8 +168,8 @@ class Rng:
         if gen is None:
             g = self.gens.get(dev)
             return (g if g is not None else self.generator(dev)).take(n)
-        tg = gen if gen.__class__ is TpuGenerator else TpuGenerator._live.get(gen._cdata)
-        if tg is not None:
+        tg = TpuGenerator.of(gen)
+        if tg.__class__ is TpuGenerator:
             return tg.take(n)
         if gen.device.type != "cpu":
             raise RuntimeError(f"Expected a 'tpu' device type for generator but found "
@@ -176,3 +185,77 @@ class Rng:
         self.seed = int(seed) & _U64
         for g in self.gens.values():
             g.manual_seed(seed)
+
+
+class _DTensorRng:
+    """NOTE [generators in DTensor]: DTensor's random ops take ``generator=``, and its
+    ``OffsetBasedRNGTracker._distribute_region`` reads and writes that generator's 16-byte state
+    (``get_state``/``set_state``) around the op. But DTensor's ``__torch_dispatch__`` receives the
+    generator as PyTorch re-wraps it on the way through C++, a plain ``torch._C.Generator`` on the
+    CPU generator underneath a tpu one (PyTorch only keeps the Python object of a generator it
+    made itself), whose state is CPU's 5056 bytes: DTensor failed an assertion. So once a tpu
+    generator exists, the tracker's ``_distribute_region`` is given the tpu generator back (at
+    once if DTensor is loaded, else when it loads: importing it costs about a second)."""
+
+    __slots__ = ("hooked",)
+    MODULE = "torch.distributed.tensor._random"
+
+    def __init__(self):
+        self.hooked = False
+
+    def hook(self) -> None:
+        import sys
+        self.hooked = True
+        mod = sys.modules.get(self.MODULE)
+        if mod is not None:
+            self.patch(mod)
+        else:
+            sys.meta_path.insert(0, _AfterImport(self.MODULE, self.patch))
+
+    @staticmethod
+    def patch(mod) -> None:
+        cls = getattr(mod, "OffsetBasedRNGTracker", None)
+        orig = getattr(cls, "_distribute_region", None)
+        if orig is None or getattr(orig, "__deferfuse__", False):
+            return
+
+        def _distribute_region(self, spec, generator=None):
+            return orig(self, spec, generator=TpuGenerator.of(generator))
+        _distribute_region.__wrapped__ = orig
+        _distribute_region.__doc__ = orig.__doc__
+        _distribute_region.__deferfuse__ = True
+        cls._distribute_region = _distribute_region
+
+
+class _AfterImport:
+    """A ``sys.meta_path`` finder that calls ``then(module)`` once ``name`` is imported, then
+    leaves ``sys.meta_path``."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.util
+        import sys
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, then = spec.loader, self.then
+
+        class Loader:
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                module.__loader__ = module.__spec__.loader = loader     # as if never here
+                then(module)
+        spec.loader = Loader()
+        return spec
+
+
+_DTENSOR = _DTensorRng()

@@ -18,7 +18,9 @@ the program's own handler; SIGINT raises KeyboardInterrupt). JAX's preemption se
 install a SIGTERM handler that only logs "SIGTERM caught" and lets the process run on, so SLURM,
 Kubernetes and torchrun could stop a rank only with SIGKILL: deferfuse turns it off unless
 ``JAX_ENABLE_PREEMPTION_SERVICE`` is set. A rank that ends by raising (after a signal or not)
-disconnects at exit within the distributed timeout, never waiting longer.
+disconnects at exit within the distributed timeout, never waiting longer: JAX's shutdown runs on
+a thread of its own, and if it has not returned by then, JAX's own exit hook (which calls it
+again, on the main thread) is left nothing to shut down.
 
 NOTE [orderly exit]: rank 0's process hosts JAX's coordination service, and a process whose service
 is gone terminates itself (JAX's fatal "the leader task died"), even at exit. So at exit every other
@@ -188,6 +190,11 @@ class Cluster:
                 import sys
                 print(f"deferfuse: JAX's distributed runtime did not shut down within "
                       f"{self.timeout:.0f} s; exiting without it", file=sys.stderr)
+                # JAX's own exit hook (jax._src.api.clean_up, run after this one) would call
+                # shutdown again, on this thread and unbounded: it finds nothing to shut down.
+                # The stuck call keeps its own reference to the client.
+                state = distributed.global_state
+                state.preemption_sync_manager = state.client = state.service = None
             return
         deadline = time.monotonic() + self.timeout
         others = set(range(1, self.size))

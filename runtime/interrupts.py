@@ -22,11 +22,19 @@ or a backward pass that failed). So:
   deferfuse) is sent again as SIGINT from another thread (``sys.unraisablehook``), to be raised
   at a bytecode outside such a callback.
 - The device guard PyTorch calls from noexcept C++ (``deferfuse_autoload``) runs no bytecode.
-
-With these, 8 of 8 defer runs and 6 of 8 strict runs were clean. The strict runs left still
-aborted: a handler that runs in Python code PyTorch itself calls from C++ in the middle of an op
-(``find_torch_dispatch_rule``, ``Tensor.backward``'s return) leaves a Python error pending when
-C++ next calls the device guard; only PyTorch can make that guard safe.
+- Outside deferfuse a handler runs from a pending call (``_Later``), never where Python checks
+  signals from C code. Python also runs handlers inside C functions that call
+  ``PyErr_CheckSignals``: ``PyObject_Str`` and ``PyObject_Repr`` do, and pybind11's lookup of a
+  Python override calls ``str()`` on the caller's code name, so every call of PyTorch's Python
+  device guard (``PythonDeviceGuard::getStream``, noexcept, called by autograd's
+  ``set_history`` after an op returns) could run the handler; its exception there ended in
+  ``std::terminate`` ("terminate called without an active exception", exit 134). A pending call
+  runs only at a bytecode boundary of the main thread (and in an interrupted lock wait), so the
+  handler's exception leaves the torch call that was under way after it completes, or the
+  Python code that was running, a few milliseconds later than Python would raise it; a call that
+  waits (``time.sleep``, a socket) is interrupted by the signal sent again (``_Later``).
+- ``signal.getsignal`` and ``signal.signal`` return the user's handler, not the wrapper
+  (``Interrupts._hide``).
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import _thread
 import signal
 import sys
 import threading
+import time
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGALRM", "SIGTERM", "SIGHUP", "SIGUSR1",
                                               "SIGUSR2", "SIGVTALRM") if hasattr(signal, n))
@@ -43,13 +52,15 @@ class Interrupts:
     """The main thread's depth inside deferfuse, the signals held meanwhile, and the wrapped
     handlers. ``with interrupts:`` is one level (a no-op on other threads)."""
 
-    __slots__ = ("main", "depth", "held", "_prev_hook")
+    __slots__ = ("main", "depth", "held", "_prev_hook", "_getsignal", "_setsignal", "_later")
 
     def __init__(self):
         self.main = threading.main_thread().ident
         self.depth = 0
         self.held: list = []
         self._prev_hook = None
+        self._getsignal, self._setsignal = signal.getsignal, signal.signal
+        self._later = _Later(self)
 
     def __enter__(self):
         if _thread.get_ident() == self.main:
@@ -73,11 +84,11 @@ class Interrupts:
         held.__wrapped__ = fn
         return held
 
-    def deliver(self) -> None:
+    def deliver(self, frame=None) -> None:
         """Call the handlers of the signals held, in the caller's frame (the first that raises
         ends it: the others were the same interrupt, arriving while it waited)."""
         held, self.held = self.held, []
-        frame = sys._getframe(1)
+        frame = frame or sys._getframe(1)
         for handler, signum in held:
             handler(signum, frame)
 
@@ -85,23 +96,74 @@ class Interrupts:
         """Wrap the Python handler of each signal that may raise (main thread only)."""
         if _thread.get_ident() != self.main:
             return
+        self._hide()
         for s in _SIGNALS:
-            h = signal.getsignal(s)
+            h = self._getsignal(s)
             if callable(h) and getattr(h, "__deferfuse_held__", None) is not self:
                 try:
-                    signal.signal(s, self._wrap(h))
+                    self._setsignal(s, self._wrap(h))
                 except (ValueError, OSError):   # not the main interpreter
                     return
         if sys.unraisablehook is not self._unraisable:
             self._prev_hook = sys.unraisablehook
             sys.unraisablehook = self._unraisable
 
+    def unwrap(self, handler):
+        """The handler the user installed, for one of ours (anything else as it is)."""
+        if getattr(handler, "__deferfuse_held__", None) is self:
+            return handler.__wrapped__
+        return handler
+
+    def _hide(self) -> None:
+        """``signal.getsignal`` and ``signal.signal`` as they were, less the wrappers: they return
+        the user's handler (or Python's default), so ``getsignal(SIGINT) is default_int_handler``
+        holds as on CPU (asyncio.run asks it before it installs its own); and a handler set
+        through ``signal.signal`` is wrapped at once (NOTE [interrupt safety])."""
+        if getattr(signal.getsignal, "__deferfuse_held__", None) is self:
+            return
+        get, put = signal.getsignal, signal.signal
+        self._getsignal, self._setsignal = get, put
+
+        def getsignal(signalnum, /):
+            return self.unwrap(get(signalnum))
+
+        def set_signal(signalnum, handler, /):
+            if callable(handler) and signalnum in _SIGNALS and _thread.get_ident() == self.main \
+                    and getattr(handler, "__deferfuse_held__", None) is not self:
+                handler = self._wrap(handler)
+            return self.unwrap(put(signalnum, handler))
+
+        for fn, orig in ((getsignal, get), (set_signal, put)):
+            fn.__name__, fn.__qualname__, fn.__doc__ = orig.__name__, orig.__name__, orig.__doc__
+            fn.__module__ = "signal"
+            fn.__wrapped__ = orig
+            fn.__deferfuse_held__ = self
+        signal.getsignal, signal.signal = getsignal, set_signal
+
     def _wrap(self, handler):
+        later = self._later
+
         def held(signum, frame):
-            if self.depth:
-                self.held.append((handler, signum))
+            later.inside += 1
+            try:
+                if later.forced:    # sent again: the main thread waits in a system call
+                    later.forced = False
+                    if self.depth or not self.held:     # held, or delivered since: this is all
+                        return None
+                    later.pending = False
+                    now = True
+                else:
+                    self.held.append((handler, signum))
+                    if self.depth or later.request():
+                        return None
+                    self.held.pop()
+                    now = False
+            finally:
+                later.inside -= 1
+            if now:
+                self.deliver(frame)
                 return None
-            return handler(signum, frame)
+            return handler(signum, frame)       # no pending call to be had: as Python would
         held.__deferfuse_held__ = self
         held.__wrapped__ = handler
         held.__name__ = getattr(handler, "__name__", "handler")
@@ -109,12 +171,82 @@ class Interrupts:
 
     def _unraisable(self, u) -> None:
         if isinstance(u.exc_value, KeyboardInterrupt) and _thread.get_ident() == self.main:
-            if callable(signal.getsignal(signal.SIGINT)):
+            if callable(self._getsignal(signal.SIGINT)):
                 # Raised in a GC callback or a finalizer: Python would print it and go on. Sent
                 # again from another thread, so that it is not handled inside this hook.
                 _thread.start_new_thread(_resend, (self.main, (signal.SIGINT,)))
                 return
         (self._prev_hook or sys.__unraisablehook__)(u)
+
+
+class _Later:
+    """Delivers the held signals at the main thread's next bytecode boundary (NOTE [interrupt
+    safety]: never inside C code that checks signals).
+
+    ``Py_AddPendingCall(PyObject_IsTrue, later)``: the interpreter calls ``bool(later)`` at a
+    bytecode boundary of the main thread (or in an interrupted lock wait); ``__bool__`` calls the
+    handlers, and an exception it raises is raised there, as a handler's is. The call is added
+    from a thread of its own (``_ask``), which runs once the main thread lets go of the GIL: added
+    from the handler itself, it ran at the handler's own next bytecode, inside the C code that
+    ran the handler. A pending call the interpreter meets inside one of our handlers (``inside``)
+    asks again. If it has not run after ``WAIT`` seconds, the main thread is waiting in a system
+    call (``time.sleep``, a socket), which a signal ends: the signal is sent again, and its
+    handler (``forced``) calls the held handlers at once, where Python checks signals for that
+    call, as Python would."""
+
+    __slots__ = ("owner", "pending", "inside", "forced", "_add", "_is_true")
+    WAIT = 0.05
+
+    def __init__(self, owner: Interrupts):
+        self.owner = owner
+        self.pending = False        # a pending call asked for and not run yet
+        self.inside = 0             # our signal handlers running now
+        self.forced = False         # the next signal is the one sent again: deliver now
+        try:
+            import ctypes
+            api = ctypes.pythonapi
+            self._add = api.Py_AddPendingCall
+            self._add.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+            self._add.restype = ctypes.c_int
+            self._is_true = ctypes.cast(api.PyObject_IsTrue, ctypes.c_void_p).value
+        except (ImportError, AttributeError):       # not CPython: deliver as Python does
+            self._add = None
+
+    def request(self) -> bool:
+        """True when the held signals will be delivered later (a pending call, one is enough)."""
+        if self._add is None:
+            return False
+        if not self.pending:
+            self.pending = True
+            _thread.start_new_thread(self._ask, (True,))
+        return True
+
+    def _ask(self, watch: bool) -> None:
+        if self._add(self._is_true, id(self)) == 0 and watch:
+            time.sleep(self.WAIT)
+        elif not watch:
+            return
+        held = self.owner.held
+        if self.pending and held:   # not run yet (or the queue was full): send it again
+            self.forced = True
+            signal.pthread_kill(self.owner.main, held[-1][1])
+
+    def __bool__(self) -> bool:
+        if self.inside or sys._getframe(1).f_code is _HELD_CODE:
+            # Run at a bytecode of our own handler (its first: before ``inside`` counts it),
+            # which may be inside C code: not here.
+            _thread.start_new_thread(self._ask, (False,))
+            return False
+        self.pending = False
+        o = self.owner
+        if o.held and not o.depth:          # inside deferfuse, its outermost exit delivers
+            o.deliver(sys._getframe(1))
+        return False
+
+
+# The code of every wrapper ``Interrupts._wrap`` makes (``_Later.__bool__`` knows its frames).
+_HELD_CODE = next(c for c in Interrupts._wrap.__code__.co_consts
+                  if getattr(c, "co_name", None) == "held")
 
 
 def _resend(main: int, sigs) -> None:

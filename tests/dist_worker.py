@@ -574,6 +574,10 @@ def scenario_rng(mode, arg):
                torch.nn.init.trunc_normal_(empty([Shard(0)]), std=0.02)]
         out.append(dtensor.randn(shape, device_mesh=mesh, placements=[Shard(0)]) if distributed
                    else torch.randn(shape, device="tpu"))
+        # An explicit tpu generator (NOTE [generators in DTensor] in deferfuse/generator.py)
+        g = torch.Generator("tpu").manual_seed(99)
+        out.append(empty([Shard(0)]).normal_(generator=g))
+        out.append(torch.nn.init.uniform_(empty([Shard(0)]), generator=g))
         return out
 
     got = draws(True)

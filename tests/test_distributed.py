@@ -108,7 +108,8 @@ def test_ddp_two_processes_matches_cpu_training():
 @pytest.mark.slow
 def test_dtensor_random_init_two_ranks_equals_one_device():
     """Parameters initialised through DTensor's random ops (uniform_, normal_, trunc_normal_,
-    randn; sharded and replicated) from one seed on 2 ranks equal the same draws on one device
+    randn; sharded and replicated; from the device's generator and from an explicit
+    torch.Generator("tpu")) from one seed on 2 ranks equal the same draws on one device
     (each rank checks), and the ranks' generators end alike: the tpu generator's (seed, offset)
     state is what DTensor's tracker expects. (One rank: test_one_process_dtensor_random_init.)"""
     two = results(launch(2, "rng", "defer"))
@@ -311,6 +312,81 @@ def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):
         assert "exitcode  : -15" in out and "Signal 15 (SIGTERM) received" in out, out[-4000:]
 
 
+SHUTDOWN = """
+import os, signal, sys, time, torch, torch.distributed as dist
+dist.init_process_group("tpu")
+r = dist.get_rank()
+t = torch.full((4,), float(r + 1), device="tpu")
+dist.all_reduce(t)
+assert t.cpu().tolist() == [3.0] * 4
+if r == 1:
+    def handler(sig, frame):
+        raise RuntimeError(f"stopping on signal {sig}")
+    signal.signal(signal.SIGTERM, handler)
+    if sys.argv[1] == "hung":
+        # JAX's shutdown never returning, as it hung under torchrun (issue 32)
+        from jax._src import distributed
+
+        class Hung:
+            def __init__(self, client):
+                self.client = client
+
+            def __getattr__(self, name):
+                return getattr(self.client, name)
+
+            def shutdown(self):
+                time.sleep(3600)
+        distributed.global_state.client = Hung(distributed.global_state.client)
+print(f"READY {r} {os.getpid()}", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 100:
+    time.sleep(0.05)
+print(f"STILL-RUNNING {r}", flush=True)
+"""
+
+
+@once
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["waits", "hung"])
+def test_a_rank_that_raised_on_sigterm_exits_within_the_timeout(tmp_path, how):
+    """NOTE [signals] in runtime/cluster.py: rank 1 gets SIGTERM, its handler raises, and rank 0
+    runs on (no launcher ends it). Rank 1 exits within the distributed timeout (5 s here) plus
+    its start of exit, whether JAX's shutdown waits for rank 0 at its barrier (``waits``) or never
+    returns (``hung``: the bound is deferfuse's own, which says so); rank 0 is left running."""
+    path = tmp_path / "script.py"
+    path.write_text(SHUTDOWN)
+    port = _free_port()
+    extra = {"DEFERFUSE_DIST_TIMEOUT": "5"}
+    procs = [subprocess.Popen([sys.executable, str(path), how], env=_env(r, 2, port, extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        pid = procs[1].pid
+        for line in procs[1].stdout:
+            if line.startswith("READY"):
+                break
+        else:
+            raise AssertionError(procs[1].communicate()[1][-4000:])
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        try:
+            _, err = procs[1].communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            procs[1].kill()
+            raise AssertionError(f"rank 1 still running 60 s after SIGTERM ({how})")
+        took = time.monotonic() - t0
+        assert procs[0].poll() is None, procs[0].communicate()[1][-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[1].returncode == 1 and "RuntimeError: stopping on signal 15" in err, err[-4000:]
+    assert took < 5 + 10, f"rank 1 took {took:.1f} s to exit:\n{err[-4000:]}"
+    if how == "hung":
+        assert "did not shut down within 5 s" in err, err[-4000:]
+
+
 # --------------------------------------------------------------------------- slow: the rest
 @once
 @pytest.mark.slow
@@ -495,6 +571,40 @@ def test_one_process_dtensor_random_init(group, tpu_mode):
         assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape == (8, 6)
         assert torch.equal(g, w)
     assert torch.equal(state, want_state)
+
+
+def test_one_process_dtensor_random_ops_take_a_tpu_generator(group, tpu_mode):
+    """A DTensor random op with ``generator=torch.Generator("tpu")`` (NOTE [generators in
+    DTensor] in deferfuse/generator.py): the numbers a plain tensor draws from a generator of the
+    same seed, the generator moved as far, the device's own generator untouched (it failed an
+    assertion inside DTensor: it was given CPU's 5056-byte generator state)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("tpu", (1,))
+    torch.manual_seed(3)
+    before = torch.tpu.get_rng_state()
+
+    def draws(distributed):
+        g = torch.Generator(device="tpu").manual_seed(11)
+
+        def empty():
+            t = torch.empty(8, 6, device="tpu")
+            return distribute_tensor(t, mesh, [Shard(0)]) if distributed else t
+        out = [empty().uniform_(-1, 1, generator=g), empty().normal_(generator=g),
+               empty().bernoulli_(0.3, generator=g)]
+        out = [o.full_tensor() if distributed else o for o in out]
+        return [o.cpu() for o in out], g.get_state()
+
+    got, got_state = draws(True)
+    want, want_state = draws(False)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape == (8, 6)
+        assert torch.equal(g, w)
+    assert torch.equal(got_state, want_state) and int(got_state[8:].view(torch.int64)) > 0
+    assert torch.equal(torch.tpu.get_rng_state(), before)
+    # The generator's own stream, 48 values on (the uniform_ draw), without DTensor
+    assert torch.equal(got[1], torch.empty(8, 6, device="tpu").normal_(
+        generator=torch.Generator("tpu").manual_seed(11).set_offset(48)).cpu())
 
 
 def test_storage_resize(tpu_mode):

@@ -1,6 +1,7 @@
 """Random ops: shape and dtype as CPU, the right distribution (moments of a large sample),
 reproducible under torch.manual_seed, different across consecutive calls, no CPU fallback."""
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -361,6 +362,35 @@ def test_generator_is_honoured_by_random_ops(name):
         assert torch.equal(a.cpu().sort().values, torch.arange(50))
     if name == "randint":
         assert a.min() >= -3 and a.max() <= 6
+
+
+def _scripted_randn(x: torch.Tensor, g: Optional[torch._C.Generator] = None) -> torch.Tensor:
+    return x + torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+
+
+def _scripted_own_generator(x: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return torch.rand(x.shape, generator=g) * x
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_torchscript_takes_generators_as_before():
+    """deferfuse makes ``torch.Generator`` a factory (a tpu generator for ``device="tpu"``):
+    TorchScript still takes ``torch._C.Generator`` annotations (code that read torch.Generator
+    before the factory replaced it) and ``torch.Generator()`` in scripted code, giving CPU's
+    numbers; a tpu generator passed to a scripted function draws what it draws eagerly."""
+    fn = torch.jit.script(_scripted_randn)
+    x = torch.arange(6.).reshape(2, 3)
+    assert torch.equal(fn(x, torch.Generator().manual_seed(4)),
+                       _scripted_randn(x, torch.Generator().manual_seed(4)))
+    own = torch.jit.script(_scripted_own_generator)
+    assert torch.equal(own(x, 9), _scripted_own_generator(x, 9))
+    xt = x.to(T)
+    got = fn(xt, torch.Generator(T).manual_seed(4))
+    want = _scripted_randn(xt, torch.Generator(T).manual_seed(4))
+    assert got.device.type == "tpu" and got.dtype == x.dtype and got.shape == x.shape
+    assert torch.equal(got.cpu(), want.cpu())
 
 
 def test_a_tpu_generator_draws_the_right_distribution():
