@@ -255,10 +255,11 @@ class Trace:
                     k = 1
                 if n + wait - shift - k * L < start:
                     wait = shift = 0            # too few iterations to align on: cut here
-                L *= k
+                period, L = L, L * k
                 window = ohashes[n + wait - shift - L:n + wait - shift]
                 body = (steps.body_signature(window, L), wait)
                 bodies.ops[body[0]] = tuple(window)
+                bodies.outer.learned(body[0], period)       # NOTE [outermost body]
             else:
                 body = None
             bodies.found[key] = body
@@ -358,8 +359,17 @@ class Trace:
             elif self.after is not None:
                 self._rephase()
         if config.step_detection:
+            period = None
+            if not whole and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS:
+                # The iterations the runner splits this trace into (NOTE [loop split]), once per
+                # structure: an outer body needs a loop of short ones (NOTE [outermost body]).
+                key = (self.h, len(nodes), "split")
+                period = self.engine.bodies.found.get(key, 0)
+                if period == 0:
+                    period = self.engine.bodies.found[key] = steps.split_period(
+                        [n.key.ohash for n in nodes])
             forget = outer.trace_ended(len(nodes), self.h, reason not in ASYNC_CUTS,
-                                       nodes[0].key.ohash)
+                                       nodes[0].key.ohash, period)
             if forget:
                 self.engine.bodies.known.difference_update(forget)
         fl = Flush(nodes, self.ext, self.ext_uses, self.scalars, self.h, outs, partner, want,

@@ -164,6 +164,7 @@ def test_outer_loop_forgets_inner_bodies_once_the_interval_repeats():
     # inner body and short enough, makes that body forgotten and later short intervals with the
     # same first op whole.
     o = steps.OuterLoop()
+    o.learned("time step", 10)
     forget = set()
     for _ in range(2):
         assert not o.within(10, "embedding")
@@ -194,6 +195,46 @@ def test_outer_loop_needs_a_repeat_and_a_short_interval():
         o.cut_by("c")
         assert o.trace_ended(steps.OUTER_MAX_OPS + 5, 9, True, "x") == set()
     assert not o.quiet and o.found == 0
+
+
+def test_a_loop_of_long_iterations_repeated_is_no_outer_body():
+    # A short pipeline call repeated (4 denoising steps of 117 ops, then a decode; read once per
+    # call): its steps stay cut, so every call, whatever its count of steps, runs the same pieces
+    # (NOTE [outermost body]). A time loop of 10-op steps in the same place makes an outer body.
+    for period, outer in ((117, False), (steps.OUTER_MAX_PERIOD, False), (10, True)):
+        o = steps.OuterLoop()
+        o.learned("step", period)
+        for _ in range(3):
+            assert o.within(10, "linear") == (outer and o.quiet)
+            o.cut_by("step")
+            o.trace_ended(353, 1, False, "linear")
+            o.trace_ended(185, 2, True, "conv")
+        assert o.quiet == outer and ("step" in o.suppressed) == outer and o.found == int(outer)
+
+
+def test_an_interval_no_loop_splits_is_no_outer_body():
+    # 281 ops with no loop in them, read every call: nothing to keep whole. One the runner splits
+    # at a loop of short iterations (an LSTM's backward pass) is an outer body.
+    o = steps.OuterLoop()
+    for _ in range(3):
+        assert o.trace_ended(281, 1, True, "sin") == set()
+    assert not o.quiet and o.found == 0
+    for _ in range(2):
+        o.trace_ended(112, 2, False, "embedding")
+        o.trace_ended(365, 3, False, "mm", period=12)
+        o.trace_ended(20, 4, True, "add")
+    assert o.quiet and o.found == 1 and o.within(100, "embedding")
+    long = steps.OuterLoop()
+    for _ in range(3):
+        long.trace_ended(400, 5, True, "linear", period=117)
+    assert not long.quiet
+
+
+def test_split_period_is_the_length_of_the_pieces_a_loop_split_makes():
+    trace = [7, 8] + [1, 2, 3, 4, 5, 6, 7, 8, 9] * 40 + [10, 11]
+    cuts = steps.periodic_cuts(trace)
+    assert steps.split_period(trace) == 9 == cuts[2] - cuts[1]
+    assert steps.split_period(list(range(300))) is None and steps.periodic_cuts(list(range(300))) is None
 
 
 def test_an_interval_of_nothing_but_inner_pieces_stays_cut():
