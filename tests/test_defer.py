@@ -499,6 +499,7 @@ def test_a_short_pipeline_called_again_keeps_its_steps_cut():
     mt = copy.deepcopy(m).to("tpu")
     lat = torch.randn(1, 4, 8, 8)
     counts = []
+    outer = deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"]
     for clamp in (False, False, False, True, False):
         before = deferfuse.metrics()
         got = mt.sample(lat.to("tpu"), clamp=clamp)
@@ -510,7 +511,7 @@ def test_a_short_pipeline_called_again_keeps_its_steps_cut():
     assert [c["compiles"] for c in counts[1:]] == [0, 0, 1, 0], counts     # the clamp's piece
     assert len({c["regions_run"] for c in counts}) == 1 and counts[0]["regions_run"] > 1, counts
     assert all(c["shape_fallbacks"] == 0 and c["shape_splits"] == 0 for c in counts), counts
-    assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] == 0
+    assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] == outer
 
 
 def test_many_steps_before_one_sync_compile_one_region_per_step():

@@ -247,3 +247,29 @@ def test_an_interval_of_nothing_but_inner_pieces_stays_cut():
             o.trace_ended(128, 1, False, "embedding")
         assert o.trace_ended(20, 2, True, "embedding") == set()
     assert not o.quiet and o.found == 0 and not o.within(10, "embedding")
+
+
+def test_cut_policy_plans_from_counts_and_reasons():
+    # scheduler/policy.py: the cut decisions in one place; reasons are strings to every counter.
+    from deferfuse.scheduler import policy
+    Cut, P = policy.Cut, policy.CutPolicy()
+    assert Cut.LOOP_BOUNDARY == "loop boundary" and {"loop boundary": 1}[Cut.LOOP_BOUNDARY] == 1
+    assert f"{Cut.BACKWARD}" == "backward" and policy.is_async("trace limit")
+    assert not policy.is_async("item")
+    big = steps.LOOP_SPLIT_MIN_OPS
+    assert P.at_sync("item", big, "x", None) == policy.SyncPlan(False, "body", True)
+    assert P.at_sync("item", 10, "x", "body") == policy.SyncPlan(False, "rephase", False)
+    assert P.at_sync(Cut.LOOP_BOUNDARY, big, "x", None) == policy.SyncPlan(False, None, True)
+    assert P.at_sync("item", big, "x", None, detect=False) == policy.SyncPlan(False, None, False)
+    assert P.search_at_cut("trace limit") and not P.search_at_cut("trace limit", detect=False)
+    assert not P.search_at_cut("cpu")
+    assert P.loop_split(big, False) and not P.loop_split(big, True)
+    assert not P.loop_split(big - 1, False) and not P.loop_split(big, False, cross_check=True)
+    # An outer body found (a time loop of 10-op steps): its intervals run whole, unsearched.
+    P.outer.learned("t", 10)
+    for _ in range(2):
+        P.outer.cut_by("t")
+        P.trace_ended(Cut.LOOP_BOUNDARY, 130, 1, "emb", None)
+        P.trace_ended("item", 300, 2, "mm", None)
+    assert P.search_while_recording(10, "other") and not P.search_while_recording(10, "emb")
+    assert P.at_sync("item", big, "emb", None) == policy.SyncPlan(True, None, False)
