@@ -608,7 +608,7 @@ class MetaMemo:
     torch version and this module's source. Written once at exit (merged with what another
     process wrote meanwhile, replaced atomically), at most ``capacity`` entries."""
 
-    def __init__(self, capacity: int = 1 << 17):
+    def __init__(self, capacity: int = 1 << 15):
         self.capacity = capacity
         self.path = None
         self.table = None       # loaded on first use
