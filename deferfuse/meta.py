@@ -555,7 +555,19 @@ def _infer(func, args, kwargs):
 
 
 def _meta_outputs(func, args, kwargs):
-    """(structure, descs) of ``func``'s outputs from its meta kernel."""
+    """(structure, descs) of ``func``'s outputs from its meta kernel (NOTE [meta memo])."""
+    key = memo.key(func, args, kwargs)
+    if key is not None:
+        r = memo.get(key)
+        if r is not None:
+            return r
+    r = _run_meta(func, args, kwargs)
+    if key is not None:
+        memo.put(key, r)
+    return r
+
+
+def _run_meta(func, args, kwargs):
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
     if func is _GROUPED_MM and _grouped_mm_out is not None:
@@ -579,6 +591,119 @@ def _meta_outputs(func, args, kwargs):
     if isinstance(out, tuple):
         return "tuple", tuple(_desc(m) for m in out)
     raise NotImplementedError(f"{func} returned {type(out).__name__}")
+
+
+class MetaMemo:
+    """NOTE [meta memo]: what the meta kernels answered, kept on disk for the next process.
+
+    A second process of the same script computes every op's output shapes again before it can find
+    its programs in the store (NOTE [program store] in runtime/diskcache.py): nanoGPT's sampling
+    loop makes 757 op signatures (each length a new one), and running their meta kernels (with
+    PyTorch importing ``torch._dynamo`` at the first elementwise reference) took about half of
+    its second process's call. Answers are kept by a description of the op and its arguments that
+    is the same in every process (op, default dtype, each tpu tensor's sizes, strides, offset,
+    dtype, base and conjugate/negative bits, every other argument's value with its type); an
+    argument with no such description (a CPU tensor, whose values a meta kernel may read; a
+    generator) is never kept. Only answers are kept, never errors, and the file is keyed by the
+    torch version and this module's source. Written once at exit (merged with what another
+    process wrote meanwhile, replaced atomically), at most ``capacity`` entries."""
+
+    def __init__(self, capacity: int = 1 << 15):
+        self.capacity = capacity
+        self.path = None
+        self.table = None       # loaded on first use
+        self.new = {}
+        self.hits = self.misses = 0
+
+    def enable(self, folder: str) -> None:
+        import atexit
+        import hashlib
+        import os
+        h = hashlib.sha256(torch.__version__.encode())
+        with open(__file__, "rb") as f:
+            h.update(f.read())
+        self.path = os.path.join(folder, f"meta-{h.hexdigest()[:24]}.pkl")
+        atexit.register(self.save)
+
+    def _load(self) -> dict:
+        import pickle
+        try:
+            with open(self.path, "rb") as f:
+                t = pickle.load(f)
+            return t if isinstance(t, dict) else {}
+        except Exception:
+            return {}
+
+    def key(self, func, args, kwargs):
+        if self.path is None:
+            return None
+        try:
+            return (str(func), str(torch.get_default_dtype()), _stable(args), _stable(kwargs))
+        except _Unkept:
+            return None
+
+    def get(self, key):
+        if self.table is None:
+            self.table = self._load()
+        r = self.table.get(key)
+        if r is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return r
+
+    def put(self, key, value) -> None:
+        if len(self.table) < self.capacity:
+            self.table[key] = value
+            self.new[key] = value
+
+    def save(self) -> None:
+        if not self.new or self.path is None:
+            return
+        import os
+        import pickle
+        import tempfile
+        try:
+            table = self._load()
+            for k, v in self.new.items():
+                if len(table) >= self.capacity:
+                    break
+                table[k] = v
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(table, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, self.path)
+            self.new = {}
+        except Exception:
+            pass
+
+
+class _Unkept(Exception):
+    pass
+
+
+_PLAIN = (int, float, bool, str, complex, type(None))
+_NAMED = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _stable(x):
+    t = type(x)
+    if t in _PLAIN:
+        return (t.__name__, x)
+    if t is TpuTensor:
+        return ("T", tuple(x.shape), tuple(x.stride()), x.storage_offset(), str(x.dtype),
+                tuple(x._s.val.shape), bool(x._chain), x.is_conj(), x.is_neg())
+    if t is tuple or t is list:
+        return (t.__name__,) + tuple(_stable(y) for y in x)
+    if t is dict:
+        return ("dict",) + tuple((k, _stable(v)) for k, v in sorted(x.items()))
+    if isinstance(x, _NAMED):
+        return (t.__name__, str(x))
+    raise _Unkept(t.__name__)
+
+
+memo = MetaMemo()
 
 
 # Views that return several outputs become one slice/select step per output.

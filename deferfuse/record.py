@@ -11,9 +11,9 @@ import sys
 
 from .config import SKIP_PREFIXES, config
 from .runtime import stats
-from .runtime.flush import ASYNC_CUTS, Flush
+from .runtime.flush import Flush
 from .runtime.transfer import materialize_empty
-from .scheduler import steps
+from .scheduler import policy, steps
 from .scheduler.cache import Cache
 from .scheduler.records import Node, Value
 
@@ -65,7 +65,8 @@ class Bodies:
         self.evictions = 0
         self.found = Cache("body searches", capacity)       # (trace hash, length) -> body or None
         self.ops = Cache("body ops", capacity)              # body -> its ops' structure hashes
-        self.outer = steps.OuterLoop()                      # NOTE [outermost body]
+        self.policy = policy.CutPolicy()                    # where to cut (scheduler/policy.py)
+        self.outer = self.policy.outer                      # NOTE [outermost body]
 
     def learn(self, body) -> None:
         if body in self.outer.suppressed:
@@ -255,10 +256,11 @@ class Trace:
                     k = 1
                 if n + wait - shift - k * L < start:
                     wait = shift = 0            # too few iterations to align on: cut here
-                L *= k
+                period, L = L, L * k
                 window = ohashes[n + wait - shift - L:n + wait - shift]
                 body = (steps.body_signature(window, L), wait)
                 bodies.ops[body[0]] = tuple(window)
+                bodies.outer.learned(body[0], period)       # NOTE [outermost body]
             else:
                 body = None
             bodies.found[key] = body
@@ -312,7 +314,7 @@ class Trace:
     def _cut_now(self, reason=None):
         reason = reason or self.cut
         self.cut = None
-        if reason == "trace limit" and config.step_detection:
+        if self.engine.bodies.policy.search_at_cut(reason, config.step_detection):
             self._find_body()
         body, self.cut_body = self.cut_body, None
         if body is not None:
@@ -348,20 +350,25 @@ class Trace:
         want = ((want.node.pos,) if want is not None and want.node is not None
                 and want.node.trace is self and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted
-        outer = self.engine.bodies.outer
-        whole = outer.within(len(nodes), nodes[0].key.ohash)
-        if config.step_detection and reason not in ASYNC_CUTS and not whole:
-            if len(nodes) >= steps.LOOP_SPLIT_MIN_OPS:
-                # A sync after many repetitions of a loop body (a loop that logs every N steps):
-                # the loop goes on after the sync, so cut it at every repetition from here on.
-                self._find_body()
-            elif self.after is not None:
-                self._rephase()
-        if config.step_detection:
-            forget = outer.trace_ended(len(nodes), self.h, reason not in ASYNC_CUTS,
-                                       nodes[0].key.ohash)
-            if forget:
-                self.engine.bodies.known.difference_update(forget)
+        bodies, detect = self.engine.bodies, config.step_detection
+        plan = bodies.policy.at_sync(reason, len(nodes), nodes[0].key.ohash, self.after, detect)
+        whole = plan.whole
+        if plan.search == "body":
+            self._find_body()
+        elif plan.search == "rephase":
+            self._rephase()
+        period = None
+        if plan.split_period:
+            # The iterations the runner splits this trace into (NOTE [loop split]), once per
+            # structure: an outer body needs a loop of short ones (NOTE [outermost body]).
+            key = (self.h, len(nodes), "split")
+            period = bodies.found.get(key, 0)
+            if period == 0:
+                period = bodies.found[key] = steps.split_period([n.key.ohash for n in nodes])
+        forget = bodies.policy.trace_ended(reason, len(nodes), self.h, nodes[0].key.ohash, period,
+                                           detect)
+        if forget:
+            bodies.known.difference_update(forget)
         fl = Flush(nodes, self.ext, self.ext_uses, self.scalars, self.h, outs, partner, want,
                    self.device or 0, self.storages, whole)
         self.reset()

@@ -469,7 +469,7 @@ def plan_node(entry, forms) -> NodePlan:
                or any(a for a, _ in _forms_in(f_targs)) or any(a for a, _ in _forms_in(f_tkw)))
     if not touched:
         return n        # nothing of it depends on the length: its own function, unpadded
-    n.rule = "plain"
+    n.rule, n.extra = "plain", None     # (its function is the op: a stable program-store key)
     mut, rng = entry.out[1], entry.out[2]
     if rng:
         fp = n.in_forms[0] if n.in_forms else ()

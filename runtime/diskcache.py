@@ -55,6 +55,16 @@ def _init_custom_calls(platform: str) -> None:
         pass
 
 
+def _calls_lapack(compiled) -> bool:
+    """Whether a program calls LAPACK (NOTE [loaded programs and LAPACK]): filling the table
+    imports jaxlib's LAPACK module and SciPy with it, 0.2-0.4 s of a second process that loads
+    programs with no LAPACK call in them (nanoGPT sampling's)."""
+    try:
+        return "lapack" in compiled.as_text().lower()
+    except Exception:
+        return True
+
+
 def enable(cache_dir: str) -> str | None:
     """Turn JAX's persistent cache on (once); returns the folder in use, or None if unavailable."""
     current = jax.config.jax_compilation_cache_dir
@@ -257,7 +267,8 @@ class ProgramStore:
             from jax.experimental.serialize_executable import deserialize_and_load
             from .transfer import devices
             dev = devices()[device]
-            _init_custom_calls(dev.platform)
+            if blob.get("lapack", True):    # (stored before the flag: assume it does)
+                _init_custom_calls(dev.platform)
             compiled = deserialize_and_load(blob["exe"], blob["in_tree"], blob["out_tree"],
                                             dev.client, [dev])
             extra = _load_extra(blob["extra"])
@@ -280,7 +291,8 @@ class ProgramStore:
             from jax.experimental.serialize_executable import serialize
             exe, in_tree, out_tree = serialize(compiled)
             data = pickle.dumps({"env": self.env(), "key": key, "exe": exe, "in_tree": in_tree,
-                                 "out_tree": out_tree, "extra": _save_extra(extra)},
+                                 "out_tree": out_tree, "extra": _save_extra(extra),
+                                 "lapack": _calls_lapack(compiled)},
                                 protocol=pickle.HIGHEST_PROTOCOL)
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:

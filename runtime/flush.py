@@ -19,14 +19,14 @@ from .errors import RegionError
 from .interrupts import Interrupts
 from .jitmaps import MapGuard
 from .regions import Region, explain_miss, raise_oom
-from ..scheduler import cut, memory, pieces, steps
+from ..scheduler import cut, memory, pieces, policy, steps
 from ..scheduler.cache import Cache
 from ..scheduler.records import Donated
 
 S = stats.S
 # Cuts nobody waits for: the trace runs and recording goes on. Their index checks are read at the
 # next real sync (NOTE [unchecked values] in checks.py).
-ASYNC_CUTS = ("loop boundary", "trace limit", "backward", "device switch")
+ASYNC_CUTS = policy.ASYNC_CUTS       # cuts the host does not wait for (scheduler/policy.py)
 
 
 @dataclass(slots=True)
@@ -177,8 +177,7 @@ class Runner:
         whole = Run(nodes, entries, wirings, range(len(nodes)), ext, held, fl.scalars, fl.h,
                     fl.outs, out_sig, later)
         lf = 0 if later else None       # pieces of a later run are later too
-        if cfg.loop_split and not fl.whole and len(nodes) >= steps.LOOP_SPLIT_MIN_OPS and \
-                not cfg.cross_check:
+        if policy.CutPolicy.loop_split(len(nodes), fl.whole, cfg.loop_split, cfg.cross_check):
             cuts = st.loop_cuts
             if cuts == 0:
                 cuts = steps.periodic_cuts([e.ohash for e in entries])

@@ -449,6 +449,71 @@ def test_a_training_step_with_a_time_loop_is_one_body_not_one_per_time_step():
     assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] >= 1
 
 
+class _TinyDiT(nn.Module):
+    """A diffusion transformer's shape in torch ops: a timestep embedding, three blocks with
+    adaptive LayerNorm and attention over patches (82 ops a denoising step), and a decoder of 30
+    small convolutions (91 ops), as a pipeline's VAE decode."""
+
+    def __init__(self, d=16, blocks=3, convs=30):
+        super().__init__()
+        self.inp, self.t1, self.out = nn.Linear(16, d), nn.Linear(16, d), nn.Linear(d, 16)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ada=nn.Linear(d, 2 * d), n1=nn.LayerNorm(d), qkv=nn.Linear(d, 3 * d), o=nn.Linear(d, d),
+            n2=nn.LayerNorm(d), f1=nn.Linear(d, 2 * d), f2=nn.Linear(2 * d, d))) for _ in range(blocks))
+        self.dec = nn.ParameterList(nn.Parameter(torch.randn(4, 4, 3, 3) * 0.05) for _ in range(convs))
+
+    def forward(self, x, t):
+        B = x.shape[0]
+        e = t[:, None] * torch.exp(-torch.arange(8, device=x.device, dtype=torch.float32) / 8)
+        temb = F.silu(self.t1(torch.cat([e.sin(), e.cos()], -1)))
+        h = self.inp(x.reshape(B, 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, 16, 16))
+        for b in self.blocks:
+            sc, sh = b["ada"](temb).chunk(2, -1)
+            q, k, v = b["qkv"](b["n1"](h) * (1 + sc[:, None]) + sh[:, None]).chunk(3, -1)
+            h = h + b["o"](torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1) @ v)
+            h = h + b["f2"](F.gelu(b["f1"](b["n2"](h))))
+        return self.out(h).reshape(B, 4, 4, 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, 4, 8, 8)
+
+    def sample(self, lat, steps=4, clamp=False):
+        """Flow-matching Euler steps with guidance, then the decode: one call, read once."""
+        ts = torch.linspace(1.0, 0.0, steps + 1, device=lat.device)
+        for i in range(steps):
+            t = ts[i].expand(lat.shape[0]) * 1000
+            vu, vc = self(torch.cat([lat, lat]), torch.cat([t, t])).chunk(2)
+            lat = lat + (ts[i + 1] - ts[i]) * (vu + 3.0 * (vc - vu))
+        out = lat / 0.18
+        for w in self.dec:
+            out = torch.tanh(F.conv2d(out, w, padding=1)) + out
+        return out.clamp(-50, 50) if clamp else out
+
+
+@torch.no_grad()
+def test_a_short_pipeline_called_again_keeps_its_steps_cut():
+    # NOTE [outermost body] (scheduler/steps.py): a 4-step denoising call repeated was taken for an
+    # outer loop's body: its third call compiled the whole call again as one program (4.8 s here,
+    # work the first call had compiled as pieces), and so did each call that differed by an op. Its
+    # steps (82 ops each) are a loop of long iterations: they stay cut, every call runs the same
+    # pieces, and a call that adds an op at its end compiles only the piece that changed.
+    torch.manual_seed(0)
+    m = _TinyDiT().eval()
+    mt = copy.deepcopy(m).to("tpu")
+    lat = torch.randn(1, 4, 8, 8)
+    counts = []
+    outer = deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"]
+    for clamp in (False, False, False, True, False):
+        before = deferfuse.metrics()
+        got = mt.sample(lat.to("tpu"), clamp=clamp)
+        assert_same(got, m.sample(lat, clamp=clamp), atol=1e-4, rtol=1e-4)
+        after = deferfuse.metrics()
+        counts.append({k: after[k] - before[k] for k in ("compiles", "regions_run", "shape_fallbacks",
+                                                          "shape_splits", "ops_recorded")})
+    assert [c["ops_recorded"] for c in counts] == [420, 420, 420, 421, 420], counts
+    assert [c["compiles"] for c in counts[1:]] == [0, 0, 1, 0], counts     # the clamp's piece
+    assert len({c["regions_run"] for c in counts}) == 1 and counts[0]["regions_run"] > 1, counts
+    assert all(c["shape_fallbacks"] == 0 and c["shape_splits"] == 0 for c in counts), counts
+    assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] == outer
+
+
 def test_many_steps_before_one_sync_compile_one_region_per_step():
     # NOTE [loop split]: a loop that syncs every 100 steps recorded 100 steps as one program
     # (1,900 ops of a small MLP took 98 s to compile); it runs as one cached region per step.

@@ -164,6 +164,7 @@ def test_outer_loop_forgets_inner_bodies_once_the_interval_repeats():
     # inner body and short enough, makes that body forgotten and later short intervals with the
     # same first op whole.
     o = steps.OuterLoop()
+    o.learned("time step", 10)
     forget = set()
     for _ in range(2):
         assert not o.within(10, "embedding")
@@ -196,6 +197,46 @@ def test_outer_loop_needs_a_repeat_and_a_short_interval():
     assert not o.quiet and o.found == 0
 
 
+def test_a_loop_of_long_iterations_repeated_is_no_outer_body():
+    # A short pipeline call repeated (4 denoising steps of 117 ops, then a decode; read once per
+    # call): its steps stay cut, so every call, whatever its count of steps, runs the same pieces
+    # (NOTE [outermost body]). A time loop of 10-op steps in the same place makes an outer body.
+    for period, outer in ((117, False), (steps.OUTER_MAX_PERIOD, False), (10, True)):
+        o = steps.OuterLoop()
+        o.learned("step", period)
+        for _ in range(3):
+            assert o.within(10, "linear") == (outer and o.quiet)
+            o.cut_by("step")
+            o.trace_ended(353, 1, False, "linear")
+            o.trace_ended(185, 2, True, "conv")
+        assert o.quiet == outer and ("step" in o.suppressed) == outer and o.found == int(outer)
+
+
+def test_an_interval_no_loop_splits_is_no_outer_body():
+    # 281 ops with no loop in them, read every call: nothing to keep whole. One the runner splits
+    # at a loop of short iterations (an LSTM's backward pass) is an outer body.
+    o = steps.OuterLoop()
+    for _ in range(3):
+        assert o.trace_ended(281, 1, True, "sin") == set()
+    assert not o.quiet and o.found == 0
+    for _ in range(2):
+        o.trace_ended(112, 2, False, "embedding")
+        o.trace_ended(365, 3, False, "mm", period=12)
+        o.trace_ended(20, 4, True, "add")
+    assert o.quiet and o.found == 1 and o.within(100, "embedding")
+    long = steps.OuterLoop()
+    for _ in range(3):
+        long.trace_ended(400, 5, True, "linear", period=117)
+    assert not long.quiet
+
+
+def test_split_period_is_the_length_of_the_pieces_a_loop_split_makes():
+    trace = [7, 8] + [1, 2, 3, 4, 5, 6, 7, 8, 9] * 40 + [10, 11]
+    cuts = steps.periodic_cuts(trace)
+    assert steps.split_period(trace) == 9 == cuts[2] - cuts[1]
+    assert steps.split_period(list(range(300))) is None and steps.periodic_cuts(list(range(300))) is None
+
+
 def test_an_interval_of_nothing_but_inner_pieces_stays_cut():
     # An evaluation loop read once at its end: every trace but the last is a piece its body cut;
     # cut, each piece runs while the next is recorded (NOTE [outermost body]).
@@ -206,3 +247,29 @@ def test_an_interval_of_nothing_but_inner_pieces_stays_cut():
             o.trace_ended(128, 1, False, "embedding")
         assert o.trace_ended(20, 2, True, "embedding") == set()
     assert not o.quiet and o.found == 0 and not o.within(10, "embedding")
+
+
+def test_cut_policy_plans_from_counts_and_reasons():
+    # scheduler/policy.py: the cut decisions in one place; reasons are strings to every counter.
+    from deferfuse.scheduler import policy
+    Cut, P = policy.Cut, policy.CutPolicy()
+    assert Cut.LOOP_BOUNDARY == "loop boundary" and {"loop boundary": 1}[Cut.LOOP_BOUNDARY] == 1
+    assert f"{Cut.BACKWARD}" == "backward" and policy.is_async("trace limit")
+    assert not policy.is_async("item")
+    big = steps.LOOP_SPLIT_MIN_OPS
+    assert P.at_sync("item", big, "x", None) == policy.SyncPlan(False, "body", True)
+    assert P.at_sync("item", 10, "x", "body") == policy.SyncPlan(False, "rephase", False)
+    assert P.at_sync(Cut.LOOP_BOUNDARY, big, "x", None) == policy.SyncPlan(False, None, True)
+    assert P.at_sync("item", big, "x", None, detect=False) == policy.SyncPlan(False, None, False)
+    assert P.search_at_cut("trace limit") and not P.search_at_cut("trace limit", detect=False)
+    assert not P.search_at_cut("cpu")
+    assert P.loop_split(big, False) and not P.loop_split(big, True)
+    assert not P.loop_split(big - 1, False) and not P.loop_split(big, False, cross_check=True)
+    # An outer body found (a time loop of 10-op steps): its intervals run whole, unsearched.
+    P.outer.learned("t", 10)
+    for _ in range(2):
+        P.outer.cut_by("t")
+        P.trace_ended(Cut.LOOP_BOUNDARY, 130, 1, "emb", None)
+        P.trace_ended("item", 300, 2, "mm", None)
+    assert P.search_while_recording(10, "other") and not P.search_while_recording(10, "emb")
+    assert P.at_sync("item", big, "emb", None) == policy.SyncPlan(True, None, False)

@@ -193,9 +193,13 @@ try:
     err = "none"
 except IndexError as e:
     err = "IndexError"
+for t in (3, 5, 6, 7, 9):     # a growing length: bucket programs (pointwise ops on padding)
+    x = torch.arange(t, dtype=torch.float32).to("tpu")
+    losses.append(((x * 0.3 + 1).tanh() * 2).sum().item())
 m = deferfuse.metrics()
 print(",".join(f"{v:.6f}" for v in losses), err, m["compiles"], m["program_disk_hits"],
-      "loaded from" in deferfuse.report(file=False))
+      "loaded from" in deferfuse.report(file=False), m["jax_disk_hits"],
+      __import__("deferfuse.meta").meta.memo.hits)
 """
 
 
@@ -212,6 +216,14 @@ def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
     assert int(first[2]) > 0 and int(first[3]) == 0, first
     assert int(second[2]) == 0, second         # nothing compiled: every program came from disk
     assert int(second[3]) > 0 and second[4] == "True", second
+    # ... from deferfuse's store, whole: none traced and lowered again for JAX's cache to answer
+    # (bucket programs with a pointwise op on the padding had no stable key and were, each process)
+    assert int(second[5]) == 0, second
+    # Output shapes came from the first process's meta kernels (NOTE [meta memo] in meta.py).
+    assert int(first[6]) == 0 and int(second[6]) > 0, runs
+    want = [((torch.arange(t, dtype=torch.float32) * 0.3 + 1).tanh() * 2).sum().item()
+            for t in (3, 5, 6, 7, 9)]
+    assert [float(v) for v in first[0].split(",")[-5:]] == pytest.approx(want, rel=1e-5), first
 
 
 # --------------------------------------------------------------------------- buckets
@@ -625,3 +637,34 @@ def test_bucket_programs_are_keyed_by_dtype():
         for n in (16, 5, 7):
             assert_same(torch.argmax(t[:, :n], 1), torch.argmax(x[:, :n], 1), 0, 0)
             assert_same(t[:, :n].cumsum(1) * 2, x[:, :n].cumsum(1) * 2, 1e-2, 1e-2)
+
+
+def test_meta_memo_keeps_only_what_every_process_describes_alike(tmp_path):
+    # NOTE [meta memo] (deferfuse/meta.py): output shapes kept on disk for the next process, by a
+    # description with no addresses and no values a meta kernel could read.
+    from deferfuse.meta import MetaMemo, _run_meta
+    add = torch.ops.aten.add.Tensor
+    a, b = torch.randn(3, 4), torch.randn(4)
+    ta, tb = a.to("tpu"), b.to("tpu")
+    memo = MetaMemo()
+    memo.enable(str(tmp_path))
+    k = memo.key(add, (ta, tb), {"alpha": 2})
+    assert k is not None and k == memo.key(add, (torch.ones(3, 4).to("tpu"), tb), {"alpha": 2})
+    assert k != memo.key(add, (ta, tb), {"alpha": 2.0})                  # the type counts
+    assert k != memo.key(add, (ta.t().contiguous().t(), tb), {"alpha": 2})    # strides count
+    assert memo.key(add, (ta, b), {}) is None                   # a CPU tensor: its values
+    with torch.autocast("cpu", enabled=False):
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert memo.key(add, (ta, tb), {"alpha": 2}) != k
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert memo.get(k) is None
+    got = _run_meta(add, (ta, tb), {"alpha": 2})
+    want = torch.add(a, b, alpha=2)
+    assert got == ("one", ((tuple(want.shape), tuple(want.stride()), want.dtype),))
+    memo.put(k, got)
+    memo.save()
+    again = MetaMemo()
+    again.enable(str(tmp_path))
+    assert again.get(k) == got and again.hits == 1

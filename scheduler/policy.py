@@ -1,0 +1,101 @@
+"""Where defer mode cuts a trace, and how a flushed trace runs: the decisions in one place (issue 33).
+
+Pure (no torch, no jax): counts, hashes and reasons in, decisions out. The recorder
+(deferfuse/record.py) and the runner (runtime/flush.py) ask ``CutPolicy`` and carry its answers
+out; what they do with them (flush, compile, run) stays theirs.
+
+A cut's reason is a ``Cut`` when the recorder cut on its own (the host does not wait: the pieces
+run while the next is recorded); any other reason is a sync that reads values (the op or the read
+that needed them: ``item``, ``cpu`` ...). ``Cut`` members are strings equal to (and hashing as)
+their values, so counters and reports keyed by reason read alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from . import steps
+
+
+class Cut(str, Enum):
+    """Why the recorder cut a trace without a read (an asynchronous cut)."""
+    LOOP_BOUNDARY = "loop boundary"     # a loop body found by step detection ended here
+    TRACE_LIMIT = "trace limit"         # DEFERFUSE_TRACE_LIMIT ops recorded
+    BACKWARD = "backward"               # backward() dispatched the forward pass
+    DEVICE_SWITCH = "device switch"     # an op on another device: a region runs on one
+
+    __hash__ = str.__hash__             # (as the plain string: counters keyed by reason)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ASYNC_CUTS = frozenset(c.value for c in Cut)
+
+
+def is_async(reason) -> bool:
+    """Whether ``reason`` is a cut the host does not wait for (else a sync that reads values)."""
+    return reason in ASYNC_CUTS
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPlan:
+    """What the recorder does with a trace it hands over: ``whole`` (within an outer loop's body:
+    never split at an inner loop), ``search`` ("body": look for a loop body in it; "rephase": learn
+    the body it began in as seen from its start; None), ``split_period`` (find the iterations the
+    runner will split it into: an outer body needs short ones)."""
+    whole: bool
+    search: str | None
+    split_period: bool
+
+
+class CutPolicy:
+    """The decisions, with what they learn from (the outer loop's bookkeeping: NOTE [outermost
+    body] in steps.py). One per engine."""
+
+    def __init__(self):
+        self.outer = steps.OuterLoop()
+
+    # --- while recording ------------------------------------------------------------------
+    def search_while_recording(self, n: int, head, detect: bool = True) -> bool:
+        """At a check point of a trace that never syncs (NOTE [early step detection]): whether to
+        look for a loop body in its ``n`` ops (never within an outer loop's body). ``detect``:
+        step detection is on (DEFERFUSE_STEP_DETECTION), here and below."""
+        return detect and not self.outer.within(n, head)
+
+    @staticmethod
+    def search_at_cut(reason, detect: bool = True) -> bool:
+        """A trace cut for ``reason`` before a body was found: look for one (the trace limit)."""
+        return detect and reason == Cut.TRACE_LIMIT
+
+    # --- at a sync or cut -----------------------------------------------------------------
+    def at_sync(self, reason, n: int, head, after, detect: bool = True) -> SyncPlan:
+        """The plan for a trace of ``n`` ops (first op ``head``) ending for ``reason``; ``after``:
+        the body whose cut began it (or None)."""
+        whole = self.outer.within(n, head)
+        search = None
+        if detect and not is_async(reason) and not whole:
+            if n >= steps.LOOP_SPLIT_MIN_OPS:
+                # A sync after many repetitions of a loop body (a loop that logs every N steps):
+                # the loop goes on after the sync, so cut it at every repetition from here on.
+                search = "body"
+            elif after is not None:
+                search = "rephase"
+        return SyncPlan(whole, search, detect and not whole and n >= steps.LOOP_SPLIT_MIN_OPS)
+
+    def trace_ended(self, reason, n: int, h: int, head, period, detect: bool = True) -> set:
+        """Bookkeeping once the trace is handed over; the loop bodies to forget."""
+        if not detect:
+            return set()
+        return self.outer.trace_ended(n, h, not is_async(reason), head, period)
+
+    # --- in the runner --------------------------------------------------------------------
+    @staticmethod
+    def loop_split(n: int, whole: bool, enabled: bool = True, cross_check: bool = False) -> bool:
+        """Whether the runner looks for a loop to split a flushed trace of ``n`` ops at (NOTE
+        [loop split]): not within an outer loop's body, not when every region is also run op by
+        op to compare."""
+        return enabled and not whole and n >= steps.LOOP_SPLIT_MIN_OPS and not cross_check
+
+    def clear(self) -> None:
+        self.outer.clear()
