@@ -163,12 +163,15 @@ static int intern_names(void) {
    _dyn), then the class (TpuTensor._dyn's default). Borrowed reference, or NULL (no error set)
    when absent. */
 static PyObject *tensor_attr(PyObject *t, PyObject *name) {
-    PyObject **dp = _PyObject_GetDictPtr(t);
-    if (dp != NULL && *dp != NULL) {
-        PyObject *v = PyDict_GetItemWithError(*dp, name);
-        if (v != NULL || PyErr_Occurred()) return v;
+    /* generic getattr (no instance dict is materialised); the value stays owned by the tensor or
+       its class, so the reference returned is borrowed */
+    PyObject *v = PyObject_GetAttr(t, name);
+    if (v == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+        return NULL;
     }
-    return _PyType_Lookup(Py_TYPE(t), name);
+    Py_DECREF(v);
+    return v;
 }
 
 /* getattr returning a new reference; NULL with the error set */
