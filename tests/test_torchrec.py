@@ -113,3 +113,147 @@ def test_permute_pooled_embs():
     want.backward(g)
     got.backward(g.to("tpu"))
     assert_same(xt.grad, x.grad)
+
+
+# --------------------------------------------------------------------------------------------
+# KeyedJaggedTensor
+
+KEYS = ["f1", "f2", "f3"]
+
+
+def _kjt(weighted=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(KEYS) * 3,), generator=g)
+    lengths[1] = 0                                        # an empty bag
+    values = torch.randint(0, 10, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.shape, generator=g) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=values, lengths=lengths,
+                                               weights=weights)
+
+
+def _same_jt(got, want):
+    """Two (Keyed)JaggedTensors hold the same keys, values, lengths, offsets, weights."""
+    if hasattr(want, "keys"):
+        assert got.keys() == want.keys()
+    assert_same(got.values(), want.values())
+    assert_same(got.lengths(), want.lengths())
+    assert_same(got.offsets(), want.offsets())
+    if want.weights_or_none() is None:
+        assert got.weights_or_none() is None
+    else:
+        assert_same(got.weights(), want.weights())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kjt(weighted):
+    k = _kjt(weighted)
+    kt = k.to("tpu")            # before any CPU call on k: TorchRec's .to() copies its caches as is
+    assert kt.device().type == "tpu" and kt.values().device.type == "tpu"
+    _same_jt(kt, k)
+    assert kt.length_per_key() == k.length_per_key() and kt.stride() == k.stride()
+    d, dt = k.to_dict(), kt.to_dict()
+    assert list(dt) == list(d)
+    for key in d:
+        _same_jt(dt[key], d[key])
+        assert_same(dt[key].to_padded_dense(4), d[key].to_padded_dense(4))
+    _same_jt(kt.permute([2, 0, 1]), k.permute([2, 0, 1]))
+    _same_jt(kt.permute([1, 1]), k.permute([1, 1]))
+    for got, want in zip(kt.split([1, 2]), k.split([1, 2])):
+        _same_jt(got, want)
+    _same_jt(kt["f2"], k["f2"])
+    # Built on the device from its parts
+    kd = KeyedJaggedTensor(keys=KEYS, values=k.values().to("tpu"), lengths=k.lengths().to("tpu"),
+                           weights=_tpu(k.weights_or_none()))
+    _same_jt(kd, k)
+    assert kd.length_per_key() == k.length_per_key() and kd.offset_per_key() == k.offset_per_key()
+
+
+def test_keyed_tensor_regroup():
+    kts = [KeyedTensor(keys=["a", "b"], length_per_key=[2, 3], values=torch.randn(4, 5)),
+           KeyedTensor(keys=["c"], length_per_key=[4], values=torch.randn(4, 4))]
+    kts_t = [KeyedTensor(keys=t.keys(), length_per_key=t.length_per_key(), values=t.values().to("tpu"))
+             for t in kts]
+    for groups in ([["c", "a"], ["b"]], [["a", "c"], ["b", "a"]]):    # one-to-one, and a key reused
+        assert_same(KeyedTensor.regroup(kts_t, groups), KeyedTensor.regroup(kts, groups))
+    assert_same(kts_t[0]["b"], kts[0]["b"])
+    d, dt = kts[1].to_dict(), kts_t[1].to_dict()
+    assert_same(dt["c"], d["c"])
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding collections, forward and backward
+
+def _pair(module):
+    """A CPU module and its copy on tpu."""
+    return module, copy.deepcopy(module).to("tpu")
+
+
+def _same_grads(mt, m):
+    for (n, p), (nt, pt) in zip(m.named_parameters(), mt.named_parameters()):
+        assert n == nt
+        assert_same(pt.grad, p.grad, msg=n)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_embedding_bag_collection(weighted):
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f3"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=6, num_embeddings=12, feature_names=["f2"],
+                                 # torch's embedding_bag weights only sum pooling
+                                 pooling=PoolingType.SUM if weighted else PoolingType.MEAN)]
+    m, mt = _pair(EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu")))
+    k = _kjt(weighted)
+    kt = k.to("tpu")
+    out, want = mt(kt), m(k)
+    assert out.keys() == want.keys() and out.length_per_key() == want.length_per_key()
+    assert_same(out.values(), want.values().detach())
+    for key in want.keys():
+        assert_same(out[key], want[key].detach())
+    g = torch.randn(want.values().shape)
+    want.values().backward(g)
+    out.values().backward(g.to("tpu"))
+    _same_grads(mt, m)
+
+
+def test_embedding_collection():
+    tables = [EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f2"]),
+              EmbeddingConfig(name="t3", embedding_dim=4, num_embeddings=10, feature_names=["f3"])]
+    m, mt = _pair(EmbeddingCollection(tables=tables, device=torch.device("cpu")))
+    k = _kjt()
+    kt = k.to("tpu")
+    out, want = mt(kt), m(k)
+    assert list(out) == list(want)
+    loss_t = loss = 0
+    for key in want:
+        _same_jt(out[key], want[key])
+        assert_same(out[key].to_padded_dense(3), want[key].to_padded_dense(3).detach())
+        loss = loss + (want[key].values() ** 2).sum() * len(key)
+        loss_t = loss_t + (out[key].values() ** 2).sum() * len(key)
+    loss.backward()
+    loss_t.backward()
+    _same_grads(mt, m)
+
+
+# --------------------------------------------------------------------------------------------
+# A DLRM trained a few steps
+
+def test_dlrm_training():
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=10, feature_names=["f1", "f3"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=10, feature_names=["f2"])]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    m, mt = _pair(DLRM(embedding_bag_collection=ebc, dense_in_features=5,
+                       dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1]))
+    opt = torch.optim.Adagrad(m.parameters(), lr=0.1)
+    opt_t = torch.optim.Adagrad(mt.parameters(), lr=0.1)
+    for step in range(3):
+        k, x, y = _kjt(seed=step), torch.randn(3, 5), torch.rand(3, 1)
+        kt = k.to("tpu")
+        loss_t = torch.nn.functional.binary_cross_entropy_with_logits(mt(x.to("tpu"), kt), y.to("tpu"))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(m(x, k), y)
+        for o, l in ((opt, loss), (opt_t, loss_t)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+        assert_same(loss_t, loss.detach(), atol=0, rtol=1e-5, msg=f"step {step}")
+    for (n, p), (_, pt) in zip(m.named_parameters(), mt.named_parameters()):
+        assert_same(pt, p.detach(), atol=1e-5, rtol=1e-5, msg=n)
