@@ -187,6 +187,44 @@ def _h_permute_pooled_embs(func, args, kwargs):
     return x.index_select(1, cols)
 
 
+def _h_bounds_check_indices(func, args, kwargs):
+    """TBE's check of its indices against each feature's table rows, in place. The modes that
+    go on (WARNING, IGNORE and their V2) send an index out of range to row 0 and count it in
+    ``warning`` (WARNING); NONE checks nothing; FATAL reads whether any is out of range (a sync)
+    and raises. Offsets are not checked."""
+    names = ("rows_per_table", "indices", "offsets", "bounds_check_mode", "warning", "weights",
+             "B_offsets", "max_B")
+    a = dict(zip(names, args))
+    a.update(kwargs)
+    mode = int(a["bounds_check_mode"])
+    if mode == 3:                                         # NONE
+        return None
+    if a.get("B_offsets") is not None:
+        raise Fallback("variable batch sizes")
+    rows, indices, offsets = a["rows_per_table"], a["indices"], a["offsets"]
+    T = rows.numel()
+    B = (offsets.numel() - 1) // max(T, 1)
+    bag, _ = _segment_of(offsets.long(), indices.numel())
+    limit = rows.long().index_select(0, torch.div(bag, max(B, 1), rounding_mode="floor").clamp(0, T - 1))
+    bad = (indices < 0) | (indices.long() >= limit)
+    if mode in (0, 6):                                    # FATAL
+        if bool(to_cpu(bad.any(), "bounds check").item()):
+            raise IndexError("TBE bounds check: an embedding index is out of its table's range")
+        return None
+    indices.copy_(torch.where(bad, torch.zeros_like(indices), indices))
+    if mode in (1, 5):                                    # WARNING
+        w = a["warning"]
+        w.add_(bad.sum().to(w.dtype))
+    return None
+
+
+def _h_get_infos_metadata(func, args, kwargs):
+    """Two integers from (B, T) alone: FBGEMM's CPU kernel on an empty CPU tensor."""
+    a = dict(zip(("unused", "B", "T"), args))
+    a.update(kwargs)
+    return func(torch.empty(0), a["B"], a["T"])
+
+
 def handlers() -> dict:
     """``{OpOverload: handler}`` for the FBGEMM ops defined in this process."""
     ops = torch.ops.fbgemm
@@ -203,6 +241,8 @@ def handlers() -> dict:
         "jagged_to_padded_dense_backward": _h_jagged_to_padded_dense_backward,
         "permute_pooled_embs": _h_permute_pooled_embs,
         "permute_pooled_embs_auto_grad": _h_permute_pooled_embs,
+        "bounds_check_indices": _h_bounds_check_indices,
+        "get_infos_metadata": _h_get_infos_metadata,
     }
     out = {}
     for name, h in table.items():

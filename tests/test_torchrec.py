@@ -1,8 +1,15 @@
 """TorchRec on tpu (``pip install -e '.[torchrec]'``, or ``make test-torchrec``): the FBGEMM ops
 TorchRec calls (deferfuse/fbgemm.py), ``KeyedJaggedTensor``, ``EmbeddingBagCollection`` and
-``EmbeddingCollection`` forward and backward, and a small DLRM trained a few steps, each against
-CPU eager on the same inputs (FBGEMM's own CPU kernels for its ops), with no CPU fallback."""
+``EmbeddingCollection`` forward and backward, a small DLRM trained a few steps, and a 2-rank
+``DistributedModelParallel`` with fused SGD (tests/torchrec_worker.py, deferfuse/torchrec.py), each
+against CPU eager on the same inputs (FBGEMM's own CPU kernels for its ops, gloo for the sharded
+run), with no CPU fallback."""
 import copy
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -257,3 +264,89 @@ def test_dlrm_training():
         assert_same(loss_t, loss.detach(), atol=0, rtol=1e-5, msg=f"step {step}")
     for (n, p), (_, pt) in zip(m.named_parameters(), mt.named_parameters()):
         assert_same(pt, p.detach(), atol=1e-5, rtol=1e-5, msg=n)
+
+
+# --------------------------------------------------------------------------------------------
+# FBGEMM's table-batched embedding (what sharded TorchRec runs), with its fused SGD
+
+@pytest.mark.parametrize("pooling,weighted", [("SUM", False), ("MEAN", False), ("SUM", True)])
+def test_tbe_fused_sgd(pooling, weighted):
+    pytest.importorskip("deferfuse.torchrec")
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+
+    specs = [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU),
+             (12, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)]
+
+    def tbe(device):
+        return SplitTableBatchedEmbeddingBagsCodegen(
+            specs, feature_table_map=[0, 1, 0], optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.5,
+            pooling_mode=getattr(PoolingMode, pooling), device=device)
+    m, mt = tbe("cpu"), tbe("tpu")
+    with torch.no_grad():
+        mt.weights_host.copy_(m.weights_host)
+    for step in range(2):
+        k = _kjt(weighted, seed=step)
+        w = k.weights() if weighted else None
+        want = m(k.values(), k.offsets(), per_sample_weights=w)
+        got = mt(k.values().to("tpu"), k.offsets().to("tpu"), per_sample_weights=_tpu(w))
+        assert_same(got, want.detach())
+        g = torch.randn(want.shape)
+        want.backward(g)
+        got.backward(g.to("tpu"))
+        assert_same(mt.weights_host, m.weights_host.detach(), msg=f"step {step}")
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded: DistributedModelParallel, table-wise, fused SGD, against the same run on gloo
+
+WORKER = os.path.join(os.path.dirname(__file__), "torchrec_worker.py")
+
+
+def _free_port() -> int:
+    """A port p with p + 1 free too (JAX's coordinator listens on MASTER_PORT + 1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+@pytest.mark.modes("strict")        # the mode is the workers' (MODE), not this process's
+@pytest.mark.slow_params("strict_workers")
+@pytest.mark.parametrize("mode", ["defer", "strict"], ids=["defer_workers", "strict_workers"])
+def test_sharded_dmp_two_ranks(mode):
+    """2 ranks, 2 tables table-wise sharded, fused SGD, 3 steps: each rank's pooled outputs and
+    shards within 1e-6 of the same model sharded by TorchRec on CPU over gloo."""
+    port, n = _free_port(), 2
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env.pop("XLA_FLAGS", None)      # one CPU device per process
+        procs.append(subprocess.Popen([sys.executable, WORKER, mode], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    try:
+        for r, p in enumerate(procs):
+            so, se = p.communicate(timeout=400)
+            assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{so[-3000:]}\n{se[-6000:]}"
+            line = [ln for ln in so.splitlines() if ln.startswith("RESULT ")]
+            assert line, f"rank {r} printed no result:\n{so[-3000:]}"
+            results.append(json.loads(line[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [x["rank"] for x in results] == [0, 1]
+    assert sum(x["shards"] for x in results) == 2          # one table on each rank
+    assert all(x["worst"] <= 1e-6 for x in results)

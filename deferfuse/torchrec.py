@@ -1,0 +1,148 @@
+"""TorchRec's sharded embeddings on ``tpu``: a plan whose shards sit on ``tpu``, and FBGEMM's
+table-batched embedding (TBE) lookup with its fused SGD update, computed on the device.
+
+    import deferfuse.torchrec
+    plan = deferfuse.torchrec.plan(ebc, [EmbeddingBagCollectionSharder()], world_size, constraints)
+    model = DistributedModelParallel(ebc, device=torch.device("tpu"), plan=plan)
+
+TorchRec's planner accepts only ``cpu``, ``cuda`` and ``mtia`` as its ``Topology``'s compute device
+(a fixed list, no registry): ``plan`` runs the planner for ``cpu`` and moves every shard's
+placement to ``tpu:<local rank>``. Sharded on any device but CUDA, TorchRec builds FBGEMM's TBE
+module with its weights in "host" memory, here ``tpu`` tensors; FBGEMM's autograd kernel of the
+lookup then refuses them ("must be a CPU or MTIA tensor"). Importing this module registers, for
+``tpu`` only (the ``AutogradPrivateUse1`` key), a lookup written in torch ops: sum and mean pooling,
+per-sample weights, tables of mixed widths, and in backward the fused SGD update of the weights in
+place, as FBGEMM's CPU kernel does. Other fused optimizers, variable batch sizes per feature
+(VBE) and sequence (unpooled) TBE are not covered: they raise ``NotImplementedError``.
+
+Importing it imports ``torchrec`` and ``fbgemm_gpu`` (the ``torchrec`` extra).
+"""
+from __future__ import annotations
+
+import fbgemm_gpu  # noqa: F401  (defines torch.ops.fbgemm)
+import torch
+from torch.distributed.remote_device import _remote_device
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+_SUM, _MEAN = 0, 1          # FBGEMM's PoolingMode
+_FP32 = 0                   # FBGEMM's SparseType.FP32.as_int()
+
+
+def plan(module, sharders, world_size: int, constraints=None, local_world_size=None, pg=None):
+    """A TorchRec ``ShardingPlan`` for ``module`` over ``world_size`` ranks with its shards on
+    ``tpu``: the planner's plan for ``cpu``, each placement moved to rank r's device, ``tpu:<r %
+    local>`` where each process sees all the host's devices, ``tpu:0`` where each sees one.
+    ``pg`` (a process group) makes the planner agree across ranks, as TorchRec's ``collective_plan``."""
+    local = local_world_size or world_size
+    per_process = torch.tpu.device_count() >= local
+    topology = Topology(world_size=world_size, local_world_size=local, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    p = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
+    for module_plan in p.plan.values():
+        for sharding in module_plan.values():
+            if sharding.sharding_spec is None:
+                continue
+            for shard in sharding.sharding_spec.shards:
+                r = shard.placement.rank()
+                shard.placement = _remote_device(f"rank:{r}/tpu:{r % local if per_process else 0}")
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# The TBE lookup
+
+def _rows(weights_offsets, D_offsets, indices, offsets, max_D: int):
+    """Each index's flat weight addresses [N, max_D], which of them are real (d < D of its
+    feature), and its bag. Features index tables through ``weights_offsets`` (one entry per
+    feature; features sharing a table share an offset)."""
+    N = indices.numel()
+    pos = torch.arange(N, device=indices.device, dtype=offsets.dtype)
+    bag = torch.searchsorted(offsets, pos, right=True) - 1
+    T = D_offsets.numel() - 1
+    B = (offsets.numel() - 1) // T
+    t = torch.div(bag, B, rounding_mode="floor")
+    D = (D_offsets[1:] - D_offsets[:-1]).long()
+    Dt = D.index_select(0, t)
+    d = torch.arange(max_D, device=indices.device)
+    valid = d[None, :] < Dt[:, None]
+    addr = weights_offsets.long().index_select(0, t)[:, None] + indices.long()[:, None] * Dt[:, None] + d[None, :]
+    return torch.where(valid, addr, 0), valid, bag, B
+
+
+def _scale(offsets, bag, pooling_mode: int, indice_weights):
+    """Each index's factor in its bag's pooled sum: its per-sample weight, over the bag's length
+    for mean pooling; None for a plain sum."""
+    s = None
+    if indice_weights is not None:
+        s = indice_weights.float()
+    if pooling_mode == _MEAN:
+        L = (offsets[1:] - offsets[:-1]).index_select(0, bag).clamp(min=1).float()
+        s = 1.0 / L if s is None else s / L
+    return s
+
+
+def _out_columns(D_offsets, B: int, max_D: int, total_D: int):
+    """For the [B, total_D] output: each (b, column)'s row in the pooled [T * B * max_D] buffer."""
+    c = torch.arange(total_D, device=D_offsets.device, dtype=D_offsets.dtype)
+    t = torch.searchsorted(D_offsets, c, right=True) - 1
+    d = c - D_offsets.index_select(0, t)
+    b = torch.arange(B, device=D_offsets.device)
+    return ((t.long()[None, :] * B + b[:, None]) * max_D + d.long()[None, :])
+
+
+class _SGDLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, placeholder, host_weights, weights_offsets, D_offsets, total_D, max_D, indices,
+                offsets, pooling_mode, indice_weights, lr):
+        addr, valid, bag, B = _rows(weights_offsets, D_offsets, indices, offsets, max_D)
+        T = D_offsets.numel() - 1
+        vals = host_weights.index_select(0, addr.reshape(-1)).view(addr.shape).float()
+        vals = torch.where(valid, vals, 0.0)
+        scale = _scale(offsets, bag, pooling_mode, indice_weights)
+        if scale is not None:
+            vals = vals * scale[:, None]
+        pooled = torch.zeros(T * B, max_D, device=vals.device).index_add(0, bag, vals)
+        cols = _out_columns(D_offsets, B, max_D, total_D)
+        ctx.save_for_backward(host_weights, addr, valid, bag, scale, cols)
+        ctx.lr, ctx.max_D, ctx.n_pooled = lr, max_D, T * B * max_D
+        return pooled.reshape(-1).index_select(0, cols.reshape(-1)).view(B, total_D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        host_weights, addr, valid, bag, scale, cols = ctx.saved_tensors
+        # Each pooled slot's gradient (scattered from the output's columns), then each index's.
+        g = torch.zeros(ctx.n_pooled, device=grad.device, dtype=torch.float32)
+        g = g.index_copy(0, cols.reshape(-1), grad.reshape(-1).float())
+        g = g.view(-1, ctx.max_D).index_select(0, bag)
+        if scale is not None:
+            g = g * scale[:, None]
+        g = torch.where(valid, g, 0.0)
+        # Fused SGD, in place: w -= lr * grad (a row hit twice gets both updates).
+        host_weights.index_add_(0, addr.reshape(-1), (g * -ctx.lr).reshape(-1).to(host_weights.dtype))
+        return (None,) * 11
+
+
+def _lookup_sgd(placeholder_autograd_tensor, weights, D_offsets, total_D, max_D, hash_size_cumsum,
+                total_hash_size_bits, indices, offsets, pooling_mode, indice_weights,
+                feature_requires_grad, output_dtype, aux_tensor, aux_int, aux_float, aux_bool,
+                learning_rate_tensor, max_B=-1, max_B_feature_rank=-1, vbe_output_size=-1,
+                vbe_output=None):
+    if len(weights) != 3:
+        raise NotImplementedError("TBE on tpu: only host-placed weights (TorchRec's placement "
+                                  "off CUDA) are supported")
+    if aux_tensor and aux_tensor[0] is not None:
+        raise NotImplementedError("TBE on tpu: variable batch sizes per feature (VBE) are not "
+                                  "supported")
+    if pooling_mode not in (_SUM, _MEAN) or output_dtype != _FP32:
+        raise NotImplementedError(f"TBE on tpu: pooling mode {pooling_mode}, output dtype "
+                                  f"{output_dtype}: only sum or mean pooling to float32")
+    host_weights, _placements, weights_offsets = weights
+    lr = float(learning_rate_tensor.cpu().item()) if learning_rate_tensor.device.type != "cpu" \
+        else float(learning_rate_tensor.item())
+    return _SGDLookup.apply(placeholder_autograd_tensor, host_weights, weights_offsets, D_offsets,
+                            int(total_D), int(max_D), indices, offsets, int(pooling_mode),
+                            indice_weights, lr)
+
+
+_LIB = torch.library.Library("fbgemm", "IMPL")  # noqa: TOR901 (kernels for tpu tensors only)
+_LIB.impl("split_embedding_codegen_lookup_sgd_function_pt2", _lookup_sgd, "AutogradPrivateUse1")
