@@ -12,8 +12,10 @@ module with its weights in "host" memory, here ``tpu`` tensors; FBGEMM's autogra
 lookup then refuses them ("must be a CPU or MTIA tensor"). Importing this module registers, for
 ``tpu`` only (the ``AutogradPrivateUse1`` key), a lookup written in torch ops: sum and mean pooling,
 per-sample weights, tables of mixed widths, and in backward the fused SGD update of the weights in
-place, as FBGEMM's CPU kernel does. Other fused optimizers, variable batch sizes per feature
-(VBE) and sequence (unpooled) TBE are not covered: they raise ``NotImplementedError``.
+place, as FBGEMM's CPU kernel does (no gradient for the per-sample weights themselves). Other
+fused optimizers, weights placed on the device (CUDA's layout), variable batch sizes per feature
+(VBE) and sequence (unpooled) TBE are not covered: the first reaches FBGEMM's own check, the
+others raise ``NotImplementedError``.
 
 Importing it imports ``torchrec`` and ``fbgemm_gpu`` (the ``torchrec`` extra).
 """
@@ -137,8 +139,9 @@ def _lookup_sgd(placeholder_autograd_tensor, weights, D_offsets, total_D, max_D,
         raise NotImplementedError(f"TBE on tpu: pooling mode {pooling_mode}, output dtype "
                                   f"{output_dtype}: only sum or mean pooling to float32")
     host_weights, _placements, weights_offsets = weights
-    lr = float(learning_rate_tensor.cpu().item()) if learning_rate_tensor.device.type != "cpu" \
-        else float(learning_rate_tensor.item())
+    # The rate as FBGEMM keeps it: a CPU tensor is read (a Python number becomes a program input,
+    # so a schedule never recompiles); one on the device stays there (no sync).
+    lr = float(learning_rate_tensor) if learning_rate_tensor.device.type == "cpu" else learning_rate_tensor
     return _SGDLookup.apply(placeholder_autograd_tensor, host_weights, weights_offsets, D_offsets,
                             int(total_D), int(max_D), indices, offsets, int(pooling_mode),
                             indice_weights, lr)
