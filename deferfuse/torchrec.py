@@ -92,10 +92,39 @@ def _out_columns(D_offsets, B: int, max_D: int, total_D: int):
     return ((t.long()[None, :] * B + b[:, None]) * max_D + d.long()[None, :])
 
 
-class _SGDLookup(torch.autograd.Function):
+def _sgd(host_weights, addr, g, lr, state):
+    """Fused SGD, in place: w -= lr * grad (a row used twice gets both updates, as FBGEMM's CPU
+    kernel)."""
+    host_weights.index_add_(0, addr.reshape(-1), (g * -lr).reshape(-1).to(host_weights.dtype))
+
+
+def _rowwise_adagrad(host_weights, addr, g, lr, state):
+    """FBGEMM's exact row-wise Adagrad, in place: per row used, with its gradient summed over
+    its uses, ``m += mean(g * g)`` and ``w -= lr / (sqrt(m) + eps) * g``. Computed densely over
+    the whole table (a row not used has a zero gradient, so it keeps its weights and state
+    exactly): no size depends on the data, at a cost proportional to the table."""
+    momentum, mom_offsets, weights_offsets, D_offsets, eps = state
+    n = host_weights.numel()
+    grad = torch.zeros(n, dtype=torch.float32, device=g.device).index_add(0, addr.reshape(-1), g.reshape(-1))
+    # Each element's feature (features sharing a table share its offset, width and state).
+    off, order = torch.sort(weights_offsets.long())
+    D = (D_offsets[1:] - D_offsets[:-1]).long().index_select(0, order)
+    mo = mom_offsets.long().index_select(0, order)
+    e = torch.arange(n, device=g.device)
+    f = (torch.searchsorted(off, e, right=True) - 1).clamp(min=0)
+    De = D.index_select(0, f)
+    row = torch.div(e - off.index_select(0, f), De, rounding_mode="floor")
+    m_idx = (mo.index_select(0, f) + row).clamp(0, momentum.numel() - 1)
+    momentum.index_add_(0, m_idx, (grad * grad / De).to(momentum.dtype))
+    mult = lr / (momentum.index_select(0, m_idx).float().sqrt() + eps)
+    host_weights.sub_((mult * grad).to(host_weights.dtype))
+
+
+class _Lookup(torch.autograd.Function):
+    """The pooled lookup; backward applies the fused optimizer ``update`` to the weights."""
     @staticmethod
     def forward(ctx, placeholder, host_weights, weights_offsets, D_offsets, total_D, max_D, indices,
-                offsets, pooling_mode, indice_weights, lr):
+                offsets, pooling_mode, indice_weights, update, lr, state):
         addr, valid, bag, B = _rows(weights_offsets, D_offsets, indices, offsets, max_D)
         T = D_offsets.numel() - 1
         vals = host_weights.index_select(0, addr.reshape(-1)).view(addr.shape).float()
@@ -106,7 +135,8 @@ class _SGDLookup(torch.autograd.Function):
         pooled = torch.zeros(T * B, max_D, device=vals.device).index_add(0, bag, vals)
         cols = _out_columns(D_offsets, B, max_D, total_D)
         ctx.save_for_backward(host_weights, addr, valid, bag, scale, cols)
-        ctx.lr, ctx.max_D, ctx.n_pooled = lr, max_D, T * B * max_D
+        ctx.update, ctx.lr, ctx.state = update, lr, state
+        ctx.max_D, ctx.n_pooled = max_D, T * B * max_D
         return pooled.reshape(-1).index_select(0, cols.reshape(-1)).view(B, total_D)
 
     @staticmethod
@@ -119,16 +149,12 @@ class _SGDLookup(torch.autograd.Function):
         if scale is not None:
             g = g * scale[:, None]
         g = torch.where(valid, g, 0.0)
-        # Fused SGD, in place: w -= lr * grad (a row hit twice gets both updates).
-        host_weights.index_add_(0, addr.reshape(-1), (g * -ctx.lr).reshape(-1).to(host_weights.dtype))
-        return (None,) * 11
+        ctx.update(host_weights, addr, g, ctx.lr, ctx.state)
+        return (None,) * 13
 
 
-def _lookup_sgd(placeholder_autograd_tensor, weights, D_offsets, total_D, max_D, hash_size_cumsum,
-                total_hash_size_bits, indices, offsets, pooling_mode, indice_weights,
-                feature_requires_grad, output_dtype, aux_tensor, aux_int, aux_float, aux_bool,
-                learning_rate_tensor, max_B=-1, max_B_feature_rank=-1, vbe_output_size=-1,
-                vbe_output=None):
+def _checked(weights, aux_tensor, pooling_mode, output_dtype, learning_rate_tensor):
+    """(host weights, weights offsets, learning rate) of a lookup this module computes."""
     if len(weights) != 3:
         raise NotImplementedError("TBE on tpu: only host-placed weights (TorchRec's placement "
                                   "off CUDA) are supported")
@@ -142,10 +168,42 @@ def _lookup_sgd(placeholder_autograd_tensor, weights, D_offsets, total_D, max_D,
     # The rate as FBGEMM keeps it: a CPU tensor is read (a Python number becomes a program input,
     # so a schedule never recompiles); one on the device stays there (no sync).
     lr = float(learning_rate_tensor) if learning_rate_tensor.device.type == "cpu" else learning_rate_tensor
-    return _SGDLookup.apply(placeholder_autograd_tensor, host_weights, weights_offsets, D_offsets,
-                            int(total_D), int(max_D), indices, offsets, int(pooling_mode),
-                            indice_weights, lr)
+    return host_weights, weights_offsets, lr
+
+
+def _lookup_sgd(placeholder_autograd_tensor, weights, D_offsets, total_D, max_D, hash_size_cumsum,
+                total_hash_size_bits, indices, offsets, pooling_mode, indice_weights,
+                feature_requires_grad, output_dtype, aux_tensor, aux_int, aux_float, aux_bool,
+                learning_rate_tensor, max_B=-1, max_B_feature_rank=-1, vbe_output_size=-1,
+                vbe_output=None):
+    host_weights, weights_offsets, lr = _checked(weights, aux_tensor, pooling_mode, output_dtype,
+                                                 learning_rate_tensor)
+    return _Lookup.apply(placeholder_autograd_tensor, host_weights, weights_offsets, D_offsets,
+                         int(total_D), int(max_D), indices, offsets, int(pooling_mode),
+                         indice_weights, _sgd, lr, None)
+
+
+def _lookup_rowwise_adagrad(placeholder_autograd_tensor, weights, D_offsets, total_D, max_D,
+                            hash_size_cumsum, total_hash_size_bits, indices, offsets, pooling_mode,
+                            indice_weights, feature_requires_grad, output_dtype, aux_tensor,
+                            aux_int, aux_float, aux_bool, momentum1, learning_rate_tensor,
+                            optim_int, optim_float, max_B=-1, max_B_feature_rank=-1,
+                            vbe_output_size=-1, vbe_output=None):
+    host_weights, weights_offsets, lr = _checked(weights, aux_tensor, pooling_mode, output_dtype,
+                                                 learning_rate_tensor)
+    eps, weight_decay, max_norm = optim_float
+    # aux_bool[4]: gradient clipping; aux_bool[3]: global weight decay
+    if weight_decay != 0 or max_norm != 0 or aux_bool[4] or aux_bool[3]:
+        raise NotImplementedError("TBE on tpu: row-wise Adagrad with weight decay, max_norm or "
+                                  "gradient clipping is not supported")
+    momentum, _placements, mom_offsets = momentum1
+    state = (momentum, mom_offsets, weights_offsets, D_offsets, float(eps))
+    return _Lookup.apply(placeholder_autograd_tensor, host_weights, weights_offsets, D_offsets,
+                         int(total_D), int(max_D), indices, offsets, int(pooling_mode),
+                         indice_weights, _rowwise_adagrad, lr, state)
 
 
 _LIB = torch.library.Library("fbgemm", "IMPL")  # noqa: TOR901 (kernels for tpu tensors only)
 _LIB.impl("split_embedding_codegen_lookup_sgd_function_pt2", _lookup_sgd, "AutogradPrivateUse1")
+_LIB.impl("split_embedding_codegen_lookup_rowwise_adagrad_function_pt2", _lookup_rowwise_adagrad,
+          "AutogradPrivateUse1")
