@@ -11,9 +11,9 @@ placement to ``tpu:<local rank>``. Sharded on any device but CUDA, TorchRec buil
 module with its weights in "host" memory, here ``tpu`` tensors; FBGEMM's autograd kernel of the
 lookup then refuses them ("must be a CPU or MTIA tensor"). Importing this module registers, for
 ``tpu`` only (the ``AutogradPrivateUse1`` key), a lookup written in torch ops: sum and mean pooling,
-per-sample weights, tables of mixed widths, and in backward the fused SGD update of the weights in
-place, as FBGEMM's CPU kernel does (no gradient for the per-sample weights themselves). Other
-fused optimizers, weights placed on the device (CUDA's layout), variable batch sizes per feature
+per-sample weights, tables of mixed widths, and in backward the fused update of the weights in
+place, as FBGEMM's CPU kernels do, for SGD and exact row-wise Adagrad (no gradient for the
+per-sample weights themselves). Other fused optimizers, weights placed on the device (CUDA's layout), variable batch sizes per feature
 (VBE) and sequence (unpooled) TBE are not covered: the first reaches FBGEMM's own check, the
 others raise ``NotImplementedError``.
 

@@ -331,11 +331,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.modes("strict")        # the mode is the workers' (MODE), not this process's
-@pytest.mark.slow_params("strict_workers")
-@pytest.mark.parametrize("mode", ["defer", "strict"], ids=["defer_workers", "strict_workers"])
-def test_sharded_dmp_two_ranks(mode):
-    """2 ranks, 2 tables table-wise sharded, fused SGD, 3 steps: each rank's pooled outputs and
-    shards within 1e-6 of the same model sharded by TorchRec on CPU over gloo."""
+@pytest.mark.slow_params("strict_workers", "rowwise_adagrad")
+@pytest.mark.parametrize("mode,optim", [("defer", "sgd"), ("strict", "sgd"), ("defer", "rowwise_adagrad")],
+                         ids=["defer_workers-sgd", "strict_workers-sgd", "defer_workers-rowwise_adagrad"])
+def test_sharded_dmp_two_ranks(mode, optim):
+    """2 ranks, 2 tables table-wise sharded, fused SGD (or row-wise Adagrad, slow), 3 steps: each
+    rank's pooled outputs and shards within 1e-6 of the same model sharded by TorchRec on CPU over
+    gloo."""
     port, n = _free_port(), 2
     procs = []
     for r in range(n):
@@ -343,7 +345,7 @@ def test_sharded_dmp_two_ranks(mode):
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
         env.pop("XLA_FLAGS", None)      # one CPU device per process
-        procs.append(subprocess.Popen([sys.executable, WORKER, mode], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, WORKER, mode, optim], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
     try:

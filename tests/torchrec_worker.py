@@ -1,8 +1,9 @@
-"""One rank of tests/test_torchrec.py's sharded run: ``python tests/torchrec_worker.py MODE`` with
+"""One rank of tests/test_torchrec.py's sharded run: ``python tests/torchrec_worker.py MODE [OPTIM]``
+(OPTIM ``sgd``, the default, or ``rowwise_adagrad``) with
 torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 A table-wise sharded ``EmbeddingBagCollection`` (3 features over 2 tables, sum and mean pooling,
-fused SGD from ``apply_optimizer_in_backward``) under ``DistributedModelParallel``, twice in this
+fused SGD or row-wise Adagrad from ``apply_optimizer_in_backward``) under ``DistributedModelParallel``, twice in this
 process from the same weights: on ``tpu`` (the ``tpu`` process group, ``deferfuse.torchrec.plan``)
 and on CPU (a gloo group, TorchRec's own planner, FBGEMM's CPU kernels). Three steps on the same
 batches; the pooled outputs and the rank's shards after each step must agree within 1e-6. Prints
@@ -29,6 +30,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology  # noqa: E402
 from torchrec.distributed.planner.types import ParameterConstraints  # noqa: E402
 from torchrec.distributed.types import ShardingEnv, ShardingType  # noqa: E402
+from torchrec.optim import RowWiseAdagrad  # noqa: E402
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
 
 import deferfuse.torchrec  # noqa: E402
@@ -48,9 +50,14 @@ def batch(step: int, rank: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=values, lengths=lengths)
 
 
-def model(device: str, world: int, init: dict, pg=None):
+OPTIMS = {"sgd": (torch.optim.SGD, {"lr": LR}),
+          "rowwise_adagrad": (RowWiseAdagrad, {"lr": LR, "eps": 1e-3})}
+
+
+def model(device: str, world: int, init: dict, optim: str, pg=None):
     ebc = EmbeddingBagCollection(tables=TABLES, device=torch.device("meta"))
-    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": LR})
+    cls, kw = OPTIMS[optim]
+    apply_optimizer_in_backward(cls, ebc.parameters(), kw)
     sharders = [EmbeddingBagCollectionSharder()]
     if device == "tpu":
         plan = deferfuse.torchrec.plan(ebc, sharders, world, CONSTRAINTS,
@@ -74,7 +81,7 @@ def shards(m) -> dict:
     return {k: [s.tensor.detach().cpu() for s in v.local_shards()] for k, v in m.state_dict().items()}
 
 
-def main(mode: str):
+def main(mode: str, optim: str):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("tpu", rank=rank, world_size=world)
     gloo = dist.new_group(backend="gloo")
@@ -84,7 +91,7 @@ def main(mode: str):
     deferfuse.reset_metrics()
     worst = 0.0
     with deferfuse.mode(mode):
-        m_tpu, m_cpu = model("tpu", world, init), model("cpu", world, init, gloo)
+        m_tpu, m_cpu = model("tpu", world, init, optim), model("cpu", world, init, optim, gloo)
         for step in range(STEPS):
             k = batch(step, rank)
             g = torch.Generator().manual_seed(7 + step)
@@ -114,4 +121,4 @@ def main(mode: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "sgd")
