@@ -189,7 +189,8 @@ def _h_permute_pooled_embs(func, args, kwargs):
 
 def _h_bounds_check_indices(func, args, kwargs):
     """TBE's check of its indices against each feature's table rows, in place. The modes that
-    go on (WARNING, IGNORE and their V2) send an index out of range to row 0 and count it in
+    go on (WARNING, IGNORE and their V2) send an index out of range (-1, a pruned row, is in
+    range) to row 0 and count it in
     ``warning`` (WARNING); NONE checks nothing; FATAL reads whether any is out of range (a sync)
     and raises. Offsets are not checked."""
     names = ("rows_per_table", "indices", "offsets", "bounds_check_mode", "warning", "weights",
@@ -205,8 +206,9 @@ def _h_bounds_check_indices(func, args, kwargs):
     T = rows.numel()
     B = (offsets.numel() - 1) // max(T, 1)
     bag, _ = _segment_of(offsets.long(), indices.numel())
-    limit = rows.long().index_select(0, torch.div(bag, max(B, 1), rounding_mode="floor").clamp(0, T - 1))
-    bad = (indices < 0) | (indices.long() >= limit)
+    feature = torch.div(bag, max(B, 1), rounding_mode="floor").clamp(0, T - 1)
+    limit = rows.long().index_select(0, feature)
+    bad = (indices < -1) | (indices.long() >= limit)     # -1 is a pruned row, kept
     if mode in (0, 6):                                    # FATAL
         if bool(to_cpu(bad.any(), "bounds check").item()):
             raise IndexError("TBE bounds check: an embedding index is out of its table's range")
@@ -244,10 +246,5 @@ def handlers() -> dict:
         "bounds_check_indices": _h_bounds_check_indices,
         "get_infos_metadata": _h_get_infos_metadata,
     }
-    out = {}
-    for name, h in table.items():
-        packet = getattr(ops, name, None) if hasattr(ops, name) else None
-        op = getattr(packet, "default", None) if packet is not None else None
-        if op is not None:
-            out[op] = h
-    return out
+    # Looked up defensively: an FBGEMM release may lack some of them.
+    return {getattr(ops, name).default: h for name, h in table.items() if hasattr(ops, name)}

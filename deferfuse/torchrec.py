@@ -1,5 +1,5 @@
 """TorchRec's sharded embeddings on ``tpu``: a plan whose shards sit on ``tpu``, and FBGEMM's
-table-batched embedding (TBE) lookup with its fused SGD update, computed on the device.
+table-batched embedding (TBE) lookup with its fused optimizer update, computed on the device.
 
     import deferfuse.torchrec
     plan = deferfuse.torchrec.plan(ebc, [EmbeddingBagCollectionSharder()], world_size, constraints)
@@ -13,9 +13,9 @@ lookup then refuses them ("must be a CPU or MTIA tensor"). Importing this module
 ``tpu`` only (the ``AutogradPrivateUse1`` key), a lookup written in torch ops: sum and mean pooling,
 per-sample weights, tables of mixed widths, and in backward the fused update of the weights in
 place, as FBGEMM's CPU kernels do, for SGD and exact row-wise Adagrad (no gradient for the
-per-sample weights themselves). Other fused optimizers, weights placed on the device (CUDA's layout), variable batch sizes per feature
-(VBE) and sequence (unpooled) TBE are not covered: the first reaches FBGEMM's own check, the
-others raise ``NotImplementedError``.
+per-sample weights themselves). Other fused optimizers (they reach FBGEMM's own check), weights
+placed on the device (CUDA's layout), variable batch sizes per feature (VBE) and sequence
+(unpooled) TBE are not covered: those raise ``NotImplementedError``.
 
 Importing it imports ``torchrec`` and ``fbgemm_gpu`` (the ``torchrec`` extra).
 """
@@ -34,12 +34,16 @@ def plan(module, sharders, world_size: int, constraints=None, local_world_size=N
     """A TorchRec ``ShardingPlan`` for ``module`` over ``world_size`` ranks with its shards on
     ``tpu``: the planner's plan for ``cpu``, each placement moved to rank r's device, ``tpu:<r %
     local>`` where each process sees all the host's devices, ``tpu:0`` where each sees one.
-    ``pg`` (a process group) makes the planner agree across ranks, as TorchRec's ``collective_plan``."""
+    ``pg`` (a process group) makes the planner agree across ranks, as TorchRec's
+    ``collective_plan``."""
     local = local_world_size or world_size
     per_process = torch.tpu.device_count() >= local
     topology = Topology(world_size=world_size, local_world_size=local, compute_device="cpu")
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    p = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
+    if pg is not None:
+        p = planner.collective_plan(module, sharders, pg)
+    else:
+        p = planner.plan(module, sharders)
     for module_plan in p.plan.values():
         for sharding in module_plan.values():
             if sharding.sharding_spec is None:
@@ -66,8 +70,9 @@ def _rows(weights_offsets, D_offsets, indices, offsets, max_D: int):
     D = (D_offsets[1:] - D_offsets[:-1]).long()
     Dt = D.index_select(0, t)
     d = torch.arange(max_D, device=indices.device)
-    valid = d[None, :] < Dt[:, None]
-    addr = weights_offsets.long().index_select(0, t)[:, None] + indices.long()[:, None] * Dt[:, None] + d[None, :]
+    valid = (d[None, :] < Dt[:, None]) & (indices[:, None] >= 0)    # -1: a pruned row, skipped
+    base = weights_offsets.long().index_select(0, t) + indices.long() * Dt
+    addr = base[:, None] + d[None, :]
     return torch.where(valid, addr, 0), valid, bag, B
 
 
@@ -105,7 +110,8 @@ def _rowwise_adagrad(host_weights, addr, g, lr, state):
     exactly): no size depends on the data, at a cost proportional to the table."""
     momentum, mom_offsets, weights_offsets, D_offsets, eps = state
     n = host_weights.numel()
-    grad = torch.zeros(n, dtype=torch.float32, device=g.device).index_add(0, addr.reshape(-1), g.reshape(-1))
+    grad = torch.zeros(n, dtype=torch.float32, device=g.device)
+    grad = grad.index_add(0, addr.reshape(-1), g.reshape(-1))
     # Each element's feature (features sharing a table share its offset, width and state).
     off, order = torch.sort(weights_offsets.long())
     D = (D_offsets[1:] - D_offsets[:-1]).long().index_select(0, order)
@@ -167,7 +173,9 @@ def _checked(weights, aux_tensor, pooling_mode, output_dtype, learning_rate_tens
     host_weights, _placements, weights_offsets = weights
     # The rate as FBGEMM keeps it: a CPU tensor is read (a Python number becomes a program input,
     # so a schedule never recompiles); one on the device stays there (no sync).
-    lr = float(learning_rate_tensor) if learning_rate_tensor.device.type == "cpu" else learning_rate_tensor
+    lr = learning_rate_tensor
+    if lr.device.type == "cpu":
+        lr = float(lr)
     return host_weights, weights_offsets, lr
 
 

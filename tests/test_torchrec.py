@@ -89,6 +89,22 @@ def test_segment_sum_csr_and_offsets_range():
     _same_op(fbgemm.offsets_range, offsets[:-1].contiguous(), int(LENGTHS.sum()))
 
 
+def test_bounds_check_indices():
+    """WARNING mode: indices out of their feature's table go to row 0, counted in ``warning``
+    (-1, a pruned row, stays)."""
+    rows = torch.tensor([5, 3, 7])
+    offsets = fbgemm.asynchronous_complete_cumsum(LENGTHS)
+    indices = torch.tensor([0, 4, 9, 1, 2, 3, -1, 6, 0, 7, -2, 2, 5])
+    assert indices.numel() == int(LENGTHS.sum())
+    want_i, want_w = indices.clone(), torch.zeros(1, dtype=torch.int64)
+    got_i, got_w = indices.to("tpu"), want_w.to("tpu")
+    fbgemm.bounds_check_indices(rows, want_i, offsets, 1, want_w)
+    fbgemm.bounds_check_indices(rows.to("tpu"), got_i, offsets.to("tpu"), 1, got_w)
+    assert int(want_w) > 0
+    assert_same(got_i, want_i)
+    assert_same(got_w, want_w)
+
+
 @pytest.mark.parametrize("inner", [(), (3,)])
 def test_jagged_to_padded_dense(inner):
     offsets = fbgemm.asynchronous_complete_cumsum(LENGTHS)
