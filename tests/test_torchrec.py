@@ -347,13 +347,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.modes("strict")        # the mode is the workers' (MODE), not this process's
-@pytest.mark.slow_params("strict_workers", "rowwise_adagrad")
-@pytest.mark.parametrize("mode,optim", [("defer", "sgd"), ("strict", "sgd"), ("defer", "rowwise_adagrad")],
-                         ids=["defer_workers-sgd", "strict_workers-sgd", "defer_workers-rowwise_adagrad"])
-def test_sharded_dmp_two_ranks(mode, optim):
+@pytest.mark.slow_params("strict_workers", "rowwise_adagrad", "dlrm")
+@pytest.mark.parametrize("mode,optim,model", [
+    ("defer", "sgd", "ebc"), ("strict", "sgd", "ebc"), ("defer", "rowwise_adagrad", "ebc"),
+    ("defer", "sgd", "dlrm")],
+    ids=["defer_workers-sgd", "strict_workers-sgd", "defer_workers-rowwise_adagrad",
+         "defer_workers-sgd-dlrm"])
+def test_sharded_dmp_two_ranks(mode, optim, model):
     """2 ranks, 2 tables table-wise sharded, fused SGD (or row-wise Adagrad, slow), 3 steps: each
     rank's pooled outputs and shards within 1e-6 of the same model sharded by TorchRec on CPU over
-    gloo."""
+    gloo. ``dlrm`` (slow): the tables in a DLRM whose dense part is DDP on each side, losses within
+    1e-5 (relative), shards and dense weights within 1e-6."""
     port, n = _free_port(), 2
     procs = []
     for r in range(n):
@@ -361,7 +365,7 @@ def test_sharded_dmp_two_ranks(mode, optim):
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
         env.pop("XLA_FLAGS", None)      # one CPU device per process
-        procs.append(subprocess.Popen([sys.executable, WORKER, mode, optim], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, WORKER, mode, optim, model], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
     try:
@@ -378,3 +382,5 @@ def test_sharded_dmp_two_ranks(mode, optim):
     assert [x["rank"] for x in results] == [0, 1]
     assert sum(x["shards"] for x in results) == 2          # one table on each rank
     assert all(x["worst"] <= 1e-6 for x in results)
+    if model == "dlrm":
+        assert all(len(x["losses"]) == 3 for x in results)
