@@ -1,5 +1,6 @@
 """FBGEMM's sparse and jagged ops (``torch.ops.fbgemm.*``, what TorchRec's ``KeyedJaggedTensor``,
-``JaggedTensor`` and ``KeyedTensor`` call) on ``tpu`` tensors, written in aten ops.
+``JaggedTensor`` and ``KeyedTensor`` call, and the index check of its table-batched embedding) on
+``tpu`` tensors, written in aten ops. The table-batched lookup itself is in ``torchrec.py``.
 
 FBGEMM ships CPU and CUDA kernels only; without these handlers each op would reach the CPU
 fallback (copy in, run, copy out). Each handler here computes the op on the device with gathers
