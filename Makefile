@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -78,6 +78,13 @@ test-vllm: $(VLLM_STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	.venv-vllm/bin/python bench/vllm.py $(ARGS)
+
+# The TorchRec tests (docs/frameworks.md) with the torchrec extra installed; torchrec 1.8.0 without
+# its dependencies (it asks for the CUDA fbgemm-gpu, the extra gives fbgemm-gpu-cpu 1.8.0).
+test-torchrec: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[torchrec]"
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps torchrec==1.8.0
+	$(BIN)/python -m pytest -q -n 0 tests/test_torchrec.py
 
 # The Diffusers tests with the diffusers extra installed (CI runs them after the default run).
 test-diffusers: $(STAMP)

@@ -15,7 +15,8 @@ from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
 from . import subclass
-from .specials import SPECIAL
+from .fbgemm import handlers as fbgemm_handlers
+from .specials import SPECIAL, register as register_specials
 from .tensor import TpuTensor
 from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
@@ -118,6 +119,11 @@ def dispatch(func, args, kwargs):
 def _route(func):
     info = op_info(func)
     h = SPECIAL.get(func)
+    if h is None and func.namespace == "fbgemm":
+        # FBGEMM's ops (TorchRec's): registered on first sight, so that deferfuse never imports
+        # fbgemm_gpu itself (fbgemm.py).
+        register_specials(fbgemm_handlers())
+        h = SPECIAL.get(func)
     if h is not None:
         return (lambda func, info, args, kwargs: h(func, args, kwargs)), info, func
     kind = info.kind
