@@ -108,7 +108,7 @@ def test_bfloat16_model(config, tpu_mode):
 
 
 @pytest.mark.modes("defer")
-@pytest.mark.parametrize("config", ["int8_weight_only", "int8_dynamic"])
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_compiled(config, tpu_mode):
     """torch.compile(backend="tpu") of a quantized model: one graph (int8 dynamic's int8 matmul is
     the out_dtype HOP, NOTE [out_dtype on tpu]), CPU's output, and a third call compiles nothing."""
@@ -129,6 +129,26 @@ def test_compiled(config, tpu_mode):
         assert_same(f(xt), want)
     m = deferfuse.metrics()
     assert m["compiles"] + m["graph_compiles"] == compiles
+
+
+@pytest.mark.modes("defer")
+def test_checkpoint(tpu_mode, tmp_path):
+    """A quantized tpu model's state_dict saves, and loads (weights_only, the default) on tpu and
+    with map_location="cpu", its int8 data and scales CPU's."""
+    mc, mt = _mlp(), _mlp().to("tpu")
+    Q.quantize_(mc, CONFIGS["int8_weight_only"]())
+    Q.quantize_(mt, CONFIGS["int8_weight_only"]())
+    torch.save(mt.state_dict(), tmp_path / "q.pt")
+    on_cpu = torch.load(tmp_path / "q.pt", map_location="cpu")
+    for k, v in mc.state_dict().items():
+        assert type(on_cpu[k]) is type(v) and on_cpu[k].device.type == "cpu", k
+        saved, ref = (_inner(on_cpu[k]), _inner(v)) if k.endswith("weight") else ({k: on_cpu[k]}, {k: v})
+        for n in ref:
+            assert torch.equal(saved[n], ref[n]), (k, n)
+    back = _mlp().to("tpu")
+    Q.quantize_(back, CONFIGS["int8_weight_only"]())
+    back.load_state_dict(torch.load(tmp_path / "q.pt"))
+    _assert_same_weights(back, mc)
 
 
 def test_int8_matmul_is_exact(tpu_mode):
