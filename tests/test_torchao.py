@@ -191,6 +191,40 @@ def test_quantize_ops(tpu_mode):
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
 
 
+def _traceable_quant_ops(x, s, z):
+    T, qd = torch.ops.torchao, torch.ops.quantized_decomposed
+    fs = T.choose_scale_float8(x, [1, 32], torch.float8_e4m3fn, torch.float32)
+    fq = T.quantize_affine_float8_non_decomposed(x, fs, torch.float8_e4m3fn)
+    ts, tz = qd.choose_qparams_per_token_asymmetric(x, torch.int8)
+    tq = qd.quantize_per_token(x, ts, tz, -128, 127, torch.int8)
+    cq = qd.quantize_per_channel(x, s, z, 0, -128, 127, torch.int8)
+    return (fq, T.dequantize_affine_float8_non_decomposed(fq, fs, torch.float32), tq,
+            qd.dequantize_per_token(tq, ts, tz, -128, 127, torch.int8, torch.float32), cq,
+            qd.dequantize_per_channel(cq, s, z, 0, -128, 127, torch.int8))
+
+
+@pytest.mark.modes("defer")
+def test_quantize_ops_compiled(tpu_mode):
+    """Under torch.compile the library ops' bodies are traced into the graph (NOTE [quantization
+    ops in graphs] in deferfuse/compiled.py): one program, no eager graph. A graph with an op whose
+    body reads a value (quantize_per_tensor.tensor calls scale.item()) runs eagerly, CPU's values."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+    torch.manual_seed(0)
+    x, s, z = torch.randn(8, 32), torch.rand(8) / 20 + 0.01, torch.randint(-3, 3, (8,))
+    want = _traceable_quant_ops(x, s, z)
+    torch._dynamo.reset()
+    deferfuse.reset_metrics()
+    got = torch.compile(_traceable_quant_ops, backend="tpu")(x.to("tpu"), s.to("tpu"), z.to("tpu"))
+    assert_same(got, want, 0, 0)
+    m = deferfuse.metrics()
+    assert (m["dynamo_graphs"], m["compiled_graphs"], m["graphs_run_eagerly"]) == (1, 1, 0), m
+    torch._dynamo.reset()
+    deferfuse.reset_metrics()
+    assert_same(torch.compile(_quant_ops, backend="tpu")(x.to("tpu")), _quant_ops(x), 0, 0)
+    m = deferfuse.metrics()
+    assert (m["dynamo_graphs"], m["graphs_run_eagerly"]) == (1, 1), m
+
+
 def _qat_losses(model, dev, steps=4):
     Q.quantize_(model, QATConfig(
         activation_config=IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
