@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-torchao wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -90,6 +90,12 @@ test-torchrec: $(STAMP)
 test-diffusers: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[diffusers]"
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_diffusers.py
+
+# torchao quantization on tpu (docs/serving.md) with the torchao extra installed: every test of the
+# file, the slow tiny-Llama ones too (a few minutes).
+test-torchao: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[torchao]"
+	$(BIN)/python -m pytest -q -n 0 tests/test_torchao.py -m "slow or not slow"
 
 # Diffusers pipelines (docs/serving.md): ms per denoising step, CPU eager, tpu defer and compiled.
 bench-diffusers: $(STAMP)

@@ -461,11 +461,12 @@ def _compiler(kind: str):
     return compile_graph
 
 
-def _decompositions() -> dict:
+def _decompositions(library_ops: bool = True) -> dict:
     """PyTorch's decompositions for the ops with no lowering of their own (the lowered ones stay
-    whole: one lowering each, as in eager mode)."""
+    whole: one lowering each, as in eager mode); with ``library_ops``, the bodies of quantization
+    libraries' ops too (NOTE [quantization ops in graphs])."""
     table = {op: fn for op, fn in _DECOMP.items() if op not in LOWERINGS}
-    table.update(_custom_op_bodies())
+    table.update(_custom_op_bodies(library_ops))
     return table
 
 
@@ -474,14 +475,30 @@ def _decompositions() -> dict:
 _TRACE_THROUGH = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_backward")
 
 
-def _custom_op_bodies() -> dict:
+# NOTE [quantization ops in graphs]: quantization libraries' ops (torchao's quantize_affine_float8
+# and the like, PT2E's quantized_decomposed.quantize_per_token ...) are torch ops with a kernel for
+# every backend (CompositeExplicitAutograd) written in aten ops. Eager tpu runs those kernels
+# (NOTE [own kernels] in opinfo.py); in a compiled graph they are traced through the same way, so
+# a graph that quantizes is one program instead of running eagerly ("no lowering"). A few bodies
+# read a tensor's value (quantize_per_tensor.tensor calls ``scale.item()``) and cannot be traced:
+# a graph whose trace fails with them traced through is traced again with them kept whole, and
+# runs eagerly as before (``backend``).
+_TRACE_THROUGH_NAMESPACES = ("quantized_decomposed", "torchao")
+
+
+def _custom_op_bodies(library_ops: bool = True) -> dict:
     table = {}
-    for name in _TRACE_THROUGH:
+    names = list(_TRACE_THROUGH)
+    if library_ops:
+        names += [n for n in torch._C._dispatch_get_all_op_names()
+                  if n.split("::")[0] in _TRACE_THROUGH_NAMESPACES]
+    for name in names:
         ns, op_name = name.split("::")
+        op_name, _, overload = op_name.partition(".")
         packet = getattr(getattr(torch.ops, ns), op_name, None)
-        if packet is None:
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is None or op in LOWERINGS or op._schema.is_mutable:
             continue
-        op = packet.default
         if torch._C._dispatch_has_kernel_for_dispatch_key(
                 op.name(), torch._C.DispatchKey.CompositeExplicitAutograd):
             table[op] = functools.partial(op._op_dk,
@@ -498,12 +515,34 @@ def backend(gm, example_inputs, **kwargs):
         # The same frame compiled again: one of its guards failed (a new shape, dtype, Python
         # value); TORCH_LOGS=recompiles names the guard.
         S["graph_recompiles"].append(f"compile {cid} of a frame ({len(example_inputs)} inputs)")
-    compiled = aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
+
+    def aot(library_ops):
+        return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
                             inference_compiler=_compiler("inference"),
-                            decompositions=_decompositions(),
+                            decompositions=_decompositions(library_ops),
                             keep_inference_input_mutations=True)(gm, example_inputs)
+    try:
+        compiled = aot(True)
+    except Exception:
+        if not _calls_library_ops(gm):
+            raise
+        compiled = aot(False)    # NOTE [quantization ops in graphs]
     plain = _plain_outputs(gm)
     return _wrap_plain(compiled, plain) if plain else compiled
+
+
+def _calls_library_ops(gm) -> bool:
+    """Whether the Dynamo graph calls an op of a namespace in ``_TRACE_THROUGH_NAMESPACES``."""
+    for n in gm.graph.nodes:
+        t = n.target
+        if isinstance(t, torch._ops.OpOverloadPacket):
+            t = t._qualified_op_name
+        elif isinstance(t, torch._ops.OpOverload):
+            t = t.name()
+        if n.op == "call_function" and isinstance(t, str) and \
+                t.split("::")[0] in _TRACE_THROUGH_NAMESPACES:
+            return True
+    return False
 
 
 def _plain_outputs(gm) -> tuple:

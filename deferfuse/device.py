@@ -400,13 +400,14 @@ def register() -> None:
     _keep_tied_parameters()
     subclass.install()
     _wrap_autograd()
-    from . import amp, attention, compiled, datadep, flex, linear, rnn, serialization, traceable
+    from . import amp, attention, compiled, datadep, flex, linear, quantized, rnn, serialization, traceable
     traceable.install()
     compiled.register()
     amp.register()
     serialization.register()
     attention.register()
     flex.register()
+    quantized.register()
     linear.register()
     datadep.register()
     rnn.register()
