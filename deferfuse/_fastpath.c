@@ -374,7 +374,8 @@ static PyObject *cache_get(PyObject *cache, PyObject *key) {
 /* ------------------------------------------------------------------ source lines (Trace.record) */
 static PyObject *source_line(void) {
     PyFrameObject *f = PyEval_GetFrame();      /* the caller of the op: no frame of ours between */
-    if (f == NULL) Py_RETURN_NONE;
+    if (f == NULL)      /* a thread with no Python caller (autograd's device thread) */
+        return PyObject_CallMethodOneArg(S.sources, A_site, Py_None);
     PyCodeObject *code = PyFrame_GetCode(f);
     PyObject *src = NULL;
     PyObject *codes = GET(S.sources, A_codes);

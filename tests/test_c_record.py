@@ -212,3 +212,30 @@ def test_a_missing_compiler_is_a_clear_install_error(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "deferfuse needs a C compiler" in out.stdout + out.stderr
+
+
+@pytest.mark.modes("defer")
+def test_backward_on_autograd_device_thread_records_the_same(tpu_mode):
+    """Backward ops recorded on PyTorch's autograd device thread (no Python caller): both paths
+    name the site '<backward>', and the gradients equal CPU's."""
+    def grads(device, srcs=None):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(device)
+        x = torch.randn(5, 6).to(device)
+        m(x).pow(2).sum().backward()
+        if srcs is not None:        # every thread's pending ops, before anything reads them
+            srcs.extend(n.src for t in list(engine.traces) for n in t.nodes)
+        return [p.grad.cpu() for p in m.parameters()]
+    want = grads("cpu")
+    srcs = {}
+    for on in (True, True, False):      # the first fills the op cache (the Python path)
+        with deferfuse.override(backward_thread=True, c_record=on, backward_cut=False):
+            deferfuse.sync()
+            srcs[on] = []
+            before = _hits()
+            got = grads("tpu", srcs[on])
+            hits = _hits() - before
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert hits == 0 and "<backward>" in srcs[True]
+    assert sorted(srcs[True]) == sorted(srcs[False])
