@@ -373,22 +373,35 @@ static PyObject *cache_get(PyObject *cache, PyObject *key) {
 
 /* ------------------------------------------------------------------ source lines (Trace.record) */
 static PyObject *source_line(void) {
+    /* SourceLines.site, its cached steps in C: walk out from the op's caller past frames of torch
+       and deferfuse to the first user frame, and read that frame's line from the cache; anything
+       not cached yet goes to site(f), which fills the cache */
     PyFrameObject *f = PyEval_GetFrame();      /* the caller of the op: no frame of ours between */
     if (f == NULL)      /* a thread with no Python caller (autograd's device thread) */
         return PyObject_CallMethodOneArg(S.sources, A_site, Py_None);
-    PyCodeObject *code = PyFrame_GetCode(f);
-    PyObject *src = NULL;
     PyObject *codes = GET(S.sources, A_codes);
-    if (codes == NULL) { Py_DECREF(code); return NULL; }
+    if (codes == NULL) return NULL;
     PyObject *young = GET(codes, A_young);
     Py_DECREF(codes);
-    if (young == NULL) { Py_DECREF(code); return NULL; }
-    PyObject *id = PyLong_FromVoidPtr(code);
-    if (id == NULL) { Py_DECREF(young); Py_DECREF(code); return NULL; }
-    PyObject *e = PyDict_GetItemWithError(young, id);
-    Py_DECREF(id);
-    if (e != NULL && PyTuple_CheckExact(e) && PyTuple_GET_SIZE(e) == 3 &&
-            PyTuple_GET_ITEM(e, 0) == (PyObject *)code && PyTuple_GET_ITEM(e, 1) == Py_False) {
+    if (young == NULL) return NULL;
+    PyObject *src = NULL;
+    Py_INCREF(f);
+    for (int depth = 0; depth < 64; depth++) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        PyObject *id = PyLong_FromVoidPtr(code);
+        PyObject *e = id ? PyDict_GetItemWithError(young, id) : NULL;
+        Py_XDECREF(id);
+        int cached = e != NULL && PyTuple_CheckExact(e) && PyTuple_GET_SIZE(e) == 3 &&
+                     PyTuple_GET_ITEM(e, 0) == (PyObject *)code;
+        Py_DECREF(code);
+        if (!cached || PyErr_Occurred()) break;
+        if (PyTuple_GET_ITEM(e, 1) == Py_True) {       /* torch's or deferfuse's: go out */
+            PyFrameObject *back = PyFrame_GetBack(f);
+            if (back == NULL) break;        /* site(f) says '<backward>' */
+            Py_DECREF(f);
+            f = back;
+            continue;
+        }
 #if PY_VERSION_HEX >= 0x030B0000
         PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
 #else
@@ -399,11 +412,13 @@ static PyObject *source_line(void) {
             Py_XINCREF(src);
             Py_DECREF(lasti);
         }
+        break;
     }
     Py_DECREF(young);
-    Py_DECREF(code);
-    if (src != NULL || PyErr_Occurred()) return src;
-    return PyObject_CallMethodOneArg(S.sources, A_site, (PyObject *)f);
+    if (src == NULL && !PyErr_Occurred())
+        src = PyObject_CallMethodOneArg(S.sources, A_site, (PyObject *)f);
+    Py_DECREF(f);
+    return src;
 }
 
 /* ------------------------------------------------------------------ recording (Trace.record) */

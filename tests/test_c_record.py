@@ -32,6 +32,7 @@ def _mixed(x, w, idx):
     y = torch.where(y > 0, y, y * 0.5)
     y.mul_(1.5).add_(y, alpha=-0.25)            # in place, a keyword scalar
     y.t()[1].add_(2)                            # in place through a view at a moving offset
+    y = torch.nn.functional.normalize(y, dim=1)     # ops called from torch's Python code
     a, b = y.chunk(2, dim=0)                    # a multi-view op
     s = a.sum(dim=[0, 1], keepdim=True) + b.mean(dim=0).sum()
     v, m = torch.var_mean(y, dim=1, correction=0)      # a multi-output op
