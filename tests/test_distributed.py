@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,26 +18,13 @@ import torch
 import torch.distributed as dist
 
 import deferfuse
+from util import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_worker.py")
 # The pytest process does nothing on tpu in the multi-process tests: run them once.
 once = pytest.mark.modes("strict")
 
-
-def _free_port() -> int:
-    """A port p with p + 1 free too (JAX's coordinator listens on MASTER_PORT + 1)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def _env(rank, n, port, extra=None):
@@ -52,7 +38,7 @@ def _env(rank, n, port, extra=None):
 
 def launch(n, *args, extra_env=None, timeout=400, expect_ok=True, on_start=None):
     """Run ``dist_worker.py *args`` in ``n`` processes; returns [(returncode, stdout, stderr)]."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, *map(str, args)],
                               env=_env(r, n, port, extra_env), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(n)]
@@ -147,7 +133,7 @@ def torchrun(tmp_path, script: str, *args, n=2, extra_env=None, timeout=300, che
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
     env.update(extra_env or {})
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                        f"--master_port={_free_port()}", str(path), *map(str, args)], env=env,
+                        f"--master_port={free_port()}", str(path), *map(str, args)], env=env,
                        capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
@@ -210,7 +196,7 @@ def test_rank_given_to_init_process_group(tmp_path, how):
     variables): the group starts JAX's runtime with them (coordinator on the store's port + 1)."""
     path = tmp_path / "script.py"
     path.write_text(NO_IMPORT)
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(2):
         env = {k: v for k, v in os.environ.items()
@@ -244,6 +230,16 @@ def test_p2p_in_any_order(n):
         assert all("each waits on a request the other has not matched" in r["error"] for r in res)
 
 
+# The end of the signal tests' workers: say they are ready, then run on (until killed).
+_RUN_ON = """
+print(f"READY {r} {os.getpid()}", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 100:
+    time.sleep(0.05)
+print(f"STILL-RUNNING {r}", flush=True)
+"""
+
+
 SIGNALLED = """
 import os, signal, sys, time, torch, torch.distributed as dist
 if sys.argv[1] == "handler":                  # the program's own handler, installed first
@@ -255,12 +251,7 @@ r = dist.get_rank()
 t = torch.full((4,), float(r + 1), device="tpu")
 dist.all_reduce(t)
 assert t.cpu().tolist() == [3.0] * 4
-print(f"READY {r} {os.getpid()}", flush=True)
-t0 = time.monotonic()
-while time.monotonic() - t0 < 100:
-    time.sleep(0.05)
-print(f"STILL-RUNNING {r}", flush=True)
-"""
+""" + _RUN_ON
 
 
 @once
@@ -279,7 +270,7 @@ def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_ENABLE_PREEMPTION_SERVICE", None)
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          f"--master_port={_free_port()}", str(path), how], env=env,
+                          f"--master_port={free_port()}", str(path), how], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          cwd=str(tmp_path))
     pids, seen = {}, []
@@ -337,12 +328,7 @@ if r == 1:
             def shutdown(self):
                 time.sleep(3600)
         distributed.global_state.client = Hung(distributed.global_state.client)
-print(f"READY {r} {os.getpid()}", flush=True)
-t0 = time.monotonic()
-while time.monotonic() - t0 < 100:
-    time.sleep(0.05)
-print(f"STILL-RUNNING {r}", flush=True)
-"""
+""" + _RUN_ON
 
 
 @once
@@ -355,7 +341,7 @@ def test_a_rank_that_raised_on_sigterm_exits_within_the_timeout(tmp_path, how):
     returns (``hung``: the bound is deferfuse's own, which says so); rank 0 is left running."""
     path = tmp_path / "script.py"
     path.write_text(SHUTDOWN)
-    port = _free_port()
+    port = free_port()
     extra = {"DEFERFUSE_DIST_TIMEOUT": "5"}
     procs = [subprocess.Popen([sys.executable, str(path), how], env=_env(r, 2, port, extra),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -482,7 +468,7 @@ def test_torchrun(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={_free_port()}", str(script)], env=env,
+                        f"--master_port={free_port()}", str(script)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert p.stdout.count("TORCHRUN-OK") == 2

@@ -7,7 +7,6 @@ run), with no CPU fallback."""
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingColle
                       EmbeddingConfig, KeyedJaggedTensor, KeyedTensor, PoolingType)
 from torchrec.models.dlrm import DLRM  # noqa: E402
 
-from util import assert_same, cpu  # noqa: E402
+from util import assert_same, cpu, free_port  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_cpu_fallbacks")
 fbgemm = torch.ops.fbgemm
@@ -331,20 +330,6 @@ def test_tbe_fused_optimizer(optim, pooling, weighted):
 WORKER = os.path.join(os.path.dirname(__file__), "torchrec_worker.py")
 
 
-def _free_port() -> int:
-    """A port p with p + 1 free too (JAX's coordinator listens on MASTER_PORT + 1)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
 
 @pytest.mark.modes("strict")        # the mode is the workers' (MODE), not this process's
 @pytest.mark.slow_params("strict_workers", "rowwise_adagrad", "dlrm")
@@ -358,7 +343,7 @@ def test_sharded_dmp_two_ranks(mode, optim, model):
     rank's pooled outputs and shards within 1e-6 of the same model sharded by TorchRec on CPU over
     gloo. ``dlrm`` (slow): the tables in a DLRM whose dense part is DDP on each side, losses within
     1e-5 (relative), shards and dense weights within 1e-6."""
-    port, n = _free_port(), 2
+    port, n = free_port(), 2
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),

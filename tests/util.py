@@ -1,4 +1,6 @@
-"""Comparison helpers: tpu results against CPU eager, dtype and shape before values."""
+"""Comparison helpers: tpu results against CPU eager, dtype and shape before values; a free port
+pair for multi-process tests."""
+import socket
 import torch
 
 
@@ -34,3 +36,18 @@ def to_tpu(x):
     if isinstance(x, (list, tuple)):
         return type(x)(to_tpu(y) for y in x)
     return x
+
+
+def free_port() -> int:
+    """A port p with p + 1 free too (JAX's coordinator listens on MASTER_PORT + 1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
