@@ -115,6 +115,7 @@ typedef struct {
     PyObject *empty_tuple;
     PyObject *dtype_type, *memory_format_type, *layout_type;   /* kept as they are in keys */
     PyObject *view_fn, *alias_fn;  /* the routes of view ops and of detach/alias */
+    PyObject *foreach_fn;          /* the route of in-place foreach ops (route._foreach) */
     PyObject *views, *aliases;     /* engine.views, engine.aliases (Caches) */
     PyObject *moving;              /* view ops with a path of their own (views._MOVING, unbind) */
     PyObject *inference_on;        /* torch.is_inference_mode_enabled */
@@ -209,8 +210,14 @@ static PyObject *encode(PyObject *a, int info_scalar, KeyState *ks) {
         if (ks->dev == -1) ks->dev = dv;
         else if (ks->dev != dv) return NOT_FAST;     /* the Python path raises */
         Py_ssize_t n = PyList_GET_SIZE(ks->tensors);
-        if (n >= 64) return NOT_FAST;
         if (PyList_Append(ks->tensors, a) < 0) return NULL;
+        if (n >= 64) {      /* a long tensor list (a large optimizer group) */
+            PyObject *no = PyLong_FromSsize_t(n);
+            if (no == NULL) return NULL;
+            PyObject *e = PyTuple_Pack(2, S.ts_tag, no);
+            Py_DECREF(no);
+            return e;
+        }
         Py_INCREF(S.ts_pairs[n]);
         return S.ts_pairs[n];
     }
@@ -1073,6 +1080,64 @@ done:
     return result;
 }
 
+/* The storage of a tpu tensor (borrowed), or NULL (no error set) when o is something else. */
+static PyObject *storage_of(PyObject *o) {
+    return (PyObject *)Py_TYPE(o) == S.tpu_type ? tensor_attr(o, A_s) : NULL;
+}
+
+/* An in-place foreach op's fast case (specials._h_foreach_inplace and _reads_written decide the
+   same): 1 when args[0] is a list of tpu tensors over distinct storages, and no other argument
+   reads one of those storages at another index of its list (or as a single tensor); 0 when not
+   (the Python path writes one element at a time), -1 on error. */
+static int foreach_fast(PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) < 1 || !PyList_CheckExact(PyTuple_GET_ITEM(args, 0))) return 0;
+    PyObject *dsts = PyTuple_GET_ITEM(args, 0);
+    Py_ssize_t n = PyList_GET_SIZE(dsts);
+    PyObject *index = PyDict_New();      /* id(storage) -> its index in dsts */
+    if (index == NULL) return -1;
+    int result = 1;
+    for (Py_ssize_t i = 0; i < n && result == 1; i++) {
+        PyObject *st = storage_of(PyList_GET_ITEM(dsts, i));
+        if (st == NULL) { result = PyErr_Occurred() ? -1 : 0; break; }
+        PyObject *id = PyLong_FromVoidPtr(st), *io = PyLong_FromSsize_t(i);
+        int in = id && io ? PyDict_Contains(index, id) : -1;
+        if (in == 0 && PyDict_SetItem(index, id, io) < 0) in = -1;
+        Py_XDECREF(id); Py_XDECREF(io);
+        result = in < 0 ? -1 : !in;
+    }
+    Py_ssize_t na = PyTuple_GET_SIZE(args), pos = 0;
+    PyObject *k, *kv;
+    for (Py_ssize_t ai = 1; result == 1; ai++) {
+        PyObject *a;
+        if (ai < na) a = PyTuple_GET_ITEM(args, ai);
+        else if (kwargs != NULL && PyDict_Next(kwargs, &pos, &k, &kv)) a = kv;
+        else break;
+        PyObject *st = storage_of(a);
+        if (st != NULL) {
+            PyObject *id = PyLong_FromVoidPtr(st);
+            int in = id ? PyDict_Contains(index, id) : -1;
+            Py_XDECREF(id);
+            result = in < 0 ? -1 : !in;
+        } else if (PyErr_Occurred()) {
+            result = -1;
+        } else if (PyList_CheckExact(a) || PyTuple_CheckExact(a)) {
+            Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+            PyObject **items = PySequence_Fast_ITEMS(a);
+            for (Py_ssize_t j = 0; j < m && result == 1; j++) {
+                PyObject *sj = storage_of(items[j]);
+                if (sj == NULL) { if (PyErr_Occurred()) result = -1; continue; }
+                PyObject *id = PyLong_FromVoidPtr(sj);
+                PyObject *at = id ? PyDict_GetItemWithError(index, id) : NULL;
+                Py_XDECREF(id);
+                if (at == NULL) { if (PyErr_Occurred() || id == NULL) result = -1; continue; }
+                if (PyLong_AsSsize_t(at) != j) result = 0;
+            }
+        }
+    }
+    Py_DECREF(index);
+    return result;
+}
+
 /* The fast case, or Py_NotImplemented (nothing changed) when it is not. */
 static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
     PyObject *result = NULL, *route = NULL, *mode = NULL, *low = NULL, *key = NULL,
@@ -1091,6 +1156,14 @@ static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
     Py_INCREF(route);
     if (!PyTuple_CheckExact(route) || PyTuple_GET_SIZE(route) < 2) goto not_fast;
     PyObject *handler = PyTuple_GET_ITEM(route, 0);
+    if (handler == S.foreach_fn) {
+        /* an in-place foreach op (specials._h_foreach_inplace): the plain op in the common case
+           (foreach_fast); else the Python path runs it one element at a time */
+        int ok = foreach_fast(args, kwargs);
+        if (ok < 0) goto done;
+        if (!ok) goto not_fast;
+        handler = S.run_fn;
+    }
     if (handler != S.run_fn && handler != S.view_fn && handler != S.alias_fn) goto not_fast;
     mode = PyObject_CallOneArg(S.get_mode, S.fake_key);
     if (mode == NULL) goto done;
@@ -1235,7 +1308,7 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
     F(ts_tag, "TS") F(ss_tag, "SS") F(special, "special_scalars") F(const_fn, "const")
     F(value_type, "Value") F(node_type, "Node") F(storage_type, "Storage") F(wrap, "wrap")
     F(strided, "strided") F(devices, "devices") F(config, "config") F(sources, "sources")
-    F(view_fn, "view") F(alias_fn, "alias") F(views, "views") F(aliases, "aliases")
+    F(view_fn, "view") F(alias_fn, "alias") F(foreach_fn, "foreach") F(views, "views") F(aliases, "aliases")
     F(moving, "moving") F(inference_on, "inference_on") F(tensor_type, "Tensor")
     F(select_op, "select") F(slice_op, "slice") F(dselect, "DSELECT") F(dslice, "DSLICE")
     F(dtype_type, "dtype_type") F(memory_format_type, "memory_format_type") F(layout_type, "layout_type")

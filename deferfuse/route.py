@@ -16,7 +16,7 @@ from .fallback import fallback
 from .opinfo import decompose, op_info
 from . import subclass
 from .fbgemm import handlers as fbgemm_handlers
-from .specials import SPECIAL, register as register_specials
+from .specials import SPECIAL, _h_foreach_inplace, register as register_specials
 from .tensor import TpuTensor
 from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
@@ -124,6 +124,8 @@ def _route(func):
         # fbgemm_gpu itself (fbgemm.py).
         register_specials(fbgemm_handlers())
         h = SPECIAL.get(func)
+    if h is _h_foreach_inplace:
+        return _foreach, info, func
     if h is not None:
         return (lambda func, info, args, kwargs: h(func, args, kwargs)), info, func
     kind = info.kind
@@ -159,6 +161,12 @@ def _on_other_device(func, r, args, kwargs, d: OtherDevice):
         return here if type(a) is torch.device and a.type == "tpu" else a
     out = r[0](func, r[1], [on_here(a) for a in args], {k: on_here(v) for k, v in kwargs.items()})
     return pytree.tree_map_only(TpuTensor, lambda t: t.to(d.there), out)
+
+
+def _foreach(func, info, args, kwargs):
+    """An in-place foreach op (specials._h_foreach_inplace); a route of its own, so that the C
+    record path knows it (it takes the calls whose written tensors have distinct storages)."""
+    return _h_foreach_inplace(func, args, kwargs)
 
 
 def _data_dependent(func, info, args, kwargs):
@@ -198,7 +206,7 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
         TS=TS, SS=SS, special_scalars=d._SPECIAL_SCALARS, const=const, Value=Value, Node=Node,
         Storage=t.Storage, wrap=t._wrap, strided=t._STRIDED, devices=t._DEVICES, config=config,
         sources=engine.sources, dtype_type=torch.dtype, memory_format_type=torch.memory_format,
-        layout_type=torch.layout, view=_view, alias=_alias, views=engine.views,
+        layout_type=torch.layout, view=_view, alias=_alias, foreach=_foreach, views=engine.views,
         aliases=engine.aliases, moving=(*views._MOVING, torch.ops.aten.unbind.int),
         inference_on=_inference_on, Tensor=torch.Tensor, select=torch.ops.aten.select.int,
         slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE)

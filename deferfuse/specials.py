@@ -274,16 +274,20 @@ def _h_foreach_inplace(func, args, kwargs):
     writes every tensor of its first list from the values they held before it; tensors that are
     views of one storage (the slices of one flat buffer: FSDP2 copies parameters into one) would
     each write that storage from its old value, and the last write would undo the others. Those
-    run one element at a time, in order (a copy into consecutive slices as one copy)."""
+    run one element at a time, in order (a copy into consecutive slices as one copy). So do calls
+    whose other arguments read a tensor the op writes at another place in its list
+    (``_foreach_add_(xs, xs[::-1])``): PyTorch's CPU kernel writes element by element, so a later
+    element reads what an earlier one wrote."""
     dsts = args[0]
-    seen = set()
-    for d in dsts:
+    seen = {}
+    for i, d in enumerate(dsts):
         if type(d) is TpuTensor:
             if id(d._s) in seen:
                 break
-            seen.add(id(d._s))
+            seen[id(d._s)] = i
     else:
-        return _run(func, op_info(func), args, kwargs)
+        if not _reads_written(args, kwargs, seen):
+            return _run(func, op_info(func), args, kwargs)
     if func is aten._foreach_copy_.default:
         srcs = args[1]
         span = _consecutive(dsts)
@@ -296,6 +300,21 @@ def _h_foreach_inplace(func, args, kwargs):
         func(*[a[k:k + 1] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args],
              **kwargs)
     return None
+
+
+def _reads_written(args, kwargs, written: dict) -> bool:
+    """Whether a foreach op's inputs other than its first list read a storage it writes
+    (``written``: id of storage -> the index writing it) at another index of their list, or as a
+    single tensor (deferfuse/_fastpath.c's ``foreach_fast`` decides the same)."""
+    for a in (*args[1:], *kwargs.values()):
+        if type(a) is TpuTensor:
+            if id(a._s) in written:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for j, t in enumerate(a):
+                if type(t) is TpuTensor and written.get(id(t._s), j) != j:
+                    return True
+    return False
 
 
 def _consecutive(dsts):

@@ -138,6 +138,51 @@ def test_training_equals_cpu_and_shares_programs_across_paths(tpu_mode):
     assert deferfuse.metrics()["compiles"] == compiles
 
 
+def _foreach_steps(ts, flat):
+    """In-place foreach ops as optimizers call them (scalars, scalar lists, tensor lists), with
+    inputs that read what the op writes elsewhere in its list, then over views of one flat buffer
+    (those two: the Python path, one write at a time)."""
+    for i in range(2):
+        torch._foreach_mul_(ts, 0.5 + i)
+        torch._foreach_add_(ts, ts[::-1], alpha=0.25)
+        torch._foreach_addcdiv_(ts, ts, [t.abs() + 1 for t in ts], [0.1 * (j + 1) for j in range(len(ts))])
+        torch._foreach_lerp_(ts, ts[1:] + ts[:1], 0.3)
+    views = list(flat.split(3))
+    torch._foreach_add_(views, 1.0)
+    torch._foreach_mul_(views, views[::-1])
+    return [t.clone() for t in ts], flat.clone()
+
+
+@pytest.mark.modes("defer")
+def test_foreach_ops_in_place(tpu_mode):
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(2, 3, generator=g) for _ in range(5)]
+    flat = torch.randn(12, generator=g)
+    want = _foreach_steps([t.clone() for t in ts], flat.clone())
+    recs = {}
+    for on in (True, False):
+        with deferfuse.override(c_record=on):
+            for k in range(2):
+                before = _hits()
+                got, rec = _record(_foreach_steps, [t.to("tpu") for t in ts], flat.to("tpu"))
+                recs.setdefault(on, []).append(rec)
+                torch.testing.assert_close([t.cpu() for t in got[0]], want[0])
+                torch.testing.assert_close(got[1].cpu(), want[1])
+                assert (_hits() > before) == on
+    assert recs[True][1]["nodes"] == recs[False][1]["nodes"]
+    assert recs[True][1]["scalars"] == recs[False][1]["scalars"]
+    # one call, one hit: the optimizer's common case is the C path's (more than 64 tensors too)
+    ts = [torch.randn(3, generator=g) for _ in range(70)]
+    xs = [t.to("tpu") for t in ts]
+    for k in range(2):
+        before = _hits()
+        torch._foreach_addcmul_(xs, xs, xs, 0.5)
+        torch._foreach_mul_(xs, 0.75)
+        assert _hits() - before == 2 * k        # the first call fills the op cache
+        ts = [(t + 0.5 * t * t) * 0.75 for t in ts]
+    torch.testing.assert_close([x.cpu() for x in xs], ts)
+
+
 @pytest.mark.modes("defer")
 def test_an_error_mid_training_then_good_steps(tpu_mode):
     """An op that fails (an index out of range) while the C path records the ops around it: the
