@@ -116,6 +116,8 @@ typedef struct {
     PyObject *dtype_type, *memory_format_type, *layout_type;   /* kept as they are in keys */
     PyObject *view_fn, *alias_fn;  /* the routes of view ops and of detach/alias */
     PyObject *foreach_fn;          /* the route of in-place foreach ops (route._foreach) */
+    PyObject *to_copy_fn;          /* the route of _to_copy (route._to_copy) */
+    PyObject *dtype_str, *memory_format_str, *device_str;  /* its keywords */
     PyObject *views, *aliases;     /* engine.views, engine.aliases (Caches) */
     PyObject *moving;              /* view ops with a path of their own (views._MOVING, unbind) */
     PyObject *inference_on;        /* torch.is_inference_mode_enabled */
@@ -194,6 +196,10 @@ typedef struct {
 } KeyState;
 
 #define NOT_FAST ((PyObject *)&_Py_NotImplementedStruct)
+/* try_moving's answer for a select/slice that does not move (a dimension of one, a slice of
+   everything or of nothing): the generic view path takes it, as views.run_view does */
+static char generic_tag;
+#define GENERIC ((PyObject *)&generic_tag)
 
 /* One argument -> its template entry, as dispatch._encode; NOT_FAST (not a new reference) when
    the argument needs the Python path (another device, a CPU tensor, a device object ...). */
@@ -912,7 +918,8 @@ static PyObject *try_moving(PyObject *func, PyObject *info, PyObject *base, PyOb
             goto done;
         dim = (dim % nd + nd) % nd;
         if (!exact_int(PyTuple_GET_ITEM(shape, dim), &n)) goto done;
-        if (n <= 1 || idx < -n || idx >= n) goto done;     /* the meta kernel raises */
+        if (idx < -n || idx >= n) goto done;     /* the meta kernel raises */
+        if (n <= 1) { result = GENERIC; goto done; }
         index = idx < 0 ? idx + n : idx;
         key = Py_BuildValue("(OOOL)", info, S.dselect, sig, dim);
     } else {
@@ -935,7 +942,7 @@ static PyObject *try_moving(PyObject *func, PyObject *info, PyObject *base, PyOb
         start = start < 0 ? 0 : (start > n ? n : start);
         end = end < start ? start : (end > n ? n : end);
         long long length = (end - start + step - 1) / step;
-        if (length == 0 || (start == 0 && end == n)) goto done;
+        if (length == 0 || (start == 0 && end == n)) { result = GENERIC; goto done; }
         index = start;
         key = Py_BuildValue("(OOOLLL)", info, S.dslice, sig, dim, length, step);
     }
@@ -995,8 +1002,12 @@ static PyObject *try_view(PyObject *func, PyObject *info, PyObject *args, PyObje
     PyObject *st = tensor_attr(base, A_s), *sig = tensor_attr(base, A_sig),
              *chain = tensor_attr(base, A_chain);
     if (st == NULL || sig == NULL || chain == NULL) return PyErr_Occurred() ? NULL : NOT_FAST;
-    if (func == S.select_op || func == S.slice_op)     /* a window on an input that may move */
-        return try_moving(func, info, base, args, kwargs, st, sig);
+    int fixed = 0;      /* a select/slice that does not move: the generic path */
+    if (func == S.select_op || func == S.slice_op) {   /* a window on an input that may move */
+        PyObject *r = try_moving(func, info, base, args, kwargs, st, sig);
+        if (r != GENERIC) return r;
+        fixed = 1;
+    }
     PyObject *dyn = tensor_attr(base, A_dyn);
     if (dyn == NULL) return PyErr_Occurred() ? NULL : NOT_FAST;
     int moves = PyObject_IsTrue(dyn);
@@ -1014,7 +1025,7 @@ static PyObject *try_view(PyObject *func, PyObject *info, PyObject *args, PyObje
         Py_DECREF(m);
         return result;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(S.moving); i++)
+    for (Py_ssize_t i = 0; !fixed && i < PyTuple_GET_SIZE(S.moving); i++)
         if (PyTuple_GET_ITEM(S.moving, i) == func) return NOT_FAST;
     Py_ssize_t nkw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
     key = PyTuple_New(nargs + 1 + (nkw ? 1 : 0));
@@ -1138,11 +1149,51 @@ static int foreach_fast(PyObject *args, PyObject *kwargs) {
     return result;
 }
 
+/* _to_copy's keywords when it stays on its tensor's device and names its dtype (what
+   specials._h_to_copy passes to the op: dtype and memory_format, in the call's order); NOT_FAST
+   for any other call (another device, a device without an index, pin_memory, layout ...). */
+static PyObject *to_copy_kwargs(PyObject *self, PyObject *kwargs) {
+    if ((PyObject *)Py_TYPE(self) != S.tpu_type) return NOT_FAST;
+    PyObject *dtype = PyDict_GetItemWithError(kwargs, S.dtype_str);
+    if (dtype == NULL) return PyErr_Occurred() ? NULL : NOT_FAST;
+    if (dtype == Py_None) return NOT_FAST;
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(kwargs, &pos, &k, &v)) {
+        if (!PyUnicode_CheckExact(k)) { Py_DECREF(out); return NOT_FAST; }
+        /* the names torch passes need not be interned */
+        if (k != S.dtype_str && PyUnicode_Compare(k, S.dtype_str) == 0) k = S.dtype_str;
+        else if (k != S.memory_format_str && PyUnicode_Compare(k, S.memory_format_str) == 0)
+            k = S.memory_format_str;
+        else if (k != S.device_str && PyUnicode_Compare(k, S.device_str) == 0) k = S.device_str;
+        if (k == S.dtype_str || k == S.memory_format_str) {
+            if (PyDict_SetItem(out, k, v) < 0) { Py_DECREF(out); return NULL; }
+        } else if (k == S.device_str) {
+            PyObject *st = tensor_attr(self, A_s);
+            PyObject *d = st ? GET(st, A_device) : NULL;
+            if (d == NULL) { Py_DECREF(out); return PyErr_Occurred() ? NULL : NOT_FAST; }
+            Py_ssize_t di = PyLong_AsSsize_t(d);
+            Py_DECREF(d);
+            PyObject *mine = di >= 0 && di < PyList_GET_SIZE(S.devices)
+                             ? PyList_GET_ITEM(S.devices, di) : NULL;
+            int same = mine ? PyObject_RichCompareBool(v, mine, Py_EQ) : 0;
+            if (same != 1) { Py_DECREF(out); return same < 0 ? NULL : NOT_FAST; }
+        } else {
+            Py_DECREF(out);
+            return NOT_FAST;
+        }
+    }
+    return out;
+}
+
 /* The fast case, or Py_NotImplemented (nothing changed) when it is not. */
 static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
     PyObject *result = NULL, *route = NULL, *mode = NULL, *low = NULL, *key = NULL,
              *tensors = NULL, *scalars = NULL, *entry = NULL, *fast = NULL, *dyn = NULL,
-             *ins = NULL, *ts = NULL, *tmode = NULL, *trace = NULL, *mut = NULL;
+             *ins = NULL, *ts = NULL, *tmode = NULL, *trace = NULL, *mut = NULL,
+             *own_kwargs = NULL;
     long dev = -1;
 
     if (kwargs == Py_None) kwargs = NULL;
@@ -1162,6 +1213,15 @@ static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
         int ok = foreach_fast(args, kwargs);
         if (ok < 0) goto done;
         if (!ok) goto not_fast;
+        handler = S.run_fn;
+    }
+    if (handler == S.to_copy_fn) {
+        /* x.to(dtype) on its own device (specials._h_to_copy): the op with the keywords it keeps */
+        if (PyTuple_GET_SIZE(args) != 1 || kwargs == NULL) goto not_fast;
+        own_kwargs = to_copy_kwargs(PyTuple_GET_ITEM(args, 0), kwargs);
+        if (own_kwargs == NULL) goto done;
+        if (own_kwargs == NOT_FAST) { own_kwargs = NULL; goto not_fast; }
+        kwargs = own_kwargs;
         handler = S.run_fn;
     }
     if (handler != S.run_fn && handler != S.view_fn && handler != S.alias_fn) goto not_fast;
@@ -1275,6 +1335,7 @@ done:
     Py_XDECREF(route); Py_XDECREF(mode); Py_XDECREF(low); Py_XDECREF(key); Py_XDECREF(tensors);
     Py_XDECREF(scalars); Py_XDECREF(entry); Py_XDECREF(fast); Py_XDECREF(dyn); Py_XDECREF(ins);
     Py_XDECREF(ts); Py_XDECREF(tmode); Py_XDECREF(trace); Py_XDECREF(mut);
+    Py_XDECREF(own_kwargs);
     return result;
 }
 
@@ -1308,7 +1369,7 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
     F(ts_tag, "TS") F(ss_tag, "SS") F(special, "special_scalars") F(const_fn, "const")
     F(value_type, "Value") F(node_type, "Node") F(storage_type, "Storage") F(wrap, "wrap")
     F(strided, "strided") F(devices, "devices") F(config, "config") F(sources, "sources")
-    F(view_fn, "view") F(alias_fn, "alias") F(foreach_fn, "foreach") F(views, "views") F(aliases, "aliases")
+    F(view_fn, "view") F(alias_fn, "alias") F(foreach_fn, "foreach") F(to_copy_fn, "to_copy") F(views, "views") F(aliases, "aliases")
     F(moving, "moving") F(inference_on, "inference_on") F(tensor_type, "Tensor")
     F(select_op, "select") F(slice_op, "slice") F(dselect, "DSELECT") F(dslice, "DSLICE")
     F(dtype_type, "dtype_type") F(memory_format_type, "memory_format_type") F(layout_type, "layout_type")
@@ -1360,6 +1421,10 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     S.one = PyLong_FromLong(1);
     S.zero = PyLong_FromLong(0);
     S.loop_boundary = PyUnicode_InternFromString("loop boundary");
+    S.dtype_str = PyUnicode_InternFromString("dtype");
+    S.memory_format_str = PyUnicode_InternFromString("memory_format");
+    S.device_str = PyUnicode_InternFromString("device");
+    if (!S.dtype_str || !S.memory_format_str || !S.device_str) return NULL;
     if (!S.defer_str || !S.empty_tuple || !S.one || !S.loop_boundary) return NULL;
     return PyModule_Create(&module);
 }

@@ -16,7 +16,7 @@ from .fallback import fallback
 from .opinfo import decompose, op_info
 from . import subclass
 from .fbgemm import handlers as fbgemm_handlers
-from .specials import SPECIAL, _h_foreach_inplace, register as register_specials
+from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials
 from .tensor import TpuTensor
 from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
@@ -126,6 +126,8 @@ def _route(func):
         h = SPECIAL.get(func)
     if h is _h_foreach_inplace:
         return _foreach, info, func
+    if h is _h_to_copy:
+        return _to_copy, info, func
     if h is not None:
         return (lambda func, info, args, kwargs: h(func, args, kwargs)), info, func
     kind = info.kind
@@ -169,6 +171,12 @@ def _foreach(func, info, args, kwargs):
     return _h_foreach_inplace(func, args, kwargs)
 
 
+def _to_copy(func, info, args, kwargs):
+    """``_to_copy`` (specials._h_to_copy), a route of its own for the C record path (it takes a
+    cast on the tensor's own device)."""
+    return _h_to_copy(func, args, kwargs)
+
+
 def _data_dependent(func, info, args, kwargs):
     raise Fallback("data-dependent shape")
 
@@ -206,7 +214,7 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
         TS=TS, SS=SS, special_scalars=d._SPECIAL_SCALARS, const=const, Value=Value, Node=Node,
         Storage=t.Storage, wrap=t._wrap, strided=t._STRIDED, devices=t._DEVICES, config=config,
         sources=engine.sources, dtype_type=torch.dtype, memory_format_type=torch.memory_format,
-        layout_type=torch.layout, view=_view, alias=_alias, foreach=_foreach, views=engine.views,
+        layout_type=torch.layout, view=_view, alias=_alias, foreach=_foreach, to_copy=_to_copy, views=engine.views,
         aliases=engine.aliases, moving=(*views._MOVING, torch.ops.aten.unbind.int),
         inference_on=_inference_on, Tensor=torch.Tensor, select=torch.ops.aten.select.int,
         slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE)

@@ -33,6 +33,8 @@ def _mixed(x, w, idx):
     y.mul_(1.5).add_(y, alpha=-0.25)            # in place, a keyword scalar
     y.t()[1].add_(2)                            # in place through a view at a moving offset
     y = torch.nn.functional.normalize(y, dim=1)     # ops called from torch's Python code
+    y = y.to(torch.float64).to(y.device, torch.float32)    # casts on the device (keywords)
+    y = y + y[:1][:, :][0] + y[:, :1].select(1, 0)[:, None]  # windows that do not move
     a, b = y.chunk(2, dim=0)                    # a multi-view op
     s = a.sum(dim=[0, 1], keepdim=True) + b.mean(dim=0).sum()
     v, m = torch.var_mean(y, dim=1, correction=0)      # a multi-output op
@@ -71,6 +73,21 @@ def test_the_c_path_is_the_dispatch_and_takes_common_ops(tpu_mode):
     assert _hits() - before == 3
     assert deferfuse.metrics()["c_record"]["hits"] >= 3
     torch.testing.assert_close(y.cpu(), (_inputs("cpu")[0] @ _inputs("cpu")[1]).relu() * 3)
+
+
+@pytest.mark.modes("defer")
+def test_casts_and_windows_that_do_not_move_take_the_c_path(tpu_mode):
+    xc = _inputs("cpu")[0][:1]
+    x = xc.to("tpu")
+    for k in range(2):
+        before = _hits()
+        got = [x.to(torch.float64), x.to(x.device, torch.bfloat16), x[:, :], x.select(0, 0)]
+        assert _hits() - before == 4 * k        # the first round fills the caches
+    want = [xc.double(), xc.bfloat16(), xc, xc[0]]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
+        assert g.stride() == w.stride() and g.dtype == w.dtype
+    assert x.to("cpu", torch.float64).device.type == "cpu"     # other devices: the Python path
 
 
 @pytest.mark.modes("strict")
