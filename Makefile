@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
-$(STAMP): pyproject.toml setup.py deferfuse/_fastpath.c constraints.txt tools/install_torch.py
+$(STAMP): pyproject.toml setup.py deferfuse/_fastpath.c deferfuse/_tpu_hooks.cpp constraints.txt tools/install_torch.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python tools/install_torch.py
