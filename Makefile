@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-torchao wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-torchao wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
-$(STAMP): pyproject.toml setup.py deferfuse/_fastpath.c constraints.txt tools/install_torch.py
+$(STAMP): pyproject.toml setup.py deferfuse/_fastpath.c deferfuse/_tpu_hooks.cpp constraints.txt tools/install_torch.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python tools/install_torch.py
@@ -85,6 +85,12 @@ test-torchrec: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[torchrec]"
 	$(BIN)/python -m pip install -q -c constraints.txt --no-deps torchrec==1.8.0
 	$(BIN)/python -m pytest -q -n 0 tests/test_torchrec.py
+
+# TorchTitan's llama3 debug model on tpu against the same run on CPU (tests/test_titan.py, slow:
+# a few minutes) with the titan extra installed.
+test-titan: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[titan]"
+	$(BIN)/python -m pytest -q -n 0 tests/test_titan.py -m "slow or not slow"
 
 # The Diffusers tests with the diffusers extra installed (CI runs them after the default run).
 test-diffusers: $(STAMP)

@@ -32,6 +32,7 @@ This module is top level, not ``deferfuse._autoload``: importing a submodule run
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import types
@@ -64,6 +65,7 @@ class _Loader:
         self.fallback_lib = None  # the PrivateUse1 fallback's torch.library.Library
         self.wrapped = {}         # torch.accelerator name -> the original function
         self.job = None           # (rank, world size, coordinator) of a group that loaded deferfuse
+        self.native_hooks = False  # the C++ hooks (deferfuse/_tpu_hooks.cpp) registered, or Python's
 
     def load(self, why: str) -> None:
         """Import deferfuse (which calls ``complete``)."""
@@ -243,6 +245,31 @@ def _native_guard_and_hooks():
     return DeviceGuard(), Hooks()
 
 
+def _register_native_hooks() -> bool:
+    """Register deferfuse's C++ PrivateUse1 hooks (NOTE [pinned memory] in deferfuse/_tpu_hooks.cpp:
+    they give a pinned-memory allocator, which PyTorch's Python hooks cannot) when the library is
+    built for the torch that runs; False leaves PyTorch's Python hooks to be registered. Found
+    without importing deferfuse, loaded with ctypes (a few milliseconds)."""
+    import glob
+    import importlib.util
+    spec = importlib.util.find_spec("deferfuse")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    found = [p for d in spec.submodule_search_locations
+             for p in glob.glob(os.path.join(d, "_tpu_hooks*.so"))]
+    if not found:
+        return False
+    import ctypes
+    try:
+        lib = ctypes.CDLL(found[0])
+    except OSError:
+        return False
+    lib.deferfuse_hooks_torch_version.restype = ctypes.c_char_p
+    if lib.deferfuse_hooks_torch_version().decode() != torch.__version__:
+        return False        # built against another torch: its class layout may differ
+    return lib.deferfuse_register_hooks() == 1
+
+
 def register() -> types.ModuleType:
     """The cheap registration (idempotent); returns the ``torch.tpu`` module object."""
     if LOADER.registered:
@@ -259,6 +286,9 @@ def register() -> types.ModuleType:
     module._is_in_bad_fork = lambda: False
     # NOTE: the order matters (rename, methods, module, hooks, guard); PyTorch's helper has it.
     guard, hooks = _native_guard_and_hooks()
+    # First: PrivateUse1's hooks can be registered once, and PyTorch's helper registers Python's
+    # (it then leaves them unregistered, finding ours).
+    LOADER.native_hooks = _register_native_hooks()
     _setup_privateuseone_for_python_backend(NAME, backend_module=module, hook=hooks,
                                             device_guard=guard)
     lib = torch.library.Library("_", "IMPL")

@@ -358,9 +358,10 @@ def _enable_foreach() -> None:
 
 
 def _pin_memory(self, device=None):
-    """``Tensor.pin_memory()`` (and ``DataLoader(pin_memory=True)``) with ``tpu`` the accelerator:
-    PyTorch asks the accelerator's hooks for a pinned-memory allocator, which a Python backend
-    cannot provide, so it raised. Transfers to JAX need no pinned memory: this is an ordinary CPU
+    """``Tensor.pin_memory()`` (and ``DataLoader(pin_memory=True)``) with ``tpu`` the accelerator,
+    when deferfuse's C++ hooks are not built (NOTE [pinned memory] in deferfuse/_tpu_hooks.cpp):
+    PyTorch asks the accelerator's hooks for a pinned-memory allocator, which PyTorch's Python
+    hooks cannot provide, so it raised. Transfers to JAX need no pinned memory: this is an ordinary CPU
     copy (``is_pinned()`` stays False). Pinning for another device goes on as before."""
     target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
     if target is not None and target.type == "tpu":
@@ -428,7 +429,8 @@ def register() -> None:
     # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).
     _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
     _lib.impl("ctc_loss.Tensor", held(_ctc_loss_cpu_lengths), "AutogradPrivateUse1")
-    _lib.impl("_pin_memory", _pin_memory, "CPU")
+    if not deferfuse_autoload.LOADER.native_hooks:     # theirs pins (NOTE [pinned memory])
+        _lib.impl("_pin_memory", _pin_memory, "CPU")
     # Lowered factories (no tensor argument) run as ops of their own, never through the
     # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.
     from .runtime.lowering import LOWERINGS

@@ -17,6 +17,8 @@ active, so eager ops pay nothing for it.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -117,8 +119,33 @@ def _lift_constant(func, t):
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
+_DTYPE_VIEWS = {torch.ops.aten.view_as_real.default: True,      # op -> does it want a complex input
+                torch.ops.aten.view_as_complex.default: False}
+
+
+def _replayed_dtype_view(func, base) -> bool:
+    """NOTE [dtype views replayed]: fakeifying an input that is a view of another dtype than its
+    base (RoPE's ``view_as_real`` of a complex product: TorchTitan's q and k, given to its compiled
+    flex attention), PyTorch's MetaConverter (``meta_utils.view_from_base``) converts the fake base
+    itself (``view_as_real``/``view_as_complex``) and then replays the input's view chain, which
+    for a traceable subclass holds the conversion too: the second conversion meets a base already
+    of the target kind and raised. That replay is an alias; the same op anywhere else keeps
+    PyTorch's error. Only reached on that error path, so the frame walk costs nothing else."""
+    if _DTYPE_VIEWS[func] == base.is_complex():     # the input it wants: not a replay
+        return False
+    f = sys._getframe(2)
+    while f is not None:
+        if (f.f_code.co_name == "view_from_base"
+                and f.f_globals.get("__name__") == "torch._subclasses.meta_utils"):
+            return True
+        f = f.f_back
+    return False
+
+
 def traced_dispatch(func, args, kwargs):
     """An op on tensors being traced: run it on their inner tensors, wrap tpu results."""
+    if func in _DTYPE_VIEWS and _replayed_dtype_view(func, args[0]):
+        func, args, kwargs = torch.ops.aten.alias.default, (args[0],), {}
     if func in _LIFTS and type(args[0]) is TpuTensor and "_s" in args[0].__dict__:
         return _lift_constant(func, args[0])
     ua, uk = pytree.tree_map_only(TpuTensor, _traced_inner, (args, kwargs))

@@ -307,7 +307,9 @@ def scenario_ddp(mode, arg):
     r, n = dist.get_rank(), dist.get_world_size()
     data = batches(4 * n)
     torch.manual_seed(0)
-    model = DDP(GPT().to("tpu"), gradient_as_bucket_view=(arg == "bucket_view"))
+    model = DDP(GPT().to("tpu"), gradient_as_bucket_view=(arg == "bucket_view"),
+                static_graph=(arg == "static_graph"),
+                find_unused_parameters=(arg == "find_unused"))
     opt = sgd(model.parameters())
     losses = []
     for x, y in data:

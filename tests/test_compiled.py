@@ -123,6 +123,27 @@ def test_default_backend_changes_nothing_for_cpu(monkeypatch):
     assert len(seen) == 1 and deferfuse.metrics()["dynamo_graphs"] == before + 1
 
 
+def test_an_input_viewed_as_real_from_a_complex_tensor():
+    """NOTE [dtype views replayed] (traceable.py): RoPE's q and k are ``view_as_real`` views of a
+    complex product; a compiled function taking them (TorchTitan's compiled flex attention)
+    failed while Dynamo fakeified them ("view_as_real is only supported for complex tensors").
+    The same views of a real base (``view_as_complex``) too; a misuse still raises."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 4, 8, dtype=torch.complex64)
+    r = torch.randn(2, 3, 4, 2)
+
+    def f(q, c):
+        return q * 2 + 1, c * c
+    want = f(torch.view_as_real(x * 2).flatten(2).transpose(1, 2), torch.view_as_complex(r + 1))
+    xt, rt = x.to("tpu"), r.to("tpu")
+    got = torch.compile(f)(torch.view_as_real(xt * 2).flatten(2).transpose(1, 2),
+                           torch.view_as_complex(rt + 1))
+    for g, w in zip(got, want):
+        assert_same(g, w, atol=1e-5, rtol=1e-5)
+    with pytest.raises(Exception, match="view_as_real is only supported for complex tensors"):
+        torch.compile(torch.view_as_real)(torch.ones(3, device="tpu"))
+
+
 def test_graph_breaks_run_in_the_eager_mode_and_are_reported():
     def f(x):
         y = x.sin() * 3

@@ -395,9 +395,13 @@ def test_tied_parameters_stay_tied():
 def test_pin_memory_and_dataloader_pinning():
     # With tpu the accelerator, pin_memory() asked its hooks for a pinned allocator (which a Python
     # backend cannot register) and raised: DataLoader(pin_memory=True) failed on its first batch.
+    # deferfuse's C++ hooks give a pinned allocator (NOTE [pinned memory]); without them
+    # pin_memory() copies.
+    import deferfuse_autoload
     x = torch.randn(3, 4)
     p = x.pin_memory()
     assert p.device.type == "cpu" and torch.equal(p, x) and p.data_ptr() != x.data_ptr()
+    assert p.is_pinned() == deferfuse_autoload.LOADER.native_hooks and not x.is_pinned()
     ds = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.arange(10))
     got = [(xb.to("tpu", non_blocking=True), yb.to("tpu"))
            for xb, yb in torch.utils.data.DataLoader(ds, batch_size=4, pin_memory=True)]

@@ -386,8 +386,11 @@ def test_collectives(n, mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("n,mode,arg,env", [
     (2, "strict", "", {}), (4, "defer", "", {}), (2, "defer", "bucket_view", {}),
-    (2, "defer", "", {"DEFERFUSE_DIST_WAIT": "async", "DEFERFUSE_DIST_CHECK": "0"})])
+    (2, "defer", "", {"DEFERFUSE_DIST_WAIT": "async", "DEFERFUSE_DIST_CHECK": "0"}),
+    (2, "defer", "static_graph", {}), (2, "strict", "find_unused", {})])
 def test_ddp(n, mode, arg, env):
+    """``static_graph`` and ``find_unused``: DDP stages its map of used parameters in pinned memory
+    in backward (NOTE [pinned memory] in deferfuse/_tpu_hooks.cpp)."""
     for r in results(launch(n, "ddp", mode, arg, extra_env=env)):
         assert r["loss_err"] <= 1e-5 and r["param_err"] <= 2e-5
 
@@ -527,6 +530,47 @@ def test_one_process_fsdp2(group, tpu_mode):
     got = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v)
+
+
+@pytest.mark.parametrize("how", ["static_graph", "find_unused_parameters"])
+def test_one_process_ddp_stages_its_map_in_pinned_memory(group, tpu_mode, how):
+    """DDP with ``static_graph=True`` (TorchRec's default) or ``find_unused_parameters=True``
+    copies its map of used parameters to the device through pinned memory in backward, which
+    PyTorch's Python device hooks cannot allocate (NotImplementedError
+    ``getPinnedMemoryAllocator``): deferfuse's C++ hooks can (NOTE [pinned memory]). A model with
+    an unused parameter trains as on CPU, 3 steps."""
+    import deferfuse_autoload
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    assert deferfuse_autoload.LOADER.native_hooks, (
+        "deferfuse/_tpu_hooks.cpp is not built for this torch: rebuild with "
+        "`python setup.py build_ext --inplace`")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = (torch.nn.Linear(4, 6), torch.nn.Linear(6, 2),
+                                           torch.nn.Linear(2, 2))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = Net()
+    model.load_state_dict(ref.state_dict())
+    model = DDP(model.to("tpu"), **{how: True})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
+            loss = m(xi).square().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    got = model.module.state_dict()
+    for k, v in ref.state_dict().items():
+        assert got[k].device.type == "tpu"
+        torch.testing.assert_close(got[k].cpu(), v)
 
 
 def test_one_process_dtensor_random_init(group, tpu_mode):

@@ -71,9 +71,9 @@ def model(device: str, world: int, init: dict, optim: str, dlrm: bool, pg=None):
         m = DLRM(embedding_bag_collection=ebc, dense_in_features=5, dense_arch_layer_sizes=[16, 8],
                  over_arch_layer_sizes=[8, 1], dense_device=torch.device(device))
     sharders = [EmbeddingBagCollectionSharder()]
-    # NOTE: DDP's static_graph=True (DistributedModelParallel's default) asks PyTorch's accelerator
-    # hooks for a pinned-memory allocator in backward, which a Python backend has not got.
-    wrapper = DefaultDataParallelWrapper(static_graph=False)
+    # DistributedModelParallel's own data-parallel wrapper: DDP with static_graph=True, whose first
+    # backward stages a map in pinned memory (NOTE [pinned memory] in deferfuse/_tpu_hooks.cpp).
+    wrapper = DefaultDataParallelWrapper()
     if device == "tpu":
         plan = deferfuse.torchrec.plan(m, sharders, world, CONSTRAINTS,
                                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
