@@ -20,8 +20,14 @@ In half precision the two differ by several ulps on small hidden states, so for 
 float16 inputs the kernels here (for the AutogradPrivateUse1 key) run CPU's algorithm on tpu: the
 same unfused ops in the same order (autograd differentiates them as on CPU), or the same
 ``mkldnn_rnn_layer`` ops, lowered in ``runtime/lowering/rnn.py`` with oneDNN's arithmetic. Which
-one is CPU's own decision on this host (``_cpu_uses_onednn``). Other dtypes, and inputs CPU's
-composite would reject, go through PyTorch's composite (the fused cells).
+one is CPU's own decision on this host (``_cpu_uses_onednn``).
+
+A float32 ``aten::lstm`` over a padded sequence runs oneDNN on CPU too; here it runs the same
+``mkldnn_rnn_layer`` per layer-direction (a ``lax.scan`` over the time steps) instead of
+PyTorch's composite, which records three ops per time step (two gate products and the fused
+cell) and as many again in the backward pass: a 35-step LSTM was 105 forward ops that step
+detection could mistake for a loop, each recorded on the host. Other dtypes, packed sequences,
+and inputs CPU's composite would reject, go through PyTorch's composite (the fused cells).
 """
 from __future__ import annotations
 
@@ -46,6 +52,8 @@ def _onednn_has(dtype) -> bool:
     mkldnn_fp16_device_check; each a cheap query, asked per call rather than cached here)."""
     if not torch.backends.mkldnn.is_available():
         return False
+    if dtype == torch.float32:
+        return True
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
@@ -62,10 +70,11 @@ def _cpu_uses_onednn(input, has_projections: bool) -> bool:
     return _onednn_has(input.dtype)
 
 
-def _ours(tensors) -> bool:
-    """Half-precision tpu tensors of one dtype, outside functorch and forward-mode AD."""
+def _ours(tensors, dtypes=_HALF) -> bool:
+    """tpu tensors of one dtype among ``dtypes`` (half precision unless told), outside functorch
+    and forward-mode AD."""
     dt = tensors[0].dtype
-    if dt not in _HALF:
+    if dt not in dtypes:
         return False
     for t in tensors:
         if t is not None and (type(t) is not TpuTensor or t.dtype != dt):
@@ -290,13 +299,13 @@ def _lstm_hidden_ok(hx, num_layers, bidirectional) -> bool:
 def lstm_input(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                batch_first):
     """``aten::lstm.input``."""
-    if (input.dim() == 3 and _ours([input, *hx, *params])
+    if (input.dim() == 3 and _ours([input, *hx, *params], _HALF + (torch.float32,))
             and _lstm_hidden_ok(hx, num_layers, bidirectional)):
         proj = hx[0].size(2) != hx[1].size(2)
         if _cpu_uses_onednn(input, proj):
             return _lstm_onednn(input, hx, params, has_biases, num_layers, dropout, train,
                                 bidirectional, batch_first)
-        ps = _gather_params(params, has_biases, proj)
+        ps = _gather_params(params, has_biases, proj) if input.dtype in _HALF else None
         if ps is not None:
             x = input.transpose(0, 1) if batch_first else input
             hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0)))

@@ -406,7 +406,7 @@ def _chain_forms(fbase, dtype, fchain, name) -> tuple:
 class NodePlan:
     """How one op runs padded: its structure as forms, its rule and what the rule needs."""
     __slots__ = ("rule", "extra", "low", "meta", "name", "targs", "tkw", "chains", "out_avals",
-                 "in_forms", "out_forms", "base_forms", "ndyn", "mut")
+                 "in_forms", "out_forms", "base_forms", "ndyn", "mut", "read_forms")
 
 
 def _is_pointwise(func) -> bool:
@@ -463,6 +463,13 @@ def plan_node(entry, forms) -> NodePlan:
             raise Refused(f"{name}: a view whose sizes do not follow from its chain")
         n.in_forms.append(tuple(fsize))
     n.out_forms = [None if o is None else tuple(o[0]) for o in f_outs]
+    # What later ops read of each output: a write's outputs are the new values of the bases it
+    # wrote (runtime/node.py, ``build``), whole even when it wrote through a view of one
+    # (nanoGPT's ``logits[logits < v] = -inf`` on ``x[:, -1, :]``).
+    n.read_forms = list(n.out_forms)
+    for j, m in enumerate(entry.out[1] or ()):
+        if j < len(n.read_forms) and m < len(n.base_forms):
+            n.read_forms[j] = n.base_forms[m]
     n.rule, n.extra, n.mut = "exact", entry.fn, None
     touched = (any(_padded(f) for f in n.in_forms) or any(_padded(fb) for fb in n.base_forms)
                or any(f is not None and _padded(f) for f in n.out_forms)
@@ -855,7 +862,7 @@ def plan_region(f: Fit, entries, wirings, lengths) -> BucketPlan:
                 if ext_forms.setdefault(w, bf) != bf:
                     raise Refused("an input read with two different sizes")
             else:
-                src = nodes[w[0]].out_forms[w[1]]
+                src = nodes[w[0]].read_forms[w[1]]
                 if src != bf:
                     raise Refused(f"{n.name}: an input whose sizes differ from its producer's")
     bp = BucketPlan()

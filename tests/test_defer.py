@@ -397,38 +397,53 @@ def test_a_loop_that_syncs_now_and_then_is_cut_again_right_after_the_sync():
 
 
 class _WordLM(torch.nn.Module):
-    """pytorch/examples' word_language_model RNNModel (LSTM, its init and forward)."""
+    """pytorch/examples' word_language_model RNNModel (LSTM, its init and forward); ``cell``: the
+    same LSTM written as a Python loop over time of ``nn.LSTMCell`` (a time loop inside the step)."""
 
-    def __init__(self, ntoken=200, ninp=32, nhid=32):
+    def __init__(self, ntoken=200, ninp=32, nhid=32, cell=False):
         super().__init__()
         self.encoder = torch.nn.Embedding(ntoken, ninp)
-        self.rnn = torch.nn.LSTM(ninp, nhid, 1)
+        self.rnn = torch.nn.LSTMCell(ninp, nhid) if cell else torch.nn.LSTM(ninp, nhid, 1)
         self.decoder = torch.nn.Linear(nhid, ntoken)
         torch.nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
         torch.nn.init.zeros_(self.decoder.bias)
         torch.nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
 
     def forward(self, x, hidden):
-        out, hidden = self.rnn(self.encoder(x), hidden)
+        emb = self.encoder(x)
+        if isinstance(self.rnn, torch.nn.LSTMCell):
+            h, c = hidden[0][0], hidden[1][0]
+            outs = []
+            for t in range(emb.size(0)):
+                h, c = self.rnn(emb[t], (h, c))
+                outs.append(h)
+            out, hidden = torch.stack(outs), (h[None], c[None])
+        else:
+            out, hidden = self.rnn(emb, hidden)
         return torch.nn.functional.log_softmax(self.decoder(out), dim=-1).view(-1, 200), hidden
 
 
 @pytest.mark.modes("defer")
-def test_a_training_step_with_a_time_loop_is_one_body_not_one_per_time_step():
+@pytest.mark.parametrize("cell", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["LSTM", "LSTMCell_loop"])
+def test_a_training_step_with_a_time_loop_is_one_body_not_one_per_time_step(cell):
     # NOTE [outermost body] (scheduler/steps.py): word_language_model's training loop (bptt 35,
     # clip_grad_norm_, the manual ``p.data.add_``, ``loss.item()`` every batch) ran as about 94
-    # regions a batch: step detection cut at the LSTM's time steps inside the step.
+    # regions a batch: step detection cut at the LSTM's time steps inside the step. nn.LSTM now
+    # records one op a layer (deferfuse/rnn.py: CPU's oneDNN layer, a scan); a Python loop over
+    # nn.LSTMCell keeps the time loop inside the step (slow: its backward's ``select_backward``
+    # bakes the time index, a program per index; its gradient chain runs op by op).
     torch.manual_seed(0)
-    m = _WordLM()
+    m = _WordLM(cell=cell)
     data = torch.randint(0, 200, (35 * 8 + 1, 4))
     runs = {}
     for dev in ("cpu", "tpu"):
         model = copy.deepcopy(m).to(dev)
         hidden = (torch.zeros(1, 4, 32, device=dev), torch.zeros(1, 4, 32, device=dev))
-        losses, regions = [], []
+        losses, regions, ops = [], [], []
         for i in range(0, data.size(0) - 1, 35):
             x, y = data[i:i + 35].to(dev), data[i + 1:i + 36].reshape(-1).to(dev)
-            before = deferfuse.metrics()["regions_run"]
+            before = deferfuse.metrics()
             model.zero_grad()
             hidden = tuple(h.detach() for h in hidden)
             out, hidden = model(x, hidden)
@@ -438,15 +453,24 @@ def test_a_training_step_with_a_time_loop_is_one_body_not_one_per_time_step():
             for p in model.parameters():
                 p.data.add_(p.grad, alpha=-20.0)
             losses.append(loss.item())
-            regions.append(deferfuse.metrics()["regions_run"] - before)
-        runs[dev] = (model, losses, regions)
-    (mc, lc, _), (mt, lt, regions) = runs["cpu"], runs["tpu"]
+            after = deferfuse.metrics()
+            regions.append(after["regions_run"] - before["regions_run"])
+            ops.append(after["ops_recorded"] - before["ops_recorded"])
+        runs[dev] = (model, losses, regions, ops)
+    (mc, lc, _, _), (mt, lt, regions, ops) = runs["cpu"], runs["tpu"]
     torch.testing.assert_close(torch.tensor(lt), torch.tensor(lc), atol=1e-5, rtol=1e-5)
     for p, q in zip(mc.parameters(), mt.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-5)
+    m = deferfuse.metrics()
+    if not cell:
+        # Every batch: the forward pass (cut at backward()) and the rest, about 30 ops in all,
+        # none run op by op.
+        assert regions == [2] * len(regions) and max(ops) < 40, (regions, ops)
+        assert m["shape_fallbacks"] == 0 and "op by op" not in deferfuse.report(file=False)
+        return
     # From the fourth batch on: the forward pass (cut at backward()) and the rest.
     assert max(regions[4:]) <= 3, regions
-    assert deferfuse.metrics()["caches"]["loop bodies"]["outer_loops"] >= 1
+    assert m["caches"]["loop bodies"]["outer_loops"] >= 1
 
 
 class _TinyDiT(nn.Module):
