@@ -170,6 +170,10 @@ class TpuWorker(Worker):
         return budget
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
+        # What loading the model, the KV cache and the runner's buffers recorded runs now, in
+        # programs of its own: left pending, it joined the first step's program, and the first
+        # step of the next batch, alone, was a program to compile again.
+        torch.tpu.synchronize(self.device)
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=self.compilation_config.compilation_time,
                                 encoder=self.compilation_config.encoder_compilation_time)
