@@ -45,7 +45,8 @@ def _val_avals(val, sizes=None):
 # of the graph's size symbols (``16*s1``), and a factory's lowering reads its output shape from
 # it (``arange(n * 16)``, ``zeros(n, 3)``). Sizes are static in each program: the symbols take
 # the values of this program's integer inputs and input shapes (``GraphPlan.sources``), and
-# each expression is evaluated with them.
+# each expression is evaluated with them (a data-dependent size, whose symbol no input gives,
+# stays symbolic: as before, only a lowering that reads it fails).
 def _shape(shape, sizes) -> tuple:
     if sizes is None or all(type(d) is int for d in shape):
         return tuple(shape)
@@ -60,9 +61,8 @@ def _size(d, sizes) -> int:
         return int(expr)
     try:
         return int(expr.xreplace(sizes))
-    except TypeError:       # a symbol with no value here
-        raise LoweringError(str(expr), "a size the compiled graph cannot compute from its "
-                            "integer inputs and input shapes") from None
+    except TypeError:       # a symbol with no value here (a data-dependent size): left as it is
+        return d
 
 
 class GraphPlan:
