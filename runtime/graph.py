@@ -32,12 +32,37 @@ _COPY = None     # aten.copy_.default, resolved once torch is imported (it alway
 ARRAY, SCALAR, FLOAT, INT = range(4)
 
 
-def _val_avals(val):
-    """((shape, numpy dtype) or None per output) of a node's fake value(s)."""
+def _val_avals(val, sizes=None):
+    """((shape, numpy dtype) or None per output) of a node's fake value(s); ``sizes``: the
+    values of the graph's size symbols in this program (NOTE [symbolic shapes])."""
     import torch
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    return tuple((tuple(v.shape), to_np_dtype(v.dtype)) if isinstance(v, torch.Tensor) else None
-                 for v in vals)
+    return tuple((_shape(v.shape, sizes), to_np_dtype(v.dtype)) if isinstance(v, torch.Tensor)
+                 else None for v in vals)
+
+
+# NOTE [symbolic shapes]: with dynamic shapes a node's fake value has sizes that are expressions
+# of the graph's size symbols (``16*s1``), and a factory's lowering reads its output shape from
+# it (``arange(n * 16)``, ``zeros(n, 3)``). Sizes are static in each program: the symbols take
+# the values of this program's integer inputs and input shapes (``GraphPlan.sources``), and
+# each expression is evaluated with them (a data-dependent size, whose symbol no input gives,
+# stays symbolic: as before, only a lowering that reads it fails).
+def _shape(shape, sizes) -> tuple:
+    if sizes is None or all(type(d) is int for d in shape):
+        return tuple(shape)
+    return tuple(_size(d, sizes) for d in shape)
+
+
+def _size(d, sizes) -> int:
+    if type(d) is int:
+        return d
+    expr = d.node.expr
+    if expr.is_Integer:
+        return int(expr)
+    try:
+        return int(expr.xreplace(sizes))
+    except TypeError:       # a symbol with no value here (a data-dependent size): left as it is
+        return d
 
 
 class GraphPlan:
@@ -91,6 +116,19 @@ class GraphPlan:
             raise LoweringError(", ".join(sorted(set(missing))), "no lowering in a compiled graph")
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self.outputs = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+        # NOTE [symbolic shapes]: (placeholder index, dimension or None for an integer input,
+        # size symbol) for each place a symbol's value can be read from at run time
+        self.sources = []
+        seen = set()
+        for i, n in enumerate(self.placeholders):
+            v = n.meta.get("val")
+            dims = ([(None, v)] if isinstance(v, torch.SymInt) else
+                    list(enumerate(v.shape)) if isinstance(v, torch.Tensor) else [])
+            for d, size in dims:
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol \
+                        and size.node.expr not in seen:
+                    seen.add(size.node.expr)
+                    self.sources.append((i, d, size.node.expr))
 
     def function(self, ints: tuple, chains: dict, dev_outs: tuple, dev_writes: tuple,
                  traced=None):
@@ -133,7 +171,13 @@ class GraphPlan:
                 else:
                     env[n] = ints[ii]
                     ii += 1
-            plan.run(env, prng.key(scalars[-2], scalars[-1]) if plan.rng else None)
+            sizes = None
+            if plan.sources:
+                import sympy
+                sizes = {sym: sympy.Integer(env[plan.placeholders[i]] if d is None else
+                                            env[plan.placeholders[i]].shape[d])
+                         for i, d, sym in plan.sources}
+            plan.run(env, prng.key(scalars[-2], scalars[-1]) if plan.rng else None, sizes)
             res = [_fill(plan.outputs[j], env) for j in dev_outs]
             newbase = []
             for w, prev in dev_writes:
@@ -149,9 +193,10 @@ class GraphPlan:
             return res
         return fn
 
-    def run(self, env: dict, key) -> None:
+    def run(self, env: dict, key, sizes=None) -> None:
         """Lower every node into ``env`` (placeholders filled); random node j draws with
-        ``key`` folded with j (NOTE [rng offsets] in prng.py)."""
+        ``key`` folded with j (NOTE [rng offsets] in prng.py); ``sizes``: the size symbols'
+        values (NOTE [symbolic shapes])."""
         for j, n in enumerate(self.gm.graph.nodes):
             if n.op == "get_attr":      # a constant the graph holds (a tensor made in the code)
                 env[n] = _constant(getattr(self.gm, n.target))
@@ -162,7 +207,7 @@ class GraphPlan:
                 # A write into an input (``writes``); the node itself is the input's new value
                 # (a graph may return it: an in-place function returning its argument).
                 ph = n.args[0].meta["val"]
-                env[n] = jnp.broadcast_to(_fill(n.args[1], env), tuple(ph.shape)).astype(
+                env[n] = jnp.broadcast_to(_fill(n.args[1], env), _shape(ph.shape, sizes)).astype(
                     to_np_dtype(ph.dtype))
                 continue
             args = _fill(n.args, env)
@@ -175,18 +220,18 @@ class GraphPlan:
                 env[n] = size(*args)
                 continue
             if n.target in _EMPTIES:        # uninitialised memory: zeros, as eager mode reads it
-                shape, dt = _val_avals(n.meta["val"])[0]
+                shape, dt = _val_avals(n.meta["val"], sizes)[0]
                 env[n] = jnp.zeros(shape, dt)
                 continue
             hop = _RNG_HOPS.get(getattr(n.target, "_name", None))
             if hop is not None:
-                env[n] = _rng_hop(n, hop, args, kwargs, key, j)
+                env[n] = _rng_hop(n, hop, args, kwargs, key, j, sizes)
                 continue
             if not hasattr(n.target, "_schema"):       # a Python function on sizes
                 env[n] = n.target(*args, **kwargs)
                 continue
             low = LOWERINGS[n.target]
-            avals = _val_avals(n.meta.get("val"))
+            avals = _val_avals(n.meta.get("val"), sizes)
             if low.rng:
                 kwargs["key"] = jax.random.fold_in(key, j)
             if low.meta:
@@ -215,12 +260,12 @@ class GraphPlan:
 _RNG_HOPS = {"run_and_save_rng_state": 0, "run_with_rng_state": 1}
 
 
-def _rng_hop(n, hop: int, args, kwargs, key, j: int):
+def _rng_hop(n, hop: int, args, kwargs, key, j: int, sizes=None):
     import torch
     op, rest = args[hop], args[hop + 1:]
     low = LOWERINGS[op]
     out_node = n if hop == 1 else next((u for u in n.users if u.args[1] == 1), None)
-    avals = _val_avals(out_node.meta.get("val")) if out_node is not None else (None,)
+    avals = _val_avals(out_node.meta.get("val"), sizes) if out_node is not None else (None,)
     if hop == 0:
         k = jax.random.fold_in(key, j)
     else:
@@ -242,7 +287,7 @@ def _rng_hop(n, hop: int, args, kwargs, key, j: int):
         return res
     st_node = next((u for u in n.users if u.args[1] == 0), None)
     st_val = st_node.meta["val"] if st_node is not None else torch.empty(16, dtype=torch.uint8)
-    shape, dt = tuple(st_val.shape), to_np_dtype(st_val.dtype)
+    shape, dt = _shape(st_val.shape, sizes), to_np_dtype(st_val.dtype)
     raw = lax.bitcast_convert_type(jax.random.key_data(k), np.uint8).reshape(-1)
     flat = jnp.zeros(int(np.prod(shape)) * np.dtype(dt).itemsize, np.uint8).at[:16].set(raw)
     return (lax.bitcast_convert_type(flat.reshape(-1, np.dtype(dt).itemsize), dt).reshape(shape)

@@ -182,6 +182,24 @@ def test_new_shapes_compile_new_programs_and_stay_right():
     assert m["graph_compiles"] == 3 and m["graphs_run_eagerly"] == 0
 
 
+def test_factories_sized_by_dynamic_dimensions_match_cpu():
+    """With dynamic shapes a factory's size is an expression of the graph's size symbols
+    (``arange(16 * n)``, ``zeros(n, 3)``, an ``arange`` over a dynamic dimension, as vLLM's
+    paged attention makes its causal mask): each program computes it from its own sizes."""
+    def f(x, n):
+        r = torch.arange(n * 16, device=x.device).float()
+        m = torch.arange(x.shape[0], device=x.device)[:, None] <= torch.arange(4, device=x.device)
+        return x.sum() + r.sum() + torch.zeros(n, 3, device=x.device).sum(), x * m
+    cf = torch.compile(f, backend="tpu")
+    for n in (2, 3, 4, 3):
+        x = torch.randn(n, 4)
+        got, want = cf(x.to("tpu"), n), f(x, n)
+        assert_same(got[0], want[0], atol=1e-4)
+        assert_same(got[1], want[1])
+    m = deferfuse.metrics()
+    assert m["graphs_run_eagerly"] == 0 and m["graph_compiles"] == 3
+
+
 def test_a_jax_function_is_an_op_in_every_mode():
     import jax
     import jax.numpy as jnp

@@ -123,6 +123,13 @@ class TpuAttentionImpl(AttentionImpl):
         # block: send them to block 0, vLLM's null block, which no request reads
         slots = slot_mapping.to(torch.int64).clamp(min=0)
         kv = torch.cat([key[:n], value[:n]], dim=-1).to(kv_cache.dtype)
+        if n == 1:
+            # One token (a single request decoding): XLA turns a one-row scatter into a
+            # dynamic-update-slice and fused it into the attention's read of the cache, which
+            # then copied the whole cache every step (in compiled mode: 25x slower with a 256 MB
+            # cache). A second row, into the null block, keeps it a scatter, done in place.
+            slots = torch.cat([slots, slots.new_zeros(1)])
+            kv = torch.cat([kv, kv])
         kv_cache[slots // block_size, :, slots % block_size] = kv
 
     @torch._dynamo.dont_skip_tracing

@@ -136,3 +136,45 @@ class TpuPlatform(Platform):
 
         # JAX is threaded: an engine process forked from a process that has used it may hang.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if parallel_config.world_size > 1:
+            _ranks_in_worker_env()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks_in_worker_env() -> None:
+    """NOTE [vLLM workers join JAX's runtime]: with several workers (tensor parallelism) each is
+    a spawned process that imports deferfuse early (the platform plugin lives in it), and
+    deferfuse starts JAX's distributed runtime at import from ``RANK``/``WORLD_SIZE`` and a
+    coordinator (docs/distributed.md). vLLM passes a worker its rank as an argument, not in the
+    environment: each worker is started with them in its environment, and with one coordinator
+    address (``DEFERFUSE_COORDINATOR``) chosen here. The patch is made where vLLM checks its
+    config: the engine must start its workers in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+    made at this module's import instead, it is a circular import of vLLM's config."""
+    from vllm.v1.executor import multiproc_executor
+    proc_cls = multiproc_executor.WorkerProc
+    make = proc_cls.make_worker_process
+    if getattr(make, "_deferfuse", False):
+        return
+
+    def make_worker_process(vllm_config, local_rank, rank, *args, **kwargs):
+        world = vllm_config.parallel_config.world_size
+        if world > 1 and "DEFERFUSE_COORDINATOR" not in os.environ:
+            os.environ["DEFERFUSE_COORDINATOR"] = f"127.0.0.1:{_free_port()}"
+        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        try:
+            return make(vllm_config, local_rank, rank, *args, **kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    make_worker_process._deferfuse = True
+    proc_cls.make_worker_process = staticmethod(make_worker_process)

@@ -140,11 +140,13 @@ class TpuWorker(Worker):
     """vLLM's GPU worker on ``tpu:local_rank`` (see the module's docstring)."""
 
     def init_device(self):
-        self.device = torch.device("tpu", self.local_rank % torch.tpu.device_count())
-        torch.tpu.set_device(self.device)
+        # The process group first: with several ranks it starts JAX's distributed runtime,
+        # which must come before the first device lookup (docs/distributed.md).
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
                                             self.local_rank, current_platform.dist_backend)
+        self.device = torch.device("tpu", self.local_rank % torch.tpu.device_count())
+        torch.tpu.set_device(self.device)
         set_random_seed(self.model_config.seed)
         gc.collect()
         self.model_runner = TpuModelRunner(self.vllm_config, self.device)
@@ -170,6 +172,10 @@ class TpuWorker(Worker):
         return budget
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
+        # What loading the model, the KV cache and the runner's buffers recorded runs now, in
+        # programs of its own: left pending, it joined the first step's program, and the first
+        # step of the next batch, alone, was a program to compile again.
+        torch.tpu.synchronize(self.device)
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=self.compilation_config.compilation_time,
                                 encoder=self.compilation_config.encoder_compilation_time)
