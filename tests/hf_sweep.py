@@ -751,6 +751,8 @@ def _store(mt, row, archs, stages=ALL_STAGES):
     import transformers
     data = load_results()   # another part may have written meanwhile
     old = data["rows"].get(mt)
+    if stages != ALL_STAGES and old and old.get("built") and not row.get("built"):
+        return      # a rerun of some stages timed out or crashed: the row stays as it was
     if stages != ALL_STAGES and old and old.get("built") and row.get("built"):
         # a rerun of some stages: the others' results stay
         keep = {k: v for k, v in old.items() if k not in (*stages, "errors", "seconds", "fallbacks")
