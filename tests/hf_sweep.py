@@ -415,7 +415,7 @@ def compare(got, want, tol, ref=None, loose=None):
             raise AssertionError(f"grad {n}: {msg}")
 
 
-def model_rules(row, loose, cm, batch):
+def model_rules(row, loose, cm, batch, ref=None):
     """The tensors that failed the OpInfo rule (``loose``: (name, tpu, CPU, within the scale rule))
     under the model-level rules: row's ``bf16_scale_rule`` (their first names), ``bf16_scale_ok``
     and ``bf16_dynamo_ok`` (every one passes that rule); AssertionError where one passes neither."""
@@ -423,12 +423,16 @@ def model_rules(row, loose, cm, batch):
     from torch._dynamo.utils import same
     row["bf16_scale_rule"] = [n for n, *_ in loose[:5]]
     row["bf16_scale_ok"] = all(ok for *_, ok in loose)
+    why = None
     try:    # the same bfloat16 weights and inputs, computed in float64 on CPU
         outs, grads = run_model(copy.deepcopy(cm).double(), {k: (v.to(torch.bfloat16).double() if isinstance(
             v, torch.Tensor) and v.is_floating_point() else v) for k, v in batch.items()}, "cpu")
         r64 = dict(zip(["loss", "logits"], outs), **grads)
-    except Exception as e:  # noqa: BLE001 - the model refuses float64 on CPU: no such reference
+    except Exception as e:  # noqa: BLE001 - the model refuses float64 on CPU: its float32 result
         r64, why = None, _first_line(e)
+        if ref is not None:
+            r64 = {n: (None if t is None else t.double()) for n, t in
+                   dict(zip(["loss", "logits"], ref[0]), **ref[1]).items()}
     bad = []
     for name, g, w, scale_ok in loose:
         ok = r64 is not None and r64.get(name) is not None and same(
@@ -442,7 +446,7 @@ def model_rules(row, loose, cm, batch):
         raise AssertionError(
             f"{'' if bad[0] in ('loss', 'logits') else 'grad '}{bad[0]}: fails the OpInfo, scale and "
             f"dynamo rules ({len(bad)} tensors), largest difference at {i}: {float(g.flatten()[i]):.6g} vs "
-            f"{float(w.flatten()[i]):.6g}" + ("" if r64 is not None else f"; no float64 reference: {why}"))
+            f"{float(w.flatten()[i]):.6g}" + ("" if why is None else f"; against float32, no float64 run: {why}"))
 
 
 def _first_line(e):
@@ -519,7 +523,7 @@ def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict
                 loose = []
                 compare(run_model(tm, batch, "tpu"), cw, BF16_TOL, ref, loose)
                 if loose:
-                    model_rules(row, loose, cm, batch)
+                    model_rules(row, loose, cm, batch, ref)
             stage("bf16", bf16)
     if "gen" in stages and kind in ("causal", "seq2seq", "speech2seq") and model.can_generate():
         gen_in = {k: v for k, v in batch.items() if k not in ("labels", "return_loss")}
