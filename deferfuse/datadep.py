@@ -74,10 +74,20 @@ def _h_masked_select(func, args, kwargs):
     return _cut(aten.index_select.default(flat_x, 0, aten.select.int(idx, 1, 0)), n)
 
 
+def _cpu_int(i) -> bool:
+    return isinstance(i, torch.Tensor) and type(i) is not TpuTensor and i.device.type == "cpu" \
+        and i.dtype not in _MASKS
+
+
 def _h_index(func, args, kwargs):
     """``x[mask]`` (aten.index.Tensor with boolean or uint8 index tensors): each mask becomes its
     nonzero() index columns, as PyTorch's own expandTensors does; then the integer index."""
     x, indices = args[0], args[1]
+    if type(x) is TpuTensor and any(_cpu_int(i) for i in indices):
+        # CPU integer index tensors move to x's device, as PyTorch's indexing does on CUDA (a
+        # CPU mask stays: its nonzero() below is CPU work)
+        indices = [i.to(x.device) if _cpu_int(i) else i for i in indices]
+        args = (x, indices, *args[2:])
     if not any(i is not None and i.dtype in _MASKS for i in indices):
         return _run(func, op_info(func), args, kwargs)
     out = []

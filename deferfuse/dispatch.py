@@ -81,8 +81,14 @@ def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
     return out.reshape(t.shape) if out.shape != t.shape else out
 
 
-def _device_error(a, b):
-    return RuntimeError("Expected all tensors to be on the same device, but found at least two "
+class CpuTensorArg(RuntimeError):
+    """PyTorch's device error for a CPU tensor of more than one element among a tpu op's
+    arguments. The router catches it: the indexing ops take CPU index tensors, as on CUDA
+    (route._cpu_indices); any other op raises it as the plain RuntimeError PyTorch raises."""
+
+
+def _device_error(a, b, cls=RuntimeError):
+    return cls("Expected all tensors to be on the same device, but found at least two "
                         f"devices, {a} and {b}! Move the {b} tensor with .to('{a}') first.")
 
 
@@ -162,7 +168,7 @@ def _encode(a, info_scalar: bool, tensors: list, scalars: list, static: bool, de
         if getattr(type(a), "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
             raise ForeignSubclass       # its own __torch_dispatch__ unwraps it: let it run
         raise _device_error(f"tpu:{device[0] if device[0] is not None else _local.ts.device}",
-                            str(a.device))
+                            str(a.device), CpuTensorArg if a.device.type == "cpu" else RuntimeError)
     if ta is torch.device:
         if a.type != "tpu":
             raise OtherDevice(device[0], a)     # on tpu tensors (or it would not be here)

@@ -10,7 +10,7 @@ import _thread
 import torch
 import torch.utils._pytree as pytree
 
-from .dispatch import Fallback, ForeignSubclass, OtherDevice, _local, _run
+from .dispatch import CpuTensorArg, Fallback, ForeignSubclass, OtherDevice, _local, _run
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
@@ -74,6 +74,16 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
                 return _on_other_device(func, r, args, kwargs, d)
             except BaseException as e:
                 err = e
+        except CpuTensorArg as e:
+            err = RuntimeError(*e.args)     # PyTorch's type
+            moved = _cpu_indices(func, args, kwargs)
+            if moved is not None:
+                try:
+                    return r[0](func, r[1], *moved)
+                except CpuTensorArg as e:   # values on CPU too: the device error stands
+                    err = RuntimeError(*e.args)
+                except BaseException as e:
+                    err = e
         except Fallback as f:
             try:
                 return fallback(func, r[1], args, kwargs, f.why)
@@ -175,6 +185,27 @@ def _to_copy(func, info, args, kwargs):
     """``_to_copy`` (specials._h_to_copy), a route of its own for the C record path (it takes a
     cast on the tensor's own device)."""
     return _h_to_copy(func, args, kwargs)
+
+
+_INDEX_PUT = frozenset((torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                        torch.ops.aten._index_put_impl_.default))
+
+
+def _cpu_indices(func, args, kwargs):
+    """PyTorch's indexing ops move CPU index tensors to the indexed tensor's device (CUDA's
+    ``x[cpu_index]``, ``x[cpu_index] = v`` and their backward): ``(args, kwargs)`` with the index
+    tensors of ``index_put``'s family moved to ``self``'s tpu device, or None where ``func`` is
+    another op or nothing moves (the device error stands). ``aten.index`` does the same in its
+    handler (datadep._h_index)."""
+    if func not in _INDEX_PUT or len(args) < 2 or type(args[0]) is not TpuTensor:
+        return None
+    indices = args[1]
+    if not any(isinstance(i, torch.Tensor) and type(i) is not TpuTensor and i.device.type == "cpu"
+               for i in indices):
+        return None
+    here = args[0].device
+    moved = [i.to(here) if isinstance(i, torch.Tensor) and type(i) is not TpuTensor else i for i in indices]
+    return (args[0], moved, *args[2:]), kwargs
 
 
 def _data_dependent(func, info, args, kwargs):

@@ -161,6 +161,35 @@ def test_mixed_devices_raise():
     assert_same(torch.ones(3, device="tpu") * torch.tensor(2.0), torch.ones(3) * 2)
 
 
+def test_cpu_index_tensors():
+    # Indexing takes CPU index tensors, as on CUDA (SAM's relative positions index with one):
+    # x[i], its backward (index_put_ with the saved CPU indices), x[i] = v and index_put_
+    x = torch.randn(5, 3)
+    i = torch.tensor([[0, 4], [2, 2]])
+    v = torch.randn(2, 2, 3)
+    xt = x.to("tpu").requires_grad_()
+    xc = x.clone().requires_grad_()
+    got, want = (xt * 2)[i], (xc * 2)[i]
+    assert_same(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    assert_same(xt.grad, xc.grad)
+    for acc in (False, True):
+        zt, zc = torch.zeros(5, 3, device="tpu"), torch.zeros(5, 3)
+        zt.index_put_((i,), v.to("tpu"), accumulate=acc)
+        zc.index_put_((i,), v, accumulate=acc)
+        assert_same(zt, zc)
+    zt[i[0]] = v[0].to("tpu")
+    zc[i[0]] = v[0]
+    assert_same(zt, zc)
+    m, j = torch.tensor([True, False, True, False, True]), torch.tensor([0, 2, 1])
+    assert_same(x.to("tpu")[m, j], x[m, j])
+    # values on CPU still raise PyTorch's error (its type, not a subclass)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as e:
+        zt[i] = v
+    assert type(e.value) is RuntimeError
+
+
 def test_save_load(tmp_path):
     # Checkpoints come back where they were saved, as on CUDA (tests/test_checkpoints.py)
     m = torch.nn.Linear(3, 2).to("tpu")

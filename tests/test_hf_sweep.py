@@ -4,6 +4,7 @@ tiny config derived from its default one, forward and backward of its loss on tp
 against CPU (loss, logits and every gradient), in float32 and bfloat16, and greedy generation for a
 few generative ones. The default run takes float32 for two of them (an image classifier and a
 masked LM; gpt2 and llama are in test_hf_models.py); the rest are marked slow."""
+import copy
 import os
 
 import pytest
@@ -76,3 +77,37 @@ def test_tiny_config_shrinks_nested_configs():
 def test_docs_show_the_latest_sweep():
     """docs/coverage.md shows the figures of bench/results/hf-sweep.json (``hf_sweep.py --docs``)."""
     assert hs.docs_table() == "\n".join(hs.summary_table(hs.load_results()))
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_model_rules():
+    """A tensor failing the OpInfo rule passes the dynamo rule (torch._dynamo.utils.same) when it is
+    no more than 3x as far from the float64 result as CPU's bfloat16 is; else check's bf16 stage
+    fails with the tensor's name (CPU tensors stand in for tpu's: the rule reads values only)."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return (self.lin(x),)
+
+    torch.manual_seed(0)
+    cm = Tiny().to(torch.bfloat16)
+    batch = {"x": torch.randn(8, 64)}
+    outs, grads = hs.run_model(copy.deepcopy(cm), batch, "cpu")
+    w = grads["lin.weight"]
+    ulp = w.abs().float() * 2 ** -8     # one bfloat16 unit of each element
+    near = (w.float() + ulp * torch.sign(torch.randn(w.shape))).to(torch.bfloat16)
+    row = {}
+    hs.model_rules(row, [("lin.weight", near, w, False)], cm, batch)
+    assert row["bf16_dynamo_ok"] is True and row["bf16_scale_ok"] is False
+    assert row["bf16_scale_rule"] == ["lin.weight"]
+    far = (w.float() + 0.5).to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="grad lin.weight: fails the OpInfo, scale and dynamo rules"):
+        hs.model_rules({}, [("lin.weight", far, w, False)], cm, batch)
+    row = {}
+    hs.model_rules(row, [("lin.weight", far, w, True)], cm, batch)     # the scale rule passes it
+    assert row["bf16_dynamo_ok"] is False and row["bf16_scale_ok"] is True
