@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 # Two worker processes (pytest-xdist), each test file in one of them (its caches stay warm).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"
