@@ -508,6 +508,18 @@ def test_one_process_group(group, tpu_mode):
     assert deferfuse.metrics()["collectives"]["all_reduce"] >= 2
 
 
+def _train_beside(ref, model, steps=3):
+    """``steps`` SGD steps of a CPU model ``ref`` and its tpu copy ``model`` on the same data."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    x = torch.randn(5, 4)
+    for _ in range(steps):
+        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
+            loss = m(xi).square().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+
+
 def test_one_process_fsdp2(group, tpu_mode):
     """fully_shard on a group of one: frees and reallocates parameter storage (resize_), uses
     torch.tpu streams and events; trains as CPU does."""
@@ -519,14 +531,7 @@ def test_one_process_fsdp2(group, tpu_mode):
     model = model.to("tpu")
     fully_shard(model[0])
     fully_shard(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    x = torch.randn(5, 4)
-    for _ in range(3):
-        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
-            loss = m(xi).square().mean()
-            o.zero_grad()
-            loss.backward()
-            o.step()
+    _train_beside(ref, model)
     got = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v)
@@ -559,14 +564,7 @@ def test_one_process_ddp_stages_its_map_in_pinned_memory(group, tpu_mode, how):
     model = Net()
     model.load_state_dict(ref.state_dict())
     model = DDP(model.to("tpu"), **{how: True})
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    x = torch.randn(5, 4)
-    for _ in range(3):
-        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
-            loss = m(xi).square().mean()
-            o.zero_grad()
-            loss.backward()
-            o.step()
+    _train_beside(ref, model)
     got = model.module.state_dict()
     for k, v in ref.state_dict().items():
         assert got[k].device.type == "tpu"
