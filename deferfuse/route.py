@@ -204,7 +204,8 @@ def _cpu_indices(func, args, kwargs):
                for i in indices):
         return None
     here = args[0].device
-    moved = [i.to(here) if isinstance(i, torch.Tensor) and type(i) is not TpuTensor else i for i in indices]
+    moved = [i.to(here) if isinstance(i, torch.Tensor) and type(i) is not TpuTensor else i
+             for i in indices]
     return (args[0], moved, *args[2:]), kwargs
 
 
@@ -245,7 +246,8 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
         TS=TS, SS=SS, special_scalars=d._SPECIAL_SCALARS, const=const, Value=Value, Node=Node,
         Storage=t.Storage, wrap=t._wrap, strided=t._STRIDED, devices=t._DEVICES, config=config,
         sources=engine.sources, dtype_type=torch.dtype, memory_format_type=torch.memory_format,
-        layout_type=torch.layout, view=_view, alias=_alias, foreach=_foreach, to_copy=_to_copy, views=engine.views,
+        layout_type=torch.layout, view=_view, alias=_alias, foreach=_foreach, to_copy=_to_copy,
+        views=engine.views,
         aliases=engine.aliases, moving=(*views._MOVING, torch.ops.aten.unbind.int),
         inference_on=_inference_on, Tensor=torch.Tensor, select=torch.ops.aten.select.int,
         slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE)

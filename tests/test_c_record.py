@@ -162,7 +162,8 @@ def _foreach_steps(ts, flat):
     for i in range(2):
         torch._foreach_mul_(ts, 0.5 + i)
         torch._foreach_add_(ts, ts[::-1], alpha=0.25)
-        torch._foreach_addcdiv_(ts, ts, [t.abs() + 1 for t in ts], [0.1 * (j + 1) for j in range(len(ts))])
+        torch._foreach_addcdiv_(ts, ts, [t.abs() + 1 for t in ts],
+                                [0.1 * (j + 1) for j in range(len(ts))])
         torch._foreach_lerp_(ts, ts[1:] + ts[:1], 0.3)
     views = list(flat.split(3))
     torch._foreach_add_(views, 1.0)
