@@ -31,19 +31,20 @@ def pytest_unconfigure(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "modes(*names): run this test only in these modes")
     config.addinivalue_line("markers", "slow_params(*ids): the parametrizations whose id has one of "
-                            "these parts are slow (kept out of the default run)")
+                            "these parts are slow (kept out of the default run); "
+                            "slow_params(\"strict\") on a long test: the default run "
+                            "runs it in defer mode only, make test-full in both")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """``slow_params``: mark the long parametrizations of a test slow before ``-m`` selects."""
     for item in items:
-        m = item.get_closest_marker("slow_params")
+        slow_ids = {a for m in item.iter_markers("slow_params") for a in m.args}
         callspec = getattr(item, "callspec", None)
-        if m is None or callspec is None:
+        if not slow_ids or callspec is None:
             continue
-        parts = set(callspec.id.split("-"))
-        if parts & set(m.args):
+        if set(callspec.id.split("-")) & slow_ids:
             item.add_marker(pytest.mark.slow)
 
 

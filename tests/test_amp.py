@@ -179,6 +179,7 @@ def _step(device):
     return out, loss, grads, [p.detach() for p in m.parameters()]
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_autocast_training_step_matches_cuda_policy_on_cpu():
     got, want = _step("tpu"), _step("cpu")
     assert got[0].dtype == torch.bfloat16          # linear runs in bf16
@@ -260,6 +261,7 @@ _llama_cpu = functools.lru_cache(maxsize=None)(functools.partial(_llama_run, "cp
 
 
 @pytest.mark.parametrize("kind", ["pure", "autocast"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_llama_trains_in_bfloat16(kind, tpu_mode):
     deferfuse.reset_metrics()
     got, p_dtype, state_dtypes = _llama_run("tpu", kind)

@@ -73,6 +73,7 @@ def test_map_location_as_for_cuda(tmp_path, where):
         torch.testing.assert_close(back[k].cpu(), v)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_training_resumes_from_a_checkpoint(tmp_path, tpu_mode):
     # Train, save model and optimizer, load them in fresh objects, train on: as on CPU.
     cpu_m = _model()
@@ -140,6 +141,7 @@ def test_safetensors_roundtrip(tmp_path):
         assert_same(p, q, msg=n)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_hugging_face_save_and_load_pretrained(tmp_path, tpu_mode):
     import transformers
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16,
@@ -160,6 +162,7 @@ def test_hugging_face_save_and_load_pretrained(tmp_path, tpu_mode):
             assert_same(m(ids.to("tpu")).logits, want, atol=1e-5)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_tpu_checkpoint_where_deferfuse_is_not_loaded(tmp_path):
     # A machine without deferfuse (autoload off and no import here): map_location="cpu" works as
     # for a CUDA checkpoint on a CPU machine; without it PyTorch's own parser refuses "tpu".

@@ -53,6 +53,7 @@ EVERY_DTYPE = ("nonzero", "bool_index", "masked_select", "unique_all", "unique_c
 
 
 @pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_matches_cpu(op, tpu_mode):
     for dtype in (DTYPES if op in EVERY_DTYPE else DTYPES[:1]):
         _check(OPS[op], _sample(dtype))
@@ -62,6 +63,7 @@ def test_matches_cpu(op, tpu_mode):
 @pytest.mark.parametrize("x", [torch.tensor(3.0), torch.zeros(0, 3), torch.zeros(4, 4),
                                torch.tensor([1.0, float("nan"), 1.0, float("nan"), -0.0, 0.0])],
                          ids=["0d", "empty", "all_zero", "nan"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_edge_inputs(x, tpu_mode):
     for name in ("nonzero", "masked_select", "unique_all", "unique_consecutive"):
         _check(OPS[name], x)
@@ -82,6 +84,7 @@ def test_errors_as_on_cpu(fn, args, tpu_mode):
     assert str(got.value) == str(want.value)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_backward(tpu_mode):
     x = torch.randn(4, 5, requires_grad=True)
     xt = x.detach().to("tpu").requires_grad_()
@@ -96,6 +99,7 @@ def test_backward(tpu_mode):
     _no_fallback()
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_varying_count_compiles_per_bucket(tpu_mode):
     """A loop whose count changes every step within one bucket (65 .. 128): the first step
     compiles, every later one compiles nothing, and each op reads one count from the device."""
@@ -118,6 +122,7 @@ def test_varying_count_compiles_per_bucket(tpu_mode):
     _no_fallback()
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_bincount_on_tpu():
     """bincount: its length read from the data once (the input's smallest and largest values),
     counts or weights added on the device; weights' dtypes, minlength, an empty input, and CPU's

@@ -538,6 +538,7 @@ def test_one_process_fsdp2(group, tpu_mode):
 
 
 @pytest.mark.parametrize("how", ["static_graph", "find_unused_parameters"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_one_process_ddp_stages_its_map_in_pinned_memory(group, tpu_mode, how):
     """DDP with ``static_graph=True`` (TorchRec's default) or ``find_unused_parameters=True``
     copies its map of used parameters to the device through pinned memory in backward, which
@@ -571,6 +572,7 @@ def test_one_process_ddp_stages_its_map_in_pinned_memory(group, tpu_mode, how):
         torch.testing.assert_close(got[k].cpu(), v)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_one_process_dtensor_random_init(group, tpu_mode):
     """DTensor's random ops (its OffsetBasedRNGTracker reads and moves the tpu generator's 16-byte
     (seed, offset) state) on a mesh of one: the same numbers as plain draws from the same seed,
@@ -684,6 +686,7 @@ def test_chunk_cat_and_split_copy(tpu_mode):
         torch._chunk_cat([torch.randn(5, 3, device="tpu"), torch.randn(3, 4, device="tpu")], 1, 2)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_foreach_into_views_of_one_buffer(tpu_mode):
     """In-place foreach ops on slices of one buffer (FSDP2 copies parameters into one; an
     optimizer over views of a flat buffer) write every slice, as on CPU."""

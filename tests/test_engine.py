@@ -281,6 +281,7 @@ def _train(dev, fail_step, opt_fails=False):
 
 
 @pytest.mark.parametrize("opt_fails", [False, True], ids=["backward", "optimizer"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_training_goes_on_after_an_error_in_backward_or_the_optimizer(opt_fails):
     got, gp = _train("tpu", 1, opt_fails)
     want, wp = _train("cpu", 1, opt_fails)
@@ -356,6 +357,7 @@ def test_override_mode_changes_the_mode():
     assert_same(x, torch.full((2,), 2.0))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_eight_threads_in_mixed_modes_match_cpu():
     errors = []
     torch.manual_seed(0)
@@ -430,6 +432,7 @@ def test_a_thread_that_raises_does_not_block_the_others():
     assert sorted(results) == [0.0, 3.0, 6.0] and len(errors) == 1
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_server_thread_pool_answers_with_one_model():
     from concurrent.futures import ThreadPoolExecutor
     torch.manual_seed(0)
@@ -595,6 +598,7 @@ def test_caches_are_bounded_and_counted():
         assert m[name]["size"] <= m[name]["capacity"]
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_programs_are_dropped_near_the_mapping_cap(tpu_mode):
     """NOTE [JIT mappings]: every compiled program holds memory mappings, and a process past
     vm.max_map_count crashed inside XLA. Near the cap the engine drops every compiled program

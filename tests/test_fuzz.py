@@ -161,6 +161,7 @@ def _tolerance(dtype):
 
 
 @pytest.mark.modes("strict", "defer")
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_random_chains_match_cpu():
     rng = random.Random(20261204)
     torch.manual_seed(0)

@@ -129,6 +129,7 @@ def test_addr_cross_bilinear(dt):
 
 @pytest.mark.slow_params("fp16")       # the kernels of bf16 with another rounding: slow
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_grid_sample(dt, mode):
     """CPU samples half-precision grids in the dtype, step by step (a coordinate can land on
     another pixel than in float32): 2-D and 3-D, each padding mode, both align_corners."""
@@ -257,6 +258,7 @@ def test_fused_half_chains_round_every_op(dt, tpu_mode):
 # --------------------------------------------------------------------------------------------
 # ties, CPU bugs, no fallbacks
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_ties_resolve_as_on_cpu(dt):
     """Many equal half-precision values: where CPU's order is defined (stable sorts, rows of up to
     16 elements, which its unstable sort sorts by insertion, max/min/argmax's first index, mode's
@@ -295,6 +297,7 @@ def test_no_cpu_fallback_for_half(dt):
     _same(lambda x: torch.renorm(x, 2, 1, 0.5), x, dt=dt)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_multi_head_attention_forward(dt):
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(dt)
     q = _rand(2, 5, 8, dt=dt, seed=1)
@@ -472,6 +475,7 @@ print("ok")
 
 
 @pytest.mark.modes("strict")     # the subprocess runs in its own default mode
+@pytest.mark.slow_params("fp16")   # long: bf16 only in the default run (the same scan)
 def test_onednn_lstm_as_cpu_in_a_subprocess(dt):
     """Where CPU's aten::lstm runs oneDNN in half precision, tpu runs the lowering of oneDNN's
     LSTM layer: outputs and gradients as CPU's (NOTE [oneDNN in a subprocess])."""

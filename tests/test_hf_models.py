@@ -50,6 +50,7 @@ def _check_fallbacks(arch):
 
 
 @pytest.mark.parametrize("arch", _params(hm.CORE, XFAIL_TRAIN))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_forward_backward(arch, tpu_mode):
     """Logits, loss and every parameter's gradient match CPU (atol=rtol=1e-4)."""
     hm.check_forward_backward(arch)
@@ -57,6 +58,7 @@ def test_forward_backward(arch, tpu_mode):
 
 
 @pytest.mark.parametrize("arch", _params(GENERATIVE, XFAIL_GENERATE))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_greedy_generate(arch, tpu_mode):
     """generate(do_sample=False) with the default dynamic cache gives CPU's tokens."""
     hm.check_generate(arch)
@@ -71,6 +73,7 @@ def test_forward_backward_wider(arch, tpu_mode):
 
 
 @pytest.mark.parametrize("arch", _params(GENERATIVE, XFAIL_GENERATE, fast={"llama"}))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_greedy_generate_static_cache(arch, tpu_mode):
     """generate(cache_implementation='static') (decode step not compiled) gives CPU's tokens."""
     hm.check_generate(arch, "static")
@@ -78,6 +81,7 @@ def test_greedy_generate_static_cache(arch, tpu_mode):
 
 
 @pytest.mark.parametrize("arch", _params(["gpt2", "llama", "t5"], XFAIL_GENERATE, fast={"gpt2"}))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_sampled_generate(arch, tpu_mode):
     """generate(do_sample=True) gives in-vocabulary tokens of the right shape (values differ from
     CPU by design: the tpu device draws from JAX's RNG)."""

@@ -160,6 +160,7 @@ def _check(name, mode, dtype, direction, limit):
 
 
 @pytest.mark.parametrize("name", BACKWARD)
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_opinfo_backward(name, tpu_mode):
     _check(name, tpu_mode, torch.float32, "backward", BACKWARD_LIMIT)
 

@@ -215,6 +215,7 @@ VARIANTS = {"foreach=True": ({"foreach": True}, [OPTIMIZERS[k] for k in (1, 2, 4
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_optimizers_match_cpu(variant):
     model = _model()
     extra, configs = VARIANTS[variant]
@@ -320,6 +321,7 @@ def _scaled_train(device, opt_cls, fused):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD], ids=["AdamW", "SGD"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_grad_scaler_matches_cpu(opt_cls, fused):
     """torch.amp.GradScaler: unscaling, the inf check and the scale update run on JAX; a fused
     optimizer takes grad_scale and found_inf itself, so a step needs no sync."""

@@ -94,6 +94,7 @@ def test_advanced_indexing():
     check(lambda x, i: torch.ops.aten.index.Tensor(x, [None, i, i]), x, i)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_index_put():
     x = torch.randn(5, 4)
     i = torch.tensor([0, -1, 2])
@@ -149,6 +150,7 @@ def test_index_put_bool_mask():
     check(lambda x, m: x.index_put((m,), torch.tensor(2.0, device=x.device), accumulate=True), x, m)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_index_add_copy_fill():
     x = torch.randn(5, 3)
     i = torch.tensor([0, 4, 0, 2])
@@ -200,6 +202,7 @@ def test_masked():
     check(lambda x, m, s: x.masked_scatter(m[1], s), x, m, torch.randn(3, 4))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_padding_forward_backward():
     x = torch.randn(2, 3, 5, 6)
     check(lambda x: F.pad(x, (1, 2, 0, 3), value=1.5), x)

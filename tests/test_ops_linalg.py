@@ -81,6 +81,7 @@ def test_product_edges():
                            torch.cross(a[:, None, :3], b[None, :3, :3].mT, dim=-1)), a, b, c)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_solve_inverse_det():
     A = well_conditioned(2, 4, 4)
     B = torch.randn(2, 4, 3)
@@ -172,6 +173,7 @@ def test_svd_eigh_up_to_sign(shape):
             torch.testing.assert_close(_align(Qt, Q), Q, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_singular_and_not_positive_definite():
     # Singular with a zero row, so that every LU gives an exact zero pivot (a rank-deficient matrix
     # with no zero row gives CPU's det a rounding residue of ~1e-7 on some CPUs, and exact 0 on others).

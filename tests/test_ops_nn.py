@@ -62,6 +62,7 @@ def run_module(m, *xs):
 
 # ------------------------------------------------------------------------------------ conv
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_conv2d_groups_stride_padding():
     m = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
     check(run_module, torch.randn(2, 4, 7, 7), module=m)
@@ -194,6 +195,7 @@ def test_max_pool_indices():
     ((32, 40), dict(size=(8, 10), align_corners=True)),
     ((64, 64), dict(size=(5, 3))),
 ])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_interpolate_antialias(mode, hw, kw):
     """interpolate(..., antialias=True) (torchvision's Resize on tensors): lowered, forward and
     gradient as CPU's, in float32 and float64."""
@@ -205,6 +207,7 @@ def test_interpolate_antialias(mode, hw, kw):
 
 # ------------------------------------------------------------------------------------ attention, softmax
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_sdpa_causal_and_float_mask():
     q, k, v = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
     mask = torch.randn(5, 6)
@@ -380,6 +383,7 @@ def test_linear_input_modified_in_place_after_use():
 
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("masks", ["none", "padding", "causal", "both", "row_all_masked"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_transformer_encoder_inference_fast_path(norm_first, masks):
     """nn.TransformerEncoderLayer in eval mode under no_grad takes PyTorch's fused kernel
     (_transformer_encoder_layer_fwd, with _native_multi_head_attention inside): it runs on JAX
@@ -408,6 +412,7 @@ def test_transformer_encoder_inference_fast_path(norm_first, masks):
 
 
 @pytest.mark.parametrize("left_aligned", [True, False])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_transformer_encoder_nested_fast_path_declined(left_aligned):
     """With enable_nested_tensor=True (the default), eval, no_grad and a padding mask, CPU turns a
     left-aligned batch into a nested tensor; tpu has none, so it runs PyTorch's padded path: the
@@ -564,6 +569,7 @@ def _flat(out):
     ("GRU", dict(num_layers=2, bidirectional=True)),
     ("GRU", dict(bias=False, batch_first=True)),
 ])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_recurrent_layers(kind, kw):
     # On an accelerator PyTorch's LSTM and GRU run a fused cell per step (CPU runs unfused ops):
     # the lowerings in runtime/lowering/rnn.py, against CPU's arithmetic, gradients included.
@@ -595,6 +601,7 @@ def test_gru_cell(bias):
 
 
 @pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_recurrent_cell_double_backward(kind):
     # create_graph=True: PyTorch's differentiable cell backward (ordinary ops) instead of the fused one.
     m = getattr(nn, kind)(3, 4)
@@ -662,6 +669,7 @@ def test_ctc_loss_edges_on_tpu():
 
 
 @pytest.mark.parametrize("enforce_sorted", [True, False])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_packed_sequence_through_lstm(enforce_sorted):
     # pack_padded_sequence keeps batch_sizes on CPU (PackedSequence requires it; a CPU fallback
     # had brought it to tpu and the LSTM refused it); the packed LSTM runs on tpu.

@@ -39,6 +39,7 @@ def moments(x, mean, std, tol=0.05):
     assert abs(x.std().item() - std) < tol * std + 1e-3, (x.std().item(), std)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_uniform_normal_factories():
     moments(like_cpu(lambda d: torch.rand(N, device=d)), 0.5, 1 / math.sqrt(12))
     moments(like_cpu(lambda d: torch.randn(N, device=d)), 0.0, 1.0)
@@ -50,6 +51,7 @@ def test_uniform_normal_factories():
     moments(y, 3.0, 0.5)                                                   # a view, written back
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_like_and_normal_tensor_overloads():
     base = torch.zeros(N)
     moments(like_cpu(lambda d: torch.rand_like(base.to(d))), 0.5, 1 / math.sqrt(12))
@@ -61,6 +63,7 @@ def test_like_and_normal_tensor_overloads():
     moments(like_cpu(lambda d: torch.normal(mean.to(d), std.to(d))), 5.0, 2.0)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_integers():
     x = like_cpu(lambda d: torch.randint(0, 10, (N,), device=d))
     assert x.min() == 0 and x.max() == 9
@@ -82,6 +85,7 @@ def test_integers():
     assert x.min() >= -2 ** 40 and x.max() > 2 ** 60
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_bernoulli():
     x = like_cpu(lambda d: torch.empty(N, device=d).bernoulli_(0.3))
     assert set(x.unique().tolist()) <= {0.0, 1.0}
@@ -219,6 +223,7 @@ def test_a_cpu_generator_seeds_the_op(draw):
     assert deferfuse.metrics()["compiles"] == 0     # a new generator is not a new program
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_generator_and_the_distribution_it_draws():
     x = torch.empty(20000, device="tpu").normal_(3.0, 2.0, generator=torch.Generator().manual_seed(3))
     x = x.cpu()

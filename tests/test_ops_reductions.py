@@ -99,6 +99,7 @@ def test_sort_select():
                         y.topk(2, 0, largest=False)), x, y)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_median_mode():
     x = torch.randperm(40).reshape(5, 8).float()
     x[1, 3] = float("nan")
@@ -110,6 +111,7 @@ def test_median_mode():
                         x.nanmedian(1)[0], x[3:].kthvalue(3, 1), y.mode(1)), x, y)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_zero_dim_and_empty():
     s = torch.tensor(2.5)
     check(lambda s: (s.sum(0), s.max(0), s.argmax(0, True), s.sort(), s.topk(1), s.cumsum(0),
@@ -132,6 +134,7 @@ def test_zero_dim_and_empty():
         assert str(cpu_err.value) in str(err.value)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_under_autograd():
     x = torch.randn(4, 5, requires_grad=True)
     xt = x.detach().to("tpu").requires_grad_()

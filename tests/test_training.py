@@ -99,6 +99,7 @@ CASES = [("mlp", "sgd", None), ("mlp", "adam", False), ("transformer", "adamw", 
 
 
 @pytest.mark.parametrize("model_name,opt_name,foreach", CASES)
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_train_matches_cpu(model_name, opt_name, foreach):
     want_l, want_p = _train(model_name, opt_name, foreach, "cpu")
     got_l, got_p = _train(model_name, opt_name, foreach, "tpu")

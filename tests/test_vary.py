@@ -159,6 +159,7 @@ def _bptt(model, data, dev, steps):
 
 
 @pytest.mark.parametrize("arch", ["lstm", "transformer"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_bptt_over_slices_of_one_tensor_compiles_once(arch):
     torch.manual_seed(0)
     model = _LSTMLM() if arch == "lstm" else _TransformerLM()
@@ -204,6 +205,7 @@ print(",".join(f"{v:.6f}" for v in losses), err, m["compiles"], m["program_disk_
 
 
 @pytest.mark.modes("defer", "strict")
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
     import subprocess
     import sys
@@ -603,6 +605,7 @@ def test_hugging_face_generate_second_call_compiles_nothing(cache):
     assert sum(counts[0]) > 0 and counts[1] == (0, 0), counts
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing():
     """An epoch whose last batch is smaller (a DataLoader without drop_last): CPU's losses and
     weights, and nothing new to compile in the second epoch."""
