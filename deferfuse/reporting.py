@@ -77,6 +77,9 @@ def render() -> str:
     if S["loop_splits"]:
         lines.append(f"traces holding many iterations of a loop, run as one cached region per "
                      f"iteration instead of one long program: {S['loop_splits']}")
+    if S["setup_splits"]:
+        lines.append(f"traces whose leading tensors made before a call and kept ran first, on their "
+                     f"own (the rest as the next call records it): {S['setup_splits']}")
     if S["needed_first_splits"]:
         lines.append(f"syncs that waited only for the ops their value needed (the rest of the trace "
                      f"ran as a second region behind them): {S['needed_first_splits']}")

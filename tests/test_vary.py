@@ -580,7 +580,9 @@ def test_hugging_face_generate_second_call_compiles_nothing(cache):
     transformers' default) through ``torch.compile``: CPU's greedy tokens, and the second
     identical call compiles nothing (the compiled static cache's second call compiled one program
     per length: the tokens' ``cat`` had no bucket, NOTE [bucket families] in
-    runtime/buckets.py)."""
+    runtime/buckets.py). The mask is made on the device before the first call and kept, as a
+    script does: its op joined the first call's first trace, and the second call compiled that
+    trace's other ops again (NOTE [setup first] in scheduler/cut.py)."""
     pytest.importorskip("transformers")
     import hf_matrix as hm
     want = hm.cpu_generate("llama", cache and "static")
@@ -590,6 +592,7 @@ def test_hugging_face_generate_second_call_compiles_nothing(cache):
     model, batch = hm.cpu_reference("llama")[:2]
     tm = hm.to_tpu(model)
     tb = hm._dev(batch, "tpu")
+    tb["attention_mask"] = torch.ones_like(tb["input_ids"])     # pending until the first call
     counts = []
     for _ in range(2):
         deferfuse.reset_metrics()
