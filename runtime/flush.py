@@ -24,9 +24,10 @@ from ..scheduler.cache import Cache
 from ..scheduler.records import Donated
 
 S = stats.S
-# Cuts nobody waits for: the trace runs and recording goes on. Their index checks are read at the
-# next real sync (NOTE [unchecked values] in checks.py).
-ASYNC_CUTS = policy.ASYNC_CUTS       # cuts the host does not wait for (scheduler/policy.py)
+# Cuts nobody waits for (policy.is_async: the recorder's own cuts, scheduler/policy.py): the trace
+# runs and recording goes on. Their index checks are read at the next real sync (NOTE [unchecked
+# values] in checks.py).
+is_async = policy.is_async
 
 
 @dataclass(slots=True)
@@ -411,7 +412,7 @@ class Runner:
             ctx.done.update(run.pos)
         if flags or self.checks.pending:
             self.checks.add(flags, reg.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
-                            run.later or ctx.reason in ASYNC_CUTS)
+                            run.later or is_async(ctx.reason))
         if memory_stats.peak > self.peak_seen:
             self.peak_seen = memory_stats.peak
             S["peak_region"] = reg.summary
@@ -560,7 +561,7 @@ class Runner:
                   file=sys.stderr)
         if flags or self.checks.pending:
             self.checks.add(flags, prog.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
-                            run.later or ctx.reason in ASYNC_CUTS)
+                            run.later or is_async(ctx.reason))
 
     def _around(self, ctx, run: Run, failed_ext, err) -> None:
         """Run ``run`` op by op around what cannot run: the ops reading a failed input
