@@ -16,11 +16,11 @@ def _mb(n: int) -> str:
 
 
 _CUT_WORDS = {
-    Cut.LOOP_BOUNDARY: "a loop's repeated body was found; the trace is dispatched at every repetition "
-                     "(or every few), each piece one cached region",
+    Cut.LOOP_BOUNDARY: "a loop's repeated body was found; the trace is dispatched at every "
+                       "repetition (or every few), each piece one cached region",
     Cut.TRACE_LIMIT: "the trace reached DEFERFUSE_TRACE_LIMIT ops and was dispatched",
-    Cut.BACKWARD: "backward() dispatched the forward pass, which computes while the backward pass is "
-                "recorded",
+    Cut.BACKWARD: "backward() dispatched the forward pass, which computes while the backward pass "
+                  "is recorded",
 }
 
 
@@ -79,8 +79,8 @@ def render() -> str:
         lines.append(f"traces holding many iterations of a loop, run as one cached region per "
                      f"iteration instead of one long program: {S['loop_splits']}")
     if S["setup_splits"]:
-        lines.append(f"traces whose leading tensors made before a call and kept ran first, on their "
-                     f"own (the rest as the next call records it): {S['setup_splits']}")
+        lines.append(f"traces whose leading tensors made before a call and kept ran first, on "
+                     f"their own (the rest as the next call records it): {S['setup_splits']}")
     if S["needed_first_splits"]:
         lines.append(f"syncs that waited only for the ops their value needed (the rest of the trace "
                      f"ran as a second region behind them): {S['needed_first_splits']}")

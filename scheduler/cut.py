@@ -68,9 +68,9 @@ def needed_first(wiring: list, want) -> tuple | None:
 # Ops whose results depend on no tensor's values (only on sizes, dtypes and scalars): what a script
 # makes once before a loop or a call (``mask = torch.ones_like(ids)``). Random factories are not
 # among them (they draw from the generator: their order is part of the program).
-SETUP_OPS = frozenset(("ones_like", "zeros_like", "full_like", "empty_like", "new_ones", "new_zeros",
-                       "new_full", "new_empty", "ones", "zeros", "full", "empty", "empty_strided",
-                       "scalar_tensor", "arange"))
+SETUP_OPS = frozenset(("ones_like", "zeros_like", "full_like", "empty_like", "new_ones",
+                       "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty",
+                       "empty_strided", "scalar_tensor", "arange"))
 
 
 def setup_first(entries, wiring: list, live: set) -> int:
@@ -93,6 +93,7 @@ def setup_first(entries, wiring: list, live: set) -> int:
 
 
 def is_setup(name: str) -> bool:
-    """Whether the op named ``name`` (``aten.<op>.<overload>``) only makes a value (``SETUP_OPS``)."""
+    """Whether the op named ``name`` (``aten.<op>.<overload>``) only makes a value
+    (``SETUP_OPS``)."""
     parts = name.split(".")
     return len(parts) == 3 and parts[0] == "aten" and parts[1] in SETUP_OPS
