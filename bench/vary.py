@@ -22,7 +22,8 @@ import time
 
 import run as R
 
-WORKLOADS = ["gpt_generate_grow", "nanogpt_sample", "hf_generate", "bptt_lstm", "wlm_lstm", "bptt_transformer", "ragged_train"]
+WORKLOADS = ["gpt_generate_grow", "nanogpt_sample", "hf_generate", "hf_generate_static",
+             "bptt_lstm", "wlm_lstm", "bptt_transformer", "ragged_train"]
 PROMPTS = {"gpt_generate_grow": 12, "hf_generate": 11}     # the new prompt length of the third call
 
 

@@ -81,6 +81,9 @@ SETTINGS = {s.name: s for s in [
     Setting("needed_first", "DEFERFUSE_NEEDED_FIRST", True, _bool,
             "at a sync that reads one value (.item(), .cpu()), run the ops it needs first and the "
             "rest as a second region the host does not wait for"),
+    Setting("setup_first", "DEFERFUSE_SETUP_FIRST", True, _bool,
+            "run a trace's leading factories whose tensors are kept (a mask made before a call) as "
+            "a region of their own, so the rest compiles as the next call records it"),
     Setting("backward_cut", "DEFERFUSE_BACKWARD_CUT", True, _bool,
             "dispatch the pending trace (the forward pass) when backward() starts, without waiting "
             "for it, and what is pending when a read finds its value computed"),

@@ -18,6 +18,7 @@ from . import device_info, subclass
 from .config import config
 from .engine import engine, user_error
 from .runtime import platform
+from .scheduler.policy import Cut
 from .tensor import _DEVICES
 
 _lib = None
@@ -310,7 +311,7 @@ def _wrap_autograd() -> None:
             roots = args[0] if args else kwargs.get(first)
             if (ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots)
                     and compiled.backward_cut_pays(ts.trace)):
-                engine.sync("backward")
+                engine.sync(Cut.BACKWARD)
             errors = ts.backward_errors
             errors.clear()
             hooks = []

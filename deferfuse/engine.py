@@ -20,9 +20,10 @@ from .config import config
 from .generator import Rng
 from .record import Bodies, SourceLines, Trace
 from .runtime import execute, stats
-from .runtime.flush import ASYNC_CUTS, Runner, Settings
+from .runtime.flush import Runner, Settings
 from .runtime.transfer import materialize_empty
 from .scheduler.cache import Cache
+from .scheduler.policy import is_async
 from .scheduler.records import Value, sig_id
 
 
@@ -124,7 +125,7 @@ class Engine:
                     # The trace is gone: collect what Python's own threshold would have by now
                     # (cyclic garbage holding device buffers must not wait for the raised one).
                     gc.collect(0)
-            if reason not in ASYNC_CUTS:
+            if not is_async(reason):
                 # Values are read now: report an index check that failed in what ran (in what the
                 # read waited for, when it read one value: NOTE [unchecked values]).
                 checks = self.runner.checks
@@ -147,10 +148,10 @@ class Engine:
                 src = self.sources.site(sys._getframe(1))
             cfg = Settings(config.debug, config.cross_check, config.memory_planner,
                            config.shape_recompile_limit, config.memory_budget, config.step_detection,
-                           config.buckets)
+                           config.buckets, config.setup_first)
             ctx = self.runner.start(fl, reason, src, cfg, config.max_regions)
             try:
-                self.runner.run(ctx, later or reason in ASYNC_CUTS)
+                self.runner.run(ctx, later or is_async(reason))
             except Exception as e:
                 ctx.errors.insert(0, e)
                 for v in fl.outs:

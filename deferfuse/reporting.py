@@ -6,7 +6,8 @@ import shutil
 import subprocess
 
 from .engine import engine
-from .runtime import flush, stats
+from .runtime import stats
+from .scheduler.policy import Cut, is_async
 from .runtime.memory import COUNTERS as memory
 
 
@@ -15,11 +16,11 @@ def _mb(n: int) -> str:
 
 
 _CUT_WORDS = {
-    "loop boundary": "a loop's repeated body was found; the trace is dispatched at every repetition "
-                     "(or every few), each piece one cached region",
-    "trace limit": "the trace reached DEFERFUSE_TRACE_LIMIT ops and was dispatched",
-    "backward": "backward() dispatched the forward pass, which computes while the backward pass is "
-                "recorded",
+    Cut.LOOP_BOUNDARY: "a loop's repeated body was found; the trace is dispatched at every "
+                       "repetition (or every few), each piece one cached region",
+    Cut.TRACE_LIMIT: "the trace reached DEFERFUSE_TRACE_LIMIT ops and was dispatched",
+    Cut.BACKWARD: "backward() dispatched the forward pass, which computes while the backward pass "
+                  "is recorded",
 }
 
 
@@ -40,8 +41,8 @@ def render() -> str:
     lines.append(f"time: compiling {S['compile_seconds']:.2f} s, executing (dispatch, asynchronous) "
                  f"{S['execute_seconds']:.2f} s.")
     lines.append("")
-    cuts = {r: n for r, n in S["syncs"].items() if r in flush.ASYNC_CUTS}
-    waits = {r: n for r, n in S["syncs"].items() if r not in flush.ASYNC_CUTS}
+    cuts = {r: n for r, n in S["syncs"].items() if is_async(r)}
+    waits = {r: n for r, n in S["syncs"].items() if not is_async(r)}
     lines.append(f"syncs: {nsync}" + ("" if nsync else " (nothing forced the trace to run)")
                  + (f": {sum(waits.values())} where the host waited for the device, "
                     f"{sum(cuts.values())} cuts that waited for nothing" if cuts else ""))
@@ -49,12 +50,12 @@ def render() -> str:
         lines.append(f"  {n:6d}  {reason}")
     for reason, n in sorted(cuts.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {n:6d}  {reason}: {_CUT_WORDS[reason]}")
-    sites = [(k, n) for k, n in S["sync_sites"].most_common() if k[0] not in flush.ASYNC_CUTS]
+    sites = [(k, n) for k, n in S["sync_sites"].most_common() if not is_async(k[0])]
     if sites:
         lines.append("top sync sites (where your code made the device wait):")
         for (reason, src), n in sites[:8]:
             lines.append(f"  {n:6d}  {reason:22s} {src}")
-    cut_sites = [(k, n) for k, n in S["sync_sites"].most_common() if k[0] in flush.ASYNC_CUTS]
+    cut_sites = [(k, n) for k, n in S["sync_sites"].most_common() if is_async(k[0])]
     if cut_sites:
         lines.append("top cut sites (your line running when the trace was dispatched):")
         for (reason, src), n in cut_sites[:4]:
@@ -77,6 +78,9 @@ def render() -> str:
     if S["loop_splits"]:
         lines.append(f"traces holding many iterations of a loop, run as one cached region per "
                      f"iteration instead of one long program: {S['loop_splits']}")
+    if S["setup_splits"]:
+        lines.append(f"traces whose leading tensors made before a call and kept ran first, on "
+                     f"their own (the rest as the next call records it): {S['setup_splits']}")
     if S["needed_first_splits"]:
         lines.append(f"syncs that waited only for the ops their value needed (the rest of the trace "
                      f"ran as a second region behind them): {S['needed_first_splits']}")

@@ -24,9 +24,10 @@ from ..scheduler.cache import Cache
 from ..scheduler.records import Donated
 
 S = stats.S
-# Cuts nobody waits for: the trace runs and recording goes on. Their index checks are read at the
-# next real sync (NOTE [unchecked values] in checks.py).
-ASYNC_CUTS = policy.ASYNC_CUTS       # cuts the host does not wait for (scheduler/policy.py)
+# Cuts nobody waits for (policy.is_async: the recorder's own cuts, scheduler/policy.py): the trace
+# runs and recording goes on. Their index checks are read at the next real sync (NOTE [unchecked
+# values] in checks.py).
+is_async = policy.is_async
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class Settings:
     budget: int = 0
     loop_split: bool = True
     buckets: bool = True
+    setup_first: bool = True
 
 
 @dataclass(slots=True)
@@ -176,8 +178,29 @@ class Runner:
         out_sig = tuple((v.node.pos, v.idx) for v in fl.outs)
         whole = Run(nodes, entries, wirings, range(len(nodes)), ext, held, fl.scalars, fl.h,
                     fl.outs, out_sig, later)
-        lf = 0 if later else None       # pieces of a later run are later too
-        if policy.CutPolicy.loop_split(len(nodes), fl.whole, cfg.loop_split, cfg.cross_check):
+        if cfg.setup_first and len(nodes) > 1 and cut.is_setup(entries[0].name):
+            k = cut.setup_first(entries, wirings, {p for p, _ in out_sig})
+            if k:       # NOTE [setup first] in scheduler/cut.py
+                S["setup_splits"] += 1
+                rest, st = self._setup_first(ctx, st, whole, k)
+                want = fl.want
+                if want is not None:
+                    want = tuple(p - k for p in want) if min(want) >= k else None
+                try:
+                    self._trace(ctx, st, rest, want, fl.whole)
+                finally:
+                    rest.nodes.release()
+                return
+        self._trace(ctx, st, whole, fl.want, fl.whole)
+
+    def _trace(self, ctx, st, whole: Run, want, inside: bool) -> None:
+        """Run ``whole`` (a trace, or what is left of one after its setup ops: NOTE [setup first])
+        as the regions it is cut into; ``want``: the positions its sync reads; ``inside``: within
+        an outer loop's body."""
+        cfg = ctx.cfg
+        entries, wirings = whole.entries, whole.wirings
+        lf = 0 if whole.later else None     # pieces of a later run are later too
+        if policy.CutPolicy.loop_split(len(entries), inside, cfg.loop_split, cfg.cross_check):
             cuts = st.loop_cuts
             if cuts == 0:
                 cuts = steps.periodic_cuts([e.ohash for e in entries])
@@ -188,10 +211,10 @@ class Runner:
                 S["loop_splits"] += 1
                 self._pieces(ctx, st, whole, cuts[0], None, lf, cuts[1])
                 return
-        if fl.want is not None and not cfg.cross_check:
-            split = st.splits.get(fl.want, 0)
+        if want is not None and not cfg.cross_check:
+            split = st.splits.get(want, 0)
             if split == 0:
-                split = st.splits[fl.want] = cut.needed_first(wirings, fl.want)
+                split = st.splits[want] = cut.needed_first(wirings, want)
             if split is not None:
                 # NOTE [needed first]: a sync that reads one value (``loss.item()`` after a
                 # training step) needs only the ops that value depends on: the forward pass, not
@@ -203,9 +226,48 @@ class Runner:
                 # read at the next sync.
                 order, n_first = split
                 S["needed_first_splits"] += 1
-                self._pieces(ctx, st, whole, (n_first, len(nodes)), order, 1)
+                self._pieces(ctx, st, whole, (n_first, len(entries)), order, 1)
                 return
         self._region(ctx, whole)
+
+    def _setup_first(self, ctx, st, run: Run, k: int):
+        """Run the first ``k`` ops of the trace ``run`` as a region of their own (NOTE [setup
+        first] in scheduler/cut.py); return the rest as a ``Run`` that is the trace the recorder
+        makes of those ops alone (the same structure hash, inputs in the same order, the same
+        donation pattern), and its structure record."""
+        nodes = run.nodes
+        n = len(nodes)
+        plan = st.plans.get(("setup", k))
+        if plan is None:
+            plan = st.plans[("setup", k)] = pieces.plan(nodes, range(n), (k, n))
+        made = []
+        for pc in plan:
+            sub_ext, sub_held = [], []
+            for w, later in zip(pc.src, pc.later):
+                if w.__class__ is int:
+                    sub_ext.append(run.ext[w])
+                    sub_held.append(later or run.held[w])
+                else:                   # a setup op's output: it leaves the trace (held)
+                    sub_ext.append(nodes[w[0]].outs[w[1]])
+                    sub_held.append(True)
+            lo = pc.pos[0]
+            outs = [v for v in run.outs if lo <= v.node.pos < lo + len(pc.pos)]
+            sig = tuple((v.node.pos - lo, v.idx) for v in outs)
+            sc = [x for p in pc.pos for x in nodes[p].scalars]
+            made.append(Run(pieces.PieceNodes(nodes, pc), [run.entries[p] for p in pc.pos],
+                            pc.wiring, [run.pos[p] for p in pc.pos], sub_ext, sub_held, sc, pc.h,
+                            outs, sig, run.later))
+        first, rest = made
+        try:
+            self._region(ctx, first)
+        finally:
+            first.nodes.release()
+        skey = (rest.h, len(rest.entries))
+        rst = self.structs.get(skey)
+        if rst is None or not (rst.entries == rest.entries and rst.wirings == rest.wirings):
+            rst = _Struct(rest.entries, rest.wirings)
+            self.structs[skey] = rst
+        return rest, rst
 
     def _pieces(self, ctx, st, run: Run, cuts, order, later_from, reps=False) -> None:
         """Run ``run`` (a whole trace) as pieces, one region each, one after another: its nodes in
@@ -350,7 +412,7 @@ class Runner:
             ctx.done.update(run.pos)
         if flags or self.checks.pending:
             self.checks.add(flags, reg.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
-                            run.later or ctx.reason in ASYNC_CUTS)
+                            run.later or is_async(ctx.reason))
         if memory_stats.peak > self.peak_seen:
             self.peak_seen = memory_stats.peak
             S["peak_region"] = reg.summary
@@ -499,7 +561,7 @@ class Runner:
                   file=sys.stderr)
         if flags or self.checks.pending:
             self.checks.add(flags, prog.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
-                            run.later or ctx.reason in ASYNC_CUTS)
+                            run.later or is_async(ctx.reason))
 
     def _around(self, ctx, run: Run, failed_ext, err) -> None:
         """Run ``run`` op by op around what cannot run: the ops reading a failed input

@@ -1,12 +1,13 @@
 """Where to cut a region into pieces that run one after another: pure Python over trace records.
 
-Three reasons to cut:
+Four reasons to cut:
 
 - memory budget: cut where the fewest bytes are live (``budget_cut``, from ``liveness.simulate``);
 - shape churn: a structure that keeps coming back with new shapes is cut between the ops whose keys
   changed and those that never did (``churn_cuts``), so the unchanging runs compile once;
 - a sync that reads one value (``.item()``): the ops it needs run first and the rest after, so the
-  host waits for the first piece only (``needed_first``; see NOTE [needed first] in flush.py).
+  host waits for the first piece only (``needed_first``; see NOTE [needed first] in flush.py);
+- tensors made before a computation and kept: they run first, on their own (``setup_first``).
 
 A cut list is the end index of each piece, the last one being the trace length.
 """
@@ -62,3 +63,37 @@ def needed_first(wiring: list, want) -> tuple | None:
     if rest < NEEDED_FIRST_MIN_OPS or rest < NEEDED_FIRST_MIN_SHARE * n:
         return None
     return tuple(first + [i for i in range(n) if not need[i]]), len(first)
+
+
+# Ops whose results depend on no tensor's values (only on sizes, dtypes and scalars): what a script
+# makes once before a loop or a call (``mask = torch.ones_like(ids)``). Random factories are not
+# among them (they draw from the generator: their order is part of the program).
+SETUP_OPS = frozenset(("ones_like", "zeros_like", "full_like", "empty_like", "new_ones",
+                       "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty",
+                       "empty_strided", "scalar_tensor", "arange"))
+
+
+def setup_first(entries, wiring: list, live: set) -> int:
+    """NOTE [setup first]: a tensor made before a call and kept (``mask = torch.ones_like(ids)``
+    before ``model.generate(ids, attention_mask=mask)``) is recorded lazily, so it joins the first
+    trace of the call, and that trace's structure (the factory, then the call's first ops) is one
+    the second call never records: its mask is computed already, so it records the call's ops
+    alone and compiled them again (HF ``generate()``'s right-padding check, a 2-op region). The
+    leading ops of a trace that only make values (``SETUP_OPS``), read no value of the trace and
+    leave it (``live``: positions whose outputs tensors hold after the sync) run first as a
+    region of their own; the rest runs as the trace the second call records, so it finds that
+    call's programs. Returns how many leading ops run first (0: none; never the whole trace).
+    ``entries``: the ops (their ``name``, ``aten.<op>.<overload>``)."""
+    n = len(wiring)
+    k = 0
+    while k < n - 1 and k in live and is_setup(entries[k].name) and \
+            all(w is None or w.__class__ is int for w in wiring[k]):
+        k += 1
+    return k
+
+
+def is_setup(name: str) -> bool:
+    """Whether the op named ``name`` (``aten.<op>.<overload>``) only makes a value
+    (``SETUP_OPS``)."""
+    parts = name.split(".")
+    return len(parts) == 3 and parts[0] == "aten" and parts[1] in SETUP_OPS

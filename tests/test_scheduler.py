@@ -139,6 +139,25 @@ def test_needed_first_orders_the_read_value_s_ops_first():
     assert cut.needed_first(wiring[:3] + [((0, 0),)], (3,)) is None
 
 
+def test_setup_first_takes_only_leading_kept_factories():
+    """NOTE [setup first]: the leading ops that only make a value, read nothing of the trace and
+    leave it run first; anything else (a factory read only inside, one reading a pending value,
+    an op that computes, the whole trace) does not."""
+    from types import SimpleNamespace as E
+
+    from deferfuse.scheduler import cut
+    ops = [E(name=f"aten.{n}.default") for n in ("ones_like", "zeros", "eq", "any")]
+    wiring = [(0,), (), ((0, 0),), ((2, 0),)]
+    assert cut.setup_first(ops, wiring, {0, 1, 3}) == 2
+    assert cut.setup_first(ops, wiring, {0, 3}) == 1              # zeros: used inside only
+    assert cut.setup_first(ops, wiring, {1, 3}) == 0              # ones_like not kept
+    assert cut.setup_first(ops, [(0,), ((0, 0),), ((0, 0),), ((2, 0),)], {0, 1, 3}) == 1
+    assert cut.setup_first(ops[:1], wiring[:1], {0}) == 0         # never the whole trace
+    assert cut.setup_first([E(name="aten.rand_like.default")] + ops[2:], [(0,), ((0, 0),),
+                                                                       ((1, 0),)], {0, 2}) == 0
+    assert not cut.is_setup("myns.ones.default") and not cut.is_setup("ones")
+
+
 def test_pieces_plan_renumbers_and_finds_what_crosses():
     from types import SimpleNamespace as NS
     from deferfuse.scheduler import pieces
