@@ -300,8 +300,8 @@ def test_env_mode_and_bad_mode():
             pass
     # Every mode name parses as the variable's value (in process); one subprocess shows the
     # variable read at import (each subprocess costs seconds of import).
-    from deferfuse import config
-    assert [config.SETTINGS["mode"].parse(m) for m in (" Strict", "debug", "DEFER")] == \
+    from deferfuse.config import SETTINGS
+    assert [SETTINGS["mode"].parse(m) for m in (" Strict", "debug", "DEFER")] == \
         ["strict", "debug", "defer"]
     code = "import deferfuse; print(deferfuse.current_mode())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCHTPU_MODE": "debug"},
