@@ -16,6 +16,10 @@ TorchTitan's varlen module casts them). Every loss within 2e-3 of CPU's, step 1'
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ titan = pytest.importorskip(
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
+from util import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.modes("defer")]
 
@@ -121,3 +126,48 @@ def test_llama3_debugmodel_trains_as_on_cpu(attn, tpu_mode):
     assert want[-1] < want[0] - 0.5                  # it learns: the comparison is not of noise
     for name, p in tpu.named_parameters():
         assert p.device.type == "tpu", name
+
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "titan_worker.py")
+
+
+def two_ranks(tmp_path, shard, replicate, compiled):
+    """tests/titan_worker.py on 2 processes under torchrun: (each rank's losses, initial weights)."""
+    init = tmp_path / "init.pt"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)                       # one CPU device per process
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", WORKER, str(shard), str(replicate),
+                        str(int(compiled)), str(init)],
+                       env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    res = [json.loads(ln[len("RESULT "):]) for ln in p.stdout.splitlines()
+           if ln.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in res) == [0, 1], p.stdout[-3000:] + p.stderr[-3000:]
+    return [r["losses"] for r in res], torch.load(init)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("shard,replicate", [(2, 1), (1, 2)], ids=["fsdp", "hsdp"])
+def test_llama3_debugmodel_two_ranks_trains_as_on_cpu(shard, replicate, compiled, tmp_path):
+    """2 ranks, TorchTitan's FSDP (dp_shard 2) or HSDP (dp_replicate 2 x dp_shard 1) over the tpu
+    process group, flex attention, selective activation checkpointing, weights initialised through
+    DTensor's RNG, eager or compiled (``compile.backend`` tpu): every global loss within 1e-3 of
+    one CPU process training the same global batch from the same initial weights."""
+    ranks, init = two_ranks(tmp_path, shard, replicate, compiled)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        cpu = model_registry("debugmodel").model.build()
+    cpu.to_empty(device="cpu")
+    with torch.no_grad():
+        cpu.init_weights(buffer_device=None)
+    cpu.load_state_dict(init)
+    for name in [n for n, m in cpu.named_modules() if isinstance(m, FlexAttention)]:
+        parent, _, leaf = name.rpartition(".")
+        setattr(cpu.get_submodule(parent), leaf, DenseAttention(bf16=False))
+    want = train(cpu, "cpu", batches(), lambda m, p: dense_mask(p))
+    print(f"shard {shard} replicate {replicate} compiled {compiled}: tpu {ranks[0]}\ncpu {want}")
+    assert ranks[0] == ranks[1]                      # the global loss, reduced over the ranks
+    diffs = [abs(a - b) for a, b in zip(ranks[0], want)]
+    assert len(diffs) == STEPS and max(diffs) <= 1e-3, diffs
+    assert want[-1] < want[0] - 0.5
