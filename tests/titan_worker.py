@@ -1,12 +1,12 @@
 """One rank of TorchTitan's llama3 debug model trained data-parallel on ``tpu`` (tests/test_titan.py
 starts 2 of these under ``torch.distributed.run``).
 
-``python tests/titan_worker.py SHARD REPLICATE COMPILE OUT`` trains 10 steps on the global batch of
+``python tests/titan_worker.py SHARD REPLICATE ATTN BACKEND OUT`` trains 10 steps on the global batch of
 tests/test_titan.py (``batches()``: 2 rows, one per rank) the way TorchTitan's trainer does, from
 its own parts: its ``init_distributed`` (the ``tpu`` process group), ``ParallelDims`` and
 ``set_determinism`` (DTensor's RNG seeded from ``--debug.seed``), the model from its
-``llama3_debugmodel`` config built on meta and given to its ``parallelize_llama`` (selective
-activation checkpointing, ``torch.compile`` when COMPILE is 1, FSDP2 over ``dp_shard`` x
+``llama3_debugmodel`` config (ATTN: ``flex`` or ``varlen`` attention) built on meta and given to its ``parallelize_llama`` (selective
+activation checkpointing, ``torch.compile`` with BACKEND unless it is ``none``, FSDP2 over ``dp_shard`` x
 ``dp_replicate``), ``to_empty("tpu")`` and ``init_weights`` through DTensor's random ops, its
 chunked cross-entropy over the global token count, its ``clip_grad_norm_``, AdamW container and
 schedule. Two settings differ from the debug config: ``spmd_backend`` is ``partial_dtensor`` (the
@@ -34,25 +34,28 @@ def plain(key: str) -> str:
                     if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
-def main(shard: int, replicate: int, compile_: bool, out: str) -> None:
+def main(shard: int, replicate: int, attn: str, backend: str, out: str) -> None:
+    import deferfuse
     from torch.distributed.tensor import DTensor
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
     from torchtitan.tools import utils
     from test_titan import STEPS, batches
 
     cfg = llama3_debugmodel()
+    cfg.model_spec = model_registry("debugmodel", attn_backend=attn)
     cfg.parallelism.spmd_backend = "partial_dtensor"
     cfg.parallelism.data_parallel_shard_degree = shard
     cfg.parallelism.data_parallel_replicate_degree = replicate
     cfg.training.mixed_precision_param = "float32"
     cfg.training.steps = STEPS
-    cfg.training.local_batch_size = 1
+    cfg.training.local_batch_size = 2 // (shard * replicate)
     cfg.debug.seed = 42
-    if compile_:
+    if backend != "none":
         cfg.compile.enable = True
-        cfg.compile.backend = "tpu"
+        cfg.compile.backend = backend
     device = utils.get_local_device()               # as TorchTitan's trainer: tpu:0 here
     torch.tpu.set_device(device)
 
@@ -83,12 +86,15 @@ def main(shard: int, replicate: int, compile_: bool, out: str) -> None:
     model._skip_lm_head = True
     opt = cfg.optimizer.build(model_parts=[model])
     sched = cfg.lr_scheduler.build(optimizers=opt, training_steps=STEPS)
-    batch_mesh = dims.get_mesh("batch")
+    # The global batch split over the data-parallel ranks (one process: all of it).
+    batch_mesh = dims.get_optional_mesh("batch")
     loss_mesh = dims.get_optional_mesh("loss")
-    row = batch_mesh.get_local_rank()
+    n = 1 if batch_mesh is None else batch_mesh.size()
+    row = 0 if batch_mesh is None else batch_mesh.get_local_rank()
     losses = []
     for tokens, labels, positions in batches():
-        tokens, labels, positions = (t[row:row + 1].to(device) for t in (tokens, labels, positions))
+        rows = slice(row * len(tokens) // n, (row + 1) * len(tokens) // n)
+        tokens, labels, positions = (t[rows].to(device) for t in (tokens, labels, positions))
         opt.zero_grad()
         global_tokens = dist_utils.dist_sum_tensor(
             torch.tensor(labels.numel(), device=device), batch_mesh)
@@ -102,10 +108,12 @@ def main(shard: int, replicate: int, compile_: bool, out: str) -> None:
         sched.step()
         losses.append(dist_utils.dist_sum(loss.detach(), loss_mesh))
     assert all(p.device.type == "tpu" for p in model.parameters())
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "losses": losses,
-                                  "init_keys": len(init)}), flush=True)
+    m = deferfuse.metrics()
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "losses": losses, "init_keys": len(init),
+                                  "graphs": m["dynamo_graphs"],
+                                  "fallbacks": m["cpu_fallbacks"]}), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
