@@ -87,7 +87,7 @@ test-torchrec: $(STAMP)
 	$(BIN)/python -m pytest -q -n 0 tests/test_torchrec.py
 
 # TorchTitan's llama3 debug model on tpu against the same run on CPU, 1 and 2 processes
-# (tests/test_titan.py, slow: about 25 minutes on 2 cores)
+# (tests/test_titan.py, slow: about 30 minutes on 2 cores)
 # with the titan extra installed.
 test-titan: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[titan]"

@@ -171,7 +171,8 @@ def test_llama3_debugmodel_data_parallel_trains_as_on_cpu(run, tmp_path):
     (dp_shard 2) or HSDP (dp_replicate 2 x dp_shard 1) on 2 processes, or one process; selective
     activation checkpointing; weights initialised through DTensor's RNG; eager, or compiled by
     TorchTitan (``compile.enable``). Every global loss within 1e-3 of one CPU process training
-    the same global batch from the same initial weights, with no CPU fallback."""
+    the same global batch from the same initial weights, with no CPU fallback but RoPE's
+    position check."""
     n, shard, replicate, attn, backend = RUNS[run]
     res, init = run_ranks(tmp_path, n, shard, replicate, attn, backend)
     torch.manual_seed(0)
@@ -193,5 +194,9 @@ def test_llama3_debugmodel_data_parallel_trains_as_on_cpu(run, tmp_path):
     assert len(diffs) == STEPS and max(diffs) <= 1e-3, diffs
     assert want[-1] < want[0] - 0.5
     for r in res:
-        assert r["fallbacks"] == {}, r["fallbacks"]
-        assert (r["graphs"] > 0) == (backend != "none"), r["graphs"]
+        # TorchTitan's RoPE checks positions with torch._assert_async outside torch.compile: a
+        # data-dependent op, which syncs and runs on CPU (12 a step); nothing else falls back.
+        assert set(r["fallbacks"]) <= {"aten._assert_async.msg"}, r["fallbacks"]
+        # TorchTitan compiles flex attention itself, eager or not; compile.enable, each block
+        assert r["compiled_blocks"] == (6 if backend != "none" else 0), r["compiled_blocks"]
+        assert r["graphs"] > 0 or backend == "none", r["graphs"]

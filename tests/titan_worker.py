@@ -110,7 +110,9 @@ def main(shard: int, replicate: int, attn: str, backend: str, out: str) -> None:
     assert all(p.device.type == "tpu" for p in model.parameters())
     m = deferfuse.metrics()
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "losses": losses, "init_keys": len(init),
-                                  "graphs": m["dynamo_graphs"],
+                                  "graphs": m["dynamo_graphs"], "compiled_blocks": sum(
+                                      getattr(b, "_compiled_call_impl", None) is not None
+                                      for b in model.layers.values()),
                                   "fallbacks": m["cpu_fallbacks"]}), flush=True)
     dist.destroy_process_group()
 
