@@ -86,8 +86,9 @@ test-torchrec: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt --no-deps torchrec==1.8.0
 	$(BIN)/python -m pytest -q -n 0 tests/test_torchrec.py
 
-# TorchTitan's llama3 debug model on tpu against the same run on CPU (tests/test_titan.py, slow:
-# a few minutes) with the titan extra installed.
+# TorchTitan's llama3 debug model on tpu against the same run on CPU, 1 and 2 processes
+# (tests/test_titan.py, slow: about 30 minutes on 2 cores)
+# with the titan extra installed.
 test-titan: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[titan]"
 	$(BIN)/python -m pytest -q -n 0 tests/test_titan.py -m "slow or not slow"

@@ -473,11 +473,15 @@ _DTYPE_REFUSAL = re.compile(r"not implemented for '|(with|on) (a|two) bool tenso
 _DTYPE_ERRORS = Cache("dtype support", 4096)    # (op, dtypes of its arguments) -> error or None
 _PROBING = threading.local()                    # this thread is running a dtype probe
 # CPU kernels that crash on stand-ins (oneDNN reads their real shapes; CTC's backward indexes its
-# inputs by the real lengths, unchecked): never probed.
+# inputs by the real lengths, unchecked; embedding_bag with ``include_last_offset`` reads past
+# one-element stand-ins, a segfault): never probed.
 _NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov in (
     ("mkldnn_rnn_layer", "default"), ("mkldnn_rnn_layer_backward", "default"),
     ("_ctc_loss", "default"), ("_ctc_loss", "Tensor"), ("_ctc_loss_backward", "default"),
-    ("_ctc_loss_backward", "Tensor"))) if o is not None}
+    ("_ctc_loss_backward", "Tensor"), ("_embedding_bag", "default"),
+    ("_embedding_bag_forward_only", "default"), ("_embedding_bag_backward", "default"),
+    ("_embedding_bag_dense_backward", "default"),
+    ("_embedding_bag_per_sample_weights_backward", "default"))) if o is not None}
 
 
 # Ops CPU refuses for integer tensors and CUDA accepts, which code written for accelerators calls

@@ -26,6 +26,8 @@ from .tensor import Storage, TpuTensor, make
 
 _empty_inner = torch._C._acc.create_empty_tensor
 FAKE = torch._C._TorchDispatchModeKey.FAKE
+_AS_STRIDED = torch.ops.aten.as_strided.default
+_META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 
 
 def _inner(self):
@@ -38,9 +40,15 @@ def _inner(self):
         return i                # a tensor being traced: its inner tensor is fake
     if (i is None or i._s is not self._s or i._chain is not self._chain
             or i.__dict__.get("_dyn", ()) != self._dyn):
-        i = _empty_inner(tuple(self.shape), self.dtype)
+        size, stride, offset = tuple(self.shape), tuple(self.stride()), self.storage_offset()
+        i = _empty_inner(size, self.dtype)
+        if offset or stride != i.stride():
+            # NOTE [inner view]: the inner tensor has the view's strides and offset, as the fake
+            # one Dynamo replays from the base has (a slice of an input); Dynamo guards that the
+            # two offsets agree. Meta's ``as_strided`` sets them on the dataless inner tensor.
+            i = _AS_STRIDED.redispatch(_META, i, size, stride, offset)
         i._s, i._chain, i._dyn = self._s, self._chain, self._dyn
-        i._view = (tuple(self.shape), tuple(self.stride()), self.storage_offset())
+        i._view = (size, stride, offset)
         self._inner_t = i
     return i
 
@@ -57,9 +65,12 @@ def _unflatten(inner_tensors: dict, meta, outer_size, outer_stride):
     d = inner.__dict__
     st = d.get("_s")
     if st is None:
-        t = torch.Tensor._make_wrapper_subclass(TpuTensor, outer_size, outer_stride, None, None,
+        # The inner tensor's offset: a view replayed on a fake base (Dynamo fakeifying a slice
+        # of an input) must land where the real view is, or Dynamo's check of it fails.
+        t = torch.Tensor._make_wrapper_subclass(TpuTensor, outer_size, outer_stride,
+                                                inner.storage_offset() or None, None,
                                                 inner.dtype, torch.strided, inner.device,
-                                                inner.requires_grad)
+                                                requires_grad=inner.requires_grad)
         t._inner_t = inner
         return t
     if "_out" not in d:

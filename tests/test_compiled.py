@@ -418,3 +418,20 @@ def test_an_in_place_function_returning_its_argument_matches_cpu():
         f(d)
         assert_same(got, d, atol=1e-6)
         assert_same(t, d, atol=1e-6)
+
+
+def test_inputs_sliced_along_an_inner_dimension_match_cpu():
+    """TorchTitan's chunked loss gives its compiled cross-entropy chunks of the labels: views at
+    offsets along dimension 1 of a slice (``labels[:, 1:]`` split in 8). Dynamo replays such a
+    view on a fake base and checks where it lands; the replayed view started at offset 0 and the
+    check failed ("Expected cond to be True")."""
+    def f(x, y):
+        return F.cross_entropy(x.flatten(0, 1), y.flatten(0, 1), reduction="sum")
+    lab, x = torch.randint(0, 10, (2, 33)), torch.randn(2, 4, 10)
+    t, xt = lab.to("tpu"), x.to("tpu")
+    cf = torch.compile(f, backend="tpu")
+    for i in (1, 3):
+        got = cf(xt, torch.split(t[:, 1:], 4, dim=1)[i])
+        assert_same(got, f(x, torch.split(lab[:, 1:], 4, dim=1)[i]), atol=1e-4)
+    got = cf(xt[:1], t[1:, 5:9])
+    assert_same(got, f(x[:1], lab[1:, 5:9]), atol=1e-4)

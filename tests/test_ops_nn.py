@@ -852,3 +852,35 @@ def test_margin_loss_errors(fn, args, msg):
         fn(*args)
     with pytest.raises(RuntimeError, match=msg):
         fn(*[a.to("tpu") for a in args]).cpu()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_padded_to_a_fixed_id_count_compiles_once(mode):
+    """docs/frameworks.md's padding rule for batches whose number of ids changes: pad the ids to a
+    fixed count with any valid id, pass the bags' starts and, last, the exact count, with
+    ``include_last_offset=True``. The padded ids are in no bag (not in the last one: sums, means
+    and maxima are CPU's on the exact ids, and so is the gradient), and every batch after the
+    first compiles nothing."""
+    deferfuse.clear_caches()    # the other modes' versions of this structure would count as churn
+    torch.manual_seed(0)
+    w = torch.randn(20, 4)
+    wt = w.to("tpu").requires_grad_()
+    P = 16
+    for step, n in enumerate((5, 7, 11)):
+        idx = torch.randint(0, 20, (n,))
+        starts = torch.tensor([0, 2, 2, n - 1])              # an empty bag among them
+        g = torch.randn(4, 4)
+        wd = w.clone().requires_grad_()
+        want = F.embedding_bag(idx, wd, starts, mode=mode)
+        (gw,) = torch.autograd.grad(want, wd, g)
+        padded = torch.cat([idx, torch.zeros(P - n, dtype=idx.dtype)])
+        offsets = torch.cat([starts, torch.tensor([n])])
+        if step == 1:
+            compiles = deferfuse.metrics()["compiles"]
+        got = F.embedding_bag(padded.to("tpu"), wt, offsets.to("tpu"), mode=mode,
+                              include_last_offset=True)
+        (gt,) = torch.autograd.grad(got, wt, g.to("tpu"))
+        assert_same(got, want, atol=1e-6, rtol=1e-6)
+        assert_same(gt, gw, atol=1e-6, rtol=1e-6)
+    assert deferfuse.metrics()["compiles"] == compiles, deferfuse.metrics()["miss_reasons"]
+    assert deferfuse.metrics()["cpu_fallbacks"] == {}
