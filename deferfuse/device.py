@@ -385,6 +385,29 @@ def _ctc_loss_cpu_lengths(log_probs, targets, input_lengths, target_lengths, bla
                                                  blank, reduction, zero_infinity)
 
 
+# NOTE [whole composites]: a few aten ops have a CPU kernel and, for every other device, a
+# CompositeImplicitAutograd one (``silu_backward``, ``mish_backward``). With no kernel of ours,
+# PyTorch decomposes them above Python dispatch, so on tpu SiLU's backward ran as eight ops, each
+# rounding a half-precision result, where CPU's kernel computes in float32 and rounds once: every
+# SiLU/SwiGLU model's bfloat16 gradients differed from CPU's (tests/test_whole_composites.py).
+# An AutogradPrivateUse1 kernel sends them whole to the lowering, below autograd; when a gradient
+# of the op itself is wanted (create_graph=True) the composite runs, differentiable as before.
+WHOLE_COMPOSITES = ("silu_backward", "mish_backward")
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def _whole(op):
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd
+
+    def kernel(*args, **kwargs):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in args):
+            return op._op_dk(composite, *args, **kwargs)
+        with _below_autograd():
+            return op(*args, **kwargs)
+    return kernel
+
+
 def register() -> None:
     global _lib
     import deferfuse_autoload
@@ -430,6 +453,8 @@ def register() -> None:
     # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).
     _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
     _lib.impl("ctc_loss.Tensor", held(_ctc_loss_cpu_lengths), "AutogradPrivateUse1")
+    for name in WHOLE_COMPOSITES:      # NOTE [whole composites]
+        _lib.impl(name, held(_whole(getattr(torch.ops.aten, name).default)), "AutogradPrivateUse1")
     if not deferfuse_autoload.LOADER.native_hooks:     # theirs pins (NOTE [pinned memory])
         _lib.impl("_pin_memory", _pin_memory, "CPU")
     # Lowered factories (no tensor argument) run as ops of their own, never through the
