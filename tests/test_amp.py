@@ -213,6 +213,7 @@ def _scaled_fp16(device):
     return out
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_float16_grad_scaler_skips_steps_on_inf():
     got, want = _scaled_fp16("tpu"), _scaled_fp16("cpu")
     scales = [s for s, _, _ in want]

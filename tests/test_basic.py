@@ -18,6 +18,7 @@ def test_arith_matches_cpu():
     assert_same((x.to("tpu") @ y.t().to("tpu")).sum(), (x @ y.t()).sum(), atol=1e-4)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_equal_allclose_return_python_bools_without_cpu_fallback():
     import deferfuse
     a = torch.randn(3)
@@ -38,6 +39,7 @@ def test_write_through_conj_view():
     assert_same(c.resolve_conj(), cc.resolve_conj())
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_linalg_errors_raise_linalg_error():
     import deferfuse
     a = torch.randn(4, 4)

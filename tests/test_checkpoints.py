@@ -109,6 +109,7 @@ def test_training_resumes_from_a_checkpoint(tmp_path, tpu_mode):
             assert_same(p.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=n)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_whole_model_with_weights_only_and_safe_globals(tmp_path):
     # pytorch/examples' word_language_model: torch.load(f) of a whole model, its classes allowed.
     m = _model().to("tpu")

@@ -136,6 +136,7 @@ def test_tpu_raises_cpu_words(name, tpu_mode):
         assert str(got) == str(want)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_cpu_words_leave_the_next_ops_working(tpu_mode):
     # An error in the middle of a program: the values before it and the ops after it are right.
     x = torch.randn(4, 4)

@@ -403,6 +403,7 @@ def test_cyclic_garbage_collected_at_sync():
         state.young_gc = old_young
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_tied_parameters_stay_tied():
     # A wrapper subclass is not "shallow-copy compatible" with a CPU tensor, so Module._apply gave
     # each module its own new Parameter and tied embeddings trained as two (CUDA keeps one).

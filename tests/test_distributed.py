@@ -520,6 +520,7 @@ def _train_beside(ref, model, steps=3):
             o.step()
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_one_process_fsdp2(group, tpu_mode):
     """fully_shard on a group of one: frees and reallocates parameter storage (resize_), uses
     torch.tpu streams and events; trains as CPU does."""
@@ -603,6 +604,7 @@ def test_one_process_dtensor_random_init(group, tpu_mode):
     assert torch.equal(state, want_state)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_one_process_dtensor_random_ops_take_a_tpu_generator(group, tpu_mode):
     """A DTensor random op with ``generator=torch.Generator("tpu")`` (NOTE [generators in
     DTensor] in deferfuse/generator.py): the numbers a plain tensor draws from a generator of the
@@ -667,6 +669,7 @@ def test_streams_and_events(tpu_mode):
     assert torch.tpu.Event().record().query()
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_chunk_cat_and_split_copy(tpu_mode):
     """The lowerings FSDP2's copies use, against CPU (out= forms included)."""
     from util import assert_same

@@ -49,6 +49,7 @@ def test_baked_constants_never_share_an_entry(make):
             assert torch.equal(torch.signbit(g.cpu()), torch.signbit(w))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_optional_scalars_are_inputs_not_recompiles():
     x = torch.randn(16)
     xt = x.to("tpu")
@@ -452,6 +453,7 @@ def test_a_server_thread_pool_answers_with_one_model():
             torch.testing.assert_close(g, model(x).softmax(-1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_training_thread_beside_an_evaluation_thread():
     torch.manual_seed(3)
     ref = nn.Linear(5, 1)

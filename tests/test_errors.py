@@ -93,6 +93,7 @@ def _bad_batch_then_good(tpu_mode, opt_name):
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_training_after_a_caught_index_error_is_cpus_or_raises(tpu_mode, opt_name):
     """The issue's reproduction: an embedding indexed out of range, the IndexError caught, then
     training on good data (forward, backward, step, zero_grad, item). Defer mode dispatched the

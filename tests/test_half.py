@@ -61,6 +61,7 @@ def _same(fn, *args, dt, exact=False, **tol):
 # parameters), CPU's shapes ((0,) in evaluation), CPU's values
 
 @pytest.mark.parametrize("params", ["same", "float32", "none"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_layer_and_group_norm_statistics(dt, params):
     x = _rand(4, 6, 10, dt=dt, scale=3, shift=1)
     pdt = dt if params == "same" else torch.float32
@@ -109,6 +110,7 @@ def test_batch_norm_statistics_and_values(dt, params, variant, training):
 # --------------------------------------------------------------------------------------------
 # accumulation and rounding points
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_addbmm_rounds_after_each_batch(dt):
     m, a, b = _rand(5, 10, dt=dt), _rand(8, 5, 6, dt=dt, seed=1), _rand(8, 6, 10, dt=dt, seed=2)
     _same(lambda m, a, b: torch.addbmm(m, a, b), m, a, b, dt=dt)
@@ -117,6 +119,7 @@ def test_addbmm_rounds_after_each_batch(dt):
     _same(lambda m, a, b: torch.baddbmm(m, a, b, beta=0.2, alpha=0.6), mb, a, b, dt=dt)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_addr_cross_bilinear(dt):
     m, u, v = _rand(5, 10, dt=dt), _rand(5, dt=dt, seed=1), _rand(10, dt=dt, seed=2)
     _same(lambda m, u, v: torch.addr(m, u, v, beta=2, alpha=3), m, u, v, dt=dt)
@@ -144,6 +147,7 @@ def test_grid_sample(dt, mode):
             _same(lambda x, g: F.grid_sample(x, g, **kw), x3, grid3, dt=dt)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_softmax_and_log_softmax(dt):
     x = _rand(6, 7, 5, dt=dt, scale=4)
     for dim in (0, 1, 2, -1):
@@ -168,6 +172,7 @@ def test_softmax_over_channels_rounds_as_cpu(dt):
     assert_same(got, want, **(exact if dt == torch.bfloat16 else dict(atol=1e-3, rtol=2e-3)))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_xlogy_rounds_the_log_as_cpu(dt):
     """CPU's xlogy/xlog1py kernels take std::log of the half-precision value, which rounds it to
     the dtype before the product; tpu rounded once: an ulp apart in a fifth of the elements, and
@@ -200,6 +205,7 @@ def test_convolutions(dt):
           exact=True)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_upsampling_and_adaptive_pooling(dt):
     x1, x3 = _rand(2, 3, 7, dt=dt), _rand(2, 3, 4, 3, 5, dt=dt, seed=1)
     _same(lambda x: F.interpolate(x, scale_factor=1.7, mode="linear", align_corners=True,
@@ -212,6 +218,7 @@ def test_upsampling_and_adaptive_pooling(dt):
     _same(lambda x: F.adaptive_avg_pool3d(x, (2, 3, 5)), xp, dt=dt)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_pointwise_losses_round_like_cpu(dt):
     x = torch.rand(200, generator=torch.Generator().manual_seed(0)).to(dt)
     _same(torch.logit, x, dt=dt)
@@ -291,6 +298,7 @@ def test_matrix_exp_is_float32_rounded(dt):
     assert_same(got, torch.matrix_exp(a.float()).to(dt), **TOL[dt])
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_no_cpu_fallback_for_half(dt):
     """renorm's decomposition converts dtypes with a prims op that ran on CPU."""
     x = _rand(3, 4, 5, dt=dt)
@@ -311,6 +319,7 @@ def test_multi_head_attention_forward(dt):
 
 
 @pytest.mark.parametrize("variant", ["plain", "causal", "float_mask", "bool_mask"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_attention_backward_rounds_as_cpu(dt, variant):
     """CPU's flash attention backward rounds the rebuilt probabilities and the gradient of the
     scores to the dtype before its products, and takes rowsum(grad_out * out) from the rounded
@@ -351,6 +360,7 @@ def _sum_cases(dt):
 
 
 @pytest.mark.parametrize("case", ["embedding", "layer_norm", "replication_pad3d"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_gradient_sums_in_float32_where_cpu_half_stalls(dt, case):
     """The ModuleInfo sweep's CPU_BROKEN cells: CPU adds these gradients in bfloat16 one term at a
     time (a sum of ~1000 terms near 1 stalls at 256 or 512); tpu accumulates in float32 and rounds

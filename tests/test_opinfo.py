@@ -138,6 +138,7 @@ def test_subset_names_exist():
 
 
 @pytest.mark.parametrize("name", _params())
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_opinfo(name, tpu_mode, request):
     known = KNOWN_FAIL.get(name)
     if known is not None and (known[1] is None or tpu_mode in known[1]):
@@ -167,16 +168,19 @@ def test_opinfo_backward(name, tpu_mode):
 
 @pytest.mark.parametrize("dtype,name", [pytest.param(d, n, id=f"{d}-{n}")
                                         for d, ns in DTYPES.items() for n in ns])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_opinfo_dtype(dtype, name, tpu_mode):
     _check(name, tpu_mode, sweep.DTYPES[dtype], "forward", DTYPE_LIMIT)
 
 
 @pytest.mark.parametrize("dtype,name", [pytest.param(d, n, id=f"{d}-{n}")
                                         for d, ns in HALF_BACKWARD.items() for n in ns])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_opinfo_half_backward(dtype, name, tpu_mode):
     _check(name, tpu_mode, sweep.DTYPES[dtype], "backward", HALF_BACKWARD_LIMIT)
 
 
 @pytest.mark.parametrize("name", RANDOM)
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_opinfo_random(name, tpu_mode):
     _check(name, tpu_mode, torch.float32, "forward", 2)

@@ -22,6 +22,7 @@ def fallbacks():
     return dict(deferfuse.metrics()["cpu_fallbacks"])
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_zeros_ones_full_tensor():
     deferfuse.reset_metrics()
     same_factory(lambda d: torch.zeros(3, device=d))
@@ -40,6 +41,7 @@ def test_zeros_ones_full_tensor():
     assert fallbacks() == {}
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_arange_linspace_logspace():
     deferfuse.reset_metrics()
     same_factory(lambda d: torch.arange(0, 1, 0.1, device=d))
@@ -131,6 +133,7 @@ def _tpu(xs):
     return [x.to(T) for x in xs]
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_foreach_functional_and_inplace():
     a, b, c = _lists(), _lists(seed=1), [x.abs() + 0.5 for x in _lists(seed=2)]
     ta, tb, tc = _tpu(a), _tpu(b), _tpu(c)
@@ -264,6 +267,7 @@ FUSED = [
 
 
 @pytest.mark.parametrize("k", range(len(FUSED)))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_fused_optimizers_match_cpu(k):
     cls, kw = FUSED[k]
     kw = dict(kw, fused=True)
@@ -277,6 +281,7 @@ def test_fused_optimizers_match_cpu(k):
     assert not fallbacks(), f"{cls.__name__}(fused=True) ran ops on CPU"
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_fused_adamw_bfloat16():
     """Half types compute in float32 and store back rounded, as CPU's fused kernel does."""
     g = torch.Generator().manual_seed(2)

@@ -42,6 +42,7 @@ def test_cat_stack():
     check(lambda x, y: torch.stack([x, y], dim=-1), a, b[:2].int())
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_gather_scatter():
     x = torch.randn(4, 5)
     idx = torch.tensor([[0, 3, 4], [2, 1, 1]])
@@ -71,6 +72,7 @@ def test_scatter_reduce(reduce):
     check(lambda x, i, s: x.scatter_reduce(1, i, s, reduce), xi, idx, torch.randint(-5, 5, (3, 4)))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_index_select_take():
     x = torch.randn(4, 5, 3)
     check(lambda x, i: x.index_select(1, i), x, torch.tensor([4, 1, 0, 0]))
@@ -80,6 +82,7 @@ def test_index_select_take():
     check(lambda x, i: torch.take_along_dim(x, i), x, torch.tensor([3, 7, 59]))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_advanced_indexing():
     x = torch.randn(5, 6, 7)
     i, j = torch.tensor([0, -1, 2]), torch.tensor([[1], [-5]])
@@ -124,6 +127,7 @@ def test_index_put():
     check(inplace, x, dup, torch.randn(4, 4))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_index_put_bool_mask():
     x = torch.randn(4, 5)
     m = x > 0
@@ -191,6 +195,7 @@ def test_out_of_range_indices_raise(case):
     assert_same(f(x.to(T), (bad % 4).to(T)), f(x, bad % 4))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_masked():
     x = torch.randn(3, 4)
     m = torch.rand(3, 4) > 0.5
@@ -224,6 +229,7 @@ def test_padding_forward_backward():
         check(lambda x: grad(x[0], mode, (2, 3)), x, atol=1e-3)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_rearrange():
     x = torch.randn(3, 4, 5)
     check(lambda x: x.flip(0, -1), x)
@@ -238,6 +244,7 @@ def test_rearrange():
     check(lambda x: x.tril(-2) + x.triu(3), x)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_diagonals():
     v = torch.randn(2, 4)
     check(lambda v: torch.diag_embed(v), v)
@@ -249,6 +256,7 @@ def test_diagonals():
     check(lambda a, b: torch.block_diag(a, b, a[:1]), v, torch.randn(3, 2))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_searchsorted_bucketize():
     seq = torch.sort(torch.randn(10)).values
     vals = torch.randn(3, 4)
@@ -277,6 +285,7 @@ def test_index_select_out_of_range_raises_as_cpu(shape, dim):
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 5, 1), (2, 5, 4)])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_masked_scatter_gradients(mask_shape):
     # masked_scatter_backward (the source's gradient), once a CPU fallback: a vision-language
     # model that puts image features into its token embeddings synced on it every step.

@@ -68,6 +68,7 @@ def product_inputs(dtype):
 # --------------------------------------------------------------------------------------------
 # float32, both modes
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_products():
     check(products, *product_inputs(torch.float32))
 
@@ -258,6 +259,7 @@ def test_factorizations_float64():
 
 
 @pytest.mark.parametrize("case", ["2d_3d", "2d_2d", "3d_2d", "3d_3d"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_grouped_mm_matches_cpu_with_gradients(case):
     # Mixture-of-experts layers (transformers' grouped-mm path); offs holds each group's end,
     # with an empty group.

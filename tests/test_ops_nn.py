@@ -68,11 +68,13 @@ def test_conv2d_groups_stride_padding():
     check(run_module, torch.randn(2, 4, 7, 7), module=m)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_conv_transpose2d():
     m = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2)
     check(run_module, torch.randn(2, 4, 5, 5), module=m)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_conv1d():
     m = nn.Conv1d(3, 5, 3, padding=2, dilation=2, bias=False)
     check(run_module, torch.randn(2, 3, 10), module=m)
@@ -84,6 +86,7 @@ def test_layer_norm():
     check(run_module, torch.randn(3, 4, 6), module=nn.LayerNorm((4, 6)))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_group_norm():
     m = nn.GroupNorm(2, 6)
     with torch.no_grad():
@@ -144,6 +147,7 @@ def test_cross_entropy(kw):
     check(lambda _, a, b, c: F.cross_entropy(a, b, weight=c, **kw), x, t, Const(w))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_cross_entropy_2d_and_probs():
     x = torch.randn(2, 4, 3, 3)
     t = torch.randint(0, 4, (2, 3, 3))
@@ -169,6 +173,7 @@ def test_binary_cross_entropy():
 
 # ------------------------------------------------------------------------------------ pooling
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_pooling():
     x = torch.randn(2, 3, 7, 7)
     check(lambda _, a: (F.max_pool2d(a, 3, stride=2, padding=1),
@@ -224,6 +229,7 @@ def _grad_fn(t):
 
 @pytest.mark.parametrize("case", ["causal", "bool_mask_2d", "float_mask_4d", "gqa", "plain",
                                   "causal_and_mask", "row_all_masked"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_sdpa_takes_cpus_flash_op(case):
     """Where CPU eager runs its flash kernel, tpu runs the same single op (one grad_fn, one backward
     op), not the 20-odd ops of the math path; values and gradients match CPU."""
@@ -254,6 +260,7 @@ def test_sdpa_takes_cpus_flash_op(case):
 
 
 @pytest.mark.parametrize("case", ["3d", "dropout", "mask_needs_grad", "flash_disabled"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_sdpa_math_path_where_cpu_takes_it(case):
     """Inputs CPU's flash kernel does not take go through PyTorch's math path, as on CPU."""
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
@@ -328,6 +335,7 @@ def test_linear_without_grad_is_one_op():
     assert_same(got, F.linear(x, w, b), **TOL)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_linear_double_backward():
     """create_graph=True through a linear layer (a gradient penalty) differentiates twice."""
     def penalty(x, w, b):
@@ -337,12 +345,14 @@ def test_linear_double_backward():
     check(lambda _, *a: penalty(*a), torch.randn(4, 5), torch.randn(6, 5), torch.randn(6))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_linear_half_precision():
     x, w, b = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
     for dt in (torch.bfloat16, torch.float16):
         check(lambda _, *a: F.linear(*a), x.to(dt), w.to(dt), b.to(dt), tol=dict(atol=2e-2, rtol=2e-2))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_linear_other_inputs_take_cpus_composite():
     """Integer operands, a 2-D bias and a 1-D weight are left to PyTorch's composite, as on CPU."""
     xi, wi = torch.randint(-3, 3, (4, 5)), torch.randint(-3, 3, (6, 5))
@@ -468,6 +478,7 @@ def test_multihead_attention_inference_fast_path(kw):
             assert_same(got[1], want[1], **TOL)
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_softmax_dims():
     x = torch.randn(3, 4, 5)
     check(lambda _, a: (F.softmax(a, 0), F.softmax(a, -1), F.log_softmax(a, 1), F.log_softmax(a, 2)), x)
@@ -475,6 +486,7 @@ def test_softmax_dims():
 
 # ------------------------------------------------------------------------------------ dropout
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_dropout_statistics():
     x = torch.rand(100, 100).to("tpu") + 1
     y = F.dropout(x, 0.3, training=True)
@@ -504,6 +516,7 @@ def test_dropout_eval_identity():
 
 
 @pytest.mark.parametrize("case", ["embedding", "embedding_negative", "cross_entropy", "nll_loss"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_out_of_range_class_or_row_raises_index_error(case):
     fns = {
         "embedding": lambda d: F.embedding(torch.tensor([1, 7], device=d), torch.ones(5, 3, device=d)),
@@ -525,6 +538,7 @@ def test_out_of_range_class_or_row_raises_index_error(case):
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(16,), (5, 16), (3, 5, 16), (2, 3, 5, 16)])
 @pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_linear_half_precision_rounds_as_cpu(dt, shape, contiguous):
     """Half precision with a bias is rounded once (addmm) for a 2-D or contiguous input and twice
     (product, then bias) otherwise, as CPU's composite does: results equal CPU's bit for bit.
@@ -586,6 +600,7 @@ def test_recurrent_layers(kind, kw):
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("use", ["both", "h", "c"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_lstm_cell(bias, use):
     # "h" / "c": the backward gets no gradient for the other state (an absent grad_cy / grad_hy).
     m = nn.LSTMCell(5, 6, bias=bias)
@@ -625,6 +640,7 @@ def test_recurrent_cell_bad_shapes_raise():
 
 @pytest.mark.parametrize("lengths_on", ["cpu", "tpu"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_ctc_loss_lengths_on_cpu_or_tpu(lengths_on, reduction):
     # CUDA takes the lengths as CPU tensors (speech recipes pass them so); PyTorch's composite for
     # tensor subclasses divided the tpu loss by the CPU lengths and raised a device mismatch.
@@ -687,6 +703,7 @@ def test_packed_sequence_through_lstm(enforce_sorted):
 
 
 @pytest.mark.parametrize("dim", [0, 2])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_weight_norm_gradients(dim):
     # _weight_norm_interface_backward is lowered (it ran on CPU before): weight-normalized convs
     # (HiFi-GAN, wav2vec2's positional conv) train without a CPU round trip.
@@ -702,6 +719,7 @@ _BAG_CASES = [(m, c) for m in ("sum", "mean", "max")
 
 
 @pytest.mark.parametrize("mode,case", _BAG_CASES)
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_embedding_bag_gradients(mode, case):
     # nn.EmbeddingBag's backward (_embedding_bag_backward, per-sample-weight gradient) on tpu, once
     # a CPU fallback that synced every training step.
@@ -808,6 +826,7 @@ _MARGIN_TARGETS = torch.tensor([[3, 0, -1, 1, 2], [1, 1, 4, -1, 0], [-1, 2, 3, 4
 @pytest.mark.parametrize("loss", ["multi_p1_weight", "multi_p2", "multilabel"])
 @pytest.mark.parametrize("dims", [2, 1])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_margin_losses(loss, dims, reduction):
     # Lowered forward and backward. PyTorch's decomposition of multilabel_margin_loss_forward read
     # past a row's first -1 (wrong values, silently), both forward decompositions gave a 1-D input's

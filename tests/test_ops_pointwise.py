@@ -393,6 +393,7 @@ def _both(fn, *inputs):
         assert_same(r_dev, r_cpu, *tol(r_cpu))
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_inplace_through_views():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 5, generator=g)
@@ -408,6 +409,7 @@ def test_inplace_through_views():
     _both(lambda a, b: a[:, 0].where(a[:, 0] > 0, b), x, y)     # functional on a view
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_inplace_variants_and_out():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 4, generator=g)
@@ -464,6 +466,7 @@ def test_float_input_to_integer_op_raises():
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3, 1e7])
 @pytest.mark.parametrize("f", [torch.sin, torch.cos, torch.tan], ids=["sin", "cos", "tan"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_sin_cos_within_one_ulp_of_cpu(f, scale):
     import jax.numpy as jnp
     from deferfuse.runtime.dtypes import x64

@@ -100,6 +100,7 @@ def test_bernoulli():
     moments(x, 0.8, 0.4)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_rrelu():
     """RReLU: evaluation uses the mean slope (as CPU, exactly); training scales each non-positive
     element by its own uniform slope in [lower, upper], which is also its gradient; in place on a
@@ -129,6 +130,7 @@ def test_rrelu():
     assert m(t) is t and torch.equal(t.cpu()[~neg], x[~neg])
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_other_distributions():
     moments(like_cpu(lambda d: torch.empty(N, device=d).exponential_(2.0)), 0.5, 0.5)
     p = 0.3
@@ -143,6 +145,7 @@ def test_other_distributions():
     assert abs(q - 2.0) < 0.15
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_randperm_multinomial():
     x = like_cpu(lambda d: torch.randperm(1000, device=d))
     assert torch.equal(x.sort().values, torch.arange(1000))
@@ -201,6 +204,7 @@ def test_multinomial_invalid_probabilities_raise(probs, msg):
     lambda g: torch.empty(50, device="tpu").normal_(1, 2, generator=g),
     lambda g: torch.bernoulli(torch.full((40,), 0.3).to("tpu"), generator=g),
 ])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_cpu_generator_seeds_the_op(draw):
     # NOTE [generators] (deferfuse/generator.py): a generator was ignored (the device's key drew,
     # and a seeded generator did not reproduce), and each new generator object compiled again.
@@ -255,6 +259,7 @@ def test_rng_state_is_seed_and_offset_and_reading_it_never_syncs():
     assert torch.equal(a.cpu(), b.cpu())            # the saved state replays the same numbers
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_offset_moves_along_one_stream():
     """What DTensor's tracker relies on: the draw at offset o + k is the draw at o, k values on;
     another offset, another stream."""
@@ -350,6 +355,7 @@ GEN_DRAWS = {
 
 
 @pytest.mark.parametrize("name", sorted(GEN_DRAWS))
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_generator_is_honoured_by_random_ops(name):
     """Two tpu generators with one seed give the same numbers; the generator advances; the
     device's default generator is left alone; shape and dtype are CPU's."""
@@ -413,6 +419,7 @@ def test_a_tpu_generator_draws_the_right_distribution():
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_activation_checkpoint_replays_dropout(reentrant):
     """torch.utils.checkpoint saves the device's RNG state and restores it to recompute: the
     gradients through a checkpointed dropout equal those without checkpointing, as on CPU."""

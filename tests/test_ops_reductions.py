@@ -44,6 +44,7 @@ def make(shape, dtype, nan=False, ties=False):
 # --------------------------------------------------------------------------------------------
 # float32, both modes
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_sums():
     x = make((3, 4, 5), torch.float32)
     check(lambda x: (x.sum(), x.sum(1), x.sum((0, 2), keepdim=True), x.sum(-1, dtype=torch.float64),
@@ -51,12 +52,14 @@ def test_sums():
                      x.cumsum(1), x.cumprod(2)), x)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_nan_reductions():
     x = make((4, 6), torch.float32, nan=True)
     check(lambda x: (x.sum(1), x.nansum(1), x.nansum(), x.nanmean(0), x.any(1), x.all(),
                      x.any((0, 1)), torch.all(x, dim=())), x)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_var_std():
     x = make((4, 5, 6), torch.float32)
     check(lambda x: (x.var(1), x.std(1, unbiased=False), torch.var(x, (0, 2), keepdim=True),
@@ -65,6 +68,7 @@ def test_var_std():
                      x.var()), x)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_extremes_nan_and_ties():
     x = make((5, 8), torch.float32, ties=True)
     x[1, 3] = x[1, 6] = x[3, 0] = float("nan")
@@ -72,6 +76,7 @@ def test_extremes_nan_and_ties():
                      x.argmin(1), x.max(), x.argmax(), torch.aminmax(x, dim=0), x[4].argmax()), x)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_logsumexp_and_norms():
     x = make((4, 6), torch.float32)
     x[1] = -math.inf
@@ -83,12 +88,14 @@ def test_logsumexp_and_norms():
                      torch.linalg.vector_norm(x[3:], -1.5, 1), x[3:].norm(p=1, dim=0)), x)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_scans_ties_nan():
     x = make((5, 6), torch.float32, ties=True)
     x[1, 2] = x[3, 4] = x[3, 5] = float("nan")
     check(lambda x: (x.cummax(1), x.cummin(0)), x)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_sort_select():
     x = make((4, 9), torch.float32, ties=True)
     x[1, 3] = x[1, 5] = x[2, 0] = float("nan")
@@ -289,6 +296,7 @@ def test_histogram_and_histogramdd():
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_histc_of_integers_counts_like_float(dtype):
     """CPU refuses an integer histc; CUDA (and tpu) count in the input's dtype, and transformers'
     MoE layers call it with integer expert ids off CPU. The counts are CPU's float histc's."""

@@ -14,6 +14,7 @@ def _compiles():
 
 
 # --------------------------------------------------------------------------- offsets are data
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_moving_windows_compile_once_and_match_cpu():
     d = torch.randn(40, 3)
     t = d.to("tpu")
@@ -34,6 +35,7 @@ def test_moving_windows_compile_once_and_match_cpu():
     assert m["recompiles"] == 0 and m["shape_fallbacks"] == 0 and m["shape_splits"] == 0
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_clamped_and_negative_starts_normalise_as_pytorch():
     d = torch.arange(24.).reshape(6, 4)
     t = d.to("tpu")
@@ -334,6 +336,7 @@ def test_a_bad_index_in_a_bucketed_region_still_raises():
 
 
 @pytest.mark.modes("defer", "strict")
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_bad_advanced_index_into_a_growing_dim_raises_cpus_error():
     """``x[[i]]`` along a padded dim is checked against the exact length (CPU's message)."""
     deferfuse.clear_caches()
@@ -442,6 +445,7 @@ _BAD = {   # op along a growing dim at length 11 (bucket 16) with an index or k 
 @pytest.mark.modes("defer", "strict")
 @pytest.mark.parametrize("case", list(_BAD))
 @pytest.mark.parametrize("bad", [11, 12, -1])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_bad_index_along_a_growing_dim_raises_cpus_error(case, bad):
     """gather, index_select and topk along a padded dim: an index (or k) valid in the bucket but
     past the exact length raises CPU's error with CPU's message (negative: out of range for
@@ -643,6 +647,7 @@ def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing
     deferfuse.clear_caches()
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_bucket_programs_are_keyed_by_dtype():
     """The same op whose sizes change, in bfloat16 then float16: each dtype gets its own bucket
     program (a program made for one was found by the other's key)."""

@@ -123,6 +123,7 @@ def test_out_argument():
     assert_same(out_tpu, out_cpu)
 
 
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_nn_init_in_place():
     for init in (torch.nn.init.zeros_, torch.nn.init.ones_, lambda w: torch.nn.init.constant_(w, 0.3),
                  torch.nn.init.eye_):
