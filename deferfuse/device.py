@@ -389,7 +389,8 @@ def _ctc_loss_cpu_lengths(log_probs, targets, input_lengths, target_lengths, bla
 # CompositeImplicitAutograd one (``silu_backward``, ``mish_backward``). With no kernel of ours,
 # PyTorch decomposes them above Python dispatch, so on tpu SiLU's backward ran as eight ops, each
 # rounding a half-precision result, where CPU's kernel computes in float32 and rounds once: every
-# SiLU/SwiGLU model's bfloat16 gradients differed from CPU's (tests/test_whole_composites.py).
+# SiLU/SwiGLU model's bfloat16 gradients differed from CPU's
+# (tests/test_half.py::test_silu_and_mish_backward_run_whole).
 # An AutogradPrivateUse1 kernel sends them whole to the lowering, below autograd; when a gradient
 # of the op itself is wanted (create_graph=True) the composite runs, differentiable as before.
 WHOLE_COMPOSITES = ("silu_backward", "mish_backward")
