@@ -23,8 +23,7 @@ DATA_DEPENDENT = {o for o in (
         ("nonzero", "default"), ("masked_select", "default"), ("_unique2", "default"),
         ("unique_dim", "default"), ("unique_consecutive", "default"), ("_unique", "default"),
         ("repeat_interleave", "Tensor"), ("argwhere", "default"), ("nonzero_numpy", "default"),
-        ("equal", "default"), ("allclose", "default"), ("bincount", "default"),
-        ("_assert_async", "msg"), ("_assert_async", "default"))) if o is not None}
+        ("equal", "default"), ("allclose", "default"), ("bincount", "default"))) if o is not None}
 
 # Argument types whose Python numbers become inputs (a number in a Tensor slot included).
 # Views returning several tensors: each output becomes a slice/select step (deferfuse/meta.py).

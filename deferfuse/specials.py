@@ -352,6 +352,17 @@ def _h_allclose(func, args, kwargs):
     return bool(aten.isclose.default(a, b, **rest).all().item())
 
 
+def _h_assert_async(func, args, kwargs):
+    """``torch._assert_async``: the element count is known here, so a tensor that is not one
+    element raises CPU's error at once; the value is checked on the device (NOTE [device asserts]
+    in runtime/lowering/reductions.py)."""
+    n = args[0].numel()
+    if n != 1:
+        raise RuntimeError("Boolean value of Tensor with "
+                           + ("no values" if n == 0 else "more than one value") + " is ambiguous")
+    _run(func, op_info(func), args, kwargs)
+
+
 def _h_not_left_aligned(func, args, kwargs):
     """``torch._nested_tensor_from_mask_left_aligned``: its one caller, ``nn.TransformerEncoder``,
     asks it whether to turn a padded batch into a nested tensor (eval, no_grad, a padding mask).
@@ -382,6 +393,8 @@ SPECIAL = {
     aten._linalg_check_errors.default: _h_linalg_check_errors,
     aten.equal.default: _h_equal,         # return a Python bool: computed on JAX, then read
     aten.allclose.default: _h_allclose,
+    aten._assert_async.default: _h_assert_async,
+    aten._assert_async.msg: _h_assert_async,
     aten.empty.memory_format: _h_empty,
     aten.empty_strided.default: _h_empty_strided,
     aten.empty_like.default: _h_empty_like,

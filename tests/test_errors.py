@@ -145,3 +145,58 @@ def test_a_failed_value_raises_in_optimizer_state_and_parameters():
                 t.cpu()
     ok = torch.ones(3, device="tpu") * 2           # what does not depend on it is computed
     assert_same(ok, torch.full((3,), 2.0))
+
+
+ASSERT_VALUES = [torch.tensor(1), torch.tensor(float("nan")), torch.tensor(True), torch.tensor(1j),
+                 torch.tensor([[1e-40]]), torch.tensor(0), torch.tensor(0.0), torch.tensor(False),
+                 torch.tensor(0j), torch.tensor(-0.0, dtype=torch.bfloat16)]
+
+
+def _cpu_error(fn):
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_assert_async_checks_on_the_device(tpu_mode, no_cpu_fallbacks):
+    """``torch._assert_async`` (TorchTitan's RoPE check) runs on the device, as on CUDA: a value
+    that is zero raises CPU's error at the next sync in defer mode (at the call in strict mode),
+    values computed beside it are CPU's, and nothing falls back to CPU. A tensor that is not one
+    element raises CPU's error at the call."""
+    for v in ASSERT_VALUES:
+        for msg in ((), ("positions out of range",)):
+            # v itself, not v * 3: XLA flushes a subnormal product to zero (TPUs too)
+            want = _cpu_error(lambda: torch._assert_async(v, *msg))
+            x = v.to("tpu")
+            y = None
+            try:
+                torch._assert_async(x, *msg)
+                y = x * 2
+                y.cpu()
+            except RuntimeError as e:
+                assert want is not None, (v, e)
+                assert str(e).startswith(want), (str(e), want)
+            else:
+                assert want is None, (v, want)
+            if y is not None:
+                assert_same(y, v * 2)         # the error is raised once; y holds CPU's values
+    for v in (torch.tensor([1, 1]), torch.zeros(0), torch.ones(2, 3)):
+        want = _cpu_error(lambda: torch._assert_async(v))
+        with pytest.raises(RuntimeError) as e:
+            torch._assert_async(v.to("tpu"))     # raised at the call, before anything runs
+        assert str(e.value) == want
+
+
+def test_assert_async_in_a_compiled_graph():
+    def f(x, n):
+        torch._assert_async((x.abs() < n).all(), "out of range")
+        return x * 2
+    g = torch.compile(f, backend="tpu")
+    x = torch.arange(4.0)
+    assert_same(g(x.to("tpu"), 10), f(x, 10))
+    want = _cpu_error(lambda: f(x, 2))
+    with pytest.raises(RuntimeError) as e:
+        g(x.to("tpu"), 2).cpu()
+    assert str(e.value).startswith(want)

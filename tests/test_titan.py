@@ -194,9 +194,9 @@ def test_llama3_debugmodel_data_parallel_trains_as_on_cpu(run, tmp_path):
     assert len(diffs) == STEPS and max(diffs) <= 1e-3, diffs
     assert want[-1] < want[0] - 0.5
     for r in res:
-        # TorchTitan's RoPE checks positions with torch._assert_async outside torch.compile: a
-        # data-dependent op, which syncs and runs on CPU (12 a step); nothing else falls back.
-        assert set(r["fallbacks"]) <= {"aten._assert_async.msg"}, r["fallbacks"]
+        # TorchTitan's RoPE checks positions with torch._assert_async outside torch.compile (12 a
+        # step): checked on the device (NOTE [device asserts]); nothing falls back.
+        assert r["fallbacks"] == {}, r["fallbacks"]
         # TorchTitan compiles flex attention itself, eager or not; compile.enable, each block
         assert r["compiled_blocks"] == (6 if backend != "none" else 0), r["compiled_blocks"]
         assert r["graphs"] > 0 or backend == "none", r["graphs"]

@@ -422,3 +422,25 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
     for _ in range(lengths.ndim - 1):
         f = jax.vmap(f)
     return f(grad, data, lengths)
+
+
+# NOTE [device asserts]: ``torch._assert_async`` (TorchTitan's RoPE check, ``torch.compile``'s
+# runtime asserts) checks on the device, as CUDA does: a flag (NOTE [index checks]) that the host
+# reads at the next sync, where CPU's error is raised. The tensor's element count is checked when
+# the op is recorded (deferfuse/specials.py), as CPU raises at once.
+@op("_assert_async.default", "_assert_async.msg", static=True)
+def assert_async(x, assert_msg="Expected Tensor with single nonzero value, but got zero"):
+    from . import check
+    check(~_nonzero_bits(x), RuntimeError, assert_msg)
+    return ()
+
+
+def _nonzero_bits(x):
+    """``x != 0`` on the bits, so that a subnormal float counts as nonzero (XLA compares floats
+    with subnormals flushed to zero; CPU does not)."""
+    if jnp.iscomplexobj(x):
+        return _nonzero_bits(jnp.real(x)) | _nonzero_bits(jnp.imag(x))
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x != 0
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+    return (bits & ~jnp.asarray(1 << (x.dtype.itemsize * 8 - 1), bits.dtype)) != 0
