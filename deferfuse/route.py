@@ -6,17 +6,18 @@ Imported once, by device registration; it makes ``TpuTensor.__torch_dispatch__``
 from __future__ import annotations
 
 import _thread
+import warnings
 
 import torch
 import torch.utils._pytree as pytree
 
-from .dispatch import CpuTensorArg, Fallback, ForeignSubclass, OtherDevice, _local, _run
+from .dispatch import CpuTensorArg, Fallback, ForeignSubclass, OtherDevice, ResizeOuts, _local, _run
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
 from . import subclass
 from .fbgemm import handlers as fbgemm_handlers
-from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials
+from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials, resize
 from .tensor import TpuTensor
 from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
@@ -89,6 +90,11 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
                 return fallback(func, r[1], args, kwargs, f.why)
             except BaseException as e:
                 err = e
+        except ResizeOuts as ro:
+            try:
+                return _resized(func, r, args, kwargs, ro.outs)
+            except BaseException as e:
+                err = e
         except AttributeError as e:
             if _traced(args, kwargs):
                 # A tensor being traced reached the eager path with no fake mode on (Dynamo
@@ -114,6 +120,22 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             _held.depth -= 1
             if not _held.depth and _held.held:
                 _held.deliver()
+
+
+def _resized(func, r, args, kwargs, outs):
+    """Resize ``out=`` tensors to the result's shape with CPU's warning (a tensor with elements is
+    resized too, deprecated), then run the op again."""
+    for t, shape in outs:
+        if t.numel():
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(t.shape)}, which does not match the required output shape {list(shape)}. "
+                "This behavior is deprecated, and in a future PyTorch release outputs will not be "
+                "resized unless they have zero elements. You can explicitly reuse an out tensor t "
+                "by resizing it, inplace, to zero elements with t.resize_(0).", UserWarning,
+                stacklevel=3)
+        resize(t, shape)
+    return r[0](func, r[1], args, kwargs)
 
 
 def _traced(args, kwargs) -> bool:

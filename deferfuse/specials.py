@@ -1,6 +1,8 @@
 """Ops the generic path cannot express: transfers, sync points, allocation, aliasing."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .device_info import check
@@ -140,12 +142,77 @@ def _h_item(func, args, kwargs):
     return to_cpu(args[0], "item").item()
 
 
-def _h_resize(func, args, kwargs):
-    self, size = args[0], tuple(args[1])
-    if tuple(self.shape) == size:
+def rebind(self, new) -> None:
+    """Make the tensor object ``self`` the tensor ``new`` (its sizes, strides, storage and view
+    chain), as ``self.data = new`` does: what ``resize_`` leaves."""
+    torch._C.TensorBase.data.__set__(self, new)
+    self._s, self._chain, self._sig, self._dyn = new._s, new._chain, new._sig, new._dyn
+    self.__dict__.pop("_inner_t", None)     # NOTE [inner tensor] (traceable.py)
+
+
+def resize(self, size, memory_format=None):
+    """NOTE [resize]: ``t.resize_(size)`` as on CPU. A tpu storage holds one value, its base
+    tensor (NOTE [storage model] in tensor.py), of ``capacity`` elements. A size that fits in it
+    from the tensor's offset makes the tensor a contiguous ``as_strided`` view of the same storage,
+    so every other view of it sees the same elements, as on CPU. A size that does not fit grows the
+    storage: a new base holding the old elements (the rest zero, where CPU leaves them
+    uninitialised), which only this tensor may hold: when another tensor shares the storage, it
+    would keep the old one, so that raises instead. ``out=`` tensors of the wrong shape are resized
+    through this too (``dispatch.ResizeOuts``)."""
+    size = tuple(int(s) for s in size)
+    if any(s < 0 for s in size):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    if memory_format is None or memory_format == torch.contiguous_format:
+        stride = _contig(size)
+    elif memory_format == torch.preserve_format:
+        raise RuntimeError("Unsupported memory format. Preserve")
+    else:
+        stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
+    if tuple(self.shape) == size and (memory_format is None or tuple(self.stride()) == stride):
         return self
-    raise RuntimeError(f"cannot resize a tpu tensor of shape {list(self.shape)} to {list(size)} in "
-                       "place; allocate a new tensor (e.g. torch.empty(size, device='tpu')) instead")
+    st = self._s
+    if st.val.nbytes == 0 and any(st.val.shape):
+        raise RuntimeError("resize_ of a tensor whose storage was freed with "
+                           "untyped_storage().resize_(0) (NOTE [storage resize])")
+    capacity = 1
+    for s in st.val.shape:
+        capacity *= s
+    offset = self.storage_offset()
+    need = offset + (1 + sum((n - 1) * d for n, d in zip(size, stride)) if all(size) else 0)
+    with torch.no_grad():
+        if need <= capacity:
+            new = aten.as_strided.default(self, size, stride, offset)
+        else:
+            # getrefcount: its argument, ``st`` and this tensor's ``_s``: nobody else holds it.
+            if sys.getrefcount(st) > 3:
+                raise RuntimeError(
+                    f"cannot resize a tpu tensor to {list(size)}: that needs {need} elements and its "
+                    f"storage holds {capacity}, and other tensors (views) share that storage; CPU "
+                    "would grow the storage under all of them. Allocate a new tensor "
+                    "(torch.empty(size, device='tpu')) instead")
+            flat = aten.as_strided.default(self, (capacity,), (1,), 0)
+            grown = aten.cat.default([flat, aten.zeros.default(
+                (need - capacity,), dtype=self.dtype, device=self.device)])
+            new = aten.as_strided.default(grown, size, stride, offset)
+    rebind(self, new)
+    return self
+
+
+def _h_resize(func, args, kwargs):
+    rest = dict(zip(("memory_format",), args[2:]), **kwargs)
+    return resize(args[0], args[1], rest.get("memory_format"))
+
+
+def _h_resize_as(func, args, kwargs):
+    self, like = args[0], args[1]
+    mf = dict(zip(("memory_format",), args[2:]), **kwargs).get("memory_format")
+    if mf == torch.preserve_format:     # CPU: the template's suggested memory format
+        mf = (torch.channels_last if like.dim() == 4 and like.is_contiguous(
+            memory_format=torch.channels_last) and not like.is_contiguous() else
+              torch.channels_last_3d if like.dim() == 5 and like.is_contiguous(
+                  memory_format=torch.channels_last_3d) and not like.is_contiguous() else
+              torch.contiguous_format)
+    return resize(self, like.shape, mf)
 
 
 def _h_set(func, args, kwargs):
@@ -405,6 +472,7 @@ SPECIAL = {
     aten._to_copy.default: _h_to_copy,
     aten._local_scalar_dense.default: _h_item,
     aten.resize_.default: _h_resize,
+    aten.resize_as_.default: _h_resize_as,
     aten.set_.source_Tensor: _h_set,
     aten.is_pinned.default: _h_is_pinned,
     aten.rrelu_with_noise.default: _h_rrelu_with_noise,

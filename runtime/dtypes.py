@@ -42,16 +42,32 @@ def to_np_dtype(dtype: torch.dtype) -> np.dtype:
                         f"{', '.join(str(d) for d in TORCH_TO_NP)}") from None
 
 
+class _HostBytes:
+    """Raw host bytes as numpy's array interface describes them (read once, by ``np.array``)."""
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, n: int):
+        self.__array_interface__ = {"data": (ptr, True), "shape": (n,), "typestr": "|u1",
+                                    "version": 3}
+
+
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A host copy of a CPU tensor as numpy (bfloat16 and float8 through a bit view)."""
-    t = t.detach().resolve_conj().resolve_neg()
-    if t.dtype in (torch.bfloat16,) or str(t.dtype).startswith("torch.float8"):
-        bits = t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int8).numpy()
-        return bits.view(TORCH_TO_NP[t.dtype])
-    if t.dtype in (getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None)):
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-        return t.contiguous().view(bits).numpy().view(TORCH_TO_NP[t.dtype])
-    return t.numpy()
+    """A numpy array owning a copy of the CPU tensor ``t`` (bfloat16, float8 and the unsigned
+    types too).
+
+    NOTE [no numpy view]: never ``Tensor.numpy()`` on the caller's tensor: PyTorch marks a storage
+    numpy has viewed non-resizable for good, so ``x.to("tpu")`` would make a later
+    ``torch.cat(..., out=x)`` or ``x.resize_()`` on CPU fail ("Trying to resize storage that is not
+    resizable"). The bytes are copied through numpy's array interface instead."""
+    t = t.detach()
+    dt = to_np_dtype(t.dtype)
+    if t.is_conj() or t.is_neg() or not t.is_contiguous():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    shape = tuple(t.shape)
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return np.empty(shape, dt)
+    return np.array(_HostBytes(t.data_ptr(), n), copy=True).view(dt).reshape(shape)
 
 
 def numpy_to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,7 @@ from jax import lax
 import numpy as np
 
 from . import prng
-from .dtypes import to_np_dtype
+from .dtypes import to_np_dtype, torch_to_numpy
 from .errors import LoweringError
 from .lowering import LOWERINGS
 from .viewchain import apply_chain, n_dynamic, scatter_chain
@@ -309,9 +309,7 @@ def _constant(t):
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return jnp.asarray(t.float().numpy()).astype(to_np_dtype(t.dtype))
-    return jnp.asarray(t.numpy())
+    return jnp.asarray(torch_to_numpy(t))       # NOTE [no numpy view] (dtypes.py)
 
 
 def _sizes() -> dict:

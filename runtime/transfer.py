@@ -22,9 +22,10 @@ def devices():
 
 def host_value(cpu: torch.Tensor, device: int) -> Value:
     """Copy a CPU tensor to JAX device ``device`` as a bound Value."""
-    # A copy: on the CPU platform device_put may alias numpy memory, and the CPU tensor may be
-    # written in place later (z.to("tpu"); z.add_(1) must not change the tpu tensor).
-    a = np.array(torch_to_numpy(cpu), copy=True)
+    # A copy (torch_to_numpy always copies): on the CPU platform device_put may alias numpy
+    # memory, and the CPU tensor may be written in place later (z.to("tpu"); z.add_(1) must not
+    # change the tpu tensor).
+    a = torch_to_numpy(cpu)
     return Value(tuple(a.shape), a.dtype, a.nbytes, array=put(a, device))
 
 

@@ -172,7 +172,6 @@ CAUSES = {
     "logcumsumexp": (
         "value mismatch", "backward of a 1e4-valued sample: CPU and tpu both ~5e-3 from float64 "
         "(tpu closer)"),
-    "resize_": ("other", "core: tpu tensors are not resized in place (by design, a clear error)"),
     "complex": ("other", "float16 input makes complex32, which JAX lacks (see SKIP chalf)"),
     "view_as_complex": ("lowering error", "float16 input makes complex32, which JAX lacks"),
     "nn.functional.linear_cross_entropy.chunked_none": (

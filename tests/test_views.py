@@ -1,6 +1,7 @@
 """Aliasing through views and in-place writes matches CPU eager exactly."""
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -405,3 +406,75 @@ def test_views_of_normal_tensors_in_inference_mode():
         z.add_(1)                                  # outside: the view writes through to its base
         assert x._version == z._version == 1
         assert x[1:3].sum().item() == sum(range(4, 12)) + 8
+
+
+def _resizes(dev):
+    """resize_ and resize_as_ as a user calls them; each step's tensor (values, shape, strides)."""
+    out = []
+    x = torch.arange(6.0, device=dev)
+    for size in ((2, 3), (4,), (3, 2)):            # within the storage: a view of the same elements
+        out.append(x.resize_(*size).clone())
+    y = torch.arange(12, device=dev).reshape(3, 4)
+    v = y[1]
+    v.resize_(2, 2)                                 # a view keeps its offset, reaches into row 2
+    out.append(v.clone())
+    v.fill_(7)                                      # and writes through to its base
+    out.append(y.clone())
+    z = torch.arange(4, device=dev)
+    z.resize_(2, 4)                                 # grows its storage: the old elements stay
+    out.append(z[0].clone())
+    z[1] = 5
+    out.append(z.clone())
+    e = torch.empty(0, device=dev)
+    out.append(e.resize_(2, 3).fill_(2))
+    c = torch.arange(24.0, device=dev)
+    c.resize_(1, 2, 3, 4, memory_format=torch.channels_last)
+    out.append(torch.tensor(c.stride(), device=dev))
+    r = torch.zeros(5, device=dev)
+    r.resize_as_(torch.ones(2, 2))
+    out.append(torch.tensor(r.shape, device=dev))
+    return out
+
+
+def test_resize_as_on_cpu(tpu_mode):
+    for got, want in zip(_resizes("tpu"), _resizes("cpu"), strict=True):
+        assert_same(got, want)
+    y = torch.arange(6, device="tpu")
+    v = y[:2]
+    with pytest.raises(RuntimeError, match="share that storage"):
+        y.resize_(10)       # CPU grows the storage under y and v; tpu would split them: raises
+    assert_same(v, torch.arange(2))
+    with pytest.raises(RuntimeError, match="negative dimension"):
+        y.resize_(-1)
+
+
+def test_out_tensors_are_resized_as_on_cpu(tpu_mode):
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    ops = {
+        "cat": lambda d, o: torch.cat([a.to(d), a.to(d)], out=o),
+        "sum": lambda d, o: torch.sum(a.to(d), 1, out=o),
+        "mm": lambda d, o: torch.mm(a.to(d), b.to(d), out=o),
+        "arange": lambda d, o: torch.arange(5, out=o),
+        "exp": lambda d, o: torch.exp(a.to(d), out=o),
+    }
+    for name, f in ops.items():
+        for start in (0, 2):        # empty (resized silently) and of another shape (CPU warns)
+            want = torch.empty(start, dtype=torch.long if name == "arange" else torch.float)
+            got = want.to("tpu")
+            with warnings.catch_warnings(record=True) as w_cpu:
+                warnings.simplefilter("always")
+                f("cpu", want)
+            with warnings.catch_warnings(record=True) as w_tpu:
+                warnings.simplefilter("always")
+                f("tpu", got)
+            assert_same(got, want)
+            if name != "arange":    # its resize is PyTorch's own decomposition's, in its words
+                assert [str(m.message) for m in w_tpu] == [
+                    str(m.message).split(" (Triggered internally")[0] for m in w_cpu], name
+            assert len(w_tpu) == (start > 0), name
+    want = (torch.empty(0), torch.empty(0, dtype=torch.long))
+    got = tuple(t.to("tpu") for t in want)      # .to() leaves the CPU tensors resizable
+    torch.max(a, 1, out=want)
+    torch.max(a.to("tpu"), 1, out=got)
+    assert_same(got, want)
