@@ -217,9 +217,13 @@ def _h_resize_as(func, args, kwargs):
 
 def _h_set(func, args, kwargs):
     self = args[0]
-    if len(args) > 1 and type(args[1]) is TpuTensor and tuple(args[1].shape) == tuple(self.shape):
+    if len(args) > 1 and type(args[1]) is TpuTensor:
         src = args[1]
-        self._s, self._chain, self._sig, self._dyn = src._s, src._chain, src._sig, src._dyn
+        if tuple(src.shape) == tuple(self.shape) and src.stride() == self.stride() \
+                and src.storage_offset() == self.storage_offset():
+            self._s, self._chain, self._sig, self._dyn = src._s, src._chain, src._sig, src._dyn
+        else:
+            rebind(self, src)       # its sizes, strides and offset too
         return self
     raise Fallback("set_ with a new shape")
 

@@ -433,6 +433,10 @@ def _resizes(dev):
     r = torch.zeros(5, device=dev)
     r.resize_as_(torch.ones(2, 2))
     out.append(torch.tensor(r.shape, device=dev))
+    s, src = torch.zeros(2, 3, device=dev), torch.arange(6.0, device=dev)[1:5]
+    s.set_(src)                                     # another shape and offset: src's storage
+    s[0] = 50
+    out += [src.clone(), torch.tensor([*s.shape, *s.stride(), s.storage_offset()], device=dev)]
     return out
 
 
