@@ -190,7 +190,6 @@ CAUSES = {
     "special.i0e": (
         "value mismatch", "bfloat16 backward: i1e(x) - sgn(x) * i0e(x) cancels; one ulp of "
         "difference in i0e or i1e (computed in float32 on tpu) survives it"),
-    "sgn": ("other", "backward makes aten::_efficientzerotensor, which has no tpu kernel (core)"),
 }
 
 # Ops whose CPU kernel is wrong in a dtype: the reference is the CPU op in float32 on float32

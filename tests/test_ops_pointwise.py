@@ -540,3 +540,18 @@ def test_bessel_and_airy_on_a_dense_grid(f):
          1e30, -1e30])])
     assert check(f, x)
     assert check(f, torch.arange(-40, 41))
+
+
+def test_sgn_backward_makes_a_zero_tensor():
+    """The gradient of ``sgn`` of a real tensor is ``aten._efficientzerotensor``: a factory with
+    device='tpu' that reaches the backend directly (it had no kernel)."""
+    for x in (torch.tensor([1.5, -2.0, 0.0, 3.0]), torch.tensor([1 + 1j, -2j, 0j])):
+        grads = []
+        for dev in ("cpu", "tpu"):
+            t = x.clone().to(dev).requires_grad_(True)
+            y = torch.sgn(t)
+            (y.abs() if y.is_complex() else y).sum().backward()
+            grads.append(t.grad)
+        assert_same(grads[1], grads[0])
+    assert_same(torch.ops.aten._efficientzerotensor([2, 3], dtype=torch.bfloat16, device="tpu"),
+                torch.zeros(2, 3, dtype=torch.bfloat16))

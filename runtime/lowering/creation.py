@@ -60,7 +60,8 @@ def full(*args, _avals, **kw):
     return jnp.full(shape, jnp.asarray(args[-1]).astype(dt), dt)
 
 
-@op("zeros.default", "new_zeros.default", "zeros_like.default", meta=True)
+@op("zeros.default", "new_zeros.default", "zeros_like.default", "_efficientzerotensor.default",
+    meta=True)
 def zeros(*args, _avals, **kw):
     shape, dt = _avals[0]
     return jnp.zeros(shape, dt)
