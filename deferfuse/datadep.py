@@ -1,5 +1,5 @@
 """Ops whose output size depends on the data, run on the device: nonzero, masked_select, indexing
-with a boolean mask, unique (sorted), unique_consecutive.
+with a boolean mask, unique (sorted), unique_consecutive, bincount, repeat_interleave.
 
 NOTE [data-dependent sizes]: as on torch_xla, the only host sync is the output *size*: one small
 count (a scalar) is read back, and the data stays on the device. The result is then computed on
@@ -237,7 +237,35 @@ def _h_bincount(func, args, kwargs):
     return _cut(out, n)
 
 
+def _h_repeat_interleave(func, args, kwargs):
+    """``repeat_interleave(repeats)`` (and so ``x.repeat_interleave(repeats_tensor, dim)``): the
+    index i repeated repeats[i] times. Its length, the sum, is read once with the smallest repeat
+    (a negative one raises CPU's error), unless ``output_size`` gives it: then nothing is read and
+    the sum and the sign are checked on the device (NOTE [device asserts]), as CUDA does without
+    a sync. The indices come from a search of the running sums at the length's bucket."""
+    a = dict(zip(("repeats",), args), **kwargs)
+    r, size = a["repeats"], a.get("output_size")
+    if type(r) is not TpuTensor or r.dim() != 1 or r.dtype not in (torch.int32, torch.int64) \
+            or r.numel() == 0:
+        raise Fallback(_WHY)                # CPU's errors; an empty one is CPU's too
+    ends = aten.cumsum.default(r, 0, dtype=torch.int64)
+    if size is None:
+        n, lo = to_cpu(aten.stack.default([ends[-1], aten.min.default(r).to(torch.int64)]),
+                       _WHY).tolist()
+        if lo < 0:
+            raise Fallback(_WHY)            # CPU's "repeats can not be negative"
+        at = bucket_of(n) if n else 0
+    else:
+        n = at = int(size)
+        aten._assert_async.msg(aten.eq.Scalar(ends[-1], n), "allocated size does not match required size")
+        aten._assert_async.msg(aten.ge.Scalar(aten.min.default(r), 0), "repeats can not be negative")
+    pos = aten.arange.default(at, dtype=torch.int64, device=r.device)
+    idx = aten.searchsorted.Tensor(ends, pos, right=True).to(r.dtype)
+    return _cut(idx, n)
+
+
 HANDLERS = {
+    aten.repeat_interleave.Tensor: _h_repeat_interleave,
     aten.bincount.default: _h_bincount,
     aten.nonzero.default: _h_nonzero,
     aten.masked_select.default: _h_masked_select,
