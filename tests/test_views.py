@@ -440,6 +440,7 @@ def _resizes(dev):
     return out
 
 
+@pytest.mark.slow_params("strict")   # defer only in the default run
 def test_resize_as_on_cpu(tpu_mode):
     for got, want in zip(_resizes("tpu"), _resizes("cpu"), strict=True):
         assert_same(got, want)
@@ -452,6 +453,7 @@ def test_resize_as_on_cpu(tpu_mode):
         y.resize_(-1)
 
 
+@pytest.mark.slow_params("strict")   # defer only in the default run
 def test_out_tensors_are_resized_as_on_cpu(tpu_mode):
     torch.manual_seed(0)
     a, b = torch.randn(3, 4), torch.randn(4, 5)
