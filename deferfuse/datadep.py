@@ -202,6 +202,59 @@ def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
     return values, inv, cnt
 
 
+_LEXSORT = []
+
+
+def _lexsort_op():
+    """``deferfuse::lexsort_rows(rows) -> perm``: the stable permutation sorting the rows of a 2-D
+    tensor lexicographically, one XLA sort over every column as a key (made on first use)."""
+    if not _LEXSORT:
+        import jax.numpy as jnp
+        from jax import lax
+
+        from .jax_op import jax_op
+
+        def lexsort_rows(rows):
+            if jnp.issubdtype(rows.dtype, jnp.floating):
+                rows = rows + jnp.zeros((), rows.dtype)      # -0.0 sorts as 0.0, as CPU compares
+            cols = [rows[:, j] for j in range(rows.shape[1])]
+            iota = lax.iota(jnp.int64, rows.shape[0])
+            return lax.sort((*cols, iota), num_keys=len(cols), is_stable=True)[-1]
+        jax_op("deferfuse::lexsort_rows", backward=lambda rows, ct: (jnp.zeros_like(rows),))(
+            lexsort_rows)
+        _LEXSORT.append(torch.ops.deferfuse.lexsort_rows.default)
+    return _LEXSORT[0]
+
+
+def _h_unique_dim(func, args, kwargs):
+    """``unique(x, dim=d)``: the distinct slices along ``d``, sorted lexicographically (one sort
+    with every column a key), then grouped as ``unique_consecutive(dim=...)`` groups them; one read
+    of the number of distinct slices."""
+    a = dict(zip(("self", "dim", "sorted", "return_inverse", "return_counts"), args), **kwargs)
+    x, dim = a["self"], a["dim"]
+    if type(x) is not TpuTensor or x.is_complex() or x.dim() == 0 or x.numel() == 0:
+        raise Fallback(_WHY)        # CPU's errors and its rules for empty slices
+    dim = dim + x.dim() if dim < 0 else dim
+    if not 0 <= dim < x.dim():
+        raise Fallback(_WHY)
+    L = x.shape[dim]
+    rows = aten.movedim.int(x, dim, 0).reshape(L, -1)
+    key = rows.to(torch.uint8) if rows.dtype == torch.bool else rows
+    perm = _lexsort_op()(key)
+    srows = aten.index_select.default(rows, 0, perm)
+    first, starts, n = _run_starts(aten.ne.Tensor(srows[1:], srows[:-1]).any(1), L)
+    pick = aten.index_select.default(perm, 0, _cut(starts, n))
+    values = aten.index_select.default(x, dim, pick)
+    empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
+    inv = cnt = empty
+    if a.get("return_inverse", False):
+        gid = first.to(torch.int64).cumsum(0) - 1
+        inv = aten.scatter.src(aten.empty_like.default(gid), 0, perm, gid)
+    if a.get("return_counts", False):
+        cnt = _run_counts(starts, L, n)
+    return values, inv, cnt
+
+
 def _h_bincount(func, args, kwargs):
     """bincount: its length is max(minlength, the largest value + 1), one read of the input's
     smallest and largest values (a negative one raises CPU's error); the counts (or weights)
@@ -265,6 +318,7 @@ def _h_repeat_interleave(func, args, kwargs):
 
 
 HANDLERS = {
+    aten.unique_dim.default: _h_unique_dim,
     aten.repeat_interleave.Tensor: _h_repeat_interleave,
     aten.bincount.default: _h_bincount,
     aten.nonzero.default: _h_nonzero,

@@ -90,16 +90,18 @@ def jax_op(name: str, *, static=(), backward=None):
             return list(pull(ct.astype(fn_out_dtype(t, s))))
 
         def fn_out_dtype(t, s):
-            return jax.eval_shape(lambda *xs: fn(*xs, **s), *t).dtype
+            with x64(True):     # as the lowering runs: a 64-bit result stays 64-bit
+                return jax.eval_shape(lambda *xs: fn(*xs, **s), *t).dtype
 
         LOWERINGS[op] = Lowering(lowered, static=True)
         LOWERINGS[vjp_op] = Lowering(vjp_lowered, static=True)
 
         def fake(*a, **kw):
             t, s = split(a, kw)
-            spec = jax.eval_shape(lambda *xs: fn(*xs, **s),
-                                  *[jax.ShapeDtypeStruct(tuple(x.shape), TORCH_TO_NP[x.dtype])
-                                    for x in t])
+            with x64(True):     # as the lowering runs: a 64-bit result stays 64-bit
+                spec = jax.eval_shape(lambda *xs: fn(*xs, **s),
+                                      *[jax.ShapeDtypeStruct(tuple(x.shape), TORCH_TO_NP[x.dtype])
+                                        for x in t])
             return torch.empty(spec.shape, dtype=NP_TO_TORCH[np.dtype(spec.dtype)],
                                device=t[0].device)
 

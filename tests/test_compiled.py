@@ -228,6 +228,22 @@ def test_a_jax_function_is_an_op_in_every_mode():
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
 
 
+def test_a_jax_op_with_a_64_bit_result():
+    """A JAX function returning int64 (an argsort) keeps int64 in its fake (meta) result, as the
+    lowering computes it under 64-bit JAX: the op's dtype is the same on tpu and on CPU."""
+    import jax.numpy as jnp
+
+    @deferfuse.jax_op("deferfuse_test::order")
+    def order(x):
+        return jnp.argsort(x, stable=True).astype(jnp.int64)
+    x = torch.randn(7)
+    want = torch.argsort(x, stable=True)
+    assert_same(order(x.to("tpu")), want)
+    assert torch.equal(order(x), want)
+    cf = torch.compile(lambda a: order(a) + 1, backend="tpu", fullgraph=True)
+    assert_same(cf(x.to("tpu")), want + 1)
+
+
 def test_hugging_face_static_cache_generate_compiles_on_tpu():
     """transformers compiles a static-cache generate() step with torch.compile(backend="tpu")
     for a model on tpu: it runs, and its tokens are CPU's greedy tokens."""

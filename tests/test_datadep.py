@@ -165,3 +165,19 @@ def test_repeat_interleave_on_tpu(tpu_mode):
         with pytest.raises(RuntimeError) as got:
             torch.repeat_interleave(bad.to("tpu"), **kw).cpu()
         assert str(got.value).startswith(str(want.value))
+
+
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
+def test_unique_dim_on_tpu(tpu_mode):
+    """unique(x, dim=d): the distinct slices sorted lexicographically (one sort with every column
+    a key), inverse and counts, in CPU's values and dtypes (bool, bfloat16, -0.0 equal to 0.0);
+    no CPU fallback."""
+    torch.manual_seed(0)
+    deferfuse.reset_metrics()
+    cases = [torch.tensor([[1, 2], [0, 5], [1, 2], [0, 1]]), torch.randint(0, 3, (7, 3)),
+             torch.randn(5, 4) > 0, torch.randint(0, 2, (3, 6, 2)).to(torch.bfloat16),
+             torch.tensor([[-0.0, 1.0], [0.0, 1.0], [0.0, -1.0]])]
+    for x in cases:
+        for d in range(x.dim()):
+            _check(lambda x: torch.unique(x, dim=d, return_inverse=True, return_counts=True), x)
+    _no_fallback()
