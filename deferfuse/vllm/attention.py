@@ -112,19 +112,16 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
         0 (they read the null block); padding tokens sit in a row of their own past the queries."""
         tb = buckets.up(t, self.token_buckets)
         nb = buckets.pow2(blocks)
-        decode = qmax == 1 and t == r
-        if decode:                      # one query a request: requests padded as tokens are
-            rb, qb, token_index, query_pos = tb, 1, None, None
-        else:
-            rb, qb = buckets.pow2(r), min(buckets.pow2(qmax), buckets.pow2(tb))
-            qsl = m.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
-            qlens = np.diff(qsl)
-            req = np.repeat(np.arange(r, dtype=np.int64), qlens)
-            pos = np.arange(t, dtype=np.int64) - qsl[req]
-            index = np.full(tb, rb * qb, dtype=np.int64)
-            index[:t] = req * qb + pos
-            token_index = torch.from_numpy(index).to(self.device)
-            query_pos = torch.arange(qb, device=self.device)
+        # decode-only steps too (a longest query of 1, padded to 2): one graph for every step
+        rb, qb = buckets.pow2(r), min(buckets.pow2(qmax), buckets.pow2(tb))
+        qsl = m.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
+        qlens = np.diff(qsl)
+        req = np.repeat(np.arange(r, dtype=np.int64), qlens)
+        pos = np.arange(t, dtype=np.int64) - qsl[req]
+        index = np.full(tb, rb * qb, dtype=np.int64)
+        index[:t] = req * qb + pos
+        token_index = torch.from_numpy(index).to(self.device)
+        query_pos = torch.arange(qb, device=self.device)
         # tensors of their own, not views of the runner's buffers: Dynamo gives a view's base
         # size a symbol it cannot guard on (an IndexError building the guards)
         qsl = m.query_start_loc[: r + 1]
