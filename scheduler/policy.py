@@ -23,6 +23,7 @@ class Cut(str, Enum):
     TRACE_LIMIT = "trace limit"         # DEFERFUSE_TRACE_LIMIT ops recorded
     BACKWARD = "backward"               # backward() dispatched the forward pass
     DEVICE_SWITCH = "device switch"     # an op on another device: a region runs on one
+    FENCE = "fence"                     # the caller ended a region here (deferfuse.vllm: a step's model)
 
     __hash__ = str.__hash__             # (as the plain string: counters keyed by reason)
 

@@ -24,6 +24,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+import deferfuse
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -112,19 +114,16 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
         0 (they read the null block); padding tokens sit in a row of their own past the queries."""
         tb = buckets.up(t, self.token_buckets)
         nb = buckets.pow2(blocks)
-        decode = qmax == 1 and t == r
-        if decode:                      # one query a request: requests padded as tokens are
-            rb, qb, token_index, query_pos = tb, 1, None, None
-        else:
-            rb, qb = buckets.pow2(r), min(buckets.pow2(qmax), buckets.pow2(tb))
-            qsl = m.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
-            qlens = np.diff(qsl)
-            req = np.repeat(np.arange(r, dtype=np.int64), qlens)
-            pos = np.arange(t, dtype=np.int64) - qsl[req]
-            index = np.full(tb, rb * qb, dtype=np.int64)
-            index[:t] = req * qb + pos
-            token_index = torch.from_numpy(index).to(self.device)
-            query_pos = torch.arange(qb, device=self.device)
+        # decode-only steps too (a longest query of 1, padded to 2): one graph for every step
+        rb, qb = buckets.pow2(r), min(buckets.pow2(qmax), buckets.pow2(tb))
+        qsl = m.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
+        qlens = np.diff(qsl)
+        req = np.repeat(np.arange(r, dtype=np.int64), qlens)
+        pos = np.arange(t, dtype=np.int64) - qsl[req]
+        index = np.full(tb, rb * qb, dtype=np.int64)
+        index[:t] = req * qb + pos
+        token_index = torch.from_numpy(index).to(self.device)
+        query_pos = torch.arange(qb, device=self.device)
         # tensors of their own, not views of the runner's buffers: Dynamo gives a view's base
         # size a symbol it cannot guard on (an IndexError building the guards)
         qsl = m.query_start_loc[: r + 1]
@@ -154,6 +153,11 @@ class TpuAttentionImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        # on a real TPU, the Pallas kernel (NOTE [paged attention kernel] in pallas.py)
+        self.kernel = None
+        if deferfuse.platform() == "tpu":
+            from .pallas import paged_attention
+            self.kernel = paged_attention
 
     @torch._dynamo.dont_skip_tracing
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
@@ -182,7 +186,7 @@ class TpuAttentionImpl(AttentionImpl):
         if attn_metadata is None:        # a profiling run
             return output
         md = attn_metadata
-        h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
+        h, d = self.num_heads, self.head_size
         if md.padded:                   # sizes from shapes: symbols of the compiled graph
             t, r = query.shape[0], md.seq_lens.shape[0]
             qmax = 1 if md.query_pos is None else md.query_pos.shape[0]
@@ -197,20 +201,16 @@ class TpuAttentionImpl(AttentionImpl):
             rows = r * qmax + int(md.padded)
             qr = q.new_zeros((rows, h, d)).index_copy_(0, md.token_index, q)[: r * qmax]
             qr = qr.view(r, qmax, h, d)
-        # each request's context: (R, blocks, Hkv, bs, 2D) -> (R, Hkv, blocks * bs, 2D)
-        ctx = kv_cache[md.block_table]
-        nb, bs = ctx.shape[1], ctx.shape[3]
-        ctx = ctx.permute(0, 2, 1, 3, 4).reshape(r, hkv, nb * bs, 2 * d)
-        k, v = ctx[..., :d].to(q.dtype), ctx[..., d:].to(q.dtype)
         # query i of request r sits at position seq_len - query_len + i and sees keys 0 .. that
         qlens = md.query_start_loc[1:] - md.query_start_loc[:-1]
         i = md.query_pos if md.query_pos is not None else torch.arange(qmax, device=q.device)
         qpos = (md.seq_lens - qlens)[:, None] + i[None, :]
         qpos = torch.where(i[None, :] < qlens[:, None], qpos, torch.zeros_like(qpos))
-        mask = torch.arange(nb * bs, device=q.device)[None, None, :] <= qpos[:, :, None]
-        out = F.scaled_dot_product_attention(qr.transpose(1, 2), k, v, attn_mask=mask[:, None],
-                                             scale=self.scale, enable_gqa=hkv != h)
-        out = out.transpose(1, 2)                     # (R, Qmax, H, D)
+        if self.kernel is not None:
+            out = self.kernel(qr, kv_cache, md.block_table.to(torch.int32), qpos.to(torch.int32),
+                              self.scale, False)
+        else:
+            out = paged_attention_torch(qr, kv_cache, md.block_table, qpos, self.scale)
         if md.token_index is None:
             out = out.reshape(t, h * d)
         else:
@@ -218,6 +218,25 @@ class TpuAttentionImpl(AttentionImpl):
             out = out.reshape(r * qmax, h, d).index_select(0, index).reshape(t, h * d)
         output[:t].copy_(out.view(output[:t].shape))
         return output
+
+
+@torch._dynamo.dont_skip_tracing
+def paged_attention_torch(qr: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          qpos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Paged attention in torch ops: queries ``(R, Q, H, D)``, the layer's KV cache, the block
+    table ``(R, NB)`` and each query's position ``(R, Q)`` (it sees keys 0 .. position); the
+    output ``(R, Q, H, D)``. The Pallas kernel (deferfuse/vllm/pallas.py) computes the same."""
+    r, _, h, d = qr.shape
+    hkv = kv_cache.shape[1]
+    # each request's context: (R, blocks, Hkv, bs, 2D) -> (R, Hkv, blocks * bs, 2D)
+    ctx = kv_cache[block_table]
+    nb, bs = ctx.shape[1], ctx.shape[3]
+    ctx = ctx.permute(0, 2, 1, 3, 4).reshape(r, hkv, nb * bs, 2 * d)
+    k, v = ctx[..., :d].to(qr.dtype), ctx[..., d:].to(qr.dtype)
+    mask = torch.arange(nb * bs, device=qr.device)[None, None, :] <= qpos[:, :, None]
+    out = F.scaled_dot_product_attention(qr.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                         scale=scale, enable_gqa=hkv != h)
+    return out.transpose(1, 2)
 
 
 def compute_slot_mapping(num_tokens: int, max_num_tokens: int, query_start_loc: torch.Tensor,

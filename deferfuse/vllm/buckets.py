@@ -14,9 +14,21 @@ program, and past Dynamo's recompile limit the model ran in defer mode. So in co
   round to the same buckets;
 - every size is at least 2: Dynamo specializes a dimension of size 0 or 1, which would be a
   graph (and a recompile) of its own;
-- the model is compiled with ``dynamic=True`` and without duck sizing, so Dynamo makes one graph
-  for decode-only steps and one for steps with a prefill, whatever the sizes: each is compiled
-  once by Dynamo, and once by XLA for each combination of buckets it meets.
+- the model is compiled with ``dynamic=True`` and without duck sizing, and a decode-only step
+  lays out its queries as a step with a prefill does (the longest query padded to 2), so Dynamo
+  makes one graph whatever the sizes, traced once, and XLA compiles it once for each
+  combination of buckets it meets;
+- what made that trace slow is kept out of it: the KV caches are marked static (their sizes
+  never change: no symbols for them), and Python floats (norms' epsilons, the attention's
+  scale) are specialized from the start (as symbols, Dynamo specialized them at the end of its
+  first trace and traced the whole model again);
+- the model's graph runs in a region of its own: the runner fences it off (``Cut.FENCE``) from
+  the step's input preparation and sampling, whose ops have the step's exact sizes (token and
+  request counts); in one region with them, every exact size was a program holding the model.
+  Those small regions compile whole at each new exact size, once (a raised
+  ``shape_recompile_limit`` around the runner's flushes): with deferfuse's default a size met
+  past the limit ran op by op and compiled whole when it came back, so the same requests
+  compiled again in their second and third runs.
 
 Pure Python: the worker and the attention's metadata builder both ask it.
 """

@@ -15,6 +15,7 @@ import dataclasses
 import gc
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from vllm.config import CompilationMode
 from vllm.logger import init_logger
@@ -28,6 +29,8 @@ from vllm.v1.worker.utils import bind_kv_cache, map_kv_caches_to_kernel_blocks
 from vllm.v1.worker.worker_base import CompilationTimes
 
 import deferfuse  # noqa: F401  (registers the tpu device)
+from deferfuse.engine import engine
+from deferfuse.scheduler.policy import Cut
 
 from . import buckets
 
@@ -56,6 +59,16 @@ def _tpu_streams():
     finally:
         for n, f in saved.items():
             setattr(torch.cuda, n, f)
+
+
+def _exact_versions():
+    """Compiled mode's steps around the model's graph (NOTE [vLLM buckets]): each exact size a
+    region of input preparation or sampling meets is compiled whole the first time, as a program
+    of its own, however many sizes the region has had. deferfuse's default (past
+    ``shape_recompile_limit`` versions, a new one runs split or op by op, and compiles whole
+    when it comes back) made the same requests compile again in their second and third runs;
+    here the sizes are bounded by the step's token budget and request count."""
+    return deferfuse.override(shape_recompile_limit=1 << 16)
 
 
 def _no_grad_instead_of_inference_mode(cls, base) -> None:
@@ -94,10 +107,21 @@ class TpuModelRunner(GPUModelRunner):
     def _model_forward(self, *args, **kwargs):
         if self.token_buckets is None:
             return super()._model_forward(*args, **kwargs)
-        # Dynamo traces here (once a graph): without duck sizing, two sizes that happen to be
-        # equal at the first trace stay two sizes (NOTE [vLLM buckets])
-        with fx_config.patch(use_duck_shape=False):
-            return super()._model_forward(*args, **kwargs)
+        # NOTE [vLLM buckets]. Dynamo traces here (once): without duck sizing, two sizes that
+        # happen to be equal at the first trace stay two sizes; floats (norms' epsilons, the
+        # attention's scale) are constants, not symbols, which Dynamo would make and then
+        # specialize, restarting its whole trace. The model's graph runs as a region of its
+        # own, fenced off from the step's input preparation and sampling, whose sizes are the
+        # step's exact ones (in its region, each of those sizes was a program holding the model).
+        self._fence()
+        with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
+            out = super()._model_forward(*args, **kwargs)
+        self._fence()
+        return out
+
+    def _fence(self) -> None:
+        with _exact_versions():
+            engine.sync(Cut.FENCE)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         logger.info("Loading model %s onto %s", self.model_config.model, self.device)
@@ -137,6 +161,11 @@ class TpuModelRunner(GPUModelRunner):
                 kv_caches[name] = torch.zeros(
                     (num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
                     dtype=spec.dtype, device=self.device)
+        if self.token_buckets is not None:
+            # their sizes never change: constants of the compiled graph, not symbols
+            # (fewer symbols, a faster trace: NOTE [vLLM buckets])
+            for kv in kv_caches.values():
+                torch._dynamo.mark_static(kv)
         for layer_name, target in self.shared_kv_cache_layers.items():
             kv_caches[layer_name] = kv_caches[target]
         attn_groups = [g for groups in self.attn_groups for g in groups]
@@ -159,7 +188,10 @@ class TpuModelRunner(GPUModelRunner):
         torch.tpu.synchronize()
 
     def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
-        return sampled_token_ids.tolist()
+        if self.token_buckets is None:
+            return sampled_token_ids.tolist()
+        with _exact_versions():
+            return sampled_token_ids.tolist()
 
 
 class TpuWorker(Worker):
@@ -205,6 +237,14 @@ class TpuWorker(Worker):
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=self.compilation_config.compilation_time,
                                 encoder=self.compilation_config.encoder_compilation_time)
+
+    def deferfuse_metrics(self) -> dict:
+        """This worker's ``deferfuse.metrics()`` (what a tensor-parallel worker process compiled
+        and ran): ``llm.collective_rpc("deferfuse_metrics")`` asks every worker."""
+        m = deferfuse.metrics()
+        return {k: ({str(a): b for a, b in v.items()} if isinstance(v, dict) else
+                    [str(x) for x in v] if isinstance(v, list) else v)
+                for k, v in m.items() if k not in ("sync_sites", "miss_reasons", "peak_region")}
 
     def sleep(self, level: int = 1) -> None:
         logger.warning("tpu: sleep mode is not supported; ignored")
