@@ -21,6 +21,8 @@ _CUT_WORDS = {
     Cut.TRACE_LIMIT: "the trace reached DEFERFUSE_TRACE_LIMIT ops and was dispatched",
     Cut.BACKWARD: "backward() dispatched the forward pass, which computes while the backward pass "
                   "is recorded",
+    Cut.DEVICE_SWITCH: "an op ran on another tpu device; a region runs on one device, so the "
+                       "trace was dispatched",
     Cut.FENCE: "a library ended a region there (vLLM's compiled model: a program of its own, "
                "whatever sizes the step's other ops have)",
 }

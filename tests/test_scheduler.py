@@ -292,3 +292,10 @@ def test_cut_policy_plans_from_counts_and_reasons():
         P.trace_ended("item", 300, 2, "mm", None)
     assert P.search_while_recording(10, "other") and not P.search_while_recording(10, "emb")
     assert P.at_sync("item", big, "emb", None) == policy.SyncPlan(True, None, False)
+
+
+def test_report_words_every_cut_reason():
+    """report() names each asynchronous cut in words; a reason without them raised KeyError."""
+    from deferfuse.reporting import _CUT_WORDS
+    from deferfuse.scheduler.policy import Cut
+    assert set(_CUT_WORDS) == set(Cut)
