@@ -28,6 +28,8 @@ Why this is safe:
   third call, or gives a fraction (run the meta kernel), never a wrong rule.
 - Only op families whose shape functions are known to be such sums and copies are ruled (a
   product of two lengths, divisibility checks, linear algebra and data-dependent shapes are not);
+  their dim arguments are kept whole in the key (which dim is no size: its range check compares
+  it with the tensor's rank, which is no int of the pattern);
   arguments with values a meta kernel may read (CPU tensors, generators) are never ruled; errors
   are never learned (a call that raises has no answer to keep).
 - ``DEFERFUSE_CROSS_CHECK=1`` and debug mode run the meta kernel for every derived answer as well
@@ -95,6 +97,29 @@ def _flat(x, ints: list):
     if t is dict:
         return ("dict",) + tuple((k, _flat(v, ints)) for k, v in sorted(x.items()))
     if isinstance(x, _NAMED):
+        return (t, x)
+    raise _Unruled(t.__name__)
+
+
+def _exact_args(func) -> frozenset:
+    """Positions and names of ``func``'s dim arguments: kept whole in the key (which dim is
+    reduced or concatenated is no size, and its range check compares it with the rank)."""
+    out = _EXACT.get(func)
+    if out is None:
+        out = _EXACT[func] = frozenset(
+            x for i, a in enumerate(func._schema.arguments)
+            if "dim" in a.name or a.name == "axis" for x in (i, a.name))
+    return out
+
+
+_EXACT: dict = {}
+
+
+def _exact(x):
+    t = type(x)
+    if t is tuple or t is list:
+        return (t,) + tuple(_exact(y) for y in x)
+    if t in (int, float, bool, str, type(None)) or isinstance(x, _NAMED):
         return (t, x)
     raise _Unruled(t.__name__)
 
@@ -198,8 +223,12 @@ class SizeRules:
         if not ruled(func):
             return None
         ints: list = []
+        exact = _exact_args(func)
         try:
-            skel = (func, torch.get_default_dtype(), _flat(args, ints), _flat(kwargs, ints))
+            skel = (func, torch.get_default_dtype(),
+                    tuple(_exact(a) if i in exact else _flat(a, ints) for i, a in enumerate(args)),
+                    tuple((k, _exact(v) if k in exact else _flat(v, ints))
+                          for k, v in kwargs.items()))
         except _Unruled:
             return None
         return (skel, _pattern(ints)), tuple(ints)

@@ -87,3 +87,20 @@ def test_debug_mode_checks_every_derived_answer(rules, monkeypatch):
         x[:, :7].to("tpu") * 2
     with deferfuse.override(meta_rules=False):      # the off switch: the meta kernel alone
         assert (x[:, :7].to("tpu") * 2).shape == (2, 7)
+
+
+@pytest.mark.modes("defer")
+def test_a_dim_argument_is_never_interpolated(rules):
+    # sizes all equal (and above every dim): summing over dims 2 to 5 gives one shape, and the
+    # dims would be one line of one key; dim 6 is out of range on CPU
+    x = torch.randn(*[10] * 6)
+    t = x.to("tpu")
+    for d in (2, 3, 4, 5):
+        g = t.sum(d)
+        assert (g.shape, g.stride()) == (x.sum(d).shape, x.sum(d).stride())
+    with pytest.raises(IndexError) as cpu_err:
+        x.sum(6)
+    with pytest.raises(IndexError) as tpu_err:
+        t.sum(6)
+    assert str(tpu_err.value) == str(cpu_err.value)
+    torch.testing.assert_close(t.sum(5).cpu(), x.sum(5))
