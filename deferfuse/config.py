@@ -98,6 +98,9 @@ SETTINGS = {s.name: s for s in [
     Setting("shape_recompile_limit", "DEFERFUSE_SHAPE_RECOMPILE_LIMIT", 2, int,
             "versions of one region structure compiled before its shape-changing ops are split "
             "off (and, if every op changes, before it runs op by op)"),
+    Setting("meta_rules", "DEFERFUSE_META_RULES", True, _bool,
+            "derive a new length's output sizes from a checked rule instead of running the meta "
+            "kernel again (NOTE [sizes by rule] in deferfuse/metasize.py)"),
     Setting("buckets", "DEFERFUSE_BUCKETS", True, _bool,
             "run a region whose sizes keep changing (a growing sequence) padded to buckets of "
             "lengths, one program per bucket (see docs/recompiles.md)"),

@@ -18,6 +18,7 @@ import weakref
 from . import opinfo
 from .config import config
 from .generator import Rng
+from .meta import sizes as meta_sizes
 from .record import Bodies, SourceLines, Trace
 from .runtime import execute, stats
 from .runtime.flush import Runner, Settings
@@ -226,6 +227,7 @@ class Engine:
         out["signatures"] = sig_id.stats()
         out["loop bodies"] = self.bodies.stats()
         out["memory mappings"] = self.runner.maps.stats()
+        out["meta size rules"] = meta_sizes.stats()
         return out
 
     def clear_caches(self) -> None:
@@ -235,6 +237,7 @@ class Engine:
             self.bodies.known.clear()
             self.bodies.outer.clear()
             self.routes.clear()
+            meta_sizes.clear()
             opinfo.clear()
 
 

@@ -10,6 +10,8 @@ import warnings
 
 import torch
 
+from .config import config
+from .metasize import SizeRules
 from .scheduler.cache import Cache
 from .tensor import TpuTensor
 
@@ -565,7 +567,24 @@ def _meta_outputs(func, args, kwargs):
         r = memo.get(key)
         if r is not None:
             return r
+    rk = sizes.key(func, args, kwargs) if config.meta_rules else None
+    if rk is not None:
+        r = sizes.derive(rk)
+        if r is not None:
+            if config.cross_check or config.mode == "debug":
+                exact = _run_meta(func, args, kwargs)
+                if exact != r:
+                    raise AssertionError(
+                        f"deferfuse internal error: {func}'s outputs derived by rule {r} differ from "
+                        f"its meta kernel's {exact} (NOTE [sizes by rule] in deferfuse/metasize.py); "
+                        "DEFERFUSE_META_RULES=0 turns the rules off")
+            sizes.derived += 1
+            if key is not None:
+                memo.put(key, r)
+            return r
     r = _run_meta(func, args, kwargs)
+    if rk is not None:
+        sizes.learn(rk, r)
     if key is not None:
         memo.put(key, r)
     return r
@@ -708,6 +727,7 @@ def _stable(x):
 
 
 memo = MetaMemo()
+sizes = SizeRules()        # NOTE [sizes by rule]
 
 
 # Views that return several outputs become one slice/select step per output.
