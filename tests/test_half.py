@@ -610,3 +610,14 @@ def test_products_of_masked_transposed_operands(dt, tpu_mode):
     for t in range(3, 7):       # sizes that change: strict mode pads the later ones to a bucket
         a, b = _rand(4, t, 16, dt=dt, seed=t), _rand(4, t, 24, dt=dt, seed=10 + t)
         _same(lambda a, b: torch.bmm(a.transpose(1, 2), b), a, b, dt=dt, exact=True)
+
+
+def test_pow_of_a_scalar_base_rounds_the_base(dt, tpu_mode):
+    """CPU's ``pow(Scalar, Tensor)`` makes the base a tensor of the result's dtype first (pow has
+    no scalar case, unlike mul and add): ``10000 ** x`` in bfloat16 is ``9984 ** x``. Funnel's
+    sinusoid frequencies (``1 / 10000 ** (k / d)``) differed from CPU's in 3 of 16, its logits
+    beyond the tolerance."""
+    x = torch.linspace(-8, 8, 4000).to(dt)
+    for base in (10000, 0.3, 1e-4, 2.5, 7, 1):
+        _same(lambda x: base ** x, x, dt=dt, atol=0, rtol=0)
+        _same(lambda x: torch.pow(base, x), x, dt=dt, atol=0, rtol=0)
