@@ -592,3 +592,32 @@ def test_pow_scalar_rounds_as_cpu(dt, tpu_mode):
     for e in (3.0, 3, -2, 2, 0.5, -1, 0.044715, 1 / 3, 1.5, 7, -3):
         _same(lambda x: torch.pow(x, e), x, dt=dt, atol=0, rtol=0)
         _same(lambda x: x ** e, x.abs() + 0.5, dt=dt, atol=0, rtol=0)
+
+
+def test_products_of_masked_transposed_operands(dt, tpu_mode):
+    """NOTE [half dots on CPU] (runtime/lowering/precision.py): XLA's CPU compiler folded the
+    transpose of ``where(mask, x.transpose(1, 2), 0)`` into a half-precision product after routing
+    the product to the only CPU kernel for half x half = float32, which then refused it: "Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32" in defer mode, and in strict mode for a
+    ``bmm`` of a transposed operand whose sizes change (a bucket program masks the operand: funnel's
+    backward)."""
+    m = torch.arange(32) < 20
+    x, y = _rand(8, 32, 32, dt=dt), _rand(8, 32, 24, dt=dt, seed=1)
+    _same(lambda x, y, m: torch.where(m, x.transpose(1, 2), 0) @ y, x, y, m, dt=dt, exact=True)
+    _same(lambda x, y, m: x.transpose(1, 2).masked_fill(~m, 0) @ y, x, y, m, dt=dt, exact=True)
+    _same(lambda x, y, m: torch.where(m, x[0].t(), 0) @ y[0], x, y, m, dt=dt, exact=True)
+    deferfuse.reset_metrics()
+    for t in range(3, 7):       # sizes that change: strict mode pads the later ones to a bucket
+        a, b = _rand(4, t, 16, dt=dt, seed=t), _rand(4, t, 24, dt=dt, seed=10 + t)
+        _same(lambda a, b: torch.bmm(a.transpose(1, 2), b), a, b, dt=dt, exact=True)
+
+
+def test_pow_of_a_scalar_base_rounds_the_base(dt, tpu_mode):
+    """CPU's ``pow(Scalar, Tensor)`` makes the base a tensor of the result's dtype first (pow has
+    no scalar case, unlike mul and add): ``10000 ** x`` in bfloat16 is ``9984 ** x``. Funnel's
+    sinusoid frequencies (``1 / 10000 ** (k / d)``) differed from CPU's in 3 of 16, its logits
+    beyond the tolerance."""
+    x = torch.linspace(-8, 8, 4000).to(dt)
+    for base in (10000, 0.3, 1e-4, 2.5, 7, 1):
+        _same(lambda x: base ** x, x, dt=dt, atol=0, rtol=0)
+        _same(lambda x: torch.pow(base, x), x, dt=dt, atol=0, rtol=0)

@@ -165,6 +165,10 @@ def pow_(x, y):
         return _ipow(xc, _cast(y, cd))
     cd = _opmath(ct)
     xc, yc = _cast(x, cd), _cast(y, cd)
+    if ct in _HALF_POW and _weak(x) and not _weak(y):
+        # A scalar base: CPU's pow has no scalar case (mul and add keep a scalar's float value):
+        # the base is a tensor of the result's dtype first (10000 ** x is 9984 ** x in bfloat16).
+        xc = _cast(_cast(x, ct), cd)
     if _py(y) and not _py(x):
         if ct in _HALF_POW:
             return _half_pow_scalar(xc, y, ct)

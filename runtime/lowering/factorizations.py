@@ -14,7 +14,7 @@ from jax import lax
 
 from . import check, op
 from .linalg import _LOWP, _mat
-from .precision import HALF, round_to
+from .precision import HALF, dot_inputs, round_to
 
 _solve_tri = lax.linalg.triangular_solve
 
@@ -404,7 +404,7 @@ def _trilinear_half(i1, i2, i3, subs, letters, summed, out, unroll_dim):
     s12 = {letters[d] for d in summed if letters[d] not in subs[2] and letters[d] != u}
     mid = "".join(c for c in letters if (c in subs[0] or c in subs[1]) and c not in s12)
     f32 = {"preferred_element_type": jnp.float32}
-    buf = round_to(jnp.einsum(f"{subs[0]},{subs[1]}->{mid}", i1, i2, **f32), dt)
+    buf = round_to(jnp.einsum(f"{subs[0]},{subs[1]}->{mid}", *dot_inputs(i1, i2), **f32), dt)
     if u not in {letters[d] for d in summed}:
         return round_to(jnp.einsum(f"{mid},{subs[2]}->{out}", buf, i3.astype(jnp.float32)), dt)
     pieces = jnp.einsum(f"{mid},{subs[2]}->{u}{out}", buf, i3.astype(jnp.float32))
@@ -517,6 +517,7 @@ def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     against a 3-D ``a``; 3-D by 3-D is a batched product. Positions past the last end give 0.
     (``bias`` is always None: meta inference rejects one.)"""
     kw = {"preferred_element_type": jnp.float32} if a.dtype in _LOWP else {}
+    a, b = dot_inputs(a, b)     # NOTE [half dots on CPU]
     if a.ndim == 3 and b.ndim == 3:
         return _mat(a, b)
     if a.ndim == 2 and b.ndim == 3:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import op
-from .precision import acc, round_to
+from .precision import acc, dot_inputs, round_to
 
 _LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -21,7 +21,10 @@ def _is(v, c) -> bool:
 
 def _mat(a, b, spec=None):
     """a @ b (or an einsum), half precision accumulated in float32."""
-    kw = {"preferred_element_type": jnp.float32} if a.dtype in _LOWP else {}
+    kw = {}
+    if a.dtype in _LOWP:
+        kw["preferred_element_type"] = jnp.float32
+        a, b = dot_inputs(a, b)       # NOTE [half dots on CPU]
     if spec is not None:
         return jnp.einsum(spec, a, b, **kw)
     return jnp.matmul(a, b, **kw)
@@ -72,6 +75,7 @@ def mm(a, b):
 
 @op("mm.dtype", "bmm.dtype")
 def mm_dtype(a, b, out_dtype):
+    a, b = dot_inputs(a, b)     # NOTE [half dots on CPU]
     return jnp.matmul(a, b, preferred_element_type=jnp.float32 if a.dtype in _LOWP else None)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import op
-from .precision import HALF, acc, round_to
+from .precision import HALF, acc, dot_inputs, round_to
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,8 +99,8 @@ def _conv_transpose_slow_half(x, w, b, stride, padding, dilation, output_padding
             dst.append(slice(off + lo * s, off + (max(lo, hi) - 1) * s + 1, s))
         if any(sl.stop <= sl.start for sl in src[3:]):
             continue
-        contrib = jnp.einsum(f"ngi{sp},gio->ngo{sp}", xg[tuple(src)],
-                             wg[(slice(None),) * 3 + kpos], preferred_element_type=jnp.float32)
+        contrib = jnp.einsum(f"ngi{sp},gio->ngo{sp}", *dot_inputs(
+            xg[tuple(src)], wg[(slice(None),) * 3 + kpos]), preferred_element_type=jnp.float32)
         out = round_to(out.at[tuple(dst)].add(round_to(contrib, dt)), dt)
     out = out.reshape((n, groups * cout_g) + tuple(outs))
     if b is not None:

@@ -27,6 +27,22 @@ def acc(x):
     return x.astype(jnp.float32) if x.dtype in HALF else x
 
 
+def dot_inputs(*xs):
+    """The operands of a half-precision product accumulated in float32
+    (``preferred_element_type=float32``), as the dot is to see them. NOTE [half dots on CPU]: XLA's
+    CPU compiler decides early that such a dot runs in its YNNPACK fusion (the only CPU kernel for
+    bfloat16 x bfloat16 = float32), and may later fold a transpose into the dot through a select
+    (``where(mask, x.transpose(1, 2), 0) @ y``, a bucket's masked operand), which the fusion then
+    refuses: the plain dot kernel raises "Unsupported element type for DotThunk::Execute: BF16 x
+    BF16 = F32" when the program runs. On the CPU platform the operands pass an optimization
+    barrier, which nothing is folded through; the product is the same, and a transposed operand
+    then reaches the YNNPACK kernel instead of a float32 one (not slower where measured)."""
+    if not any(x.dtype in HALF for x in xs):
+        return xs
+    from ..platform import name
+    return tuple(lax.optimization_barrier(tuple(xs))) if name() == "cpu" else xs
+
+
 def round_to(x, dtype):
     """``x`` (float32) rounded to the nearest ``dtype`` value, kept in float32; a no-op unless
     ``dtype`` is bfloat16 or float16. Subnormal float16 values are kept (``reduce_precision``
