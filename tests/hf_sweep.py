@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import inspect
 import json
 import os
 import subprocess
@@ -140,6 +141,7 @@ def _set(cfg, name, value):
 def tiny_config(cfg, depth=0):
     """Shrink ``cfg`` (a PretrainedConfig) in place, and the configs nested in it; returns it."""
     from transformers import PretrainedConfig
+    _untimm(cfg)
     d = cfg.to_dict()
     # Nested configs first (text_config, vision_config, audio_config, encoder, decoder, ...).
     for k in list(d):
@@ -161,6 +163,15 @@ def tiny_config(cfg, depth=0):
         _set(cfg, k, min(d[k], LAYERS))
     for k in ints(_HEADS):
         _set(cfg, k, HEADS)
+    # Fields some default configs leave None that their model reads as numbers (ministral's and
+    # hunyuan's head_dim, nemotron's key/value heads, deepseek_v2's experts per token): the default
+    # config does not build either, so they get the values the rest of the tiny config implies.
+    if "head_dim" in d and d["head_dim"] is None and old_heads is not None:
+        _set(cfg, "head_dim", HEAD_DIM)
+    if "num_key_value_heads" in d and d["num_key_value_heads"] is None and old_heads is not None:
+        _set(cfg, "num_key_value_heads", HEADS)
+    if "num_experts_per_tok" in d and d["num_experts_per_tok"] is None and ints(_EXPERTS):
+        _set(cfg, "num_experts_per_tok", 2)
     for k in _HEADS:        # per-stage head counts of vision backbones, for stages 8, 16, 32, ... wide
         if isinstance(d.get(k), list) and d[k] and all(isinstance(x, int) for x in d[k]):
             _set(cfg, k, [min(2 ** i, 8) for i in range(len(d[k]))])
@@ -241,6 +252,37 @@ def tiny_config(cfg, depth=0):
     return cfg
 
 
+def _untimm(cfg):
+    """A timm backbone (detr and its family by default) becomes transformers' own ResNet backbone
+    with the same four stages out: timm needs torchvision, which the test extras do not install."""
+    from transformers import PretrainedConfig, ResNetConfig
+    for k in list(_get(cfg, "sub_configs") or {}):
+        v = _get(cfg, k)
+        if isinstance(v, PretrainedConfig) and getattr(v, "model_type", None) == "timm_backbone":
+            n = len(getattr(v, "out_indices", None) or (1, 2, 3, 4))
+            _set(cfg, k, ResNetConfig(out_features=[f"stage{i}" for i in range(5 - n, 5)],
+                                      num_channels=getattr(v, "num_channels", 3)))
+            _set(cfg, "use_timm_backbone", False)
+
+
+def _mrope(cfg, depth=0):
+    """Multimodal rotary sections (qwen2-vl, glm4v): the model defaults them (to [16, 24, 24] or
+    [8, 12, 12]) for a 128-wide head when the config has none; the tiny head's rotary half gets three
+    sections that sum to it."""
+    from transformers import PretrainedConfig
+    for k in list(_get(cfg, "sub_configs") or {}):
+        v = _get(cfg, k)
+        if isinstance(v, PretrainedConfig) and depth < 3:
+            _mrope(v, depth + 1)
+    rp = _get(cfg, "rope_parameters")
+    heads = _get(cfg, "num_attention_heads")
+    if not isinstance(rp, dict) or "mrope_section" in rp or not isinstance(heads, int):
+        return
+    head = _get(cfg, "head_dim") or _get(cfg, "hidden_size") // heads
+    half = int(head * rp.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor") or 1.0)) // 2
+    _set(cfg, "rope_parameters", {**rp, "mrope_section": [half - 2 * (half // 3)] + [half // 3] * 2})
+
+
 def build(model_type: str, dtype=None):
     """(kind, CPU model in eval mode seeded, config) for ``model_type``."""
     import torch
@@ -251,6 +293,13 @@ def build(model_type: str, dtype=None):
     if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
         cfg.num_labels = 3
     cls = getattr(transformers, cls_name)
+    want = getattr(cls, "config_class", None)
+    if isinstance(want, type) and not isinstance(cfg, want):
+        # a text-only class mapped from a composite model_type (qwen3_5 -> Qwen3_5ForCausalLM,
+        # llama4 -> Llama4ForCausalLM): it is built from the composite config's text part
+        cfg = next((_get(cfg, k) for k in (_get(cfg, "sub_configs") or {}) if isinstance(_get(cfg, k), want)), cfg)
+    if "mrope_section" in inspect.getsource(sys.modules[cls.__module__]):
+        _mrope(cfg)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
