@@ -105,7 +105,9 @@ _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "embedding_si
            "kv_channels", "embed_size", "n_embed", "hidden_size_per_head",
            # widths of another tower that this one reads (cross attention, projectors)
            "encoder_hidden_size", "cross_attention_hidden_size", "mm_hidden_size", "vision_hidden_size",
-           "text_hidden_size", "audio_hidden_size", "image_hidden_size")
+           "text_hidden_size", "audio_hidden_size", "image_hidden_size",
+           # the width the quantizer of an audio codec compares the encoder's output with (encodec)
+           "codebook_dim")
 _INTER = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
           "moe_intermediate_size", "shared_expert_intermediate_size", "hidden_dim", "ffn_hidden_size",
           "expert_intermediate_size", "decoder_intermediate_size", "encoder_intermediate_size",
@@ -354,8 +356,16 @@ def inputs(kind, model, cfg, name=None) -> dict:
                                               generator=g))
     elif name == "input_values":   # a waveform
         batch = dict(input_values=torch.randn(BATCH, 1600, generator=g))
+    elif name == "past_values":    # a time series (patchtst, timesfm): (batch, context[, channels])
+        ctx = _sub(cfg, "context_length") or 32
+        ch = _sub(cfg, "num_input_channels")
+        batch = dict(past_values=torch.randn(BATCH, ctx, *([ch] if isinstance(ch, int) else []), generator=g))
     else:
         raise NotImplementedError(f"main_input_name {name!r}: no dummy input for it")
+    if name == "pixel_values" and "noise" in inspect.signature(model.forward).parameters:
+        # random patch masking (vit_mae) draws on the model's device: the noise is given instead
+        size, patch = batch["pixel_values"].shape[-1], _sub(cfg, "patch_size") or PATCH
+        batch["noise"] = torch.rand(BATCH, (size // patch) ** 2, generator=g)
     if kind in ("causal", "masked") and "input_ids" in batch:
         batch["labels"] = batch["input_ids"].clone()
     elif kind in ("seq2seq", "speech2seq"):
@@ -363,6 +373,35 @@ def inputs(kind, model, cfg, name=None) -> dict:
     elif kind in ("seqcls", "imgcls"):
         batch["labels"] = torch.randint(0, 3, (BATCH,), generator=g)
     return batch
+
+
+def candidates(kind, model, cfg):
+    """Dummy batches to try in order, the first that runs on CPU is the one compared: ``inputs``'s,
+    then the other layouts models of the same main input take (features as (batch, frames, bins):
+    parakeet, lasr; a waveform with a channel dimension: codecs, dac, encodec), labels as long as
+    the input ids (a "seq2seq" class that is a decoder over text and audio, fsmt without decoder
+    ids), token boxes where forward takes ``bbox`` (bros), and both towers of a two-tower model."""
+    import torch
+    base = inputs(kind, model, cfg)
+    yield base
+    params = inspect.signature(model.forward).parameters
+    if "input_features" in base:
+        yield {**base, "input_features": base["input_features"].transpose(1, 2).contiguous()}
+    if "input_values" in base and base["input_values"].dim() == 2:
+        yield {**base, "input_values": base["input_values"].unsqueeze(1)}
+    if "labels" in base and "input_ids" in base and base["labels"].shape != base["input_ids"].shape \
+            and base["labels"].dim() == 2:
+        yield {**base, "labels": base["input_ids"].clone()}
+    if "bbox" in params and "input_ids" in base:
+        g = torch.Generator().manual_seed(4)
+        lo = torch.randint(0, 500, (BATCH, SEQ, 2), generator=g)
+        yield {**base, "bbox": torch.cat([lo, lo + torch.randint(1, 500, (BATCH, SEQ, 2), generator=g)], -1)}
+    other = {"input_ids": "pixel_values", "pixel_values": "input_ids"}.get(getattr(model, "main_input_name", None))
+    if other in params:
+        both = {**inputs(kind, model, cfg, other), **base}
+        if "return_loss" in params:
+            both["return_loss"] = True
+        yield both
 
 
 def _floats(out):
@@ -384,6 +423,8 @@ def loss_of(out):
     a plain mean square of layer-normed outputs is nearly constant, its gradients rounding noise)."""
     import torch
     loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() > 1:
+        return loss.float().mean()      # a loss per sample or per codebook (dac): their mean
     if loss is not None:
         return loss
     fl = _floats(out)
@@ -405,6 +446,9 @@ def run_model(model, batch, device):
     import inspect
     if "use_cache" in inspect.signature(model.forward).parameters:
         b["use_cache"] = False      # a training step: no cache (hybrid models' caches refuse it)
+    # The same CPU generator state for each run: a model that draws on CPU in its forward (vilt's
+    # patch sampling, torch.multinomial over a CPU tensor) draws the same on both sides.
+    torch.manual_seed(5)
     out = model(**b)
     loss = loss_of(out)
     logits = getattr(out, "logits", None)
@@ -499,6 +543,17 @@ def model_rules(row, loose, cm, batch, ref=None):
 
 
 def _first_line(e):
+    if isinstance(e, ImportError) and not str(e).split("\n", 1)[0].strip():
+        # transformers' requires_backends raises an empty ImportError: name the missing packages
+        tb, missing = e.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "requires_backends":
+                missing = tb.tb_frame.f_locals.get("backends")
+            tb = tb.tb_next
+        if missing:
+            names = [getattr(b, "package_name", None) or str(b) for b in
+                     (missing if isinstance(missing, (list, tuple)) else [missing])]
+            return f"ImportError: needs {', '.join(names)} (not installed)"
     text = f"{type(e).__name__}: {e}".strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
 
@@ -513,21 +568,18 @@ def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict
     try:
         kind, model, cfg = build(model_type)
         row.update(kind=kind, cls=type(model).__name__, params=sum(p.numel() for p in model.parameters()))
-        batch = inputs(kind, model, cfg)
-        try:
-            want = run_model(model, batch, "cpu")
-        except Exception:  # noqa: BLE001 - a two-tower model (text and image) wants both
-            import inspect
-            params = inspect.signature(model.forward).parameters
-            other = {"input_ids": "pixel_values", "pixel_values": "input_ids"}.get(
-                getattr(model, "main_input_name", "input_ids"))
-            if other not in params:
-                raise
-            model.zero_grad(set_to_none=True)
-            batch = {**inputs(kind, model, cfg, other), **batch}
-            if "return_loss" in params:
-                batch["return_loss"] = True
-            want = run_model(model, batch, "cpu")
+        first = None
+        for batch in candidates(kind, model, cfg):
+            try:
+                want = run_model(model, batch, "cpu")
+                break
+            except Exception as e:  # noqa: BLE001 - the next layout; the first error is the one reported
+                first = first or e
+                model.zero_grad(set_to_none=True)
+                if verbose:
+                    traceback.print_exc()
+        else:
+            raise first
         model.zero_grad(set_to_none=True)
         row["built"] = True
     except Exception as e:  # noqa: BLE001 - reported: cannot be built tiny on CPU
@@ -748,7 +800,7 @@ def main(argv=None):
     p.add_argument("--one", help="run one model_type in this process and print its row as JSON")
     p.add_argument("--only", help="comma list of model_types")
     p.add_argument("--part", default="1/1", help="K/N: the K-th of N interleaved slices")
-    p.add_argument("--timeout", type=int, default=120)
+    p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--stages", default="f32,bf16,gen")
     p.add_argument("--skip-done", action="store_true",
                    help="skip model_types the json has built (rerun the others)")
