@@ -107,16 +107,20 @@ _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "embedding_si
            "encoder_hidden_size", "cross_attention_hidden_size", "mm_hidden_size", "vision_hidden_size",
            "text_hidden_size", "audio_hidden_size", "image_hidden_size",
            # the width the quantizer of an audio codec compares the encoder's output with (encodec)
-           "codebook_dim")
+           "codebook_dim",
+           # a vision tower's output projected to the text width (glm4v, qwen3-vl), a predictor's
+           # width (vjepa2), a codec decoder's first width (dac)
+           "out_hidden_size", "pred_hidden_size", "decoder_hidden_size")
 _INTER = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
           "moe_intermediate_size", "shared_expert_intermediate_size", "hidden_dim", "ffn_hidden_size",
           "expert_intermediate_size", "decoder_intermediate_size", "encoder_intermediate_size",
           "intermediate_size_mlp", "dense_intermediate_size", "mlp_dim", "ff_dim", "linear_units")
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
            "num_decoder_layers", "num_encoder_layers", "decoder_num_layers", "encoder_num_layers",
-           "text_layers", "vision_layers", "num_blocks")
+           "text_layers", "vision_layers", "num_blocks", "pred_num_hidden_layers")
 _HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
-          "decoder_attention_heads", "decoder_num_attention_heads", "encoder_num_attention_heads")
+          "decoder_attention_heads", "decoder_num_attention_heads", "encoder_num_attention_heads",
+          "pred_num_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 _HEAD_DIM = ("head_dim", "d_kv", "attention_head_dim", "kv_head_dim", "v_head_dim", "qk_head_dim")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -205,7 +209,11 @@ def tiny_config(cfg, depth=0):
             _set(cfg, heads, d[expand] * HIDDEN // HEAD_DIM)
             for k in ints(("n_groups", "mamba_n_groups")):
                 _set(cfg, k, 1)
-    if isinstance(d.get("window_size"), int) and d["window_size"] > 4:
+    if isinstance(d.get("window_size"), int) and isinstance(d.get("spatial_merge_size"), int) \
+            and isinstance(d.get("patch_size"), int):
+        # a window in pixels (qwen2.5-vl's vision tower): two merged patches a side
+        _set(cfg, "window_size", 2 * d["spatial_merge_size"] * d["patch_size"])
+    elif isinstance(d.get("window_size"), int) and d["window_size"] > 4:
         _set(cfg, "window_size", 4)   # attention windows (swin's divide the 8 x 8 patch grid)
     for k in ints(_POSITIONS):
         if d[k] > 128:
@@ -222,6 +230,8 @@ def tiny_config(cfg, depth=0):
                 _set(cfg, k, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(k, 2))
             elif isinstance(v, list):
                 _set(cfg, k, [x for x in v if x < vocab] or [2])
+    if isinstance(d.get("crop_size"), int) and d["crop_size"] > IMAGE:
+        _set(cfg, "crop_size", IMAGE)       # vjepa2's clip frames
     if isinstance(d.get("image_size"), int) and d["image_size"] > IMAGE:
         _set(cfg, "image_size", IMAGE)
         if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
@@ -247,6 +257,9 @@ def tiny_config(cfg, depth=0):
                 _set(cfg, k, v[:LAYERS])
     if d.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
         _set(cfg, "decoder_start_token_id", d.get("pad_token_id") or 0)
+    for k in ints(("num_frames", "frames_per_clip")):
+        if d[k] > 4:
+            _set(cfg, k, 4)    # video models: 4 frames, two tubelets of 2
     if isinstance(d.get("num_groups"), int) and d["num_groups"] > 4:
         _set(cfg, "num_groups", 4)     # group norms over the narrowed channels
     if isinstance(d.get("num_labels"), int):
@@ -356,6 +369,11 @@ def inputs(kind, model, cfg, name=None) -> dict:
                                               generator=g))
     elif name == "input_values":   # a waveform
         batch = dict(input_values=torch.randn(BATCH, 1600, generator=g))
+    elif name == "pixel_values_videos":     # a clip: (batch, frames, channels, height, width)
+        size = _sub(cfg, "image_size", "crop_size") or IMAGE
+        size = size if isinstance(size, int) else size[0]
+        batch = {name: torch.randn(BATCH, _sub(cfg, "num_frames", "frames_per_clip") or 4,
+                                   _sub(cfg, "num_channels", "in_chans") or 3, size, size, generator=g)}
     elif name == "past_values":    # a time series (patchtst, timesfm): (batch, context[, channels])
         ctx = _sub(cfg, "context_length") or 32
         ch = _sub(cfg, "num_input_channels")
@@ -382,9 +400,35 @@ def candidates(kind, model, cfg):
     the input ids (a "seq2seq" class that is a decoder over text and audio, fsmt without decoder
     ids), token boxes where forward takes ``bbox`` (bros), and both towers of a two-tower model."""
     import torch
-    base = inputs(kind, model, cfg)
-    yield base
     params = inspect.signature(model.forward).parameters
+    try:
+        base = inputs(kind, model, cfg)
+    except NotImplementedError:
+        base = {}
+    else:
+        yield base
+    grid = next((n for n in ("grid_thw", "image_grid_thw") if n in params), None)
+    if grid and grid not in base:
+        # a vision tower over flattened patches (qwen2-vl's and its kin's): each image a 4 x 4 grid of
+        # patches of channels x temporal patch x patch x patch, the grid (t, h, w) per image beside it
+        g = torch.Generator().manual_seed(6)
+        p = _sub(cfg, "patch_size") or 14
+        p = p if isinstance(p, int) else p[0]
+        t = _sub(cfg, "temporal_patch_size") or 1
+        ch = _sub(cfg, "in_channels", "num_channels", "in_chans") or 3
+        side = 2 * (_sub(cfg, "spatial_merge_size", "merge_size") or 2)
+        first = next(n for n in params if n not in ("self", grid))
+        yield {first: torch.randn(BATCH * side * side, ch * t * p * p, generator=g),
+               grid: torch.tensor([[1, side, side]] * BATCH)}
+    if not base and grid:
+        return
+    if not base:
+        raise NotImplementedError(f"main_input_name {getattr(model, 'main_input_name', None)!r}: "
+                                  "no dummy input for it")
+    if "pixel_values" in base and base["pixel_values"].dim() == 4 and _sub(cfg, "num_frames", "frames_per_clip"):
+        pv = base["pixel_values"]       # a video model (videomae, timesformer): frames of the image
+        yield {**base, "pixel_values": pv.unsqueeze(1).expand(-1, _sub(cfg, "num_frames", "frames_per_clip"),
+                                                             -1, -1, -1).contiguous()}
     if "input_features" in base:
         yield {**base, "input_features": base["input_features"].transpose(1, 2).contiguous()}
     if "input_values" in base and base["input_values"].dim() == 2:
@@ -396,7 +440,8 @@ def candidates(kind, model, cfg):
         g = torch.Generator().manual_seed(4)
         lo = torch.randint(0, 500, (BATCH, SEQ, 2), generator=g)
         yield {**base, "bbox": torch.cat([lo, lo + torch.randint(1, 500, (BATCH, SEQ, 2), generator=g)], -1)}
-    other = {"input_ids": "pixel_values", "pixel_values": "input_ids"}.get(getattr(model, "main_input_name", None))
+    other = {"input_ids": "pixel_values", "pixel_values": "input_ids", "pixel_values_videos": "input_ids"}.get(
+        getattr(model, "main_input_name", None))
     if other in params:
         both = {**inputs(kind, model, cfg, other), **base}
         if "return_loss" in params:
