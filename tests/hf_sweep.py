@@ -187,7 +187,8 @@ def tiny_config(cfg, depth=0):
         _set(cfg, k, HEAD_DIM)
     for k in ints(_EXPERTS):
         _set(cfg, k, 4)
-    for k in ints(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")):
+    for k in ints(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k",
+                   "num_experts_per_token")):
         _set(cfg, k, min(d[k], 2))
     for k in ints(("n_group", "topk_group")):
         _set(cfg, k, 1)
@@ -257,6 +258,13 @@ def tiny_config(cfg, depth=0):
                 _set(cfg, k, v[:LAYERS])
     if d.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
         _set(cfg, "decoder_start_token_id", d.get("pad_token_id") or 0)
+    if isinstance(d.get("num_queries"), int) and d["num_queries"] > 8:
+        _set(cfg, "num_queries", 8)     # detection queries: rt_detr picks them by top-k over 21 anchors
+    if isinstance(d.get("rotary_dim"), int) and d["rotary_dim"] > HEAD_DIM // 2:
+        _set(cfg, "rotary_dim", HEAD_DIM // 2)     # partial rotary (codegen, gptj) within the tiny head
+    if isinstance(d.get("upsample_groups"), int) and d["upsample_groups"] == next(
+            (d[k] for k in ("hidden_size", "d_model") if isinstance(d.get(k), int)), None):
+        _set(cfg, "upsample_groups", HIDDEN)   # a depthwise upsampling (mimi): one group per channel
     for k in ints(("num_frames", "frames_per_clip")):
         if d[k] > 4:
             _set(cfg, k, 4)    # video models: 4 frames, two tubelets of 2
@@ -431,6 +439,12 @@ def candidates(kind, model, cfg):
                                                              -1, -1, -1).contiguous()}
     if "input_features" in base:
         yield {**base, "input_features": base["input_features"].transpose(1, 2).contiguous()}
+    mel = _sub(cfg, "max_source_positions")
+    if "input_features" in base and isinstance(mel, int) and 2 * mel != base["input_features"].shape[-1] \
+            and mel <= 128:
+        # an audio encoder that takes exactly 2 x max_source_positions frames (qwen2-audio, voxtral)
+        f = base["input_features"]
+        yield {**base, "input_features": torch.randn(*f.shape[:-1], 2 * mel, generator=torch.Generator().manual_seed(7))}
     if "input_values" in base and base["input_values"].dim() == 2:
         yield {**base, "input_values": base["input_values"].unsqueeze(1)}
     if "labels" in base and "input_ids" in base and base["labels"].shape != base["input_ids"].shape \
