@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import inspect
 import json
 import os
 import subprocess
@@ -104,16 +105,22 @@ _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "embedding_si
            "kv_channels", "embed_size", "n_embed", "hidden_size_per_head",
            # widths of another tower that this one reads (cross attention, projectors)
            "encoder_hidden_size", "cross_attention_hidden_size", "mm_hidden_size", "vision_hidden_size",
-           "text_hidden_size", "audio_hidden_size", "image_hidden_size")
+           "text_hidden_size", "audio_hidden_size", "image_hidden_size",
+           # the width the quantizer of an audio codec compares the encoder's output with (encodec)
+           "codebook_dim",
+           # a vision tower's output projected to the text width (glm4v, qwen3-vl), a predictor's
+           # width (vjepa2), a codec decoder's first width (dac)
+           "out_hidden_size", "pred_hidden_size", "decoder_hidden_size")
 _INTER = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
           "moe_intermediate_size", "shared_expert_intermediate_size", "hidden_dim", "ffn_hidden_size",
           "expert_intermediate_size", "decoder_intermediate_size", "encoder_intermediate_size",
           "intermediate_size_mlp", "dense_intermediate_size", "mlp_dim", "ff_dim", "linear_units")
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
            "num_decoder_layers", "num_encoder_layers", "decoder_num_layers", "encoder_num_layers",
-           "text_layers", "vision_layers", "num_blocks")
+           "text_layers", "vision_layers", "num_blocks", "pred_num_hidden_layers")
 _HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
-          "decoder_attention_heads", "decoder_num_attention_heads", "encoder_num_attention_heads")
+          "decoder_attention_heads", "decoder_num_attention_heads", "encoder_num_attention_heads",
+          "pred_num_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 _HEAD_DIM = ("head_dim", "d_kv", "attention_head_dim", "kv_head_dim", "v_head_dim", "qk_head_dim")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -140,6 +147,7 @@ def _set(cfg, name, value):
 def tiny_config(cfg, depth=0):
     """Shrink ``cfg`` (a PretrainedConfig) in place, and the configs nested in it; returns it."""
     from transformers import PretrainedConfig
+    _untimm(cfg)
     d = cfg.to_dict()
     # Nested configs first (text_config, vision_config, audio_config, encoder, decoder, ...).
     for k in list(d):
@@ -161,6 +169,15 @@ def tiny_config(cfg, depth=0):
         _set(cfg, k, min(d[k], LAYERS))
     for k in ints(_HEADS):
         _set(cfg, k, HEADS)
+    # Fields some default configs leave None that their model reads as numbers (ministral's and
+    # hunyuan's head_dim, nemotron's key/value heads, deepseek_v2's experts per token): the default
+    # config does not build either, so they get the values the rest of the tiny config implies.
+    if "head_dim" in d and d["head_dim"] is None and old_heads is not None:
+        _set(cfg, "head_dim", HEAD_DIM)
+    if "num_key_value_heads" in d and d["num_key_value_heads"] is None and old_heads is not None:
+        _set(cfg, "num_key_value_heads", HEADS)
+    if "num_experts_per_tok" in d and d["num_experts_per_tok"] is None and ints(_EXPERTS):
+        _set(cfg, "num_experts_per_tok", 2)
     for k in _HEADS:        # per-stage head counts of vision backbones, for stages 8, 16, 32, ... wide
         if isinstance(d.get(k), list) and d[k] and all(isinstance(x, int) for x in d[k]):
             _set(cfg, k, [min(2 ** i, 8) for i in range(len(d[k]))])
@@ -170,7 +187,8 @@ def tiny_config(cfg, depth=0):
         _set(cfg, k, HEAD_DIM)
     for k in ints(_EXPERTS):
         _set(cfg, k, 4)
-    for k in ints(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")):
+    for k in ints(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k",
+                   "num_experts_per_token")):
         _set(cfg, k, min(d[k], 2))
     for k in ints(("n_group", "topk_group")):
         _set(cfg, k, 1)
@@ -192,7 +210,11 @@ def tiny_config(cfg, depth=0):
             _set(cfg, heads, d[expand] * HIDDEN // HEAD_DIM)
             for k in ints(("n_groups", "mamba_n_groups")):
                 _set(cfg, k, 1)
-    if isinstance(d.get("window_size"), int) and d["window_size"] > 4:
+    if isinstance(d.get("window_size"), int) and isinstance(d.get("spatial_merge_size"), int) \
+            and isinstance(d.get("patch_size"), int):
+        # a window in pixels (qwen2.5-vl's vision tower): two merged patches a side
+        _set(cfg, "window_size", 2 * d["spatial_merge_size"] * d["patch_size"])
+    elif isinstance(d.get("window_size"), int) and d["window_size"] > 4:
         _set(cfg, "window_size", 4)   # attention windows (swin's divide the 8 x 8 patch grid)
     for k in ints(_POSITIONS):
         if d[k] > 128:
@@ -209,6 +231,8 @@ def tiny_config(cfg, depth=0):
                 _set(cfg, k, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(k, 2))
             elif isinstance(v, list):
                 _set(cfg, k, [x for x in v if x < vocab] or [2])
+    if isinstance(d.get("crop_size"), int) and d["crop_size"] > IMAGE:
+        _set(cfg, "crop_size", IMAGE)       # vjepa2's clip frames
     if isinstance(d.get("image_size"), int) and d["image_size"] > IMAGE:
         _set(cfg, "image_size", IMAGE)
         if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
@@ -234,11 +258,52 @@ def tiny_config(cfg, depth=0):
                 _set(cfg, k, v[:LAYERS])
     if d.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
         _set(cfg, "decoder_start_token_id", d.get("pad_token_id") or 0)
+    if isinstance(d.get("num_queries"), int) and d["num_queries"] > 8:
+        _set(cfg, "num_queries", 8)     # detection queries: rt_detr picks them by top-k over 21 anchors
+    if isinstance(d.get("rotary_dim"), int) and d["rotary_dim"] > HEAD_DIM // 2:
+        _set(cfg, "rotary_dim", HEAD_DIM // 2)     # partial rotary (codegen, gptj) within the tiny head
+    if isinstance(d.get("upsample_groups"), int) and d["upsample_groups"] == next(
+            (d[k] for k in ("hidden_size", "d_model") if isinstance(d.get(k), int)), None):
+        _set(cfg, "upsample_groups", HIDDEN)   # a depthwise upsampling (mimi): one group per channel
+    for k in ints(("num_frames", "frames_per_clip")):
+        if d[k] > 4:
+            _set(cfg, k, 4)    # video models: 4 frames, two tubelets of 2
     if isinstance(d.get("num_groups"), int) and d["num_groups"] > 4:
         _set(cfg, "num_groups", 4)     # group norms over the narrowed channels
     if isinstance(d.get("num_labels"), int):
         _set(cfg, "num_labels", 3)
     return cfg
+
+
+def _untimm(cfg):
+    """A timm backbone (detr and its family by default) becomes transformers' own ResNet backbone
+    with the same four stages out: timm needs torchvision, which the test extras do not install."""
+    from transformers import PretrainedConfig, ResNetConfig
+    for k in list(_get(cfg, "sub_configs") or {}):
+        v = _get(cfg, k)
+        if isinstance(v, PretrainedConfig) and getattr(v, "model_type", None) == "timm_backbone":
+            n = len(getattr(v, "out_indices", None) or (1, 2, 3, 4))
+            _set(cfg, k, ResNetConfig(out_features=[f"stage{i}" for i in range(5 - n, 5)],
+                                      num_channels=getattr(v, "num_channels", 3)))
+            _set(cfg, "use_timm_backbone", False)
+
+
+def _mrope(cfg, depth=0):
+    """Multimodal rotary sections (qwen2-vl, glm4v): the model defaults them (to [16, 24, 24] or
+    [8, 12, 12]) for a 128-wide head when the config has none; the tiny head's rotary half gets three
+    sections that sum to it."""
+    from transformers import PretrainedConfig
+    for k in list(_get(cfg, "sub_configs") or {}):
+        v = _get(cfg, k)
+        if isinstance(v, PretrainedConfig) and depth < 3:
+            _mrope(v, depth + 1)
+    rp = _get(cfg, "rope_parameters")
+    heads = _get(cfg, "num_attention_heads")
+    if not isinstance(rp, dict) or "mrope_section" in rp or not isinstance(heads, int):
+        return
+    head = _get(cfg, "head_dim") or _get(cfg, "hidden_size") // heads
+    half = int(head * rp.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor") or 1.0)) // 2
+    _set(cfg, "rope_parameters", {**rp, "mrope_section": [half - 2 * (half // 3)] + [half // 3] * 2})
 
 
 def build(model_type: str, dtype=None):
@@ -251,6 +316,13 @@ def build(model_type: str, dtype=None):
     if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
         cfg.num_labels = 3
     cls = getattr(transformers, cls_name)
+    want = getattr(cls, "config_class", None)
+    if isinstance(want, type) and not isinstance(cfg, want):
+        # a text-only class mapped from a composite model_type (qwen3_5 -> Qwen3_5ForCausalLM,
+        # llama4 -> Llama4ForCausalLM): it is built from the composite config's text part
+        cfg = next((_get(cfg, k) for k in (_get(cfg, "sub_configs") or {}) if isinstance(_get(cfg, k), want)), cfg)
+    if "mrope_section" in inspect.getsource(sys.modules[cls.__module__]):
+        _mrope(cfg)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -305,8 +377,21 @@ def inputs(kind, model, cfg, name=None) -> dict:
                                               generator=g))
     elif name == "input_values":   # a waveform
         batch = dict(input_values=torch.randn(BATCH, 1600, generator=g))
+    elif name == "pixel_values_videos":     # a clip: (batch, frames, channels, height, width)
+        size = _sub(cfg, "image_size", "crop_size") or IMAGE
+        size = size if isinstance(size, int) else size[0]
+        batch = {name: torch.randn(BATCH, _sub(cfg, "num_frames", "frames_per_clip") or 4,
+                                   _sub(cfg, "num_channels", "in_chans") or 3, size, size, generator=g)}
+    elif name == "past_values":    # a time series (patchtst, timesfm): (batch, context[, channels])
+        ctx = _sub(cfg, "context_length") or 32
+        ch = _sub(cfg, "num_input_channels")
+        batch = dict(past_values=torch.randn(BATCH, ctx, *([ch] if isinstance(ch, int) else []), generator=g))
     else:
         raise NotImplementedError(f"main_input_name {name!r}: no dummy input for it")
+    if name == "pixel_values" and "noise" in inspect.signature(model.forward).parameters:
+        # random patch masking (vit_mae) draws on the model's device: the noise is given instead
+        size, patch = batch["pixel_values"].shape[-1], _sub(cfg, "patch_size") or PATCH
+        batch["noise"] = torch.rand(BATCH, (size // patch) ** 2, generator=g)
     if kind in ("causal", "masked") and "input_ids" in batch:
         batch["labels"] = batch["input_ids"].clone()
     elif kind in ("seq2seq", "speech2seq"):
@@ -314,6 +399,68 @@ def inputs(kind, model, cfg, name=None) -> dict:
     elif kind in ("seqcls", "imgcls"):
         batch["labels"] = torch.randint(0, 3, (BATCH,), generator=g)
     return batch
+
+
+def candidates(kind, model, cfg):
+    """Dummy batches to try in order, the first that runs on CPU is the one compared: ``inputs``'s,
+    then the other layouts models of the same main input take (features as (batch, frames, bins):
+    parakeet, lasr; a waveform with a channel dimension: codecs, dac, encodec), labels as long as
+    the input ids (a "seq2seq" class that is a decoder over text and audio, fsmt without decoder
+    ids), token boxes where forward takes ``bbox`` (bros), and both towers of a two-tower model."""
+    import torch
+    params = inspect.signature(model.forward).parameters
+    try:
+        base = inputs(kind, model, cfg)
+    except NotImplementedError:
+        base = {}
+    else:
+        yield base
+    grid = next((n for n in ("grid_thw", "image_grid_thw") if n in params), None)
+    if grid and grid not in base:
+        # a vision tower over flattened patches (qwen2-vl's and its kin's): each image a 4 x 4 grid of
+        # patches of channels x temporal patch x patch x patch, the grid (t, h, w) per image beside it
+        g = torch.Generator().manual_seed(6)
+        p = _sub(cfg, "patch_size") or 14
+        p = p if isinstance(p, int) else p[0]
+        t = _sub(cfg, "temporal_patch_size") or 1
+        ch = _sub(cfg, "in_channels", "num_channels", "in_chans") or 3
+        side = 2 * (_sub(cfg, "spatial_merge_size", "merge_size") or 2)
+        first = next(n for n in params if n not in ("self", grid))
+        yield {first: torch.randn(BATCH * side * side, ch * t * p * p, generator=g),
+               grid: torch.tensor([[1, side, side]] * BATCH)}
+    if not base and grid:
+        return
+    if not base:
+        raise NotImplementedError(f"main_input_name {getattr(model, 'main_input_name', None)!r}: "
+                                  "no dummy input for it")
+    if "pixel_values" in base and base["pixel_values"].dim() == 4 and _sub(cfg, "num_frames", "frames_per_clip"):
+        pv = base["pixel_values"]       # a video model (videomae, timesformer): frames of the image
+        yield {**base, "pixel_values": pv.unsqueeze(1).expand(-1, _sub(cfg, "num_frames", "frames_per_clip"),
+                                                             -1, -1, -1).contiguous()}
+    if "input_features" in base:
+        yield {**base, "input_features": base["input_features"].transpose(1, 2).contiguous()}
+    mel = _sub(cfg, "max_source_positions")
+    if "input_features" in base and isinstance(mel, int) and 2 * mel != base["input_features"].shape[-1] \
+            and mel <= 128:
+        # an audio encoder that takes exactly 2 x max_source_positions frames (qwen2-audio, voxtral)
+        f = base["input_features"]
+        yield {**base, "input_features": torch.randn(*f.shape[:-1], 2 * mel, generator=torch.Generator().manual_seed(7))}
+    if "input_values" in base and base["input_values"].dim() == 2:
+        yield {**base, "input_values": base["input_values"].unsqueeze(1)}
+    if "labels" in base and "input_ids" in base and base["labels"].shape != base["input_ids"].shape \
+            and base["labels"].dim() == 2:
+        yield {**base, "labels": base["input_ids"].clone()}
+    if "bbox" in params and "input_ids" in base:
+        g = torch.Generator().manual_seed(4)
+        lo = torch.randint(0, 500, (BATCH, SEQ, 2), generator=g)
+        yield {**base, "bbox": torch.cat([lo, lo + torch.randint(1, 500, (BATCH, SEQ, 2), generator=g)], -1)}
+    other = {"input_ids": "pixel_values", "pixel_values": "input_ids", "pixel_values_videos": "input_ids"}.get(
+        getattr(model, "main_input_name", None))
+    if other in params:
+        both = {**inputs(kind, model, cfg, other), **base}
+        if "return_loss" in params:
+            both["return_loss"] = True
+        yield both
 
 
 def _floats(out):
@@ -335,6 +482,8 @@ def loss_of(out):
     a plain mean square of layer-normed outputs is nearly constant, its gradients rounding noise)."""
     import torch
     loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() > 1:
+        return loss.float().mean()      # a loss per sample or per codebook (dac): their mean
     if loss is not None:
         return loss
     fl = _floats(out)
@@ -356,6 +505,9 @@ def run_model(model, batch, device):
     import inspect
     if "use_cache" in inspect.signature(model.forward).parameters:
         b["use_cache"] = False      # a training step: no cache (hybrid models' caches refuse it)
+    # The same CPU generator state for each run: a model that draws on CPU in its forward (vilt's
+    # patch sampling, torch.multinomial over a CPU tensor) draws the same on both sides.
+    torch.manual_seed(5)
     out = model(**b)
     loss = loss_of(out)
     logits = getattr(out, "logits", None)
@@ -450,6 +602,17 @@ def model_rules(row, loose, cm, batch, ref=None):
 
 
 def _first_line(e):
+    if isinstance(e, ImportError) and not str(e).split("\n", 1)[0].strip():
+        # transformers' requires_backends raises an empty ImportError: name the missing packages
+        tb, missing = e.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "requires_backends":
+                missing = tb.tb_frame.f_locals.get("backends")
+            tb = tb.tb_next
+        if missing:
+            names = [getattr(b, "package_name", None) or str(b) for b in
+                     (missing if isinstance(missing, (list, tuple)) else [missing])]
+            return f"ImportError: needs {', '.join(names)} (not installed)"
     text = f"{type(e).__name__}: {e}".strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
 
@@ -464,21 +627,18 @@ def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict
     try:
         kind, model, cfg = build(model_type)
         row.update(kind=kind, cls=type(model).__name__, params=sum(p.numel() for p in model.parameters()))
-        batch = inputs(kind, model, cfg)
-        try:
-            want = run_model(model, batch, "cpu")
-        except Exception:  # noqa: BLE001 - a two-tower model (text and image) wants both
-            import inspect
-            params = inspect.signature(model.forward).parameters
-            other = {"input_ids": "pixel_values", "pixel_values": "input_ids"}.get(
-                getattr(model, "main_input_name", "input_ids"))
-            if other not in params:
-                raise
-            model.zero_grad(set_to_none=True)
-            batch = {**inputs(kind, model, cfg, other), **batch}
-            if "return_loss" in params:
-                batch["return_loss"] = True
-            want = run_model(model, batch, "cpu")
+        first = None
+        for batch in candidates(kind, model, cfg):
+            try:
+                want = run_model(model, batch, "cpu")
+                break
+            except Exception as e:  # noqa: BLE001 - the next layout; the first error is the one reported
+                first = first or e
+                model.zero_grad(set_to_none=True)
+                if verbose:
+                    traceback.print_exc()
+        else:
+            raise first
         model.zero_grad(set_to_none=True)
         row["built"] = True
     except Exception as e:  # noqa: BLE001 - reported: cannot be built tiny on CPU
@@ -699,7 +859,7 @@ def main(argv=None):
     p.add_argument("--one", help="run one model_type in this process and print its row as JSON")
     p.add_argument("--only", help="comma list of model_types")
     p.add_argument("--part", default="1/1", help="K/N: the K-th of N interleaved slices")
-    p.add_argument("--timeout", type=int, default=120)
+    p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--stages", default="f32,bf16,gen")
     p.add_argument("--skip-done", action="store_true",
                    help="skip model_types the json has built (rerun the others)")

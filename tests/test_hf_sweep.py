@@ -111,3 +111,28 @@ def test_model_rules():
     row = {}
     hs.model_rules(row, [("lin.weight", far, w, True)], cm, batch)     # the scale rule passes it
     assert row["bf16_dynamo_ok"] is False and row["bf16_scale_ok"] is True
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_build_rules_for_default_configs_that_do_not_build():
+    """The rules that took rows off the "not built" list (no model run): a default config's None
+    head_dim / key-value heads filled (ministral, nemotron), a timm backbone swapped for transformers' ResNet
+    (detr), rotary sections summing to the tiny head's rotary half (qwen2-vl), a text class built from
+    its composite config's text part (llama4), the empty ImportError naming the missing package."""
+    assert hs.tiny_config(transformers.AutoConfig.for_model("ministral")).head_dim == hs.HEAD_DIM
+    assert hs.tiny_config(transformers.AutoConfig.for_model("nemotron")).num_key_value_heads == hs.HEADS
+    d = hs.tiny_config(transformers.AutoConfig.for_model("detr"))
+    assert d.backbone_config.model_type == "resnet" and not getattr(d, "use_timm_backbone", False)
+    q = hs.tiny_config(transformers.AutoConfig.for_model("qwen2_vl_text"))
+    hs._mrope(q)
+    assert sum(q.rope_parameters["mrope_section"]) == hs.HEAD_DIM // 2
+    kind, model, cfg = hs.build("llama4")
+    assert type(model).__name__ == "Llama4ForCausalLM" and type(cfg).__name__ == "Llama4TextConfig"
+    try:
+        transformers.utils.import_utils.requires_backends("x", ["natten"])
+    except ImportError as e:
+        if transformers.utils.is_natten_available():
+            pytest.skip("natten is installed here")
+        assert hs._first_line(e) == "ImportError: needs natten (not installed)"
+    else:
+        pytest.skip("natten is installed here")
