@@ -14,6 +14,8 @@ index with more dims than the tensor, ``unique_dim``, empty input to ``unique_co
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .dispatch import Fallback, _run, to_cpu
@@ -183,15 +185,21 @@ def _h_unique_consecutive(func, args, kwargs):
     return _unique(x, False, inverse, counts)
 
 
-def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
-    """unique_consecutive along ``dim``: runs of equal slices (each slice compared whole)."""
+def _slices(x, dim: int):
+    """(dim made non-negative, the number of slices along it, the slices as the rows of a 2-D
+    tensor) for the ``dim=`` variants of unique; CPU's path for what they do not cover."""
     if type(x) is not TpuTensor or x.is_complex() or x.dim() == 0 or x.numel() == 0:
         raise Fallback(_WHY)        # CPU's errors and its rules for empty slices
     dim = dim + x.dim() if dim < 0 else dim
     if not 0 <= dim < x.dim():
         raise Fallback(_WHY)
     L = x.shape[dim]
-    rows = aten.movedim.int(x, dim, 0).reshape(L, -1)
+    return dim, L, aten.movedim.int(x, dim, 0).reshape(L, -1)
+
+
+def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
+    """unique_consecutive along ``dim``: runs of equal slices (each slice compared whole)."""
+    dim, L, rows = _slices(x, dim)
     first, starts, n = _run_starts(aten.ne.Tensor(rows[1:], rows[:-1]).any(1), L)
     values = aten.index_select.default(x, dim, _cut(starts, n))
     empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
@@ -202,28 +210,24 @@ def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
     return values, inv, cnt
 
 
-_LEXSORT = []
-
-
+@functools.cache
 def _lexsort_op():
     """``deferfuse::lexsort_rows(rows) -> perm``: the stable permutation sorting the rows of a 2-D
-    tensor lexicographically, one XLA sort over every column as a key (made on first use)."""
-    if not _LEXSORT:
-        import jax.numpy as jnp
-        from jax import lax
+    tensor lexicographically, one XLA sort over every column as a key (registered on first use)."""
+    import jax.numpy as jnp
+    from jax import lax
 
-        from .jax_op import jax_op
+    from .jax_op import jax_op
 
-        def lexsort_rows(rows):
-            if jnp.issubdtype(rows.dtype, jnp.floating):
-                rows = rows + jnp.zeros((), rows.dtype)      # -0.0 sorts as 0.0, as CPU compares
-            cols = [rows[:, j] for j in range(rows.shape[1])]
-            iota = lax.iota(jnp.int64, rows.shape[0])
-            return lax.sort((*cols, iota), num_keys=len(cols), is_stable=True)[-1]
-        jax_op("deferfuse::lexsort_rows", backward=lambda rows, ct: (jnp.zeros_like(rows),))(
-            lexsort_rows)
-        _LEXSORT.append(torch.ops.deferfuse.lexsort_rows.default)
-    return _LEXSORT[0]
+    def lexsort_rows(rows):
+        if jnp.issubdtype(rows.dtype, jnp.floating):
+            rows = rows + jnp.zeros((), rows.dtype)      # -0.0 sorts as 0.0, as CPU compares
+        cols = [rows[:, j] for j in range(rows.shape[1])]
+        iota = lax.iota(jnp.int64, rows.shape[0])
+        return lax.sort((*cols, iota), num_keys=len(cols), is_stable=True)[-1]
+    jax_op("deferfuse::lexsort_rows", backward=lambda rows, ct: (jnp.zeros_like(rows),))(
+        lexsort_rows)
+    return torch.ops.deferfuse.lexsort_rows.default
 
 
 def _h_unique_dim(func, args, kwargs):
@@ -231,14 +235,8 @@ def _h_unique_dim(func, args, kwargs):
     with every column a key), then grouped as ``unique_consecutive(dim=...)`` groups them; one read
     of the number of distinct slices."""
     a = dict(zip(("self", "dim", "sorted", "return_inverse", "return_counts"), args), **kwargs)
-    x, dim = a["self"], a["dim"]
-    if type(x) is not TpuTensor or x.is_complex() or x.dim() == 0 or x.numel() == 0:
-        raise Fallback(_WHY)        # CPU's errors and its rules for empty slices
-    dim = dim + x.dim() if dim < 0 else dim
-    if not 0 <= dim < x.dim():
-        raise Fallback(_WHY)
-    L = x.shape[dim]
-    rows = aten.movedim.int(x, dim, 0).reshape(L, -1)
+    x = a["self"]
+    dim, L, rows = _slices(x, a["dim"])
     key = rows.to(torch.uint8) if rows.dtype == torch.bool else rows
     perm = _lexsort_op()(key)
     srows = aten.index_select.default(rows, 0, perm)
