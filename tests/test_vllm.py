@@ -330,26 +330,17 @@ def test_compiled_model_buckets_many_sizes(tiny_llama, cpu_reference):
 
 @pytest.mark.slow
 @pytest.mark.modes("defer")
-def test_tensor_parallel_2_greedy_equals_vllm_cpu(tiny_llama, cpu_reference):
-    """``tensor_parallel_size=2`` with vLLM's default processes: the engine in a process of its
-    own, which starts two worker processes, each its half of every layer's heads and MLP on its
-    own ``tpu``, joined by deferfuse's ``tpu`` process group (XLA's collectives over JAX's
-    distributed runtime, gloo on CPU). The engine process finds the plugin's general hook
-    (NOTE [vLLM workers join JAX's runtime] in deferfuse/vllm/platform.py)."""
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine_process", "in_process"])
+def test_tensor_parallel_2_greedy_equals_vllm_cpu(tiny_llama, cpu_reference, engine_process):
+    """``tensor_parallel_size=2``: two worker processes, each its half of every layer's heads and
+    MLP on its own ``tpu``, joined by deferfuse's ``tpu`` process group (XLA's collectives over
+    JAX's distributed runtime, gloo on CPU). With vLLM's default processes the engine runs in a
+    process of its own, which finds the plugin's general hook (NOTE [vLLM workers join JAX's
+    runtime] in deferfuse/vllm/platform.py); in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    the engine starts the two workers itself."""
     llm = dict(LLM_ARGS, tensor_parallel_size=2, distributed_executor_backend="mp")
-    out = _run(tiny_llama, {}, engine_process=True, llm=llm, prompts=PROMPTS, only_greedy=True)
-    assert out["device"] == "tpu" and out["world_size"] == 2
-    assert out["greedy"] == cpu_reference["greedy"]
-    assert out["again"] == cpu_reference["greedy"]
-
-
-@pytest.mark.slow
-@pytest.mark.modes("defer")
-def test_tensor_parallel_2_in_process_engine(tiny_llama, cpu_reference):
-    """``tensor_parallel_size=2`` with vLLM's engine in the calling process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the engine starts the two worker processes itself."""
-    llm = dict(LLM_ARGS, tensor_parallel_size=2, distributed_executor_backend="mp")
-    out = _run(tiny_llama, {}, engine_process=False, llm=llm, prompts=PROMPTS, only_greedy=True)
+    out = _run(tiny_llama, {}, engine_process=engine_process, llm=llm, prompts=PROMPTS,
+               only_greedy=True)
     assert out["device"] == "tpu" and out["world_size"] == 2
     assert out["greedy"] == cpu_reference["greedy"]
     assert out["again"] == cpu_reference["greedy"]
