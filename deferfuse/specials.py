@@ -1,9 +1,11 @@
 """Ops the generic path cannot express: transfers, sync points, allocation, aliasing."""
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 from .device_info import check
 from .dispatch import Fallback, _contig, _run, copy_into, from_cpu, new_tensor, read, to_cpu
@@ -37,16 +39,21 @@ def _dev_index(device) -> int:
     return engine.state.device if device.index is None else check(device.index)
 
 
-def _empty(size, dtype, device: int, stride=None, memory_format=None):
-    dtype = dtype or torch.get_default_dtype()
+def _layout(size, memory_format=None):
+    """(``size`` as ints, the strides of a new tensor of that size in ``memory_format``); CPU's
+    error for a negative size."""
     size = tuple(int(s) for s in size)
     if any(s < 0 for s in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
-    if stride is None:
-        if memory_format is not None and memory_format not in (torch.contiguous_format, torch.preserve_format):
-            stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
-        else:
-            stride = _contig(size)
+    if memory_format is not None and memory_format not in (torch.contiguous_format, torch.preserve_format):
+        return size, torch.empty(size, device="meta", memory_format=memory_format).stride()
+    return size, _contig(size)
+
+
+def _empty(size, dtype, device: int, stride=None, memory_format=None):
+    dtype = dtype or torch.get_default_dtype()
+    size, layout = _layout(size, memory_format)
+    stride = layout if stride is None else stride
     v = transfer.empty_value(size, dtype)
     return new_tensor(v, device, dtype, size, tuple(stride))
 
@@ -159,24 +166,16 @@ def resize(self, size, memory_format=None):
     uninitialised), which only this tensor may hold: when another tensor shares the storage, it
     would keep the old one, so that raises instead. ``out=`` tensors of the wrong shape are resized
     through this too (``dispatch.ResizeOuts``)."""
-    size = tuple(int(s) for s in size)
-    if any(s < 0 for s in size):
-        raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
-    if memory_format is None or memory_format == torch.contiguous_format:
-        stride = _contig(size)
-    elif memory_format == torch.preserve_format:
+    size, stride = _layout(size, memory_format)
+    if memory_format == torch.preserve_format:
         raise RuntimeError("Unsupported memory format. Preserve")
-    else:
-        stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
     if tuple(self.shape) == size and (memory_format is None or tuple(self.stride()) == stride):
         return self
     st = self._s
     if st.val.nbytes == 0 and any(st.val.shape):
         raise RuntimeError("resize_ of a tensor whose storage was freed with "
                            "untyped_storage().resize_(0) (NOTE [storage resize])")
-    capacity = 1
-    for s in st.val.shape:
-        capacity *= s
+    capacity = math.prod(st.val.shape)
     offset = self.storage_offset()
     need = offset + (1 + sum((n - 1) * d for n, d in zip(size, stride)) if all(size) else 0)
     with torch.no_grad():
@@ -207,11 +206,7 @@ def _h_resize_as(func, args, kwargs):
     self, like = args[0], args[1]
     mf = dict(zip(("memory_format",), args[2:]), **kwargs).get("memory_format")
     if mf == torch.preserve_format:     # CPU: the template's suggested memory format
-        mf = (torch.channels_last if like.dim() == 4 and like.is_contiguous(
-            memory_format=torch.channels_last) and not like.is_contiguous() else
-              torch.channels_last_3d if like.dim() == 5 and like.is_contiguous(
-                  memory_format=torch.channels_last_3d) and not like.is_contiguous() else
-              torch.contiguous_format)
+        mf = suggest_memory_format(like)
     return resize(self, like.shape, mf)
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import op
+from . import check, op
 
 _LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -430,7 +430,6 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
 # the op is recorded (deferfuse/specials.py), as CPU raises at once.
 @op("_assert_async.default", "_assert_async.msg", static=True)
 def assert_async(x, assert_msg="Expected Tensor with single nonzero value, but got zero"):
-    from . import check
     check(~_nonzero_bits(x), RuntimeError, assert_msg)
     return ()
 
