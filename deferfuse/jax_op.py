@@ -89,19 +89,20 @@ def jax_op(name: str, *, static=(), backward=None):
             _, pull = jax.vjp(lambda *xs: fn(*xs, **s), *t)
             return list(pull(ct.astype(fn_out_dtype(t, s))))
 
-        def fn_out_dtype(t, s):
+        def out_spec(t, s):
             with x64(True):     # as the lowering runs: a 64-bit result stays 64-bit
-                return jax.eval_shape(lambda *xs: fn(*xs, **s), *t).dtype
+                return jax.eval_shape(lambda *xs: fn(*xs, **s), *t)
+
+        def fn_out_dtype(t, s):
+            return out_spec(t, s).dtype
 
         LOWERINGS[op] = Lowering(lowered, static=True)
         LOWERINGS[vjp_op] = Lowering(vjp_lowered, static=True)
 
         def fake(*a, **kw):
             t, s = split(a, kw)
-            with x64(True):     # as the lowering runs: a 64-bit result stays 64-bit
-                spec = jax.eval_shape(lambda *xs: fn(*xs, **s),
-                                      *[jax.ShapeDtypeStruct(tuple(x.shape), TORCH_TO_NP[x.dtype])
-                                        for x in t])
+            spec = out_spec([jax.ShapeDtypeStruct(tuple(x.shape), TORCH_TO_NP[x.dtype])
+                             for x in t], s)
             return torch.empty(spec.shape, dtype=NP_TO_TORCH[np.dtype(spec.dtype)],
                                device=t[0].device)
 
