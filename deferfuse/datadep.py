@@ -142,6 +142,21 @@ def _run_counts(starts: TpuTensor, size: int, n: int) -> TpuTensor:
     return _cut(aten.cat.default([starts[1:], end]) - starts, n)
 
 
+def _inverse_counts(first, perm, starts, size: int, n: int, inverse: bool, counts: bool):
+    """(each element's run, or an empty int64 tensor; each run's length, or an empty one) of the
+    ``n`` runs marked by ``first`` over ``size`` elements in the order ``perm`` sorted them
+    (None: as they are)."""
+    empty = aten.empty.memory_format([0], dtype=torch.int64, device=first.device)
+    inv = cnt = empty
+    if inverse:
+        inv = first.to(torch.int64).cumsum(0) - 1        # each sorted element's run
+        if perm is not None:
+            inv = aten.scatter.src(aten.empty_like.default(inv), 0, perm, inv)
+    if counts:
+        cnt = _run_counts(starts, size, n)
+    return inv, cnt
+
+
 def _unique(x: TpuTensor, sort: bool, inverse: bool, counts: bool):
     """(values, inverse or an empty int64 tensor, counts or an empty int64 tensor)."""
     if type(x) is not TpuTensor or x.is_complex():
@@ -155,15 +170,8 @@ def _unique(x: TpuTensor, sort: bool, inverse: bool, counts: bool):
     flat = x.reshape(-1)
     sv, perm, first, starts, n = _groups(flat, sort)
     values = _cut(aten.index_select.default(sv, 0, starts.clamp(max=N - 1)), n)
-    inv = cnt = empty
-    if inverse:
-        gid = first.to(torch.int64).cumsum(0) - 1        # each sorted element's run
-        if perm is not None:
-            gid = aten.scatter.src(aten.empty_like.default(gid), 0, perm, gid)
-        inv = gid.reshape(x.shape)
-    if counts:
-        cnt = _run_counts(starts, N, n)
-    return values, inv, cnt
+    inv, cnt = _inverse_counts(first, perm, starts, N, n, inverse, counts)
+    return values, inv.reshape(x.shape) if inverse else inv, cnt
 
 
 def _h_unique2(func, args, kwargs):
@@ -202,12 +210,7 @@ def _unique_consecutive_dim(x, dim: int, inverse: bool, counts: bool):
     dim, L, rows = _slices(x, dim)
     first, starts, n = _run_starts(aten.ne.Tensor(rows[1:], rows[:-1]).any(1), L)
     values = aten.index_select.default(x, dim, _cut(starts, n))
-    empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
-    inv = first.to(torch.int64).cumsum(0) - 1 if inverse else empty
-    cnt = empty
-    if counts:
-        cnt = _run_counts(starts, L, n)
-    return values, inv, cnt
+    return (values, *_inverse_counts(first, None, starts, L, n, inverse, counts))
 
 
 @functools.cache
@@ -243,14 +246,8 @@ def _h_unique_dim(func, args, kwargs):
     first, starts, n = _run_starts(aten.ne.Tensor(srows[1:], srows[:-1]).any(1), L)
     pick = aten.index_select.default(perm, 0, _cut(starts, n))
     values = aten.index_select.default(x, dim, pick)
-    empty = aten.empty.memory_format([0], dtype=torch.int64, device=x.device)
-    inv = cnt = empty
-    if a.get("return_inverse", False):
-        gid = first.to(torch.int64).cumsum(0) - 1
-        inv = aten.scatter.src(aten.empty_like.default(gid), 0, perm, gid)
-    if a.get("return_counts", False):
-        cnt = _run_counts(starts, L, n)
-    return values, inv, cnt
+    return (values, *_inverse_counts(first, perm, starts, L, n, a.get("return_inverse", False),
+                                     a.get("return_counts", False)))
 
 
 def _h_bincount(func, args, kwargs):
