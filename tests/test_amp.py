@@ -262,7 +262,7 @@ _llama_cpu = functools.lru_cache(maxsize=None)(functools.partial(_llama_run, "cp
 
 
 @pytest.mark.parametrize("kind", ["pure", "autocast"])
-@pytest.mark.slow_params("strict")   # long: defer only in the default run
+@pytest.mark.slow_params("strict", "autocast")   # long: defer, pure bf16 only in the default run
 def test_llama_trains_in_bfloat16(kind, tpu_mode):
     deferfuse.reset_metrics()
     got, p_dtype, state_dtypes = _llama_run("tpu", kind)

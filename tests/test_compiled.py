@@ -244,6 +244,7 @@ def test_a_jax_op_with_a_64_bit_result():
     assert_same(cf(x.to("tpu")), want + 1)
 
 
+@pytest.mark.slow   # the default run has test_vary's "static compiled" generate (tokens, graphs)
 def test_hugging_face_static_cache_generate_compiles_on_tpu():
     """transformers compiles a static-cache generate() step with torch.compile(backend="tpu")
     for a model on tpu: it runs, and its tokens are CPU's greedy tokens."""

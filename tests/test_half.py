@@ -507,7 +507,7 @@ def test_onednn_lstm_as_cpu_in_a_subprocess(dt):
 # float16 runs the same kernels as bfloat16 with another rounding, at 2-3x the time: slow.
 @pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
-@pytest.mark.slow_params("fp16")
+@pytest.mark.slow_params("fp16", "gru")   # the GRU layer: its cell (gru_cell) stays in the default run
 @pytest.mark.parametrize("kind", list(_RNNS))
 def test_recurrent_layers_as_cpu(dt, kind):
     """On tpu a recurrent layer used CUDA's fused cells (gates summed and activated in float32);
