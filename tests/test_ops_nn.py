@@ -118,6 +118,12 @@ def test_norms_of_constant_rows():
     assert_same(F.layer_norm(rows.to("tpu"), (7,), w7.to("tpu"), b7.to("tpu"), 1e-6), want, atol=0, rtol=0)
 
 
+def test_group_norm_empty_batch():
+    """A batch of zero samples: empty output and gradients, and the weight's and bias's zeros."""
+    m = nn.GroupNorm(1, 2)
+    check(run_module, torch.randn(0, 2), module=m)
+
+
 def test_batch_norm_train_updates_running_stats():
     m = nn.BatchNorm2d(3, momentum=0.2)
     with torch.no_grad():

@@ -343,10 +343,11 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
     ds, db = jnp.sum(g * x, axis=2), jnp.sum(g, axis=2)
     gi = gw = gb = None
     if output_mask[0]:
-        s = float(np.float32(1) / np.float32(C // group * HxW))
+        n = C // group * HxW
+        s = float(np.float32(1) / np.float32(n)) if n else 0.0
         w = acc(weight).reshape(1, C) if weight is not None else None
-        ds_g = (ds if w is None else ds * w).reshape(N, group, -1).sum(axis=2)
-        db_g = (db if w is None else db * w).reshape(N, group, -1).sum(axis=2)
+        ds_g = (ds if w is None else ds * w).reshape(N, group, C // group).sum(axis=2)
+        db_g = (db if w is None else db * w).reshape(N, group, C // group).sum(axis=2)
         c2 = (db_g * m - ds_g) * r * r * r * s
         c3 = -c2 * m - db_g * r * s
         c1 = _per_group(r, N, C, group)
