@@ -95,6 +95,35 @@ def test_group_norm():
     check(run_module, torch.randn(2, 6, 3, 3), module=m)
 
 
+def test_norms_of_constant_rows():
+    """A row (layer norm) or group (group norm) whose values are all equal: its mean is that value
+    exactly on CPU (Welford's algorithm), so a small eps (rstd = 1/sqrt(eps) = 1000) does not turn
+    an ulp of ``sum / n`` into the output; the group norm's output is CPU's
+    ``scale * x + (bias - scale * mean)`` bit for bit (wavtokenizer's decoder on a constant code)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 6, 1, generator=g) * 0.0662).expand(2, 6, 3).contiguous()
+    w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    want = torch.ops.aten.native_group_norm(x, w, b, 2, 6, 3, 6, 1e-6)
+    got = torch.ops.aten.native_group_norm(*[t.to("tpu") for t in (x, w, b)], 2, 6, 3, 6, 1e-6)
+    for gt, wt in zip(got, want):
+        assert_same(gt, wt, atol=0, rtol=0)
+    m = nn.GroupNorm(6, 6, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(w)
+        m.bias.copy_(b)
+    check(run_module, x, module=m)
+    rows = (torch.randn(4, 1, generator=g) * 3).expand(4, 7).contiguous()
+    w7, b7 = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    want = F.layer_norm(rows, (7,), w7, b7, 1e-6)
+    assert_same(F.layer_norm(rows.to("tpu"), (7,), w7.to("tpu"), b7.to("tpu"), 1e-6), want, atol=0, rtol=0)
+
+
+def test_group_norm_empty_batch():
+    """A batch of zero samples: empty output and gradients, and the weight's and bias's zeros."""
+    m = nn.GroupNorm(1, 2)
+    check(run_module, torch.randn(0, 2), module=m)
+
+
 def test_batch_norm_train_updates_running_stats():
     m = nn.BatchNorm2d(3, momentum=0.2)
     with torch.no_grad():

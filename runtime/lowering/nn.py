@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import op
@@ -250,6 +251,17 @@ def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
 # --------------------------------------------------------------------------------------------
 # normalization
 
+def _moments(x, axes):
+    """(mean, biased variance) of ``x`` over ``axes`` (kept), the mean refined by the mean of the
+    residuals (the corrected two-pass algorithm). PyTorch's CPU kernels take both by Welford's
+    algorithm, whose mean of a constant row is that constant exactly; ``sum / n`` alone can be an
+    ulp off, and ``(x - mean) * rsqrt(eps)`` then turns that ulp into values of order 1e-5 (with
+    eps 1e-6) where CPU's normalized row is exactly zero (a group norm over a constant signal)."""
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    mean = mean + jnp.mean(x - mean, axis=axes, keepdims=True)
+    return mean, jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+
+
 def _norm_backward(g, xhat, rstd, axes):
     """d(loss)/dx of xhat = (x - mean(x)) * rstd over ``axes``, given g = d(loss)/d(xhat)."""
     mg = jnp.mean(g, axis=axes, keepdims=True)
@@ -261,8 +273,7 @@ def _norm_backward(g, xhat, rstd, axes):
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     x = _acc(input)
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    mean = jnp.mean(x, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    mean, var = _moments(x, axes)
     rstd = lax.rsqrt(var + eps)
     out = (x - mean) * rstd
     if weight is not None:
@@ -297,32 +308,56 @@ def _per_channel(v, ndim):
 
 @op("native_group_norm.default")
 def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    # PyTorch's CPU kernel (contiguous input): statistics per (sample, group), then per channel
+    # ``scale = rstd * weight``, ``shift = -scale * mean + bias`` and ``y = scale * x + shift`` in
+    # float32 (XLA contracts the products and sums into fused multiply-adds as CPU's compiler does).
     x = _acc(input).reshape(N, group, C // group * HxW)
-    mean = jnp.mean(x, axis=2, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=2, keepdims=True)
-    rstd = lax.rsqrt(var + eps)
-    out = ((x - mean) * rstd).reshape(N, C, HxW)
-    if weight is not None:
-        out = out * weight.reshape(1, C, 1)
-    if bias is not None:
-        out = out + bias.reshape(1, C, 1)
+    mean, var = _moments(x, (2,))
+    rstd = 1.0 / jnp.sqrt(var + eps)
+    if weight is None and bias is None:
+        out = (x - mean) * rstd
+    else:
+        m, r = _per_group(mean, N, C, group), _per_group(rstd, N, C, group)
+        scale = r if weight is None else r * acc(weight).reshape(1, C, 1)
+        shift = -scale * m
+        if bias is not None:
+            shift = shift + acc(bias).reshape(1, C, 1)
+        out = scale * x.reshape(N, C, HxW) + shift
     return out.reshape(input.shape), mean.reshape(N, group), rstd.reshape(N, group)
+
+
+def _per_group(v, N, C, group):
+    """(N, group) statistics repeated for each channel of its group: (N, C, 1)."""
+    return jnp.repeat(v.reshape(N, group), C // group, axis=1)[:, :, None]
 
 
 @op("native_group_norm_backward.default")
 def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
-    x = _acc(input).reshape(N, group, C // group * HxW)
+    # PyTorch's CPU kernel: per channel ds = sum(dy * x) and db = sum(dy); per group
+    # c2 = (db * mean - ds) * rstd^3 / n and c3 = -c2 * mean - db * rstd / n (ds and db weighted
+    # by the weight), dx = c1 * dy + c2 * x + c3 with c1 = rstd * weight; weight gradient
+    # sum over samples of (ds - db * mean) * rstd, bias gradient sum of db.
+    x = _acc(input).reshape(N, C, HxW)
     g = _acc(grad_out).reshape(N, C, HxW)
-    mean, rstd = mean.reshape(N, group, 1), rstd.reshape(N, group, 1)
-    xhat = (x - mean) * rstd
+    m, r = acc(mean).reshape(N, group), acc(rstd).reshape(N, group)
+    ds, db = jnp.sum(g * x, axis=2), jnp.sum(g, axis=2)
     gi = gw = gb = None
     if output_mask[0]:
-        gx = g * weight.reshape(1, C, 1) if weight is not None else g
-        gi = _norm_backward(gx.reshape(x.shape), xhat, rstd, (2,)).reshape(input.shape)
+        n = C // group * HxW
+        s = float(np.float32(1) / np.float32(n)) if n else 0.0
+        w = acc(weight).reshape(1, C) if weight is not None else None
+        ds_g = (ds if w is None else ds * w).reshape(N, group, C // group).sum(axis=2)
+        db_g = (db if w is None else db * w).reshape(N, group, C // group).sum(axis=2)
+        c2 = (db_g * m - ds_g) * r * r * r * s
+        c3 = -c2 * m - db_g * r * s
+        c1 = _per_group(r, N, C, group)
+        if w is not None:
+            c1 = c1 * w[:, :, None]
+        gi = (c1 * g + _per_group(c2, N, C, group) * x + _per_group(c3, N, C, group)).reshape(input.shape)
     if output_mask[1]:
-        gw = jnp.sum(g * xhat.reshape(N, C, HxW), axis=(0, 2))
+        gw = jnp.sum((ds - db * _per_group(m, N, C, group)[:, :, 0]) * _per_group(r, N, C, group)[:, :, 0], axis=0)
     if output_mask[2]:
-        gb = jnp.sum(g, axis=(0, 2))
+        gb = jnp.sum(db, axis=0)
     return gi, gw, gb
 
 
