@@ -71,6 +71,7 @@ from jax import lax
 
 from ..scheduler.records import sig_id
 from .dtypes import to_np_dtype, x64
+from .learned import LearnedStore
 from .lowering import aten, check, check_index_sized
 from .node import CS, SS, TS, _fill, _rounded
 from .viewchain import DSELECT, DSLICE, DSTRIDED, DYNAMIC, apply_chain, apply_step
@@ -327,13 +328,25 @@ def _padded(form_shape) -> bool:
     return any(a for a, _ in form_shape)
 
 
-def _step_forms(fstep, fin, dtype) -> tuple:
-    """The forms of a view step's output shape, from its shape at two lengths."""
-    shapes = []
-    for t in _PROBES[:2]:
-        st = at(fstep, t)
-        x = jax.ShapeDtypeStruct(at(fin, t), dtype)
-        shapes.append(jax.eval_shape(lambda v: apply_step(v, st, 0), x).shape)
+def _step_forms(fstep, fin, dtype, learned=None) -> tuple:
+    """The forms of a view step's output shape, from its shape at two lengths (kept in
+    ``learned``, a LearnedStore, for the next process: NOTE [learned on disk] in learned.py)."""
+    key = shapes = None
+    if learned is not None and learned.on:
+        from .diskcache import Unstable, describe
+        try:
+            key = describe(("step", fstep, fin, str(dtype), _PROBES[:2]))
+        except Unstable:
+            key = None
+        shapes = learned.step(key) if key is not None else None
+    if shapes is None:
+        shapes = []
+        for t in _PROBES[:2]:
+            st = at(fstep, t)
+            x = jax.ShapeDtypeStruct(at(fin, t), dtype)
+            shapes.append(tuple(jax.eval_shape(lambda v: apply_step(v, st, 0), x).shape))
+        if key is not None:
+            learned.put("steps", key, tuple(shapes))
     (s1, s2), (t1, t2) = shapes, _PROBES[:2]
     out = []
     for x, y in zip(s1, s2):
@@ -386,12 +399,12 @@ _SELECT = aten.select.int
 _EXPAND = aten.expand.default
 
 
-def _chain_forms(fbase, dtype, fchain, name) -> tuple:
+def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
     """The forms of a view chain's result, checking each step (NOTE [buckets])."""
     form = tuple(fbase)
     for fstep in fchain:
         op = fstep[0]
-        out = _step_forms(fstep, form, dtype)
+        out = _step_forms(fstep, form, dtype, learned)
         if not (_padded(form) or _padded(out)) or op in _DIM_MOVERS or op is DSELECT:
             pass        # (DSELECT: the index is data, inside the exact extent)
         elif op in _RESHAPES:
@@ -449,7 +462,7 @@ def _forms_in(x, out=None) -> list:
     return out
 
 
-def plan_node(entry, forms) -> NodePlan:
+def plan_node(entry, forms, learned=None) -> NodePlan:
     """The plan of one op whose ints have ``forms`` (in ``parts`` order); raises ``Refused``."""
     info = entry.key[0]
     func, name = info.func, info.name
@@ -466,7 +479,7 @@ def plan_node(entry, forms) -> NodePlan:
     n.ndyn = [sum(1 for st in c if st[0] in DYNAMIC) for c in n.chains]
     n.in_forms = []
     for (bshape, bdt, chain, size, dt), (fb, _, fchain, fsize, _) in zip(ins, f_ins):
-        fin = _chain_forms(fb, bdt, fchain, name) if chain else tuple(fb)
+        fin = _chain_forms(fb, bdt, fchain, name, learned) if chain else tuple(fb)
         if tuple(fin) != tuple(fsize):
             raise Refused(f"{name}: a view whose sizes do not follow from its chain")
         n.in_forms.append(tuple(fsize))
@@ -854,12 +867,12 @@ class BucketProgram:
     __slots__ = ("compiled", "msgs", "P", "runs", "summary", "pick")
 
 
-def plan_region(f: Fit, entries, wirings, lengths) -> BucketPlan:
+def plan_region(f: Fit, entries, wirings, lengths, learned=None) -> BucketPlan:
     """The bucket plan of a region whose version ``entries`` fit ``f`` (``lengths``: how many
     ints each entry has); raises ``Refused``."""
     nodes, k = [], 0
     for e, m in zip(entries, lengths):
-        nodes.append(plan_node(e, f.forms[k:k + m]))
+        nodes.append(plan_node(e, f.forms[k:k + m], learned))
         k += m
     ext_forms: dict = {}
     for j, (n, wiring) in enumerate(zip(nodes, wirings)):
@@ -988,6 +1001,7 @@ class Buckets:
         self.plans = Cache("bucket plans", 4096)         # structure -> BucketPlan or a refusal
         self.ints = Cache("bucket ints", 1 << 15)        # id(entry) -> (entry, ints)
         self.moves = Cache("bucket pad and cut programs", 4096)   # off CPU: NOTE on pad()
+        self.learned = LearnedStore()   # NOTE [learned on disk] (learned.py)
 
     def caches(self) -> list:
         return [self.versions, self.plans, self.ints, self.moves]
@@ -1049,13 +1063,52 @@ class Buckets:
                 return None
             f.skels = skels
             try:
-                plan = plan_region(f, vs[0][1], wirings, vs[0][2])
+                plan = plan_region(f, vs[0][1], wirings, vs[0][2], self.learned)
             except Refused as e:
                 plan = str(e)
                 stats["bucket_refusals"][plan] += 1
             except Exception as e:      # a view or rule this code did not foresee: no buckets
                 plan = f"{type(e).__name__}: {e}"
                 stats["bucket_refusals"][plan] += 1
+            self.plans[fam] = plan
+            if plan.__class__ is not str and self.learned.on:
+                key = _family_key(fam)
+                if key is not None:
+                    self.learned.put("fits", key, (tuple(vs[0][0]), tuple(ints)))
+        if plan.__class__ is str:
+            return None
+        t = plan.fit.value(ints)
+        if t is None:
+            stats["bucket_misfits"] += 1
+            return None
+        return plan, t
+
+    def recall(self, struct, entries, wirings, stats):
+        """(plan, length) to run the first version of ``struct`` seen in this process in a bucket
+        that an earlier process learned (NOTE [learned on disk] in learned.py), or None."""
+        if not self.learned.has_fits():
+            return None
+        ints, mask, skels, lens = self._ints(entries)
+        if ints is None:
+            return None
+        fam = (struct, tuple(skels))
+        plan = self.plans.get(fam)
+        if plan is None:
+            key = _family_key(fam)
+            vs = self.learned.fit_versions(key) if key is not None else None
+            if vs is None:
+                return None
+            # Made again from the two versions, and it must take this one: else it is stale.
+            f = fit([list(vs[0]), list(vs[1]), ints], mask) if vs[0] != vs[1] else None
+            if f is None:
+                self.learned.drop_fit(key)
+                return None
+            f.skels = skels
+            try:
+                plan = plan_region(f, entries, wirings, lens, self.learned)
+            except Exception:           # (refused: what made it no longer holds)
+                self.learned.drop_fit(key)
+                return None
             self.plans[fam] = plan
         if plan.__class__ is str:
             return None
@@ -1158,6 +1211,9 @@ class Buckets:
         for key, v in self.plans.items():
             if v is plan:
                 self.plans[key] = why
+                fk = _family_key(key) if self.learned.on else None
+                if fk is not None:
+                    self.learned.drop_fit(fk)
             elif type(v) is list and plan in v:
                 v.remove(plan)
                 self.versions.pop(key, None)        # (its versions made the failing plan)
@@ -1242,6 +1298,15 @@ class Buckets:
             r.outs = shapes
             return buckets.execute(prog, hit, r, entry.dev)
         return call
+
+
+def _family_key(fam) -> str | None:
+    """The stable description of a region family (NOTE [bucket families]), or None."""
+    from .diskcache import Unstable, describe
+    try:
+        return describe(fam)
+    except (Unstable, AttributeError):
+        return None
 
 
 class _Shape:

@@ -427,8 +427,10 @@ class Runner:
         struct = tuple([(k[0], w) for k, w in zip(keys, run.wirings)])
         seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
-        if seen and cfg.buckets and not cfg.cross_check:
-            found = self.buckets.find(struct, run.entries, run.wirings, S)
+        if cfg.buckets and not cfg.cross_check:
+            # (first seen here: a bucket an earlier process learned, NOTE [learned on disk])
+            found = (self.buckets.find(struct, run.entries, run.wirings, S) if seen else
+                     self.buckets.recall(struct, run.entries, run.wirings, S))
             if found is not None:
                 hit = self.regions[key] = BucketHit(found[0], found[1], run.entries, run.wirings)
                 self._run_bucket(ctx, run, hit, explain_miss(self.regions.values(), keys))

@@ -230,6 +230,98 @@ def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
     assert [float(v) for v in first[0].split(",")[-5:]] == pytest.approx(want, rel=1e-5), first
 
 
+def _learned_round(tmp_path):
+    """A growing length on tpu, as a new process would run it: no region, bucket plan or fit
+    learned in this process, the learned store read from ``tmp_path`` (programs may come from the
+    program store); (values equal CPU's, metrics, the store's counters)."""
+    from deferfuse.engine import engine
+    from deferfuse.runtime.buckets import Buckets
+    deferfuse.clear_caches()
+    bk = engine.runner.buckets = Buckets()
+    bk.learned.enable(str(tmp_path), lambda: "test environment")
+    deferfuse.reset_metrics()
+    w = torch.linspace(-1, 1, 12).reshape(3, 4)
+    ok = True
+    for t in (2, 3, 5, 9, 6):     # a growing length: a bucket from the second one on
+        x = torch.arange(t * 3, dtype=torch.float32).reshape(t, 3) / 7
+        want = ((x @ w).tanh().softmax(0) * 2).sum(0)
+        got = ((x.to("tpu") @ w.to("tpu")).tanh().softmax(0) * 2).sum(0).cpu()
+        ok = ok and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    bk.learned.save()
+    return ok, deferfuse.metrics(), bk.learned.stats()
+
+
+@pytest.mark.modes("defer")
+def test_second_process_runs_its_first_length_in_the_learned_bucket(tmp_path):
+    # NOTE [learned on disk] (runtime/learned.py): what bucketing learned is kept for the next
+    # process, which runs its first length in the bucket at once; a kept fit that does not take
+    # the version at hand, or a file that does not match its digest, is ignored (rebuilt).
+    import glob
+    import hashlib
+    import os
+    import pickle
+    from deferfuse.engine import engine
+    keep = engine.runner.buckets
+    try:
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["hits"] == 0 and m["bucket_programs"] > 0, (m, st)
+        exact = m["region_compiles"] + m["program_disk_hits"] - m["bucket_programs"]
+        assert exact > 0, m
+        # the next "process": every length in a bucket, its first too (no exact program)
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["hits"] == 1 and m["compiles"] == 0, (m, st)
+        assert m["program_disk_hits"] == m["bucket_programs"] and m["bucketed_runs"] == 5, m
+        (path,) = glob.glob(os.path.join(str(tmp_path), "buckets-*.pkl"))
+        env_, tables = pickle.loads(open(path, "rb").read()[32:])
+        # stale: fits whose versions do not take the first length (kept with a valid digest)
+        tables["fits"] = {k: (tuple(a + 1 for a in v[0]), v[1])
+                          for k, v in tables["fits"].items()}
+        body = pickle.dumps((env_, tables))
+        open(path, "wb").write(hashlib.sha256(body).digest() + body)
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["stale"] >= 1 and m["compiles"] == 0, (m, st)
+        assert m["program_disk_hits"] - m["bucket_programs"] == exact, m   # as a first process
+        # corrupt: a byte changed; the file is ignored whole
+        blob = bytearray(open(path, "rb").read())
+        blob[-5] ^= 0xFF
+        open(path, "wb").write(bytes(blob))
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["corrupt"] == 1 and st["hits"] == 0 and m["compiles"] == 0, (m, st)
+    finally:
+        engine.runner.buckets = keep
+        deferfuse.clear_caches()
+
+
+@pytest.mark.modes("defer")
+def test_learned_store_checks_what_it_reads(tmp_path):
+    from deferfuse.runtime.learned import LearnedStore
+    a = LearnedStore()
+    a.enable(str(tmp_path), lambda: "env one")
+    assert a.fit_versions("k") is None and a.misses == 1
+    a.put("fits", "k", ((1, 2, 3), (1, 3, 5)))
+    a.put("steps", "s", ((4, 5), (6, 7)))
+    a.save()
+    b = LearnedStore()
+    b.enable(str(tmp_path), lambda: "env one")
+    assert b.fit_versions("k") == ((1, 2, 3), (1, 3, 5)) and b.step("s") == ((4, 5), (6, 7))
+    b.put("fits", "bad", ((1, 2), (3,)))       # two versions of different lengths
+    assert b.fit_versions("bad") is None and b.corrupt == 1
+    b.drop_fit("k")
+    b.save()
+    c = LearnedStore()
+    c.enable(str(tmp_path), lambda: "env one")
+    assert c.fit_versions("k") is None and c.step("s") == ((4, 5), (6, 7))
+    d = LearnedStore()              # another environment: another file, nothing read
+    d.enable(str(tmp_path), lambda: "env two")
+    assert d.step("s") is None and d.corrupt == 0
+    with open(c.path, "r+b") as f:  # truncated
+        n = len(f.read())
+        f.truncate(n - 3)
+    e = LearnedStore()
+    e.enable(str(tmp_path), lambda: "env one")
+    assert e.step("s") is None and e.corrupt == 1
+
+
 # --------------------------------------------------------------------------- buckets
 def _lengths_loop(fn, make, lengths):
     """``fn`` on inputs of each length, on tpu (defer) and on CPU: (got, want, metrics)."""
