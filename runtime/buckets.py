@@ -411,8 +411,15 @@ def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
             _check_reshape(form, out, name)
         elif op is DSLICE:
             dim, length, stp = at(fstep[1], _PROBES[0])
-            if form[dim][0] and (stp != 1 and out[dim][0] or out[dim][0] > form[dim][0]):
-                raise Refused(f"{name}: a strided or widening window along a padded dim")
+            # A window's padded length may grow no faster than its base's: XLA moves the start of
+            # a slice that would run past the end back inside (``dynamic_slice`` clamps), so
+            # ``data[990:994]`` of 1,000 rows padded to 32 read rows 968..999, its valid prefix
+            # the wrong rows (a ragged last batch of a long dataset).
+            if out[dim][0] > form[dim][0]:
+                raise Refused(f"{name}: a window whose padded length grows faster than its base "
+                              "(it could pass the base's end)")
+            if form[dim][0] and stp != 1 and out[dim][0]:
+                raise Refused(f"{name}: a strided window along a padded dim")
         elif op is _SLICE or op is _SELECT:
             dim = at(fstep[1][0] if fstep[1] else (0, 0), 0) % max(len(form), 1)
             if form[dim][0]:

@@ -705,6 +705,17 @@ def test_hugging_face_generate_second_call_compiles_nothing(cache):
     assert sum(counts[0]) > 0 and counts[1] == (0, 0), counts
 
 
+def test_a_window_near_the_end_of_its_base_reads_its_own_rows():
+    """A window whose length changes over a base that does not (the last, shorter batch of a
+    dataset: ``data[i:i + n]``) never runs padded past the base's end: XLA would move the start
+    back inside, and the valid rows would be the wrong ones."""
+    d = torch.arange(1000, dtype=torch.float32)
+    t = d.to("tpu")
+    for off, n in ((990, 3), (990, 4), (993, 6), (995, 5), (40, 7)):
+        assert_same(t[off:off + n] * 2, d[off:off + n] * 2, 0, 0)
+        assert_same(t.narrow(0, off, n).sum(), d.narrow(0, off, n).sum())
+
+
 @pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing():
     """An epoch whose last batch is smaller (a DataLoader without drop_last): CPU's losses and
