@@ -750,6 +750,90 @@ def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing
     deferfuse.clear_caches()
 
 
+class _PosEnc(nn.Module):
+    """Sine positions added to a (T, B, C) input, as word_language_model's ``PositionalEncoding``."""
+
+    def __init__(self, d, max_len=64):
+        super().__init__()
+        import math
+        pos = torch.arange(max_len, dtype=torch.float).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d, 2).float() * (-math.log(10000.0) / d))
+        pe = torch.zeros(max_len, d)
+        pe[:, 0::2] = torch.sin(pos * div)
+        pe[:, 1::2] = torch.cos(pos * div)
+        self.register_buffer("pe", pe.unsqueeze(1))
+
+    def forward(self, x):
+        return x + self.pe[:x.size(0), :]
+
+
+class _WlmTransformer(nn.Transformer):
+    """word_language_model's ``--model Transformer`` in its style: a causal mask made again when
+    the length changes (the last, shorter bptt chunk), embedding, positions, the encoder, a
+    decoder layer and log-softmax (no dropout, to compare with CPU)."""
+
+    def __init__(self, ntoken, d, nhead, nhid, nlayers):
+        super().__init__(d_model=d, nhead=nhead, dim_feedforward=nhid, num_encoder_layers=nlayers,
+                         num_decoder_layers=1, dropout=0.0)
+        self.src_mask, self.pos, self.d = None, _PosEnc(d), d
+        self.emb, self.dec = nn.Embedding(ntoken, d), nn.Linear(d, ntoken)
+
+    def forward(self, src):
+        import math
+        if self.src_mask is None or self.src_mask.size(0) != len(src):
+            m = (torch.triu(torch.ones(len(src), len(src))) == 1).transpose(0, 1)
+            self.src_mask = m.float().masked_fill(m == 0, float("-inf")).masked_fill(
+                m == 1, 0.0).to(src.device)
+        x = self.pos(self.emb(src) * math.sqrt(self.d))
+        return F.log_softmax(self.dec(self.encoder(x, mask=self.src_mask)), dim=-1)
+
+
+def _wlm_epochs(model, data, dev, bptt=8, epochs=2, lr=0.5):
+    """word_language_model's training loop (``get_batch``, ``clip_grad_norm_``, the manual
+    ``p.data.add_``): (losses, compiles per epoch)."""
+    ntok = model.dec.out_features
+    losses, counts = [], []
+    src = data.to(dev)
+    for _ in range(epochs):
+        c0 = _compiles()
+        for i in range(0, src.size(0) - 1, bptt):
+            n = min(bptt, src.size(0) - 1 - i)
+            x, y = src[i:i + n], src[i + 1:i + 1 + n].reshape(-1)
+            model.zero_grad()
+            loss = F.nll_loss(model(x).view(-1, ntok), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-lr)
+            losses.append(loss.item())
+        counts.append(_compiles() - c0)
+    return losses, counts
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_word_language_model_transformer_ragged_last_chunk_over_two_epochs():
+    """The last bptt chunk is shorter (38 rows, bptt 8: four chunks of 8 and one of 5): losses and
+    weights equal CPU's over two epochs; the short chunk compiles its regions once, in the first
+    epoch, and the second epoch compiles nothing."""
+    import copy
+    torch.manual_seed(0)
+    model = _WlmTransformer(50, 16, 2, 32, 1)
+    tmodel = copy.deepcopy(model).to("tpu")
+    data = torch.randint(0, 50, (38, 4), generator=torch.Generator().manual_seed(1))
+    want, _ = _wlm_epochs(model, data, "cpu")
+    deferfuse.reset_metrics()
+    got, counts = _wlm_epochs(tmodel, data, "tpu")
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert got[:5] != got[5:]           # (the second epoch trained on)
+    for p, q in zip(tmodel.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5)
+    regions = deferfuse.metrics()["regions_run"] // len(got)
+    assert counts[1] == 0 and 0 < counts[0] <= 2 * regions, (counts, regions)
+    deferfuse.clear_caches()
+
+
 @pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_bucket_programs_are_keyed_by_dtype():
     """The same op whose sizes change, in bfloat16 then float16: each dtype gets its own bucket
