@@ -187,18 +187,21 @@ for _n, _pos in (("full.default", (0, "size")), ("zeros.default", (0, "size")),
         _SIZE_ARGS[_f] = _pos
 
 
-def _walk(x, may: bool, ints: list, mask: list) -> None:
-    """The ints of ``x`` in ``_put`` order, each with whether it may change with the length;
-    slot markers' indices never may (a tensor or scalar input's place is structure)."""
+def _scan(x, may: bool, ints: list, mask: list):
+    """``x``'s skeleton (``_skeleton``), its ints appended to ``ints`` in ``_put`` order, each with
+    whether it may change with the length (``mask``); slot markers' indices never may (a tensor or
+    scalar input's place is structure). One walk for both: a second process flattens every op
+    entry of every length it sees."""
     t = type(x)
     if t is int:
         ints.append(x)
         mask.append(may)
-    elif t is tuple or t is list:
+        return None
+    if t is tuple or t is list:
         if x and (x[0] is TS or x[0] is SS):
             may = False
-        for y in x:
-            _walk(y, may, ints, mask)
+        return tuple([_scan(y, may, ints, mask) for y in x])
+    return x
 
 
 def flatten(entry):
@@ -207,28 +210,25 @@ def flatten(entry):
     targs, tkw, ins, outs = parts(entry)
     size_args = _SIZE_ARGS.get(info.func, ())
     ints, mask = [], []
-    for i, a in enumerate(targs):
-        _walk(a, i in size_args, ints, mask)
-    for k, v in tkw:
-        _walk(v, k in size_args, ints, mask)
+    s_targs = tuple([_scan(a, i in size_args, ints, mask) for i, a in enumerate(targs)])
+    s_tkw = tuple([(_skeleton(k), _scan(v, k in size_args, ints, mask)) for k, v in tkw])
+    s_ins = []
     for bshape, bdt, chain, size, dt in ins:
-        _walk(bshape, True, ints, mask)
+        s_b = _scan(bshape, True, ints, mask)
+        s_chain = []
         for op, args, kw in chain:
             if op in _RESHAPES or op is _EXPAND:
-                _walk(args, True, ints, mask)
-                _walk(kw, False, ints, mask)
+                s_a = _scan(args, True, ints, mask)
             elif op is DSLICE:
                 dim, length, stp = args
-                _walk(dim, False, ints, mask)
-                _walk(length, True, ints, mask)
-                _walk(stp, False, ints, mask)
-                _walk(kw, False, ints, mask)
+                s_a = (_scan(dim, False, ints, mask), _scan(length, True, ints, mask),
+                       _scan(stp, False, ints, mask))
             else:
-                _walk(args, False, ints, mask)
-                _walk(kw, False, ints, mask)
-        _walk(size, True, ints, mask)
-    _walk(outs, True, ints, mask)
-    return ints, mask, _skeleton((targs, tkw, ins, outs))
+                s_a = _scan(args, False, ints, mask)
+            s_chain.append((_skeleton(op), s_a, _scan(kw, False, ints, mask)))
+        s_ins.append((s_b, _skeleton(bdt), tuple(s_chain), _scan(size, True, ints, mask),
+                      _skeleton(dt)))
+    return ints, mask, (s_targs, s_tkw, tuple(s_ins), _scan(outs, True, ints, mask))
 
 
 class Fit:
