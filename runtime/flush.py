@@ -444,10 +444,10 @@ class Runner:
         # one recurs, and compiles whole on its second run. The policy decides
         # (CutPolicy.new_shapes in scheduler/policy.py); what it remembers is kept here.
         if seen and n_compiled >= cfg.shape_limit:
-            sp, keep = policy.CutPolicy.new_shapes(n_compiled, cfg.shape_limit,
+            sp, memo = policy.CutPolicy.new_shapes(n_compiled, cfg.shape_limit,
                                                    self.once.get(key), seen[1], keys, seen[2])
-            if keep is not None:
-                self.once[key] = keep
+            if memo is not None:
+                self.once[key] = memo
             if sp.how is policy.Shapes.SPLIT:
                 S["shape_splits"] += 1
                 self._pieces(ctx, _Struct(run.entries, run.wirings), run, sp.cuts, None,

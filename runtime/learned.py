@@ -142,12 +142,13 @@ class LearnedStore:
 
     # ------------------------------------------------------------------------------ writing
     def put(self, kind: str, key: str, value) -> None:
+        """Keep ``value`` for the next process (read here, it is what earlier processes kept: a
+        process that cleared its caches learns again as it did)."""
         if self.folder is None:
             return
-        t = self._table(kind)
-        if len(t) < self.capacity and t.get(key) != value:
-            t[key] = value
-            self.new[kind][key] = value
+        t, new = self._table(kind), self.new[kind]
+        if t.get(key) != value and len(new) < self.capacity:
+            new[key] = value
 
     def save(self) -> None:
         if self.path is None or not any(self.new.values()):
