@@ -104,6 +104,10 @@ SETTINGS = {s.name: s for s in [
     Setting("buckets", "DEFERFUSE_BUCKETS", True, _bool,
             "run a region whose sizes keep changing (a growing sequence) padded to buckets of "
             "lengths, one program per bucket (see docs/recompiles.md)"),
+    Setting("learned_buckets", "DEFERFUSE_LEARNED_BUCKETS", True, _bool,
+            "keep what bucketing learned (each growing region's fit) in the cache folder, so a "
+            "later process runs its first length in the bucket (NOTE [learned on disk]); read at "
+            "import"),
     Setting("distributed", "DEFERFUSE_DISTRIBUTED", "auto", str,
             "start JAX's distributed runtime at import: auto (when torchrun's WORLD_SIZE > 1), "
             "1 (also JAX's own cluster discovery, e.g. a TPU pod), 0 (never); read at import"),

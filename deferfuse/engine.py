@@ -228,6 +228,7 @@ class Engine:
         out["loop bodies"] = self.bodies.stats()
         out["memory mappings"] = self.runner.maps.stats()
         out["meta size rules"] = meta_sizes.stats()
+        out["bucket fits on disk"] = self.runner.buckets.learned.stats()
         return out
 
     def clear_caches(self) -> None:

@@ -71,6 +71,7 @@ from jax import lax
 
 from ..scheduler.records import sig_id
 from .dtypes import to_np_dtype, x64
+from .learned import LearnedStore
 from .lowering import aten, check, check_index_sized
 from .node import CS, SS, TS, _fill, _rounded
 from .viewchain import DSELECT, DSLICE, DSTRIDED, DYNAMIC, apply_chain, apply_step
@@ -186,18 +187,21 @@ for _n, _pos in (("full.default", (0, "size")), ("zeros.default", (0, "size")),
         _SIZE_ARGS[_f] = _pos
 
 
-def _walk(x, may: bool, ints: list, mask: list) -> None:
-    """The ints of ``x`` in ``_put`` order, each with whether it may change with the length;
-    slot markers' indices never may (a tensor or scalar input's place is structure)."""
+def _scan(x, may: bool, ints: list, mask: list):
+    """``x``'s skeleton (``_skeleton``), its ints appended to ``ints`` in ``_put`` order, each with
+    whether it may change with the length (``mask``); slot markers' indices never may (a tensor or
+    scalar input's place is structure). One walk for both: a second process flattens every op
+    entry of every length it sees."""
     t = type(x)
     if t is int:
         ints.append(x)
         mask.append(may)
-    elif t is tuple or t is list:
+        return None
+    if t is tuple or t is list:
         if x and (x[0] is TS or x[0] is SS):
             may = False
-        for y in x:
-            _walk(y, may, ints, mask)
+        return tuple([_scan(y, may, ints, mask) for y in x])
+    return x
 
 
 def flatten(entry):
@@ -206,28 +210,25 @@ def flatten(entry):
     targs, tkw, ins, outs = parts(entry)
     size_args = _SIZE_ARGS.get(info.func, ())
     ints, mask = [], []
-    for i, a in enumerate(targs):
-        _walk(a, i in size_args, ints, mask)
-    for k, v in tkw:
-        _walk(v, k in size_args, ints, mask)
+    s_targs = tuple([_scan(a, i in size_args, ints, mask) for i, a in enumerate(targs)])
+    s_tkw = tuple([(_skeleton(k), _scan(v, k in size_args, ints, mask)) for k, v in tkw])
+    s_ins = []
     for bshape, bdt, chain, size, dt in ins:
-        _walk(bshape, True, ints, mask)
+        s_b = _scan(bshape, True, ints, mask)
+        s_chain = []
         for op, args, kw in chain:
             if op in _RESHAPES or op is _EXPAND:
-                _walk(args, True, ints, mask)
-                _walk(kw, False, ints, mask)
+                s_a = _scan(args, True, ints, mask)
             elif op is DSLICE:
                 dim, length, stp = args
-                _walk(dim, False, ints, mask)
-                _walk(length, True, ints, mask)
-                _walk(stp, False, ints, mask)
-                _walk(kw, False, ints, mask)
+                s_a = (_scan(dim, False, ints, mask), _scan(length, True, ints, mask),
+                       _scan(stp, False, ints, mask))
             else:
-                _walk(args, False, ints, mask)
-                _walk(kw, False, ints, mask)
-        _walk(size, True, ints, mask)
-    _walk(outs, True, ints, mask)
-    return ints, mask, _skeleton((targs, tkw, ins, outs))
+                s_a = _scan(args, False, ints, mask)
+            s_chain.append((_skeleton(op), s_a, _scan(kw, False, ints, mask)))
+        s_ins.append((s_b, _skeleton(bdt), tuple(s_chain), _scan(size, True, ints, mask),
+                      _skeleton(dt)))
+    return ints, mask, (s_targs, s_tkw, tuple(s_ins), _scan(outs, True, ints, mask))
 
 
 class Fit:
@@ -327,13 +328,25 @@ def _padded(form_shape) -> bool:
     return any(a for a, _ in form_shape)
 
 
-def _step_forms(fstep, fin, dtype) -> tuple:
-    """The forms of a view step's output shape, from its shape at two lengths."""
-    shapes = []
-    for t in _PROBES[:2]:
-        st = at(fstep, t)
-        x = jax.ShapeDtypeStruct(at(fin, t), dtype)
-        shapes.append(jax.eval_shape(lambda v: apply_step(v, st, 0), x).shape)
+def _step_forms(fstep, fin, dtype, learned=None) -> tuple:
+    """The forms of a view step's output shape, from its shape at two lengths (kept in
+    ``learned``, a LearnedStore, for the next process: NOTE [learned on disk] in learned.py)."""
+    key = shapes = None
+    if learned is not None and learned.on:
+        from .diskcache import Unstable, describe
+        try:
+            key = describe(("step", fstep, fin, str(dtype), _PROBES[:2]))
+        except Unstable:
+            key = None
+        shapes = learned.step(key) if key is not None else None
+    if shapes is None:
+        shapes = []
+        for t in _PROBES[:2]:
+            st = at(fstep, t)
+            x = jax.ShapeDtypeStruct(at(fin, t), dtype)
+            shapes.append(tuple(jax.eval_shape(lambda v: apply_step(v, st, 0), x).shape))
+        if key is not None:
+            learned.put("steps", key, tuple(shapes))
     (s1, s2), (t1, t2) = shapes, _PROBES[:2]
     out = []
     for x, y in zip(s1, s2):
@@ -386,20 +399,27 @@ _SELECT = aten.select.int
 _EXPAND = aten.expand.default
 
 
-def _chain_forms(fbase, dtype, fchain, name) -> tuple:
+def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
     """The forms of a view chain's result, checking each step (NOTE [buckets])."""
     form = tuple(fbase)
     for fstep in fchain:
         op = fstep[0]
-        out = _step_forms(fstep, form, dtype)
+        out = _step_forms(fstep, form, dtype, learned)
         if not (_padded(form) or _padded(out)) or op in _DIM_MOVERS or op is DSELECT:
             pass        # (DSELECT: the index is data, inside the exact extent)
         elif op in _RESHAPES:
             _check_reshape(form, out, name)
         elif op is DSLICE:
             dim, length, stp = at(fstep[1], _PROBES[0])
-            if form[dim][0] and (stp != 1 and out[dim][0] or out[dim][0] > form[dim][0]):
-                raise Refused(f"{name}: a strided or widening window along a padded dim")
+            # A window's padded length may grow no faster than its base's: XLA moves the start of
+            # a slice that would run past the end back inside (``dynamic_slice`` clamps), so
+            # ``data[990:994]`` of 1,000 rows padded to 32 read rows 968..999, its valid prefix
+            # the wrong rows (a ragged last batch of a long dataset).
+            if out[dim][0] > form[dim][0]:
+                raise Refused(f"{name}: a window whose padded length grows faster than its base "
+                              "(it could pass the base's end)")
+            if form[dim][0] and stp != 1 and out[dim][0]:
+                raise Refused(f"{name}: a strided window along a padded dim")
         elif op is _SLICE or op is _SELECT:
             dim = at(fstep[1][0] if fstep[1] else (0, 0), 0) % max(len(form), 1)
             if form[dim][0]:
@@ -449,7 +469,7 @@ def _forms_in(x, out=None) -> list:
     return out
 
 
-def plan_node(entry, forms) -> NodePlan:
+def plan_node(entry, forms, learned=None) -> NodePlan:
     """The plan of one op whose ints have ``forms`` (in ``parts`` order); raises ``Refused``."""
     info = entry.key[0]
     func, name = info.func, info.name
@@ -466,7 +486,7 @@ def plan_node(entry, forms) -> NodePlan:
     n.ndyn = [sum(1 for st in c if st[0] in DYNAMIC) for c in n.chains]
     n.in_forms = []
     for (bshape, bdt, chain, size, dt), (fb, _, fchain, fsize, _) in zip(ins, f_ins):
-        fin = _chain_forms(fb, bdt, fchain, name) if chain else tuple(fb)
+        fin = _chain_forms(fb, bdt, fchain, name, learned) if chain else tuple(fb)
         if tuple(fin) != tuple(fsize):
             raise Refused(f"{name}: a view whose sizes do not follow from its chain")
         n.in_forms.append(tuple(fsize))
@@ -854,12 +874,12 @@ class BucketProgram:
     __slots__ = ("compiled", "msgs", "P", "runs", "summary", "pick")
 
 
-def plan_region(f: Fit, entries, wirings, lengths) -> BucketPlan:
+def plan_region(f: Fit, entries, wirings, lengths, learned=None) -> BucketPlan:
     """The bucket plan of a region whose version ``entries`` fit ``f`` (``lengths``: how many
     ints each entry has); raises ``Refused``."""
     nodes, k = [], 0
     for e, m in zip(entries, lengths):
-        nodes.append(plan_node(e, f.forms[k:k + m]))
+        nodes.append(plan_node(e, f.forms[k:k + m], learned))
         k += m
     ext_forms: dict = {}
     for j, (n, wiring) in enumerate(zip(nodes, wirings)):
@@ -988,6 +1008,7 @@ class Buckets:
         self.plans = Cache("bucket plans", 4096)         # structure -> BucketPlan or a refusal
         self.ints = Cache("bucket ints", 1 << 15)        # id(entry) -> (entry, ints)
         self.moves = Cache("bucket pad and cut programs", 4096)   # off CPU: NOTE on pad()
+        self.learned = LearnedStore()   # NOTE [learned on disk] (learned.py)
 
     def caches(self) -> list:
         return [self.versions, self.plans, self.ints, self.moves]
@@ -1049,13 +1070,52 @@ class Buckets:
                 return None
             f.skels = skels
             try:
-                plan = plan_region(f, vs[0][1], wirings, vs[0][2])
+                plan = plan_region(f, vs[0][1], wirings, vs[0][2], self.learned)
             except Refused as e:
                 plan = str(e)
                 stats["bucket_refusals"][plan] += 1
             except Exception as e:      # a view or rule this code did not foresee: no buckets
                 plan = f"{type(e).__name__}: {e}"
                 stats["bucket_refusals"][plan] += 1
+            self.plans[fam] = plan
+            if plan.__class__ is not str and self.learned.on:
+                key = _family_key(fam)
+                if key is not None:
+                    self.learned.put("fits", key, (tuple(vs[0][0]), tuple(ints)))
+        if plan.__class__ is str:
+            return None
+        t = plan.fit.value(ints)
+        if t is None:
+            stats["bucket_misfits"] += 1
+            return None
+        return plan, t
+
+    def recall(self, struct, entries, wirings, stats):
+        """(plan, length) to run the first version of ``struct`` seen in this process in a bucket
+        that an earlier process learned (NOTE [learned on disk] in learned.py), or None."""
+        if not self.learned.has_fits():
+            return None
+        ints, mask, skels, lens = self._ints(entries)
+        if ints is None:
+            return None
+        fam = (struct, tuple(skels))
+        plan = self.plans.get(fam)
+        if plan is None:
+            key = _family_key(fam)
+            vs = self.learned.fit_versions(key) if key is not None else None
+            if vs is None:
+                return None
+            # Made again from the two versions, and it must take this one: else it is stale.
+            f = fit([list(vs[0]), list(vs[1]), ints], mask) if vs[0] != vs[1] else None
+            if f is None:
+                self.learned.drop_fit(key)
+                return None
+            f.skels = skels
+            try:
+                plan = plan_region(f, entries, wirings, lens, self.learned)
+            except Exception:           # (refused: what made it no longer holds)
+                self.learned.drop_fit(key)
+                return None
             self.plans[fam] = plan
         if plan.__class__ is str:
             return None
@@ -1158,6 +1218,9 @@ class Buckets:
         for key, v in self.plans.items():
             if v is plan:
                 self.plans[key] = why
+                fk = _family_key(key) if self.learned.on else None
+                if fk is not None:
+                    self.learned.drop_fit(fk)
             elif type(v) is list and plan in v:
                 v.remove(plan)
                 self.versions.pop(key, None)        # (its versions made the failing plan)
@@ -1242,6 +1305,15 @@ class Buckets:
             r.outs = shapes
             return buckets.execute(prog, hit, r, entry.dev)
         return call
+
+
+def _family_key(fam) -> str | None:
+    """The stable description of a region family (NOTE [bucket families]), or None."""
+    from .diskcache import Unstable, describe
+    try:
+        return describe(fam)
+    except (Unstable, AttributeError):
+        return None
 
 
 class _Shape:

@@ -427,36 +427,36 @@ class Runner:
         struct = tuple([(k[0], w) for k, w in zip(keys, run.wirings)])
         seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
-        if seen and cfg.buckets and not cfg.cross_check:
-            found = self.buckets.find(struct, run.entries, run.wirings, S)
+        if cfg.buckets and not cfg.cross_check:
+            # (first seen here: a bucket an earlier process learned, NOTE [learned on disk])
+            found = (self.buckets.find(struct, run.entries, run.wirings, S) if seen else
+                     self.buckets.recall(struct, run.entries, run.wirings, S))
             if found is not None:
                 hit = self.regions[key] = BucketHit(found[0], found[1], run.entries, run.wirings)
                 self._run_bucket(ctx, run, hit, explain_miss(self.regions.values(), keys))
                 return None
-        done = self.once.get(key) if n_compiled >= cfg.shape_limit else "whole"
-        if done is None:
-            # NOTE [shape churn]: this structure keeps coming back with new shapes that do not fit
-            # buckets (NOTE [buckets] in buckets.py). Split it: runs of ops whose keys never
-            # changed become regions of their own, compiled once; the ops whose shapes change run
-            # apart (as regions until those too churn, then op by op). A version that comes back
-            # (the same prompt length again) runs split the same way, so its pieces are found
-            # compiled (what a loop taught converges in one call), except one that ran op by op:
-            # that one recurs, and compiles whole on its second run.
-            cuts = cut.churn_cuts(seen[1], keys, seen[2])
-            self.once[key] = cuts if cuts is not None else "whole"
-            if cuts is not None:
+        # NOTE [shape churn]: this structure keeps coming back with new shapes that do not fit
+        # buckets (NOTE [buckets] in buckets.py). Past the limit it is split: runs of ops whose
+        # keys never changed become regions of their own, compiled once; the ops whose shapes
+        # change run apart (as regions until those too churn, then op by op). A version that comes
+        # back (the same prompt length again) runs split the same way, so its pieces are found
+        # compiled (what a loop taught converges in one call), except one that ran op by op: that
+        # one recurs, and compiles whole on its second run. The policy decides
+        # (CutPolicy.new_shapes in scheduler/policy.py); what it remembers is kept here.
+        if seen and n_compiled >= cfg.shape_limit:
+            sp, memo = policy.CutPolicy.new_shapes(n_compiled, cfg.shape_limit,
+                                                   self.once.get(key), seen[1], keys, seen[2])
+            if memo is not None:
+                self.once[key] = memo
+            if sp.how is policy.Shapes.SPLIT:
                 S["shape_splits"] += 1
-                self._pieces(ctx, _Struct(run.entries, run.wirings), run, cuts, None,
+                self._pieces(ctx, _Struct(run.entries, run.wirings), run, sp.cuts, None,
                              0 if run.later else None)
                 return None
-            S["shape_fallbacks"] += 1
-            self._around(ctx, run, None, None)
-            return None
-        if done.__class__ is tuple:
-            S["shape_splits"] += 1
-            self._pieces(ctx, _Struct(run.entries, run.wirings), run, done, None,
-                         0 if run.later else None)
-            return None
+            if sp.how is policy.Shapes.OP_BY_OP:
+                S["shape_fallbacks"] += 1
+                self._around(ctx, run, None, None)
+                return None
         if len(self.regions) >= self.max_regions or self.maps.pressed():
             self.evict()
         why = explain_miss(self.regions.values(), keys)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from . import steps
+from . import cut, steps
 
 
 class Cut(str, Enum):
@@ -48,6 +48,27 @@ class SyncPlan:
     whole: bool
     search: str | None
     split_period: bool
+
+
+class Shapes(str, Enum):
+    """How a region structure that came back with new shapes no bucket takes runs (NOTE [shape
+    churn] in runtime/flush.py)."""
+    WHOLE = "whole"             # compiled whole for these shapes
+    SPLIT = "split"             # as pieces: the ops whose keys changed apart from those that never did
+    OP_BY_OP = "op by op"       # every op changed: op by op (the same version again compiles whole)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class ShapePlan:
+    """``how`` a version of a churning structure runs, and the ``cuts`` of its pieces (SPLIT)."""
+    how: Shapes
+    cuts: tuple | None = None
+
+
+WHOLE = ShapePlan(Shapes.WHOLE)
 
 
 class CutPolicy:
@@ -97,6 +118,26 @@ class CutPolicy:
         [loop split]): not within an outer loop's body, not when every region is also run op by
         op to compare."""
         return enabled and not whole and n >= steps.LOOP_SPLIT_MIN_OPS and not cross_check
+
+    @staticmethod
+    def new_shapes(versions: int, limit: int, decided, first_keys, keys, vary: set):
+        """A structure compiled for ``versions`` sets of shapes is here with new ones (and no
+        bucket takes them): (its ``ShapePlan``, what to remember for this version or None).
+        ``limit``: versions compiled whole before splitting (DEFERFUSE_SHAPE_RECOMPILE_LIMIT);
+        ``decided``: what was remembered for this version (None: nothing); ``first_keys``,
+        ``keys``: the op keys of the first version and of this one; ``vary``: the positions seen
+        to change (updated). A version that comes back runs as it did, except one that ran op by
+        op: that one recurs, and compiles whole."""
+        if versions < limit:
+            return WHOLE, None
+        if decided is None:
+            cuts = cut.churn_cuts(first_keys, keys, vary)
+            if cuts is not None:
+                return ShapePlan(Shapes.SPLIT, cuts), cuts
+            return ShapePlan(Shapes.OP_BY_OP), Shapes.WHOLE.value
+        if decided.__class__ is tuple:
+            return ShapePlan(Shapes.SPLIT, decided), None
+        return WHOLE, None
 
     def clear(self) -> None:
         self.outer.clear()

@@ -294,6 +294,22 @@ def test_cut_policy_plans_from_counts_and_reasons():
     assert P.at_sync("item", big, "emb", None) == policy.SyncPlan(True, None, False)
 
 
+def test_cut_policy_says_how_a_churning_structure_runs():
+    # NOTE [shape churn] (runtime/flush.py), decided by CutPolicy.new_shapes: compiled whole until
+    # the limit, then split between changing and stable ops (remembered for the version), or op
+    # by op when every op changed (and whole when that version comes back).
+    from deferfuse.scheduler.policy import WHOLE, CutPolicy, ShapePlan, Shapes
+    first = list("abcdef")
+    assert CutPolicy.new_shapes(1, 2, None, first, list("aBcdef"), set()) == (WHOLE, None)
+    vary = set()
+    plan, keep = CutPolicy.new_shapes(2, 2, None, first, list("aBcdef"), vary)
+    assert plan == ShapePlan(Shapes.SPLIT, (1, 2, 6)) and keep == (1, 2, 6) and vary == {1}
+    assert CutPolicy.new_shapes(3, 2, keep, first, list("aBcdef"), vary) == (plan, None)
+    plan, keep = CutPolicy.new_shapes(2, 2, None, first, list("ABCDEF"), set())
+    assert plan.how is Shapes.OP_BY_OP and keep == "whole" and str(plan.how) == "op by op"
+    assert CutPolicy.new_shapes(2, 2, keep, first, list("ABCDEF"), set()) == (WHOLE, None)
+
+
 def test_report_words_every_cut_reason():
     """report() names each asynchronous cut in words; a reason without them raised KeyError."""
     from deferfuse.reporting import _CUT_WORDS

@@ -230,6 +230,99 @@ def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
     assert [float(v) for v in first[0].split(",")[-5:]] == pytest.approx(want, rel=1e-5), first
 
 
+def _learned_round(tmp_path):
+    """A growing length on tpu, as a new process would run it: no region, bucket plan or fit
+    learned in this process, the learned store read from ``tmp_path`` (programs may come from the
+    program store); (values equal CPU's, metrics, the store's counters)."""
+    from deferfuse.engine import engine
+    from deferfuse.runtime.buckets import Buckets
+    deferfuse.clear_caches()
+    bk = engine.runner.buckets = Buckets()
+    bk.learned.enable(str(tmp_path), lambda: "test environment")
+    deferfuse.reset_metrics()
+    w = torch.linspace(-1, 1, 12).reshape(3, 4)
+    ok = True
+    for t in (2, 3, 5, 9, 6):     # a growing length: a bucket from the second one on
+        x = torch.arange(t * 3, dtype=torch.float32).reshape(t, 3) / 7
+        want = ((x @ w).tanh().softmax(0) * 2).sum(0)
+        got = ((x.to("tpu") @ w.to("tpu")).tanh().softmax(0) * 2).sum(0).cpu()
+        ok = ok and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    bk.learned.save()
+    return ok, deferfuse.metrics(), bk.learned.stats()
+
+
+@pytest.mark.modes("defer")
+def test_second_process_runs_its_first_length_in_the_learned_bucket(tmp_path):
+    # NOTE [learned on disk] (runtime/learned.py): what bucketing learned is kept for the next
+    # process, which runs its first length in the bucket at once; a kept fit that does not take
+    # the version at hand, or a file that does not match its digest, is ignored (rebuilt).
+    import glob
+    import hashlib
+    import os
+    import pickle
+    from deferfuse.engine import engine
+    keep = engine.runner.buckets
+    try:
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["hits"] == 0 and m["bucket_programs"] > 0, (m, st)
+        exact = m["region_compiles"] + m["program_disk_hits"] - m["bucket_programs"]
+        assert exact > 0, m
+        # the next "process": every length in a bucket, its first too (no exact program)
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["hits"] == 1 and m["compiles"] == 0, (m, st)
+        assert m["program_disk_hits"] == m["bucket_programs"] and m["bucketed_runs"] == 5, m
+        (path,) = glob.glob(os.path.join(str(tmp_path), "buckets-*.pkl"))
+        env_, tables = pickle.loads(open(path, "rb").read()[32:])
+        # stale: fits whose versions do not take the first length (kept with a valid digest)
+        tables["fits"] = {k: (tuple(a + 1 for a in v[0]), v[1])
+                          for k, v in tables["fits"].items()}
+        body = pickle.dumps((env_, tables))
+        open(path, "wb").write(hashlib.sha256(body).digest() + body)
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["stale"] >= 1 and m["compiles"] == 0, (m, st)
+        assert m["program_disk_hits"] - m["bucket_programs"] == exact, m   # as a first process
+        # corrupt: a byte changed; the file is ignored whole
+        blob = bytearray(open(path, "rb").read())
+        blob[-5] ^= 0xFF
+        open(path, "wb").write(bytes(blob))
+        ok, m, st = _learned_round(tmp_path)
+        assert ok and st["corrupt"] == 1 and st["hits"] == 0 and m["compiles"] == 0, (m, st)
+    finally:
+        engine.runner.buckets = keep
+        deferfuse.clear_caches()
+
+
+@pytest.mark.modes("defer")
+def test_learned_store_checks_what_it_reads(tmp_path):
+    from deferfuse.runtime.learned import LearnedStore
+    a = LearnedStore()
+    a.enable(str(tmp_path), lambda: "env one")
+    assert a.fit_versions("k") is None and a.misses == 1
+    a.put("fits", "k", ((1, 2, 3), (1, 3, 5)))
+    a.put("steps", "s", ((4, 5), (6, 7)))
+    a.save()
+    b = LearnedStore()
+    b.enable(str(tmp_path), lambda: "env one")
+    assert b.fit_versions("k") == ((1, 2, 3), (1, 3, 5)) and b.step("s") == ((4, 5), (6, 7))
+    b.put("fits", "bad", ((1, 2), (3,)))       # two versions of different lengths
+    assert b.fit_versions("bad") is None        # (kept for the next process, not read here)
+    b.drop_fit("k")
+    b.save()
+    c = LearnedStore()
+    c.enable(str(tmp_path), lambda: "env one")
+    assert c.fit_versions("bad") is None and c.corrupt == 1
+    assert c.fit_versions("k") is None and c.step("s") == ((4, 5), (6, 7))
+    d = LearnedStore()              # another environment: another file, nothing read
+    d.enable(str(tmp_path), lambda: "env two")
+    assert d.step("s") is None and d.corrupt == 0
+    with open(c.path, "r+b") as f:  # truncated
+        n = len(f.read())
+        f.truncate(n - 3)
+    e = LearnedStore()
+    e.enable(str(tmp_path), lambda: "env one")
+    assert e.step("s") is None and e.corrupt == 1
+
+
 # --------------------------------------------------------------------------- buckets
 def _lengths_loop(fn, make, lengths):
     """``fn`` on inputs of each length, on tpu (defer) and on CPU: (got, want, metrics)."""
@@ -615,6 +708,17 @@ def test_hugging_face_generate_second_call_compiles_nothing(cache):
     assert sum(counts[0]) > 0 and counts[1] == (0, 0), counts
 
 
+def test_a_window_near_the_end_of_its_base_reads_its_own_rows():
+    """A window whose length changes over a base that does not (the last, shorter batch of a
+    dataset: ``data[i:i + n]``) never runs padded past the base's end: XLA would move the start
+    back inside, and the valid rows would be the wrong ones."""
+    d = torch.arange(1000, dtype=torch.float32)
+    t = d.to("tpu")
+    for off, n in ((990, 3), (990, 4), (993, 6), (995, 5), (40, 7)):
+        assert_same(t[off:off + n] * 2, d[off:off + n] * 2, 0, 0)
+        assert_same(t.narrow(0, off, n).sum(), d.narrow(0, off, n).sum())
+
+
 @pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing():
     """An epoch whose last batch is smaller (a DataLoader without drop_last): CPU's losses and
@@ -646,6 +750,90 @@ def test_a_ragged_last_batch_trains_as_cpu_and_its_second_epoch_compiles_nothing
     assert counts[1] == 0, counts
     # What this taught about the step's structure (split after two shapes) would shape the
     # regions of later tests that count them.
+    deferfuse.clear_caches()
+
+
+class _PosEnc(nn.Module):
+    """Sine positions added to a (T, B, C) input, as word_language_model's ``PositionalEncoding``."""
+
+    def __init__(self, d, max_len=64):
+        super().__init__()
+        import math
+        pos = torch.arange(max_len, dtype=torch.float).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d, 2).float() * (-math.log(10000.0) / d))
+        pe = torch.zeros(max_len, d)
+        pe[:, 0::2] = torch.sin(pos * div)
+        pe[:, 1::2] = torch.cos(pos * div)
+        self.register_buffer("pe", pe.unsqueeze(1))
+
+    def forward(self, x):
+        return x + self.pe[:x.size(0), :]
+
+
+class _WlmTransformer(nn.Transformer):
+    """word_language_model's ``--model Transformer`` in its style: a causal mask made again when
+    the length changes (the last, shorter bptt chunk), embedding, positions, the encoder, a
+    decoder layer and log-softmax (no dropout, to compare with CPU)."""
+
+    def __init__(self, ntoken, d, nhead, nhid, nlayers):
+        super().__init__(d_model=d, nhead=nhead, dim_feedforward=nhid, num_encoder_layers=nlayers,
+                         num_decoder_layers=1, dropout=0.0)
+        self.src_mask, self.pos, self.d = None, _PosEnc(d), d
+        self.emb, self.dec = nn.Embedding(ntoken, d), nn.Linear(d, ntoken)
+
+    def forward(self, src):
+        import math
+        if self.src_mask is None or self.src_mask.size(0) != len(src):
+            m = (torch.triu(torch.ones(len(src), len(src))) == 1).transpose(0, 1)
+            self.src_mask = m.float().masked_fill(m == 0, float("-inf")).masked_fill(
+                m == 1, 0.0).to(src.device)
+        x = self.pos(self.emb(src) * math.sqrt(self.d))
+        return F.log_softmax(self.dec(self.encoder(x, mask=self.src_mask)), dim=-1)
+
+
+def _wlm_epochs(model, data, dev, bptt=8, epochs=2, lr=0.5):
+    """word_language_model's training loop (``get_batch``, ``clip_grad_norm_``, the manual
+    ``p.data.add_``): (losses, compiles per epoch)."""
+    ntok = model.dec.out_features
+    losses, counts = [], []
+    src = data.to(dev)
+    for _ in range(epochs):
+        c0 = _compiles()
+        for i in range(0, src.size(0) - 1, bptt):
+            n = min(bptt, src.size(0) - 1 - i)
+            x, y = src[i:i + n], src[i + 1:i + 1 + n].reshape(-1)
+            model.zero_grad()
+            loss = F.nll_loss(model(x).view(-1, ntok), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-lr)
+            losses.append(loss.item())
+        counts.append(_compiles() - c0)
+    return losses, counts
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_word_language_model_transformer_ragged_last_chunk_over_two_epochs():
+    """The last bptt chunk is shorter (38 rows, bptt 8: four chunks of 8 and one of 5): losses and
+    weights equal CPU's over two epochs; the short chunk compiles its regions once, in the first
+    epoch, and the second epoch compiles nothing."""
+    import copy
+    torch.manual_seed(0)
+    model = _WlmTransformer(50, 16, 2, 32, 1)
+    tmodel = copy.deepcopy(model).to("tpu")
+    data = torch.randint(0, 50, (38, 4), generator=torch.Generator().manual_seed(1))
+    want, _ = _wlm_epochs(model, data, "cpu")
+    deferfuse.reset_metrics()
+    got, counts = _wlm_epochs(tmodel, data, "tpu")
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert got[:5] != got[5:]           # (the second epoch trained on)
+    for p, q in zip(tmodel.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5)
+    regions = deferfuse.metrics()["regions_run"] // len(got)
+    assert counts[1] == 0 and 0 < counts[0] <= 2 * regions, (counts, regions)
     deferfuse.clear_caches()
 
 
