@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import torch
 
+from .config import config
 from .dispatch import Entry, _contig, _nbytes
 from .engine import engine
 from .errors import LoweringError
@@ -134,6 +135,9 @@ class CompiledGraph:
         # NOTE [collectives in programs]: a graph with collectives runs over their group
         self.spmd = None
         if plan.groups:
+            if not config.compiled_collectives:
+                raise LoweringError("functional collectives",
+                                    "off in compiled graphs (DEFERFUSE_COMPILED_COLLECTIVES=0)")
             from .distributed.graphs import SpmdGraph
             self.spmd = SpmdGraph(gm, plan.groups)
         index = {n: i for i, n in enumerate(phs)}
