@@ -191,6 +191,8 @@ class CompiledGraph:
         # Boxed (one list of arguments) or not (the backward graph, wrapped by Dynamo).
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
+        if self.spmd is not None and not self.spmd.agree(args):
+            return _interpret(self.plan.gm, args)       # uneven shards (distributed/graphs.py)
         ts = _local.ts
         with engine.lock:
             trace = ts.trace
@@ -424,11 +426,16 @@ class _Eager:
     def __call__(self, *args):
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
-        outer = [_outer_of(a) if isinstance(a, torch.Tensor) and "_s" in a.__dict__ else a
-                 for a in args]
-        outs = torch.fx.Interpreter(self.gm).run(*outer)
-        outs = outs if isinstance(outs, (tuple, list)) else [outs]
-        return [o._inner if isinstance(o, TpuTensor) else o for o in outs]
+        return _interpret(self.gm, args)
+
+
+def _interpret(gm, args) -> list:
+    """Run the graph ``gm`` op by op in the eager mode in force on its (inner tensor) inputs."""
+    outer = [_outer_of(a) if isinstance(a, torch.Tensor) and "_s" in a.__dict__ else a
+             for a in args]
+    outs = torch.fx.Interpreter(gm).run(*outer)
+    outs = outs if isinstance(outs, (tuple, list)) else [outs]
+    return [o._inner if isinstance(o, TpuTensor) else o for o in outs]
 
 
 def _outer_of(a):

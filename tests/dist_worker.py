@@ -390,7 +390,8 @@ def scenario_tp(mode, arg):
 def scenario_tp_compiled(mode, arg):
     """Compiled graphs holding functional collectives (NOTE [collectives in programs]): each runs
     as one program over the group, never op by op. A manual ``funcol`` function (every collective
-    kind, against gloo on CPU), then a tensor-parallel MLP (ColwiseParallel/RowwiseParallel)
+    kind, against gloo on CPU), one called with other shapes on each rank (run op by op on every
+    rank), then a tensor-parallel MLP (ColwiseParallel/RowwiseParallel)
     behind a replicated layer, compiled with backend="tpu", trained 3 steps: outputs, losses and
     gradients against the unsharded model on CPU, and steps 2 and 3 compile nothing."""
     import torch.distributed._functional_collectives as fc
@@ -427,6 +428,13 @@ def scenario_tp_compiled(mode, arg):
     m0 = deferfuse.metrics()
     assert m0["graphs_run_eagerly"] == 0, m0["graph_fallback_reasons"]
     assert m0["graphs_with_collectives"] == 1, m0["graphs_with_collectives"]
+    # Uneven shards: the same graph with more rows on one rank runs op by op on every rank
+    def uneven(x):
+        return fc.wait_tensor(fc.all_reduce(x.sum(0), "sum", w)) * 2
+    xu = torch.arange(4.).repeat(2 + r, 1) * (r + 1)
+    same(torch.compile(uneven, backend="tpu")(xu.to("tpu")), _gloo_sum(xu.sum(0), gloo) * 2,
+         "a compiled graph on uneven shards")
+    assert deferfuse.metrics()["graph_calls_op_by_op"] == 1
 
     mesh = init_device_mesh("tpu", (n,))
     torch.manual_seed(0)
@@ -466,9 +474,9 @@ def scenario_tp_compiled(mode, arg):
     assert out_err <= 1e-5 and loss_err <= 1e-5 and grad_err <= 1e-5, (out_err, loss_err, grad_err)
     m = deferfuse.metrics()
     assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
-    # the forward graph and the backward graph (the replicated layer's input gradient is an
-    # all-reduce) both hold collectives
-    assert m["graphs_with_collectives"] == 3, m["graphs_with_collectives"]
+    # the functions above, the forward graph and the backward graph (the replicated layer's input
+    # gradient is an all-reduce) hold collectives
+    assert m["graphs_with_collectives"] == 4, m["graphs_with_collectives"]
     assert compiles[0] == compiles[-1], compiles       # steps 2 and 3 compile nothing
     return {"out_err": out_err, "loss_err": loss_err, "grad_err": grad_err,
             "graph_compiles": compiles[-1], "compiled_calls": m["compiled_calls"],

@@ -6,9 +6,13 @@ into the graphs they hand to the ``tpu`` backend. Such a graph is lowered whole,
 included, and runs as one ``jit(shard_map(...))`` over the devices of the collectives' group, one
 device per process, as deferfuse's eager collectives do: every rank calls the graph at the same
 point of its program (the graph is a collective), so each call takes the group's collective steps
-(``ProcessGroupTPU._collective``): a sync point in defer mode, the ranks' check that they run the
-same graph, and the wait that names a rank that failed. A graph that uses two groups (a 2-D mesh's
-tensor- and data-parallel dimensions in one graph) or an uneven all-to-all runs op by op instead.
+(``ProcessGroupTPU._collective``): a sync point in defer mode, and the wait that names a rank that
+failed. Before each call the ranks compare the graph and its input shapes (``agree``; with
+``DEFERFUSE_DIST_CHECK``): one program needs the same block shapes on every rank, so where they
+differ (DTensor's uneven shards: the same model, a row more on one rank) that call runs op by op
+on every rank, its collectives deferfuse's eager ones, which check their own agreement. A graph
+that uses two groups (a 2-D mesh's tensor- and data-parallel dimensions in one graph) or an uneven
+all-to-all always runs op by op.
 """
 from __future__ import annotations
 
@@ -17,8 +21,11 @@ import zlib
 
 import jax
 import numpy as np
+import torch
 from jax.sharding import PartitionSpec as P
 
+from ..config import config
+from ..dispatch import user_frame
 from ..engine import engine
 from ..errors import LoweringError
 from ..runtime import execute, stats
@@ -26,6 +33,8 @@ from ..runtime import collectives as xc
 from ..runtime.dtypes import x64
 from ..runtime.lowering import flag_message, take_flags
 from ..scheduler.records import Value
+from ..runtime.cluster import CLUSTER
+from .coord import COORD
 from .functional import _group
 
 S = stats.S
@@ -60,6 +69,26 @@ class SpmdGraph:
         self.desc = f"{zlib.crc32(gm.code.encode()):08x}"
         S["graphs_with_collectives"] += 1
 
+    def agree(self, args) -> bool:
+        """Whether every rank calls this graph with the inputs' shapes and dtypes it has here
+        (always, without the check or in a group of one); every rank gets the same answer."""
+        pg = self.pg
+        if len(pg._ranks) == 1 or COORD.client is None or not config.dist_check:
+            return True
+        desc = f"graph {self.desc} " + " ".join(
+            f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}" if isinstance(a, torch.Tensor)
+            else repr(a) if isinstance(a, (int, float)) else type(a).__name__ for a in args)
+        seq, pg._seq = pg._seq, pg._seq + 1
+        t0 = time.perf_counter()
+        got = COORD.gather(pg._gname, seq, CLUSTER.rank, pg._ranks, desc, user_frame(),
+                           f"compiled_graph (collective #{seq} of group {pg._gname})",
+                           pg._timeout)
+        S["collective_check_seconds"] += time.perf_counter() - t0
+        if all(d == desc for d, _ in got.values()):
+            return True
+        S["graph_calls_op_by_op"] += 1
+        return False
+
     def call(self, graph, entry, ins, scalars, dev, tensors) -> list:
         """Run ``entry`` (the graph's op entry) on the input Values ``ins`` and ``scalars`` over
         the group, every rank at once; its outputs as ready Values."""
@@ -70,9 +99,7 @@ class SpmdGraph:
             res = self._program(entry, arrays, scalars, devices)(arrays, scalars)
             got.extend(res)
             return res
-        self.pg._collective("compiled_graph", graph.kind, tensors, run,
-                            shapes=f"graph {self.desc} " + " ".join(
-                                f"{np.dtype(v.dtype).name}{list(v.shape)}" for v in ins))
+        self.pg._collective("compiled_graph", graph.kind, tensors, run, check=False)
         return [Value(tuple(a.shape), a.dtype, a.nbytes, array=a) for a in got]
 
     def _program(self, entry, arrays, scalars, devices):
