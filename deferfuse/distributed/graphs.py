@@ -7,8 +7,8 @@ included, and runs as one ``jit(shard_map(...))`` over the devices of the collec
 device per process, as deferfuse's eager collectives do: every rank calls the graph at the same
 point of its program (the graph is a collective), so each call takes the group's collective steps
 (``ProcessGroupTPU._collective``): a sync point in defer mode, and the wait that names a rank that
-failed. Before each call the ranks compare the graph and its input shapes (``agree``; with
-``DEFERFUSE_DIST_CHECK``): one program needs the same block shapes on every rank, so where they
+failed. Before each call the ranks compare the graph's collectives and its input shapes
+(``agree``; with ``DEFERFUSE_DIST_CHECK``): one program needs the same block shapes on every rank, so where they
 differ (DTensor's uneven shards: the same model, a row more on one rank) that call runs op by op
 on every rank, its collectives deferfuse's eager ones, which check their own agreement. A graph
 that uses two groups (a 2-D mesh's tensor- and data-parallel dimensions in one graph) or an uneven
@@ -28,12 +28,12 @@ from ..config import config
 from ..dispatch import user_frame
 from ..engine import engine
 from ..errors import LoweringError
-from ..runtime import execute, stats
 from ..runtime import collectives as xc
+from ..runtime import execute, stats
+from ..runtime.cluster import CLUSTER
 from ..runtime.dtypes import x64
 from ..runtime.lowering import flag_message, take_flags
 from ..scheduler.records import Value
-from ..runtime.cluster import CLUSTER
 from .coord import COORD
 from .functional import _group
 
@@ -65,19 +65,27 @@ class SpmdGraph:
             if size != n or (splits and len(splits) != n):
                 raise LoweringError(str(node.target), f"a group size of {size} (splits "
                                     f"{list(splits)}) for a group of {n} processes")
-        # What the ranks compare before each call (NOTE [collective check] in coord.py)
-        self.desc = f"{zlib.crc32(gm.code.encode()):08x}"
+        # What the ranks compare before each call (NOTE [collective check] in coord.py), with
+        # the inputs' shapes: the graph's collectives in order, their arguments and shapes. Not
+        # the graph's code: a rank's constants differ (vLLM's vocabulary shard starts at its
+        # rank's offset, a constant of that rank's graph), its collectives may not.
+        sig = []
+        for node in gm.graph.nodes:
+            if getattr(node.target, "namespace", None) == "_c10d_functional":
+                sig.append(f"{node.target._opname}{_shapes(node.args)}->"
+                           f"{_shapes(node.meta.get('val'))}")
+        self.desc = f"{zlib.crc32(';'.join(sig).encode()):08x}"
         S["graphs_with_collectives"] += 1
 
     def agree(self, args) -> bool:
-        """Whether every rank calls this graph with the inputs' shapes and dtypes it has here
-        (always, without the check or in a group of one); every rank gets the same answer."""
+        """Whether every rank calls a graph with these collectives on inputs of the shapes and
+        dtypes it has here (always, without the check or in a group of one); every rank gets the
+        same answer."""
         pg = self.pg
         if len(pg._ranks) == 1 or COORD.client is None or not config.dist_check:
             return True
-        desc = f"graph {self.desc} " + " ".join(
-            f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}" if isinstance(a, torch.Tensor)
-            else repr(a) if isinstance(a, (int, float)) else type(a).__name__ for a in args)
+        desc = f"graph {self.desc} " + " ".join(_shapes(a) for a in args
+                                                 if isinstance(a, torch.Tensor))
         seq, pg._seq = pg._seq, pg._seq + 1
         t0 = time.perf_counter()
         got = COORD.gather(pg._gname, seq, CLUSTER.rank, pg._ranks, desc, user_frame(),
@@ -110,6 +118,17 @@ class SpmdGraph:
         if run is None:
             run = progs[devices] = _Program(entry, arrays, scalars, devices, self.n)
         return run
+
+
+def _shapes(x) -> str:
+    """``x`` (a node's arguments or fake value) in words: tensors as dtype and shape."""
+    if isinstance(x, (tuple, list)):
+        return "(" + ",".join(_shapes(y) for y in x) + ")"
+    if hasattr(x, "meta"):          # an FX node: its fake value
+        x = x.meta.get("val")
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+    return repr(x)
 
 
 class _Program:
