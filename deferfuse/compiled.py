@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import torch
 
+from .config import config
 from .dispatch import Entry, _contig, _nbytes
 from .engine import engine
 from .errors import LoweringError
@@ -28,7 +29,7 @@ from .opinfo import _DECOMP
 from .runtime.lowering import LOWERINGS, take_flags
 from .runtime import stats, transfer
 from .runtime.dtypes import x64
-from .runtime.graph import ARRAY, FLOAT, INT, SCALAR, SIZES, GraphPlan, fill
+from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fill
 from .tensor import Storage, TpuTensor, make
 from .traceable import output_inner, wrap_inner
 
@@ -52,7 +53,9 @@ def _kind(val) -> int:
         return ARRAY
     if isinstance(val, (float, torch.SymFloat)):
         return FLOAT
-    return INT
+    if val is None or isinstance(val, (int, torch.SymInt, torch.SymBool)):
+        return INT
+    return OBJ      # a DeviceMesh passed through for the backward pass: no op reads it
 
 
 def _on_device(val) -> bool:
@@ -129,6 +132,14 @@ class CompiledGraph:
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.plan = plan = GraphPlan(gm, [_kind(n.meta.get("val")) for n in phs])
         self.kinds = plan.kinds
+        # NOTE [collectives in programs]: a graph with collectives runs over their group
+        self.spmd = None
+        if plan.groups:
+            if not config.compiled_collectives:
+                raise LoweringError("functional collectives",
+                                    "off in compiled graphs (DEFERFUSE_COMPILED_COLLECTIVES=0)")
+            from .distributed.graphs import SpmdGraph
+            self.spmd = SpmdGraph(gm, plan.groups)
         index = {n: i for i, n in enumerate(phs)}
         self.outs = []          # (what, node or input index or value, fake value) per output
         roots = []
@@ -180,10 +191,13 @@ class CompiledGraph:
         # Boxed (one list of arguments) or not (the backward graph, wrapped by Dynamo).
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
+        if self.spmd is not None and not self.spmd.agree(args):
+            return _interpret(self.plan.gm, args)       # uneven shards (distributed/graphs.py)
         ts = _local.ts
         with engine.lock:
             trace = ts.trace
             ins, scalars, ints, views, offsets = [], [], [], [], []
+            tensors = []        # (a graph with collectives: its tpu inputs, for the group's steps)
             dev = None
             for i, (a, kind) in enumerate(zip(args, self.kinds)):
                 if kind == ARRAY:
@@ -196,6 +210,7 @@ class CompiledGraph:
                         dev = st.device
                     v = st.val
                     ins.append(v)
+                    tensors.append(a)
                     c = d["_chain"]
                     if c:
                         views.append((i, c, v.shape, v.dtype))
@@ -206,7 +221,7 @@ class CompiledGraph:
                     scalars.append(a.item())
                 elif kind == FLOAT:
                     scalars.append(float(a))
-                else:
+                elif kind == INT:
                     ints.append(int(a))
             if dev is None:
                 dev = ts.device
@@ -231,8 +246,11 @@ class CompiledGraph:
             if entry is None:
                 entry = self._entry(key, ins, scalars, dev)
             env = self.host.run(self.phs, args) if self.host is not None else None
-            outs = trace.record(entry, ins, scalars, dev)
-            del ins
+            if self.spmd is None:
+                outs = trace.record(entry, ins, scalars, dev)
+            else:       # a sync point: the values are ready when the call returns
+                outs = self.spmd.call(self, entry, ins, scalars, dev, tensors)
+            del ins, tensors
             self.calls += 1
             S["compiled_calls"] += 1
             out_acts, write_acts = entry.out
@@ -287,7 +305,7 @@ class CompiledGraph:
         static = {}
 
         def shaping(arrays, scalars_):
-            res = fn(arrays, scalars_)
+            res = fn(arrays, scalars_, "shape")
             for k, r in enumerate(res):
                 if isinstance(r, (bool, int, float)):
                     static[k] = r
@@ -408,11 +426,16 @@ class _Eager:
     def __call__(self, *args):
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
-        outer = [_outer_of(a) if isinstance(a, torch.Tensor) and "_s" in a.__dict__ else a
-                 for a in args]
-        outs = torch.fx.Interpreter(self.gm).run(*outer)
-        outs = outs if isinstance(outs, (tuple, list)) else [outs]
-        return [o._inner if isinstance(o, TpuTensor) else o for o in outs]
+        return _interpret(self.gm, args)
+
+
+def _interpret(gm, args) -> list:
+    """Run the graph ``gm`` op by op in the eager mode in force on its (inner tensor) inputs."""
+    outer = [_outer_of(a) if isinstance(a, torch.Tensor) and "_s" in a.__dict__ else a
+             for a in args]
+    outs = torch.fx.Interpreter(gm).run(*outer)
+    outs = outs if isinstance(outs, (tuple, list)) else [outs]
+    return [o._inner if isinstance(o, TpuTensor) else o for o in outs]
 
 
 def _outer_of(a):

@@ -122,6 +122,9 @@ SETTINGS = {s.name: s for s in [
     Setting("dist_wait", "DEFERFUSE_DIST_WAIT", "block", str,
             "block: a collective waits for its results (a failing rank is named at the call); "
             "async: it returns at once and later ops wait on the device"),
+    Setting("compiled_collectives", "DEFERFUSE_COMPILED_COLLECTIVES", True, _bool,
+            "a compiled graph with functional collectives runs as one program over their group "
+            "(0: op by op in the eager mode, as a graph with an op no lowering covers)"),
     Setting("gc_threshold", "DEFERFUSE_GC_THRESHOLD", 20000, int,
             "Python's young-generation garbage-collection threshold in defer mode, read at import "
             "and used when the threshold is still Python's default of 700 (0: leave it); see "

@@ -116,6 +116,11 @@ def _compiled_lines(S) -> list:
     lines = [f"compiled mode (torch.compile): {S['dynamo_graphs']} graphs from Dynamo, "
              f"{S['compiled_graphs']} forward/backward/inference graphs, {S['graph_compiles']} "
              f"program compiles (one per graph and input shapes), {S['compiled_calls']} calls"]
+    if S["graphs_with_collectives"]:
+        lines.append(f"  graphs with collectives, each run as one program over a process group: "
+                     f"{S['graphs_with_collectives']}" + (
+                         f" ({S['graph_calls_op_by_op']} calls run op by op: the ranks' input "
+                         "shapes differed)" if S["graph_calls_op_by_op"] else ""))
     if S["graphs_run_eagerly"]:
         lines.append(f"  graphs run op by op in the eager mode (an op with no lowering): "
                      f"{S['graphs_run_eagerly']}: " + "; ".join(S["graph_fallback_reasons"][-3:]))

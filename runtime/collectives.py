@@ -23,6 +23,7 @@ try:
     from jax import shard_map as _shard_map
 except ImportError:     # pragma: no cover (older JAX)
     from jax.experimental.shard_map import shard_map as _shard_map
+shard_map = _shard_map
 
 AXIS = "g"
 MAX_PROGRAMS = 512
@@ -52,7 +53,8 @@ def devices_of(process_ids, local_index: int = 0) -> tuple:
     return tuple(out)
 
 
-def _mesh(devices: tuple):
+def mesh_of(devices: tuple):
+    """(the one-axis Mesh of ``devices``, the sharding of dim 0 over it), cached."""
     m = _MESHES.get(devices)
     if m is None:
         mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
@@ -67,7 +69,7 @@ def _program(key, devices, body):
         if len(_PROGRAMS) >= MAX_PROGRAMS:
             _PROGRAMS.clear()
             S["collective_evictions"] += 1
-        mesh, sharding = _mesh(devices)
+        mesh, sharding = mesh_of(devices)
         fn = jax.jit(_shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
         prog = _PROGRAMS[key] = (fn, sharding, [False])
     return prog
@@ -174,23 +176,26 @@ def reduce_scatter(x, devices: tuple, op: str = "sum", factor=None):
     if n == 1:
         return _alone(x, op, factor)
     key = ("reduce_scatter", x.shape, x.dtype, devices, op, factor)
+    return _run(key, devices, lambda b: _reduce_scatter_block(b, op, n, factor), x)
 
-    def body(b):
-        if op in ("sum", "avg", "premul_sum") and b.dtype != np.bool_:
-            dt = b.dtype
-            if op == "premul_sum":
-                b = (b * jnp.asarray(factor, dtype=dt)).astype(dt)
-            s = jax.lax.psum_scatter(b, AXIS, scatter_dimension=0, tiled=True)
-            if op == "avg":
-                s = jax.lax.div(s, jnp.asarray(n, dt)) if jnp.issubdtype(dt, jnp.integer) \
-                    else (s / n).astype(dt)
-            return s
-        # the others: exchange blocks, then reduce what arrived, in rank order
-        k = b.shape[0] // n
-        got = jax.lax.all_to_all(b, AXIS, 0, 0, tiled=True).reshape((n, k) + b.shape[1:])
-        f = _combine("sum" if op == "avg" else op, b.dtype)
-        return functools.reduce(f, [got[i] for i in range(n)]).astype(b.dtype)
-    return _run(key, devices, body, x)
+
+def _reduce_scatter_block(b, op: str, n: int, factor):
+    """Block i (of ``b.shape[0] // n`` rows) of the reduction of every process's ``b``, for
+    process i, under the mesh axis."""
+    if op in ("sum", "avg", "premul_sum") and b.dtype != np.bool_:
+        dt = b.dtype
+        if op == "premul_sum":
+            b = (b * jnp.asarray(factor, dtype=dt)).astype(dt)
+        s = jax.lax.psum_scatter(b, AXIS, scatter_dimension=0, tiled=True)
+        if op == "avg":
+            s = jax.lax.div(s, jnp.asarray(n, dt)) if jnp.issubdtype(dt, jnp.integer) \
+                else (s / n).astype(dt)
+        return s
+    # the others: exchange blocks, then reduce what arrived, in rank order
+    k = b.shape[0] // n
+    got = jax.lax.all_to_all(b, AXIS, 0, 0, tiled=True).reshape((n, k) + b.shape[1:])
+    f = _combine("sum" if op == "avg" else op, b.dtype)
+    return functools.reduce(f, [got[i] for i in range(n)]).astype(b.dtype)
 
 
 def all_to_all(x, devices: tuple):
@@ -209,18 +214,20 @@ def broadcast(x, devices: tuple, src: int):
     if len(devices) == 1:
         return _alone(x)
     key = ("broadcast", x.shape, x.dtype, devices, src)
+    return _run(key, devices, lambda b: _broadcast_block(b, src), x).reshape(x.shape)
 
-    def body(b):
-        me = jax.lax.axis_index(AXIS)
-        as_int = _BITS.get(b.dtype.itemsize)
-        if as_int is None or jnp.issubdtype(b.dtype, jnp.complexfloating):
-            return jax.lax.all_gather(b, AXIS)[src]
-        # Everyone else adds zeros: an integer sum of the bit patterns is exact.
-        bits = b.astype(jnp.uint8) if b.dtype == np.bool_ else jax.lax.bitcast_convert_type(b, as_int)
-        bits = jnp.where(me == src, bits, jnp.zeros_like(bits))
-        s = jax.lax.psum(bits, AXIS)
-        return s.astype(jnp.bool_) if b.dtype == np.bool_ else jax.lax.bitcast_convert_type(s, b.dtype)
-    return _run(key, devices, body, x).reshape(x.shape)
+
+def _broadcast_block(b, src: int):
+    """Process ``src``'s ``b`` (bit for bit), under the mesh axis."""
+    me = jax.lax.axis_index(AXIS)
+    as_int = _BITS.get(b.dtype.itemsize)
+    if as_int is None or jnp.issubdtype(b.dtype, jnp.complexfloating):
+        return jax.lax.all_gather(b, AXIS)[src]
+    # Everyone else adds zeros: an integer sum of the bit patterns is exact.
+    bits = b.astype(jnp.uint8) if b.dtype == np.bool_ else jax.lax.bitcast_convert_type(b, as_int)
+    bits = jnp.where(me == src, bits, jnp.zeros_like(bits))
+    s = jax.lax.psum(bits, AXIS)
+    return s.astype(jnp.bool_) if b.dtype == np.bool_ else jax.lax.bitcast_convert_type(s, b.dtype)
 
 
 def scatter(x, devices: tuple, src: int):
@@ -281,3 +288,47 @@ def block(arrays) -> None:
             if "deleted" in str(e).lower():
                 continue
             raise
+
+
+# NOTE [collectives in programs]: a compiled graph (Dynamo and AOTAutograd) that holds functional
+# collectives (``_c10d_functional.*``: tensor parallelism, DTensor) runs as one program over the
+# group's processes, a ``jit(shard_map(...))`` like the collectives above, its collectives lowered
+# in place by ``in_program``: the graph's other ops are each process's own (its block), and a
+# collective is XLA's, between them. ``wait_tensor`` has nothing to wait for inside a program.
+IN_PROGRAM = ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor",
+              "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+              "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast", "wait_tensor")
+
+
+def in_program(name: str, args: tuple, n: int):
+    """``_c10d_functional.<name>`` on ``args`` (arrays for its tensors; its group name last) in a
+    program under the mesh axis of the group's ``n`` processes (NOTE [collectives in programs])."""
+    if name == "wait_tensor":
+        return args[0]
+    if name in ("all_reduce", "all_reduce_coalesced"):
+        op = args[1].lower()
+        for x in (args[0] if name == "all_reduce_coalesced" else (args[0],)):
+            check_op(op, x.dtype)
+        if name == "all_reduce":
+            return _reduce_block(args[0], op, n, None)
+        return [_reduce_block(x, op, n, None) for x in args[0]]
+    if name == "all_gather_into_tensor":
+        return _gather_block(args[0])
+    if name == "all_gather_into_tensor_coalesced":
+        return [_gather_block(x) for x in args[0]]
+    if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+        op = args[1].lower()
+        if name == "reduce_scatter_tensor":
+            check_op(op, args[0].dtype)
+            return _reduce_scatter_block(args[0], op, n, None)
+        return [_reduce_scatter_block(x, op, n, None) for x in args[0]]
+    if name == "all_to_all_single":      # even splits only (GraphPlan checks)
+        return jax.lax.all_to_all(args[0], AXIS, 0, 0, tiled=True)
+    if name == "broadcast":
+        return _broadcast_block(args[0], args[1])
+    raise ValueError(f"no lowering of _c10d_functional.{name} in a program")
+
+
+def _gather_block(b):
+    """Every process's ``b`` concatenated along dim 0 (stacked, for 0-d), under the mesh axis."""
+    return jax.lax.all_gather(b, AXIS, tiled=b.ndim > 0)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from . import collectives as xc
 from . import prng
 from .dtypes import to_np_dtype, torch_to_numpy
 from .errors import LoweringError
@@ -28,8 +29,9 @@ from .viewchain import apply_chain, n_dynamic, scatter_chain
 _COPY = None     # aten.copy_.default, resolved once torch is imported (it always is here)
 
 # What a placeholder is at run time: a device array, a CPU scalar tensor (a region scalar made an
-# array of its dtype), a float (a region scalar), an int (static: one program per value).
-ARRAY, SCALAR, FLOAT, INT = range(4)
+# array of its dtype), a float (a region scalar), an int (static: one program per value), an
+# opaque object no op reads (a DeviceMesh AOTAutograd passes through for the backward pass).
+ARRAY, SCALAR, FLOAT, INT, OBJ = range(5)
 
 
 def _val_avals(val, sizes=None):
@@ -85,6 +87,9 @@ class GraphPlan:
         self.write_nodes = []   # the copy_ node of each write (``run`` puts the new value there)
         index = {n: i for i, n in enumerate(self.placeholders)}
         self.rng = False
+        # NOTE [collectives in programs] (collectives.py): the group names the graph's functional
+        # collectives use; the front runs such a graph over the group's processes
+        self.groups = set()
         missing = []
         for n in gm.graph.nodes:
             if n.op == "get_attr":
@@ -99,6 +104,13 @@ class GraphPlan:
                 self.write_nodes.append(n)
                 continue
             target = n.target
+            if getattr(target, "namespace", None) == "_c10d_functional":
+                why = _collective_ok(n)
+                if why:
+                    missing.append(why)
+                elif target._opname != "wait_tensor":
+                    self.groups.add(n.args[-1])
+                continue
             hop = _RNG_HOPS.get(getattr(target, "_name", None))
             if hop is not None and isinstance(target, torch._ops.HigherOrderOperator):
                 target = n.args[hop]            # NOTE [rng state HOPs]: the random op inside
@@ -132,18 +144,21 @@ class GraphPlan:
 
     def function(self, ints: tuple, chains: dict, dev_outs: tuple, dev_writes: tuple,
                  traced=None):
-        """The op function ``fn(arrays, scalars) -> [outputs, written values]``.
+        """The op function ``fn(arrays, scalars, spmd=None) -> [outputs, written values]``.
 
         ``arrays``: one per ARRAY input in order (``chains[i]``: input i's view of it);
         ``scalars``: one per SCALAR or FLOAT input in order, the views' dynamic offsets, then
         the generator's (seed, offset) when the graph draws; ``ints``: the INT inputs.
         ``dev_outs``: the indices of the outputs returned; ``dev_writes``: per write returned,
         (index into ``self.writes``, the earlier write of the same storage or -1): its value is
-        that storage's new base. ``traced()`` is called each time the function is traced."""
+        that storage's new base. ``traced()`` is called each time the function is traced.
+        ``spmd``: for a graph with collectives (``groups``), the group's size when traced under its
+        mesh axis (NOTE [collectives in programs]), or ``"shape"``: each collective a stand-in of
+        its shape and dtype, for ``jax.eval_shape``."""
         plan = self
         n_scalars = sum(1 for k in plan.kinds if k == SCALAR or k == FLOAT)
 
-        def fn(arrays, scalars):
+        def fn(arrays, scalars, spmd=None):
             if traced is not None:
                 traced()
             env, bases, dyns = {}, {}, {}
@@ -168,6 +183,8 @@ class GraphPlan:
                 elif kind == FLOAT:
                     env[n] = scalars[si]
                     si += 1
+                elif kind == OBJ:
+                    env[n] = None
                 else:
                     env[n] = ints[ii]
                     ii += 1
@@ -177,7 +194,7 @@ class GraphPlan:
                 sizes = {sym: sympy.Integer(env[plan.placeholders[i]] if d is None else
                                             env[plan.placeholders[i]].shape[d])
                          for i, d, sym in plan.sources}
-            plan.run(env, prng.key(scalars[-2], scalars[-1]) if plan.rng else None, sizes)
+            plan.run(env, prng.key(scalars[-2], scalars[-1]) if plan.rng else None, sizes, spmd)
             res = [_fill(plan.outputs[j], env) for j in dev_outs]
             newbase = []
             for w, prev in dev_writes:
@@ -193,10 +210,13 @@ class GraphPlan:
             return res
         return fn
 
-    def run(self, env: dict, key, sizes=None) -> None:
+    def run(self, env: dict, key, sizes=None, spmd=None) -> None:
         """Lower every node into ``env`` (placeholders filled); random node j draws with
         ``key`` folded with j (NOTE [rng offsets] in prng.py); ``sizes``: the size symbols'
-        values (NOTE [symbolic shapes])."""
+        values (NOTE [symbolic shapes]); ``spmd``: as ``function``'s."""
+        if self.groups and spmd is None:
+            raise RuntimeError("internal error: a graph with collectives traced outside its "
+                               "group's mesh (NOTE [collectives in programs])")
         for j, n in enumerate(self.gm.graph.nodes):
             if n.op == "get_attr":      # a constant the graph holds (a tensor made in the code)
                 env[n] = _constant(getattr(self.gm, n.target))
@@ -229,6 +249,13 @@ class GraphPlan:
                 continue
             if not hasattr(n.target, "_schema"):       # a Python function on sizes
                 env[n] = n.target(*args, **kwargs)
+                continue
+            if getattr(n.target, "namespace", None) == "_c10d_functional":
+                if spmd == "shape":
+                    res = [jnp.zeros(*a) for a in _val_avals(n.meta.get("val"), sizes)]
+                    env[n] = res if isinstance(n.meta.get("val"), (tuple, list)) else res[0]
+                else:
+                    env[n] = xc.in_program(n.target._opname, args, spmd)
                 continue
             low = LOWERINGS[n.target]
             avals = _val_avals(n.meta.get("val"), sizes)
@@ -292,6 +319,20 @@ def _rng_hop(n, hop: int, args, kwargs, key, j: int, sizes=None):
     flat = jnp.zeros(int(np.prod(shape)) * np.dtype(dt).itemsize, np.uint8).at[:16].set(raw)
     return (lax.bitcast_convert_type(flat.reshape(-1, np.dtype(dt).itemsize), dt).reshape(shape)
             if np.dtype(dt).itemsize > 1 else flat.astype(dt).reshape(shape)), res
+
+
+def _collective_ok(n) -> str:
+    """Why the functional collective node ``n`` cannot be lowered into the graph's program, or
+    '' (NOTE [collectives in programs])."""
+    name = n.target._opname
+    if name not in xc.IN_PROGRAM:
+        return str(n.target)
+    if name == "all_to_all_single":
+        out, inp = n.args[1], n.args[2]
+        if (out or inp) and not (list(out) == list(inp) and len(set(out)) == 1
+                                 and all(type(s) is int for s in out)):
+            return f"{n.target} with uneven splits"
+    return ""
 
 
 def _is_fake(t) -> bool:

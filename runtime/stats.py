@@ -42,6 +42,8 @@ def fresh() -> dict:
         "compiled_calls": 0,        # ... calls of those graphs
         "graphs_run_eagerly": 0,    # graphs with an op no lowering covers, run op by op
         "graph_fallback_reasons": [],
+        "graphs_with_collectives": 0,   # graphs run as one program over a process group
+        "graph_calls_op_by_op": 0,  # ... calls run op by op: ranks' input shapes differed
         "graph_recompiles": [],     # Dynamo frames compiled again (a guard failed), in words
         "donated_bytes": 0,
         "elided_bytes": 0,          # intermediates never materialised as buffers

@@ -387,6 +387,102 @@ def scenario_tp(mode, arg):
     return compare_training(losses, full_state(model), data)
 
 
+def scenario_tp_compiled(mode, arg):
+    """Compiled graphs holding functional collectives (NOTE [collectives in programs]): each runs
+    as one program over the group, never op by op. A manual ``funcol`` function (every collective
+    kind, against gloo on CPU), one called with other shapes on each rank (run op by op on every
+    rank), then a tensor-parallel MLP (ColwiseParallel/RowwiseParallel)
+    behind a replicated layer, compiled with backend="tpu", trained 3 steps: outputs, losses and
+    gradients against the unsharded model on CPU, and steps 2 and 3 compile nothing."""
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    r, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    w = dist.group.WORLD
+
+    def collectives(x, y):
+        a = fc.wait_tensor(fc.all_reduce(x * 2, "sum", w))
+        m = fc.wait_tensor(fc.all_reduce(x, "max", w))
+        g = fc.wait_tensor(fc.all_gather_tensor(y, 0, w))
+        s = fc.wait_tensor(fc.reduce_scatter_tensor(y.repeat(n, 1), "sum", 0, w))
+        t = fc.wait_tensor(fc.all_to_all_single(y.repeat(n, 1), None, None, w))
+        b = fc.wait_tensor(fc.broadcast(y + 1, 1 % n, w))
+        return a + 1, m, g.sum(1), s, t, b
+    x = torch.arange(6.).reshape(2, 3) * (r + 1) - 2
+    y = torch.arange(4.).reshape(1, 4) + 10 * r
+    got = torch.compile(collectives, backend="tpu")(x.to("tpu"), y.to("tpu"))
+    a, m = _gloo_sum(x * 2, gloo) + 1, x.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=gloo)
+    g = torch.empty(n, 4)
+    dist.all_gather_into_tensor(g, y, group=gloo)
+    s = torch.empty(1, 4)
+    dist.reduce_scatter_tensor(s, y.repeat(n, 1), group=gloo)
+    t = torch.empty(n, 4)
+    dist.all_to_all_single(t, y.repeat(n, 1), group=gloo)
+    b = y + 1
+    dist.broadcast(b, 1 % n, group=gloo)
+    same(list(got), [a, m, g.sum(1), s, t, b], "compiled functional collectives")
+    m0 = deferfuse.metrics()
+    assert m0["graphs_run_eagerly"] == 0, m0["graph_fallback_reasons"]
+    assert m0["graphs_with_collectives"] == 1, m0["graphs_with_collectives"]
+    # Uneven shards: the same graph with more rows on one rank runs op by op on every rank
+    def uneven(x):
+        return fc.wait_tensor(fc.all_reduce(x.sum(0), "sum", w)) * 2
+    xu = torch.arange(4.).repeat(2 + r, 1) * (r + 1)
+    same(torch.compile(uneven, backend="tpu")(xu.to("tpu")), _gloo_sum(xu.sum(0), gloo) * 2,
+         "a compiled graph on uneven shards")
+    assert deferfuse.metrics()["graph_calls_op_by_op"] == 1
+
+    mesh = init_device_mesh("tpu", (n,))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 16), nn.GELU(),
+                                                       nn.Linear(16, 8)))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 16), nn.GELU(),
+                                                         nn.Linear(16, 8)))
+    model.load_state_dict(ref.state_dict())
+    model = model.to("tpu")
+    parallelize_module(model[1], mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    cmodel = torch.compile(model, backend="tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    out_err = grad_err = loss_err = 0.0
+    compiles = []
+    for step in range(3):
+        xb = torch.randn(4, 8, generator=g)
+        out = cmodel(xb.to("tpu"))
+        loss = (out * out).mean()
+        opt.zero_grad()
+        loss.backward()
+        grads = {k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu()
+                 for k, p in model.named_parameters()}
+        opt.step()
+        want = ref(xb)
+        ref_loss = (want * want).mean()
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        out_err = max(out_err, (out.cpu() - want).abs().max().item())
+        loss_err = max(loss_err, abs(loss.item() - ref_loss.item()))
+        for k, p in ref.named_parameters():
+            assert grads[k].shape == p.grad.shape and grads[k].dtype == p.grad.dtype, k
+            grad_err = max(grad_err, (grads[k] - p.grad).abs().max().item())
+        compiles.append(deferfuse.metrics()["graph_compiles"])
+    assert out_err <= 1e-5 and loss_err <= 1e-5 and grad_err <= 1e-5, (out_err, loss_err, grad_err)
+    m = deferfuse.metrics()
+    assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    # the functions above, the forward graph and the backward graph (the replicated layer's input
+    # gradient is an all-reduce) hold collectives
+    assert m["graphs_with_collectives"] == 4, m["graphs_with_collectives"]
+    assert compiles[0] == compiles[-1], compiles       # steps 2 and 3 compile nothing
+    return {"out_err": out_err, "loss_err": loss_err, "grad_err": grad_err,
+            "graph_compiles": compiles[-1], "compiled_calls": m["compiled_calls"],
+            "collectives": dict(m["collectives"]), "report": deferfuse.report()}
+
+
 def scenario_dcp(mode, arg):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard

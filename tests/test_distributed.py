@@ -415,6 +415,18 @@ def test_dtensor_and_tensor_parallel(n, mode):
 
 @once
 @pytest.mark.slow
+@pytest.mark.parametrize("n,mode", [(2, "defer"), (2, "strict"), (4, "defer")])
+def test_compiled_tensor_parallel(n, mode):
+    """torch.compile(backend="tpu") of functional collectives and of a tensor-parallel MLP:
+    each graph one program over the group (NOTE [collectives in programs]), values and gradients
+    equal to gloo's and CPU's, no graph run op by op (tests/dist_worker.py's scenario asserts)."""
+    for r in results(launch(n, "tp_compiled", mode)):
+        assert r["grad_err"] <= 1e-5 and r["graph_compiles"] == 3, r
+        assert r["collectives"]["compiled_graph"] == 7, r["collectives"]
+
+
+@once
+@pytest.mark.slow
 def test_dcp_saves_and_loads_sharded_fsdp2(tmp_path):
     res = results(launch(2, "dcp", "defer", str(tmp_path / "ckpt")))
     assert any(f.endswith(".distcp") for f in res[0]["files"])
@@ -506,6 +518,31 @@ def test_one_process_group(group, tpu_mode):
     y = fc.wait_tensor(fc.all_reduce(t, "sum", group))
     assert torch.equal(y.cpu(), x) and type(y).__name__ == "TpuTensor"
     assert deferfuse.metrics()["collectives"]["all_reduce"] >= 2
+
+
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
+def test_one_process_compiled_graph_with_collectives(group, tpu_mode):
+    """A compiled graph holding functional collectives runs as one program over the group
+    (NOTE [collectives in programs]), not op by op, equal to CPU; a second call compiles nothing.
+    (DTensor issues no collectives on a mesh of one; two processes and tensor parallelism:
+    test_compiled_tensor_parallel.)"""
+    import torch.distributed._functional_collectives as fc
+
+    def f(x):
+        y = fc.wait_tensor(fc.all_reduce(x * 2, "sum", group))
+        return y.relu(), fc.wait_tensor(fc.all_gather_tensor(x, 0, group)).sum(0)
+    cf = torch.compile(f, backend="tpu")
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        got = cf(x.to("tpu"))
+        for g, w in zip(got, ((x * 2).relu(), x.sum(0))):
+            assert g.dtype == w.dtype and g.shape == w.shape and g.device.type == "tpu"
+            torch.testing.assert_close(g.cpu(), w)
+    m = deferfuse.metrics()
+    assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    assert m["graphs_with_collectives"] == 1 and m["graph_compiles"] == 1, m
+    assert m["collectives"]["compiled_graph"] == 2
+    assert "one program over a process group: 1" in deferfuse.report()
 
 
 def _train_beside(ref, model, steps=3):

@@ -212,9 +212,10 @@ class ProcessGroupTPU(ProcessGroup):
                            f"{other.device}; move the {other.device} tensors with .to('tpu')")
 
     def _collective(self, kind: str, detail: str, tensors, run, scope=None, peers=None,
-                    shapes=None):
+                    shapes=None, check=True):
         """Steps shared by every collective on tpu tensors (see the module's doc). ``run(devices)``
-        does the JAX part, writes the outputs and returns the arrays it made."""
+        does the JAX part, writes the outputs and returns the arrays it made. ``check=False``:
+        the caller had the ranks agree already (a compiled graph: ``SpmdGraph.agree``)."""
         t0 = time.perf_counter()
         dev = tensors[0]._s.device if tensors else 0
         if any(t._s.device != dev for t in tensors):
@@ -236,7 +237,8 @@ class ProcessGroupTPU(ProcessGroup):
             seq = self._p2p_seq.get(scope, 0)
             self._p2p_seq[scope] = seq + 1
         what = f"{kind} (collective #{seq} of group {self._gname})"
-        if len(ranks) > 1 and COORD.client is not None and (config.dist_check or kind == "barrier"):
+        if check and len(ranks) > 1 and COORD.client is not None and (
+                config.dist_check or kind == "barrier"):
             desc = (f"{kind}({detail}) " + (shapes or " ".join(_desc(t) for t in tensors))
                     + f" tpu:{dev}")
             t1 = time.perf_counter()

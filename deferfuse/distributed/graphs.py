@@ -1,0 +1,192 @@
+"""Compiled graphs that hold functional collectives, run as one program over the group's processes.
+
+NOTE [collectives in programs] (runtime/collectives.py): Dynamo and AOTAutograd put tensor
+parallelism's and DTensor's collectives (``_c10d_functional.all_reduce`` and ``wait_tensor``, ...)
+into the graphs they hand to the ``tpu`` backend. Such a graph is lowered whole, its collectives
+included, and runs as one ``jit(shard_map(...))`` over the devices of the collectives' group, one
+device per process, as deferfuse's eager collectives do: every rank calls the graph at the same
+point of its program (the graph is a collective), so each call takes the group's collective steps
+(``ProcessGroupTPU._collective``): a sync point in defer mode, and the wait that names a rank that
+failed. Before each call the ranks compare the graph's collectives and its input shapes
+(``agree``; with ``DEFERFUSE_DIST_CHECK``): one program needs the same block shapes on every rank, so where they
+differ (DTensor's uneven shards: the same model, a row more on one rank) that call runs op by op
+on every rank, its collectives deferfuse's eager ones, which check their own agreement. A graph
+that uses two groups (a 2-D mesh's tensor- and data-parallel dimensions in one graph) or an uneven
+all-to-all always runs op by op.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import PartitionSpec as P
+
+from ..config import config
+from ..dispatch import user_frame
+from ..engine import engine
+from ..errors import LoweringError
+from ..runtime import collectives as xc
+from ..runtime import execute, stats
+from ..runtime.cluster import CLUSTER
+from ..runtime.dtypes import x64
+from ..runtime.lowering import flag_message, take_flags
+from ..scheduler.records import Value
+from .coord import COORD
+from .functional import _group
+
+S = stats.S
+
+
+class SpmdGraph:
+    """How a compiled graph with collectives runs (see the module's doc): ``call`` replaces the
+    recording of its node. The programs are kept on the graph's entries (one per input
+    structure, bounded with them), one per group mesh."""
+
+    def __init__(self, gm, groups):
+        pgs = {name: _group(name) for name in sorted(groups)}
+        ranks = {tuple(pg._ranks) for pg in pgs.values()}
+        if len(ranks) > 1:
+            raise LoweringError("functional collectives of several process groups "
+                                f"({', '.join(sorted(groups))})",
+                                "one compiled graph runs over one group's processes")
+        self.pg = next(iter(pgs.values()))
+        self.n = n = self.pg.size()
+        for node in gm.graph.nodes:
+            name = getattr(node.target, "_opname", None)
+            if node.op != "call_function" or \
+                    getattr(node.target, "namespace", None) != "_c10d_functional":
+                continue
+            size = (node.args[2] if name.startswith("reduce_scatter") else
+                    node.args[1] if name.startswith("all_gather") else n)
+            splits = node.args[1] if name == "all_to_all_single" else ()
+            if size != n or (splits and len(splits) != n):
+                raise LoweringError(str(node.target), f"a group size of {size} (splits "
+                                    f"{list(splits)}) for a group of {n} processes")
+        # What the ranks compare before each call (NOTE [collective check] in coord.py), with
+        # the inputs' shapes: the graph's collectives in order, their arguments and shapes. Not
+        # the graph's code: a rank's constants differ (vLLM's vocabulary shard starts at its
+        # rank's offset, a constant of that rank's graph), its collectives may not.
+        sig = []
+        for node in gm.graph.nodes:
+            if getattr(node.target, "namespace", None) == "_c10d_functional":
+                sig.append(f"{node.target._opname}{_shapes(node.args)}->"
+                           f"{_shapes(node.meta.get('val'))}")
+        self.desc = f"{zlib.crc32(';'.join(sig).encode()):08x}"
+        S["graphs_with_collectives"] += 1
+
+    def agree(self, args) -> bool:
+        """Whether every rank calls a graph with these collectives on inputs of the shapes and
+        dtypes it has here (always, without the check or in a group of one); every rank gets the
+        same answer."""
+        pg = self.pg
+        if len(pg._ranks) == 1 or COORD.client is None or not config.dist_check:
+            return True
+        desc = f"graph {self.desc} " + " ".join(_shapes(a) for a in args
+                                                 if isinstance(a, torch.Tensor))
+        seq, pg._seq = pg._seq, pg._seq + 1
+        t0 = time.perf_counter()
+        got = COORD.gather(pg._gname, seq, CLUSTER.rank, pg._ranks, desc, user_frame(),
+                           f"compiled_graph (collective #{seq} of group {pg._gname})",
+                           pg._timeout)
+        S["collective_check_seconds"] += time.perf_counter() - t0
+        if all(d == desc for d, _ in got.values()):
+            return True
+        S["graph_calls_op_by_op"] += 1
+        return False
+
+    def call(self, graph, entry, ins, scalars, dev, tensors) -> list:
+        """Run ``entry`` (the graph's op entry) on the input Values ``ins`` and ``scalars`` over
+        the group, every rank at once; its outputs as ready Values."""
+        got = []
+
+        def run(devices):
+            arrays = [engine.ready(v, dev, "collective") for v in ins]
+            res = self._program(entry, arrays, scalars, devices)(arrays, scalars)
+            got.extend(res)
+            return res
+        self.pg._collective("compiled_graph", graph.kind, tensors, run, check=False)
+        return [Value(tuple(a.shape), a.dtype, a.nbytes, array=a) for a in got]
+
+    def _program(self, entry, arrays, scalars, devices):
+        progs = entry.jit
+        if progs is None:
+            progs = entry.jit = {}
+        run = progs.get(devices)
+        if run is None:
+            run = progs[devices] = _Program(entry, arrays, scalars, devices, self.n)
+        return run
+
+
+def _shapes(x) -> str:
+    """``x`` (a node's arguments or fake value) in words: tensors as dtype and shape."""
+    if isinstance(x, (tuple, list)):
+        return "(" + ",".join(_shapes(y) for y in x) + ")"
+    if hasattr(x, "meta"):          # an FX node: its fake value
+        x = x.meta.get("val")
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+    return repr(x)
+
+
+class _Program:
+    """One graph entry's program over one group mesh: local arrays and scalars in, local arrays
+    out. Every value crosses ``shard_map`` as this process's block along dim 0 (0-d values as
+    shape (1,)); the scalars as two packed arrays (NOTE [packed scalars] in runtime/execute.py),
+    each with one padding element so that neither is empty."""
+
+    def __init__(self, entry, arrays, scalars, devices, n):
+        self.devices = devices
+        self.me = next(i for i, d in enumerate(devices) if d.process_index == jax.process_index())
+        mesh, self.sharding = xc.mesh_of(devices)
+        shapes = [tuple(a.shape) for a in arrays]
+        self.out_shapes = [s for s, _, _ in entry.res_avals]
+        is_float = tuple(type(s) is float for s in scalars)
+        fn = entry.fn
+        self.msgs = msgs = []
+
+        def body(blocks, packed):
+            ins = [b.reshape(s) for b, s in zip(blocks, shapes)]
+            fl, it = packed
+            sc = execute._unpack_scalars((fl[:-1], it[:-1]), is_float) if is_float else []
+            take_flags()
+            res = list(fn(ins, sc, n))
+            flags = take_flags()
+            msgs[:] = [(exc, m) for _, exc, m in flags]
+            res += [f for f, _, _ in flags]
+            return [r.reshape(1) if r.ndim == 0 else r for r in res]
+        t0 = time.perf_counter()
+        with x64(True):
+            jitted = jax.jit(xc.shard_map(body, mesh=mesh, in_specs=P(xc.AXIS),
+                                          out_specs=P(xc.AXIS)))
+            self.compiled = jitted.lower(*self._globals(arrays, scalars)).compile()
+        S["compiles"] += 1
+        S["compile_seconds"] += time.perf_counter() - t0
+
+    def _global(self, a):
+        a = a.reshape(1) if a.ndim == 0 else a
+        shape = (len(self.devices) * a.shape[0],) + tuple(a.shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, self.sharding, [a])
+
+    def _globals(self, arrays, scalars):
+        dev = self.devices[self.me]
+        fl = np.array([s for s in scalars if type(s) is float] + [0.0], np.float64)
+        it = np.array([s for s in scalars if type(s) is not float] + [0], np.int64)
+        return ([self._global(a) for a in arrays],
+                (self._global(jax.device_put(fl, dev)), self._global(jax.device_put(it, dev))))
+
+    def __call__(self, arrays, scalars) -> list:
+        t0 = time.perf_counter()
+        with x64(True):
+            outs = [o.addressable_data(0) for o in self.compiled(*self._globals(arrays, scalars))]
+        S["execute_seconds"] += time.perf_counter() - t0
+        k = len(self.out_shapes)
+        res = [o.reshape(s) if o.ndim != len(s) else o for o, s in zip(outs[:k], self.out_shapes)]
+        for f, (exc, m) in zip(outs[k:], self.msgs):
+            # An index check of the graph (NOTE [unchecked values]): read at once, as in strict
+            # mode (the call waits for its outputs anyway).
+            if int(np.asarray(f).reshape(-1)[0]):
+                raise exc(flag_message(m, np.asarray(f).reshape(-1)[0]))
+        return res
