@@ -151,33 +151,38 @@ def _port() -> int:
             p = s.getsockname()[1]
         try:
             with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
+                s.bind(("127.0.0.1", p + 1))     # JAX's coordinator takes MASTER_PORT + 1
             return p
         except OSError:
             continue
     raise RuntimeError("no free port pair")
 
 
-def launch(n: int, system: str, strategy: str, steps: int, warmup: int) -> list:
+def run_ranks(n: int, script: str, args: list, extra_env: dict, what: str) -> list:
+    """Run ``script --worker *args`` as ``n`` local ranks (defer mode, JAX on CPU); rank 0's
+    ``RESULT`` line, parsed. ``what`` names the run in the error of a rank that fails."""
     port = _port()
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   JAX_PLATFORMS="cpu", TORCHTPU_MODE="defer")
+                   JAX_PLATFORMS="cpu", TORCHTPU_MODE="defer", **extra_env)
         env.pop("XLA_FLAGS", None)
-        if system == "tpu-nocheck":
-            env["DEFERFUSE_DIST_CHECK"] = "0"
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", system.split("-")[0], strategy, str(steps),
-             str(warmup)],
+            [sys.executable, script, "--worker", *map(str, args)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=1800) for p in procs]
     for r, (p, (so, se)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
-            raise RuntimeError(f"{system} {strategy} n={n} rank {r} failed:\n{se[-4000:]}")
+            raise RuntimeError(f"{what} n={n} rank {r} failed:\n{se[-4000:]}")
     line = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
+
+
+def launch(n: int, system: str, strategy: str, steps: int, warmup: int) -> list:
+    extra = {"DEFERFUSE_DIST_CHECK": "0"} if system == "tpu-nocheck" else {}
+    return run_ranks(n, __file__, [system.split("-")[0], strategy, steps, warmup], extra,
+                     f"{system} {strategy}")
 
 
 def summarize(n, res) -> dict:

@@ -18,11 +18,10 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
+
+from dist import run_ranks     # bench/dist.py: the same local-rank launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -98,39 +97,9 @@ def worker(system: str, steps: int, warmup: int) -> None:
     dist.destroy_process_group()
 
 
-def _port() -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))     # JAX's coordinator takes MASTER_PORT + 1
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
 def launch(n: int, system: str, steps: int, warmup: int) -> list:
-    port = _port()
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   JAX_PLATFORMS="cpu", TORCHTPU_MODE="defer")
-        env.pop("XLA_FLAGS", None)
-        if system == "compiled-opbyop":
-            env["DEFERFUSE_COMPILED_COLLECTIVES"] = "0"
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", system, str(steps), str(warmup)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=1800) for p in procs]
-    for r, (p, (so, se)) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            raise RuntimeError(f"{system} n={n} rank {r} failed:\n{se[-4000:]}")
-    line = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    extra = {"DEFERFUSE_COMPILED_COLLECTIVES": "0"} if system == "compiled-opbyop" else {}
+    return run_ranks(n, __file__, [system, steps, warmup], extra, system)
 
 
 def main() -> None:
