@@ -861,6 +861,18 @@ class NodeFn:
 
 
 # --------------------------------------------------------------------------- a region's plan
+def _at(plan, ints, stats):
+    """(plan, length) where ``plan`` (a region's bucket plan, or why it was refused) takes the
+    sizes ``ints``, or None (a version off the plan's forms compiles exactly: bucket_misfits)."""
+    if plan.__class__ is str:
+        return None
+    t = plan.fit.value(ints)
+    if t is None:
+        stats["bucket_misfits"] += 1
+        return None
+    return plan, t
+
+
 class BucketPlan:
     """A region structure run in buckets: its fit, its ops' plans, the forms of its external
     inputs, and the programs made for it so far ((bucket length, outputs, scalar types) ->
@@ -1082,13 +1094,7 @@ class Buckets:
                 key = _family_key(fam)
                 if key is not None:
                     self.learned.put("fits", key, (tuple(vs[0][0]), tuple(ints)))
-        if plan.__class__ is str:
-            return None
-        t = plan.fit.value(ints)
-        if t is None:
-            stats["bucket_misfits"] += 1
-            return None
-        return plan, t
+        return _at(plan, ints, stats)
 
     def recall(self, struct, entries, wirings, stats):
         """(plan, length) to run the first version of ``struct`` seen in this process in a bucket
@@ -1117,13 +1123,7 @@ class Buckets:
                 self.learned.drop_fit(key)
                 return None
             self.plans[fam] = plan
-        if plan.__class__ is str:
-            return None
-        t = plan.fit.value(ints)
-        if t is None:
-            stats["bucket_misfits"] += 1
-            return None
-        return plan, t
+        return _at(plan, ints, stats)
 
     def program(self, plan, P, run, device, store, debug, stats, why=""):
         """The compiled program of ``plan`` at bucket ``P`` (compiled, or loaded from disk)."""
