@@ -443,7 +443,7 @@ class Runner:
         # compiled (what a loop taught converges in one call), except one that ran op by op: that
         # one recurs, and compiles whole on its second run. The policy decides
         # (CutPolicy.new_shapes in scheduler/policy.py); what it remembers is kept here.
-        if seen and n_compiled >= cfg.shape_limit:
+        if seen:
             sp, memo = policy.CutPolicy.new_shapes(n_compiled, cfg.shape_limit,
                                                    self.once.get(key), seen[1], keys, seen[2])
             if memo is not None:
