@@ -683,20 +683,15 @@ class MetaMemo:
     def save(self) -> None:
         if not self.new or self.path is None:
             return
-        import os
         import pickle
-        import tempfile
+        from .runtime.diskcache import write_atomic
         try:
             table = self._load()
             for k, v in self.new.items():
                 if len(table) >= self.capacity:
                     break
                 table[k] = v
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(table, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, pickle.dumps(table, protocol=pickle.HIGHEST_PROTOCOL))
             self.new = {}
         except Exception:
             pass

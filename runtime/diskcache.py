@@ -34,6 +34,17 @@ from . import stats
 from ..scheduler.records import sig_id
 
 
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its folder (made if missing) and a
+    rename: a reader never sees half a file. Errors propagate (each store counts or ignores them)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def _on_event(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         stats.S["disk_cache_hits"] += 1
@@ -294,10 +305,7 @@ class ProgramStore:
                                  "out_tree": out_tree, "extra": _save_extra(extra),
                                  "lapack": _calls_lapack(compiled)},
                                 protocol=pickle.HIGHEST_PROTOCOL)
-            fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self._path(key))      # atomic: a reader never sees half a file
+            write_atomic(self._path(key), data)
         except Exception:
             self.errors += 1
             return

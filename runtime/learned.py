@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import tempfile
+
+from .diskcache import write_atomic
 
 
 class LearnedStore:
@@ -163,12 +164,7 @@ class LearnedStore:
                     elif len(t) < self.capacity:
                         t[k] = v
             body = pickle.dumps((self.env, tables), protocol=pickle.HIGHEST_PROTOCOL)
-            folder = os.path.dirname(self.path)
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(hashlib.sha256(body).digest() + body)
-            os.replace(tmp, self.path)      # atomic: a reader never sees half a file
+            write_atomic(self.path, hashlib.sha256(body).digest() + body)
             self.new = {"fits": {}, "steps": {}}
             self.writes += 1
         except Exception:
