@@ -3,7 +3,10 @@
 compiler fails the install with a message saying what to install. The hooks are optional: built
 when torch is installed in the environment deferfuse goes into (found without importing it: pip
 builds in an isolated environment), skipped with a message otherwise; without them deferfuse
-registers PyTorch's Python hooks, and pinned memory (DDP's static_graph) is unavailable."""
+registers PyTorch's Python hooks, and pinned memory (DDP's static_graph) is unavailable.
+The plain tpu tensor (deferfuse/_tpu_tensor.cpp, docs/cxx-plan.md; used only with
+DEFERFUSE_TENSOR=plain) is optional too: built with torch.utils.cpp_extension when torch imports
+here, skipped when its build fails or with DEFERFUSE_BUILD_TENSOR=0."""
 import os
 import re
 import sysconfig
@@ -47,6 +50,25 @@ def _hooks_extension():
                             f'-DDEFERFUSE_TORCH_VERSION="{version}"'])]
 
 
+def _tensor_extension():
+    if os.environ.get("DEFERFUSE_BUILD_TENSOR", "1") == "0":
+        return []
+    try:
+        from torch.utils.cpp_extension import CppExtension
+        import torch
+    except ImportError:
+        print("deferfuse: torch does not import here: the plain tpu tensor is not built")
+        return []
+    ext = CppExtension(
+        "deferfuse._tpu_tensor", ["deferfuse/_tpu_tensor.cpp"],
+        extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden",
+                            "-DTORCH_EXTENSION_NAME=_tpu_tensor", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                            f'-DDEFERFUSE_TORCH_VERSION="{torch.__version__}"'])
+    ext.optional = True     # a failed build is reported and skipped: deferfuse runs as without it
+    return [ext]
+
+
 class BuildExt(build_ext):
     def run(self):
         try:
@@ -62,6 +84,6 @@ class BuildExt(build_ext):
 setup(
     ext_modules=[Extension("deferfuse._fastpath", ["deferfuse/_fastpath.c"],
                            extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"]),
-                 *_hooks_extension()],
+                 *_hooks_extension(), *_tensor_extension()],
     cmdclass={"build_ext": BuildExt},
 )
