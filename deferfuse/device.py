@@ -288,10 +288,13 @@ def _wrap_autograd() -> None:
       device thread.
     - raise the error of a backward op that failed (NOTE [errors in backward] in route.py)."""
     import torch.autograd as autograd
-    from . import compiled
+    from . import compiled, plain
     from .tensor import TpuTensor
 
     def on_tpu(ts) -> bool:
+        if plain.ENABLED:       # a plain tpu tensor (plain.py)
+            return (plain.is_tpu(ts) or isinstance(ts, (tuple, list))
+                    and any(plain.is_tpu(t) for t in ts))
         return (isinstance(ts, TpuTensor) or isinstance(ts, (tuple, list))
                 and any(isinstance(t, TpuTensor) for t in ts))
 
@@ -414,7 +417,7 @@ def register() -> None:
     import deferfuse_autoload
     from .route import dispatch
     from .specials import empty_memory_format, empty_strided, _h_copy_from
-    from . import distributed
+    from . import distributed, plain
     distributed.register()      # before the first device lookup (NOTE [distributed start])
 
     # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at
@@ -443,12 +446,17 @@ def register() -> None:
     # Each held: NOTE [interrupt safety] (runtime/interrupts.py).
     held = engine.interrupts.around
     _lib = torch.library.Library("aten", "IMPL")
-    _lib.impl("empty.memory_format", held(empty_memory_format), "PrivateUse1")
-    _lib.impl("empty_strided", held(empty_strided), "PrivateUse1")
-    _lib.impl("_copy_from", held(lambda src, dst, non_blocking=False:
-                                 _h_copy_from(None, (src, dst), {})), "PrivateUse1")
-    _lib.impl("_copy_from_and_resize", held(lambda src, dst: _h_copy_from(None, (src, dst), {})),
-              "PrivateUse1")
+    if plain.ENABLED:
+        # The plain tensor (NOTE [plain router] in plain.py): C++ empty and view kernels and a
+        # fallback into the op path; the kernels below that take tpu tensors go through it too.
+        dispatch = plain.install(dispatch).route
+    else:
+        _lib.impl("empty.memory_format", held(empty_memory_format), "PrivateUse1")
+        _lib.impl("empty_strided", held(empty_strided), "PrivateUse1")
+        _lib.impl("_copy_from", held(lambda src, dst, non_blocking=False:
+                                     _h_copy_from(None, (src, dst), {})), "PrivateUse1")
+        _lib.impl("_copy_from_and_resize", held(lambda src, dst: _h_copy_from(None, (src, dst), {})),
+                  "PrivateUse1")
     # one_hot is composite: without a backend kernel PyTorch decomposes it above Python dispatch,
     # skipping its range check on PrivateUse1. This kernel is never called (tpu tensors reach
     # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).

@@ -1,0 +1,233 @@
+"""The Python half of the plain PrivateUse1 ``tpu`` tensor (issue 34; docs/cxx-plan.md).
+
+With ``DEFERFUSE_TENSOR=plain`` (read once, at import; the default, ``wrapper``, is the
+``TpuTensor`` subclass) a tpu tensor is a plain PrivateUse1 tensor made by the C++ extension
+``deferfuse._tpu_tensor`` (NOTE [plain tensor] in _tpu_tensor.cpp): empty tensors and the core
+view ops are C++ kernels, and every other op reaches one boxed C++ fallback that calls
+``Plain.route`` here.
+
+NOTE [plain router]: this first stage runs every op through the existing op path unchanged: each
+plain tpu argument becomes a ``TpuTensor`` over the same ``Storage`` (the one its storage's DataPtr
+context holds, made on first use), ``route.dispatch`` records or runs the op, and each ``TpuTensor``
+result becomes a plain tensor again (an argument returned as itself, an out= tensor, is the
+argument; a result over an argument's storage is a view of that argument's storage). A write binds
+the new value to the shared ``Storage``, so every plain view of it sees it, as every TpuTensor view
+does. The conversion costs two wrapper tensors an op more than today's path: it is the bridge to
+replace kernel by kernel (docs/cxx-plan.md, STATUS), not the destination.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .runtime import transfer
+from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
+from .tensor import Storage, TpuTensor, make
+
+ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
+
+aten = torch.ops.aten
+
+
+def _contig(size) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _static(a):
+    return tuple(a) if type(a) is list else a
+
+
+class Plain:
+    """The router the C++ fallback calls, and the conversions between plain tensors and the
+    ``TpuTensor`` records the op path works on. One object (``PLAIN``), owning its caches."""
+
+    def __init__(self, ext, dispatch):
+        self.ext = ext
+        self.dispatch = dispatch        # route.dispatch: the existing op path
+        self.ops = {}                   # (qualified name, overload) -> OpOverload (bounded by aten)
+        self.steps = {}                 # C++ step name -> OpOverload
+        self.is_plain = ext.is_plain
+        self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
+
+    # -- the fallback's two callbacks
+
+    def resolve(self, name: str, overload: str):
+        """The OpOverload of a schema (once per operator: the C++ side keeps it)."""
+        ns, _, op = name.partition("::")
+        packet = getattr(getattr(torch.ops, ns), op)
+        return getattr(packet, overload or "default")
+
+    def route(self, func, args, kwargs):
+        """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
+        ins = {}
+        stores = {}
+        wargs = [self._in(a, ins, stores) for a in args]
+        wkw = {k: self._in(v, ins, stores) for k, v in kwargs.items()} if kwargs else {}
+        outer, self.current = self.current, ins
+        try:
+            out = self.dispatch(func, wargs, wkw)
+        finally:
+            self.current = outer
+        return self._out(out, ins, stores)
+
+    def resize_out(self, t, size, memory_format=None):
+        """``specials.resize`` for an out= tensor of the wrong shape (route._resized): the plain
+        tensor behind it is resized (the C++ ``resize_``), and ``t`` becomes its new wrapper."""
+        got = self.current.get(id(t)) if self.current else None
+        if got is None or got[0] is not t:
+            return self.resize(t, size, memory_format)
+        p = got[1]
+        v = t._s.val
+        if v.array is None and v.node is None and v.err is None:
+            self.ext.set_storage(p, None)   # an empty value: nothing to keep, the storage may grow
+        torch.ops.aten.resize_.default(p, size, memory_format=memory_format)
+        self.rebind(t, self.wrapper(p))
+        return t
+
+    # -- plain -> TpuTensor
+
+    def _in(self, a, ins, stores):
+        if isinstance(a, torch.Tensor):
+            if type(a) is TpuTensor or not self.is_plain(a):
+                return a
+            w = self.wrapper(a)
+            ins[id(w)] = (w, a)
+            stores.setdefault(id(w._s), a)
+            return w
+        if type(a) is list or type(a) is tuple:
+            if a and any(isinstance(x, torch.Tensor) for x in a):
+                return type(a)(self._in(x, ins, stores) for x in a)
+        return a
+
+    def storage(self, p) -> Storage:
+        """The Storage of plain tensor ``p``: the one its DataPtr context holds, made on first use
+        (an uninitialised value of its base tensor's shape, as ``torch.empty`` makes)."""
+        st = self.ext.storage(p)
+        if st is None:
+            size, stride, dtype = self.ext.base(p)
+            st = Storage(transfer.empty_value(size, dtype), p.device.index or 0, dtype,
+                         None if stride == _contig(size) else stride)
+            self.ext.set_storage(p, st)
+        return st
+
+    def chain(self, p, st: Storage) -> tuple:
+        """``p``'s view chain in the Python path's form: (OpOverload, args, kwargs) steps."""
+        raw = self.ext.chain(p)
+        if raw is None:
+            size, stride, off = tuple(p.shape), tuple(p.stride()), p.storage_offset()
+            base = self.ext.base(p)
+            if base is not None and size == base[0] and stride == base[1] and off == 0:
+                return ()
+            # PyTorch's own alias of the storage (a composite kernel's): one as_strided step
+            return ((aten.as_strided.default,
+                     (size, stride, off, st.val.shape, base[1] if base else _contig(st.val.shape)),
+                     ()),)
+        if type(raw) is tuple:
+            return raw
+        steps = []
+        for name, args in raw:
+            op = self.steps.get(name)
+            if op is None:
+                p_, _, ov = name.partition(".")
+                op = self.steps[name] = getattr(getattr(aten, p_), ov)
+            steps.append((op, tuple(_static(x) for x in args), ()))
+        return tuple(steps)
+
+    def wrapper(self, p) -> TpuTensor:
+        """A TpuTensor over ``p``'s Storage with ``p``'s view chain and geometry."""
+        st = self.storage(p)
+        return make(st, self.chain(p, st), tuple(p.shape), tuple(p.stride()), p.storage_offset(),
+                    p.dtype)
+
+    # -- TpuTensor -> plain
+
+    def _out(self, o, ins, stores):
+        if type(o) is TpuTensor:
+            got = ins.get(id(o))
+            if got is not None and got[0] is o:
+                return got[1]
+            return self.plain(o, stores)
+        if type(o) is list or type(o) is tuple:
+            return type(o)(self._out(x, ins, stores) for x in o)
+        return o
+
+    def plain(self, w: TpuTensor, stores=None):
+        """A plain tensor for the TpuTensor ``w``: a base over a new storage, or a view of a known
+        plain tensor's storage."""
+        ext = self.ext
+        st = w._s
+        size, stride, off = tuple(w.shape), tuple(w.stride()), w.storage_offset()
+        chain = w._chain
+        if w._dyn:
+            chain = _static_chain(chain, w._dyn)
+        of = stores.get(id(st)) if stores else None
+        if of is None:
+            if not chain and off == 0:
+                return ext.make_base(size, stride, w.dtype, st.device, st)
+            bshape = st.val.shape
+            of = ext.make_base(bshape, st.stride or _contig(bshape), st.dtype, st.device, st)
+            if stores is not None:
+                stores[id(st)] = of
+        return ext.make_view(of, size, stride, off, chain)
+
+
+def _static_chain(chain, dyn) -> tuple:
+    """A chain with its dynamic steps (NOTE [dynamic offsets] in runtime/viewchain.py) at the
+    offsets ``dyn`` written as the static view steps they stand for."""
+    out, k = [], 0
+    for step in chain:
+        kind, args = step[0], step[1]
+        if kind == DSELECT:
+            out.append((aten.select.int, (args[0], dyn[k]), ()))
+            k += 1
+        elif kind == DSLICE:
+            dim, length, st = args
+            out.append((aten.slice.Tensor, (dim, dyn[k], dyn[k] + length * st, st), ()))
+            k += 1
+        elif kind == DSTRIDED:
+            out.append((aten.as_strided.default, (args[0], args[1], dyn[k], args[2], args[3]), ()))
+            k += 1
+        else:
+            out.append(step)
+    return tuple(out)
+
+
+PLAIN: Plain | None = None
+
+
+def extension():
+    """The C++ extension, or None (with the reason) when it is not built for this torch."""
+    try:
+        from . import _tpu_tensor
+    except ImportError as e:
+        return None, f"deferfuse._tpu_tensor is not built ({e}); build it with " \
+                     "`python setup.py build_ext --inplace` (docs/cxx-plan.md)"
+    if _tpu_tensor.TORCH_VERSION != torch.__version__:
+        return None, (f"deferfuse._tpu_tensor was built for torch {_tpu_tensor.TORCH_VERSION}, "
+                      f"this is {torch.__version__}: rebuild it")
+    return _tpu_tensor, None
+
+
+def install(dispatch) -> Plain:
+    """Register the C++ kernels, allocator and fallback (device.register, with the flag on)."""
+    global PLAIN
+    ext, why = extension()
+    if ext is None:
+        raise RuntimeError(f"DEFERFUSE_TENSOR=plain: {why}")
+    from . import route, specials
+    PLAIN = Plain(ext, dispatch)
+    PLAIN.resize, PLAIN.rebind = specials.resize, specials.rebind
+    # out= tensors of the wrong shape are resized on the plain tensor (NOTE [plain router])
+    route.resize = PLAIN.resize_out
+    ext.install(PLAIN.route, PLAIN.resolve)
+    return PLAIN
+
+
+def is_tpu(t) -> bool:
+    """A plain tpu tensor (the autograd wrappers' test of what is on tpu)."""
+    return PLAIN is not None and isinstance(t, torch.Tensor) and PLAIN.is_plain(t)

@@ -1,0 +1,154 @@
+"""The plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; docs/cxx-plan.md): its C++ view
+kernels give PyTorch's sizes, strides, offsets, contiguity, ``_base`` and autograd, and ops routed
+through the existing op path (NOTE [plain router] in deferfuse/plain.py) equal CPU eager.
+
+Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
+extension is not built."""
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import plain
+
+if not plain.ENABLED:
+    pytest.skip("the plain tpu tensor is off: run with DEFERFUSE_TENSOR=plain (make test-cxx)",
+                allow_module_level=True)
+if plain.extension()[0] is None:
+    pytest.skip(plain.extension()[1], allow_module_level=True)
+
+# (name, view of a 4x6 tensor); every one a C++ kernel
+VIEWS = [
+    ("t", lambda x: x.t()),
+    ("transpose", lambda x: x.transpose(0, 1)),
+    ("permute", lambda x: x.unsqueeze(0).permute(2, 0, 1)),
+    ("view", lambda x: x.view(2, 12)),
+    ("view_infer", lambda x: x.view(-1, 3)),
+    ("reshape_alias", lambda x: x.t().reshape(24) if False else x.reshape(3, 8)),
+    ("slice", lambda x: x[1:3]),
+    ("slice_step", lambda x: x[:, 1::2]),
+    ("slice_neg", lambda x: x[-3:-1, -5:]),
+    ("slice_empty", lambda x: x[3:1]),
+    ("select", lambda x: x[2]),
+    ("select_neg", lambda x: x[:, -1]),
+    ("expand", lambda x: x[0:1].expand(5, 6)),
+    ("expand_new_dim", lambda x: x.expand(2, 4, 6)),
+    ("unsqueeze", lambda x: x.unsqueeze(1)),
+    ("unsqueeze_end", lambda x: x.unsqueeze(-1)),
+    ("squeeze", lambda x: x[0:1].squeeze()),
+    ("squeeze_dim", lambda x: x[:, 2:3].squeeze(1)),
+    ("squeeze_dims", lambda x: x[0:1, 0:1].squeeze((0, 1))),
+    ("as_strided", lambda x: x.as_strided((3, 2), (1, 6), 2)),
+    ("as_strided_of_view", lambda x: x[1:].as_strided((2, 2), (2, 1))),
+    ("detach", lambda x: x.detach()),
+    ("alias", lambda x: torch.ops.aten.alias(x)),
+    ("chain", lambda x: x.t()[1:5].unsqueeze(0).transpose(0, 2)[2]),
+]
+
+
+def _pair():
+    c = torch.randn(4, 6)
+    return c, c.to("tpu")
+
+
+@pytest.mark.parametrize("name,fn", VIEWS, ids=[v[0] for v in VIEWS])
+def test_view_metadata_and_values_as_on_cpu(name, fn):
+    c, x = _pair()
+    assert type(x) is torch.Tensor and x.device.type == "tpu"
+    vc, vx = fn(c), fn(x)
+    assert vx.shape == vc.shape and vx.stride() == vc.stride()
+    assert vx.storage_offset() == vc.storage_offset()
+    assert vx.is_contiguous() == vc.is_contiguous()
+    assert vx.dtype == vc.dtype
+    assert (vx._base is x) == (vc._base is c)
+    assert vx.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    torch.testing.assert_close(vx.cpu(), vc, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,fn", VIEWS, ids=[v[0] for v in VIEWS])
+def test_view_autograd_as_on_cpu(name, fn):
+    c = torch.randn(4, 6, requires_grad=True)
+    x = c.detach().to("tpu").requires_grad_()
+    vc, vx = fn(c), fn(x)
+    assert vx.requires_grad == vc.requires_grad
+    assert (vx.grad_fn is None) == (vc.grad_fn is None)
+    if not vc.requires_grad:
+        return
+    k = torch.randn(vc.shape)
+    (vc * k).sum().backward()
+    (vx * k.to("tpu")).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), c.grad)
+
+
+def test_view_errors_are_cpus():
+    c, x = _pair()
+    for fn in (lambda t: t[4], lambda t: t.select(1, -7), lambda t: t.t().view(24),
+               lambda t: t.permute(0, 0), lambda t: t.as_strided((5, 6), (6, 1)),
+               lambda t: t.expand(3, 6), lambda t: t.t().t().t().squeeze(2)):
+        with pytest.raises(Exception) as want:
+            fn(c)
+        with pytest.raises(type(want.value)) as got:
+            fn(x)
+        assert str(got.value).split("\n")[0] == str(want.value).split("\n")[0]
+
+
+def test_write_through_views_is_seen_by_base_and_views():
+    c, x = _pair()
+    for t in (c, x):
+        v = t.t()[1:3]
+        v.mul_(2)
+        t[0].fill_(7)
+    torch.testing.assert_close(x.cpu(), c)
+    torch.testing.assert_close(x.t()[1:3].cpu(), c.t()[1:3])
+
+
+def test_arithmetic_matmul_and_backward_equal_cpu():
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    x, y = a.to("tpu"), b.to("tpu")
+    for f in (lambda p, q: p + q, lambda p, q: q * 1.0001, lambda p, q: p @ q,
+              lambda p, q: (p - q).relu().sum(0), lambda p, q: torch.tanh(p) / (q.abs() + 1)):
+        got, want = f(x, y), f(a, b)
+        assert type(got) is torch.Tensor and got.device.type == "tpu"
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.cpu(), want)
+    w = a.clone().requires_grad_()
+    wx = a.to("tpu").requires_grad_()
+    (w @ b).sum().backward()
+    (wx @ y).sum().backward()
+    torch.testing.assert_close(wx.grad.cpu(), w.grad)
+
+
+def test_mlp_training_steps_equal_cpu():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    net.load_state_dict(ref.state_dict())
+    net.to("tpu")
+    assert all(type(p) is torch.nn.Parameter and p.device.type == "tpu" for p in net.parameters())
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        xb, yb = torch.randn(5, 8), torch.randn(5, 2)
+        losses = []
+        for m, o, dev in ((ref, opt_r, "cpu"), (net, opt, "tpu")):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(xb.to(dev)), yb.to(dev))
+            loss.backward()
+            o.step()
+            losses.append(loss)
+        assert losses[1].shape == losses[0].shape and losses[1].device.type == "tpu"
+        torch.testing.assert_close(losses[1].detach().cpu(), losses[0].detach())
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach())
+
+
+@pytest.mark.modes("defer")
+def test_ops_are_recorded_in_defer_mode():
+    c = torch.randn(3, 3)
+    x = c.to("tpu")
+    deferfuse.sync()
+    before = deferfuse.metrics().get("ops_recorded", 0)
+    y = (x + 1) * x
+    assert deferfuse.plain.PLAIN.ext.storage(y).val.node is not None     # pending, not run
+    torch.testing.assert_close(y.cpu(), (c + 1) * c)
+    assert deferfuse.metrics().get("ops_recorded", 0) > before
