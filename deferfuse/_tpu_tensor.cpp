@@ -685,6 +685,18 @@ py::object chain(const at::Tensor& t) {
   return out;
 }
 
+// (Storage or None, chain as `chain` gives it, whether the tensor is its storage's base): what the
+// router reads of every argument, in one call.
+py::tuple state(const at::Tensor& t) {
+  auto* ctx = ctx_of(t);
+  const ViewMeta* m = meta_of(t);
+  bool base = m == nullptr && t.storage_offset() == 0 && ctx->known &&
+              t.sizes() == c10::IntArrayRef(ctx->size) && t.strides() == c10::IntArrayRef(ctx->stride);
+  return py::make_tuple(ctx->storage == nullptr ? py::none()
+                                                : py::reinterpret_borrow<py::object>(ctx->storage),
+                        m == nullptr ? py::none() : chain(t), base);
+}
+
 // A new base tensor on tpu:device whose storage holds `st` (a router output).
 at::Tensor make_base(c10::IntArrayRef size, c10::IntArrayRef stride, c10::ScalarType dtype,
                      int64_t device, py::object st) {
@@ -721,6 +733,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
   m.def("set_storage", &set_storage);
   m.def("base", &base);
   m.def("chain", &chain);
+  m.def("state", &state);
   m.def("make_base", &make_base);
   m.def("make_view", &make_view_py);
   m.def("is_plain", &is_plain);
@@ -728,6 +741,10 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     auto& fc = floor_cache();
     std::lock_guard<std::mutex> g(fc.mu);
     fc.on = on;
+  }, "NOTE [floor cache]: on, plain ops whose structure was seen return outputs built in C++");
+  m.def("clear_floor", []() {
+    auto& fc = floor_cache();
+    std::lock_guard<std::mutex> g(fc.mu);
     fc.entries.clear();
     fc.hits = fc.misses = 0;
   });

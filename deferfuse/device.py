@@ -292,9 +292,10 @@ def _wrap_autograd() -> None:
     from .tensor import TpuTensor
 
     def on_tpu(ts) -> bool:
-        if plain.ENABLED:       # a plain tpu tensor (plain.py)
-            return (plain.is_tpu(ts) or isinstance(ts, (tuple, list))
-                    and any(plain.is_tpu(t) for t in ts))
+        if plain.ENABLED:       # a plain tpu tensor too (plain.py)
+            def tpu(t):
+                return isinstance(t, TpuTensor) or plain.is_tpu(t)
+            return tpu(ts) or isinstance(ts, (tuple, list)) and any(tpu(t) for t in ts)
         return (isinstance(ts, TpuTensor) or isinstance(ts, (tuple, list))
                 and any(isinstance(t, TpuTensor) for t in ts))
 

@@ -52,6 +52,7 @@ class Plain:
         self.ops = {}                   # (qualified name, overload) -> OpOverload (bounded by aten)
         self.steps = {}                 # C++ step name -> OpOverload
         self.is_plain = ext.is_plain
+        self.functionals = {}           # .out op -> its functional op or None (NOTE [fresh out])
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
 
     # -- the fallback's two callbacks
@@ -64,6 +65,12 @@ class Plain:
 
     def route(self, func, args, kwargs):
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
+        out = kwargs.get("out") if kwargs else None
+        if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
+                and self.ext.storage(out) is None:
+            f = self.functional_of(func)
+            if f is not None:
+                return self._into_fresh_out(f, args, kwargs, out)
         ins = {}
         stores = {}
         wargs = [self._in(a, ins, stores) for a in args]
@@ -74,6 +81,51 @@ class Plain:
         finally:
             self.current = outer
         return self._out(out, ins, stores)
+
+    def functional_of(self, func):
+        """The functional overload of an op whose one written argument is ``out`` (``add.out`` ->
+        ``add.Tensor``), or None (cached per op)."""
+        f = self.functionals.get(func, False)
+        if f is False:
+            f = None
+            s = func._schema
+            written = [a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write]
+            if written == ["out"] and len(s.returns) == 1:
+                want = [(a.name, str(a.type)) for a in s.arguments if a.name != "out"]
+                ns, _, name = s.name.partition("::")
+                packet = getattr(getattr(torch.ops, ns), name)
+                for ov in packet.overloads():
+                    o = getattr(packet, ov)
+                    sc = o._schema
+                    if (len(sc.returns) == 1 and all(a.alias_info is None for a in sc.arguments)
+                            and [(a.name, str(a.type)) for a in sc.arguments] == want):
+                        f = o
+                        break
+            self.functionals[func] = f
+        return f
+
+    def _into_fresh_out(self, f, args, kwargs, out):
+        """NOTE [fresh out]: PyTorch runs a structured op (``add``, ``mm``, ``sum``) on a backend as
+        its meta function, an ``empty`` output on the device and the ``.out`` op. Recorded as an
+        ``.out`` op, the op path would read the empty output as an input (an upload of zeros per
+        op). An out tensor no Python code has seen (its storage holds no Storage yet) has nothing
+        to keep: the functional op is recorded instead, and the out tensor's storage takes its
+        result's Storage."""
+        kw = {k: v for k, v in kwargs.items() if k != "out"}
+        ins, stores = {}, {}
+        wargs = [self._in(a, ins, stores) for a in args]
+        wkw = {k: self._in(v, ins, stores) for k, v in kw.items()} if kw else {}
+        res = self.dispatch(f, wargs, wkw)
+        if (type(res) is TpuTensor and res.dtype == out.dtype and not res._chain
+                and not res._dyn and id(res) not in ins):
+            if res.shape != out.shape:
+                torch.ops.aten.resize_.default(out, res.shape)     # numel 0 (PyTorch checked)
+            if res.stride() == out.stride() and out.storage_offset() == 0:
+                self.ext.set_storage(out, res._s)
+                return out
+        res = self._out(res, ins, stores)
+        with torch.no_grad():
+            return out.copy_(res)
 
     def resize_out(self, t, size, memory_format=None):
         """``specials.resize`` for an out= tensor of the wrong shape (route._resized): the plain
@@ -104,10 +156,12 @@ class Plain:
                 return type(a)(self._in(x, ins, stores) for x in a)
         return a
 
-    def storage(self, p) -> Storage:
-        """The Storage of plain tensor ``p``: the one its DataPtr context holds, made on first use
-        (an uninitialised value of its base tensor's shape, as ``torch.empty`` makes)."""
-        st = self.ext.storage(p)
+    def storage(self, p, st=None) -> Storage:
+        """The Storage of plain tensor ``p``: the one its DataPtr context holds (``st`` when the
+        caller read it), made on first use (an uninitialised value of its base tensor's shape, as
+        ``torch.empty`` makes)."""
+        if st is None:
+            st = self.ext.storage(p)
         if st is None:
             size, stride, dtype = self.ext.base(p)
             st = Storage(transfer.empty_value(size, dtype), p.device.index or 0, dtype,
@@ -115,18 +169,19 @@ class Plain:
             self.ext.set_storage(p, st)
         return st
 
-    def chain(self, p, st: Storage) -> tuple:
-        """``p``'s view chain in the Python path's form: (OpOverload, args, kwargs) steps."""
-        raw = self.ext.chain(p)
+    def chain(self, p, st: Storage, raw=False, base=False) -> tuple:
+        """``p``'s view chain in the Python path's form: (OpOverload, args, kwargs) steps (``raw``,
+        ``base``: what ``ext.state`` read, when the caller has it)."""
+        if raw is False:
+            _, raw, base = self.ext.state(p)
         if raw is None:
-            size, stride, off = tuple(p.shape), tuple(p.stride()), p.storage_offset()
-            base = self.ext.base(p)
-            if base is not None and size == base[0] and stride == base[1] and off == 0:
+            if base:
                 return ()
             # PyTorch's own alias of the storage (a composite kernel's): one as_strided step
+            b = self.ext.base(p)
             return ((aten.as_strided.default,
-                     (size, stride, off, st.val.shape, base[1] if base else _contig(st.val.shape)),
-                     ()),)
+                     (tuple(p.shape), tuple(p.stride()), p.storage_offset(), st.val.shape,
+                      b[1] if b else _contig(st.val.shape)), ()),)
         if type(raw) is tuple:
             return raw
         steps = []
@@ -140,8 +195,11 @@ class Plain:
 
     def wrapper(self, p) -> TpuTensor:
         """A TpuTensor over ``p``'s Storage with ``p``'s view chain and geometry."""
-        st = self.storage(p)
-        return make(st, self.chain(p, st), tuple(p.shape), tuple(p.stride()), p.storage_offset(),
+        st, raw, base = self.ext.state(p)
+        st = self.storage(p, st)
+        if base:
+            return make(st, (), p.shape, p.stride(), 0, p.dtype)
+        return make(st, self.chain(p, st, raw, base), p.shape, p.stride(), p.storage_offset(),
                     p.dtype)
 
     # -- TpuTensor -> plain
