@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-torchao wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-full test-dist test-cxx docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-torchao wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"
+
+# The plain PrivateUse1 tensor (branch cxx, docs/cxx-plan.md): its tests, with the flag on.
+test-cxx: $(STAMP)
+	DEFERFUSE_TENSOR=plain $(BIN)/python -m pytest -q tests/test_cxx_tensor.py
 
 test-full: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m "slow or not slow"

@@ -141,9 +141,9 @@ def run(rounds: int, n: int, mlp_steps: int):
                 deferfuse.sync()
             return dt
 
-        for s in systems:      # warm-up: compiles, caches, the floor cache filled
-            for _ in range(3):
-                one(s, max(1, reps // 10))
+        for s in systems:      # warm-up: compiles (blocks as long as the timed ones), caches,
+            for _ in range(3):  # the floor cache filled
+                one(s, reps)
         for r in range(rounds):
             order = systems if r % 2 == 0 else systems[::-1]
             got = {s: one(s, reps) / (reps * ops) * 1e6 for s in order}

@@ -113,7 +113,8 @@ struct Step {
 
 struct ViewMeta final : c10::BackendMeta {
   std::vector<Step> steps;
-  PyObject* py_chain = nullptr;  // a chain set from Python (router outputs): authoritative
+  PyObject* py_chain = nullptr;  // the chain's first steps, set from Python (a router output
+                                 // that is a view), as a tuple of Python steps; `steps` follow
   ~ViewMeta() override {
     if (py_chain != nullptr && Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
@@ -141,9 +142,6 @@ at::Tensor make_view(const at::Tensor& self, c10::IntArrayRef size, c10::IntArra
       m->steps.push_back(std::move(*step));
     } else {
       if (old != nullptr) {
-        TORCH_CHECK(old->py_chain == nullptr || !step.has_value(),
-                    "a view of a tpu tensor whose chain was set from Python: not yet supported "
-                    "(docs/cxx-plan.md)");
         m->steps = old->steps;
         if (old->py_chain != nullptr) {
           py::gil_scoped_acquire gil;
@@ -433,10 +431,20 @@ struct OutMeta {
   c10::ScalarType dtype;
 };
 
+using FloorKey = std::vector<int64_t>;
+
+struct FloorKeyHash {
+  size_t operator()(const FloorKey& k) const {
+    size_t h = k.size();
+    for (auto v : k) h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+
 struct FloorCache {
   bool on = false;
   std::mutex mu;
-  std::unordered_map<std::string, std::vector<OutMeta>> entries;
+  std::unordered_map<FloorKey, std::vector<OutMeta>, FloorKeyHash> entries;
   int64_t hits = 0, misses = 0;
 };
 
@@ -445,51 +453,87 @@ FloorCache& floor_cache() {
   return *f;
 }
 
-void key_add(std::string& k, const IValue& v) {
-  if (v.isTensor()) {
-    const auto& t = v.toTensor();
-    if (!t.defined()) { k += "u;"; return; }
-    k += "T" + std::to_string(static_cast<int>(t.scalar_type())) + c10::str(t.sizes()) +
-         c10::str(t.strides()) + std::to_string(t.device().index()) + ";";
-  } else if (v.isDouble()) {
-    k += "d;";  // a runtime input: its value is never part of a structure
-  } else if (v.isTensorList()) {
-    k += "[";
-    for (const auto& t : v.toTensorList()) key_add(k, IValue(t));
-    k += "]";
-  } else {
-    k += c10::str(v) + ";";
-  }
+void key_tensor(FloorKey& k, const at::Tensor& t) {
+  if (!t.defined()) { k.push_back(2); return; }
+  k.push_back(1);
+  k.push_back(static_cast<int64_t>(t.scalar_type()));
+  k.push_back(t.device().type() == c10::DeviceType::PrivateUse1 ? t.device().index() : -1);
+  k.push_back(t.dim());
+  for (auto s : t.sizes()) k.push_back(s);
+  for (auto s : t.strides()) k.push_back(s);
 }
 
-bool floor_hit(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string& key) {
-  auto& fc = floor_cache();
-  const auto n = op.schema().arguments().size();
-  key = op.schema().name() + "." + op.schema().overload_name() + "|";
-  for (size_t i = stack->size() - n; i < stack->size(); ++i) key_add(key, (*stack)[i]);
-  std::vector<OutMeta>* e = nullptr;
-  {
-    std::lock_guard<std::mutex> g(fc.mu);
-    auto it = fc.entries.find(key);
-    if (it == fc.entries.end()) { ++fc.misses; return false; }
-    e = &it->second;
-    ++fc.hits;
-  }
-  std::vector<IValue> args(stack->end() - n, stack->end());
-  torch::jit::drop(*stack, n);
-  for (const auto& m : *e) {
-    if (m.input >= 0) {
-      stack->push_back(args[m.input]);
-    } else {
-      at::Tensor t = at::detail::empty_strided_generic(m.size, m.stride, &allocator(), tpu_keys(), m.dtype);
-      remember_base(t);
-      stack->push_back(std::move(t));
-    }
+// Appends one argument's part of the key; false: an argument the floor does not key (not cached).
+bool key_add(FloorKey& k, const IValue& v) {
+  if (v.isTensor()) {
+    key_tensor(k, v.toTensor());
+  } else if (v.isNone()) {
+    k.push_back(3);
+  } else if (v.isDouble()) {
+    k.push_back(4);  // a runtime input: its value is never part of a structure
+  } else if (v.isInt()) {
+    k.push_back(5);
+    k.push_back(v.toInt());
+  } else if (v.isBool()) {
+    k.push_back(6);
+    k.push_back(v.toBool());
+  } else if (v.isIntList()) {
+    k.push_back(7);
+    auto l = v.toIntList();
+    k.push_back(static_cast<int64_t>(l.size()));
+    for (int64_t x : l) k.push_back(x);
+  } else if (v.isTensorList()) {
+    k.push_back(8);
+    auto l = v.toTensorList();
+    k.push_back(static_cast<int64_t>(l.size()));
+    for (const at::Tensor& t : l) key_tensor(k, t);
+  } else if (v.isDevice()) {
+    k.push_back(9);
+    k.push_back(static_cast<int64_t>(v.toDevice().type()));
+    k.push_back(v.toDevice().index());
+  } else {
+    return false;
   }
   return true;
 }
 
-void floor_store(const std::string& key, const std::vector<IValue>& args, const torch::jit::Stack& stack,
+// Builds `key`; true when the op was found and its outputs are on the stack.
+bool floor_hit(const c10::OperatorHandle& op, torch::jit::Stack* stack, FloorKey& key) {
+  auto& fc = floor_cache();
+  const auto n = op.schema().arguments().size();
+  key.push_back(reinterpret_cast<int64_t>(&op.schema()));
+  for (size_t i = stack->size() - n; i < stack->size(); ++i) {
+    if (!key_add(key, (*stack)[i])) {
+      key.clear();
+      return false;
+    }
+  }
+  const std::vector<OutMeta>* e = nullptr;
+  {
+    std::lock_guard<std::mutex> g(fc.mu);
+    auto it = fc.entries.find(key);
+    if (it == fc.entries.end()) { ++fc.misses; return false; }
+    e = &it->second;  // entries are never erased while the floor is on
+    ++fc.hits;
+  }
+  const size_t first = stack->size() - n;
+  std::vector<IValue> outs;
+  outs.reserve(e->size());
+  for (const auto& m : *e) {
+    if (m.input >= 0) {
+      outs.push_back((*stack)[first + m.input]);
+    } else {
+      at::Tensor t = at::detail::empty_strided_generic(m.size, m.stride, &allocator(), tpu_keys(), m.dtype);
+      remember_base(t);
+      outs.push_back(std::move(t));
+    }
+  }
+  torch::jit::drop(*stack, n);
+  for (auto& o : outs) stack->push_back(std::move(o));
+  return true;
+}
+
+void floor_store(const FloorKey& key, const std::vector<IValue>& args, const torch::jit::Stack& stack,
                  size_t nret) {
   std::vector<OutMeta> metas;
   for (size_t r = stack.size() - nret; r < stack.size(); ++r) {
@@ -558,7 +602,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   const auto& schema = op.schema();
   const auto& arguments = schema.arguments();
   const size_t n = arguments.size(), nret = schema.returns().size();
-  std::string key;
+  FloorKey key;
   auto& fc = floor_cache();
   if (fc.on && floor_hit(op, stack, key)) return;
   std::vector<IValue> args(stack->end() - n, stack->end());
@@ -596,7 +640,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       for (size_t i = 0; i < nret; ++i) stack->push_back(torch::jit::toIValue(tup[i], rets[i].real_type()));
     }
   }
-  if (fc.on) floor_store(key, args, *stack, nret);
+  if (fc.on && !key.empty()) floor_store(key, args, *stack, nret);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -670,13 +714,17 @@ py::object base(const at::Tensor& t) {
                             reinterpret_cast<PyObject*>(torch::getTHPDtype(ctx->dtype))));
 }
 
-// The view chain: a tuple set from Python, or [(op name, args)] of the C++ view kernels, or None
-// for a tensor with no ViewMeta (its storage's base, or PyTorch's own alias of one).
+// The view chain: a tuple of Python steps set from Python, or a list of [(op name, args)] of the C++
+// view kernels (after that tuple, as the list's first item, when both), or None for a tensor with
+// no ViewMeta (its storage's base, or PyTorch's own alias of one).
 py::object chain(const at::Tensor& t) {
   const ViewMeta* m = meta_of(t);
   if (m == nullptr) return py::none();
-  if (m->py_chain != nullptr) return py::reinterpret_borrow<py::object>(m->py_chain);
   py::list out;
+  if (m->py_chain != nullptr) {
+    if (m->steps.empty()) return py::reinterpret_borrow<py::object>(m->py_chain);
+    out.append(py::reinterpret_borrow<py::object>(m->py_chain));  // a tuple: steps as they are
+  }
   for (const auto& s : m->steps) {
     py::list a;
     for (const auto& v : s.args) a.append(torch::jit::toPyObject(v));

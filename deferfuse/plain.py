@@ -185,7 +185,11 @@ class Plain:
         if type(raw) is tuple:
             return raw
         steps = []
-        for name, args in raw:
+        for item in raw:
+            if type(item) is tuple and (not item or type(item[0]) is tuple):
+                steps.extend(item)      # the steps set from Python, before the C++ ones
+                continue
+            name, args = item
             op = self.steps.get(name)
             if op is None:
                 p_, _, ov = name.partition(".")

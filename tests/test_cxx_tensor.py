@@ -43,6 +43,15 @@ VIEWS = [
     ("alias", lambda x: torch.ops.aten.alias(x)),
     ("chain", lambda x: x.t()[1:5].unsqueeze(0).transpose(0, 2)[2]),
 ]
+# views the Python view path makes (no C++ kernel), and C++ views of them
+PY_VIEWS = [
+    ("diagonal", lambda x: x.diagonal()),
+    ("unbind", lambda x: x.unbind(1)[2]),
+    ("split", lambda x: x.split(4, 1)[1]),
+    ("diagonal_then_slice", lambda x: x.diagonal(1)[1:]),
+    ("unbind_then_unsqueeze_expand", lambda x: x.unbind(0)[1].unsqueeze(0).expand(3, 6)),
+    ("split_then_t_then_as_strided", lambda x: x.split(3, 1)[1].t().as_strided((2, 2), (1, 6), 1)),
+]
 
 
 def _pair():
@@ -62,6 +71,19 @@ def test_view_metadata_and_values_as_on_cpu(name, fn):
     assert (vx._base is x) == (vc._base is c)
     assert vx.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     torch.testing.assert_close(vx.cpu(), vc, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,fn", PY_VIEWS, ids=[v[0] for v in PY_VIEWS])
+def test_python_views_and_their_cxx_views_as_on_cpu(name, fn):
+    c, x = _pair()
+    vc, vx = fn(c), fn(x)
+    assert vx.shape == vc.shape and vx.stride() == vc.stride()
+    assert vx.storage_offset() == vc.storage_offset()
+    torch.testing.assert_close(vx.cpu(), vc, rtol=0, atol=0)
+    if "expand" not in name:    # a write through an expanded view raises, on CPU too
+        vc.mul_(3)
+        vx.mul_(3)
+        torch.testing.assert_close(x.cpu(), c, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name,fn", VIEWS, ids=[v[0] for v in VIEWS])
