@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from . import device_info, subclass
+from . import device_info, plain, subclass
 from .config import config
 from .engine import engine, user_error
 from .runtime import platform
@@ -31,6 +31,8 @@ def _device_count() -> int:
 def _set_device(device) -> None:
     """``torch.tpu.set_device``: the calling thread's current device (as CUDA's, per thread)."""
     engine.state.device = device_info.index(device)
+    if plain.PLAIN is not None:     # the C++ guard's current device (NOTE [plain device guard])
+        plain.PLAIN.ext.set_device(engine.state.device)
 
 
 _idx = device_info.index
@@ -288,7 +290,7 @@ def _wrap_autograd() -> None:
       device thread.
     - raise the error of a backward op that failed (NOTE [errors in backward] in route.py)."""
     import torch.autograd as autograd
-    from . import compiled, plain
+    from . import compiled
     from .tensor import TpuTensor
 
     def on_tpu(ts) -> bool:
@@ -418,7 +420,7 @@ def register() -> None:
     import deferfuse_autoload
     from .route import dispatch
     from .specials import empty_memory_format, empty_strided, _h_copy_from
-    from . import distributed, plain
+    from . import distributed
     distributed.register()      # before the first device lookup (NOTE [distributed start])
 
     # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at
@@ -450,7 +452,7 @@ def register() -> None:
     if plain.ENABLED:
         # The plain tensor (NOTE [plain router] in plain.py): C++ empty and view kernels and a
         # fallback into the op path; the kernels below that take tpu tensors go through it too.
-        dispatch = plain.install(dispatch).route
+        dispatch = plain.install().route
     else:
         _lib.impl("empty.memory_format", held(empty_memory_format), "PrivateUse1")
         _lib.impl("empty_strided", held(empty_strided), "PrivateUse1")

@@ -48,7 +48,7 @@ class Plain:
 
     def __init__(self, ext, dispatch):
         self.ext = ext
-        self.dispatch = dispatch        # route.dispatch: the existing op path
+        self.dispatch = dispatch        # (func, args, kwargs) -> result: the existing op path
         self.ops = {}                   # (qualified name, overload) -> OpOverload (bounded by aten)
         self.steps = {}                 # C++ step name -> OpOverload
         self.is_plain = ext.is_plain
@@ -275,18 +275,25 @@ def extension():
     return _tpu_tensor, None
 
 
-def install(dispatch) -> Plain:
+def install() -> Plain:
     """Register the C++ kernels, allocator and fallback (device.register, with the flag on)."""
     global PLAIN
     ext, why = extension()
     if ext is None:
         raise RuntimeError(f"DEFERFUSE_TENSOR=plain: {why}")
     from . import route, specials
-    PLAIN = Plain(ext, dispatch)
+    # The op path's entry as a TpuTensor op reaches it: the C record path first (NOTE [C record
+    # path] in _fastpath.c), which hands what it does not take to ``dispatch``'s Python path.
+    entry, types = TpuTensor.__torch_dispatch__, (TpuTensor,)
+
+    def c_dispatch(func, args, kwargs):
+        return entry(func, types, tuple(args), kwargs)
+    PLAIN = Plain(ext, c_dispatch)
     PLAIN.resize, PLAIN.rebind = specials.resize, specials.rebind
     # out= tensors of the wrong shape are resized on the plain tensor (NOTE [plain router])
     route.resize = PLAIN.resize_out
-    ext.install(PLAIN.route, PLAIN.resolve)
+    from .tensor import _DEVICES
+    ext.install(PLAIN.route, PLAIN.resolve, len(_DEVICES))
     return PLAIN
 
 

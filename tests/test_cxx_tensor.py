@@ -174,3 +174,12 @@ def test_ops_are_recorded_in_defer_mode():
     assert deferfuse.plain.PLAIN.ext.storage(y).val.node is not None     # pending, not run
     torch.testing.assert_close(y.cpu(), (c + 1) * c)
     assert deferfuse.metrics().get("ops_recorded", 0) > before
+
+
+@pytest.mark.modes("defer")
+def test_compiled_mode_refuses_plain_tensors_until_ported():
+    # It read inner tensors' Python state and returned wrong values on plain tensors.
+    x = torch.randn(3, 4).to("tpu")
+    f = torch.compile(lambda a: (a * 2).sin().sum(), backend="tpu")
+    with pytest.raises(Exception, match="not yet ported to the plain tpu tensor"):
+        f(x)
