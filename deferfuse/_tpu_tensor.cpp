@@ -133,11 +133,11 @@ StorageCtx* ctx_of(const at::Tensor& t) {
 // kernel received them. Python reads it as (OpOverload, args, ()), the step the Python view path
 // records (deferfuse/views.py).
 enum Op : int8_t { AS_STRIDED, VIEW, RESHAPE_ALIAS, T, TRANSPOSE, PERMUTE, SLICE, SELECT, EXPAND,
-                   UNSQUEEZE, SQUEEZE, SQUEEZE_DIM, SQUEEZE_DIMS, N_OPS };
+                   UNSQUEEZE, SQUEEZE, SQUEEZE_DIM, SQUEEZE_DIMS, CONJ, N_OPS };
 const char* const kOps[N_OPS] = {"as_strided.default", "view.default", "_reshape_alias.default",
                                  "t.default", "transpose.int", "permute.default", "slice.Tensor",
                                  "select.int", "expand.default", "unsqueeze.default",
-                                 "squeeze.default", "squeeze.dim", "squeeze.dims"};
+                                 "squeeze.default", "squeeze.dim", "squeeze.dims", "_conj.default"};
 
 struct Step {
   Op op;
@@ -157,8 +157,7 @@ struct ViewMeta final : c10::BackendMeta {
 };
 
 const ViewMeta* meta_of(const at::Tensor& t) {
-  auto* m = t.unsafeGetTensorImpl()->get_backend_meta();
-  return static_cast<const ViewMeta*>(m);
+  return dynamic_cast<const ViewMeta*>(t.unsafeGetTensorImpl()->get_backend_meta());
 }
 
 // A view of `self` over the same storage with one more step (or, for as_strided, one step).
@@ -395,6 +394,13 @@ at::Tensor squeeze_dims(const at::Tensor& self, c10::IntArrayRef dims) {
     else wrap_dim(d, 0);
   }
   return squeeze_(self, drop, Step{SQUEEZE_DIMS, {IValue(dims.vec())}});
+}
+
+// A conjugate view is a step of the chain, its conj bit off, as the Python view path makes it:
+// with the bit on, PyTorch's Conjugate fallback materialised it by a copy that reached the same
+// fallback again, without end.
+at::Tensor conj_view(const at::Tensor& self) {
+  return make_view(self, self.sizes(), self.strides(), self.storage_offset(), Step{CONJ, {}});
 }
 
 at::Tensor alias(const at::Tensor& self) {
@@ -727,6 +733,7 @@ void install(py::object route, py::object resolve, int devices) {
   m.impl("squeeze.dim", TORCH_FN(squeeze_dim));
   m.impl("squeeze.dims", TORCH_FN(squeeze_dims));
   m.impl("resize_", TORCH_FN(resize_));
+  m.impl("_conj", TORCH_FN(conj_view));
   m.impl("detach", TORCH_FN(alias));
   m.impl("alias", TORCH_FN(alias));
   in.fallback = std::make_unique<torch::Library>(torch::Library::IMPL, "_",

@@ -86,6 +86,18 @@ def test_python_views_and_their_cxx_views_as_on_cpu(name, fn):
         torch.testing.assert_close(x.cpu(), c, rtol=0, atol=0)
 
 
+def test_write_through_a_conj_view_as_on_cpu():
+    # the view's conj bit stays off (a chain step): with it on, PyTorch's Conjugate fallback
+    # copied through the same fallback without end and the process crashed
+    c = torch.randn(3, dtype=torch.complex64)
+    x = c.to("tpu")
+    vc, vx = c.conj(), x.conj()
+    torch.testing.assert_close(vx.cpu(), vc.resolve_conj())
+    vc.mul_(2)
+    vx.mul_(2)
+    torch.testing.assert_close(x.cpu(), c)
+
+
 @pytest.mark.parametrize("name,fn", VIEWS, ids=[v[0] for v in VIEWS])
 def test_view_autograd_as_on_cpu(name, fn):
     c = torch.randn(4, 6, requires_grad=True)
