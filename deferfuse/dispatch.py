@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from . import plain
 from .config import config
 from .device_info import check
 from .engine import engine, user_error
@@ -478,6 +479,11 @@ def _contig(shape):
 
 def copy_into(dst: TpuTensor, src) -> TpuTensor:
     """``dst.copy_(src)`` for any src (tpu tensor, CPU tensor), through the lowered copy_."""
+    if (plain.PLAIN is not None and isinstance(src, torch.Tensor) and type(src) is not TpuTensor
+            and plain.PLAIN.is_plain(src)):
+        # a plain tpu tensor a factory made inside the op path (DEFERFUSE_TENSOR=plain): read as
+        # a CPU tensor, its bytes were the engine's storage record
+        src = plain.PLAIN.wrapper(src)
     if isinstance(src, torch.Tensor) and type(src) is not TpuTensor:
         if (not dst._chain and src.dtype == dst.dtype and src.shape == dst.shape
                 and dst._s.val.shape == tuple(src.shape)):

@@ -59,6 +59,9 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
     numpy has viewed non-resizable for good, so ``x.to("tpu")`` would make a later
     ``torch.cat(..., out=x)`` or ``x.resize_()`` on CPU fail ("Trying to resize storage that is not
     resizable"). The bytes are copied through numpy's array interface instead."""
+    if t.device.type != "cpu":
+        # its data pointer is no host memory (a plain tpu tensor's names an engine storage)
+        raise RuntimeError(f"internal error: a tensor on {t.device} reached a host transfer")
     t = t.detach()
     dt = to_np_dtype(t.dtype)
     if t.is_conj() or t.is_neg() or not t.is_contiguous():

@@ -98,6 +98,16 @@ def test_write_through_a_conj_view_as_on_cpu():
     torch.testing.assert_close(x.cpu(), c)
 
 
+def test_out_op_decomposed_into_a_fresh_tensor_equals_cpu():
+    # eye(out=) decomposes into ops whose result is a plain tensor made inside the op path; it was
+    # copied into out as if it were a CPU tensor, reading the storage record's bytes
+    c, x = torch.empty(3, 4), torch.empty(3, 4, device="tpu")
+    with torch.no_grad():
+        torch.eye(3, 4, out=c)
+        torch.eye(3, 4, out=x)
+    torch.testing.assert_close(x.cpu(), c, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name,fn", VIEWS, ids=[v[0] for v in VIEWS])
 def test_view_autograd_as_on_cpu(name, fn):
     c = torch.randn(4, 6, requires_grad=True)
