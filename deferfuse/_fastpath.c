@@ -437,10 +437,11 @@ static PyObject *source_line(void) {
 /* ------------------------------------------------------------------ recording (Trace.record) */
 /* The fast case of Trace.record(entry, ins, scalars, dev) followed by _run's per-output Storage
    and make(). Returns the op's result, Py_NotImplemented when it is not the fast case (nothing
-   was changed), NULL on error. The caller holds the engine's lock. */
+   was changed), NULL on error. The caller holds the engine's lock. storages_only (the plain
+   tensor's C++ kernel, record_storages): the new outputs' Storages, a tuple, no tensors made. */
 static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObject *ins,
                         PyObject *scalars, long dev, PyObject *tensors, PyObject *mut,
-                        PyObject *info, PyObject *args, PyObject *kwargs) {
+                        PyObject *info, PyObject *args, PyObject *kwargs, int storages_only) {
     PyObject *result = NULL, *cut = NULL, *tdev = NULL, *nodes = NULL, *wiring = NULL,
              *ext_ids = NULL, *ext = NULL, *ext_uses = NULL, *res = NULL, *outs = NULL,
              *src = NULL, *node = NULL, *tscalars = NULL, *h = NULL, *hops = NULL,
@@ -747,6 +748,10 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         if (wr == NULL) { Py_DECREF(st); goto done; }
         Py_SETREF(*(PyObject **)((char *)st + L_storage.off[4]), wr);
         if (PyList_Append(storages, wr) < 0) { Py_DECREF(st); goto done; }
+        if (storages_only) {
+            PyTuple_SET_ITEM(made, k, st);
+            continue;
+        }
         PyObject *wargs[8] = {S.tpu_type, size, stride, Py_None, Py_None, dtype, S.strided, device};
         PyObject *t = PyObject_Vectorcall(S.wrap, wargs, 8, NULL);
         if (t == NULL) { Py_DECREF(st); goto done; }
@@ -757,7 +762,10 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         Py_DECREF(st);
         PyTuple_SET_ITEM(made, k, t);
     }
-    if (one) {
+    if (storages_only) {
+        result = made;
+        Py_INCREF(made);
+    } else if (one) {
         result = PyTuple_GET_ITEM(made, 0);
         Py_INCREF(result);
     } else {
@@ -1319,7 +1327,7 @@ static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
     Py_DECREF(r);
     trace = GET(ts, A_trace);
     if (trace != NULL)
-        result = record(trace, entry, fast, ins, scalars, dev, tensors, mut, info, args, kwargs);
+        result = record(trace, entry, fast, ins, scalars, dev, tensors, mut, info, args, kwargs, 0);
     PyObject *exc_type, *exc_val, *exc_tb;
     PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
     r = PyObject_CallNoArgs(S.lock_release);
@@ -1356,6 +1364,66 @@ static PyObject *dispatch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (r != NULL) S.hits++;
     if (held_exit(main, 1) < 0) { Py_XDECREF(r); return NULL; }
     return r;
+}
+
+/* record_storages(entry, ins, scalars, dev): NOTE [C++ recording kernel] in _tpu_tensor.cpp. The
+   plain tensor's C++ kernel found the op cache's Entry itself (an op whose outputs are new
+   tensors: Entry.fast set, no dynamic offsets) and read its inputs' Values and its scalars: this
+   records the node as try_fast does (defer mode, no cut due, no input pending in another trace)
+   and returns the outputs' new Storages, a tuple; Py_NotImplemented (nothing changed) when it is
+   not that case, and the kernel hands the op to the Python router. */
+static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "record_storages(entry, ins: list, scalars: list, dev)");
+        return NULL;
+    }
+    if (!S.ready) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *entry = args[0], *ins = args[1], *scalars = args[2];
+    long dev = PyLong_AsLong(args[3]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    int on;
+    if (is_true_attr(S.config, A_c_record, &on) < 0) return NULL;
+    if (!on) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *mode = PyObject_CallOneArg(S.get_mode, S.fake_key);
+    if (mode == NULL) return NULL;
+    int fake = mode != Py_None;
+    Py_DECREF(mode);
+    if (fake) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *fast = GET(entry, A_fast);
+    if (fast == NULL) return NULL;
+    if (!(PyTuple_CheckExact(fast) || PyList_CheckExact(fast))) {
+        Py_DECREF(fast);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    int main;
+    if (held_enter(&main) < 0) { Py_DECREF(fast); return NULL; }
+    PyObject *result = NULL, *ts = NULL, *tmode = NULL, *trace = NULL;
+    ts = GET(S.local, A_ts);
+    if (ts == NULL) goto done;
+    tmode = GET(ts, A_mode);
+    if (tmode == NULL) goto done;
+    int defer = PyObject_RichCompareBool(tmode, S.defer_str, Py_EQ);
+    if (defer < 0) goto done;
+    if (!defer) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
+    PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+    trace = GET(ts, A_trace);
+    if (trace != NULL)
+        result = record(trace, entry, fast, ins, scalars, dev, NULL, NULL, NULL, NULL, NULL, 1);
+    PyObject *exc_type, *exc_val, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
+    r = PyObject_CallNoArgs(S.lock_release);
+    if (r == NULL) { Py_XDECREF(result); result = NULL; Py_XDECREF(exc_type);
+                     Py_XDECREF(exc_val); Py_XDECREF(exc_tb); goto done; }
+    Py_DECREF(r);
+    PyErr_Restore(exc_type, exc_val, exc_tb);
+done:
+    Py_DECREF(fast); Py_XDECREF(ts); Py_XDECREF(tmode); Py_XDECREF(trace);
+    int taken = result != NULL && result != Py_NotImplemented;
+    if (taken) S.hits++;
+    if (held_exit(main, taken) < 0) { Py_XDECREF(result); return NULL; }
+    return result;
 }
 
 static PyObject *setup(PyObject *self, PyObject *kw) {
@@ -1406,6 +1474,8 @@ static PyObject *reset_stats(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "TpuTensor.__torch_dispatch__: the C record path's fast case, else the Python path."},
+    {"record_storages", (PyCFunction)(void (*)(void))record_storages, METH_FASTCALL,
+     "The plain tensor's C++ kernel: record one cached op, return its outputs' Storages."},
     {"setup", setup, METH_O, "Hand over the engine's objects (deferfuse/route.py)."},
     {"stats", stats, METH_NOARGS, "Calls taken by the fast case (hits) and passed on (misses)."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},

@@ -33,6 +33,7 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -52,6 +53,7 @@ struct StorageCtx {
   IntVec size, stride;          // the base tensor the storage was made for
   c10::ScalarType dtype = c10::ScalarType::Float;
   bool known = false;           // size/stride/dtype set (by empty*, or by make_base)
+  int64_t sig = -1;             // the base tensor's signature id (NOTE [C++ signatures]), or -1
 };
 
 void free_ctx(void* p) {
@@ -126,6 +128,11 @@ StorageCtx* ctx_of(const at::Tensor& t) {
   return ctx;
 }
 
+bool is_plain_tensor(const at::Tensor& t) {
+  return t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage() &&
+         t.storage().data_ptr().get_deleter() == &free_ctx;
+}
+
 // ---------------------------------------------------------------------------------------------
 // the view chain
 
@@ -148,6 +155,10 @@ struct ViewMeta final : c10::BackendMeta {
   std::vector<Step> steps;
   PyObject* py_chain = nullptr;  // the chain's first steps, set from Python (a router output
                                  // that is a view), as a tuple of Python steps; `steps` follow
+  // the signature id of the tensor this meta was last read on, and that tensor's geometry (a
+  // meta is shared by detach()'s copies; checked before use) (NOTE [C++ signatures])
+  mutable int64_t sig = -1;
+  mutable IntVec sig_geom;
   ~ViewMeta() override {
     if (py_chain != nullptr && Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
@@ -199,6 +210,7 @@ void remember_base(const at::Tensor& t) {
   ctx->stride = t.strides().vec();
   ctx->dtype = t.scalar_type();
   ctx->known = true;
+  ctx->sig = -1;
 }
 
 c10::DispatchKeySet tpu_keys() { return c10::DispatchKeySet(c10::DispatchKey::PrivateUse1); }
@@ -611,6 +623,410 @@ void floor_store(const FloorKey& key, const std::vector<IValue>& args, const tor
   fc.entries.emplace(key, std::move(metas));
 }
 
+// ---------------------------------------------------------------------------------------------
+// NOTE [C++ signatures]: a plain tensor's signature (what of it shapes compiled code: its
+// storage's base sizes, strides and dtype, its C++ view steps, its own sizes, strides, offset and
+// dtype) is an int, interned in one table (`sigs()`; Python reads a description back with
+// `sig_desc`, and the router maps it to the op path's `_sig` with one dict lookup, never hashing
+// a tuple per op). A base tensor's id is cached in its StorageCtx (reset when the base geometry
+// is set again); a view's is looked up from its description. A tensor with Python view steps
+// (`py_chain`) or PyTorch's own alias of a storage has none (-1): the kernel leaves its ops to the
+// router. Ids are never reused: the table is bounded, and a full table starts a new generation of
+// ids (old ids stay unique, their descriptions are forgotten).
+using Key = std::vector<int64_t>;
+
+struct SigTable {
+  std::unordered_map<Key, int64_t, FloorKeyHash> ids;
+  std::vector<Key> descs;  // descs[id - first]
+  int64_t first = 0;
+  size_t limit = 1 << 18;
+  int64_t generations = 0;
+};
+
+SigTable& sigs() {
+  static SigTable* t = new SigTable();  // guarded by the GIL (every caller holds it)
+  return *t;
+}
+
+int64_t intern_sig(Key&& d) {
+  auto& t = sigs();
+  auto it = t.ids.find(d);
+  if (it != t.ids.end()) return it->second;
+  if (t.descs.size() >= t.limit) {
+    t.first += static_cast<int64_t>(t.descs.size());
+    t.ids.clear();
+    t.descs.clear();
+    ++t.generations;
+  }
+  int64_t id = t.first + static_cast<int64_t>(t.descs.size());
+  t.descs.push_back(d);
+  t.ids.emplace(std::move(d), id);
+  return id;
+}
+
+// An int, None, bool or int list (a view step's argument); false for anything else.
+bool key_static(Key& k, const IValue& v) {
+  if (v.isNone()) {
+    k.push_back(-101);
+  } else if (v.isInt()) {
+    k.push_back(-102);
+    k.push_back(v.toInt());
+  } else if (v.isBool()) {
+    k.push_back(-103);
+    k.push_back(v.toBool());
+  } else if (v.isIntList()) {
+    auto l = v.toIntList();
+    k.push_back(-104);
+    k.push_back(static_cast<int64_t>(l.size()));
+    for (int64_t x : l) k.push_back(x);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+void key_geom(Key& k, c10::ScalarType dtype, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  k.push_back(static_cast<int64_t>(dtype));
+  k.push_back(static_cast<int64_t>(size.size()));
+  k.insert(k.end(), size.begin(), size.end());
+  k.insert(k.end(), stride.begin(), stride.end());
+}
+
+// The signature id of a plain tensor, or -1 (the caller checked is_plain).
+int64_t sig_of(const at::Tensor& t) {
+  auto* ctx = static_cast<StorageCtx*>(t.storage().data_ptr().get_context());
+  if (!ctx->known) return -1;
+  const ViewMeta* m = meta_of(t);
+  if (m == nullptr) {
+    if (t.storage_offset() != 0 || t.scalar_type() != ctx->dtype ||
+        t.sizes() != c10::IntArrayRef(ctx->size) || t.strides() != c10::IntArrayRef(ctx->stride))
+      return -1;  // PyTorch's own alias of the storage
+    if (ctx->sig < 0) {
+      Key d;
+      key_geom(d, ctx->dtype, ctx->size, ctx->stride);
+      d.push_back(0);  // no steps
+      key_geom(d, t.scalar_type(), t.sizes(), t.strides());
+      d.push_back(0);
+      ctx->sig = intern_sig(std::move(d));
+    }
+    return ctx->sig;
+  }
+  if (m->py_chain != nullptr) return -1;
+  Key d;
+  key_geom(d, ctx->dtype, ctx->size, ctx->stride);
+  d.push_back(static_cast<int64_t>(m->steps.size()));
+  for (const auto& s : m->steps) {
+    d.push_back(s.op);
+    d.push_back(static_cast<int64_t>(s.args.size()));
+    for (const auto& a : s.args)
+      if (!key_static(d, a)) return -1;
+  }
+  key_geom(d, t.scalar_type(), t.sizes(), t.strides());
+  d.push_back(t.storage_offset());
+  return intern_sig(std::move(d));
+}
+
+// ---------------------------------------------------------------------------------------------
+// NOTE [C++ recording kernel]: the boxed fallback's fast path. For an op call it can key, it
+// builds the op's key in C++ over the stack (the op's schema address; each tensor's signature id
+// and the device; every argument but the Python numbers that are runtime inputs, whose type only
+// is in the key, as dispatch.op_key makes them (SS); a structured op's fresh out= tensor as a
+// marker), finds the op cache's Entry in its own table, hands the inputs' Values and the scalars
+// to the C record path (`_fastpath.record_storages`: Trace.record's node, no Python frame) and
+// makes the outputs here: new plain tensors from the cached metadata, or the fresh out= tensor,
+// whose storage takes the new Storage (NOTE [fresh out] in plain.py).
+//
+// The table is filled from Python: on an op's first call `Plain.plan` says whether the kernel
+// may take it at all (its route is dispatch._run; no write but a fresh out=; no random draw) and
+// which arguments' numbers are runtime inputs (OpInfo.scalar_pos/scalar_kw, none for a static
+// lowering); on a key's first call the router runs the op and `Plain.learn` finds the Entry the
+// op path used for the same arguments (dispatch.op_key over the wrappers) and checks its output
+// metadata against what the router returned (or refuses: the key then always goes to the router).
+// The C++ key is at least as fine as dispatch.op_key (it keeps every int, bool, list and string,
+// each tensor's whole geometry and view steps), so two calls with one C++ key have one Python key:
+// the learnt Entry is the one the Python path would find. Anything else goes to the router
+// unchanged: a key it cannot build (a CPU tensor, a Python view step, a device, a generator,
+// lists of numbers at scalar positions ...), in-place and out= ops on existing tensors, strict
+// mode, a cut due, an input pending in another trace. All of it runs under the GIL, which guards
+// the tables. Bounded: a full table is cleared (counted); the engine's eviction of per-op programs
+// clears it too (plain.install).
+struct Plan {
+  bool ok = false;
+  int out = -1;              // the stack index of a written `out` (a fresh one is taken), or -1
+  std::vector<char> scalar;  // per argument: a Python number there is a runtime input
+};
+
+struct KEntry {
+  PyObject* entry = nullptr;  // dispatch.Entry (owned), or null: refused, the router always
+  std::vector<OutMeta> outs;
+  size_t n_tensors = 0, n_scalars = 0;
+};
+
+struct Kernel {
+  bool on = true;
+  PyObject* plan_fn = nullptr;    // Plain.plan(op) -> (out index, [runtime number?]) or None
+  PyObject* learn_fn = nullptr;   // Plain.learn(op, args, kwargs, fresh, result) -> tuple or None
+  PyObject* record_fn = nullptr;  // _fastpath.record_storages(entry, ins, scalars, dev)
+  PyObject* val_str = nullptr;    // "val"
+  std::unordered_map<const void*, Plan> plans;  // bounded by the op set
+  std::unordered_map<Key, KEntry, FloorKeyHash> entries;
+  size_t limit = 1 << 16;
+  int64_t hits = 0, misses = 0, learned = 0, refused = 0, passed = 0, unkeyed = 0, clears = 0;
+};
+
+Kernel& kernel() {
+  static Kernel* k = new Kernel();  // never destroyed (kernels may run while the process exits)
+  return *k;
+}
+
+void kernel_clear() {
+  auto& K = kernel();
+  for (auto& kv : K.entries) Py_XDECREF(kv.second.entry);
+  K.entries.clear();
+}
+
+// One call's key and what a hit needs of it.
+struct Call {
+  Key key;
+  std::vector<at::Tensor> tensors;  // tensor inputs, in dispatch.op_key's order
+  std::vector<IValue> scalars;      // runtime numbers (double or int), in its order
+  int64_t dev = -1;
+  at::Tensor out;                   // the fresh out= tensor, or undefined
+};
+
+bool special_double(double d) { return d == 0 || d == 1 || d == -1 || d == 2 || d == 0.5; }
+bool special_int(int64_t i) { return i == 0 || i == 1 || i == -1 || i == 2; }
+
+bool key_tensor_sig(Call& c, const at::Tensor& t) {
+  if (!is_plain_tensor(t)) return false;
+  int64_t s = sig_of(t);
+  if (s < 0) return false;
+  int64_t d = t.device().index();
+  if (c.dev < 0) c.dev = d;
+  else if (c.dev != d) return false;  // the router raises PyTorch's device error
+  c.key.push_back(-1);
+  c.key.push_back(s);
+  c.tensors.push_back(t);
+  return true;
+}
+
+// A number: a runtime input (its type only in the key) at a scalar position unless it is one of
+// dispatch._SPECIAL_SCALARS, else a constant (its bits in the key).
+void key_number(Call& c, const IValue& v, bool scalar) {
+  if (v.isDouble()) {
+    double d = v.toDouble();
+    if (scalar && !special_double(d)) {
+      c.key.push_back(-10);
+      c.scalars.push_back(v);
+    } else {
+      int64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      c.key.push_back(-11);
+      c.key.push_back(bits);
+    }
+  } else {
+    int64_t i = v.toInt();
+    if (scalar && !special_int(i)) {
+      c.key.push_back(-12);
+      c.scalars.push_back(v);
+    } else {
+      c.key.push_back(-13);
+      c.key.push_back(i);
+    }
+  }
+}
+
+bool key_arg(Call& c, const IValue& v, bool scalar) {
+  auto& k = c.key;
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) {
+      k.push_back(-3);
+      return true;
+    }
+    if (t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().is_cpu()) {
+      // the router sees a Python number (torch::jit::toPyObject)
+      switch (t.scalar_type()) {
+        case c10::ScalarType::Double: key_number(c, IValue(*t.const_data_ptr<double>()), scalar); return true;
+        case c10::ScalarType::Long: key_number(c, IValue(*t.const_data_ptr<int64_t>()), scalar); return true;
+        case c10::ScalarType::Bool: k.push_back(-14); k.push_back(*t.const_data_ptr<bool>()); return true;
+        default: return false;
+      }
+    }
+    return key_tensor_sig(c, t);
+  }
+  if (v.isDouble() || v.isInt()) {
+    key_number(c, v, scalar);
+    return true;
+  }
+  if (v.isBool()) {
+    k.push_back(-14);
+    k.push_back(v.toBool());
+    return true;
+  }
+  if (v.isNone()) {
+    k.push_back(-3);
+    return true;
+  }
+  if (v.isIntList()) {
+    if (scalar) return false;  // its items would be runtime inputs: the router
+    return key_static(k, v);
+  }
+  if (v.isTensorList()) {
+    auto l = v.toTensorList();
+    k.push_back(-8);
+    k.push_back(static_cast<int64_t>(l.size()));
+    for (size_t i = 0; i < l.size(); ++i)
+      if (!key_tensor_sig(c, l.get(i))) return false;
+    return true;
+  }
+  if (v.isString()) {
+    const auto& s = v.toStringRef();
+    k.push_back(-15);
+    k.push_back(static_cast<int64_t>(s.size()));
+    for (char ch : s) k.push_back(ch);
+    return true;
+  }
+  return false;  // a device, a generator, a list of numbers, complex ...: the router
+}
+
+bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit::Stack& stack,
+               size_t n, Call& c) {
+  c.key.reserve(32);
+  c.key.push_back(reinterpret_cast<int64_t>(&op.schema()));
+  const size_t first = stack.size() - n;
+  for (size_t i = 0; i < n; ++i) {
+    const IValue& v = stack[first + i];
+    if (static_cast<int>(i) == plan.out) {
+      // a structured op's out= tensor no Python code has seen (NOTE [fresh out])
+      if (!v.isTensor()) return false;
+      const at::Tensor& o = v.toTensor();
+      if (!o.defined() || !is_plain_tensor(o) || meta_of(o) != nullptr || o.storage_offset() != 0 ||
+          ctx_of(o)->storage != nullptr)
+        return false;
+      c.out = o;
+      c.key.push_back(-20);
+      continue;
+    }
+    if (!key_arg(c, v, plan.scalar[i])) return false;
+  }
+  if (c.dev < 0) return false;  // no tensor input: the thread's device (the router)
+  c.key.push_back(c.dev);
+  return true;
+}
+
+[[noreturn]] void rethrow_python() {
+  python_error err;
+  err.persist();
+  throw std::move(err);
+}
+
+// The hit: true when the op was recorded and its outputs are on the stack; false (nothing
+// changed) when the router must take it. Holds the GIL.
+bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
+  auto& K = kernel();
+  if (c.out.defined()) {
+    const auto& m = e.outs[0];
+    if (c.out.scalar_type() != m.dtype || c.out.sizes() != c10::IntArrayRef(m.size) ||
+        c.out.strides() != c10::IntArrayRef(m.stride) || c.out.device().index() != c.dev)
+      return false;
+  }
+  py::list ins(c.tensors.size());
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    auto* ctx = static_cast<StorageCtx*>(c.tensors[i].storage().data_ptr().get_context());
+    if (ctx->storage == nullptr) return false;  // never read by Python: the router makes it
+    PyObject* v = PyObject_GetAttr(ctx->storage, K.val_str);
+    if (v == nullptr) rethrow_python();
+    PyList_SET_ITEM(ins.ptr(), i, v);
+  }
+  py::list scalars(c.scalars.size());
+  for (size_t i = 0; i < c.scalars.size(); ++i) {
+    const auto& s = c.scalars[i];
+    PyObject* o = s.isDouble() ? PyFloat_FromDouble(s.toDouble()) : PyLong_FromLongLong(s.toInt());
+    if (o == nullptr) rethrow_python();
+    PyList_SET_ITEM(scalars.ptr(), i, o);
+  }
+  py::int_ dev(c.dev);
+  PyObject* argv[4] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr()};
+  PyObject* r = PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
+  if (r == nullptr) rethrow_python();
+  py::object res = py::reinterpret_steal<py::object>(r);
+  if (r == Py_NotImplemented) return false;
+  TORCH_INTERNAL_ASSERT(PyTuple_CheckExact(r) && static_cast<size_t>(PyTuple_GET_SIZE(r)) == e.outs.size(),
+                        "deferfuse: record_storages returned ", py::repr(res).cast<std::string>());
+  std::vector<IValue> outs;
+  outs.reserve(e.outs.size());
+  for (size_t k = 0; k < e.outs.size(); ++k) {
+    PyObject* st = PyTuple_GET_ITEM(r, k);
+    at::Tensor t;
+    if (c.out.defined()) {
+      t = c.out;
+    } else {
+      const auto& m = e.outs[k];
+      DeviceScope g(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(c.dev)));
+      t = at::detail::empty_strided_generic(m.size, m.stride, &allocator(), tpu_keys(), m.dtype);
+      remember_base(t);
+    }
+    auto* ctx = ctx_of(t);
+    Py_INCREF(st);
+    Py_XSETREF(ctx->storage, st);
+    outs.emplace_back(std::move(t));
+  }
+  torch::jit::drop(*stack, n);
+  for (auto& o : outs) stack->push_back(std::move(o));
+  return true;
+}
+
+// After the router ran a key's first call: the Entry it used, or a refusal.
+void kernel_learn(const c10::OperatorHandle& op, Call& c, py::handle func, const py::tuple& positional,
+                  const py::dict& kwargs, const py::object& result, const torch::jit::Stack& stack,
+                  size_t nret) {
+  auto& K = kernel();
+  if (K.entries.size() >= K.limit) {
+    kernel_clear();
+    ++K.clears;
+  }
+  KEntry e;
+  py::object got = py::reinterpret_borrow<py::object>(K.learn_fn)(
+      func, positional, kwargs, py::bool_(c.out.defined()), result);
+  bool ok = !got.is_none() && nret >= 1;
+  if (ok) {
+    py::tuple g = got.cast<py::tuple>();
+    e.n_tensors = g[1].cast<size_t>();
+    e.n_scalars = g[2].cast<size_t>();
+    ok = e.n_tensors == c.tensors.size() && e.n_scalars == c.scalars.size() &&
+         (!c.out.defined() || nret == 1);
+    for (size_t r = stack.size() - nret; ok && r < stack.size(); ++r) {
+      const auto& v = stack[r];
+      ok = v.isTensor() && v.toTensor().defined() && is_plain_tensor(v.toTensor());
+      if (!ok) break;
+      const auto& t = v.toTensor();
+      OutMeta m;
+      m.size = t.sizes().vec();
+      m.stride = t.strides().vec();
+      m.dtype = t.scalar_type();
+      e.outs.push_back(std::move(m));
+    }
+    if (ok) e.entry = py::object(g[0]).release().ptr();
+  }
+  if (e.entry != nullptr) ++K.learned;
+  else ++K.refused;
+  K.entries.emplace(std::move(c.key), std::move(e));
+}
+
+void kernel_plan(const c10::OperatorHandle& op, py::handle func) {
+  auto& K = kernel();
+  Plan p;
+  py::object got = py::reinterpret_borrow<py::object>(K.plan_fn)(func);
+  if (!got.is_none()) {
+    py::tuple g = got.cast<py::tuple>();
+    p.out = g[0].cast<int>();
+    for (auto f : g[1]) p.scalar.push_back(f.cast<bool>());
+    p.ok = p.scalar.size() == op.schema().arguments().size();
+  }
+  K.plans.emplace(&op.schema(), std::move(p));
+}
+
 PyObject* py_op(const c10::OperatorHandle& op) {
   auto& r = router();
   const void* id = &op.schema();
@@ -653,32 +1069,49 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   FloorKey key;
   auto& fc = floor_cache();
   if (fc.on && floor_hit(op, stack, key)) return;
-  std::vector<IValue> args(stack->end() - n, stack->end());
-  {
-    py::gil_scoped_acquire gil;
-    py::tuple pargs(0);
-    py::list positional;
-    py::dict kwargs;
-    for (size_t i = 0; i < n; ++i) {
-      const auto& a = arguments[i];
-      if (a.kwarg_only()) {
-        if (!args[i].isNone() || !a.default_value().has_value()) kwargs[py::str(a.name())] = to_py(args[i], a);
+  py::gil_scoped_acquire gil;
+  // NOTE [C++ recording kernel]
+  auto& K = kernel();
+  const bool kernel_on = K.on && K.learn_fn != nullptr && !fc.on;
+  const Plan* plan = nullptr;
+  Call call;
+  bool learn = false;
+  if (kernel_on) {
+    auto pit = K.plans.find(&schema);
+    if (pit != K.plans.end()) {
+      plan = &pit->second;
+      if (plan->ok && build_key(op, *plan, *stack, n, call)) {
+        auto it = K.entries.find(call.key);
+        if (it == K.entries.end()) {
+          ++K.misses;
+          learn = true;
+        } else if (it->second.entry != nullptr && kernel_hit(it->second, call, stack, n)) {
+          ++K.hits;
+          return;
+        } else {
+          ++K.passed;
+        }
       } else {
-        positional.append(to_py(args[i], a));
+        ++K.unkeyed;
       }
     }
-    PyObject* func = py_op(op);
-    py::object out;
-    try {
-      out = py::reinterpret_borrow<py::object>(router().route)(
-          py::handle(func), py::tuple(positional), kwargs);
-    } catch (py::error_already_set& e) {
-      // PyTorch's Python binding re-raises it as it was (its type and message, as on CPU)
-      e.restore();
-      python_error err;
-      err.persist();
-      throw std::move(err);
+  }
+  std::vector<IValue> args(stack->end() - n, stack->end());
+  py::list positional;
+  py::dict kwargs;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& a = arguments[i];
+    if (a.kwarg_only()) {
+      if (!args[i].isNone() || !a.default_value().has_value()) kwargs[py::str(a.name())] = to_py(args[i], a);
+    } else {
+      positional.append(to_py(args[i], a));
     }
+  }
+  PyObject* func = py_op(op);
+  py::tuple pos(positional);
+  py::object out;
+  try {
+    out = py::reinterpret_borrow<py::object>(router().route)(py::handle(func), pos, kwargs);
     torch::jit::drop(*stack, n);
     const auto& rets = schema.returns();
     if (nret == 1) {
@@ -687,6 +1120,14 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       py::tuple tup = py::reinterpret_borrow<py::tuple>(out);
       for (size_t i = 0; i < nret; ++i) stack->push_back(torch::jit::toIValue(tup[i], rets[i].real_type()));
     }
+    if (kernel_on) {
+      if (plan == nullptr) kernel_plan(op, py::handle(func));
+      else if (learn) kernel_learn(op, call, py::handle(func), pos, kwargs, out, *stack, nret);
+    }
+  } catch (py::error_already_set& e) {
+    // PyTorch's Python binding re-raises it as it was (its type and message, as on CPU)
+    e.restore();
+    rethrow_python();
   }
   if (fc.on && !key.empty()) floor_store(key, args, *stack, nret);
 }
@@ -819,10 +1260,7 @@ at::Tensor make_view_py(const at::Tensor& of, c10::IntArrayRef size, c10::IntArr
   return at::Tensor(std::move(impl));
 }
 
-bool is_plain(const at::Tensor& t) {
-  return t.device().type() == c10::DeviceType::PrivateUse1 && t.has_storage() &&
-         t.storage().data_ptr().get_deleter() == &free_ctx;
-}
+bool is_plain(const at::Tensor& t) { return is_plain_tensor(t); }
 
 }  // namespace
 
@@ -855,5 +1293,36 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     std::lock_guard<std::mutex> g(fc.mu);
     return py::make_tuple(fc.hits, fc.misses, fc.entries.size());
   });
+  m.def("install_kernel", [](py::object plan, py::object learn, py::object record) {
+    auto& K = kernel();
+    TORCH_CHECK(K.learn_fn == nullptr, "the C++ recording kernel is installed already");
+    K.plan_fn = plan.release().ptr();
+    K.learn_fn = learn.release().ptr();
+    K.record_fn = record.release().ptr();
+    K.val_str = PyUnicode_InternFromString("val");
+  }, "NOTE [C++ recording kernel]: Plain.plan, Plain.learn, _fastpath.record_storages");
+  m.def("set_kernel", [](bool on) { kernel().on = on; },
+        "the C++ recording kernel on or off (off: every op through the router; the table is kept)");
+  m.def("kernel_clear", []() { kernel_clear(); kernel().plans.clear(); },
+        "forget every learnt op (the engine's per-op programs were evicted)");
+  m.def("kernel_stats", []() {
+    auto& K = kernel();
+    py::dict d;
+    d["hits"] = K.hits; d["misses"] = K.misses; d["learned"] = K.learned;
+    d["refused"] = K.refused; d["passed"] = K.passed; d["unkeyed"] = K.unkeyed;
+    d["entries"] = K.entries.size(); d["plans"] = K.plans.size(); d["clears"] = K.clears;
+    return d;
+  });
+  m.def("reset_kernel_stats", []() {
+    auto& K = kernel();
+    K.hits = K.misses = K.learned = K.refused = K.passed = K.unkeyed = 0;
+  });
+  m.def("sig", [](const at::Tensor& t) { return is_plain_tensor(t) ? sig_of(t) : -1; },
+        "NOTE [C++ signatures]: the tensor's signature id, or -1");
+  m.def("sig_desc", [](int64_t id) -> py::object {
+    auto& t = sigs();
+    if (id < t.first || id >= t.first + static_cast<int64_t>(t.descs.size())) return py::none();
+    return py::tuple(py::cast(t.descs[id - t.first]));
+  }, "the description a signature id was interned for (ints), or None when forgotten");
   m.attr("TORCH_VERSION") = DEFERFUSE_TORCH_VERSION;
 }

@@ -26,6 +26,8 @@ from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
 from .tensor import Storage, TpuTensor, make
 
 ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
+# the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp); 0: the router only
+KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 
 aten = torch.ops.aten
 
@@ -140,6 +142,70 @@ class Plain:
         torch.ops.aten.resize_.default(p, size, memory_format=memory_format)
         self.rebind(t, self.wrapper(p))
         return t
+
+    # -- the C++ recording kernel's two callbacks (NOTE [C++ recording kernel] in _tpu_tensor.cpp)
+
+    def plan(self, func):
+        """Whether the kernel may take ``func`` (its route is dispatch._run; it writes nothing but
+        a fresh ``out``; it draws no random numbers), as ``(index of out or -1, [a Python number
+        at this argument is a runtime input])``, or None. Called once per op, after its first
+        call through the router."""
+        from . import dispatch, route
+        args = func._schema.arguments
+        out, f = -1, func
+        if any(a.alias_info is not None and a.alias_info.is_write for a in args):
+            f = self.functional_of(func)
+            if f is None:
+                return None
+            out = next(i for i, a in enumerate(args) if a.name == "out")
+        r = route._routes.get(id(f))
+        if r is None or r[0] is not dispatch._run:
+            return None
+        info = r[1]
+        if info.low.rng or info.kind in ("self_mut", "func_mut"):
+            return None
+        if info.low.static:
+            return out, [False] * len(args)
+        return out, [(a.name in info.scalar_kw) if a.kwarg_only else (i in info.scalar_pos)
+                     for i, a in enumerate(args)]
+
+    def learn(self, func, args, kwargs, fresh, result):
+        """The op cache's Entry the op path used for this call (the router ran it just now), as
+        ``(Entry, tensor inputs, scalar inputs)``, when the kernel can record its hits: one Entry
+        with new outputs only (``Entry.fast``), no dynamic offsets, and output metadata equal to
+        the router's result. None otherwise (the kernel then leaves the key to the router)."""
+        from . import dispatch, route
+        f, kw = func, kwargs
+        if fresh:
+            f = self.functional_of(func)
+            kw = {k: v for k, v in kwargs.items() if k != "out"}
+        r = route._routes.get(id(f))
+        if f is None or r is None or r[0] is not dispatch._run:
+            return None
+        ins, stores = {}, {}
+        try:
+            wargs = [self._in(a, ins, stores) for a in args]
+            wkw = {k: self._in(v, ins, stores) for k, v in kw.items()}
+            key, tensors, scalars, _ = dispatch.op_key(r[1], wargs, wkw)
+        except Exception:
+            return None
+        e = dispatch._ops.get(key)
+        if type(e) is not dispatch.Entry or e.fast is None or e.dyn:
+            return None
+        if type(e.fast) is tuple:
+            metas, res = [e.fast], [result]
+        elif e.out[0][0] == "tuple" and type(result) is tuple:
+            metas, res = e.fast, list(result)
+        else:
+            return None
+        if len(metas) != len(res):
+            return None
+        for m, t in zip(metas, res):
+            if (m is None or not isinstance(t, torch.Tensor) or not self.is_plain(t)
+                    or t.dtype != m[0] or tuple(t.shape) != m[1]
+                    or t.stride() != (m[2] or _contig(m[1])) or t.storage_offset() != 0):
+                return None
+        return e, len(tensors), len(scalars)
 
     # -- plain -> TpuTensor
 
@@ -294,6 +360,13 @@ def install() -> Plain:
     route.resize = PLAIN.resize_out
     from .tensor import _DEVICES
     ext.install(PLAIN.route, PLAIN.resolve, len(_DEVICES))
+    if KERNEL:
+        # NOTE [C++ recording kernel]: cache hits recorded in C++; its table holds Entries, so it
+        # is dropped with the per-op programs (NOTE [JIT mappings])
+        from . import _fastpath
+        from .engine import engine
+        ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages)
+        engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
     return PLAIN
 
 

@@ -205,3 +205,111 @@ def test_compiled_mode_refuses_plain_tensors_until_ported():
     f = torch.compile(lambda a: (a * 2).sin().sum(), backend="tpu")
     with pytest.raises(Exception, match="not yet ported to the plain tpu tensor"):
         f(x)
+
+
+# -- the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp): cache hits are
+# recorded in C++ from metadata learnt on an earlier call; each case runs its ops three times
+# (plan, learn, hit) and compares every result, dtype, shape and stride with CPU's.
+
+def _kernel_hits():
+    return deferfuse.plain.PLAIN.ext.kernel_stats()["hits"]
+
+
+def _same(got, want):
+    assert type(got) is torch.Tensor and got.device.type == "tpu"
+    assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+KERNEL_CASES = [
+    # Python numbers: runtime inputs, their type in the key (int * int tensor stays int; a float
+    # makes it float), special values constants
+    ("int_then_float_scalars", lambda p, q, i, f: [i * 3, i * 3.5, i * 7, i * 2.5, p * 3, p * 3.5,
+                                                   i + 2, i + 2.0, p * 0.5, p * 1.25]),
+    ("bool_and_negative_scalars", lambda p, q, i, f: [p * True, i * -1, i * -3, p - 1e30]),
+    # broadcasting: one key per broadcast shape
+    ("broadcasting", lambda p, q, i, f: [p + q[0], p + q[:, :1], p + q[1:2], p * q[2, 3],
+                                         p[:1] + q[:, 2:3]]),
+    # the same shapes, other strides and offsets (C++ view steps in the signature)
+    ("strides_and_offsets", lambda p, q, i, f: [p + q, p.t() + q, p + q.t(), p.t() + q.t(),
+                                                p[1:] + q[:3], p[:3] + q[1:], p[:, 1:] * q[:, :3],
+                                                p[::2] - q[1::2], p.t()[1] + q[2]]),
+    # dtypes: the same shapes in float32, float64, int64 and mixed
+    ("dtypes", lambda p, q, i, f: [p + q, f + f, i + i, p + i, f * p, i * 2.5, (i > 0) & (p > 0)]),
+    # ops with one or several new outputs, reductions, matmul
+    ("several_outputs", lambda p, q, i, f: [*p.max(1), *torch.var_mean(q, 0), p.sum(0),
+                                            (p @ q).relu(), torch.tanh(q) / (p.abs() + 1),
+                                            p.mean(1, keepdim=True)]),
+]
+
+
+@pytest.mark.parametrize("name,fn", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_cxx_kernel_results_equal_cpu(name, fn):
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    ai, af = torch.randint(-5, 5, (4, 4)), torch.randn(4, 4, dtype=torch.float64)
+    x, y, xi, xf = a.to("tpu"), b.to("tpu"), ai.to("tpu"), af.to("tpu")
+    before = _kernel_hits()
+    for _ in range(3):
+        got, want = fn(x, y, xi, xf), fn(a, b, ai, af)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _same(g, w)
+    if deferfuse.mode() == "defer":
+        assert _kernel_hits() > before      # the third round was recorded in C++
+
+
+def test_cxx_kernel_in_place_ops_and_fresh_out_equal_cpu():
+    torch.manual_seed(1)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    x, y = a.to("tpu"), b.to("tpu")
+    for k in range(4):
+        a.add_(b, alpha=0.5)        # in-place: the router, every time
+        x.add_(y, alpha=0.5)
+        a[1:3].mul_(1.5)            # in-place on a view
+        x[1:3].mul_(1.5)
+        _same(x + y * k, a + b * k)     # reads the written values (kernel hits after the first)
+        o, oc = torch.empty(4, 4, device="tpu"), torch.empty(4, 4)
+        _same(torch.mul(x, y, out=o), torch.mul(a, b, out=oc))   # a fresh out= tensor
+        _same(o, oc)
+        _same(torch.add(x, 2.5, out=o), torch.add(a, 2.5, out=oc))   # no longer fresh
+        _same(o, oc)
+    _same(x, a)
+
+
+@pytest.mark.modes("defer")
+def test_cxx_kernel_hits_are_recorded_nodes_and_refusals_route():
+    ext = deferfuse.plain.PLAIN.ext
+    a = torch.randn(5, 3)
+    x = a.to("tpu")
+    for _ in range(3):
+        x * 1.5
+    deferfuse.sync()
+    before = ext.kernel_stats()
+    y = x * 2.5
+    z = (x * 3.5) * 4.5
+    assert ext.kernel_stats()["hits"] == before["hits"] + 3
+    st = ext.storage(y)
+    assert st.val.node is not None and st.val.node.scalars == [2.5]    # pending, the scalar an input
+    _same(y, a * 2.5)
+    _same(z, (a * 3.5) * 4.5)
+    # a tensor with a Python view step (as the router makes one): no C++ signature, the router
+    u = ext.make_view(x, (3,), (4,), 0, ((torch.ops.aten.diagonal.default, (), ()),))
+    assert ext.sig(u) == -1 and ext.sig(x) >= 0
+    for _ in range(3):
+        _same(u * 1.5, a.diagonal() * 1.5)
+    assert ext.sig_desc(ext.sig(x))[1:6] == (2, 5, 3, 3, 1)    # base: rank, sizes, strides
+
+
+def test_cxx_kernel_off_gives_the_same_results():
+    ext = deferfuse.plain.PLAIN.ext
+    a = torch.randn(3, 3)
+    x = a.to("tpu")
+    try:
+        ext.set_kernel(False)
+        before = ext.kernel_stats()["hits"]
+        for _ in range(3):
+            _same(x * 1.5 + x, a * 1.5 + a)
+        assert ext.kernel_stats()["hits"] == before
+    finally:
+        ext.set_kernel(True)
