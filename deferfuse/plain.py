@@ -159,7 +159,9 @@ class Plain:
                 return None
             out = next(i for i, a in enumerate(args) if a.name == "out")
         r = route._routes.get(id(f))
-        if r is None or r[0] is not dispatch._run:
+        if r is None:       # the functional op not called yet (an out= op's first calls)
+            r = route._routes[id(f)] = route._route(f)
+        if r[0] is not dispatch._run:
             return None
         info = r[1]
         if info.low.rng or info.kind in ("self_mut", "func_mut"):
@@ -179,8 +181,12 @@ class Plain:
         if fresh:
             f = self.functional_of(func)
             kw = {k: v for k, v in kwargs.items() if k != "out"}
+        if f is None:
+            return None
         r = route._routes.get(id(f))
-        if f is None or r is None or r[0] is not dispatch._run:
+        if r is None:
+            r = route._routes[id(f)] = route._route(f)
+        if r[0] is not dispatch._run:
             return None
         ins, stores = {}, {}
         try:

@@ -4,6 +4,8 @@ through the existing op path (NOTE [plain router] in deferfuse/plain.py) equal C
 
 Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
 extension is not built."""
+import warnings
+
 import pytest
 import torch
 
@@ -250,11 +252,15 @@ def test_cxx_kernel_results_equal_cpu(name, fn):
     ai, af = torch.randint(-5, 5, (4, 4)), torch.randn(4, 4, dtype=torch.float64)
     x, y, xi, xf = a.to("tpu"), b.to("tpu"), ai.to("tpu"), af.to("tpu")
     before = _kernel_hits()
-    for _ in range(3):
-        got, want = fn(x, y, xi, xf), fn(a, b, ai, af)
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            _same(g, w)
+    with warnings.catch_warnings():
+        # a program called with other argument types than it was compiled for warns, then runs
+        # op by op: a key that mixed two structures
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(3):
+            got, want = fn(x, y, xi, xf), fn(a, b, ai, af)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                _same(g, w)
     if deferfuse.mode() == "defer":
         assert _kernel_hits() > before      # the third round was recorded in C++
 
@@ -288,7 +294,8 @@ def test_cxx_kernel_hits_are_recorded_nodes_and_refusals_route():
     before = ext.kernel_stats()
     y = x * 2.5
     z = (x * 3.5) * 4.5
-    assert ext.kernel_stats()["hits"] == before["hits"] + 3
+    after = ext.kernel_stats()
+    assert after["hits"] == before["hits"] + 3, str((sorted(before.items()), sorted(after.items())))
     st = ext.storage(y)
     assert st.val.node is not None and st.val.node.scalars == [2.5]    # pending, the scalar an input
     _same(y, a * 2.5)
@@ -313,3 +320,31 @@ def test_cxx_kernel_off_gives_the_same_results():
         assert ext.kernel_stats()["hits"] == before
     finally:
         ext.set_kernel(True)
+
+
+@pytest.mark.modes("defer")
+def test_cxx_kernel_takes_a_functional_op_first_seen_as_out():
+    # atan2.out on a tensor with a value first (the router writes it), then the functional op:
+    # the kernel's plan for atan2.out must not be refused for good
+    ext = deferfuse.plain.PLAIN.ext
+    a, b = torch.randn(3, 5), torch.randn(3, 5)
+    x, y = a.to("tpu"), b.to("tpu")
+    o, oc = torch.zeros(3, 5, device="tpu"), torch.zeros(3, 5)
+    _same(torch.atan2(x, y, out=o), torch.atan2(a, b, out=oc))
+    before = ext.kernel_stats()["hits"]
+    for _ in range(4):
+        _same(torch.atan2(x, y), torch.atan2(a, b))
+    assert ext.kernel_stats()["hits"] > before
+
+
+def test_cxx_kernel_keeps_int_and_float_scalars_apart():
+    # hardtanh's Scalar bounds reach the kernel as they are (PyTorch does not structure it): int
+    # bounds, then float ones, must be two keys (one key for both ran a program with the other
+    # argument types: it warned and ran op by op)
+    a, ai = torch.randn(4, 4) * 4, torch.randint(-9, 9, (4, 4))
+    x, xi = a.to("tpu"), ai.to("tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for lo, hi in [(-3, 3)] * 3 + [(-2.5, 2.5)] * 3 + [(-1, 4)] * 2 + [(-0.5, 1.5)] * 2:
+            _same(torch.ops.aten.hardtanh(xi, lo, hi), torch.ops.aten.hardtanh(ai, lo, hi))
+            _same(torch.ops.aten.hardtanh(x, lo, hi), torch.ops.aten.hardtanh(a, lo, hi))
