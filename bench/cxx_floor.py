@@ -7,6 +7,9 @@
   ``y * 1.0001`` only;
 - ``plain``: the plain PrivateUse1 tensor (``DEFERFUSE_TENSOR=plain``), every op through the boxed
   C++ fallback and the Python router into the same op path, defer mode;
+- ``plain_kernel``: the plain tensor with the C++ recording kernel (NOTE [C++ recording kernel] in
+  deferfuse/_tpu_tensor.cpp): a cache hit keyed and recorded from C++, the node made by the C
+  record path, outputs built in C++; misses, in-place ops and the rest through the router;
 - ``plain_floor``: the plain tensor with the C++ fallback building outputs from cached metadata and
   calling no Python (NOTE [floor cache] in deferfuse/_tpu_tensor.cpp): the floor a C++ recording
   kernel starts from (it records nothing).
@@ -42,7 +45,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import FloorTensor  # noqa: E402
 
 EXT = plain.PLAIN.ext
-SYSTEMS = ("cpu", "defer", "wrapper_floor", "plain", "plain_floor")
+SYSTEMS = ("cpu", "defer", "wrapper_floor", "plain", "plain_kernel", "plain_floor")
 
 
 def maker(system):
@@ -131,13 +134,15 @@ def run(rounds: int, n: int, mlp_steps: int):
 
         def one(s, reps):
             EXT.set_floor(s == "plain_floor")
+            EXT.set_kernel(s == "plain_kernel")
             try:
                 t0 = time.perf_counter()
                 block(*state[s], reps)
                 dt = time.perf_counter() - t0
             finally:
                 EXT.set_floor(False)
-            if s in ("defer", "plain"):
+                EXT.set_kernel(False)
+            if s in ("defer", "plain", "plain_kernel"):
                 deferfuse.sync()
             return dt
 
@@ -155,18 +160,24 @@ def run(rounds: int, n: int, mlp_steps: int):
                      "spread": {s: [min(v), max(v)] for s, v in times.items()},
                      "ratio_to_cpu": {s: statistics.median(v) for s, v in ratios.items()}}
     out["floor_cache"] = dict(zip(("hits", "misses", "entries"), EXT.floor_stats()))
+    out["kernel"] = dict(EXT.kernel_stats())
     return out
 
 
 def check():
-    """The plain tensor's results equal CPU's (the router path; the floor computes nothing)."""
-    a, b = torch.randn(8, 8), torch.randn(8, 8)
-    x, y = a.to("tpu"), b.to("tpu")
-    torch.testing.assert_close((x + y).cpu(), a + b)
-    torch.testing.assert_close((y * 1.0001).cpu(), b * 1.0001)
-    m_cpu, m_tpu = MLP(maker("cpu")), MLP(maker("plain"))
-    for _ in range(2):
-        torch.testing.assert_close(m_tpu.step().detach().cpu(), m_cpu.step().detach())
+    """The plain tensor's results equal CPU's, through the router and through the C++ kernel
+    (the floor computes nothing)."""
+    for kernel in (False, True):
+        EXT.set_kernel(kernel)
+        a, b = torch.randn(8, 8), torch.randn(8, 8)
+        x, y = a.to("tpu"), b.to("tpu")
+        for _ in range(3):
+            torch.testing.assert_close((x + y).cpu(), a + b)
+            torch.testing.assert_close((y * 1.0001).cpu(), b * 1.0001)
+        m_cpu, m_tpu = MLP(maker("cpu")), MLP(maker("plain"))
+        for _ in range(3):
+            torch.testing.assert_close(m_tpu.step().detach().cpu(), m_cpu.step().detach())
+    EXT.set_kernel(False)
 
 
 def markdown(res, meta) -> str:
@@ -178,7 +189,7 @@ def markdown(res, meta) -> str:
              "`bench/cxx_floor.py`.", "",
              "| case | " + " | ".join(SYSTEMS) + " |", "|---|" + "---:|" * len(SYSTEMS)]
     for case, r in res.items():
-        if case == "floor_cache":
+        if case in ("floor_cache", "kernel"):
             continue
         cells = [f"{r['us_per_op'][s]:.2f} ({r['ratio_to_cpu'][s]:.2f}x)" if s in r["us_per_op"]
                  else "—" for s in SYSTEMS]
@@ -186,10 +197,10 @@ def markdown(res, meta) -> str:
     lines += ["", "Per op of the MLP step: its time divided by the aten ops CPU eager runs in it "
               f"({res['mlp step']['ops_per_unit']}). Spread (min, max µs per op over rounds):", ""]
     for case, r in res.items():
-        if case != "floor_cache":
+        if case not in ("floor_cache", "kernel"):
             lines.append(f"- {case}: " + ", ".join(f"{s} {a:.2f}-{b:.2f}"
                                                     for s, (a, b) in r["spread"].items()))
-    lines += ["", f"Floor cache: {res['floor_cache']}.", ""]
+    lines += ["", f"Floor cache: {res['floor_cache']}.", f"C++ kernel: {res['kernel']}.", ""]
     return "\n".join(lines)
 
 

@@ -663,7 +663,9 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         if (epoch == NULL) goto done;
         for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(mut) && k < n_out; k++) {
             Py_ssize_t m = PyLong_AsSsize_t(PyTuple_GET_ITEM(mut, k));
-            PyObject *st = m < 0 ? NULL : tensor_attr(PyList_GET_ITEM(tensors, m), A_s);
+            /* storages_only: tensors is the written Storages, one per entry of mut */
+            PyObject *st = m < 0 ? NULL : storages_only ? PyList_GET_ITEM(tensors, k)
+                                                        : tensor_attr(PyList_GET_ITEM(tensors, m), A_s);
             if (st == NULL) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "deferfuse: no storage");
                 Py_DECREF(epoch); goto done;
@@ -686,6 +688,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
             }
         }
         Py_DECREF(epoch);
+        if (storages_only) { result = Py_None; Py_INCREF(result); goto done; }
         PyObject *rets = GET(info, A_returns);
         if (rets == NULL) goto done;
         Py_ssize_t nr = rets == Py_None ? 0 : PySequence_Size(rets);
@@ -1373,10 +1376,16 @@ static PyObject *dispatch(PyObject *self, PyObject *const *args, Py_ssize_t narg
    and returns the outputs' new Storages, a tuple; Py_NotImplemented (nothing changed) when it is
    not that case, and the kernel hands the op to the Python router. */
 static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "record_storages(entry, ins: list, scalars: list, dev)");
+    if ((nargs != 4 && nargs != 6) || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2]) ||
+            (nargs == 6 && (!PyList_CheckExact(args[4]) || !PyTuple_CheckExact(args[5]) ||
+                            PyList_GET_SIZE(args[4]) != PyTuple_GET_SIZE(args[5])))) {
+        PyErr_SetString(PyExc_TypeError, "record_storages(entry, ins: list, scalars: list, dev"
+                        "[, written Storages: list, Entry.out[1]: tuple])");
         return NULL;
     }
+    /* with the written Storages: an op that writes its inputs (Entry.fast None): each takes its
+       new value as dispatch._bind does, and it returns None (the kernel returns the argument) */
+    PyObject *writes = nargs == 6 ? args[4] : NULL, *mut = nargs == 6 ? args[5] : NULL;
     if (!S.ready) Py_RETURN_NOTIMPLEMENTED;
     PyObject *entry = args[0], *ins = args[1], *scalars = args[2];
     long dev = PyLong_AsLong(args[3]);
@@ -1391,7 +1400,8 @@ static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize
     if (fake) Py_RETURN_NOTIMPLEMENTED;
     PyObject *fast = GET(entry, A_fast);
     if (fast == NULL) return NULL;
-    if (!(PyTuple_CheckExact(fast) || PyList_CheckExact(fast))) {
+    if (writes != NULL ? (fast != Py_None || PyTuple_GET_SIZE(mut) == 0)
+                       : !(PyTuple_CheckExact(fast) || PyList_CheckExact(fast))) {
         Py_DECREF(fast);
         Py_RETURN_NOTIMPLEMENTED;
     }
@@ -1410,7 +1420,7 @@ static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize
     Py_DECREF(r);
     trace = GET(ts, A_trace);
     if (trace != NULL)
-        result = record(trace, entry, fast, ins, scalars, dev, NULL, NULL, NULL, NULL, NULL, 1);
+        result = record(trace, entry, fast, ins, scalars, dev, writes, mut, NULL, NULL, NULL, 1);
     PyObject *exc_type, *exc_val, *exc_tb;
     PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
     r = PyObject_CallNoArgs(S.lock_release);

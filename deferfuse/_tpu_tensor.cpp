@@ -758,8 +758,12 @@ struct Plan {
 
 struct KEntry {
   PyObject* entry = nullptr;  // dispatch.Entry (owned), or null: refused, the router always
-  std::vector<OutMeta> outs;
+  std::vector<OutMeta> outs;  // new outputs (Entry.fast), or none: an op writing its inputs
   size_t n_tensors = 0, n_scalars = 0;
+  PyObject* mut = nullptr;    // an op writing its inputs: Entry.out[1] (owned), the written inputs
+  std::vector<int> mut_idx;   // the same, as ints
+  bool overwrites = false;    // OpInfo.overwrites: a written base input is not read
+  int ret = -1;               // the stack index of the argument it returns
 };
 
 struct Kernel {
@@ -781,7 +785,10 @@ Kernel& kernel() {
 
 void kernel_clear() {
   auto& K = kernel();
-  for (auto& kv : K.entries) Py_XDECREF(kv.second.entry);
+  for (auto& kv : K.entries) {
+    Py_XDECREF(kv.second.entry);
+    Py_XDECREF(kv.second.mut);
+  }
   K.entries.clear();
 }
 
@@ -890,8 +897,10 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
   return false;  // a device, a generator, a list of numbers, complex ...: the router
 }
 
+// `stack`'s last n values are the call's arguments; `fresh`: the out= tensor is taken as fresh
+// whatever it holds now (the key of a call the router just ran, NOTE [C++ recording kernel]).
 bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit::Stack& stack,
-               size_t n, Call& c) {
+               size_t n, Call& c, bool fresh = false) {
   c.key.reserve(32);
   c.key.push_back(reinterpret_cast<int64_t>(&op.schema()));
   const size_t first = stack.size() - n;
@@ -901,11 +910,16 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
       // a structured op's out= tensor no Python code has seen (NOTE [fresh out])
       if (!v.isTensor()) return false;
       const at::Tensor& o = v.toTensor();
-      if (!o.defined() || !is_plain_tensor(o) || meta_of(o) != nullptr || o.storage_offset() != 0 ||
-          ctx_of(o)->storage != nullptr)
-        return false;
-      c.out = o;
-      c.key.push_back(-20);
+      if (!o.defined() || !is_plain_tensor(o)) return false;
+      if (fresh || (meta_of(o) == nullptr && o.storage_offset() == 0 && ctx_of(o)->storage == nullptr)) {
+        c.out = o;
+        c.key.push_back(-20);
+        continue;
+      }
+      // an out= tensor with a value (in-place structured ops: `x.add_(y)` arrives as add.out with
+      // out=x): an input written, after the other arguments as dispatch.op_key puts it
+      c.key.push_back(-21);
+      if (!key_tensor_sig(c, o)) return false;
       continue;
     }
     if (!key_arg(c, v, plan.scalar[i])) return false;
@@ -947,6 +961,30 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     PyList_SET_ITEM(scalars.ptr(), i, o);
   }
   py::int_ dev(c.dev);
+  if (e.mut != nullptr) {
+    // an op writing its inputs (dispatch._bind): each written storage takes its new value
+    py::list writes(e.mut_idx.size());
+    for (size_t k = 0; k < e.mut_idx.size(); ++k) {
+      const at::Tensor& t = c.tensors[e.mut_idx[k]];
+      PyObject* st = static_cast<StorageCtx*>(t.storage().data_ptr().get_context())->storage;
+      Py_INCREF(st);
+      PyList_SET_ITEM(writes.ptr(), k, st);
+      if (e.overwrites && meta_of(t) == nullptr) {
+        // overwritten whole, not through a view: not read (dispatch._run)
+        Py_INCREF(Py_None);
+        PyList_SetItem(ins.ptr(), e.mut_idx[k], Py_None);
+      }
+    }
+    PyObject* argv[6] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr(), writes.ptr(), e.mut};
+    PyObject* r = PyObject_Vectorcall(K.record_fn, argv, 6, nullptr);
+    if (r == nullptr) rethrow_python();
+    py::object res = py::reinterpret_steal<py::object>(r);
+    if (r == Py_NotImplemented) return false;
+    IValue out = (*stack)[stack->size() - n + e.ret];
+    torch::jit::drop(*stack, n);
+    stack->push_back(std::move(out));
+    return true;
+  }
   PyObject* argv[4] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr()};
   PyObject* r = PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
   if (r == nullptr) rethrow_python();
@@ -978,10 +1016,20 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
 }
 
 // After the router ran a key's first call: the Entry it used, or a refusal.
-void kernel_learn(const c10::OperatorHandle& op, Call& c, py::handle func, const py::tuple& positional,
-                  const py::dict& kwargs, const py::object& result, const torch::jit::Stack& stack,
-                  size_t nret) {
+void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::handle func,
+                  const py::tuple& positional, const py::dict& kwargs, const py::object& result,
+                  const std::vector<IValue>& args, const torch::jit::Stack& stack, size_t nret) {
   auto& K = kernel();
+  {
+    // the arguments' key after the router ran: an out= tensor it resized has another signature
+    // now, and the Entry Python finds is that one's, not the call's
+    Call after;
+    if (!build_key(op, plan, args, args.size(), after, c.out.defined()) || after.key != c.key) {
+      ++K.refused;
+      K.entries.emplace(std::move(c.key), KEntry());
+      return;
+    }
+  }
   if (K.entries.size() >= K.limit) {
     kernel_clear();
     ++K.clears;
@@ -990,12 +1038,32 @@ void kernel_learn(const c10::OperatorHandle& op, Call& c, py::handle func, const
   py::object got = py::reinterpret_borrow<py::object>(K.learn_fn)(
       func, positional, kwargs, py::bool_(c.out.defined()), result);
   bool ok = !got.is_none() && nret >= 1;
+  py::tuple g;
   if (ok) {
-    py::tuple g = got.cast<py::tuple>();
+    g = got.cast<py::tuple>();
     e.n_tensors = g[1].cast<size_t>();
     e.n_scalars = g[2].cast<size_t>();
     ok = e.n_tensors == c.tensors.size() && e.n_scalars == c.scalars.size() &&
          (!c.out.defined() || nret == 1);
+  }
+  if (ok && g.size() == 6) {
+    // an op writing its inputs: (Entry, tensors, scalars, Entry.out[1], overwrites, returned)
+    ok = nret == 1 && !c.out.defined();
+    for (auto m : g[3]) {
+      int mi = m.cast<int>();
+      ok = ok && mi >= 0 && static_cast<size_t>(mi) < c.tensors.size();
+      e.mut_idx.push_back(mi);
+    }
+    e.overwrites = g[4].cast<bool>();
+    e.ret = g[5].cast<int>();
+    ok = ok && !e.mut_idx.empty() && e.ret >= 0 && static_cast<size_t>(e.ret) < args.size() &&
+         args[e.ret].isTensor() && stack.back().isTensor() &&
+         stack.back().toTensor().unsafeGetTensorImpl() == args[e.ret].toTensor().unsafeGetTensorImpl();
+    if (ok) {
+      e.mut = py::object(g[3]).release().ptr();
+      e.entry = py::object(g[0]).release().ptr();
+    }
+  } else if (ok) {
     for (size_t r = stack.size() - nret; ok && r < stack.size(); ++r) {
       const auto& v = stack[r];
       ok = v.isTensor() && v.toTensor().defined() && is_plain_tensor(v.toTensor());
@@ -1122,7 +1190,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     }
     if (kernel_on) {
       if (plan == nullptr) kernel_plan(op, py::handle(func));
-      else if (learn) kernel_learn(op, call, py::handle(func), pos, kwargs, out, *stack, nret);
+      else if (learn) kernel_learn(op, *plan, call, py::handle(func), pos, kwargs, out, args, *stack, nret);
     }
   } catch (py::error_already_set& e) {
     // PyTorch's Python binding re-raises it as it was (its type and message, as on CPU)

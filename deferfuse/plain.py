@@ -146,25 +146,27 @@ class Plain:
     # -- the C++ recording kernel's two callbacks (NOTE [C++ recording kernel] in _tpu_tensor.cpp)
 
     def plan(self, func):
-        """Whether the kernel may take ``func`` (its route is dispatch._run; it writes nothing but
-        a fresh ``out``; it draws no random numbers), as ``(index of out or -1, [a Python number
-        at this argument is a runtime input])``, or None. Called once per op, after its first
-        call through the router."""
+        """Whether the kernel may take ``func`` (its route is dispatch._run, it draws no random
+        numbers, and a ``.out`` op's out= is its last argument), as ``(index of out or -1, [a
+        Python number at this argument is a runtime input])``, or None. Called once per op,
+        after its first call through the router. A fresh out= tensor is keyed as the functional
+        op's call (NOTE [fresh out]), any other as the op's own."""
         from . import dispatch, route
         args = func._schema.arguments
         out, f = -1, func
-        if any(a.alias_info is not None and a.alias_info.is_write for a in args):
-            f = self.functional_of(func)
-            if f is None:
+        written = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+        if written and args[written[0]].name == "out":
+            if written != [len(args) - 1]:
                 return None
-            out = next(i for i, a in enumerate(args) if a.name == "out")
+            out = written[0]
+            f = self.functional_of(func) or func
         r = route._routes.get(id(f))
         if r is None:       # the functional op not called yet (an out= op's first calls)
             r = route._routes[id(f)] = route._route(f)
         if r[0] is not dispatch._run:
             return None
         info = r[1]
-        if info.low.rng or info.kind in ("self_mut", "func_mut"):
+        if info.low.rng:
             return None
         if info.low.static:
             return out, [False] * len(args)
@@ -173,9 +175,11 @@ class Plain:
 
     def learn(self, func, args, kwargs, fresh, result):
         """The op cache's Entry the op path used for this call (the router ran it just now), as
-        ``(Entry, tensor inputs, scalar inputs)``, when the kernel can record its hits: one Entry
-        with new outputs only (``Entry.fast``), no dynamic offsets, and output metadata equal to
-        the router's result. None otherwise (the kernel then leaves the key to the router)."""
+        ``(Entry, tensor inputs, scalar inputs)`` when the kernel can record its hits: an Entry
+        with new outputs only (``Entry.fast``), no dynamic offsets, output metadata equal to the
+        router's result; or, for an op writing its inputs (in place, out=), ``(Entry, tensor
+        inputs, scalar inputs, Entry.out[1], OpInfo.overwrites, the stack index of the argument
+        it returns)``. None otherwise (the kernel then leaves the key to the router)."""
         from . import dispatch, route
         f, kw = func, kwargs
         if fresh:
@@ -196,8 +200,16 @@ class Plain:
         except Exception:
             return None
         e = dispatch._ops.get(key)
-        if type(e) is not dispatch.Entry or e.fast is None or e.dyn:
+        if type(e) is not dispatch.Entry or e.dyn or e.out[2]:
             return None
+        if e.fast is None:
+            info = r[1]
+            mut = e.out[1]
+            if not mut or info.kind not in ("self_mut", "func_mut") or len(info.returns) != 1 \
+                    or info.returns[0] is None:
+                return None
+            return (e, len(tensors), len(scalars), tuple(mut), bool(info.overwrites),
+                    info.returns[0][0])
         if type(e.fast) is tuple:
             metas, res = [e.fast], [result]
         elif e.out[0][0] == "tuple" and type(result) is tuple:

@@ -348,3 +348,25 @@ def test_cxx_kernel_keeps_int_and_float_scalars_apart():
         for lo, hi in [(-3, 3)] * 3 + [(-2.5, 2.5)] * 3 + [(-1, 4)] * 2 + [(-0.5, 1.5)] * 2:
             _same(torch.ops.aten.hardtanh(xi, lo, hi), torch.ops.aten.hardtanh(ai, lo, hi))
             _same(torch.ops.aten.hardtanh(x, lo, hi), torch.ops.aten.hardtanh(a, lo, hi))
+
+
+@pytest.mark.modes("defer")
+def test_cxx_kernel_records_in_place_ops_on_bases_and_views():
+    ext = deferfuse.plain.PLAIN.ext
+    torch.manual_seed(2)
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    x, y = a.to("tpu"), b.to("tpu")
+    hits = []
+    for k in range(5):
+        before = ext.kernel_stats()["hits"]
+        for t, u in ((a, b), (x, y)):
+            t.sub_(u * 0.1)             # in place on a base (sub.out, out=t)
+            t[1:3, ::2].mul_(1.5)       # through a view: the base's storage takes the scatter
+            t.add_(t, alpha=0.5)        # the written tensor read too
+            u.t()[2].fill_(0.25 * k)    # a self-writing op on a view of a view
+            r = u.clamp_(-1.0, 1.0)     # returns its argument
+            assert r is u
+        hits.append(ext.kernel_stats()["hits"] - before)
+        _same(x, a)
+        _same(y, b)
+    assert hits[-1] >= 5                # the last rounds were recorded in C++
