@@ -56,6 +56,11 @@ class Plain:
         self.is_plain = ext.is_plain
         self.functionals = {}           # .out op -> its functional op or None (NOTE [fresh out])
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
+        # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
+        # argument instead of hashing its description; bounded (cleared when full, counted)
+        self.sigs = {}
+        self.sig_limit = 1 << 16
+        self.sig_clears = 0
 
     # -- the fallback's two callbacks
 
@@ -285,10 +290,19 @@ class Plain:
         """A TpuTensor over ``p``'s Storage with ``p``'s view chain and geometry."""
         st, raw, base = self.ext.state(p)
         st = self.storage(p, st)
+        cid = self.ext.sig(p)
+        sig = self.sigs.get(cid) if cid >= 0 else None
         if base:
-            return make(st, (), p.shape, p.stride(), 0, p.dtype)
-        return make(st, self.chain(p, st, raw, base), p.shape, p.stride(), p.storage_offset(),
-                    p.dtype)
+            t = make(st, (), p.shape, p.stride(), 0, p.dtype, sig)
+        else:
+            t = make(st, self.chain(p, st, raw, base), p.shape, p.stride(), p.storage_offset(),
+                     p.dtype, sig)
+        if sig is None and cid >= 0:
+            if len(self.sigs) >= self.sig_limit:
+                self.sigs.clear()
+                self.sig_clears += 1
+            self.sigs[cid] = t._sig
+        return t
 
     # -- TpuTensor -> plain
 

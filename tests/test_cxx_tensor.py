@@ -370,3 +370,20 @@ def test_cxx_kernel_records_in_place_ops_on_bases_and_views():
         _same(x, a)
         _same(y, b)
     assert hits[-1] >= 5                # the last rounds were recorded in C++
+
+
+def test_router_signatures_from_cxx_ids_equal_the_op_paths():
+    # NOTE [C++ signatures]: the router maps a C++ signature id to the op path's _sig; it must be
+    # the signature the op path computes from the tensor's description
+    from deferfuse.tensor import make
+    P = deferfuse.plain.PLAIN
+    x = torch.randn(4, 6).to("tpu")
+    xi = torch.randint(0, 5, (4, 6)).to("tpu")
+    for p in (x, xi, x.t(), x[1:3], x[1:3, ::2], x.t()[2], x.unsqueeze(0).expand(2, 4, 6), x[2:],
+              x.view(6, 4), x.as_strided((2, 2), (1, 6), 3)):
+        for _ in range(2):      # the second read from the cache
+            w = P.wrapper(p)
+            fresh = make(w._s, w._chain, w.shape, w.stride(), w.storage_offset(), w.dtype)
+            assert P.ext.sig(p) >= 0 and w._sig == fresh._sig
+    assert P.ext.sig(x) != P.ext.sig(xi) and P.ext.sig(x[0:2]) != P.ext.sig(x[2:4])
+    assert P.ext.sig(x[0:2]) == P.ext.sig(x[0:2])
