@@ -33,7 +33,9 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -772,10 +774,13 @@ struct Kernel {
   PyObject* learn_fn = nullptr;   // Plain.learn(op, args, kwargs, fresh, result) -> tuple or None
   PyObject* record_fn = nullptr;  // _fastpath.record_storages(entry, ins, scalars, dev)
   PyObject* val_str = nullptr;    // "val"
+  PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
   std::unordered_map<Key, KEntry, FloorKeyHash> entries;
   size_t limit = 1 << 16;
   int64_t hits = 0, misses = 0, learned = 0, refused = 0, passed = 0, unkeyed = 0, clears = 0;
+  int64_t why[3] = {0, 0, 0};
+  bool debug = std::getenv("DEFERFUSE_KERNEL_DEBUG") != nullptr;  // refusals to stderr  // passed because: out= geometry, no Storage, the C record path said no
 };
 
 Kernel& kernel() {
@@ -942,13 +947,28 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   if (c.out.defined()) {
     const auto& m = e.outs[0];
     if (c.out.scalar_type() != m.dtype || c.out.sizes() != c10::IntArrayRef(m.size) ||
-        c.out.strides() != c10::IntArrayRef(m.stride) || c.out.device().index() != c.dev)
+        c.out.strides() != c10::IntArrayRef(m.stride) || c.out.device().index() != c.dev) {
+      ++K.why[0];
       return false;
+    }
   }
   py::list ins(c.tensors.size());
   for (size_t i = 0; i < c.tensors.size(); ++i) {
     auto* ctx = static_cast<StorageCtx*>(c.tensors[i].storage().data_ptr().get_context());
-    if (ctx->storage == nullptr) return false;  // never read by Python: the router makes it
+    if (ctx->storage == nullptr) {
+      // never read by Python (an `empty` tensor): its Storage, an empty value, as the router
+      // makes it (Plain.storage)
+      PyObject* w = THPVariable_Wrap(c.tensors[i]);
+      if (w == nullptr) rethrow_python();
+      PyObject* r = PyObject_CallOneArg(K.storage_fn, w);
+      Py_DECREF(w);
+      if (r == nullptr) rethrow_python();
+      Py_DECREF(r);
+      if (ctx->storage == nullptr) {
+        ++K.why[1];
+        return false;
+      }
+    }
     PyObject* v = PyObject_GetAttr(ctx->storage, K.val_str);
     if (v == nullptr) rethrow_python();
     PyList_SET_ITEM(ins.ptr(), i, v);
@@ -979,7 +999,10 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     PyObject* r = PyObject_Vectorcall(K.record_fn, argv, 6, nullptr);
     if (r == nullptr) rethrow_python();
     py::object res = py::reinterpret_steal<py::object>(r);
-    if (r == Py_NotImplemented) return false;
+    if (r == Py_NotImplemented) {
+      ++K.why[2];
+      return false;
+    }
     IValue out = (*stack)[stack->size() - n + e.ret];
     torch::jit::drop(*stack, n);
     stack->push_back(std::move(out));
@@ -989,7 +1012,10 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   PyObject* r = PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
   if (r == nullptr) rethrow_python();
   py::object res = py::reinterpret_steal<py::object>(r);
-  if (r == Py_NotImplemented) return false;
+  if (r == Py_NotImplemented) {
+    ++K.why[2];
+    return false;
+  }
   TORCH_INTERNAL_ASSERT(PyTuple_CheckExact(r) && static_cast<size_t>(PyTuple_GET_SIZE(r)) == e.outs.size(),
                         "deferfuse: record_storages returned ", py::repr(res).cast<std::string>());
   std::vector<IValue> outs;
@@ -1025,6 +1051,8 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     // now, and the Entry Python finds is that one's, not the call's
     Call after;
     if (!build_key(op, plan, args, args.size(), after, c.out.defined()) || after.key != c.key) {
+      if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
+                             << op.schema().overload_name() << ": its key changed in the router\n";
       ++K.refused;
       K.entries.emplace(std::move(c.key), KEntry());
       return;
@@ -1077,8 +1105,13 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     }
     if (ok) e.entry = py::object(g[0]).release().ptr();
   }
-  if (e.entry != nullptr) ++K.learned;
-  else ++K.refused;
+  if (e.entry != nullptr) {
+    ++K.learned;
+  } else {
+    ++K.refused;
+    if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
+                           << op.schema().overload_name() << ": " << (got.is_none() ? "Plain.learn said no" : "the learnt entry does not fit the call") << "\n";
+  }
   K.entries.emplace(std::move(c.key), std::move(e));
 }
 
@@ -1361,14 +1394,15 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     std::lock_guard<std::mutex> g(fc.mu);
     return py::make_tuple(fc.hits, fc.misses, fc.entries.size());
   });
-  m.def("install_kernel", [](py::object plan, py::object learn, py::object record) {
+  m.def("install_kernel", [](py::object plan, py::object learn, py::object record, py::object storage) {
     auto& K = kernel();
     TORCH_CHECK(K.learn_fn == nullptr, "the C++ recording kernel is installed already");
+    K.storage_fn = storage.release().ptr();
     K.plan_fn = plan.release().ptr();
     K.learn_fn = learn.release().ptr();
     K.record_fn = record.release().ptr();
     K.val_str = PyUnicode_InternFromString("val");
-  }, "NOTE [C++ recording kernel]: Plain.plan, Plain.learn, _fastpath.record_storages");
+  }, "NOTE [C++ recording kernel]: Plain.plan, Plain.learn, _fastpath.record_storages, Plain.storage");
   m.def("set_kernel", [](bool on) { kernel().on = on; },
         "the C++ recording kernel on or off (off: every op through the router; the table is kept)");
   m.def("kernel_clear", []() { kernel_clear(); kernel().plans.clear(); },
@@ -1379,11 +1413,14 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     d["hits"] = K.hits; d["misses"] = K.misses; d["learned"] = K.learned;
     d["refused"] = K.refused; d["passed"] = K.passed; d["unkeyed"] = K.unkeyed;
     d["entries"] = K.entries.size(); d["plans"] = K.plans.size(); d["clears"] = K.clears;
+    d["passed_out_geometry"] = K.why[0]; d["passed_no_storage"] = K.why[1];
+    d["passed_record_refused"] = K.why[2];
     return d;
   });
   m.def("reset_kernel_stats", []() {
     auto& K = kernel();
     K.hits = K.misses = K.learned = K.refused = K.passed = K.unkeyed = 0;
+    K.why[0] = K.why[1] = K.why[2] = 0;
   });
   m.def("sig", [](const at::Tensor& t) { return is_plain_tensor(t) ? sig_of(t) : -1; },
         "NOTE [C++ signatures]: the tensor's signature id, or -1");

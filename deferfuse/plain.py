@@ -397,7 +397,7 @@ def install() -> Plain:
         # is dropped with the per-op programs (NOTE [JIT mappings])
         from . import _fastpath
         from .engine import engine
-        ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages)
+        ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages, PLAIN.storage)
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
     return PLAIN
 
