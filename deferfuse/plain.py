@@ -55,6 +55,7 @@ class Plain:
         self.steps = {}                 # C++ step name -> OpOverload
         self.is_plain = ext.is_plain
         self.functionals = {}           # .out op -> its functional op or None (NOTE [fresh out])
+        self.out_names = {}             # op -> its one keyword-only output's name or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
@@ -72,12 +73,13 @@ class Plain:
 
     def route(self, func, args, kwargs):
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
-        out = kwargs.get("out") if kwargs else None
+        name = self.out_name(func) if kwargs else None
+        out = kwargs.get(name) if name else None
         if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
                 and self.ext.storage(out) is None:
             f = self.functional_of(func)
             if f is not None:
-                return self._into_fresh_out(f, args, kwargs, out)
+                return self._into_fresh_out(f, args, kwargs, out, name)
         ins = {}
         stores = {}
         wargs = [self._in(a, ins, stores) for a in args]
@@ -89,16 +91,30 @@ class Plain:
             self.current = outer
         return self._out(out, ins, stores)
 
+    def out_name(self, func):
+        """The name of an op's one written argument when it is a keyword-only output (``out``, or
+        ``grad_input`` of ``threshold_backward.grad_input``) and the op returns one value; else
+        None (cached per op)."""
+        n = self.out_names.get(func, False)
+        if n is False:
+            s = func._schema
+            written = [a for a in s.arguments if a.alias_info is not None and a.alias_info.is_write]
+            n = written[0].name if (len(written) == 1 and written[0].kwarg_only
+                                    and len(s.returns) == 1) else None
+            self.out_names[func] = n
+        return n
+
     def functional_of(self, func):
-        """The functional overload of an op whose one written argument is ``out`` (``add.out`` ->
-        ``add.Tensor``), or None (cached per op)."""
+        """The functional overload of an op whose one written argument is a keyword-only output
+        (``add.out`` -> ``add.Tensor``, ``threshold_backward.grad_input`` -> its ``default``), or
+        None (cached per op)."""
         f = self.functionals.get(func, False)
         if f is False:
             f = None
             s = func._schema
-            written = [a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write]
-            if written == ["out"] and len(s.returns) == 1:
-                want = [(a.name, str(a.type)) for a in s.arguments if a.name != "out"]
+            name = self.out_name(func)
+            if name is not None:
+                want = [(a.name, str(a.type)) for a in s.arguments if a.name != name]
                 ns, _, name = s.name.partition("::")
                 packet = getattr(getattr(torch.ops, ns), name)
                 for ov in packet.overloads():
@@ -111,14 +127,14 @@ class Plain:
             self.functionals[func] = f
         return f
 
-    def _into_fresh_out(self, f, args, kwargs, out):
+    def _into_fresh_out(self, f, args, kwargs, out, name="out"):
         """NOTE [fresh out]: PyTorch runs a structured op (``add``, ``mm``, ``sum``) on a backend as
         its meta function, an ``empty`` output on the device and the ``.out`` op. Recorded as an
         ``.out`` op, the op path would read the empty output as an input (an upload of zeros per
         op). An out tensor no Python code has seen (its storage holds no Storage yet) has nothing
         to keep: the functional op is recorded instead, and the out tensor's storage takes its
         result's Storage."""
-        kw = {k: v for k, v in kwargs.items() if k != "out"}
+        kw = {k: v for k, v in kwargs.items() if k != name}
         ins, stores = {}, {}
         wargs = [self._in(a, ins, stores) for a in args]
         wkw = {k: self._in(v, ins, stores) for k, v in kw.items()} if kw else {}
@@ -159,11 +175,11 @@ class Plain:
         from . import dispatch, route
         args = func._schema.arguments
         out, f = -1, func
-        written = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
-        if written and args[written[0]].name == "out":
-            if written != [len(args) - 1]:
+        name = self.out_name(func)
+        if name is not None:
+            out = next(i for i, a in enumerate(args) if a.name == name)
+            if out != len(args) - 1:
                 return None
-            out = written[0]
             f = self.functional_of(func) or func
         r = route._routes.get(id(f))
         if r is None:       # the functional op not called yet (an out= op's first calls)
@@ -189,7 +205,8 @@ class Plain:
         f, kw = func, kwargs
         if fresh:
             f = self.functional_of(func)
-            kw = {k: v for k, v in kwargs.items() if k != "out"}
+            name = self.out_name(func)
+            kw = {k: v for k, v in kwargs.items() if k != name}
         if f is None:
             return None
         r = route._routes.get(id(f))

@@ -387,3 +387,19 @@ def test_router_signatures_from_cxx_ids_equal_the_op_paths():
             assert P.ext.sig(p) >= 0 and w._sig == fresh._sig
     assert P.ext.sig(x) != P.ext.sig(xi) and P.ext.sig(x[0:2]) != P.ext.sig(x[2:4])
     assert P.ext.sig(x[0:2]) == P.ext.sig(x[0:2])
+
+
+def test_fresh_output_named_other_than_out_equals_cpu():
+    # threshold_backward.grad_input (relu's backward) writes a keyword-only output that is not
+    # called `out`: the router's fresh path and the kernel take it as the functional op
+    P = deferfuse.plain.PLAIN
+    assert P.out_name(torch.ops.aten.threshold_backward.grad_input) == "grad_input"
+    assert P.functional_of(torch.ops.aten.threshold_backward.grad_input) is \
+        torch.ops.aten.threshold_backward.default
+    assert P.out_name(torch.ops.aten.add_.Tensor) is None
+    a = torch.randn(6, 5)
+    for _ in range(3):
+        w, wx = a.clone().requires_grad_(), a.to("tpu").requires_grad_()
+        (torch.relu(w) * 2.5).sum().backward()
+        (torch.relu(wx) * 2.5).sum().backward()
+        _same(wx.grad, w.grad)
