@@ -1405,8 +1405,10 @@ PYBIND11_MODULE(_tpu_tensor, m) {
   }, "NOTE [C++ recording kernel]: Plain.plan, Plain.learn, _fastpath.record_storages, Plain.storage");
   m.def("set_kernel", [](bool on) { kernel().on = on; },
         "the C++ recording kernel on or off (off: every op through the router; the table is kept)");
-  m.def("kernel_clear", []() { kernel_clear(); kernel().plans.clear(); },
-        "forget every learnt op (the engine's per-op programs were evicted)");
+  // the plans stay: they hold no Python object, are bounded by the op set, and a fallback running
+  // the router (which may flush and evict) holds a reference to its op's plan
+  m.def("kernel_clear", []() { kernel_clear(); ++kernel().clears; },
+        "forget every learnt key (the engine's per-op programs were evicted)");
   m.def("kernel_stats", []() {
     auto& K = kernel();
     py::dict d;
