@@ -338,8 +338,29 @@ def _static_chain(chain, dyn) -> tuple:
 
 PLAIN: Plain | None = None
 
-# NOTE [whole ops] (install)
-WHOLE_OPS = ("convolution", "convolution_backward")
+
+def route_whole(composites=()) -> int:
+    """NOTE [whole ops]: an aten op with a CompositeExplicitAutograd kernel reaches TpuTensor's
+    ``__torch_dispatch__`` whole (the Python key is above that kernel), but on a plain tensor the
+    backend key runs it: convolution became PrivateUse1's ``convolution_overrideable``, which the
+    op path has no lowering for, and ``native_group_norm`` PyTorch's math version, not the op
+    path's (CPU's bits). Each such op without a PrivateUse1 kernel of its own goes to the router
+    whole, as it reaches the op path today. Called last in device registration (after the
+    factories' kernels); the number of ops. (Structured ops' CompositeExplicitAutogradNonFunctional
+    kernels stay: they reach the router as ``.out`` ops, NOTE [fresh out].) ``composites``:
+    CompositeImplicitAutograd ops whose AutogradPrivateUse1 kernel runs them whole below
+    autograd (``linear``, NOTE [whole composites] in device.py), which the op path takes whole."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    names = list(composites)
+    for n in torch._C._dispatch_get_all_op_names():
+        if n.startswith("aten::") and has(n, "CompositeExplicitAutograd") and not has(n, "PrivateUse1"):
+            op, _, ov = n[6:].partition(".")
+            # an op with a device= argument reaches PrivateUse1 for a CPU input too
+            # (``_to_copy(cpu, device="tpu")``): its composite kernel runs, as today
+            if not any(a.name == "device" for a in torch._C._get_schema("aten::" + op, ov).arguments):
+                names.append(n[6:])
+    PLAIN.ext.route_whole(names)
+    return len(names)
 
 
 def extension():
@@ -387,11 +408,6 @@ def install() -> Plain:
     from .tensor import _DEVICES
     ext.install(PLAIN.route, PLAIN.resolve, len(_DEVICES))
     ext.set_storage_hooks(PLAIN.grow, PLAIN.freed)
-    # NOTE [whole ops]: an op with a CompositeExplicitAutograd kernel reaches TpuTensor's
-    # __torch_dispatch__ whole (the Python key is above it), but a plain tensor's backend key
-    # runs that kernel: convolution became PrivateUse1's convolution_overrideable, which the op
-    # path has no lowering for. These go to the router whole.
-    ext.route_whole(list(WHOLE_OPS))
     import ctypes
     import deferfuse_autoload
     lib = deferfuse_autoload.LOADER.hooks_lib

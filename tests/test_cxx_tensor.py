@@ -379,3 +379,23 @@ def test_convolution_and_its_backward_equal_cpu():
     yt.square().sum().backward()
     torch.testing.assert_close(xt.grad.cpu(), xc.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(wt.grad.cpu(), wc.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_composite_explicit_ops_reach_the_op_path_whole():
+    # NOTE [whole ops]: native_group_norm ran PyTorch's math version on plain tensors (not CPU's
+    # bits); linear was decomposed below its one-op autograd kernel
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 6, 1, generator=g) * 0.0662).expand(2, 6, 3).contiguous()
+    w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    want = torch.ops.aten.native_group_norm(x, w, b, 2, 6, 3, 6, 1e-6)
+    got = torch.ops.aten.native_group_norm(*[t.to("tpu") for t in (x, w, b)], 2, 6, 3, 6, 1e-6)
+    for gt, wt in zip(got, want):
+        torch.testing.assert_close(gt.cpu(), wt, rtol=0, atol=0)
+    xl, wl = torch.randn(3, 5), torch.randn(4, 5)
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y = torch.nn.functional.linear(xl.to("tpu"), wl.to("tpu"))
+    deferfuse.sync()
+    m = deferfuse.metrics()
+    assert m["ops_recorded"] + m["ops_eager"] == 1
+    torch.testing.assert_close(y.cpu(), torch.nn.functional.linear(xl, wl))
