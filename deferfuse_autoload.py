@@ -65,6 +65,7 @@ class _Loader:
         self.fallback_lib = None  # the PrivateUse1 fallback's torch.library.Library
         self.wrapped = {}         # torch.accelerator name -> the original function
         self.job = None           # (rank, world size, coordinator) of a group that loaded deferfuse
+        self.hooks_lib = None      # the C++ hooks' library (ctypes), when registered
         self.native_hooks = False  # the C++ hooks (deferfuse/_tpu_hooks.cpp) registered, or Python's
 
     def load(self, why: str) -> None:
@@ -267,7 +268,10 @@ def _register_native_hooks() -> bool:
     lib.deferfuse_hooks_torch_version.restype = ctypes.c_char_p
     if lib.deferfuse_hooks_torch_version().decode() != torch.__version__:
         return False        # built against another torch: its class layout may differ
-    return lib.deferfuse_register_hooks() == 1
+    if lib.deferfuse_register_hooks() != 1:
+        return False
+    LOADER.hooks_lib = lib      # the plain tensor hands it its storage resize (deferfuse/plain.py)
+    return True
 
 
 def register() -> types.ModuleType:

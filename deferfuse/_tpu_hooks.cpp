@@ -21,6 +21,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_set>
 
@@ -66,6 +67,12 @@ struct PinnedAllocator final : c10::Allocator {
   }
 };
 
+// untyped_storage().resize_ on a plain tpu tensor's storage (FSDP2): the plain tensor's library
+// (_tpu_tensor.cpp, storage_resize) owns the storage's context, and gives its address when it is
+// installed (deferfuse/plain.py); until then PyTorch's error stands.
+using StorageResize = void (*)(const c10::Storage&, size_t);
+std::atomic<StorageResize> storage_resize{nullptr};
+
 struct TpuHooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override {
     return true;
@@ -84,6 +91,13 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
     static PinnedAllocator* a = new PinnedAllocator();
     return a;
   }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t n) const override {
+    StorageResize f = storage_resize.load();
+    TORCH_CHECK(f != nullptr, "untyped_storage().resize_() on the tpu device needs the plain tpu "
+                "tensor (DEFERFUSE_TENSOR=plain); tpu tensors of the default kind resize their "
+                "storage in Python (NOTE [storage resize])");
+    f(storage, n);
+  }
 };
 
 }  // namespace
@@ -101,6 +115,11 @@ __attribute__((visibility("default"))) int deferfuse_register_hooks() {
   }
   at::RegisterPrivateUse1HooksInterface(new TpuHooks());
   return 1;
+}
+
+// The plain tensor's storage_resize (NOTE [plain storage hooks] in _tpu_tensor.cpp).
+__attribute__((visibility("default"))) void deferfuse_set_storage_resize(void* f) {
+  storage_resize.store(reinterpret_cast<StorageResize>(f));
 }
 
 }  // extern "C"

@@ -27,6 +27,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -56,6 +57,7 @@ struct StorageCtx {
   c10::ScalarType dtype = c10::ScalarType::Float;
   bool known = false;           // size/stride/dtype set (by empty*, or by make_base)
   int64_t sig = -1;             // the base tensor's signature id (NOTE [C++ signatures]), or -1
+  size_t cap = 0;               // the bytes allocated: what untyped_storage().resize_ may restore
 };
 
 void free_ctx(void* p) {
@@ -106,8 +108,9 @@ c10::DeviceIndex current_device() { return tls_device; }
 
 // Allocates no host memory: its DataPtr names a StorageCtx (NOTE [plain tensor]).
 struct TpuAllocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t) override {
+  c10::DataPtr allocate(size_t n) override {
     auto* ctx = new StorageCtx();
+    ctx->cap = n;
     return {ctx, ctx, &free_ctx, c10::Device(c10::DeviceType::PrivateUse1, current_device())};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -421,16 +424,153 @@ at::Tensor alias(const at::Tensor& self) {
   return make_view(self, self.sizes(), self.strides(), self.storage_offset(), std::nullopt);
 }
 
-// resize_ (an out= tensor made by `empty({0})`, `x.resize_(n)`): a size that fits in the storage
-// from the tensor's offset makes it a contiguous as_strided view of the same storage (every other
-// view sees the same elements, as on CPU); a larger one takes a new storage when the old one holds
-// no value yet (the out= case). Growing a storage that holds a value needs the op path (a new base
-// holding the old elements, specials.resize): not yet here (docs/cxx-plan.md, STATUS).
+// NOTE [plain storage hooks]: what the storage kernels ask of Python (deferfuse/plain.py sets them
+// at install): `grow(Storage, n)`, a new Storage of n elements holding the old one's first (the
+// op path's cat, as specials.resize grows a TpuTensor's), and `freed(Storage, bool)`, which drops
+// or re-creates the value when untyped_storage().resize_ frees or restores the storage (FSDP2;
+// NOTE [storage resize] in storage.py).
+struct StorageHooks {
+  PyObject* grow = nullptr;
+  PyObject* freed = nullptr;
+};
+
+StorageHooks& storage_hooks() {
+  static StorageHooks* h = new StorageHooks();
+  return *h;
+}
+
+// Calls a Python hook; its exception is raised as it was (type and message), as the fallback's.
+py::object call_hook(PyObject* fn, py::object a, py::object b) {
+  TORCH_CHECK(fn != nullptr, "deferfuse's plain tpu tensor is not installed");
+  try {
+    return py::reinterpret_borrow<py::object>(fn)(a, b);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error err;
+    err.persist();
+    throw std::move(err);
+  }
+}
+
+// A new storage holding Storage `st` (a Python object), base of `bytes` bytes, 1-D of `n` elements.
+void replace_storage(const c10::Storage& storage, StorageCtx* old, py::object st, int64_t n, size_t bytes) {
+  c10::DataPtr dp = allocator().allocate(bytes);
+  auto* ctx = static_cast<StorageCtx*>(dp.get_context());
+  ctx->size = {n};
+  ctx->stride = {1};
+  ctx->dtype = old->dtype;
+  ctx->known = true;
+  ctx->storage = st.release().ptr();
+  auto* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(std::move(dp));
+  impl->set_nbytes(bytes);
+}
+
+// After a tensor's geometry was set over its storage: its storage's base (no ViewMeta), or one
+// as_strided step of it.
+void set_strided_meta(const at::Tensor& self, const StorageCtx* ctx) {
+  auto* impl = self.unsafeGetTensorImpl();
+  int64_t off = self.storage_offset();
+  bool base = ctx->known && off == 0 && self.sizes().vec() == ctx->size &&
+              self.strides().vec() == ctx->stride;
+  if (base) {
+    impl->set_backend_meta(c10::intrusive_ptr<c10::BackendMeta>());
+    return;
+  }
+  auto m = c10::make_intrusive<ViewMeta>();
+  m->steps.push_back(Step{AS_STRIDED, {IValue(self.sizes().vec()), IValue(self.strides().vec()),
+                                       IValue(off), IValue(ctx->size), IValue(ctx->stride)}});
+  impl->set_backend_meta(m);
+}
+
+// set_ (PyTorch's Tensor.set_ overloads): the tensor takes a storage of a plain tpu tensor with a
+// geometry over it, its view chain that geometry's (the source tensor's own chain, for
+// set_(tensor)). A storage holds values of one dtype here: set_ to another dtype raises.
+const StorageCtx* set_checks(const at::Tensor& self, const c10::Storage& source) {
+  TORCH_CHECK(source.device_type() == c10::DeviceType::PrivateUse1 &&
+              source.data_ptr().get_deleter() == &free_ctx,
+              "Attempted to set the storage of a tensor on device \"", self.device(),
+              "\" to a storage on different device \"", source.device(),
+              "\".  This is no longer allowed; the devices must match.");
+  auto* ctx = static_cast<const StorageCtx*>(source.data_ptr().get_context());
+  TORCH_CHECK(!ctx->known || ctx->dtype == self.scalar_type(), "set_: a tpu storage holds ",
+              c10::toString(ctx->dtype), " values; viewing them as ", self.scalar_type(),
+              " is not supported (use .view(dtype) on a tensor instead)");
+  return ctx;
+}
+
+at::Tensor& set_storage_geometry(at::Tensor& self, c10::Storage source, int64_t off,
+                                       c10::IntArrayRef size, c10::IntArrayRef stride) {
+  auto* ctx = set_checks(self, source);
+  IntVec st;
+  if (stride.empty()) {
+    auto c = c10::contiguous_strides(size);
+    st.assign(c.begin(), c.end());
+  } else {
+    st = stride.vec();
+  }
+  TORCH_CHECK(st.size() == size.size(), "mismatch in length of strides and shape");
+  int64_t extent = off;
+  bool empty = false;
+  for (size_t i = 0; i < size.size(); ++i) {
+    if (size[i] == 0) empty = true;
+    extent += (size[i] - 1) * st[i];
+  }
+  int64_t item = self.element_size();
+  TORCH_CHECK(empty || (extent + 1) * item <= static_cast<int64_t>(source.nbytes()),
+              "setStorage: sizes ", size, ", strides ", c10::IntArrayRef(st), ", storage offset ", off,
+              ", and itemsize ", item, " requiring a storage size of ", (extent + 1) * item,
+              " are out of bounds for storage of size ", source.nbytes());
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_sizes_and_strides(size, st, off);
+  set_strided_meta(self, ctx);
+  return self;
+}
+
+at::Tensor& set_storage_whole(at::Tensor& self, c10::Storage source) {
+  int64_t n = static_cast<int64_t>(source.nbytes()) / static_cast<int64_t>(self.element_size());
+  return set_storage_geometry(self, std::move(source), 0, {n}, {1});
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
+  if (self.unsafeGetTensorImpl() == src.unsafeGetTensorImpl()) return self;
+  set_checks(self, src.storage());
+  TORCH_CHECK(self.scalar_type() == src.scalar_type(), "Could not set tensor of type ",
+              self.scalar_type(), " to a tensor of type ", src.scalar_type());
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(src.storage());
+  impl->set_sizes_and_strides(src.sizes(), src.strides(), src.storage_offset());
+  // the source's chain (a ViewMeta is never changed once set: sharing it is safe)
+  impl->set_backend_meta(src.unsafeGetTensorImpl()->get_backend_meta_intrusive_ptr());
+  return self;
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage st(c10::Storage::use_byte_size_t(), 0, allocator().allocate(0), &allocator(), true);
+  auto* ctx = static_cast<StorageCtx*>(st.data_ptr().get_context());
+  ctx->size = {0};
+  ctx->stride = {1};
+  ctx->dtype = self.scalar_type();
+  ctx->known = true;
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(st));
+  impl->set_sizes_and_strides(c10::IntArrayRef{0}, c10::IntArrayRef{1}, 0);
+  impl->set_backend_meta(c10::intrusive_ptr<c10::BackendMeta>());
+  return self;
+}
+
+// resize_ (an out= tensor made by `empty({0})`, `x.resize_(n)`), NOTE [resize] in specials.py: a
+// size that fits in the storage from the tensor's offset makes it a contiguous as_strided view of
+// the same storage (every other view sees the same elements, as on CPU); a larger one takes a new
+// storage: empty when the old one holds no value yet (the out= case), else a 1-D base holding the
+// old elements first and zeros after (the storage hooks' grow), which only this tensor may hold.
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> mf) {
   auto* impl = self.unsafeGetTensorImpl();
   auto* ctx = ctx_of(self);
   int64_t off = self.storage_offset();
+  IntVec old_size = self.sizes().vec(), old_stride = self.strides().vec();
   impl->set_sizes_contiguous(size);
   if (mf.has_value()) {
     TORCH_CHECK(*mf != c10::MemoryFormat::Preserve, "Unsupported memory format. Preserve");
@@ -442,30 +582,57 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
     if (self.size(i) == 0) empty = true;
     need += (self.size(i) - 1) * self.stride(i);
   }
-  need = empty ? 0 : (need + 1) * static_cast<int64_t>(self.element_size());
-  auto st = self.storage();
-  if (need <= static_cast<int64_t>(st.nbytes())) {
-    Step s{AS_STRIDED, {IValue(self.sizes().vec()), IValue(self.strides().vec()), IValue(off),
-                        IValue(ctx->size), IValue(ctx->stride)}};
-    bool base = off == 0 && self.sizes().vec() == ctx->size && self.strides().vec() == ctx->stride;
-    if (base) {
-      impl->set_backend_meta(c10::intrusive_ptr<c10::BackendMeta>());
-    } else {
-      auto m = c10::make_intrusive<ViewMeta>();
-      m->steps.push_back(std::move(s));
-      impl->set_backend_meta(m);
+  const int64_t item = static_cast<int64_t>(self.element_size());
+  need = empty ? 0 : (need + 1) * item;
+  const c10::Storage& st = self.storage();  // a reference: a copy would count as a holder
+  if (need > static_cast<int64_t>(st.nbytes()) && ctx->storage != nullptr) {
+    if (st.use_count() != 1 || ctx->dtype != self.scalar_type()) {
+      impl->set_sizes_and_strides(old_size, old_stride, off);
+      TORCH_CHECK(false, "cannot resize a tpu tensor to ", size, ": that needs ", need / item,
+                  " elements and its storage holds ", st.nbytes() / item, ", and other tensors "
+                  "(views) share that storage; CPU would grow the storage under all of them. "
+                  "Allocate a new tensor (torch.empty(size, device='tpu')) instead");
     }
+    py::gil_scoped_acquire gil;
+    py::object grown;
+    try {
+      grown = call_hook(storage_hooks().grow, py::reinterpret_borrow<py::object>(ctx->storage),
+                        py::int_(need / item));
+    } catch (...) {
+      impl->set_sizes_and_strides(old_size, old_stride, off);
+      throw;
+    }
+    replace_storage(st, ctx, std::move(grown), need / item, need);
+    ctx = ctx_of(self);
+  }
+  if (need <= static_cast<int64_t>(st.nbytes())) {
+    set_strided_meta(self, ctx);
     return self;
   }
-  TORCH_CHECK(ctx->storage == nullptr && off == 0,
-              "cannot resize a tpu tensor to ", self.sizes(), ": its storage holds a value of ",
-              st.nbytes(), " bytes and growing it keeps that value; not yet supported by the plain "
-              "tpu tensor (DEFERFUSE_TENSOR=plain). Allocate a new tensor instead");
+  TORCH_CHECK(off == 0, "cannot resize a tpu tensor at storage offset ", off, " past its storage's "
+              "end: it holds no value yet; allocate a new tensor instead");
   st.set_data_ptr_noswap(allocator().allocate(need));
   st.set_nbytes(need);
   impl->set_backend_meta(c10::intrusive_ptr<c10::BackendMeta>());
   remember_base(self);
   return self;
+}
+
+// untyped_storage().resize_(n) (the PrivateUse1 hooks' resizePrivateUse1Bytes, _tpu_hooks.cpp):
+// NOTE [storage resize] in storage.py: 0 frees the value, the bytes allocated restore an empty one.
+void storage_resize(const c10::Storage& storage, size_t n) {
+  TORCH_CHECK(storage.data_ptr().get_deleter() == &free_ctx,
+              "this tpu storage was not made by deferfuse's allocator");
+  auto* ctx = static_cast<StorageCtx*>(storage.data_ptr().get_context());
+  if (n == storage.nbytes()) return;
+  TORCH_CHECK(n == 0 || n == ctx->cap, "a tpu storage holds one whole tensor of ", ctx->cap,
+              " bytes: it can be resized to 0 (freed) or back to ", ctx->cap, " bytes, not ", n);
+  if (ctx->storage != nullptr) {
+    py::gil_scoped_acquire gil;
+    call_hook(storage_hooks().freed, py::reinterpret_borrow<py::object>(ctx->storage),
+              py::bool_(n == 0));
+  }
+  storage.unsafeGetStorageImpl()->set_nbytes(n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1275,6 +1442,10 @@ void install(py::object route, py::object resolve, int devices) {
   m.impl("squeeze.dim", TORCH_FN(squeeze_dim));
   m.impl("squeeze.dims", TORCH_FN(squeeze_dims));
   m.impl("resize_", TORCH_FN(resize_));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage_geometry));
+  m.impl("set_.source_Storage", TORCH_FN(set_storage_whole));
+  m.impl("set_.source_Tensor", TORCH_FN(set_tensor));
+  m.impl("set_", TORCH_FN(set_empty));
   m.impl("_conj", TORCH_FN(conj_view));
   m.impl("detach", TORCH_FN(alias));
   m.impl("alias", TORCH_FN(alias));
@@ -1376,6 +1547,20 @@ PYBIND11_MODULE(_tpu_tensor, m) {
   m.def("make_base", &make_base);
   m.def("make_view", &make_view_py);
   m.def("is_plain", &is_plain);
+  m.def("route_whole", [](const std::vector<std::string>& names) {
+    auto& in = installed();
+    TORCH_CHECK(in.aten != nullptr, "deferfuse._tpu_tensor is not installed");
+    for (const auto& n : names) in.aten->impl(n.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }, "NOTE [whole ops]: these ops reach the router whole, as they reach TpuTensor's "
+     "__torch_dispatch__, not through their CompositeExplicitAutograd kernel");
+  m.def("set_storage_hooks", [](py::object grow, py::object freed) {
+    auto& h = storage_hooks();
+    TORCH_CHECK(h.grow == nullptr, "the storage hooks are set already");
+    h.grow = grow.release().ptr();
+    h.freed = freed.release().ptr();
+  }, "NOTE [plain storage hooks]: grow(Storage, n) -> Storage; freed(Storage, bool)");
+  m.def("storage_resize_address", []() { return reinterpret_cast<uintptr_t>(&storage_resize); },
+        "the address of storage_resize, for the hooks' resizePrivateUse1Bytes (_tpu_hooks.cpp)");
   m.def("set_device", [](int i) { tls_device = static_cast<c10::DeviceIndex>(i); },
         "the calling thread's current tpu device (NOTE [plain device guard])");
   m.def("set_floor", [](bool on) {

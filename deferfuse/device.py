@@ -480,4 +480,7 @@ def register() -> None:
             continue
         _lib.impl(o._schema.name.split("::")[1] + ("." + o._overloadname if o._overloadname != "default" else ""),
                   (lambda op: lambda *a, **k: dispatch(op, a, k))(o), "PrivateUse1")
+    if plain.ENABLED:
+        # NOTE [whole ops] in plain.py: after every PrivateUse1 kernel
+        plain.route_whole(("linear", *WHOLE_COMPOSITES))
     deferfuse_autoload.complete(_make_module())

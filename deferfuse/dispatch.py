@@ -13,7 +13,6 @@ import warnings
 
 import torch
 
-from . import plain
 from .config import config
 from .device_info import check
 from .engine import engine, user_error
@@ -23,7 +22,7 @@ from .runtime.dtypes import to_np_dtype
 from .runtime.node import SS, TS, build, const
 from .scheduler.records import Value, sig_id
 from .meta import dtype_error, infer
-from .tensor import Storage, TpuTensor, make
+from .tensor import Storage, TpuTensor, as_tpu, make
 
 aten = torch.ops.aten
 _SIG = operator.attrgetter("_sig")
@@ -479,11 +478,10 @@ def _contig(shape):
 
 def copy_into(dst: TpuTensor, src) -> TpuTensor:
     """``dst.copy_(src)`` for any src (tpu tensor, CPU tensor), through the lowered copy_."""
-    if (plain.PLAIN is not None and isinstance(src, torch.Tensor) and type(src) is not TpuTensor
-            and plain.PLAIN.is_plain(src)):
+    if type(src) is not TpuTensor:
         # a plain tpu tensor a factory made inside the op path (DEFERFUSE_TENSOR=plain): read as
         # a CPU tensor, its bytes were the engine's storage record
-        src = plain.PLAIN.wrapper(src)
+        src = as_tpu(src)
     if isinstance(src, torch.Tensor) and type(src) is not TpuTensor:
         if (not dst._chain and src.dtype == dst.dtype and src.shape == dst.shape
                 and dst._s.val.shape == tuple(src.shape)):

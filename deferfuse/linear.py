@@ -25,7 +25,7 @@ import torch
 from torch.autograd import forward_ad
 
 from .meta import cpu_error
-from .tensor import TpuTensor
+from .tensor import TpuTensor, is_tpu
 
 aten = torch.ops.aten
 _LINEAR = aten.linear.default
@@ -39,8 +39,8 @@ _lib = None
 
 
 def _fused_ok(x, w, b) -> bool:
-    if type(x) is not TpuTensor or type(w) is not TpuTensor or (b is not None
-                                                                and type(b) is not TpuTensor):
+    if ((type(x) is not TpuTensor and not is_tpu(x)) or (type(w) is not TpuTensor and not is_tpu(w))
+            or (b is not None and type(b) is not TpuTensor and not is_tpu(b))):
         # A tensor subclass over tpu tensors (DTensor) has rules for aten ops, none for ours.
         return False
     if w.dim() != 2 or x.dim() == 0 or x.is_nested:

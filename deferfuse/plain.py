@@ -17,12 +17,14 @@ replace kernel by kernel (docs/cxx-plan.md, STATUS), not the destination.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
 
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
+from .scheduler.records import Value
 from .tensor import Storage, TpuTensor, make
 
 ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
@@ -246,6 +248,80 @@ class Plain:
                     or t.stride() != (m[2] or _contig(m[1])) or t.storage_offset() != 0):
                 return None
         return e, len(tensors), len(scalars)
+    def mixed(self, entry, cls, func, types, args, kwargs):
+        """NOTE [mixed arguments]: an op reaching ``TpuTensor.__torch_dispatch__`` with a plain tpu
+        tensor among its arguments (a tensor a factory made inside the op path: a decomposition's
+        ``torch.empty(device="tpu")``, a lowered factory's result, beside ``TpuTensor``s). The op
+        path reads every argument that is not a ``TpuTensor`` as a CPU tensor (silent garbage: its
+        data pointer is the storage record), so each plain argument becomes its ``TpuTensor`` over
+        the same Storage, and a result that is one of those becomes the plain argument again
+        (``copy_`` returns its ``self``). Other results stay ``TpuTensor``s: the caller is inside
+        the op path, and the router converts what reaches the user."""
+        ins, stores = {}, {}
+        wargs = tuple(self._in(a, ins, stores) for a in args)
+        wkw = {k: self._in(v, ins, stores) for k, v in kwargs.items()} if kwargs else kwargs
+        outer = self.current
+        self.current = {**outer, **ins} if outer else ins
+        try:
+            out = entry(cls, func, types, wargs, wkw)
+        finally:
+            self.current = outer
+        return self._back(out, ins)
+
+    def _back(self, o, ins):
+        if type(o) is TpuTensor:
+            got = ins.get(id(o))
+            return got[1] if got is not None and got[0] is o else o
+        if type(o) is list or type(o) is tuple:
+            return type(o)(self._back(x, ins) for x in o)
+        return o
+
+    def has_plain(self, args, kwargs) -> bool:
+        """Whether a plain tpu tensor is among ``args``/``kwargs`` (tensor lists included)."""
+        is_plain = self.is_plain
+        for a in (args if not kwargs else (*args, *kwargs.values())):
+            ta = type(a)
+            if ta is TpuTensor:
+                continue
+            if ta is list or ta is tuple:
+                for x in a:
+                    if type(x) is not TpuTensor and isinstance(x, torch.Tensor) and is_plain(x):
+                        return True
+            elif isinstance(a, torch.Tensor) and is_plain(a):
+                return True
+        return False
+
+    # -- storage hooks (NOTE [plain storage hooks] in _tpu_tensor.cpp)
+
+    def grow(self, st: Storage, n: int) -> Storage:
+        """A Storage of ``n`` elements holding ``st``'s elements first and zeros after (where CPU
+        leaves them uninitialised): ``resize_`` past the end of a storage holding a value."""
+        v = st.val
+        if v.nbytes == 0 and any(v.shape):
+            raise RuntimeError("resize_ of a tensor whose storage was freed with "
+                               "untyped_storage().resize_(0) (NOTE [storage resize])")
+        shape = v.shape
+        base = make(st, (), shape, st.stride or _contig(shape), 0, st.dtype)
+        cap = 1
+        for s in shape:
+            cap *= s
+        with torch.no_grad():
+            flat = aten.as_strided.default(base, (cap,), (1,), 0)
+            grown = aten.cat.default([flat, aten.zeros.default(
+                (n - cap,), dtype=st.dtype, device=base.device)])
+        grown = self.wrapper(grown) if type(grown) is not TpuTensor else grown
+        return grown._s
+
+    @staticmethod
+    def freed(st: Storage, free: bool) -> None:
+        """``untyped_storage().resize_`` to 0 (``free``) or back to its bytes (NOTE [storage
+        resize] in storage.py): the value is dropped, or an empty one of the base's shape."""
+        v = st.val
+        if free:
+            if v.nbytes:
+                st.val = Value(v.shape, v.dtype, 0)
+        elif v.nbytes == 0:
+            st.val = transfer.empty_value(v.shape, st.dtype)
 
     # -- plain -> TpuTensor
 
@@ -377,6 +453,30 @@ def _static_chain(chain, dyn) -> tuple:
 PLAIN: Plain | None = None
 
 
+def route_whole(composites=()) -> int:
+    """NOTE [whole ops]: an aten op with a CompositeExplicitAutograd kernel reaches TpuTensor's
+    ``__torch_dispatch__`` whole (the Python key is above that kernel), but on a plain tensor the
+    backend key runs it: convolution became PrivateUse1's ``convolution_overrideable``, which the
+    op path has no lowering for, and ``native_group_norm`` PyTorch's math version, not the op
+    path's (CPU's bits). Each such op without a PrivateUse1 kernel of its own goes to the router
+    whole, as it reaches the op path today. Called last in device registration (after the
+    factories' kernels); the number of ops. (Structured ops' CompositeExplicitAutogradNonFunctional
+    kernels stay: they reach the router as ``.out`` ops, NOTE [fresh out].) ``composites``:
+    CompositeImplicitAutograd ops whose AutogradPrivateUse1 kernel runs them whole below
+    autograd (``linear``, NOTE [whole composites] in device.py), which the op path takes whole."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    names = list(composites)
+    for n in torch._C._dispatch_get_all_op_names():
+        if n.startswith("aten::") and has(n, "CompositeExplicitAutograd") and not has(n, "PrivateUse1"):
+            op, _, ov = n[6:].partition(".")
+            # an op with a device= argument reaches PrivateUse1 for a CPU input too
+            # (``_to_copy(cpu, device="tpu")``): its composite kernel runs, as today
+            if not any(a.name == "device" for a in torch._C._get_schema("aten::" + op, ov).arguments):
+                names.append(n[6:])
+    PLAIN.ext.route_whole(names)
+    return len(names)
+
+
 def extension():
     """The C++ extension, or None (with the reason) when it is not built for this torch."""
     try:
@@ -399,11 +499,23 @@ def install() -> Plain:
     from . import route, specials
     # The op path's entry as a TpuTensor op reaches it: the C record path first (NOTE [C record
     # path] in _fastpath.c), which hands what it does not take to ``dispatch``'s Python path.
-    entry, types = TpuTensor.__torch_dispatch__, (TpuTensor,)
+    raw = TpuTensor.__dict__["__torch_dispatch__"].__func__
+    types = (TpuTensor,)
 
     def c_dispatch(func, args, kwargs):
-        return entry(func, types, tuple(args), kwargs)
+        return raw(TpuTensor, func, types, tuple(args), kwargs)
     PLAIN = Plain(ext, c_dispatch)
+    has_plain, mixed = PLAIN.has_plain, PLAIN.mixed
+
+    def checked(cls, func, types, args=(), kwargs=None):
+        # NOTE [mixed arguments]: only with the flag on; the default path is unchanged
+        if has_plain(args, kwargs):
+            return mixed(raw, cls, func, types, args, kwargs)
+        return raw(cls, func, types, args, kwargs)
+    TpuTensor.__torch_dispatch__ = classmethod(checked)
+    from . import tensor
+    tensor.PLAIN.is_plain, tensor.PLAIN.wrapper, tensor.PLAIN.storage = \
+        ext.is_plain, PLAIN.wrapper, PLAIN.storage
     PLAIN.resize, PLAIN.rebind = specials.resize, specials.rebind
     # out= tensors of the wrong shape are resized on the plain tensor (NOTE [plain router])
     route.resize = PLAIN.resize_out
@@ -416,7 +528,53 @@ def install() -> Plain:
         from .engine import engine
         ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages, PLAIN.storage)
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
+    ext.set_storage_hooks(PLAIN.grow, PLAIN.freed)
+    import ctypes
+    import deferfuse_autoload
+    lib = deferfuse_autoload.LOADER.hooks_lib
+    if lib is not None:     # the C++ hooks: untyped_storage().resize_ (FSDP2)
+        lib.deferfuse_set_storage_resize(ctypes.c_void_p(ext.storage_resize_address()))
+    _serialization()
+    from .distributed import group
+    group.plain_collectives()
     return PLAIN
+
+
+def _serialization() -> None:
+    """``copy.deepcopy`` and ``torch.save`` of plain tpu tensors as PyTorch treats a PrivateUse1
+    tensor without storage (a clone; a CPU copy rebuilt on the device, NOTE [tpu checkpoints]
+    in serialization.py): their storage holds no host memory to copy or pickle."""
+    from .tensor import is_tpu
+    T = torch.Tensor
+    deepcopy, reduce = T.__deepcopy__, T._reduce_ex_internal
+
+    def __deepcopy__(self, memo):
+        if (not self.is_leaf or type(self) is not T or self.device.type != "tpu"
+                or not is_tpu(self) or torch.overrides.has_torch_function_unary(self)):
+            return deepcopy(self, memo)
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+            if self.requires_grad:
+                new.requires_grad_()
+            if self.grad is not None:
+                new.grad = self.grad.__deepcopy__(memo)
+            self._clear_non_serializable_cached_data()
+            new.__dict__ = copy.deepcopy(self.__dict__, memo)
+        memo[id(self)] = new
+        return new
+
+    def _reduce_ex_internal(self, proto):
+        if self.device.type != "tpu" or not is_tpu(self):
+            return reduce(self, proto)
+        if torch.serialization._serialization_tls.skip_data:
+            raise RuntimeError("Cannot serialize tensors on backends with no storage under "
+                               "skip_data context manager")
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self.cpu(), self.dtype, str(self.device), self.requires_grad))
+    T.__deepcopy__ = __deepcopy__
+    T._reduce_ex_internal = _reduce_ex_internal
 
 
 def is_tpu(t) -> bool:

@@ -105,6 +105,49 @@ class TpuTensor(torch.Tensor):
         return (id(self._s) << 4) + self.storage_offset() * self.element_size()
 
 
+class PlainHooks:
+    """What ``is_tpu``, ``storage_of`` and ``as_tpu`` ask of the plain PrivateUse1 tensor
+    (DEFERFUSE_TENSOR=plain; deferfuse/plain.py fills it at install, and it stays empty
+    otherwise). One object, owned by this module because every layer above reads it."""
+    __slots__ = ("is_plain", "wrapper", "storage")
+
+    def __init__(self):
+        self.is_plain = None    # tensor -> bool: a plain tpu tensor
+        self.wrapper = None     # plain tensor -> the TpuTensor over its Storage and view
+        self.storage = None     # plain tensor -> its Storage (made on first use)
+
+
+PLAIN = PlainHooks()
+
+
+def is_tpu(a) -> bool:
+    """A tpu tensor of either representation: a ``TpuTensor`` (or a tpu class, subclass.py), or
+    a plain PrivateUse1 tensor (NOTE [plain tensor] in _tpu_tensor.cpp). Code that would read
+    anything else as a CPU tensor asks this, never ``type(a) is TpuTensor`` alone: a plain tensor
+    read as a CPU tensor gives silent garbage (its data pointer is the engine's record)."""
+    if isinstance(a, TpuTensor):
+        return True
+    f = PLAIN.is_plain
+    return f is not None and isinstance(a, torch.Tensor) and f(a)
+
+
+def storage_of(a) -> Storage:
+    """The ``Storage`` of a tpu tensor of either representation."""
+    if isinstance(a, TpuTensor):
+        return a._s
+    return PLAIN.storage(a)
+
+
+def as_tpu(a):
+    """``a`` as a ``TpuTensor`` (the form the op path reads: ``_s``, ``_chain``): itself, or for a
+    plain tpu tensor the ``TpuTensor`` over the same Storage and view (a write through it is seen
+    by ``a``, as a write through one view is seen by the others); anything else as it is."""
+    if type(a) is TpuTensor or PLAIN.is_plain is None or not isinstance(a, torch.Tensor) \
+            or isinstance(a, TpuTensor) or not PLAIN.is_plain(a):
+        return a
+    return PLAIN.wrapper(a)
+
+
 _wrap = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
 

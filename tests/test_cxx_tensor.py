@@ -403,3 +403,197 @@ def test_fresh_output_named_other_than_out_equals_cpu():
         (torch.relu(w) * 2.5).sum().backward()
         (torch.relu(wx) * 2.5).sum().backward()
         _same(wx.grad, w.grad)
+
+
+# -- NOTE [mixed arguments]: plain tensors made inside the op path meet TpuTensors there
+
+
+@pytest.mark.parametrize("name", ["bincount", "bincount_weights", "histc", "eye_", "unique"])
+def test_ops_whose_path_makes_plain_tensors_equal_cpu(name):
+    # each makes a tpu tensor with a factory inside the op path and mixes it with the op path's
+    # own tensors: read as a CPU tensor it raised "two devices, tpu:0 and tpu:0" or gave garbage
+    torch.manual_seed(0)
+    i, w, v = torch.randint(0, 5, (20,)), torch.randn(20), torch.randn(50)
+    fns = {
+        "bincount": lambda d: torch.bincount(i.to(d)),
+        "bincount_weights": lambda d: torch.bincount(i.to(d), w.to(d)),
+        "histc": lambda d: torch.histc(v.to(d), bins=7, min=-2, max=2),
+        "eye_": lambda d: torch.nn.init.eye_(torch.empty(3, 4, device=d)),
+        "unique": lambda d: torch.unique(i.to(d)),
+    }
+    want, got = fns[name]("cpu"), fns[name]("tpu")
+    assert type(got) is torch.Tensor and got.device.type == "tpu"
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_is_tpu_and_storage_of_know_both_representations():
+    from deferfuse.tensor import TpuTensor, as_tpu, is_tpu, storage_of
+    x = torch.randn(2, 3).to("tpu")
+    v = x.t()[1:]
+    assert is_tpu(x) and is_tpu(v) and not is_tpu(torch.randn(2)) and not is_tpu(3)
+    assert storage_of(v) is storage_of(x)
+    w = as_tpu(v)
+    assert type(w) is TpuTensor and w._s is storage_of(x)
+    assert w.shape == v.shape and w.stride() == v.stride()
+    torch.testing.assert_close(w.cpu(), v.cpu())
+
+
+# -- storage semantics
+
+
+def test_resize_growing_a_storage_that_holds_a_value():
+    c = torch.arange(6.)
+    x = c.to("tpu")
+    for t in (c, x):
+        t.resize_(2, 5)
+    assert x.shape == c.shape and x.stride() == c.stride()
+    assert x.untyped_storage().nbytes() == c.untyped_storage().nbytes()
+    # CPU leaves the new elements uninitialised (tpu: zeros): the old ones are kept
+    torch.testing.assert_close(x.view(-1)[:6].cpu(), c.view(-1)[:6], rtol=0, atol=0)
+    x.view(-1)[6:].fill_(1)
+    c.view(-1)[6:].fill_(1)
+    torch.testing.assert_close(x.cpu(), c, rtol=0, atol=0)
+    # and shrinking back keeps the storage, as on CPU
+    for t in (c, x):
+        t.resize_(3)
+    torch.testing.assert_close(x.cpu(), c, rtol=0, atol=0)
+    assert x.untyped_storage().nbytes() == c.untyped_storage().nbytes()
+
+
+def test_resize_growing_a_shared_storage_raises():
+    x = torch.arange(4.).to("tpu")
+    v = x[1:]
+    with pytest.raises(RuntimeError, match="other tensors"):
+        x.resize_(10)
+    assert x.shape == (4,)          # unchanged
+    torch.testing.assert_close(v.cpu(), torch.arange(1., 4.))
+
+
+def test_untyped_storage_resize_frees_and_restores_as_fsdp2_does():
+    c = torch.randn(3, 4)
+    x = c.to("tpu")
+    full = c.untyped_storage().nbytes()
+    assert x.untyped_storage().nbytes() == full
+    for t in (c, x):
+        t.untyped_storage().resize_(0)
+    assert x.untyped_storage().nbytes() == c.untyped_storage().nbytes() == 0
+    for t in (c, x):
+        t.untyped_storage().resize_(full)
+    assert x.untyped_storage().nbytes() == full
+    new = torch.randn(3, 4)
+    with torch.no_grad():
+        c.copy_(new)
+        x.copy_(new.to("tpu"))
+    torch.testing.assert_close(x.cpu(), c, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="resized to 0"):
+        x.untyped_storage().resize_(5)
+
+
+def test_deepcopy_equals_cpu_and_is_independent():
+    import copy
+    c = torch.randn(3, requires_grad=True)
+    c.grad = torch.ones(3)
+    x = c.detach().to("tpu").requires_grad_()
+    x.grad = torch.ones(3, device="tpu")
+    x.note = "kept"
+    for t in (c, x):
+        d = copy.deepcopy(t)
+        assert d.requires_grad and d.is_leaf and d.device == t.device and d is not t
+        torch.testing.assert_close(d.detach().cpu(), c.detach())
+        torch.testing.assert_close(d.grad.cpu(), c.grad)
+        with torch.no_grad():
+            d.mul_(0)
+        torch.testing.assert_close(t.detach().cpu(), c.detach())   # the original is untouched
+    assert copy.deepcopy(x).note == "kept"
+    m = torch.nn.Linear(3, 2).to("tpu")
+    m2 = copy.deepcopy(m)
+    assert type(m2.weight) is torch.nn.Parameter and m2.weight.device.type == "tpu"
+    torch.testing.assert_close(m2.weight.detach().cpu(), m.weight.detach().cpu())
+
+
+@pytest.mark.parametrize("where", [None, "cpu", "tpu"])
+def test_save_and_load_as_cpu_tensors(where, tmp_path):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(3, 2)
+    m = torch.nn.Linear(3, 2).to("tpu")
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3)
+    obj = {"sd": m.state_dict(), "t": x.to("tpu"), "p": m.weight}
+    f = tmp_path / "ck.pt"
+    torch.save(obj, f)
+    got = torch.load(f) if where is None else torch.load(f, map_location=where)
+    dev = "tpu" if where is None else where
+    assert got["t"].device.type == dev and got["sd"]["weight"].device.type == dev
+    assert type(got["p"]) is torch.nn.Parameter and got["p"].requires_grad
+    torch.testing.assert_close(got["t"].cpu(), x, rtol=0, atol=0)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got["sd"][k].cpu(), v, rtol=0, atol=0)
+
+
+def test_set_as_on_cpu():
+    c, x = _pair()
+    for t in (c, x):
+        a = torch.zeros(2, 2, device=t.device)
+        a.set_(t)                           # set_(tensor): shares the storage and geometry
+        assert a.shape == t.shape and a.stride() == t.stride()
+        assert a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        a[0].fill_(5)                       # seen by t
+        b = torch.zeros(1, device=t.device)
+        b.set_(t.untyped_storage(), 2, (2, 3), (1, 6))     # a geometry over t's storage
+        b.mul_(2)
+        e = torch.ones(3, device=t.device).set_()
+        assert e.shape == (0,) and e.untyped_storage().nbytes() == 0
+    assert a.shape == (4, 6) and b.shape == (2, 3)
+    torch.testing.assert_close(x.cpu(), c, rtol=0, atol=0)
+    torch.testing.assert_close(b.cpu(), c.as_strided((2, 3), (1, 6), 2), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        torch.zeros(1, device="tpu").set_(x.untyped_storage(), 20, (3, 3), (3, 1))
+
+
+def test_as_subclass_and_make_subclass_keep_the_value():
+    class Mine(torch.Tensor):
+        pass
+    c, x = _pair()
+    m = x.as_subclass(Mine)
+    assert type(m) is Mine and m.device.type == "tpu"
+    torch.testing.assert_close((m * 2).cpu().as_subclass(torch.Tensor), c * 2)
+    p = torch.Tensor._make_subclass(Mine, x, True)
+    assert type(p) is Mine and p.requires_grad
+    torch.testing.assert_close(p.detach().cpu().as_subclass(torch.Tensor), c)
+
+
+def test_convolution_and_its_backward_equal_cpu():
+    # NOTE [whole ops]: convolution reaches the op path whole, not as convolution_overrideable
+    torch.manual_seed(0)
+    xc, wc = torch.randn(2, 3, 8, 8, requires_grad=True), torch.randn(4, 3, 3, 3, requires_grad=True)
+    xt = xc.detach().to("tpu").requires_grad_()
+    wt = wc.detach().to("tpu").requires_grad_()
+    yc = torch.nn.functional.conv2d(xc, wc, padding=1, stride=2)
+    yt = torch.nn.functional.conv2d(xt, wt, padding=1, stride=2)
+    assert yt.shape == yc.shape and yt.dtype == yc.dtype
+    torch.testing.assert_close(yt.detach().cpu(), yc.detach(), rtol=1e-4, atol=1e-4)
+    yc.square().sum().backward()
+    yt.square().sum().backward()
+    torch.testing.assert_close(xt.grad.cpu(), xc.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(wt.grad.cpu(), wc.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_composite_explicit_ops_reach_the_op_path_whole():
+    # NOTE [whole ops]: native_group_norm ran PyTorch's math version on plain tensors (not CPU's
+    # bits); linear was decomposed below its one-op autograd kernel
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 6, 1, generator=g) * 0.0662).expand(2, 6, 3).contiguous()
+    w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    want = torch.ops.aten.native_group_norm(x, w, b, 2, 6, 3, 6, 1e-6)
+    got = torch.ops.aten.native_group_norm(*[t.to("tpu") for t in (x, w, b)], 2, 6, 3, 6, 1e-6)
+    for gt, wt in zip(got, want):
+        torch.testing.assert_close(gt.cpu(), wt, rtol=0, atol=0)
+    xl, wl = torch.randn(3, 5), torch.randn(4, 5)
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y = torch.nn.functional.linear(xl.to("tpu"), wl.to("tpu"))
+    deferfuse.sync()
+    m = deferfuse.metrics()
+    assert m["ops_recorded"] + m["ops_eager"] == 1
+    torch.testing.assert_close(y.cpu(), torch.nn.functional.linear(xl, wl))

@@ -25,6 +25,7 @@ instead of hanging, as does a request no round completes within the timeout.
 from __future__ import annotations
 
 import json
+import functools
 import time
 from datetime import timedelta
 
@@ -41,7 +42,7 @@ from ..runtime import stats
 from ..runtime.cluster import CLUSTER
 from ..runtime.dtypes import to_np_dtype
 from ..scheduler.records import Value
-from ..tensor import TpuTensor
+from ..tensor import TpuTensor, as_tpu
 from .coord import COORD, DistributedError
 
 S = stats.S
@@ -668,6 +669,35 @@ class ProcessGroupTPU(ProcessGroup):
     def barrier(self, opts=None):
         self._collective("barrier", "", [], lambda devices: [])
         return _Work()
+
+
+def _tpu_tree(a):
+    """Tensor arguments as ``TpuTensor``s (``tensor.as_tpu``: a plain tpu tensor's is over the
+    same Storage, so what a collective writes into it is the plain tensor's value), in lists too."""
+    if type(a) is list:
+        return [_tpu_tree(x) for x in a]
+    return as_tpu(a)
+
+
+def _taking_plain(method):
+    """NOTE [mixed arguments] in plain.py, for the collectives: they read ``_s`` and ``_chain``,
+    so plain tpu tensors (DEFERFUSE_TENSOR=plain) come in as the ``TpuTensor``s over their
+    storages; with the flag off, the method itself."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        return method(self, *[_tpu_tree(a) for a in args], **kwargs)
+    return run
+
+
+def plain_collectives() -> None:
+    """Wrap every collective of ``ProcessGroupTPU`` with ``_taking_plain`` (plain.install)."""
+    for name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "all_gather_single",
+                 "all_gather_single_coalesced", "allgather", "allgather_coalesced", "gather",
+                 "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter",
+                 "scatter", "alltoall_base", "alltoall", "send", "recv", "recv_anysource"):
+        m = ProcessGroupTPU.__dict__[name]
+        if not hasattr(m, "__wrapped__"):
+            setattr(ProcessGroupTPU, name, _taking_plain(m))
 
 
 def _max_opts():
