@@ -283,6 +283,57 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
     return out, mean, rstd
 
 
+# float32 values in one of PyTorch's CPU vectors with AVX-512 (Vectorized<float>).
+_F32_LANES = 16
+
+
+def _fma(a, b, c):
+    """``a * b + c`` (float32) rounded once, as a fused multiply-add: the product is exact in
+    float64, so the float64 sum rounds as the FMA does except in ties of the second rounding."""
+    f64 = jnp.float64
+    return (a.astype(f64) * b.astype(f64) + c.astype(f64)).astype(jnp.float32)
+
+
+def _cpu_row_sum(p):
+    """The sum of ``p`` (float32) over its last axis in the order of PyTorch's vectorized CPU
+    reductions (``vec::map*_reduce_all``): one 16-lane accumulator takes the row's vectors in
+    turn (the tail padded with zeros), then its lanes add pairwise, halves first."""
+    n = p.shape[-1]
+    p = jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, -n % _F32_LANES)])
+    p = p.reshape(p.shape[:-1] + (-1, _F32_LANES))
+    chunks = p.shape[-2]
+    total = p[..., 0, :]
+    if chunks <= 64:
+        for i in range(1, chunks):
+            total = total + p[..., i, :]
+    else:
+        total, _ = lax.scan(lambda t, v: (t + v, None), total, jnp.moveaxis(p[..., 1:, :], -2, 0))
+    while total.shape[-1] > 1:
+        h = total.shape[-1] // 2
+        total = total[..., :h] + total[..., h:]
+    return total[..., 0]
+
+
+def _layer_norm_dx_cpu(g, x, mean, rstd, w):
+    """The input gradient of a bfloat16 layer norm (weight of the input's dtype, or none)
+    as PyTorch's CPU kernel computes it, bit for bit where measured (NOTE [layer norm backward]):
+    per row ``ds = sum(dy * x * w)``, ``db = sum(dy * w)`` (``_cpu_row_sum``),
+    ``b = (db * mean - ds) * a^3 / n``, ``c = -b * mean - db * a / n`` with ``a = rstd``, and
+    ``dx = a * dy * w + b * x + c``, with the fused multiply-adds GCC's contraction makes of them
+    (``db * mean - ds``, ``-b * mean - ...`` and ``... + b * x``)."""
+    n = x.shape[-1]
+    scale = np.float32(1) / np.float32(n)
+    a = rstd[..., 0]
+    m = mean[..., 0]
+    gw = g if w is None else g * w
+    ds = _cpu_row_sum(gw * x) if w is None else _cpu_row_sum((g * x) * w)
+    db = _cpu_row_sum(gw)
+    b = _fma(db, m, -ds) * a * a * a * scale
+    c = _fma(-b, m, -(db * a * scale))
+    b, c = b[..., None], c[..., None]
+    return _fma(b, x, (a[..., None] * g) * w if w is not None else a[..., None] * g) + c
+
+
 @op("native_layer_norm_backward.default")
 def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
                                output_mask):
@@ -290,8 +341,19 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     k = len(normalized_shape)
     axes = tuple(range(x.ndim - k, x.ndim))
     batch = tuple(range(x.ndim - k))
-    xhat = (x - mean) * rstd
     gi = gw = gb = None
+    if output_mask[0] and input.dtype == jnp.bfloat16 and mean.dtype == input.dtype and x.size:
+        # NOTE [layer norm backward]: CPU's bfloat16 kernel (weight, mean and rstd bfloat16 too)
+        # takes the input gradient by its own formula over the rounded mean and rstd; the
+        # textbook form below rounds differently in a few elements per thousand rows (a bfloat16
+        # model's gradients then drift from CPU's from that element on).
+        lead = x.shape[:x.ndim - k]
+        flat = lambda t: t.reshape(lead + (-1,))  # noqa: E731
+        w = None if weight is None else acc(weight).reshape(-1)
+        gi = _layer_norm_dx_cpu(flat(g), flat(x), acc(mean).reshape(lead + (1,)),
+                                acc(rstd).reshape(lead + (1,)), w).reshape(x.shape)
+        output_mask = (False,) + tuple(output_mask[1:])
+    xhat = (x - mean) * rstd
     if output_mask[0]:
         gx = g * weight if weight is not None else g
         gi = _norm_backward(gx, xhat, rstd, axes)
