@@ -641,6 +641,23 @@ def test_layer_norm_input_gradient_as_cpu(dt, affine):
             dy, x, [n], mean, rstd, w, b, [True, False, False])[0], dy, x, mean, rstd, w, b, dt=dt, **tol)
 
 
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_layer_norm_forward_as_cpu(dt, affine):
+    """NOTE [layer norm backward]: CPU's bfloat16 layer norm takes its statistics by Welford's
+    algorithm over 8-lane vectors; the mean of a row of bfloat16 values often lies exactly halfway
+    between two bfloat16 values, and rounds by the sign of Welford's error (the two-pass mean
+    rounded the other way in up to 1% of rows, and the outputs followed). bfloat16: output, mean
+    and rstd bit for bit on rows up to 512 wide (a tail, whole vectors, two chunks); float16 and
+    wider rows: within tolerance."""
+    for rows, n in ((1000, 32), (500, 64), (300, 37), (300, 7), (200, 300), (64, 512), (16, 1100)):
+        x = _rand(rows, n, dt=dt, scale=3, shift=1)
+        w = _rand(n, dt=dt, scale=0.5, shift=1, seed=2) if affine else None
+        b = _rand(n, dt=dt, seed=3) if affine else None
+        tol = dict(atol=0, rtol=0) if dt == torch.bfloat16 and n <= 512 else {}
+        for i in range(3):
+            _same(lambda x, w, b: aten.native_layer_norm(x, [n], w, b, 1e-5)[i], x, w, b, dt=dt, **tol)
+
+
 def test_glu_rounds_once(dt, tpu_mode):
     """CPU's glu computes ``a * (1 / (1 + exp(-b)))`` in float32 and rounds once; tpu rounded the
     sigmoid first (jax's half-precision sigmoid): 45% of a conformer's GLU outputs were an ulp off."""

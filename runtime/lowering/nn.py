@@ -269,10 +269,114 @@ def _norm_backward(g, xhat, rstd, axes):
     return rstd * (g - mg - xhat * mgx)
 
 
+def _div(a, b):
+    """``a / b`` (float32) divided as CPU divides: XLA rewrites a division by a constant into a
+    product with its rounded reciprocal (different in about half of the elements) and
+    ``a / sqrt(v)`` into ``a * rsqrt(v)``. The divisor, broadcast to the full shape, passes an
+    optimization barrier, which nothing is folded through."""
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
+    return a / lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), shape))
+
+
+def _mul(a, b):
+    """``a * b`` rounded to float32 before whatever adds it (XLA's CPU compiler would fuse the
+    product and a following sum into one FMA where CPU's kernel rounds the product first): the
+    product of two float32 values is exact in float64, and rounds once on the way back."""
+    f64 = jnp.float64
+    return (jnp.asarray(a).astype(f64) * jnp.asarray(b).astype(f64)).astype(jnp.float32)
+
+
+# The float32 lanes of the vectors PyTorch's CPU layer norm kernels run on (8 measured here: the
+# statistics match CPU's only with 8; the backward's sums are the same with 8 or 16).
+_NORM_LANES = 8
+# The widest rows the bfloat16 layer norm forward follows CPU's statistics for (checked bit for
+# bit up to 512 values, two chunks of the cascade; wider rows, whose deeper cascade differs in a
+# few elements, and rows beyond a long unrolled program take the float32 two-pass form).
+_NORM_EXACT = 512
+
+
+def _welford_merge(n_add, m1_add, m2_add, n, m1, m2, vector):
+    """PyTorch's ``AddMomentsVec`` (``vector``) or ``AddMoments``: the moments (m1, m2) of ``n``
+    values joined by those of ``n_add`` more, with the multiply-adds CPU fuses."""
+    total = n + n_add
+    c = np.float32(0) if total == 0 else np.float32(n_add) / np.float32(total)
+    delta = m1_add - m1
+    if vector:
+        cd = _mul(c, delta)
+        return total, m1 + cd, _fma(delta * np.float32(n), cd, m2 + m2_add)
+    return total, _fma(jnp.float32(c), delta, m1), m2 + (m2_add + _mul((delta * delta) * c, np.float32(n)))
+
+
+def _cpu_moments(x):
+    """(mean, biased variance), float32, of the rows of ``x`` (the float32 values of a bfloat16
+    tensor) as PyTorch's CPU ``RowwiseMoments`` computes them (NOTE [layer norm backward]):
+    Welford's algorithm per lane over the row's vectors (two float vectors per bfloat16 vector),
+    chunks of 16 vectors joined by a cascade, the tail one value at a time, then the lanes joined
+    one by one."""
+    lanes = _NORM_LANES
+    width, chunk = 2 * lanes, 16
+    n_total = x.shape[-1]
+    n = n_total // width
+    lead = x.shape[:-1]
+    zero = jnp.zeros(lead + (lanes,), jnp.float32)
+    chunks = -(-n // chunk)
+    depth = max(1, (chunks - 1).bit_length())
+    stack = [(0, zero, zero) for _ in range(depth)]
+    for i in range(chunks):
+        count = min(chunk, n - i * chunk)
+        halves = []
+        for h in range(2):
+            m1 = m2 = zero
+            for j in range(count):
+                start = (i * chunk + j) * width + h * lanes
+                v = x[..., start:start + lanes]
+                d = v - m1
+                m1 = _fma(d, jnp.float32(np.float32(1) / np.float32(j + 1)), m1)
+                m2 = _fma(d, v - m1, m2)
+            halves.append((m1, m2))
+        for m1, m2 in halves:
+            stack[0] = _welford_merge(count, m1, m2, *stack[0], vector=True)
+        mask, j = i + 1, 1
+        while j < depth and mask & 1 == 0:
+            stack[j] = _welford_merge(*stack[j - 1], *stack[j], vector=True)
+            stack[j - 1] = (0, zero, zero)
+            mask >>= 1
+            j += 1
+    for j in range(1, depth):
+        stack[0] = _welford_merge(*stack[j], *stack[0], vector=True)
+    m0, m1, m2 = 0, jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.float32)
+    for k in range(n * width, n_total):
+        v = x[..., k]
+        d = v - m1
+        m0 += 1
+        m1 = m1 + _div(d, m0)
+        m2 = _fma(d, v - m1, m2)
+    for k in range(lanes):
+        m0, m1, m2 = _welford_merge(2 * n, stack[0][1][..., k], stack[0][2][..., k], m0, m1, m2, vector=False)
+    return m1, _div(m2, n_total)
+
+
 @op("native_layer_norm.default")
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     x = _acc(input)
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    n = math.prod(normalized_shape)
+    if input.dtype == jnp.bfloat16 and x.size and n <= _NORM_EXACT and all(
+            t is None or t.dtype == input.dtype for t in (weight, bias)):
+        # NOTE [layer norm backward]: CPU's bfloat16 kernel (parameters bfloat16 too): Welford
+        # statistics (a mean that is a tie between two bfloat16 values rounds by their error),
+        # rstd = 1 / sqrt(var + eps), y = (x * rstd + (-rstd * mean)) * w + b, multiply-adds fused.
+        lead = x.shape[:x.ndim - len(normalized_shape)]
+        flat = x.reshape(lead + (n,))
+        mean, var = _cpu_moments(flat)
+        rstd = _div(1, jnp.sqrt(var + jnp.asarray(eps).astype(jnp.float32)))
+        y = _fma(flat, rstd[..., None], (-rstd * mean)[..., None])
+        if weight is not None or bias is not None:
+            w = jnp.ones((n,), jnp.float32) if weight is None else acc(weight).reshape(-1)
+            b = jnp.zeros((n,), jnp.float32) if bias is None else acc(bias).reshape(-1)
+            y = _fma(y, w, b)
+        keep = lead + (1,) * len(normalized_shape)
+        return y.reshape(x.shape), mean.reshape(keep), rstd.reshape(keep)
     mean, var = _moments(x, axes)
     rstd = lax.rsqrt(var + eps)
     out = (x - mean) * rstd
