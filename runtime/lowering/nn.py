@@ -387,7 +387,7 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
     return out, mean, rstd
 
 
-# float32 values in one of PyTorch's CPU vectors with AVX-512 (Vectorized<float>).
+# Two of the float32 vectors PyTorch's CPU layer norm kernel sums in (see _NORM_LANES).
 _F32_LANES = 16
 
 
@@ -400,8 +400,10 @@ def _fma(a, b, c):
 
 def _cpu_row_sum(p):
     """The sum of ``p`` (float32) over its last axis in the order of PyTorch's vectorized CPU
-    reductions (``vec::map*_reduce_all``): one 16-lane accumulator takes the row's vectors in
-    turn (the tail padded with zeros), then its lanes add pairwise, halves first."""
+    reductions over bfloat16 rows (``vec::map*_reduce_all``): two 8-lane accumulators take the
+    float halves of each 16-value vector in turn (the tail padded with zeros), are added, and
+    their lanes add pairwise, halves first; the same order as one 16-lane accumulator whose
+    halves are added first, which is what this computes."""
     n = p.shape[-1]
     p = jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, -n % _F32_LANES)])
     p = p.reshape(p.shape[:-1] + (-1, _F32_LANES))
