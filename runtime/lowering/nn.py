@@ -269,6 +269,25 @@ def _norm_backward(g, xhat, rstd, axes):
     return rstd * (g - mg - xhat * mgx)
 
 
+# NOTE [bf16 layer norm]: a bfloat16 layer norm (parameters bfloat16 too) computes as PyTorch's
+# CPU kernel does, bit for bit where measured: the statistics by Welford's algorithm over the
+# row's vectors (the mean of a row of bfloat16 values is often exactly halfway between two
+# bfloat16 values, and rounds by the sign of the algorithm's error: the two-pass mean rounded the
+# other way in up to 1% of rows), y = (x * rstd + (-rstd * mean)) * w + b, and the input gradient
+# as rstd * dy * w + b * x + c from per-row sums in CPU's vector order over the rounded mean and
+# rstd (the textbook form rounded a few elements per thousand rows differently, and a bfloat16
+# model's gradients drifted from CPU's from there on). CPU's compiler fuses some of the
+# multiply-adds and not others; XLA's would fuse its own choice, and rewrites divisions: the
+# lowering spells out each FMA (_fma), each rounded product (_mul) and each true division (_div).
+# On a TPU or GPU (where float64, which these use, is slow or absent) the float32 forms stay.
+
+
+def _cpu_exact(dtype) -> bool:
+    """NOTE [bf16 layer norm] applies: a bfloat16 tensor on XLA's CPU platform."""
+    from ..platform import name
+    return dtype == jnp.bfloat16 and name() == "cpu"
+
+
 def _div(a, b):
     """``a / b`` (float32) divided as CPU divides: XLA rewrites a division by a constant into a
     product with its rounded reciprocal (different in about half of the elements) and
@@ -309,7 +328,7 @@ def _welford_merge(n_add, m1_add, m2_add, n, m1, m2, vector):
 
 def _cpu_moments(x):
     """(mean, biased variance), float32, of the rows of ``x`` (the float32 values of a bfloat16
-    tensor) as PyTorch's CPU ``RowwiseMoments`` computes them (NOTE [layer norm backward]):
+    tensor) as PyTorch's CPU ``RowwiseMoments`` computes them (NOTE [bf16 layer norm]):
     Welford's algorithm per lane over the row's vectors (two float vectors per bfloat16 vector),
     chunks of 16 vectors joined by a cascade, the tail one value at a time, then the lanes joined
     one by one."""
@@ -361,11 +380,9 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
     x = _acc(input)
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
     n = math.prod(normalized_shape)
-    if input.dtype == jnp.bfloat16 and x.size and n <= _NORM_EXACT and all(
+    if _cpu_exact(input.dtype) and x.size and n <= _NORM_EXACT and all(
             t is None or t.dtype == input.dtype for t in (weight, bias)):
-        # NOTE [layer norm backward]: CPU's bfloat16 kernel (parameters bfloat16 too): Welford
-        # statistics (a mean that is a tie between two bfloat16 values rounds by their error),
-        # rstd = 1 / sqrt(var + eps), y = (x * rstd + (-rstd * mean)) * w + b, multiply-adds fused.
+        # NOTE [bf16 layer norm]
         lead = x.shape[:x.ndim - len(normalized_shape)]
         flat = x.reshape(lead + (n,))
         mean, var = _cpu_moments(flat)
@@ -422,7 +439,7 @@ def _cpu_row_sum(p):
 
 def _layer_norm_dx_cpu(g, x, mean, rstd, w):
     """The input gradient of a bfloat16 layer norm (weight of the input's dtype, or none)
-    as PyTorch's CPU kernel computes it, bit for bit where measured (NOTE [layer norm backward]):
+    as PyTorch's CPU kernel computes it, bit for bit where measured (NOTE [bf16 layer norm]):
     per row ``ds = sum(dy * x * w)``, ``db = sum(dy * w)`` (``_cpu_row_sum``),
     ``b = (db * mean - ds) * a^3 / n``, ``c = -b * mean - db * a / n`` with ``a = rstd``, and
     ``dx = a * dy * w + b * x + c``, with the fused multiply-adds GCC's contraction makes of them
@@ -448,11 +465,8 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     axes = tuple(range(x.ndim - k, x.ndim))
     batch = tuple(range(x.ndim - k))
     gi = gw = gb = None
-    if output_mask[0] and input.dtype == jnp.bfloat16 and mean.dtype == input.dtype and x.size:
-        # NOTE [layer norm backward]: CPU's bfloat16 kernel (weight, mean and rstd bfloat16 too)
-        # takes the input gradient by its own formula over the rounded mean and rstd; the
-        # textbook form below rounds differently in a few elements per thousand rows (a bfloat16
-        # model's gradients then drift from CPU's from that element on).
+    if output_mask[0] and _cpu_exact(input.dtype) and mean.dtype == input.dtype and x.size:
+        # NOTE [bf16 layer norm]
         lead = x.shape[:x.ndim - k]
         flat = lambda t: t.reshape(lead + (-1,))  # noqa: E731
         w = None if weight is None else acc(weight).reshape(-1)
