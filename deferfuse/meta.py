@@ -592,7 +592,8 @@ def _meta_outputs(func, args, kwargs):
 
 
 def _run_meta(func, args, kwargs):
-    r = plain.answer(func, args, kwargs)      # NOTE [meta without dynamo] (metaplain.py)
+    # NOTE [meta without dynamo] (metaplain.py)
+    r = plain.answer(func, args, kwargs) if config.meta_plain else None
     if r is not None:
         if config.cross_check or config.mode == "debug":
             exact = _kernel_outputs(func, args, kwargs)
@@ -620,7 +621,7 @@ def _kernel_outputs(func, args, kwargs):
         except NotImplementedError:
             pass                          # no meta kernel (_fused_sgd_, _fused_adagrad_)
         return "none", ()
-    out = plain.kernel(func)(*margs, **mkw)
+    out = (plain.kernel(func) if config.meta_plain else func)(*margs, **mkw)
     if isinstance(out, torch.Tensor):
         return "one", (_desc(out),)
     if isinstance(out, list):

@@ -60,6 +60,7 @@ class Settings:
     loop_split: bool = True
     buckets: bool = True
     setup_first: bool = True
+    buckets_ahead: bool = True
 
 
 @dataclass(slots=True)
@@ -299,7 +300,7 @@ class Runner:
         union = None
         if reps:
             n_rep = max(len(pc.pos) for pc in plan)
-            if ctx.cfg.buckets and not ctx.cfg.cross_check:
+            if ctx.cfg.buckets_ahead and ctx.cfg.buckets and not ctx.cfg.cross_check:
                 self._plan_ahead(plan, entries, n_rep)
             union = set()
             for pc in plan:
