@@ -1,6 +1,6 @@
-"""Meta answers without ``torch._dynamo``: NOTE [meta without dynamo].
+"""Meta answers without ``torch._dynamo``.
 
-Most elementwise ops' meta kernels are PyTorch's Python references (``torch._refs.add``),
+NOTE [meta without dynamo]: most elementwise ops' meta kernels are PyTorch's Python references (``torch._refs.add``),
 registered for the Meta key as a few wrappers (``out_wrapper``; for unary ops one that takes
 Python numbers) around ``torch._disable_dynamo`` around the reference with its type promotion. That
 Dynamo wrapper imports ``torch._dynamo`` the first time one is called, to wrap the reference so
