@@ -391,7 +391,7 @@ def test_a_growing_dim_runs_in_buckets_as_cpu_computes(rule):
         assert g.dtype == w.dtype and g.shape == w.shape
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
-    # length 5 compiled exactly, 6..13 ran in the smallest bucket, 32 (MIN_BUCKET in buckets.py)
+    # length 5 compiled exactly, 6..13 ran in the smallest bucket, 32 (MIN_BUCKET in bucket_fit.py)
     assert m["region_compiles"] + m["disk_cache_hits"] == 2, m["miss_reasons"]
 
 

@@ -1,0 +1,453 @@
+"""Buckets (NOTE [buckets] in buckets.py): how one op runs padded (``plan_node``).
+
+each op is admitted only by a rule below, from what it does along its padded dims (dims whose size
+depends on the length; valid data is the prefix of exact size ``a * s + b``), and anything else
+refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']`` says which op):
+
+- elementwise ops (PyTorch's ``pointwise`` tag) and dtype conversions; factories and ``tril``/
+  ``triu``, whose values depend on the index alone (``arange(T)`` padded is ``arange(P)``, whose
+  first T values are ``arange(T)``'s), ``cumsum`` (a prefix depends on the prefix);
+- views that move dims (transpose, permute, squeeze, unsqueeze, expand); reshapes that keep each
+  padded dim the first dim of its group of merged or split dims (``(T, C) -> (T * C)``, never
+  ``(B, T) -> (B * T)``, which would interleave padding with data); windows at dynamic offsets
+  along a padded dim (``x[:, -1]``, ``x[:, i:i+k]``: the offset is the exact one, data);
+- reductions, softmax and log-softmax over padded dims with the padding masked by the reduction's
+  identity (0 for sums, -inf for maxima and softmax; a mean divides by the exact count);
+  reductions and layer norms over other dims;
+- matrix products with padded dims contracted: both operands masked to 0 there;
+- fused attention with padded keys: a key mask added (and the values masked to 0);
+- embeddings, ``gather`` and ``index_select`` with padded indices: the indices masked to 0 (so a
+  padded index never trips the index check); ``gather``/``index_select`` along a padded dim: the
+  indices checked against the dim's exact length (CPU's error and message; negative indices are
+  out of range for them, as on CPU);
+- ``topk`` over other dims (elementwise in the padded ones) and along a padded dim: the padding
+  filled with what is never selected (-inf, or the least integer, for the largest; NaN, which
+  sorts last after any valid NaN, or the greatest integer, for the smallest) and ``k`` checked
+  against the exact length;
+- advanced indexing (``x[:, [-1]]``, ``x[i, j]``) with integer index tensors: padded index
+  entries masked to 0, and an index into a padded dim checked against the exact length and
+  wrapped by it (``-1`` is the last valid position; an out-of-range index raises CPU's error
+  naming the exact size);
+- ``cat`` along a padded dim: each input written at its exact offset into the padded output;
+- in-place writes that are elementwise, to a whole tensor (not a view of one): in-place pointwise
+  ops (``masked_fill_``, ``add_``) and ``x[mask] = v`` (``index_put_`` with one boolean mask over
+  leading dims and one value: nanoGPT's ``logits[logits < v[:, [-1]]] = -inf``); what they write
+  into the padding stays padding;
+- ``multinomial`` over the last dim with other dims padded: padded rows are given ones (a valid
+  distribution, so CPU's checks see only valid rows), their samples are cut off.
+
+Other in-place writes (to a view, ``index_copy_``, a mask's count of values), other random ops
+touching padded dims and everything not listed refuse the region. Where a region is refused, its
+shapes go on compiling as before (shape churn: runtime/flush.py).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from .bucket_fit import _PROBES, _RESHAPES, Refused, _is_form, _padded, _put, at, parts
+from .dtypes import to_np_dtype
+from .lowering import aten
+from .node import CS, SS, TS
+from .viewchain import DSELECT, DSLICE, DYNAMIC, apply_step
+
+_DIM_MOVERS = {getattr(getattr(aten, p), o) for p, o in (
+    ("transpose", "int"), ("t", "default"), ("permute", "default"), ("unsqueeze", "default"),
+    ("squeeze", "default"), ("squeeze", "dim"), ("squeeze", "dims"), ("alias", "default"),
+    ("detach", "default"), ("lift_fresh", "default"), ("expand", "default"), ("_conj", "default"))
+    if hasattr(getattr(aten, p, None), o)}
+_FACTORIES = {getattr(getattr(aten, p), o) for p, o in (
+    ("arange", "default"), ("arange", "start"), ("arange", "start_step"), ("full", "default"),
+    ("zeros", "default"), ("ones", "default"), ("new_full", "default"), ("new_zeros", "default"),
+    ("new_ones", "default"), ("zeros_like", "default"), ("ones_like", "default"),
+    ("full_like", "default"), ("scalar_tensor", "default"), ("tril", "default"),
+    ("triu", "default"), ("_to_copy", "default"), ("clone", "default"), ("stack", "default"))
+    if hasattr(getattr(aten, p, None), o)}
+# reductions: op -> (position of the dims argument, or None: all dims; identity of the padding)
+_REDUCTIONS = {
+    aten.sum.dim_IntList: (1, 0), aten.sum.default: (None, 0),
+    aten.mean.dim: (1, "mean"), aten.mean.default: (None, "mean"),
+    aten.amax.default: (1, "-inf"), aten.amin.default: (1, "+inf"),
+    aten.max.dim: (1, "-inf"), aten.min.dim: (1, "+inf"),
+    aten.argmax.default: (1, "-inf"), aten.argmin.default: (1, "+inf"),
+    aten.max.default: (None, "-inf"), aten.min.default: (None, "+inf"),
+    aten._softmax.default: (1, "-inf"), aten._log_softmax.default: (1, "-inf"),
+    aten.logsumexp.default: (1, "-inf"),
+    aten.any.dim: (1, False), aten.any.default: (None, False),
+    aten.all.dim: (1, True), aten.all.default: (None, True),
+}
+if hasattr(aten, "_safe_softmax"):
+    _REDUCTIONS[aten._safe_softmax.default] = (1, "-inf")
+_SCANS = {aten.cumsum.default, aten.cumprod.default}
+# products: op -> ((input, contracted dim), ...)
+_PRODUCTS = {aten.mm.default: ((0, 1), (1, 0)), aten.addmm.default: ((1, 1), (2, 0)),
+             aten.bmm.default: ((0, 2), (1, 1)), aten.baddbmm.default: ((1, 2), (2, 1)),
+             aten.linear.default: ((0, -1), (1, 1)), aten.mv.default: ((0, 1), (1, 0)),
+             aten.dot.default: ((0, 0), (1, 0))}
+_SDPA = getattr(getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default",
+                None)
+# index ops: op -> (input holding indices, input indexed, the dim it is indexed along or None)
+_INDEXED = {aten.embedding.default: (1, 0, 0)}
+# ops taking indices along a dim (input 0 indexed by input 1 along the dim, argument 1)
+_ALONG = {aten.gather.default, aten.index_select.default}
+_TOPK = aten.topk.default
+_MULTINOMIAL = aten.multinomial.default
+_INDEX = aten.index.Tensor
+_LAYER_NORM = aten.native_layer_norm.default
+_CAT = aten.cat.default
+
+
+def _step_forms(fstep, fin, dtype, learned=None) -> tuple:
+    """The forms of a view step's output shape, from its shape at two lengths (kept in
+    ``learned``, a LearnedStore, for the next process: NOTE [learned on disk] in learned.py)."""
+    key = shapes = None
+    if learned is not None and learned.on:
+        from .diskcache import Unstable, describe
+        try:
+            key = describe(("step", fstep, fin, str(dtype), _PROBES[:2]))
+        except Unstable:
+            key = None
+        shapes = learned.step(key) if key is not None else None
+    if shapes is None:
+        shapes = []
+        for t in _PROBES[:2]:
+            st = at(fstep, t)
+            x = jax.ShapeDtypeStruct(at(fin, t), dtype)
+            shapes.append(tuple(jax.eval_shape(lambda v: apply_step(v, st, 0), x).shape))
+        if key is not None:
+            learned.put("steps", key, tuple(shapes))
+    (s1, s2), (t1, t2) = shapes, _PROBES[:2]
+    out = []
+    for x, y in zip(s1, s2):
+        a, r = divmod(y - x, t2 - t1)
+        if r:
+            raise Refused("a view whose size is not linear in the length")
+        out.append((a, x - a * t1))
+    return tuple(out)
+
+
+def _check_reshape(fin, fout, name) -> None:
+    """NOTE [buckets]: a reshape keeps each padded dim the first of its group of dims."""
+    fin = [f for f in fin if f != (0, 1)]
+    fout = [f for f in fout if f != (0, 1)]
+
+    def prod(g):
+        out = []
+        for t in _PROBES:
+            p = 1
+            for a, b in g:
+                p *= a * t + b
+            out.append(p)
+        return out
+    i = j = 0
+    while i < len(fin) or j < len(fout):
+        if i >= len(fin) or j >= len(fout):
+            raise Refused(f"{name}: a reshape whose sizes do not match")
+        gi, gj = [fin[i]], [fout[j]]
+        i, j = i + 1, j + 1
+        while prod(gi) != prod(gj):
+            if prod(gi)[0] < prod(gj)[0]:
+                if i >= len(fin):
+                    raise Refused(f"{name}: a reshape whose sizes do not match")
+                gi.append(fin[i])
+                i += 1
+            else:
+                if j >= len(fout):
+                    raise Refused(f"{name}: a reshape whose sizes do not match")
+                gj.append(fout[j])
+                j += 1
+        for g in (gi, gj):
+            if any(a for a, _ in g[1:]):
+                raise Refused(f"{name}: a reshape that merges a padded dim behind another dim")
+        if bool(gi[0][0]) != bool(gj[0][0]):
+            raise Refused(f"{name}: a reshape that moves padding")
+
+
+_SLICE = aten.slice.Tensor
+_SELECT = aten.select.int
+
+
+def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
+    """The forms of a view chain's result, checking each step (NOTE [buckets])."""
+    form = tuple(fbase)
+    for fstep in fchain:
+        op = fstep[0]
+        out = _step_forms(fstep, form, dtype, learned)
+        if not (_padded(form) or _padded(out)) or op in _DIM_MOVERS or op is DSELECT:
+            pass        # (DSELECT: the index is data, inside the exact extent)
+        elif op in _RESHAPES:
+            _check_reshape(form, out, name)
+        elif op is DSLICE:
+            dim, length, stp = at(fstep[1], _PROBES[0])
+            # A window's padded length may grow no faster than its base's: XLA moves the start of
+            # a slice that would run past the end back inside (``dynamic_slice`` clamps), so
+            # ``data[990:994]`` of 1,000 rows padded to 32 read rows 968..999, its valid prefix
+            # the wrong rows (a ragged last batch of a long dataset).
+            if out[dim][0] > form[dim][0]:
+                raise Refused(f"{name}: a window whose padded length grows faster than its base "
+                              "(it could pass the base's end)")
+            if form[dim][0] and stp != 1 and out[dim][0]:
+                raise Refused(f"{name}: a strided window along a padded dim")
+        elif op is _SLICE or op is _SELECT:
+            dim = at(fstep[1][0] if fstep[1] else (0, 0), 0) % max(len(form), 1)
+            if form[dim][0]:
+                raise Refused(f"{name}: a fixed slice along a padded dim")
+        else:
+            raise Refused(f"{name}: view {op} of a padded tensor")
+        form = out
+    return form
+
+
+# --------------------------------------------------------------------------- one op's plan
+class NodePlan:
+    """How one op runs padded: its structure as forms, its rule and what the rule needs."""
+    __slots__ = ("rule", "extra", "low", "meta", "name", "targs", "tkw", "chains", "out_avals",
+                 "in_forms", "out_forms", "base_forms", "ndyn", "mut", "read_forms")
+
+
+def _is_pointwise(func) -> bool:
+    import torch        # (tags only: the runtime holds no torch tensors)
+    return torch.Tag.pointwise in func.tags
+
+
+def _arg(targs, tkw, pos, name):
+    """A static argument of the op: positional ``pos`` or keyword ``name`` (None if absent)."""
+    v = None
+    if pos is not None and pos < len(targs):
+        v = targs[pos]
+    else:
+        for k, x in tkw:
+            if k == name:
+                v = x
+    if type(v) is tuple and v and v[0] is CS:
+        return v[2]
+    if type(v) is tuple and v and v[0] in (TS, SS):
+        raise Refused("a tensor or scalar input where a static argument was expected")
+    return v
+
+
+def _forms_in(x, out=None) -> list:
+    """The forms in a structure."""
+    out = [] if out is None else out
+    if _is_form(x):
+        out.append(x)
+    elif type(x) is tuple or type(x) is list:
+        for y in x:
+            _forms_in(y, out)
+    return out
+
+
+def plan_node(entry, forms, learned=None) -> NodePlan:
+    """The plan of one op whose ints have ``forms`` (in ``parts`` order); raises ``Refused``."""
+    info = entry.key[0]
+    func, name = info.func, info.name
+    targs, tkw, ins, outs = parts(entry)
+    it = iter(forms)
+    f_targs, f_tkw, f_ins, f_outs = (_put(targs, it), _put(tkw, it), _put(ins, it),
+                                     _put(outs, it))
+    n = NodePlan()
+    n.name, n.low, n.meta = name, info.low, info.low.meta
+    n.targs, n.tkw = f_targs, f_tkw
+    n.chains = tuple(fi[2] for fi in f_ins)
+    n.base_forms = tuple(tuple(fi[0]) for fi in f_ins)
+    n.out_avals = f_outs
+    n.ndyn = [sum(1 for st in c if st[0] in DYNAMIC) for c in n.chains]
+    n.in_forms = []
+    for (bshape, bdt, chain, size, dt), (fb, _, fchain, fsize, _) in zip(ins, f_ins):
+        fin = _chain_forms(fb, bdt, fchain, name, learned) if chain else tuple(fb)
+        if tuple(fin) != tuple(fsize):
+            raise Refused(f"{name}: a view whose sizes do not follow from its chain")
+        n.in_forms.append(tuple(fsize))
+    n.out_forms = [None if o is None else tuple(o[0]) for o in f_outs]
+    # What later ops read of each output: a write's outputs are the new values of the bases it
+    # wrote (runtime/node.py, ``build``), whole even when it wrote through a view of one
+    # (nanoGPT's ``logits[logits < v] = -inf`` on ``x[:, -1, :]``).
+    n.read_forms = list(n.out_forms)
+    for j, m in enumerate(entry.out[1] or ()):
+        if j < len(n.read_forms) and m < len(n.base_forms):
+            n.read_forms[j] = n.base_forms[m]
+    n.rule, n.extra, n.mut = "exact", entry.fn, None
+    touched = (any(_padded(f) for f in n.in_forms) or any(_padded(fb) for fb in n.base_forms)
+               or any(f is not None and _padded(f) for f in n.out_forms)
+               or any(a for a, _ in _forms_in(f_targs)) or any(a for a, _ in _forms_in(f_tkw)))
+    if not touched:
+        return n        # nothing of it depends on the length: its own function, unpadded
+    n.rule, n.extra = "plain", None     # (its function is the op: a stable program-store key)
+    mut, rng = entry.out[1], entry.out[2]
+    if rng:
+        fp = n.in_forms[0] if n.in_forms else ()
+        if func is not _MULTINOMIAL or mut or len(fp) < 2 or fp[-1][0]:
+            raise Refused(f"{name} draws random numbers")
+        # rows drawn from independently: padded rows are given a valid distribution (ones) so
+        # the distribution checks see only valid rows; their samples are cut off
+        n.rule, n.extra, n.mut = "multinomial", None, "rng"
+        return n
+    if mut:
+        func = _plan_write(n, info, ins, targs, tkw, mut, name)
+    if func in _BOOL_PUT:
+        pass                                # (_plan_write: elementwise)
+    elif func in _FACTORIES or _is_pointwise(func):
+        # Broadcasting: each input's dim (aligned from the right) is the output's or a 1.
+        fo = n.out_forms[0] if n.out_forms and n.out_forms[0] is not None else None
+        if fo is not None and func not in _FACTORIES:
+            for f in n.in_forms:
+                for d in range(1, len(f) + 1):
+                    if d > len(fo) or (f[-d] != fo[-d] and f[-d] != (0, 1)):
+                        raise Refused(f"{name}: inputs whose sizes do not broadcast alike "
+                                      "padded")
+    elif func in _REDUCTIONS:
+        pos, ident = _REDUCTIONS[func]
+        f0 = n.in_forms[0]
+        nd = len(f0)
+        dims = _arg(targs, tkw, pos, "dim") if pos is not None else None
+        if dims is None or dims == () or dims == []:
+            if func in (aten.argmax.default, aten.argmin.default) and _padded(f0):
+                raise Refused(f"{name} over every dim of a padded tensor (a flat index)")
+            dims = tuple(range(nd))
+        elif type(dims) is int:
+            dims = (dims,)
+        dims = tuple(d % max(nd, 1) for d in dims)
+        pdims = tuple(d for d in dims if d < nd and f0[d][0])
+        if pdims:
+            n.rule, n.extra = "reduce", (pdims, ident, dims)
+    elif func in _SCANS:
+        pass                                # each position depends on the prefix only
+    elif func in _RESHAPES and n.out_forms and n.out_forms[0] is not None:
+        # a recorded reshape (``_unsafe_view`` after a matmul): a copy whose padding stays where
+        # a view's would (NOTE [buckets])
+        _check_reshape(n.in_forms[0], n.out_forms[0], name)
+    elif func is _LAYER_NORM:
+        k = len(_arg(targs, tkw, 1, "normalized_shape"))
+        if _padded(n.in_forms[0][len(n.in_forms[0]) - k:]):
+            raise Refused(f"{name} normalizes over a padded dim")
+    elif func in _PRODUCTS:
+        masks = []
+        for i, d in _PRODUCTS[func]:
+            f = n.in_forms[i]
+            d %= len(f)
+            if f[d][0]:
+                masks.append((i, d))
+        if masks:
+            n.rule, n.extra = "contract", tuple(masks)
+    elif _SDPA is not None and func is _SDPA:
+        q, k, v = n.in_forms[:3]
+        if q[-1][0] or k[-1][0] or v[-1][0]:
+            raise Refused(f"{name} with a padded head dim")
+        if k[-2][0]:
+            n.rule, n.extra = "sdpa", k[-2]
+    elif func in _INDEXED:
+        ii, xi, _ = _INDEXED[func]
+        if func is aten.embedding.default and _padded(n.in_forms[xi]):
+            raise Refused(f"{name} of a padded table")
+        if _padded(n.in_forms[ii]):
+            n.rule, n.extra = "index", ii
+    elif func is _INDEX:
+        n.rule, n.extra = "advanced", _plan_index(n, ins, targs, name)
+    elif func in _ALONG:
+        n.rule, n.extra = "along", _plan_along(n, func, targs, tkw, name)
+    elif func is _TOPK:
+        fx = n.in_forms[0]
+        d = _arg(targs, tkw, 2, "dim")
+        d = (-1 if d is None else d) % max(len(fx), 1)
+        if fx and fx[d][0]:
+            k = _arg(targs, tkw, 1, "k")
+            largest = _arg(targs, tkw, 3, "largest")
+            n.rule, n.extra = "topk", (d, fx[d], k, True if largest is None else bool(largest))
+    elif func is _CAT:
+        fo = n.out_forms[0]
+        d = (_arg(targs, tkw, 1, "dim") or 0) % len(fo)
+        if fo[d][0]:
+            if any(len(f) != len(fo) for f in n.in_forms):
+                raise Refused(f"{name} of tensors of other ranks")
+            n.rule, n.extra = "cat", (d, tuple(f[d] for f in n.in_forms))
+    else:
+        raise Refused(f"{name} has no rule for padded dims")
+    return n
+
+
+def _plan_index(n: NodePlan, ins, targs, name):
+    """``x[..., i, ...]`` (``index.Tensor``, integer index tensors): each index tensor's padded
+    positions are masked to 0, and an index along a padded dim of ``x`` is checked against and
+    wrapped by the dim's exact length (``x[:, [-1]]`` is the last valid position, not the padded
+    end). Returns ((input, its padded dims), ...) and ((input, form of the dim it indexes, its
+    number among the index tensors), ...)."""
+    f0 = n.in_forms[0]
+    slots = targs[1] if len(targs) > 1 else ()
+    masks, wraps, seen = [], [], set()
+    k = 0
+    for d, sl in enumerate(slots):
+        if sl is None:
+            continue
+        i = sl[1]
+        if to_np_dtype(ins[i][4]) in (np.bool_, np.uint8):
+            raise Refused(f"{name} with a boolean mask (a data-dependent shape)")
+        fi = n.in_forms[i]
+        if _padded(fi) and i not in seen:
+            masks.append((i, tuple(range(len(fi)))))
+        if f0[d][0]:
+            if i in seen:
+                raise Refused(f"{name}: one index tensor for two dims")
+            wraps.append((i, f0[d], k))
+        seen.add(i)
+        k += 1
+    return tuple(masks), tuple(wraps)
+
+
+_BOOL_PUT = {f for f in (getattr(getattr(aten, p, None), "default", None)
+                         for p in ("index_put", "index_put_", "_index_put_impl_")) if f is not None}
+
+
+def _plan_write(n: NodePlan, info, ins, targs, tkw, mut, name):
+    """An op writing tensors in place (NOTE [buckets]): admitted where the write is elementwise
+    and each tensor written is a whole base (no view of it), so the padding written is padding:
+    an in-place pointwise op (``masked_fill_``, ``add_``), or ``x[mask] = v`` (``index_put_``
+    with one boolean mask over x's leading dims and one value, which PyTorch makes of
+    ``logits[logits < v] = -inf``). Sets ``n.mut``; returns the op whose rule applies."""
+    for m in mut:
+        if n.chains[m]:
+            raise Refused(f"{name} writes a view of a padded tensor in place")
+    func = info.func
+    if func in _BOOL_PUT:
+        slots = targs[1] if len(targs) > 1 else ()
+        used = [sl for sl in slots if sl is not None]
+        vals = targs[2] if len(targs) > 2 else None
+        if (len(used) != 1 or to_np_dtype(ins[used[0][1]][4]) not in (np.bool_, np.uint8)
+                or slots[0] is None):
+            raise Refused(f"{name} with other than one boolean mask")
+        fx, fm = n.in_forms[0], n.in_forms[used[0][1]]
+        if tuple(fm) != tuple(fx[:len(fm)]):
+            raise Refused(f"{name}: a mask whose sizes are not its input's")
+        if not (type(vals) is tuple and vals and vals[0] is TS) or \
+                any(f != (0, 1) for f in n.in_forms[vals[1]]):
+            raise Refused(f"{name} writing more than one value through a mask")
+    else:
+        f = info.functional or func
+        if not _is_pointwise(f):
+            raise Refused(f"{name} writes a tensor in place")
+        func = f
+    n.mut = (tuple(mut), info.kind == "self_mut")
+    return func
+
+
+def _plan_along(n: NodePlan, func, targs, tkw, name):
+    """``gather`` and ``index_select`` (input 0 indexed by input 1 along ``dim``): the index's
+    padded positions masked to 0; an index along a padded dim checked against the dim's exact
+    length (negative indices are out of range for these ops, as on CPU) with CPU's error.
+    Returns (mask the index?, the form of the dim indexed if padded, exception, message)."""
+    fx, fi = n.in_forms[0], n.in_forms[1]
+    nd = len(fx)
+    d = (_arg(targs, tkw, 1, "dim") or 0) % max(nd, 1)
+    if func is aten.gather.default:
+        if len(fi) != nd:
+            raise Refused(f"{name} with an index of another rank")
+        for j in range(nd):
+            if j != d and fi[j][0] and not (fi[j][0] <= fx[j][0] and fi[j][1] <= fx[j][1]):
+                raise Refused(f"{name}: an index padded along a dim its input is not")
+        exc, msg = RuntimeError, f"index {{index}} is out of bounds for dimension {d} with size " \
+            "{size}"
+    elif nd > 1 and d == 1:
+        exc, msg = RuntimeError, "INDICES element is out of DATA bounds, id={index} axis_dim={size}"
+    else:
+        exc, msg = IndexError, "index out of range in self"
+    wrap = fx[d] if nd and fx[d][0] else None
+    return _padded(fi), wrap, exc, msg
