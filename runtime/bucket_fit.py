@@ -6,16 +6,10 @@ import math
 
 from ..scheduler.records import sig_id
 from .dtypes import to_np_dtype
-from .lowering import aten
+from .lowering import LOWERINGS
+from .lowering.padding import MoveDims, Reshape
 from .node import SS, TS
 from .viewchain import DSLICE
-
-_RESHAPES = {getattr(getattr(aten, p), o) for p, o in (
-    ("view", "default"), ("_unsafe_view", "default"), ("reshape", "default"),
-    ("_reshape_alias", "default"), ("view_copy", "default"), ("flatten", "using_ints"))
-    if hasattr(getattr(aten, p, None), o)}
-
-_EXPAND = aten.expand.default
 
 
 class Refused(Exception):
@@ -61,22 +55,12 @@ def parts(entry):
     return (targs, tkw, tuple(ins), outs)
 
 
-# Static arguments that are sizes, the only ints of an op's arguments that may change with the
-# length (a baked number, a dim, an offset of an op that is not a window must stay the same):
-# op -> positions (or keyword names).
-_SIZE_ARGS = {}
-for _n, _pos in (("full.default", (0, "size")), ("zeros.default", (0, "size")),
-                 ("ones.default", (0, "size")), ("new_full.default", (1, "size")),
-                 ("new_zeros.default", (1, "size")), ("new_ones.default", (1, "size")),
-                 ("arange.default", (0, "end")), ("arange.start", (1, "end")),
-                 ("arange.start_step", (1, "end")), ("view_copy.default", (1, "size")),
-                 ("_unsafe_view.default", (1, "size")), ("view.default", (1, "size")),
-                 ("reshape.default", (1, "shape")), ("expand.default", (1, "size")),
-                 ("expand_copy.default", (1, "size"))):
-    _p, _, _o = _n.partition(".")
-    _f = getattr(getattr(aten, _p, None), _o, None)
-    if _f is not None:
-        _SIZE_ARGS[_f] = _pos
+def _chain_sizes(op) -> bool:
+    """Whether every int of a view step's arguments is a size (a reshape's, an expand's: NOTE
+    [padding rules] in lowering/padding.py)."""
+    low = LOWERINGS.get(op)
+    r = None if low is None else low.pad
+    return type(r) is Reshape or (type(r) is MoveDims and bool(r.sizes))
 
 
 def _scan(x, may: bool, ints: list, mask: list):
@@ -100,7 +84,10 @@ def flatten(entry):
     """(ints, may-change mask, skeleton) of an op's ``parts``."""
     info = entry.key[0]
     targs, tkw, ins, outs = parts(entry)
-    size_args = _SIZE_ARGS.get(info.func, ())
+    # The static arguments that are sizes, the only ints of an op's arguments that may change
+    # with the length (its padding rule's ``sizes``: NOTE [padding rules] in lowering/padding.py).
+    rule = getattr(info.low, "pad", None)
+    size_args = rule.sizes if rule is not None else ()
     ints, mask = [], []
     s_targs = tuple([_scan(a, i in size_args, ints, mask) for i, a in enumerate(targs)])
     s_tkw = tuple([(_skeleton(k), _scan(v, k in size_args, ints, mask)) for k, v in tkw])
@@ -109,7 +96,7 @@ def flatten(entry):
         s_b = _scan(bshape, True, ints, mask)
         s_chain = []
         for op, args, kw in chain:
-            if op in _RESHAPES or op is _EXPAND:
+            if _chain_sizes(op):
                 s_a = _scan(args, True, ints, mask)
             elif op is DSLICE:
                 dim, length, stp = args

@@ -45,56 +45,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .bucket_fit import _PROBES, _RESHAPES, Refused, _is_form, _padded, _put, at, parts
+from .bucket_fit import _PROBES, Refused, _is_form, _padded, _put, at, parts
 from .dtypes import to_np_dtype
-from .lowering import aten
+from .lowering import LOWERINGS, aten
+from .lowering.padding import (Along, Attention, Cat, Contract, Embedding, Factory, Index,
+                               MaskedPut, MoveDims, Multinomial, Normalize, Pointwise, Reduce,
+                               Refuse, Reshape, Scan, Slice, TopK)
 from .node import CS, SS, TS
 from .viewchain import DSELECT, DSLICE, DYNAMIC, apply_step
-
-_DIM_MOVERS = {getattr(getattr(aten, p), o) for p, o in (
-    ("transpose", "int"), ("t", "default"), ("permute", "default"), ("unsqueeze", "default"),
-    ("squeeze", "default"), ("squeeze", "dim"), ("squeeze", "dims"), ("alias", "default"),
-    ("detach", "default"), ("lift_fresh", "default"), ("expand", "default"), ("_conj", "default"))
-    if hasattr(getattr(aten, p, None), o)}
-_FACTORIES = {getattr(getattr(aten, p), o) for p, o in (
-    ("arange", "default"), ("arange", "start"), ("arange", "start_step"), ("full", "default"),
-    ("zeros", "default"), ("ones", "default"), ("new_full", "default"), ("new_zeros", "default"),
-    ("new_ones", "default"), ("zeros_like", "default"), ("ones_like", "default"),
-    ("full_like", "default"), ("scalar_tensor", "default"), ("tril", "default"),
-    ("triu", "default"), ("_to_copy", "default"), ("clone", "default"), ("stack", "default"))
-    if hasattr(getattr(aten, p, None), o)}
-# reductions: op -> (position of the dims argument, or None: all dims; identity of the padding)
-_REDUCTIONS = {
-    aten.sum.dim_IntList: (1, 0), aten.sum.default: (None, 0),
-    aten.mean.dim: (1, "mean"), aten.mean.default: (None, "mean"),
-    aten.amax.default: (1, "-inf"), aten.amin.default: (1, "+inf"),
-    aten.max.dim: (1, "-inf"), aten.min.dim: (1, "+inf"),
-    aten.argmax.default: (1, "-inf"), aten.argmin.default: (1, "+inf"),
-    aten.max.default: (None, "-inf"), aten.min.default: (None, "+inf"),
-    aten._softmax.default: (1, "-inf"), aten._log_softmax.default: (1, "-inf"),
-    aten.logsumexp.default: (1, "-inf"),
-    aten.any.dim: (1, False), aten.any.default: (None, False),
-    aten.all.dim: (1, True), aten.all.default: (None, True),
-}
-if hasattr(aten, "_safe_softmax"):
-    _REDUCTIONS[aten._safe_softmax.default] = (1, "-inf")
-_SCANS = {aten.cumsum.default, aten.cumprod.default}
-# products: op -> ((input, contracted dim), ...)
-_PRODUCTS = {aten.mm.default: ((0, 1), (1, 0)), aten.addmm.default: ((1, 1), (2, 0)),
-             aten.bmm.default: ((0, 2), (1, 1)), aten.baddbmm.default: ((1, 2), (2, 1)),
-             aten.linear.default: ((0, -1), (1, 1)), aten.mv.default: ((0, 1), (1, 0)),
-             aten.dot.default: ((0, 0), (1, 0))}
-_SDPA = getattr(getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default",
-                None)
-# index ops: op -> (input holding indices, input indexed, the dim it is indexed along or None)
-_INDEXED = {aten.embedding.default: (1, 0, 0)}
-# ops taking indices along a dim (input 0 indexed by input 1 along the dim, argument 1)
-_ALONG = {aten.gather.default, aten.index_select.default}
-_TOPK = aten.topk.default
-_MULTINOMIAL = aten.multinomial.default
-_INDEX = aten.index.Tensor
-_LAYER_NORM = aten.native_layer_norm.default
-_CAT = aten.cat.default
 
 
 def _step_forms(fstep, fin, dtype, learned=None) -> tuple:
@@ -163,19 +121,17 @@ def _check_reshape(fin, fout, name) -> None:
             raise Refused(f"{name}: a reshape that moves padding")
 
 
-_SLICE = aten.slice.Tensor
-_SELECT = aten.select.int
-
-
 def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
     """The forms of a view chain's result, checking each step (NOTE [buckets])."""
     form = tuple(fbase)
     for fstep in fchain:
         op = fstep[0]
         out = _step_forms(fstep, form, dtype, learned)
-        if not (_padded(form) or _padded(out)) or op in _DIM_MOVERS or op is DSELECT:
+        low = LOWERINGS.get(op)      # (None for the dynamic steps, DSLICE and DSELECT)
+        rule = type(low.pad) if low is not None else None
+        if not (_padded(form) or _padded(out)) or rule is MoveDims or op is DSELECT:
             pass        # (DSELECT: the index is data, inside the exact extent)
-        elif op in _RESHAPES:
+        elif rule is Reshape:
             _check_reshape(form, out, name)
         elif op is DSLICE:
             dim, length, stp = at(fstep[1], _PROBES[0])
@@ -188,7 +144,7 @@ def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
                               "(it could pass the base's end)")
             if form[dim][0] and stp != 1 and out[dim][0]:
                 raise Refused(f"{name}: a strided window along a padded dim")
-        elif op is _SLICE or op is _SELECT:
+        elif rule is Slice:
             dim = at(fstep[1][0] if fstep[1] else (0, 0), 0) % max(len(form), 1)
             if form[dim][0]:
                 raise Refused(f"{name}: a fixed slice along a padded dim")
@@ -203,11 +159,6 @@ class NodePlan:
     """How one op runs padded: its structure as forms, its rule and what the rule needs."""
     __slots__ = ("rule", "extra", "low", "meta", "name", "targs", "tkw", "chains", "out_avals",
                  "in_forms", "out_forms", "base_forms", "ndyn", "mut", "read_forms")
-
-
-def _is_pointwise(func) -> bool:
-    import torch        # (tags only: the runtime holds no torch tensors)
-    return torch.Tag.pointwise in func.tags
 
 
 def _arg(targs, tkw, pos, name):
@@ -274,95 +225,141 @@ def plan_node(entry, forms, learned=None) -> NodePlan:
         return n        # nothing of it depends on the length: its own function, unpadded
     n.rule, n.extra = "plain", None     # (its function is the op: a stable program-store key)
     mut, rng = entry.out[1], entry.out[2]
-    if rng:
-        fp = n.in_forms[0] if n.in_forms else ()
-        if func is not _MULTINOMIAL or mut or len(fp) < 2 or fp[-1][0]:
-            raise Refused(f"{name} draws random numbers")
-        # rows drawn from independently: padded rows are given a valid distribution (ones) so
-        # the distribution checks see only valid rows; their samples are cut off
-        n.rule, n.extra, n.mut = "multinomial", None, "rng"
-        return n
+    # The op's padding rule (NOTE [padding rules] in lowering/padding.py): an in-place op's is
+    # its functional form's (``info.low`` is that lowering).
+    rule = getattr(info.low, "pad", None)
+    kind = type(rule)
+    if rng and (kind is not Multinomial or mut):
+        raise Refused(f"{name} draws random numbers")
     if mut:
-        func = _plan_write(n, info, ins, targs, tkw, mut, name)
-    if func in _BOOL_PUT:
-        pass                                # (_plan_write: elementwise)
-    elif func in _FACTORIES or _is_pointwise(func):
-        # Broadcasting: each input's dim (aligned from the right) is the output's or a 1.
-        fo = n.out_forms[0] if n.out_forms and n.out_forms[0] is not None else None
-        if fo is not None and func not in _FACTORIES:
-            for f in n.in_forms:
-                for d in range(1, len(f) + 1):
-                    if d > len(fo) or (f[-d] != fo[-d] and f[-d] != (0, 1)):
-                        raise Refused(f"{name}: inputs whose sizes do not broadcast alike "
-                                      "padded")
-    elif func in _REDUCTIONS:
-        pos, ident = _REDUCTIONS[func]
-        f0 = n.in_forms[0]
-        nd = len(f0)
-        dims = _arg(targs, tkw, pos, "dim") if pos is not None else None
-        if dims is None or dims == () or dims == []:
-            if func in (aten.argmax.default, aten.argmin.default) and _padded(f0):
-                raise Refused(f"{name} over every dim of a padded tensor (a flat index)")
-            dims = tuple(range(nd))
-        elif type(dims) is int:
-            dims = (dims,)
-        dims = tuple(d % max(nd, 1) for d in dims)
-        pdims = tuple(d for d in dims if d < nd and f0[d][0])
-        if pdims:
-            n.rule, n.extra = "reduce", (pdims, ident, dims)
-    elif func in _SCANS:
-        pass                                # each position depends on the prefix only
-    elif func in _RESHAPES and n.out_forms and n.out_forms[0] is not None:
-        # a recorded reshape (``_unsafe_view`` after a matmul): a copy whose padding stays where
-        # a view's would (NOTE [buckets])
-        _check_reshape(n.in_forms[0], n.out_forms[0], name)
-    elif func is _LAYER_NORM:
-        k = len(_arg(targs, tkw, 1, "normalized_shape"))
-        if _padded(n.in_forms[0][len(n.in_forms[0]) - k:]):
-            raise Refused(f"{name} normalizes over a padded dim")
-    elif func in _PRODUCTS:
-        masks = []
-        for i, d in _PRODUCTS[func]:
-            f = n.in_forms[i]
-            d %= len(f)
-            if f[d][0]:
-                masks.append((i, d))
-        if masks:
-            n.rule, n.extra = "contract", tuple(masks)
-    elif _SDPA is not None and func is _SDPA:
-        q, k, v = n.in_forms[:3]
-        if q[-1][0] or k[-1][0] or v[-1][0]:
-            raise Refused(f"{name} with a padded head dim")
-        if k[-2][0]:
-            n.rule, n.extra = "sdpa", k[-2]
-    elif func in _INDEXED:
-        ii, xi, _ = _INDEXED[func]
-        if func is aten.embedding.default and _padded(n.in_forms[xi]):
-            raise Refused(f"{name} of a padded table")
-        if _padded(n.in_forms[ii]):
-            n.rule, n.extra = "index", ii
-    elif func is _INDEX:
-        n.rule, n.extra = "advanced", _plan_index(n, ins, targs, name)
-    elif func in _ALONG:
-        n.rule, n.extra = "along", _plan_along(n, func, targs, tkw, name)
-    elif func is _TOPK:
-        fx = n.in_forms[0]
-        d = _arg(targs, tkw, 2, "dim")
-        d = (-1 if d is None else d) % max(len(fx), 1)
-        if fx and fx[d][0]:
-            k = _arg(targs, tkw, 1, "k")
-            largest = _arg(targs, tkw, 3, "largest")
-            n.rule, n.extra = "topk", (d, fx[d], k, True if largest is None else bool(largest))
-    elif func is _CAT:
-        fo = n.out_forms[0]
-        d = (_arg(targs, tkw, 1, "dim") or 0) % len(fo)
-        if fo[d][0]:
-            if any(len(f) != len(fo) for f in n.in_forms):
-                raise Refused(f"{name} of tensors of other ranks")
-            n.rule, n.extra = "cat", (d, tuple(f[d] for f in n.in_forms))
-    else:
-        raise Refused(f"{name} has no rule for padded dims")
+        _plan_write(n, info, rule, ins, targs, tkw, mut, name)
+    planner = _PLANNERS.get(kind)
+    if planner is None:
+        why = rule.why if kind is Refuse and rule.why else "has no rule for padded dims"
+        raise Refused(f"{name}: {why}" if kind is Refuse else f"{name} {why}")
+    planner(n, rule, func, ins, targs, tkw, name)
     return n
+
+
+def _plan_pointwise(n, rule, func, ins, targs, tkw, name):
+    # Broadcasting: each input's dim (aligned from the right) is the output's or a 1.
+    fo = n.out_forms[0] if n.out_forms and n.out_forms[0] is not None else None
+    if fo is not None:
+        for f in n.in_forms:
+            for d in range(1, len(f) + 1):
+                if d > len(fo) or (f[-d] != fo[-d] and f[-d] != (0, 1)):
+                    raise Refused(f"{name}: inputs whose sizes do not broadcast alike padded")
+
+
+def _plan_admitted(n, rule, func, ins, targs, tkw, name):
+    """Factories (values by index alone), prefix scans, and ``x[mask] = v`` (``_plan_write``)."""
+
+
+def _plan_reduce(n, rule, func, ins, targs, tkw, name):
+    f0 = n.in_forms[0]
+    nd = len(f0)
+    dims = _arg(targs, tkw, rule.dims, "dim") if rule.dims is not None else None
+    if dims is None or dims == () or dims == []:
+        if rule.index and _padded(f0):
+            raise Refused(f"{name} over every dim of a padded tensor (a flat index)")
+        dims = tuple(range(nd))
+    elif type(dims) is int:
+        dims = (dims,)
+    dims = tuple(d % max(nd, 1) for d in dims)
+    pdims = tuple(d for d in dims if d < nd and f0[d][0])
+    if pdims:
+        n.rule, n.extra = "reduce", (pdims, rule.identity, dims)
+
+
+def _plan_reshape(n, rule, func, ins, targs, tkw, name):
+    # a recorded reshape (``_unsafe_view`` after a matmul): a copy whose padding stays where a
+    # view's would (NOTE [buckets]); views reach plan_node as chains of their readers' inputs
+    if not n.out_forms or n.out_forms[0] is None:
+        raise Refused(f"{name} has no rule for padded dims")
+    _check_reshape(n.in_forms[0], n.out_forms[0], name)
+
+
+def _plan_normalize(n, rule, func, ins, targs, tkw, name):
+    k = len(_arg(targs, tkw, rule.shape, "normalized_shape"))
+    if _padded(n.in_forms[0][len(n.in_forms[0]) - k:]):
+        raise Refused(f"{name} normalizes over a padded dim")
+
+
+def _plan_contract(n, rule, func, ins, targs, tkw, name):
+    masks = []
+    for i, d in rule.operands:
+        f = n.in_forms[i]
+        d %= len(f)
+        if f[d][0]:
+            masks.append((i, d))
+    if masks:
+        n.rule, n.extra = "contract", tuple(masks)
+
+
+def _plan_attention(n, rule, func, ins, targs, tkw, name):
+    q, k, v = n.in_forms[:3]
+    if q[-1][0] or k[-1][0] or v[-1][0]:
+        raise Refused(f"{name} with a padded head dim")
+    if k[-2][0]:
+        n.rule, n.extra = "sdpa", k[-2]
+
+
+def _plan_embedding(n, rule, func, ins, targs, tkw, name):
+    if _padded(n.in_forms[rule.table]):
+        raise Refused(f"{name} of a padded table")
+    if _padded(n.in_forms[rule.index]):
+        n.rule, n.extra = "index", rule.index
+
+
+def _plan_advanced(n, rule, func, ins, targs, tkw, name):
+    n.rule, n.extra = "advanced", _plan_index(n, ins, targs, name)
+
+
+def _plan_along_rule(n, rule, func, ins, targs, tkw, name):
+    n.rule, n.extra = "along", _plan_along(n, func, targs, tkw, name)
+
+
+def _plan_topk(n, rule, func, ins, targs, tkw, name):
+    fx = n.in_forms[0]
+    d = _arg(targs, tkw, 2, "dim")
+    d = (-1 if d is None else d) % max(len(fx), 1)
+    if fx and fx[d][0]:
+        k = _arg(targs, tkw, 1, "k")
+        largest = _arg(targs, tkw, 3, "largest")
+        n.rule, n.extra = "topk", (d, fx[d], k, True if largest is None else bool(largest))
+
+
+def _plan_cat(n, rule, func, ins, targs, tkw, name):
+    fo = n.out_forms[0]
+    d = (_arg(targs, tkw, 1, "dim") or 0) % len(fo)
+    if fo[d][0]:
+        if any(len(f) != len(fo) for f in n.in_forms):
+            raise Refused(f"{name} of tensors of other ranks")
+        n.rule, n.extra = "cat", (d, tuple(f[d] for f in n.in_forms))
+
+
+def _plan_multinomial(n, rule, func, ins, targs, tkw, name):
+    fp = n.in_forms[0] if n.in_forms else ()
+    if len(fp) < 2 or fp[-1][0]:
+        raise Refused(f"{name} draws random numbers")
+    # rows drawn from independently: padded rows are given a valid distribution (ones) so the
+    # distribution checks see only valid rows; their samples are cut off
+    n.rule, n.extra, n.mut = "multinomial", None, "rng"
+
+
+def _plan_no_op_rule(n, rule, func, ins, targs, tkw, name):
+    # views that move dims or slice are planned in their readers' chains (_chain_forms)
+    raise Refused(f"{name} has no rule for padded dims")
+
+
+# What each kind of rule plans (NOTE [padding rules]); a kind not here refuses.
+_PLANNERS = {Pointwise: _plan_pointwise, Factory: _plan_admitted, Scan: _plan_admitted,
+             MaskedPut: _plan_admitted, Reduce: _plan_reduce, Reshape: _plan_reshape,
+             Normalize: _plan_normalize, Contract: _plan_contract, Attention: _plan_attention,
+             Embedding: _plan_embedding, Index: _plan_advanced, Along: _plan_along_rule,
+             TopK: _plan_topk, Cat: _plan_cat, Multinomial: _plan_multinomial,
+             MoveDims: _plan_no_op_rule,
+             Slice: _plan_no_op_rule}
 
 
 def _plan_index(n: NodePlan, ins, targs, name):
@@ -393,21 +390,16 @@ def _plan_index(n: NodePlan, ins, targs, name):
     return tuple(masks), tuple(wraps)
 
 
-_BOOL_PUT = {f for f in (getattr(getattr(aten, p, None), "default", None)
-                         for p in ("index_put", "index_put_", "_index_put_impl_")) if f is not None}
-
-
-def _plan_write(n: NodePlan, info, ins, targs, tkw, mut, name):
+def _plan_write(n: NodePlan, info, rule, ins, targs, tkw, mut, name) -> None:
     """An op writing tensors in place (NOTE [buckets]): admitted where the write is elementwise
     and each tensor written is a whole base (no view of it), so the padding written is padding:
     an in-place pointwise op (``masked_fill_``, ``add_``), or ``x[mask] = v`` (``index_put_``
     with one boolean mask over x's leading dims and one value, which PyTorch makes of
-    ``logits[logits < v] = -inf``). Sets ``n.mut``; returns the op whose rule applies."""
+    ``logits[logits < v] = -inf``). Sets ``n.mut``."""
     for m in mut:
         if n.chains[m]:
             raise Refused(f"{name} writes a view of a padded tensor in place")
-    func = info.func
-    if func in _BOOL_PUT:
+    if type(rule) is MaskedPut:
         slots = targs[1] if len(targs) > 1 else ()
         used = [sl for sl in slots if sl is not None]
         vals = targs[2] if len(targs) > 2 else None
@@ -420,13 +412,9 @@ def _plan_write(n: NodePlan, info, ins, targs, tkw, mut, name):
         if not (type(vals) is tuple and vals and vals[0] is TS) or \
                 any(f != (0, 1) for f in n.in_forms[vals[1]]):
             raise Refused(f"{name} writing more than one value through a mask")
-    else:
-        f = info.functional or func
-        if not _is_pointwise(f):
-            raise Refused(f"{name} writes a tensor in place")
-        func = f
+    elif type(rule) is not Pointwise:
+        raise Refused(f"{name} writes a tensor in place")
     n.mut = (tuple(mut), info.kind == "self_mut")
-    return func
 
 
 def _plan_along(n: NodePlan, func, targs, tkw, name):

@@ -410,7 +410,33 @@ def test_ops_without_a_padding_rule_refuse_buckets_and_stay_exact(case):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert m["bucketed_runs"] == 0
     assert sum(m["bucket_refusals"].values()) == 1, m["bucket_refusals"]
+    # the refusal names the op's stated reason (its family's PAD, or the rule's check)
+    why = {"sort": "the padding would be sorted in", "flip": "moves positions",
+           "std": "a reduction with no padding rule",
+           "merge_behind": "merges a padded dim behind another dim"}[case]
+    assert any(why in k for k in m["bucket_refusals"]), m["bucket_refusals"]
     assert "cannot run padded" in deferfuse.report(file=False)
+
+
+@pytest.mark.modes("defer")
+def test_every_lowering_has_a_padding_rule_or_a_stated_reason():
+    """NOTE [padding rules]: each entry of the lowering table says how its op runs padded, or
+    why it cannot; no op is left unclassified, and each rule is one ``plan_node`` plans."""
+    from deferfuse.runtime.bucket_node import _PLANNERS
+    from deferfuse.runtime.lowering import LOWERINGS
+    from deferfuse.runtime.lowering.padding import Pad, Pointwise, Refuse
+    assert len(LOWERINGS) > 500
+    for o, low in LOWERINGS.items():
+        rule = low.pad
+        assert isinstance(rule, Pad), f"{o} has no padding rule nor a stated reason"
+        if type(rule) is Refuse:
+            assert len(rule.why) > 10, f"{o}: a refusal without a reason"
+        else:
+            assert type(rule) in _PLANNERS, f"{o}: no planner for {rule}"
+        if torch.Tag.pointwise in o.tags and o is not torch.ops.aten.clone.default:
+            assert type(rule) is Pointwise, (o, rule)
+        for s in rule.sizes:
+            assert type(s) in (int, str), (o, rule)
 
 
 @pytest.mark.modes("defer")

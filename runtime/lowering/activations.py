@@ -11,8 +11,12 @@ import numpy as np
 from jax import lax  # noqa: F401
 
 from . import op
+from .padding import Refuse
 from .precision import acc, round_to
 from .pointwise import _cast, _common, _isinexact, _opmath, _rt, _scale  # noqa: F401
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("not tagged pointwise by PyTorch (a backward, a random activation)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,11 +14,15 @@ import torch
 from jax import lax
 
 from . import LOWERINGS, Lowering, op
+from .padding import Refuse
 from .pointwise import (_BOOL, _I64, _bc, _cast, _common, _integral_only, _iscomplex, _isfloat,
                         _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
                         _zeta, frexp)
 from .precision import round_to
 from .unary_int import abs_, bitwise_not, conj_physical, isfinite, neg, round_, sign, signbit
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("not tagged pointwise by PyTorch (a prims op, a Scalar overload)")
 
 # --------------------------------------------------------------------------------------------
 # binary arithmetic

@@ -11,8 +11,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import check, check_index, op
+from .padding import Refuse
 from .nn import _acc, _grad_scale, _reduce, _sum_to
 from .precision import HALF, acc, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a loss with no padding rule for its reduction")
 
 
 def _nll_parts(x, target, weight, ignore_index):

@@ -18,7 +18,11 @@ import numpy as np
 from jax import lax
 
 from . import op
+from .padding import Normalize, Reduce, Refuse
 from .precision import HALF, acc, dot_inputs, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a convolution, a normalization or a dropout across positions")
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +201,7 @@ def _last_dim(x, dim) -> bool:
 _BF16_LANES = 32
 
 
-@op("_softmax.default")
+@op("_softmax.default", pad=Reduce(1, "-inf"))
 def _softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.ones((), _acc(self).dtype)
@@ -219,7 +223,7 @@ def _softmax(self, dim, half_to_float):
     return jax.nn.softmax(_acc(self), axis=dim)
 
 
-@op("_log_softmax.default")
+@op("_log_softmax.default", pad=Reduce(1, "-inf"))
 def _log_softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.zeros((), _acc(self).dtype)
@@ -269,7 +273,7 @@ def _norm_backward(g, xhat, rstd, axes):
     return rstd * (g - mg - xhat * mgx)
 
 
-@op("native_layer_norm.default")
+@op("native_layer_norm.default", pad=Normalize(1))
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     x = _acc(input)
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
