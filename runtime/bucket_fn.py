@@ -47,7 +47,7 @@ class NodeFn:
     """One op's padded function ``(arrays, scalars, t) -> outputs`` at bucket length ``P``."""
 
     def __init__(self, plan: NodePlan, P: int):
-        self.p = plan
+        self.p, self.P = plan, P
         self.targs = at(plan.targs, P)
         self.tkw = at(plan.tkw, P)
         self.chains = at(plan.chains, P)
@@ -70,8 +70,8 @@ class NodeFn:
             for n in p.ndyn:
                 dyns.append(offs[k:k + n])
                 k += n
-        vals = [None if a is None else (apply_chain(a, c, d) if c else a)
-                for a, c, d in zip(arrays, self.chains, dyns)]
+        vals = [None if a is None else (apply_chain(self._widened(a, i), c, d) if c else a)
+                for i, (a, c, d) in enumerate(zip(arrays, self.chains, dyns))]
         rule = p.rule
         if rule == "contract":
             for i, d in p.extra:
@@ -103,6 +103,31 @@ class NodeFn:
                 check_index_sized(ix, ext, exc, msg, allow_negative=False)
                 ix = _zero_outside(ix, ext)
             vals[1] = ix
+        elif rule == "scatter":
+            mask, zero, wrap, msg = p.extra
+            ix = vals[1]
+            if mask:
+                ix = _mask_dims(ix, range(ix.ndim), p.in_forms[1], jnp.zeros((), ix.dtype), t)
+            if zero:    # scatter_add: padded index entries along the dim add nothing
+                src = vals[2]
+                vals[2] = _mask_dims(src, zero, p.in_forms[1], jnp.zeros((), src.dtype), t)
+            if wrap is not None:
+                ext = jnp.asarray(wrap[0] * t + wrap[1])
+                check_index_sized(ix, ext, RuntimeError, msg, allow_negative=False)
+                ix = _zero_outside(ix, ext)
+            vals[1] = ix
+        elif rule == "zero":
+            for i in p.extra:
+                v = vals[i]
+                vals[i] = _mask_dims(v, range(v.ndim), p.in_forms[i], jnp.zeros((), v.dtype), t)
+        elif rule == "targets":
+            ti, ignore, zero = p.extra
+            tg = vals[ti]
+            vals[ti] = _mask_dims(tg, range(tg.ndim), p.in_forms[ti],
+                                  jnp.asarray(ignore, tg.dtype), t)
+            for i in zero:
+                v = vals[i]
+                vals[i] = _mask_dims(v, range(v.ndim), p.in_forms[i], jnp.zeros((), v.dtype), t)
         elif rule == "multinomial":
             w = vals[0]
             vals[0] = _mask_dims(w, range(w.ndim - 1), p.in_forms[0], jnp.ones((), w.dtype), t)
@@ -123,9 +148,11 @@ class NodeFn:
             vals[0] = _mask_dims(x, pdims, p.in_forms[0], _identity(ident, x.dtype), t)
         elif rule == "sdpa":
             kf = p.extra
+            # padded keys and values set to 0 (a NaN or a huge padded key would reach the valid
+            # scores through the key mask's addition), then masked out of the softmax below
             k, v = vals[1], vals[2]
             vals[2] = _mask_dims(v, (v.ndim - 2,), p.in_forms[2], jnp.zeros((), v.dtype), t)
-            vals[1] = k
+            vals[1] = _mask_dims(k, (k.ndim - 2,), p.in_forms[1], jnp.zeros((), k.dtype), t)
         kw = dict(self.tkw)
         if rng_key is not None:
             kw["key"] = rng_key
@@ -143,8 +170,8 @@ class NodeFn:
                     m = keys
                 elif m.dtype == jnp.bool_:
                     m = m & keys
-                else:
-                    m = m + jnp.where(keys, jnp.zeros((), m.dtype), -jnp.inf)
+                else:       # (a select, not an addition: a NaN in the padding stays out)
+                    m = jnp.where(keys, m, jnp.asarray(-jnp.inf, m.dtype))
                 kw["attn_mask"] = m
             res = p.low.fn(*args, **kw)
             res = list(res) if isinstance(res, (tuple, list)) else [res]
@@ -157,6 +184,20 @@ class NodeFn:
                 res = [self._mean(vals[0], res[0], t)]
         return [r if r is None or d is None or r.dtype == d else r.astype(d)
                 for r, d in zip(res, self.dtypes)]
+
+    def _widened(self, a, i):
+        """NOTE [widened bases]: a window whose padded length grows faster than its base (the
+        last, shorter batch ``data[i:i + n]`` of a dataset; a Transformer's ``pe[:T]``) could
+        pass the base's end at a bucket's length, and XLA would move its start back inside
+        (``dynamic_slice`` clamps): its valid rows would be the wrong ones. The base is read
+        widened by the window's padded length (zeros), so the start stays where it is."""
+        w = self.p.widen[i] if i < len(self.p.widen) else None
+        if w is None:
+            return a
+        dim, form = w
+        pads = [(0, 0)] * a.ndim
+        pads[dim] = (0, at(form, self.P))
+        return jnp.pad(a, pads)
 
     def _mean(self, x, out, t):
         """A mean over padded dims: the sum of the masked input over the exact count."""

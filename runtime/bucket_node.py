@@ -49,32 +49,44 @@ from .bucket_fit import _PROBES, Refused, _is_form, _padded, _put, at, parts
 from .dtypes import to_np_dtype
 from .lowering import LOWERINGS, aten
 from .lowering.padding import (Along, Attention, Cat, Contract, Embedding, Factory, Index,
-                               MaskedPut, MoveDims, Multinomial, Normalize, Pointwise, Reduce,
-                               Refuse, Reshape, Scan, Slice, TopK)
+                               IndexPut, MoveDims, Multinomial, Normalize, Pointwise, Reduce,
+                               Refuse, Reshape, Scan, Scatter, Slice, Targets, TopK, ZeroPadded)
 from .node import CS, SS, TS
 from .viewchain import DSELECT, DSLICE, DYNAMIC, apply_step
 
 
 def _step_forms(fstep, fin, dtype, learned=None) -> tuple:
     """The forms of a view step's output shape, from its shape at two lengths (kept in
-    ``learned``, a LearnedStore, for the next process: NOTE [learned on disk] in learned.py)."""
+    ``learned``, a LearnedStore, for the next process: NOTE [learned on disk] in learned.py).
+    The lengths are large ones (a size that only looks linear at small lengths is found out);
+    a step that cannot take them (a window from the start of a shorter base: a Transformer's
+    ``pe[:T]`` of its 64 positions) is measured at the first version's length and the next."""
+    try:
+        return _step_forms_at(fstep, fin, dtype, learned, _PROBES[:2])
+    except Refused:
+        raise
+    except Exception:       # (JAX's error for a slice longer than its operand)
+        return _step_forms_at(fstep, fin, dtype, learned, (0, 1))
+
+
+def _step_forms_at(fstep, fin, dtype, learned, probes) -> tuple:
     key = shapes = None
     if learned is not None and learned.on:
         from .diskcache import Unstable, describe
         try:
-            key = describe(("step", fstep, fin, str(dtype), _PROBES[:2]))
+            key = describe(("step", fstep, fin, str(dtype), tuple(probes)))
         except Unstable:
             key = None
         shapes = learned.step(key) if key is not None else None
     if shapes is None:
         shapes = []
-        for t in _PROBES[:2]:
+        for t in probes:
             st = at(fstep, t)
             x = jax.ShapeDtypeStruct(at(fin, t), dtype)
             shapes.append(tuple(jax.eval_shape(lambda v: apply_step(v, st, 0), x).shape))
         if key is not None:
             learned.put("steps", key, tuple(shapes))
-    (s1, s2), (t1, t2) = shapes, _PROBES[:2]
+    (s1, s2), (t1, t2) = shapes, probes
     out = []
     for x, y in zip(s1, s2):
         a, r = divmod(y - x, t2 - t1)
@@ -121,10 +133,12 @@ def _check_reshape(fin, fout, name) -> None:
             raise Refused(f"{name}: a reshape that moves padding")
 
 
-def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
-    """The forms of a view chain's result, checking each step (NOTE [buckets])."""
+def _chain_forms(fbase, dtype, fchain, name, learned=None, widen=None) -> tuple:
+    """The forms of a view chain's result, checking each step (NOTE [buckets]); ``widen``: a
+    list that takes (dim, the window's length form) where the chain's first step is a window
+    that may pass its base's end."""
     form = tuple(fbase)
-    for fstep in fchain:
+    for j, fstep in enumerate(fchain):
         op = fstep[0]
         out = _step_forms(fstep, form, dtype, learned)
         low = LOWERINGS.get(op)      # (None for the dynamic steps, DSLICE and DSELECT)
@@ -139,9 +153,13 @@ def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
             # a slice that would run past the end back inside (``dynamic_slice`` clamps), so
             # ``data[990:994]`` of 1,000 rows padded to 32 read rows 968..999, its valid prefix
             # the wrong rows (a ragged last batch of a long dataset).
+            # Such a window, the first step of its chain, reads a base widened with its padded
+            # length in the program (NOTE [widened bases]); elsewhere in a chain it refuses.
             if out[dim][0] > form[dim][0]:
-                raise Refused(f"{name}: a window whose padded length grows faster than its base "
-                              "(it could pass the base's end)")
+                if j or widen is None or stp != 1:
+                    raise Refused(f"{name}: a window whose padded length grows faster than its "
+                                  "base (it could pass the base's end)")
+                widen.append((dim, out[dim]))
             if form[dim][0] and stp != 1 and out[dim][0]:
                 raise Refused(f"{name}: a strided window along a padded dim")
         elif rule is Slice:
@@ -158,7 +176,7 @@ def _chain_forms(fbase, dtype, fchain, name, learned=None) -> tuple:
 class NodePlan:
     """How one op runs padded: its structure as forms, its rule and what the rule needs."""
     __slots__ = ("rule", "extra", "low", "meta", "name", "targs", "tkw", "chains", "out_avals",
-                 "in_forms", "out_forms", "base_forms", "ndyn", "mut", "read_forms")
+                 "in_forms", "out_forms", "base_forms", "ndyn", "mut", "read_forms", "widen")
 
 
 def _arg(targs, tkw, pos, name):
@@ -204,8 +222,11 @@ def plan_node(entry, forms, learned=None) -> NodePlan:
     n.out_avals = f_outs
     n.ndyn = [sum(1 for st in c if st[0] in DYNAMIC) for c in n.chains]
     n.in_forms = []
+    n.widen = widen = []
     for (bshape, bdt, chain, size, dt), (fb, _, fchain, fsize, _) in zip(ins, f_ins):
-        fin = _chain_forms(fb, bdt, fchain, name, learned) if chain else tuple(fb)
+        w: list = []
+        fin = _chain_forms(fb, bdt, fchain, name, learned, w) if chain else tuple(fb)
+        widen.append(w[0] if w else None)     # NOTE [widened bases] (bucket_fn.py)
         if tuple(fin) != tuple(fsize):
             raise Refused(f"{name}: a view whose sizes do not follow from its chain")
         n.in_forms.append(tuple(fsize))
@@ -252,7 +273,7 @@ def _plan_pointwise(n, rule, func, ins, targs, tkw, name):
 
 
 def _plan_admitted(n, rule, func, ins, targs, tkw, name):
-    """Factories (values by index alone), prefix scans, and ``x[mask] = v`` (``_plan_write``)."""
+    """Factories (values by index alone) and prefix scans."""
 
 
 def _plan_reduce(n, rule, func, ins, targs, tkw, name):
@@ -352,16 +373,6 @@ def _plan_no_op_rule(n, rule, func, ins, targs, tkw, name):
     raise Refused(f"{name} has no rule for padded dims")
 
 
-# What each kind of rule plans (NOTE [padding rules]); a kind not here refuses.
-_PLANNERS = {Pointwise: _plan_pointwise, Factory: _plan_admitted, Scan: _plan_admitted,
-             MaskedPut: _plan_admitted, Reduce: _plan_reduce, Reshape: _plan_reshape,
-             Normalize: _plan_normalize, Contract: _plan_contract, Attention: _plan_attention,
-             Embedding: _plan_embedding, Index: _plan_advanced, Along: _plan_along_rule,
-             TopK: _plan_topk, Cat: _plan_cat, Multinomial: _plan_multinomial,
-             MoveDims: _plan_no_op_rule,
-             Slice: _plan_no_op_rule}
-
-
 def _plan_index(n: NodePlan, ins, targs, name):
     """``x[..., i, ...]`` (``index.Tensor``, integer index tensors): each index tensor's padded
     positions are masked to 0, and an index along a padded dim of ``x`` is checked against and
@@ -392,29 +403,113 @@ def _plan_index(n: NodePlan, ins, targs, name):
 
 def _plan_write(n: NodePlan, info, rule, ins, targs, tkw, mut, name) -> None:
     """An op writing tensors in place (NOTE [buckets]): admitted where the write is elementwise
-    and each tensor written is a whole base (no view of it), so the padding written is padding:
-    an in-place pointwise op (``masked_fill_``, ``add_``), or ``x[mask] = v`` (``index_put_``
-    with one boolean mask over x's leading dims and one value, which PyTorch makes of
-    ``logits[logits < v] = -inf``). Sets ``n.mut``."""
+    or an ``index_put`` (``_plan_put``), and each tensor written is a whole base (no view of it),
+    so the padding written is padding. Sets ``n.mut``."""
     for m in mut:
         if n.chains[m]:
             raise Refused(f"{name} writes a view of a padded tensor in place")
-    if type(rule) is MaskedPut:
-        slots = targs[1] if len(targs) > 1 else ()
-        used = [sl for sl in slots if sl is not None]
-        vals = targs[2] if len(targs) > 2 else None
-        if (len(used) != 1 or to_np_dtype(ins[used[0][1]][4]) not in (np.bool_, np.uint8)
-                or slots[0] is None):
-            raise Refused(f"{name} with other than one boolean mask")
-        fx, fm = n.in_forms[0], n.in_forms[used[0][1]]
-        if tuple(fm) != tuple(fx[:len(fm)]):
-            raise Refused(f"{name}: a mask whose sizes are not its input's")
-        if not (type(vals) is tuple and vals and vals[0] is TS) or \
-                any(f != (0, 1) for f in n.in_forms[vals[1]]):
-            raise Refused(f"{name} writing more than one value through a mask")
-    elif type(rule) is not Pointwise:
+    if type(rule) is not IndexPut and type(rule) is not Pointwise:
         raise Refused(f"{name} writes a tensor in place")
     n.mut = (tuple(mut), info.kind == "self_mut")
+
+
+def _plan_put(n, rule, func, ins, targs, tkw, name):
+    """``x[i] = v`` (``index_put``, in place or not): ``x[mask] = v`` with one boolean mask over
+    x's leading dims and one value, which PyTorch makes of ``logits[logits < v] = -inf``
+    (elementwise); or integer index tensors that are not padded, an index into a padded dim
+    checked and wrapped as ``Index`` does, the values padded only where the indexed view is."""
+    slots = targs[1] if len(targs) > 1 else ()
+    used = [sl for sl in slots if sl is not None]
+    vals = targs[2] if len(targs) > 2 else None
+    if not (type(vals) is tuple and vals and vals[0] is TS):
+        raise Refused(f"{name} without a tensor of values")
+    fx, fv = n.in_forms[0], n.in_forms[vals[1]]
+    if any(to_np_dtype(ins[sl[1]][4]) in (np.bool_, np.uint8) for sl in used):
+        if len(used) != 1 or slots[0] is None:
+            raise Refused(f"{name} with other than one boolean mask")
+        fm = n.in_forms[used[0][1]]
+        if tuple(fm) != tuple(fx[:len(fm)]):
+            raise Refused(f"{name}: a mask whose sizes are not its input's")
+        if any(f != (0, 1) for f in fv):
+            raise Refused(f"{name} writing more than one value through a mask")
+        return
+    if not used:
+        raise Refused(f"{name} without an index")
+    for sl in used:
+        if _padded(n.in_forms[sl[1]]):
+            raise Refused(f"{name} with a padded index tensor (its padded entries would write)")
+    masks, wraps = _plan_index(n, ins, targs, name)
+    # The forms of x[indices]: the index tensors' broadcast shape (constant) where the indexed
+    # dims were when they are adjacent, else first; the values broadcast to it from the right.
+    bshape = np.broadcast_shapes(*[tuple(b for _, b in n.in_forms[sl[1]]) for sl in used])
+    at_ = [d for d, sl in enumerate(slots) if sl is not None]
+    rest = [f for d, f in enumerate(fx) if d >= len(slots) or slots[d] is None]
+    bforms = [(0, b) for b in bshape]
+    if at_ == list(range(at_[0], at_[0] + len(at_))):
+        target = list(fx[:at_[0]]) + bforms + list(fx[at_[-1] + 1:])
+    else:
+        target = bforms + rest
+    if len(fv) > len(target) or any(f != g and f != (0, 1)
+                                    for f, g in zip(fv[::-1], target[::-1])):
+        raise Refused(f"{name}: values whose sizes are not the indexed view's")
+    if wraps:
+        n.rule, n.extra = "advanced", (masks, wraps)
+
+
+def _plan_scatter(n, rule, func, ins, targs, tkw, name):
+    """``scatter``/``scatter_add`` (NOTE [padding rules]: ``Scatter``). Returns through
+    ``n.extra``: (mask the index?, dims whose sources are set to 0, the form of the dim written
+    if padded)."""
+    fx, fi = n.in_forms[0], n.in_forms[1]
+    nd = len(fx)
+    d = (_arg(targs, tkw, 1, "dim") or 0) % max(nd, 1)
+    if len(fi) != nd:
+        raise Refused(f"{name} with an index of another rank")
+    fs = n.in_forms[2] if len(n.in_forms) > 2 and n.in_forms[2] is not None else None
+    for j in range(nd):
+        if not fi[j][0]:
+            continue
+        if j == d and not rule.add:
+            raise Refused(f"{name} with an index padded along the dim it writes")
+        if j != d and not (fi[j][0] <= fx[j][0] and fi[j][1] <= fx[j][1]):
+            raise Refused(f"{name}: an index padded along a dim its input is not")
+        if fs is not None and (len(fs) != nd or not (fi[j][0] <= fs[j][0]
+                                                     and fi[j][1] <= fs[j][1])):
+            raise Refused(f"{name}: an index padded along a dim its source is not")
+    zero = (d,) if rule.add and fi[d][0] else ()
+    wrap = fx[d] if nd and fx[d][0] else None
+    if _padded(fi) or wrap is not None:
+        n.rule, n.extra = "scatter", (_padded(fi), zero, wrap,
+                                      f"index {{index}} is out of bounds for dimension {d} with "
+                                      "size {size}")
+
+
+def _plan_zero(n, rule, func, ins, targs, tkw, name):
+    """Inputs whose padding is set to 0 (NOTE [padding rules]: ``ZeroPadded``)."""
+    if rule.unless is not None and _arg(targs, tkw, *rule.unless):
+        raise Refused(f"{name}: an argument that counts padded positions ({rule.unless[1]})")
+    if rule.normalized is not None:
+        k = len(_arg(targs, tkw, *rule.normalized))
+        if _padded(n.in_forms[1][len(n.in_forms[1]) - k:]):
+            raise Refused(f"{name} normalizes over a padded dim")
+    zero = tuple(i for i in rule.inputs
+                 if i < len(n.in_forms) and n.in_forms[i] is not None and _padded(n.in_forms[i]))
+    if zero:
+        n.rule, n.extra = "zero", zero
+
+
+def _plan_targets(n, rule, func, ins, targs, tkw, name):
+    """A loss with a target per row (NOTE [padding rules]: ``Targets``)."""
+    fx = n.in_forms[rule.probs]
+    cdim = 0 if len(fx) == 1 else 1
+    if fx[cdim][0]:
+        raise Refused(f"{name} over a padded class dim")
+    ignore = _arg(targs, tkw, rule.ignore, "ignore_index")
+    if type(ignore) is not int:
+        raise Refused(f"{name} with an ignore_index that is not a number")
+    zero = tuple(i for i in rule.zero if _padded(n.in_forms[i]))
+    if _padded(n.in_forms[rule.target]) or zero:
+        n.rule, n.extra = "targets", (rule.target, ignore, zero)
 
 
 def _plan_along(n: NodePlan, func, targs, tkw, name):
@@ -439,3 +534,14 @@ def _plan_along(n: NodePlan, func, targs, tkw, name):
         exc, msg = IndexError, "index out of range in self"
     wrap = fx[d] if nd and fx[d][0] else None
     return _padded(fi), wrap, exc, msg
+
+
+# What each kind of rule plans (NOTE [padding rules]); a kind not here refuses.
+_PLANNERS = {Pointwise: _plan_pointwise, Factory: _plan_admitted, Scan: _plan_admitted,
+             IndexPut: _plan_put, Reduce: _plan_reduce, Reshape: _plan_reshape,
+             Normalize: _plan_normalize, Contract: _plan_contract, Attention: _plan_attention,
+             Embedding: _plan_embedding, Index: _plan_advanced, Along: _plan_along_rule,
+             TopK: _plan_topk, Cat: _plan_cat, Multinomial: _plan_multinomial,
+             Scatter: _plan_scatter, ZeroPadded: _plan_zero, Targets: _plan_targets,
+             MoveDims: _plan_no_op_rule,
+             Slice: _plan_no_op_rule}

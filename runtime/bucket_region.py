@@ -77,7 +77,8 @@ def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device,
         for n in bp.nodes:
             parts_.append(describe((n.name, n.rule, n.extra if n.rule != "exact" else None,
                                     at(n.targs, P), at(n.tkw, P), at(n.chains, P),
-                                    at(n.out_avals, P), tuple(n.in_forms), n.base_forms)))
+                                    at(n.out_avals, P), tuple(n.in_forms), n.base_forms,
+                                    tuple(n.widen))))
     except (Unstable, AttributeError):
         return None
     return "\n".join(parts_)

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from . import check_index, op
-from .padding import Along, Cat, Factory, Index, MaskedPut, Refuse
+from .padding import Along, Cat, Factory, Index, IndexPut, Pointwise, Refuse, Scatter
 
 # Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
 PAD = Refuse("a scatter or an indexed write with no padding rule")
@@ -113,7 +113,7 @@ def _src(src, index, dt):
     return _crop(src, index.shape).astype(dt)
 
 
-@op("scatter.src", "scatter.value")
+@op("scatter.src", "scatter.value", pad=Scatter())
 def scatter(x, dim, index, src):
     if index.size == 0:
         return x
@@ -127,7 +127,7 @@ def scatter_reduce_legacy(x, dim, index, src, *, reduce):
     return scatter_reduce(x, dim, index, src, {"add": "sum", "multiply": "prod"}[reduce], True)
 
 
-@op("scatter_add.default")
+@op("scatter_add.default", pad=Scatter(add=True))
 def scatter_add(x, dim, index, src):
     return scatter_reduce(x, dim, index, src, "sum", True)
 
@@ -367,7 +367,7 @@ def _mask_put(x, indices, values, accumulate):
     return _put(x, out, v, accumulate)
 
 
-@op("index_put.default", pad=MaskedPut())
+@op("index_put.default", pad=IndexPut())
 def index_put(x, indices, values, accumulate=False):
     indices = list(indices)
     while indices and indices[-1] is None:
@@ -387,7 +387,7 @@ def index_put(x, indices, values, accumulate=False):
     return _put(x, _index_tuple(x, indices), values, accumulate)
 
 
-@op("_index_put_impl_.default", pad=MaskedPut())
+@op("_index_put_impl_.default", pad=IndexPut())
 def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):
     return index_put(x, indices, values, accumulate)
 
@@ -395,7 +395,7 @@ def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):
 # --------------------------------------------------------------------------------------------
 # masks
 
-@op("masked_fill.Scalar", "masked_fill.Tensor", meta=True)
+@op("masked_fill.Scalar", "masked_fill.Tensor", meta=True, pad=Pointwise())
 def masked_fill(x, mask, value, *, _avals):
     shape, dt = _avals[0]
     return jnp.where(mask, _scalar_as(value, dt), x.astype(dt))

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from . import op
-from .padding import Normalize, Reduce, Refuse
+from .padding import Normalize, Reduce, Refuse, ZeroPadded
 from .precision import HALF, acc, dot_inputs, round_to
 
 # Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
@@ -236,7 +236,7 @@ def _log_softmax(self, dim, half_to_float):
     return jax.nn.log_softmax(_acc(self), axis=dim)
 
 
-@op("_softmax_backward_data.default")
+@op("_softmax_backward_data.default", pad=ZeroPadded(inputs=(0, 1)))
 def _softmax_backward_data(grad_output, output, dim, input_dtype):
     g, y = _acc(grad_output), _acc(output)
     if y.ndim == 0:
@@ -244,7 +244,7 @@ def _softmax_backward_data(grad_output, output, dim, input_dtype):
     return y * (g - jnp.sum(g * y, axis=dim, keepdims=True))
 
 
-@op("_log_softmax_backward_data.default")
+@op("_log_softmax_backward_data.default", pad=ZeroPadded(inputs=(0, 1)))
 def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
     g, y = _acc(grad_output), _acc(output)
     if y.ndim == 0:
@@ -287,7 +287,8 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
     return out, mean, rstd
 
 
-@op("native_layer_norm_backward.default")
+@op("native_layer_norm_backward.default",
+    pad=ZeroPadded(inputs=(0, 1, 3, 4), normalized=(2, "normalized_shape")))
 def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
                                output_mask):
     x, g = _acc(input), _acc(grad_out)

@@ -135,9 +135,47 @@ class Cat(Pad):
 
 
 @dataclass(frozen=True, slots=True)
-class MaskedPut(Pad):
-    """``x[mask] = v`` (``index_put`` with one boolean mask over leading dims and one value):
-    elementwise, so what is written into the padding stays padding."""
+class IndexPut(Pad):
+    """``x[i] = v`` (``index_put``). With one boolean mask over leading dims and one value
+    (``logits[logits < v] = -inf``): elementwise, so what is written into the padding stays
+    padding. With integer index tensors (not padded themselves): an index into a padded dim
+    checked against, and wrapped by, the exact length (as ``Index``); the values padded only
+    where the indexed view of ``x`` is, so their padding is written into ``x``'s."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scatter(Pad):
+    """``scatter``/``scatter_add`` (input 0 written at input 1 along argument 1, from input 2):
+    padded index entries masked to 0 (a position of the padding along the other dims, where
+    they write padding), and with ``add`` their sources to 0 along the dim written (they add
+    nothing; a ``scatter`` whose index is padded along that dim refuses); an index into a padded
+    dim checked against its exact length."""
+    add: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroPadded(Pad):
+    """Valid outputs read padded positions only through sums of terms that vanish where the
+    ``inputs`` are 0 (a weight's gradient: ``embedding_dense_backward``, a layer norm's backward,
+    softmax's backward): every padded dim of those inputs is set to 0 first. ``unless``: an
+    argument (position, keyword) that refuses when true (``scale_grad_by_freq`` counts padded
+    indices); ``normalized``: an argument (position, keyword) naming trailing dims of input 1
+    that must not be padded (a layer norm's backward)."""
+    inputs: tuple = ()
+    unless: tuple | None = None
+    normalized: tuple | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Targets(Pad):
+    """A loss over rows with a target each (``nll_loss``): padded entries of input ``target``
+    become the ``ignore_index`` (argument ``ignore``), so they count neither in the loss nor in
+    its mean's total weight; the inputs ``zero`` set to 0 in their padding (a padded row's NaN
+    would reach the sum through ``0 * NaN``); a padded class dim of input ``probs`` refuses."""
+    target: int = 1
+    ignore: int = 4
+    zero: tuple = (0,)
+    probs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
