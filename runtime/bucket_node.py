@@ -1,5 +1,8 @@
-"""Buckets (NOTE [buckets] in buckets.py): how one op runs padded (``plan_node``).
+"""Buckets (NOTE [buckets] in buckets.py): how one op runs padded (``plan_node``), from the
+padding rule its lowering states (``@op(..., pad=...)``: NOTE [padding rules] in
+lowering/padding.py).
 
+Padding is exact where it is used. Data that the padding adds is never read into a valid position:
 each op is admitted only by a rule below, from what it does along its padded dims (dims whose size
 depends on the length; valid data is the prefix of exact size ``a * s + b``), and anything else
 refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']`` says which op):
@@ -34,7 +37,11 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
   leading dims and one value: nanoGPT's ``logits[logits < v[:, [-1]]] = -inf``); what they write
   into the padding stays padding;
 - ``multinomial`` over the last dim with other dims padded: padded rows are given ones (a valid
-  distribution, so CPU's checks see only valid rows), their samples are cut off.
+  distribution, so CPU's checks see only valid rows), their samples are cut off;
+- ``index_put`` with integer index tensors that are not padded (checked and wrapped as advanced
+  indexing), ``scatter``/``scatter_add`` (``Scatter``), ``nll_loss`` and its backward (padded
+  targets ignored), and backward ops whose weight gradients sum over padded rows
+  (``ZeroPadded``: their inputs' padding set to 0).
 
 Other in-place writes (to a view, ``index_copy_``, a mask's count of values), other random ops
 touching padded dims and everything not listed refuse the region. Where a region is refused, its

@@ -15,10 +15,9 @@ and static arguments that are sizes; nothing else may change) must be constant o
 with integers ``a`` (all of one sign) and ``b``, one length ``s`` for the whole region (0 at the
 first version). Every later version is checked before it runs; one that does not fit compiles
 exactly (counted in ``metrics()['bucket_misfits']``). The second version already runs padded: it
-fits by construction, and the rules below make any version that fits exact.
+fits by construction, and the padding rules make any version that fits exact.
 
-Padding is exact where it is used. Data that the padding adds is never read into a valid position:
-
+Padding is exact where it is used: data that the padding adds is never read into a valid position.
 How each op runs padded, and which ops refuse, is ``plan_node``'s (bucket_node.py); the ints of a
 structure and their fit are in bucket_fit.py, an op's padded function in bucket_fn.py, a region's
 plan and program in bucket_region.py; this file keeps what bucketing learned (``Buckets``).
