@@ -154,6 +154,12 @@ class Buckets:
                 self.learned.drop_fit(key)
                 return None
             f.skels = skels
+            # The version a fit was learned from first ran exactly in that process. Where its
+            # bucket is not the second version's (a ragged last batch: 64 rows, then 23, buckets
+            # 64 and 32), no bucket program of it was made: its exact program is the one on disk.
+            s = f.value(ints)
+            if s == f.value(list(vs[0])) and f.bucket(s) != f.bucket(f.value(list(vs[1]))):
+                return None
             try:
                 plan = plan_region(f, entries, wirings, lens, self.learned)
             except Exception:           # (refused: what made it no longer holds)

@@ -989,6 +989,7 @@ def test_word_language_model_transformer_with_chunks_of_many_lengths_runs_in_buc
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     m = deferfuse.metrics()
     assert m["bucketed_runs"] >= 8 and not m["bucket_refusals"], m["bucket_refusals"]
+    deferfuse.clear_caches()
 
 
 @pytest.mark.slow
