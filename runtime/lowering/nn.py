@@ -18,7 +18,11 @@ import numpy as np
 from jax import lax
 
 from . import op
+from .padding import Normalize, Reduce, Refuse, ZeroPadded
 from .precision import HALF, acc, dot_inputs, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a convolution, a normalization or a dropout across positions")
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +201,7 @@ def _last_dim(x, dim) -> bool:
 _BF16_LANES = 32
 
 
-@op("_softmax.default")
+@op("_softmax.default", pad=Reduce(1, "-inf"))
 def _softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.ones((), _acc(self).dtype)
@@ -219,7 +223,7 @@ def _softmax(self, dim, half_to_float):
     return jax.nn.softmax(_acc(self), axis=dim)
 
 
-@op("_log_softmax.default")
+@op("_log_softmax.default", pad=Reduce(1, "-inf"))
 def _log_softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.zeros((), _acc(self).dtype)
@@ -232,7 +236,7 @@ def _log_softmax(self, dim, half_to_float):
     return jax.nn.log_softmax(_acc(self), axis=dim)
 
 
-@op("_softmax_backward_data.default")
+@op("_softmax_backward_data.default", pad=ZeroPadded(inputs=(0, 1)))
 def _softmax_backward_data(grad_output, output, dim, input_dtype):
     g, y = _acc(grad_output), _acc(output)
     if y.ndim == 0:
@@ -240,7 +244,7 @@ def _softmax_backward_data(grad_output, output, dim, input_dtype):
     return y * (g - jnp.sum(g * y, axis=dim, keepdims=True))
 
 
-@op("_log_softmax_backward_data.default")
+@op("_log_softmax_backward_data.default", pad=ZeroPadded(inputs=(0, 1)))
 def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
     g, y = _acc(grad_output), _acc(output)
     if y.ndim == 0:
@@ -375,7 +379,7 @@ def _cpu_moments(x):
     return m1, _div(m2, n_total)
 
 
-@op("native_layer_norm.default")
+@op("native_layer_norm.default", pad=Normalize(1))
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     x = _acc(input)
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
@@ -457,7 +461,8 @@ def _layer_norm_dx_cpu(g, x, mean, rstd, w):
     return _fma(b, x, (a[..., None] * g) * w if w is not None else a[..., None] * g) + c
 
 
-@op("native_layer_norm_backward.default")
+@op("native_layer_norm_backward.default",
+    pad=ZeroPadded(inputs=(0, 1, 3, 4), normalized=(2, "normalized_shape")))
 def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
                                output_mask):
     x, g = _acc(input), _acc(grad_out)
