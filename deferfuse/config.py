@@ -104,6 +104,14 @@ SETTINGS = {s.name: s for s in [
     Setting("buckets", "DEFERFUSE_BUCKETS", True, _bool,
             "run a region whose sizes keep changing (a growing sequence) padded to buckets of "
             "lengths, one program per bucket (see docs/recompiles.md)"),
+    Setting("buckets_ahead", "DEFERFUSE_BUCKETS_AHEAD", True, _bool,
+            "plan a growing loop's bucket from the first two repetitions its first trace holds, "
+            "so its first length runs in the bucket too (NOTE [buckets ahead] in "
+            "runtime/flush.py)"),
+    Setting("meta_plain", "DEFERFUSE_META_PLAIN", True, _bool,
+            "answer elementwise and a few decomposed ops' output metadata without the Python meta "
+            "kernels' Dynamo wrapper, so torch._dynamo is not imported (NOTE [meta without "
+            "dynamo] in deferfuse/metaplain.py)"),
     Setting("learned_buckets", "DEFERFUSE_LEARNED_BUCKETS", True, _bool,
             "keep what bucketing learned (each growing region's fit) in the cache folder, so a "
             "later process runs its first length in the bucket (NOTE [learned on disk]); read at "

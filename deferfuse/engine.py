@@ -149,7 +149,7 @@ class Engine:
                 src = self.sources.site(sys._getframe(1))
             cfg = Settings(config.debug, config.cross_check, config.memory_planner,
                            config.shape_recompile_limit, config.memory_budget, config.step_detection,
-                           config.buckets, config.setup_first)
+                           config.buckets, config.setup_first, config.buckets_ahead)
             ctx = self.runner.start(fl, reason, src, cfg, config.max_regions)
             try:
                 self.runner.run(ctx, later or is_async(reason))

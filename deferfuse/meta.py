@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from . import metaplain as plain
 from .config import config
 from .metasize import SizeRules
 from .scheduler.cache import Cache
@@ -591,6 +592,20 @@ def _meta_outputs(func, args, kwargs):
 
 
 def _run_meta(func, args, kwargs):
+    # NOTE [meta without dynamo] (metaplain.py)
+    r = plain.answer(func, args, kwargs) if config.meta_plain else None
+    if r is not None:
+        if config.cross_check or config.mode == "debug":
+            exact = _kernel_outputs(func, args, kwargs)
+            if exact != r:
+                raise AssertionError(
+                    f"deferfuse internal error: {func}'s outputs {r} differ from its meta "
+                    f"kernel's {exact} (NOTE [meta without dynamo] in deferfuse/metaplain.py)")
+        return r
+    return _kernel_outputs(func, args, kwargs)
+
+
+def _kernel_outputs(func, args, kwargs):
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
     if func is _GROUPED_MM and _grouped_mm_out is not None:
@@ -606,7 +621,7 @@ def _run_meta(func, args, kwargs):
         except NotImplementedError:
             pass                          # no meta kernel (_fused_sgd_, _fused_adagrad_)
         return "none", ()
-    out = func(*margs, **mkw)
+    out = (plain.kernel(func) if config.meta_plain else func)(*margs, **mkw)
     if isinstance(out, torch.Tensor):
         return "one", (_desc(out),)
     if isinstance(out, list):

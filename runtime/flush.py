@@ -60,6 +60,7 @@ class Settings:
     loop_split: bool = True
     buckets: bool = True
     setup_first: bool = True
+    buckets_ahead: bool = True
 
 
 @dataclass(slots=True)
@@ -116,6 +117,7 @@ class Runner:
         self.max_regions = max_regions
         self.churn = Cache("region structures", 8192)   # ops+wiring -> [compiles, keys, varied]
         self.once = Cache("regions run split once", 8192)
+        self.ahead = Cache("bucket plans made ahead", 4096)    # NOTE [buckets ahead]
         self.checks = CheckList()
         self.programs = ProgramStore()      # NOTE [program store] (diskcache.py)
         self.buckets = Buckets()            # NOTE [buckets] (buckets.py)
@@ -126,7 +128,8 @@ class Runner:
         self.interrupts = Interrupts()      # NOTE [interrupt safety] (interrupts.py)
 
     def caches(self) -> list:
-        return [self.structs, self.regions, self.churn, self.once, *self.buckets.caches()]
+        return [self.structs, self.regions, self.churn, self.once, self.ahead,
+                *self.buckets.caches()]
 
     def clear(self) -> None:
         for c in self.caches():
@@ -297,6 +300,8 @@ class Runner:
         union = None
         if reps:
             n_rep = max(len(pc.pos) for pc in plan)
+            if ctx.cfg.buckets_ahead and ctx.cfg.buckets and not ctx.cfg.cross_check:
+                self._plan_ahead(plan, entries, n_rep)
             union = set()
             for pc in plan:
                 if len(pc.pos) == n_rep:
@@ -345,6 +350,28 @@ class Runner:
                                       run.later or (later_from is not None and k >= later_from)))
             finally:
                 sub.release()
+
+    def _plan_ahead(self, plan, entries, n_rep: int) -> None:
+        """NOTE [buckets ahead]: a loop whose sizes change, recorded before its body was known (a
+        growing sequence's first trace holds several tokens), hands over its first repetitions at
+        once. Its first two repetitions of one structure, both at hand, make the bucket plan
+        before the first one runs (``Buckets.find`` from the two versions), so the first runs in
+        the bucket's program too: the loop's first call no longer compiles an exact program for
+        its first length (one of nanoGPT sampling's three programs, about a third of its first
+        call), which only that length used. A plan refused (an op with no rule) changes nothing:
+        the first repetition compiles exactly, as before."""
+        two = [pc for pc in plan if len(pc.pos) == n_rep][:2]
+        if len(two) < 2:
+            return
+        ents = [[entries[p] for p in pc.pos] for pc in two]
+        structs = [tuple([(e.key[0], w) for e, w in zip(es, pc.wiring)])
+                   for es, pc in zip(ents, two)]
+        struct = structs[0]
+        if structs[1] != struct or struct in self.churn or struct in self.ahead:
+            return
+        self.buckets.note(struct, ents[0])
+        if self.buckets.find(struct, ents[1], two[1].wiring, S) is not None:
+            self.ahead[struct] = True
 
     def _region(self, ctx, run: Run) -> None:
         """Run one region: find it (or compile it), check its inputs, execute, bind."""
@@ -429,7 +456,9 @@ class Runner:
         n_compiled = seen[0] if seen else 0
         if cfg.buckets and not cfg.cross_check:
             # (first seen here: a bucket an earlier process learned, NOTE [learned on disk])
-            found = (self.buckets.find(struct, run.entries, run.wirings, S) if seen else
+            # (planned ahead from two repetitions at hand: NOTE [buckets ahead])
+            found = (self.buckets.find(struct, run.entries, run.wirings, S)
+                     if seen or struct in self.ahead else
                      self.buckets.recall(struct, run.entries, run.wirings, S))
             if found is not None:
                 hit = self.regions[key] = BucketHit(found[0], found[1], run.entries, run.wirings)

@@ -621,3 +621,46 @@ def test_pow_of_a_scalar_base_rounds_the_base(dt, tpu_mode):
     for base in (10000, 0.3, 1e-4, 2.5, 7, 1):
         _same(lambda x: base ** x, x, dt=dt, atol=0, rtol=0)
         _same(lambda x: torch.pow(base, x), x, dt=dt, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_layer_norm_input_gradient_as_cpu(dt, affine):
+    """NOTE [bf16 layer norm] (runtime/lowering/nn.py): CPU's bfloat16 layer norm backward
+    takes the input gradient as ``a * dy * w + b * x + c`` from per-row vectorized sums and fused
+    multiply-adds; the textbook form was an ulp off on a few elements per thousand rows (one such
+    element in a ViLT's layer norm, and the whole model's gradients drifted from CPU's). bfloat16:
+    bit for bit from CPU's saved statistics, rows of every width class (a tail under 16, whole
+    vectors, a long row); float16: within its tolerance."""
+    for rows, n in ((512, 32), (256, 40), (128, 96), (300, 7), (16, 1100)):
+        x, dy = _rand(rows, n, dt=dt, scale=2, shift=0.5), _rand(rows, n, dt=dt, seed=1)
+        w = _rand(n, dt=dt, scale=0.5, shift=1, seed=2) if affine else None
+        b = _rand(n, dt=dt, seed=3) if affine else None
+        _, mean, rstd = aten.native_layer_norm(x, [n], w, b, 1e-5)
+        tol = dict(atol=0, rtol=0) if dt == torch.bfloat16 else {}
+        _same(lambda dy, x, mean, rstd, w, b: aten.native_layer_norm_backward(
+            dy, x, [n], mean, rstd, w, b, [True, False, False])[0], dy, x, mean, rstd, w, b, dt=dt, **tol)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_layer_norm_forward_as_cpu(dt, affine):
+    """NOTE [bf16 layer norm]: CPU's bfloat16 layer norm takes its statistics by Welford's
+    algorithm over 8-lane vectors; the mean of a row of bfloat16 values often lies exactly halfway
+    between two bfloat16 values, and rounds by the sign of Welford's error (the two-pass mean
+    rounded the other way in up to 1% of rows, and the outputs followed). bfloat16: output, mean
+    and rstd bit for bit on rows up to 512 wide (a tail, whole vectors, two chunks); float16 and
+    wider rows: within tolerance."""
+    for rows, n in ((1000, 32), (500, 64), (300, 37), (300, 7), (200, 300), (64, 512), (16, 1100)):
+        x = _rand(rows, n, dt=dt, scale=3, shift=1)
+        w = _rand(n, dt=dt, scale=0.5, shift=1, seed=2) if affine else None
+        b = _rand(n, dt=dt, seed=3) if affine else None
+        tol = dict(atol=0, rtol=0) if dt == torch.bfloat16 and n <= 512 else {}
+        for i in range(3):
+            _same(lambda x, w, b: aten.native_layer_norm(x, [n], w, b, 1e-5)[i], x, w, b, dt=dt, **tol)
+
+
+def test_glu_rounds_once(dt, tpu_mode):
+    """CPU's glu computes ``a * (1 / (1 + exp(-b)))`` in float32 and rounds once; tpu rounded the
+    sigmoid first (jax's half-precision sigmoid): 45% of a conformer's GLU outputs were an ulp off."""
+    x = _rand(64, 512, dt=dt, scale=3)
+    _same(lambda x: F.glu(x, -1), x, dt=dt, atol=0, rtol=0)
+    _same(lambda x: F.glu(x, 0), x, dt=dt, atol=0, rtol=0)

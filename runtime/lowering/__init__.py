@@ -11,15 +11,19 @@ Register a family once over many overloads::
     def add(x, y, *, alpha=1): ...
 
 Overload names are strings, resolved defensively: one missing from this torch version is skipped.
+``pad=`` states how the op runs padded in a bucket (NOTE [padding rules] in padding.py): one rule
+for every name, or a dict from name to rule.
 """
 from __future__ import annotations
 
 import importlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
+
+from .padding import Pad, Pointwise
 
 aten = torch.ops.aten
 
@@ -30,6 +34,7 @@ class Lowering:
     static: bool = False     # Python numbers are baked in (the op needs concrete values)
     rng: bool = False        # receives ``key=`` (its generator's (seed, offset): runtime/prng.py)
     meta: bool = False       # receives ``out=((shape, np_dtype), ...)`` from meta inference
+    pad: Pad | None = None   # how it runs padded (NOTE [padding rules] in padding.py)
 
 
 LOWERINGS: dict = {}
@@ -125,9 +130,10 @@ def resolve(name: str):
     return getattr(p, overload or "default", None)
 
 
-def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False):
+def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False,
+       pad: Pad | dict | None = None):
     def deco(fn):
-        low = Lowering(fn, static, rng, meta)
+        lows: dict = {}
         for name in names:
             o = resolve(name)
             if o is None:
@@ -135,9 +141,28 @@ def op(*names: str, static: bool = False, rng: bool = False, meta: bool = False)
                 continue
             if o in LOWERINGS:
                 raise AssertionError(f"duplicate lowering for {o}")
+            rule = pad.get(name) if type(pad) is dict else pad
+            low = lows.get(rule)
+            if low is None:
+                low = lows[rule] = Lowering(fn, static, rng, meta, rule)
             LOWERINGS[o] = low
         return fn
     return deco
+
+
+def _default_pads() -> None:
+    """NOTE [padding rules]: a lowering registered without ``pad=`` is ``Pointwise()`` when
+    PyTorch tags its op ``pointwise``, else its family module's ``PAD`` (a ``Refuse``)."""
+    import sys
+    for o, low in list(LOWERINGS.items()):
+        if low.pad is not None:
+            continue
+        if torch.Tag.pointwise in getattr(o, "tags", ()):
+            rule = Pointwise()
+        else:
+            rule = getattr(sys.modules.get(getattr(low.fn, "__module__", None)), "PAD", None)
+        if rule is not None:
+            LOWERINGS[o] = replace(low, pad=rule)
 
 
 FAMILIES = ("pointwise", "unary_int", "binary", "special", "activations", "reductions", "sorting",
@@ -146,3 +171,4 @@ FAMILIES = ("pointwise", "unary_int", "binary", "special", "activations", "reduc
             "rnn")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")
+_default_pads()

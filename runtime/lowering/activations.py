@@ -11,8 +11,12 @@ import numpy as np
 from jax import lax  # noqa: F401
 
 from . import op
+from .padding import Pointwise, Refuse
 from .precision import acc, round_to
 from .pointwise import _cast, _common, _isinexact, _opmath, _rt, _scale  # noqa: F401
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("not tagged pointwise by PyTorch (a backward, a random activation)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,7 +119,7 @@ def hardsigmoid(x):
     return jnp.minimum(jnp.maximum(x + 3, 0), 6) / 6
 
 
-@op("hardswish.default")
+@op("hardswish.default", pad=Pointwise())
 def hardswish(x):
     x = _act(x)
     return x * jnp.minimum(jnp.maximum(x + 3, 0), 6) / 6
@@ -198,13 +202,13 @@ def tanh_backward(g, y):
     return g * (1 - y * y)
 
 
-@op("leaky_relu_backward.default")
+@op("leaky_relu_backward.default", pad=Pointwise())
 def leaky_relu_backward(g, x, negative_slope, self_is_result):
     g, x = _gx(g, x)
     return jnp.where(x > 0, g, g * _cast(negative_slope, g.dtype))
 
 
-@op("elu_backward.default")
+@op("elu_backward.default", pad=Pointwise())
 def elu_backward(g, alpha, scale, input_scale, is_result, x):
     g, x = _gx(g, x)
     negcoef = _cast(alpha, g.dtype) * _cast(scale, g.dtype)
@@ -217,13 +221,13 @@ def elu_backward(g, alpha, scale, input_scale, is_result, x):
     return jnp.where(x <= 0, neg, g * poscoef)
 
 
-@op("hardtanh_backward.default")
+@op("hardtanh_backward.default", pad=Pointwise())
 def hardtanh_backward(g, x, min_val, max_val):
     g, x = _gx(g, x)
     return jnp.where((x <= _cast(min_val, x.dtype)) | (x >= _cast(max_val, x.dtype)), jnp.zeros_like(g), g)
 
 
-@op("softplus_backward.default")
+@op("softplus_backward.default", pad=Pointwise())
 def softplus_backward(g, x, beta, threshold):
     g, x = _gx(g, x)
     xb = _scale(x, beta)
@@ -231,19 +235,19 @@ def softplus_backward(g, x, beta, threshold):
     return jnp.where(xb > _cast(threshold, x.dtype), g, g * z / (z + 1))
 
 
-@op("hardswish_backward.default")
+@op("hardswish_backward.default", pad=Pointwise())
 def hardswish_backward(g, x):
     g, x = _gx(g, x)
     return jnp.where(x <= -3, jnp.zeros_like(g), jnp.where(x < 3, g * (x / 3 + 0.5), g))
 
 
-@op("hardsigmoid_backward.default")
+@op("hardsigmoid_backward.default", pad=Pointwise())
 def hardsigmoid_backward(g, x):
     g, x = _gx(g, x)
     return jnp.where((x > -3) & (x < 3), g / 6, jnp.zeros_like(g))
 
 
-@op("mish_backward.default")
+@op("mish_backward.default", pad=Pointwise())
 def mish_backward(g, x):
     g, x = _gx(g, x)
     s = 1 / (1 + jnp.exp(-x))
@@ -251,7 +255,7 @@ def mish_backward(g, x):
     return g * (t + x * s * (1 - t * t))
 
 
-@op("hardshrink_backward.default", "softshrink_backward.default")
+@op("hardshrink_backward.default", "softshrink_backward.default", pad=Pointwise())
 def shrink_backward(g, x, lambd):
     ct = _rt(g, x)
     lam = _cast(_cast(lambd, ct), _opmath(ct))       # PyTorch rounds lambd to the tensors' dtype

@@ -10,8 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from . import op
+from .padding import Attention, Reduce, Refuse
 from .nn import _acc
 from .precision import HALF, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("an attention kernel with no padding rule")
 
 
 def _scores(q, k, is_causal, attn_mask, scale):
@@ -70,7 +74,7 @@ def _no_dropout(dropout_p):
         raise NotImplementedError("fused attention with dropout_p > 0 on tpu")
 
 
-@op("_scaled_dot_product_flash_attention_for_cpu.default")
+@op("_scaled_dot_product_flash_attention_for_cpu.default", pad=Attention())
 def sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                    scale=None):
     _no_dropout(dropout_p)
@@ -111,7 +115,7 @@ def _flash_half_backward(grad_out, query, key, value, out, lse, is_causal, attn_
     return dq.astype(dt), dk.astype(dt), dv.astype(dt)
 
 
-@op("_safe_softmax.default")
+@op("_safe_softmax.default", pad=Reduce(1, "-inf"))
 def _safe_softmax(self, dim, dtype=None):
     """softmax that gives 0 (not NaN) on rows that are all -inf (fully masked attention rows)."""
     x = _acc(self)

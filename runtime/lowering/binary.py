@@ -14,11 +14,15 @@ import torch
 from jax import lax
 
 from . import LOWERINGS, Lowering, op
+from .padding import Pointwise, Refuse
 from .pointwise import (_BOOL, _I64, _bc, _cast, _common, _integral_only, _iscomplex, _isfloat,
                         _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
                         _zeta, frexp)
 from .precision import round_to
 from .unary_int import abs_, bitwise_not, conj_physical, isfinite, neg, round_, sign, signbit
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("not tagged pointwise by PyTorch (a prims op, a Scalar overload)")
 
 # --------------------------------------------------------------------------------------------
 # binary arithmetic
@@ -37,7 +41,7 @@ def sub(x, y, alpha=1):
     return x - _scale(y, alpha)
 
 
-@op("rsub.Tensor", "rsub.Scalar")
+@op("rsub.Tensor", "rsub.Scalar", pad=Pointwise())
 def rsub(x, y, alpha=1):
     ct, (x, y) = _common(x, y)
     return y - _scale(x, alpha)
@@ -375,7 +379,7 @@ op("gt.Tensor", "gt.Scalar")(_compare(jnp.greater))
 op("ge.Tensor", "ge.Scalar")(_compare(jnp.greater_equal))
 
 
-@op("where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar")
+@op("where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar", pad=Pointwise())
 def where(c, x, y):
     _, (x, y) = _common(x, y, opmath=False)
     return jnp.where(_nz(c), x, y)

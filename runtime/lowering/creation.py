@@ -10,6 +10,10 @@ import numpy as np
 import torch
 
 from . import LOWERINGS, Lowering, op
+from .padding import Factory, Refuse
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("values that depend on the whole size (linspace, eye) or a copy into a tensor")
 
 
 @op("copy_.default")
@@ -36,7 +40,8 @@ def zero_(self):
     return jnp.zeros((), np.float32) if self is None else jnp.zeros_like(self)
 
 
-@op("_to_copy.default", "clone.default", "lift_fresh_copy.default")
+@op("_to_copy.default", "clone.default", "lift_fresh_copy.default",
+    pad={"_to_copy.default": Factory(), "clone.default": Factory()})
 def to_copy(x, *, dtype=None, memory_format=None, layout=None, device=None, pin_memory=None,
             non_blocking=False):
     return x
@@ -53,7 +58,9 @@ def _integral(dt) -> bool:
     return not jnp.issubdtype(dt, jnp.inexact)
 
 
-@op("full.default", "new_full.default", meta=True)
+@op("full.default", "new_full.default", meta=True,
+    pad={"full.default": Factory(sizes=(0, "size")),
+         "new_full.default": Factory(sizes=(1, "size"))})
 def full(*args, _avals, **kw):
     # full(size, fill_value, ...) / new_full(self, size, fill_value, ...)
     shape, dt = _avals[0]
@@ -61,26 +68,30 @@ def full(*args, _avals, **kw):
 
 
 @op("zeros.default", "new_zeros.default", "zeros_like.default", "_efficientzerotensor.default",
-    meta=True)
+    meta=True, pad={"zeros.default": Factory(sizes=(0, "size")),
+                    "new_zeros.default": Factory(sizes=(1, "size")),
+                    "zeros_like.default": Factory()})
 def zeros(*args, _avals, **kw):
     shape, dt = _avals[0]
     return jnp.zeros(shape, dt)
 
 
-@op("ones.default", "new_ones.default", "ones_like.default", meta=True)
+@op("ones.default", "new_ones.default", "ones_like.default", meta=True,
+    pad={"ones.default": Factory(sizes=(0, "size")),
+         "new_ones.default": Factory(sizes=(1, "size")), "ones_like.default": Factory()})
 def ones(*args, _avals, **kw):
     shape, dt = _avals[0]
     return jnp.ones(shape, dt)
 
 
-@op("full_like.default", meta=True)
+@op("full_like.default", meta=True, pad=Factory())
 def full_like(x, v, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None,
               _avals):
     shape, dt = _avals[0]
     return jnp.full(shape, jnp.asarray(v).astype(dt), dt)
 
 
-@op("scalar_tensor.default", meta=True)
+@op("scalar_tensor.default", meta=True, pad=Factory())
 def scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
     return jnp.asarray(s).astype(_avals[0][1])
 
@@ -88,7 +99,9 @@ def scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None, _
 _CONST_LIMIT = 1 << 16   # arange values computed at trace time and baked in up to this length
 
 
-@op("arange.start_step", "arange.start", "arange.default", static=True, meta=True)
+@op("arange.start_step", "arange.start", "arange.default", static=True, meta=True,
+    pad={"arange.start_step": Factory(sizes=(1, "end")), "arange.start": Factory(sizes=(1, "end")),
+         "arange.default": Factory(sizes=(0, "end"))})
 def arange(start, end=None, step=1, *, dtype=None, layout=None, device=None, pin_memory=None, _avals):
     shape, dt = _avals[0]
     n = shape[0]

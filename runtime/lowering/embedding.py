@@ -5,19 +5,24 @@ import jax
 import jax.numpy as jnp
 
 from . import check_index, op
+from .padding import Embedding, Refuse, ZeroPadded
 from .nn import _acc, _zeros
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a bag, a renorm or a backward with no padding rule")
 
 
 # --------------------------------------------------------------------------------------------
 # embedding
 
-@op("embedding.default")
+@op("embedding.default", pad=Embedding(index=1, table=0))
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     check_index(indices, weight.shape[0], allow_negative=False)
     return jnp.take(weight, indices, axis=0)
 
 
-@op("embedding_dense_backward.default")
+@op("embedding_dense_backward.default",
+    pad=ZeroPadded(inputs=(0, 1), unless=(4, "scale_grad_by_freq")))
 def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     idx = indices.reshape(-1)
     g = _acc(grad_output).reshape(idx.shape[0], -1)

@@ -13,8 +13,12 @@ import torch
 from jax import lax
 
 from . import check, op
+from .padding import Refuse
 from .linalg import _LOWP, _mat
 from .precision import HALF, dot_inputs, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a factorization or transform mixes every position of its input")
 
 _solve_tri = lax.linalg.triangular_solve
 

@@ -12,6 +12,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import op
+from .padding import Refuse
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a list op over many tensors: no padding rule")
 
 
 def _up(x):

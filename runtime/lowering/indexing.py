@@ -16,6 +16,10 @@ import numpy as np
 from jax import lax
 
 from . import check_index, op
+from .padding import Along, Cat, Factory, Index, IndexPut, Pointwise, Refuse, Scatter
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a scatter or an indexed write with no padding rule")
 
 
 _NOWRAP = {"wrap_negative_indices": False}   # PyTorch rejects negative indices for these ops
@@ -55,7 +59,7 @@ def _scalar_as(v, dt):
 # --------------------------------------------------------------------------------------------
 # concatenation
 
-@op("cat.default", meta=True)
+@op("cat.default", meta=True, pad=Cat())
 def cat(tensors, dim=0, *, _avals):
     shape, dt = _avals[0]
     nd = len(shape)
@@ -69,7 +73,7 @@ def cat(tensors, dim=0, *, _avals):
     return jnp.concatenate(xs, axis=d)
 
 
-@op("stack.default", meta=True)
+@op("stack.default", meta=True, pad=Factory())
 def stack(tensors, dim=0, *, _avals):
     shape, dt = _avals[0]
     return jnp.stack([t.astype(dt) for t in tensors], axis=dim % len(shape))
@@ -78,7 +82,7 @@ def stack(tensors, dim=0, *, _avals):
 # --------------------------------------------------------------------------------------------
 # gather / scatter
 
-@op("gather.default")
+@op("gather.default", pad=Along())
 def gather(x, dim, index, *, sparse_grad=False):
     if index.size == 0:
         return jnp.zeros(index.shape, x.dtype)
@@ -109,7 +113,7 @@ def _src(src, index, dt):
     return _crop(src, index.shape).astype(dt)
 
 
-@op("scatter.src", "scatter.value")
+@op("scatter.src", "scatter.value", pad=Scatter())
 def scatter(x, dim, index, src):
     if index.size == 0:
         return x
@@ -123,7 +127,7 @@ def scatter_reduce_legacy(x, dim, index, src, *, reduce):
     return scatter_reduce(x, dim, index, src, {"add": "sum", "multiply": "prod"}[reduce], True)
 
 
-@op("scatter_add.default")
+@op("scatter_add.default", pad=Scatter(add=True))
 def scatter_add(x, dim, index, src):
     return scatter_reduce(x, dim, index, src, "sum", True)
 
@@ -205,7 +209,7 @@ def _source(src, x, dim, n):
     return src.reshape(want) if src.shape != want and src.size == int(np.prod(want)) else src
 
 
-@op("index_select.default")
+@op("index_select.default", pad=Along())
 def index_select(x, dim, index):
     shape = x.shape
     # CPU raises IndexError, except from its kernel for dim 1 of an input of 2 or more dims.
@@ -321,7 +325,7 @@ def _index_tuple(x, indices):
     return tuple(out)
 
 
-@op("index.Tensor")
+@op("index.Tensor", pad=Index())
 def index(x, indices):
     if any(_is_mask(i) for i in indices):
         raise NotImplementedError("index.Tensor with a boolean mask has a data-dependent shape")
@@ -363,7 +367,7 @@ def _mask_put(x, indices, values, accumulate):
     return _put(x, out, v, accumulate)
 
 
-@op("index_put.default")
+@op("index_put.default", pad=IndexPut())
 def index_put(x, indices, values, accumulate=False):
     indices = list(indices)
     while indices and indices[-1] is None:
@@ -383,7 +387,7 @@ def index_put(x, indices, values, accumulate=False):
     return _put(x, _index_tuple(x, indices), values, accumulate)
 
 
-@op("_index_put_impl_.default")
+@op("_index_put_impl_.default", pad=IndexPut())
 def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):
     return index_put(x, indices, values, accumulate)
 
@@ -391,7 +395,7 @@ def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):
 # --------------------------------------------------------------------------------------------
 # masks
 
-@op("masked_fill.Scalar", "masked_fill.Tensor", meta=True)
+@op("masked_fill.Scalar", "masked_fill.Tensor", meta=True, pad=Pointwise())
 def masked_fill(x, mask, value, *, _avals):
     shape, dt = _avals[0]
     return jnp.where(mask, _scalar_as(value, dt), x.astype(dt))

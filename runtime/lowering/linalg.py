@@ -10,7 +10,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import op
+from .padding import Contract, Refuse
 from .precision import acc, dot_inputs, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a product with no rule for its contracted dims")
 
 _LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -66,7 +70,8 @@ def _bmat(a, b, spec):
     return _mat(a, b, spec)
 
 
-@op("mm.default", "bmm.default", "matmul.default")
+@op("mm.default", "bmm.default", "matmul.default",
+    pad={"mm.default": Contract(((0, 1), (1, 0))), "bmm.default": Contract(((0, 2), (1, 1)))})
 def mm(a, b):
     if a.dtype == jnp.bool_:
         return jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32)) != 0
@@ -79,7 +84,7 @@ def mm_dtype(a, b, out_dtype):
     return jnp.matmul(a, b, preferred_element_type=jnp.float32 if a.dtype in _LOWP else None)
 
 
-@op("addmm.default")
+@op("addmm.default", pad=Contract(((1, 1), (2, 0))))
 def addmm(bias, a, b, *, beta=1, alpha=1):
     return _axpby(bias, _bmat(a, b, "ij,jk->ik"), beta, alpha)
 
@@ -106,7 +111,7 @@ def addbmm(bias, a, b, *, beta=1, alpha=1):
     return out
 
 
-@op("baddbmm.default")
+@op("baddbmm.default", pad=Contract(((1, 2), (2, 1))))
 def baddbmm(bias, a, b, *, beta=1, alpha=1):
     return _axpby(bias, _bmat(a, b, "bij,bjk->bik"), beta, alpha)
 
@@ -135,12 +140,12 @@ def addr(bias, u, v, *, beta=1, alpha=1):
     return _axpby(bias, prod * v[None, :], beta, 1)
 
 
-@op("mv.default")
+@op("mv.default", pad=Contract(((0, 1), (1, 0))))
 def mv(a, v):
     return _bmat(a, v, "ij,j->i")
 
 
-@op("dot.default")
+@op("dot.default", pad=Contract(((0, 0), (1, 0))))
 def dot(a, b):
     return _bmat(a, b, "i,i->")
 

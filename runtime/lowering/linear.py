@@ -10,10 +10,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import op
+from .padding import Contract, Refuse
 from .linalg import _LOWP, _mat
 
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("no padding rule for its backward")
 
-@op("linear.default")
+
+@op("linear.default", pad=Contract(((0, -1), (1, 1))))
 def linear(x, w, b=None):
     # Half precision rounds once, after the bias, as CPU's addmm does. The inputs CPU rounds twice
     # for (product, then bias: a non-contiguous input of rank other than 2) never come here:

@@ -18,7 +18,11 @@ import numpy as np
 from jax import lax
 
 from . import op
+from .padding import Normalize, Reduce, Refuse, ZeroPadded
 from .precision import HALF, acc, dot_inputs, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a convolution, a normalization or a dropout across positions")
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +201,7 @@ def _last_dim(x, dim) -> bool:
 _BF16_LANES = 32
 
 
-@op("_softmax.default")
+@op("_softmax.default", pad=Reduce(1, "-inf"))
 def _softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.ones((), _acc(self).dtype)
@@ -219,7 +223,7 @@ def _softmax(self, dim, half_to_float):
     return jax.nn.softmax(_acc(self), axis=dim)
 
 
-@op("_log_softmax.default")
+@op("_log_softmax.default", pad=Reduce(1, "-inf"))
 def _log_softmax(self, dim, half_to_float):
     if self.ndim == 0:
         return jnp.zeros((), _acc(self).dtype)
@@ -232,7 +236,7 @@ def _log_softmax(self, dim, half_to_float):
     return jax.nn.log_softmax(_acc(self), axis=dim)
 
 
-@op("_softmax_backward_data.default")
+@op("_softmax_backward_data.default", pad=ZeroPadded(inputs=(0, 1)))
 def _softmax_backward_data(grad_output, output, dim, input_dtype):
     g, y = _acc(grad_output), _acc(output)
     if y.ndim == 0:
@@ -240,7 +244,7 @@ def _softmax_backward_data(grad_output, output, dim, input_dtype):
     return y * (g - jnp.sum(g * y, axis=dim, keepdims=True))
 
 
-@op("_log_softmax_backward_data.default")
+@op("_log_softmax_backward_data.default", pad=ZeroPadded(inputs=(0, 1)))
 def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
     g, y = _acc(grad_output), _acc(output)
     if y.ndim == 0:
@@ -269,10 +273,131 @@ def _norm_backward(g, xhat, rstd, axes):
     return rstd * (g - mg - xhat * mgx)
 
 
-@op("native_layer_norm.default")
+# NOTE [bf16 layer norm]: a bfloat16 layer norm (parameters bfloat16 too) computes as PyTorch's
+# CPU kernel does, bit for bit where measured: the statistics by Welford's algorithm over the
+# row's vectors (the mean of a row of bfloat16 values is often exactly halfway between two
+# bfloat16 values, and rounds by the sign of the algorithm's error: the two-pass mean rounded the
+# other way in up to 1% of rows), y = (x * rstd + (-rstd * mean)) * w + b, and the input gradient
+# as rstd * dy * w + b * x + c from per-row sums in CPU's vector order over the rounded mean and
+# rstd (the textbook form rounded a few elements per thousand rows differently, and a bfloat16
+# model's gradients drifted from CPU's from there on). CPU's compiler fuses some of the
+# multiply-adds and not others; XLA's would fuse its own choice, and rewrites divisions: the
+# lowering spells out each FMA (_fma), each rounded product (_mul) and each true division (_div).
+# On a TPU or GPU (where float64, which these use, is slow or absent) the float32 forms stay.
+
+
+def _cpu_exact(dtype) -> bool:
+    """NOTE [bf16 layer norm] applies: a bfloat16 tensor on XLA's CPU platform."""
+    from ..platform import name
+    return dtype == jnp.bfloat16 and name() == "cpu"
+
+
+def _div(a, b):
+    """``a / b`` (float32) divided as CPU divides: XLA rewrites a division by a constant into a
+    product with its rounded reciprocal (different in about half of the elements) and
+    ``a / sqrt(v)`` into ``a * rsqrt(v)``. The divisor, broadcast to the full shape, passes an
+    optimization barrier, which nothing is folded through."""
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
+    return a / lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), shape))
+
+
+def _mul(a, b):
+    """``a * b`` rounded to float32 before whatever adds it (XLA's CPU compiler would fuse the
+    product and a following sum into one FMA where CPU's kernel rounds the product first): the
+    product of two float32 values is exact in float64, and rounds once on the way back."""
+    f64 = jnp.float64
+    return (jnp.asarray(a).astype(f64) * jnp.asarray(b).astype(f64)).astype(jnp.float32)
+
+
+# The float32 lanes of the vectors PyTorch's CPU layer norm kernels run on (8 measured here: the
+# statistics match CPU's only with 8; the backward's sums are the same with 8 or 16).
+_NORM_LANES = 8
+# The widest rows the bfloat16 layer norm forward follows CPU's statistics for (checked bit for
+# bit up to 512 values, two chunks of the cascade; wider rows, whose deeper cascade differs in a
+# few elements, and rows beyond a long unrolled program take the float32 two-pass form).
+_NORM_EXACT = 512
+
+
+def _welford_merge(n_add, m1_add, m2_add, n, m1, m2, vector):
+    """PyTorch's ``AddMomentsVec`` (``vector``) or ``AddMoments``: the moments (m1, m2) of ``n``
+    values joined by those of ``n_add`` more, with the multiply-adds CPU fuses."""
+    total = n + n_add
+    c = np.float32(0) if total == 0 else np.float32(n_add) / np.float32(total)
+    delta = m1_add - m1
+    if vector:
+        cd = _mul(c, delta)
+        return total, m1 + cd, _fma(delta * np.float32(n), cd, m2 + m2_add)
+    return total, _fma(jnp.float32(c), delta, m1), m2 + (m2_add + _mul((delta * delta) * c, np.float32(n)))
+
+
+def _cpu_moments(x):
+    """(mean, biased variance), float32, of the rows of ``x`` (the float32 values of a bfloat16
+    tensor) as PyTorch's CPU ``RowwiseMoments`` computes them (NOTE [bf16 layer norm]):
+    Welford's algorithm per lane over the row's vectors (two float vectors per bfloat16 vector),
+    chunks of 16 vectors joined by a cascade, the tail one value at a time, then the lanes joined
+    one by one."""
+    lanes = _NORM_LANES
+    width, chunk = 2 * lanes, 16
+    n_total = x.shape[-1]
+    n = n_total // width
+    lead = x.shape[:-1]
+    zero = jnp.zeros(lead + (lanes,), jnp.float32)
+    chunks = -(-n // chunk)
+    depth = max(1, (chunks - 1).bit_length())
+    stack = [(0, zero, zero) for _ in range(depth)]
+    for i in range(chunks):
+        count = min(chunk, n - i * chunk)
+        halves = []
+        for h in range(2):
+            m1 = m2 = zero
+            for j in range(count):
+                start = (i * chunk + j) * width + h * lanes
+                v = x[..., start:start + lanes]
+                d = v - m1
+                m1 = _fma(d, jnp.float32(np.float32(1) / np.float32(j + 1)), m1)
+                m2 = _fma(d, v - m1, m2)
+            halves.append((m1, m2))
+        for m1, m2 in halves:
+            stack[0] = _welford_merge(count, m1, m2, *stack[0], vector=True)
+        mask, j = i + 1, 1
+        while j < depth and mask & 1 == 0:
+            stack[j] = _welford_merge(*stack[j - 1], *stack[j], vector=True)
+            stack[j - 1] = (0, zero, zero)
+            mask >>= 1
+            j += 1
+    for j in range(1, depth):
+        stack[0] = _welford_merge(*stack[j], *stack[0], vector=True)
+    m0, m1, m2 = 0, jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.float32)
+    for k in range(n * width, n_total):
+        v = x[..., k]
+        d = v - m1
+        m0 += 1
+        m1 = m1 + _div(d, m0)
+        m2 = _fma(d, v - m1, m2)
+    for k in range(lanes):
+        m0, m1, m2 = _welford_merge(2 * n, stack[0][1][..., k], stack[0][2][..., k], m0, m1, m2, vector=False)
+    return m1, _div(m2, n_total)
+
+
+@op("native_layer_norm.default", pad=Normalize(1))
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     x = _acc(input)
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    n = math.prod(normalized_shape)
+    if _cpu_exact(input.dtype) and x.size and n <= _NORM_EXACT and all(
+            t is None or t.dtype == input.dtype for t in (weight, bias)):
+        # NOTE [bf16 layer norm]
+        lead = x.shape[:x.ndim - len(normalized_shape)]
+        flat = x.reshape(lead + (n,))
+        mean, var = _cpu_moments(flat)
+        rstd = _div(1, jnp.sqrt(var + jnp.asarray(eps).astype(jnp.float32)))
+        y = _fma(flat, rstd[..., None], (-rstd * mean)[..., None])
+        if weight is not None or bias is not None:
+            w = jnp.ones((n,), jnp.float32) if weight is None else acc(weight).reshape(-1)
+            b = jnp.zeros((n,), jnp.float32) if bias is None else acc(bias).reshape(-1)
+            y = _fma(y, w, b)
+        keep = lead + (1,) * len(normalized_shape)
+        return y.reshape(x.shape), mean.reshape(keep), rstd.reshape(keep)
     mean, var = _moments(x, axes)
     rstd = lax.rsqrt(var + eps)
     out = (x - mean) * rstd
@@ -283,15 +408,77 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
     return out, mean, rstd
 
 
-@op("native_layer_norm_backward.default")
+# Two of the float32 vectors PyTorch's CPU layer norm kernel sums in (see _NORM_LANES).
+_F32_LANES = 16
+
+
+def _fma(a, b, c):
+    """``a * b + c`` (float32) rounded once, as a fused multiply-add: the product is exact in
+    float64, so the float64 sum rounds as the FMA does except in ties of the second rounding."""
+    f64 = jnp.float64
+    return (a.astype(f64) * b.astype(f64) + c.astype(f64)).astype(jnp.float32)
+
+
+def _cpu_row_sum(p):
+    """The sum of ``p`` (float32) over its last axis in the order of PyTorch's vectorized CPU
+    reductions over bfloat16 rows (``vec::map*_reduce_all``): two 8-lane accumulators take the
+    float halves of each 16-value vector in turn (the tail padded with zeros), are added, and
+    their lanes add pairwise, halves first; the same order as one 16-lane accumulator whose
+    halves are added first, which is what this computes."""
+    n = p.shape[-1]
+    p = jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, -n % _F32_LANES)])
+    p = p.reshape(p.shape[:-1] + (-1, _F32_LANES))
+    chunks = p.shape[-2]
+    total = p[..., 0, :]
+    if chunks <= 64:
+        for i in range(1, chunks):
+            total = total + p[..., i, :]
+    else:
+        total, _ = lax.scan(lambda t, v: (t + v, None), total, jnp.moveaxis(p[..., 1:, :], -2, 0))
+    while total.shape[-1] > 1:
+        h = total.shape[-1] // 2
+        total = total[..., :h] + total[..., h:]
+    return total[..., 0]
+
+
+def _layer_norm_dx_cpu(g, x, mean, rstd, w):
+    """The input gradient of a bfloat16 layer norm (weight of the input's dtype, or none)
+    as PyTorch's CPU kernel computes it, bit for bit where measured (NOTE [bf16 layer norm]):
+    per row ``ds = sum(dy * x * w)``, ``db = sum(dy * w)`` (``_cpu_row_sum``),
+    ``b = (db * mean - ds) * a^3 / n``, ``c = -b * mean - db * a / n`` with ``a = rstd``, and
+    ``dx = a * dy * w + b * x + c``, with the fused multiply-adds GCC's contraction makes of them
+    (``db * mean - ds``, ``-b * mean - ...`` and ``... + b * x``)."""
+    n = x.shape[-1]
+    scale = np.float32(1) / np.float32(n)
+    a = rstd[..., 0]
+    m = mean[..., 0]
+    gw = g if w is None else g * w
+    ds = _cpu_row_sum(gw * x) if w is None else _cpu_row_sum((g * x) * w)
+    db = _cpu_row_sum(gw)
+    b = _fma(db, m, -ds) * a * a * a * scale
+    c = _fma(-b, m, -(db * a * scale))
+    b, c = b[..., None], c[..., None]
+    return _fma(b, x, (a[..., None] * g) * w if w is not None else a[..., None] * g) + c
+
+
+@op("native_layer_norm_backward.default",
+    pad=ZeroPadded(inputs=(0, 1, 3, 4), normalized=(2, "normalized_shape")))
 def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
                                output_mask):
     x, g = _acc(input), _acc(grad_out)
     k = len(normalized_shape)
     axes = tuple(range(x.ndim - k, x.ndim))
     batch = tuple(range(x.ndim - k))
-    xhat = (x - mean) * rstd
     gi = gw = gb = None
+    if output_mask[0] and _cpu_exact(input.dtype) and mean.dtype == input.dtype and x.size:
+        # NOTE [bf16 layer norm]
+        lead = x.shape[:x.ndim - k]
+        flat = lambda t: t.reshape(lead + (-1,))  # noqa: E731
+        w = None if weight is None else acc(weight).reshape(-1)
+        gi = _layer_norm_dx_cpu(flat(g), flat(x), acc(mean).reshape(lead + (1,)),
+                                acc(rstd).reshape(lead + (1,)), w).reshape(x.shape)
+        output_mask = (False,) + tuple(output_mask[1:])
+    xhat = (x - mean) * rstd
     if output_mask[0]:
         gx = g * weight if weight is not None else g
         gi = _norm_backward(gx, xhat, rstd, axes)

@@ -13,7 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from . import op
+from .padding import Refuse
 from .foreach import _lerp, _up
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("an optimizer step: no padding rule")
 
 
 def _is_zero(a) -> bool:

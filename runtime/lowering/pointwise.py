@@ -23,7 +23,11 @@ from jax import lax
 
 from ..dtypes import NP_TO_TORCH, TORCH_TO_NP
 from . import op, trig
+from .padding import Refuse
 from .precision import round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("not tagged pointwise by PyTorch (a prims op, a special function)")
 
 # --------------------------------------------------------------------------------------------
 # dtype helpers (all static: they look at dtypes and Python values, never at traced data)

@@ -11,8 +11,12 @@ import numpy as np
 from jax import lax
 
 from . import op
+from .padding import Refuse
 from .nn import _acc, _tup
 from .precision import HALF, acc, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a window or an interpolation mixes neighbouring positions")
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ import numpy as np
 from jax import lax
 
 from . import check, op
+from .padding import Multinomial, Refuse
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("draws random numbers")
 
 
 def _ct(dt):
@@ -206,7 +210,7 @@ def randperm(n, *, key, _avals, **kw):
     return jax.random.permutation(key, n).astype(dt)
 
 
-@op("multinomial.default", rng=True, meta=True)
+@op("multinomial.default", rng=True, meta=True, pad=Multinomial())
 def multinomial(p, num_samples, replacement=False, *, generator=None, key, _avals):
     shape, dt = _avals[0]
     ct = np.float64 if p.dtype == np.float64 else np.float32

@@ -8,8 +8,12 @@ import numpy as np
 from jax import lax
 
 from . import op
+from .padding import Factory, Refuse
 from .indexing import _scalar_as
 from .precision import acc
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("moves positions (a pad, a flip, a roll, a repeat, a search)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,12 +100,12 @@ def repeat(x, repeats):
     return jnp.tile(x, repeats)
 
 
-@op("tril.default")
+@op("tril.default", pad=Factory())
 def tril(x, diagonal=0):
     return jnp.tril(x, diagonal)
 
 
-@op("triu.default")
+@op("triu.default", pad=Factory())
 def triu(x, diagonal=0):
     return jnp.triu(x, diagonal)
 

@@ -9,6 +9,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import check, op
+from .padding import Reduce, Refuse, Scan
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a reduction with no padding rule (a product, a variance, a count, a norm, a "
+             "running scan)")
 
 _LOWP = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -58,7 +63,8 @@ def _idx(shape):
 # --------------------------------------------------------------------------------------------
 # sums, products, means
 
-@op("sum.default", "sum.dim_IntList", meta=True)
+@op("sum.default", "sum.dim_IntList", meta=True,
+    pad={"sum.default": Reduce(None, 0), "sum.dim_IntList": Reduce(1, 0)})
 def sum_(x, dim=None, keepdim=False, *, dtype=None, _avals):
     return jnp.sum(_accum(x, _avals), axis=_dims(x, dim), keepdims=keepdim)
 
@@ -80,7 +86,8 @@ def prod_dim(x, dim, keepdim=False, *, dtype=None, _avals):
     return jnp.prod(_accum(x, _avals), axis=_dims(x, dim), keepdims=keepdim)
 
 
-@op("mean.default", "mean.dim", meta=True)
+@op("mean.default", "mean.dim", meta=True,
+    pad={"mean.default": Reduce(None, "mean"), "mean.dim": Reduce(1, "mean")})
 def mean(x, dim=None, keepdim=False, *, dtype=None, _avals):
     return jnp.mean(_accum(x, _avals), axis=_dims(x, dim), keepdims=keepdim)
 
@@ -90,14 +97,16 @@ def count_nonzero(x, dim=None):
     return jnp.sum(x != 0, axis=_dims(x, dim), dtype=jnp.int64)
 
 
-@op("any.default", "any.dim", "any.dims")
+@op("any.default", "any.dim", "any.dims",
+    pad={"any.default": Reduce(None, False), "any.dim": Reduce(1, False)})
 def any_(x, dim=None, keepdim=False):
     if dim == () or dim == []:     # any/all over no dims reduce nothing (sum's [] means all)
         return x != 0
     return jnp.any(x != 0, axis=_dims(x, dim), keepdims=keepdim)
 
 
-@op("all.default", "all.dim", "all.dims")
+@op("all.default", "all.dim", "all.dims",
+    pad={"all.default": Reduce(None, True), "all.dim": Reduce(1, True)})
 def all_(x, dim=None, keepdim=False):
     if dim == () or dim == []:
         return x != 0
@@ -115,7 +124,7 @@ def _is_any_true(x):
     return jnp.any(x)
 
 
-@op("logsumexp.default")
+@op("logsumexp.default", pad=Reduce(1, "-inf"))
 def logsumexp(x, dim=(), keepdim=False):
     x = _up(x)
     axes = _dims(x, dim)
@@ -194,22 +203,22 @@ _variants("std_mean", lambda v, m: (jnp.sqrt(v), m))
 # --------------------------------------------------------------------------------------------
 # extremes
 
-@op("amax.default")
+@op("amax.default", pad=Reduce(1, "-inf"))
 def amax(x, dim=(), keepdim=False):
     return jnp.max(x, axis=_dims(x, dim), keepdims=keepdim)
 
 
-@op("amin.default")
+@op("amin.default", pad=Reduce(1, "+inf"))
 def amin(x, dim=(), keepdim=False):
     return jnp.min(x, axis=_dims(x, dim), keepdims=keepdim)
 
 
-@op("max.default")
+@op("max.default", pad=Reduce(None, "-inf"))
 def max_(x):
     return jnp.max(x)
 
 
-@op("min.default")
+@op("min.default", pad=Reduce(None, "+inf"))
 def min_(x):
     return jnp.min(x)
 
@@ -229,25 +238,25 @@ def _arg(fn, x, dim, keepdim):
     return fn(x, axis=dim % x.ndim, keepdims=keepdim)
 
 
-@op("argmax.default")
+@op("argmax.default", pad=Reduce(1, "-inf", index=True))
 def argmax(x, dim=None, keepdim=False):
     # jnp.argmax picks the first NaN, then the first of tied maxima: PyTorch's rule.
     return _arg(jnp.argmax, x, dim, keepdim)
 
 
-@op("argmin.default")
+@op("argmin.default", pad=Reduce(1, "+inf", index=True))
 def argmin(x, dim=None, keepdim=False):
     return _arg(jnp.argmin, x, dim, keepdim)
 
 
-@op("max.dim")
+@op("max.dim", pad=Reduce(1, "-inf"))
 def max_dim(x, dim, keepdim=False):
     if x.ndim == 0:
         return x, _idx(())
     return jnp.max(x, axis=dim % x.ndim, keepdims=keepdim), _arg(jnp.argmax, x, dim, keepdim)
 
 
-@op("min.dim")
+@op("min.dim", pad=Reduce(1, "+inf"))
 def min_dim(x, dim, keepdim=False):
     if x.ndim == 0:
         return x, _idx(())
@@ -257,13 +266,13 @@ def min_dim(x, dim, keepdim=False):
 # --------------------------------------------------------------------------------------------
 # scans
 
-@op("cumsum.default", meta=True)
+@op("cumsum.default", meta=True, pad=Scan())
 def cumsum(x, dim, *, dtype=None, _avals):
     x = _accum(x, _avals)
     return x if x.ndim == 0 else jnp.cumsum(x, axis=dim % x.ndim)
 
 
-@op("cumprod.default", meta=True)
+@op("cumprod.default", meta=True, pad=Scan())
 def cumprod(x, dim, *, dtype=None, _avals):
     x = _accum(x, _avals)
     return x if x.ndim == 0 else jnp.cumprod(x, axis=dim % x.ndim)

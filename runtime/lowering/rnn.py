@@ -21,8 +21,12 @@ from jax import lax
 from jax import nn as jnn
 
 from . import op
+from .padding import Refuse
 from .nn import _acc
 from .precision import acc, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a recurrent layer over time steps: no padding rule")
 
 
 def _gates(input_gates, hidden_gates, input_bias, hidden_bias, k):

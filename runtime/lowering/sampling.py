@@ -8,8 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from . import op
+from .padding import Refuse
 from .nn import _acc
 from .precision import HALF, acc, round_to
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("grid sampling interpolates between positions")
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import op
+from .padding import Refuse, TopK
 from .reductions import _idx, _isfloat, _up
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("sorts or ranks along a dim: the padding would be sorted in")
 
 
 def _sort(x, dim, descending=False):
@@ -42,7 +46,7 @@ def sort_stable(x, *, stable=None, dim=-1, descending=False):
     return _sort(x, dim, descending)
 
 
-@op("topk.default")
+@op("topk.default", pad=TopK())
 def topk(x, k, dim=-1, largest=True, sorted=True):
     if x.ndim == 0:
         return x, _idx(())

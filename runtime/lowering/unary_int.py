@@ -8,7 +8,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import op
+from .padding import Refuse
 from .pointwise import _BOOL, _cast, _integral_only, _iscomplex, _isfloat, _isinexact, _nz, _uf
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("not tagged pointwise by PyTorch (a prims op)")
 
 
 @op("neg.default")

@@ -6,6 +6,10 @@ import numpy as np
 from jax import lax
 
 from . import op
+from .padding import MoveDims, Refuse, Reshape, Slice
+
+# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
+PAD = Refuse("a view that reads across positions (a diagonal, a window, strides, a split)")
 
 
 def _norm(d, n):
@@ -13,7 +17,11 @@ def _norm(d, n):
 
 
 @op("view.default", "_unsafe_view.default", "reshape.default", "_reshape_alias.default",
-    "view_copy.default")
+    "view_copy.default", pad={"view.default": Reshape(sizes=(1, "size")),
+                              "_unsafe_view.default": Reshape(sizes=(1, "size")),
+                              "reshape.default": Reshape(sizes=(1, "shape")),
+                              "_reshape_alias.default": Reshape(),
+                              "view_copy.default": Reshape(sizes=(1, "size"))})
 def view(x, size, *stride):
     return jnp.reshape(x, tuple(size))
 
@@ -31,35 +39,38 @@ def view_dtype(x, dtype):
     return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (-1, r)), d)
 
 
-@op("alias.default", "detach.default", "lift_fresh.default", "alias_copy.default", "detach_copy.default")
+@op("alias.default", "detach.default", "lift_fresh.default", "alias_copy.default", "detach_copy.default",
+    pad={"alias.default": MoveDims(), "detach.default": MoveDims(),
+         "lift_fresh.default": MoveDims()})
 def alias(x):
     return x
 
 
-@op("t.default", "t_copy.default")
+@op("t.default", "t_copy.default", pad={"t.default": MoveDims()})
 def t(x):
     return x.T if x.ndim == 2 else x
 
 
-@op("transpose.int", "transpose_copy.int")
+@op("transpose.int", "transpose_copy.int", pad={"transpose.int": MoveDims()})
 def transpose(x, d0, d1):
     if x.ndim == 0:
         return x
     return jnp.swapaxes(x, _norm(d0, x.ndim), _norm(d1, x.ndim))
 
 
-@op("permute.default", "permute_copy.default")
+@op("permute.default", "permute_copy.default", pad={"permute.default": MoveDims()})
 def permute(x, dims):
     return jnp.transpose(x, [_norm(d, x.ndim) for d in dims])
 
 
-@op("unsqueeze.default", "unsqueeze_copy.default")
+@op("unsqueeze.default", "unsqueeze_copy.default", pad={"unsqueeze.default": MoveDims()})
 def unsqueeze(x, dim):
     return jnp.expand_dims(x, _norm(dim, x.ndim + 1))
 
 
 @op("squeeze.default", "squeeze.dim", "squeeze.dims", "squeeze_copy.default", "squeeze_copy.dim",
-    "squeeze_copy.dims")
+    "squeeze_copy.dims", pad={"squeeze.default": MoveDims(), "squeeze.dim": MoveDims(),
+                              "squeeze.dims": MoveDims()})
 def squeeze(x, dim=None):
     if x.ndim == 0:
         return x
@@ -71,7 +82,7 @@ def squeeze(x, dim=None):
     return jnp.squeeze(x, dims) if dims else x
 
 
-@op("expand.default", "expand_copy.default")
+@op("expand.default", "expand_copy.default", pad=MoveDims(sizes=(1, "size")))
 def expand(x, size, *, implicit=False):
     size = list(size)
     lead = len(size) - x.ndim
@@ -91,7 +102,7 @@ def _bounds(n, start, end):
     return start, min(max(end, start), n)
 
 
-@op("slice.Tensor", "slice_copy.Tensor")
+@op("slice.Tensor", "slice_copy.Tensor", pad={"slice.Tensor": Slice()})
 def slice_(x, dim=0, start=None, end=None, step=1):
     if x.ndim == 0:
         return x
@@ -131,7 +142,7 @@ def select_backward(g, input_sizes, dim, index):
     return select_scatter(jnp.zeros(tuple(input_sizes), g.dtype), g, dim, index)
 
 
-@op("select.int", "select_copy.int")
+@op("select.int", "select_copy.int", pad={"select.int": Slice()})
 def select(x, dim, index):
     dim = _norm(dim, x.ndim)
     return lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
@@ -206,7 +217,7 @@ def view_as_complex(x):
     return lax.complex(x[..., 0], x[..., 1])
 
 
-@op("_conj.default")
+@op("_conj.default", pad=MoveDims())
 def conj_view(x):
     # The conj bit as a view: read as a conjugated copy. Writing through one needs
     # its own inverse in runtime/viewchain.py (the generic index scatter would write it unchanged).

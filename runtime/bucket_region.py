@@ -1,0 +1,150 @@
+"""Buckets (NOTE [buckets] in buckets.py): a region's bucket plan (its ops' plans and its inputs'
+forms), its program's stable description and function, and padding and cutting arrays."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .bucket_fit import Fit, Refused, at
+from .bucket_fn import NodeFn
+from .bucket_node import plan_node
+from .dtypes import x64
+
+
+def _at(plan, ints, stats):
+    """(plan, length) where ``plan`` (a region's bucket plan, or why it was refused) takes the
+    sizes ``ints``, or None (a version off the plan's forms compiles exactly: bucket_misfits)."""
+    if plan.__class__ is str:
+        return None
+    t = plan.fit.value(ints)
+    if t is None:
+        stats["bucket_misfits"] += 1
+        return None
+    return plan, t
+
+
+class BucketPlan:
+    """A region structure run in buckets: its fit, its ops' plans, the forms of its external
+    inputs, and the programs made for it so far ((bucket length, outputs, scalar types) ->
+    ``BucketProgram``)."""
+    __slots__ = ("fit", "nodes", "ext_forms", "programs", "desc")
+
+
+class BucketProgram:
+    """One compiled program of a bucket (``P``), with its index-check messages; ``pick``: which
+    of its outputs a run reads (None: all, in order; NOTE [fewer outputs])."""
+    __slots__ = ("compiled", "msgs", "P", "runs", "summary", "pick")
+
+
+def plan_region(f: Fit, entries, wirings, lengths, learned=None) -> BucketPlan:
+    """The bucket plan of a region whose version ``entries`` fit ``f`` (``lengths``: how many
+    ints each entry has); raises ``Refused``."""
+    nodes, k = [], 0
+    for e, m in zip(entries, lengths):
+        nodes.append(plan_node(e, f.forms[k:k + m], learned))
+        k += m
+    ext_forms: dict = {}
+    for j, (n, wiring) in enumerate(zip(nodes, wirings)):
+        for i, w in enumerate(wiring):
+            if w is None or i >= len(n.base_forms):
+                continue
+            bf = n.base_forms[i]
+            if type(w) is int:
+                if ext_forms.setdefault(w, bf) != bf:
+                    raise Refused("an input read with two different sizes")
+            else:
+                src = nodes[w[0]].read_forms[w[1]]
+                if src != bf:
+                    raise Refused(f"{n.name}: an input whose sizes differ from its producer's")
+    bp = BucketPlan()
+    bp.fit, bp.nodes, bp.ext_forms, bp.programs = f, nodes, ext_forms, {}
+    bp.desc = None
+    return bp
+
+
+def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device,
+                  in_dtypes=()) -> str | None:
+    """The stable description of a bucket's program (its program-store key): the plan at ``P``
+    and the dtypes of the region's inputs (the plan's forms are sizes only)."""
+    from .diskcache import Unstable, describe
+    try:
+        parts_ = ["bucket", str(P), str(device), describe(tuple(is_float)),
+                  " ".join(str(d) for d in in_dtypes),
+                  describe(tuple(out_sig)), describe(tuple(wirings)),
+                  describe(tuple(sorted((k, at(v, P)) for k, v in bp.ext_forms.items())))]
+        for n in bp.nodes:
+            parts_.append(describe((n.name, n.rule, n.extra if n.rule != "exact" else None,
+                                    at(n.targs, P), at(n.tkw, P), at(n.chains, P),
+                                    at(n.out_avals, P), tuple(n.in_forms), n.base_forms,
+                                    tuple(n.widen))))
+    except (Unstable, AttributeError):
+        return None
+    return "\n".join(parts_)
+
+
+def region_function(bp: BucketPlan, P: int, wirings, scalar_counts, out_sig, is_float):
+    """``(don, keep, packed scalars) -> (outputs, flags)`` of the region at bucket ``P``; the
+    length ``T`` is the last scalar."""
+    from .execute import _unpack_scalars, run_nodes
+    fns = [n.extra if n.rule == "exact" else NodeFn(n, P) for n in bp.nodes]
+    exact = [n.rule == "exact" for n in bp.nodes]
+    starts, s0 = [], 0
+    for c in scalar_counts:
+        starts.append((s0, c))
+        s0 += c
+    is_float = tuple(is_float) + (False,)
+    msgs: list = []
+
+    def region(don, keep, packed):
+        scalars = _unpack_scalars(packed, is_float)
+        t = jnp.asarray(scalars[-1]).astype(jnp.int32)
+        steps = ((fn if ex else (lambda a, sc, f=fn: f(a, sc, t)), wiring, scalars[s:s + c])
+                 for fn, wiring, (s, c), ex in zip(fns, wirings, starts, exact))
+        return run_nodes(steps, keep, out_sig, msgs)
+    region.msgs = msgs
+    return region
+
+
+def pad(array, shape, moves):
+    """``array`` zero-padded at the end of each dim to ``shape``, where ``array`` is. On a CPU
+    device through the host (no program, so a new length compiles nothing); elsewhere a small
+    program per shape (a host round trip would cost more than its compile)."""
+    if tuple(array.shape) == tuple(shape):
+        return array
+    dev = next(iter(array.devices()))
+    if dev.platform != "cpu":
+        return _moved(moves, ("pad", tuple(array.shape), tuple(shape)), array)
+    host = np.asarray(array)
+    out = np.zeros(shape, host.dtype)
+    out[tuple(slice(0, n) for n in host.shape)] = host
+    with x64(True):
+        return jax.device_put(out, dev)
+
+
+def cut(array, shape, moves):
+    """The exact ``shape`` prefix of a padded ``array`` (as ``pad``)."""
+    if tuple(array.shape) == tuple(shape):
+        return array
+    dev = next(iter(array.devices()))
+    if dev.platform != "cpu":
+        return _moved(moves, ("cut", tuple(array.shape), tuple(shape)), array)
+    host = np.asarray(array)[tuple(slice(0, n) for n in shape)]
+    with x64(True):
+        return jax.device_put(np.ascontiguousarray(host), dev)
+
+
+def _moved(moves, key, array):
+    """A pad or cut program from ``moves`` (a Cache: (what, shape in, shape out) -> program)."""
+    fn = moves.get(key)
+    if fn is None:
+        what, src, dst = key
+        if what == "pad":
+            cfg = [(0, d - s, 0) for s, d in zip(src, dst)]
+            fn = jax.jit(lambda a: lax.pad(a, jnp.zeros((), a.dtype), cfg))
+        else:
+            fn = jax.jit(lambda a: a[tuple(slice(0, n) for n in dst)])
+        moves[key] = fn
+    with x64(True):
+        return fn(array)

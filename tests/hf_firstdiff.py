@@ -1,0 +1,152 @@
+"""Where does a Hugging Face model in bfloat16 first differ from CPU? Module by module, in isolation.
+
+``python tests/hf_firstdiff.py MODEL_TYPE [...]`` builds the model as ``tests/hf_sweep.py`` does,
+runs it in bfloat16 on CPU once with hooks that record every module's first call (its inputs and
+the gradient reaching its outputs), then reruns each module alone on CPU and on ``tpu`` from those
+same inputs and output gradients, and compares the outputs, input gradients and parameter
+gradients bit for bit. Differences upstream cannot leak in: a module is listed only when it
+differs on identical inputs. The innermost such modules (no listed child) are the causes.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_sweep  # noqa: E402
+
+
+def _tensors(x):
+    import torch
+    from torch.utils._pytree import tree_leaves
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _outs(x):
+    import torch
+    if hasattr(x, "to_tuple"):
+        x = x.to_tuple()
+    return [t for t in _tensors(x) if t.is_floating_point()]
+
+
+def record(model, batch):
+    """{module name: (args, kwargs, [output grads or None])} of each module's first call on CPU."""
+    import torch
+    from torch.utils._pytree import tree_map
+    calls, handles = {}, []
+
+    def hook(name):
+        def fn(mod, args, kwargs, out):
+            if name in calls:
+                return
+            det = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+            grads = []
+            for i, o in enumerate(_outs(out)):
+                grads.append(None)
+                if o.requires_grad:
+                    def save(g, i=i, grads=grads):
+                        grads[i] = g.detach().clone()
+                    o.register_hook(save)
+            calls[name] = (tree_map(det, args), tree_map(det, kwargs), grads)
+        return fn
+
+    for name, mod in model.named_modules():
+        if name:
+            handles.append(mod.register_forward_hook(hook(name), with_kwargs=True))
+    try:
+        hf_sweep.run_model(model, batch, "cpu")
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def run_alone(mod, args, kwargs, grads, device):
+    """(outputs, input grads, param grads) of one module on ``device`` from recorded inputs."""
+    import torch
+    from torch.utils._pytree import tree_map
+    m = copy.deepcopy(mod).to(device)
+    m.zero_grad(set_to_none=True)
+    leaves = []
+
+    def move(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.to(device).detach()
+        if t.is_floating_point():
+            t.requires_grad_(True)
+            leaves.append(t)
+        return t
+    a, k = tree_map(move, args), tree_map(move, kwargs)
+    torch.manual_seed(5)
+    outs = _outs(m(*a, **k))
+    pairs = [(o, g.to(device)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+    return ([cpu(o) for o in outs], [cpu(t.grad) for t in leaves],
+            {n: cpu(p.grad) for n, p in m.named_parameters()})
+
+
+def _diff(a, b):
+    """(elements that differ, max abs difference) of two tensors (None: equal)."""
+    if a is None or b is None:
+        return None if a is None and b is None else (-1, float("nan"))
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return (-1, float("nan"))
+    bad = ~((a == b) | (a.isnan() & b.isnan()))
+    n = int(bad.sum())
+    return None if n == 0 else (n, float((a.double() - b.double()).abs()[bad].max()))
+
+
+def compare_model(model_type, verbose=True):
+    import torch
+    import deferfuse
+    kind, model, cfg = hf_sweep.build(model_type)
+    for batch in hf_sweep.candidates(kind, model, cfg):
+        try:
+            hf_sweep.run_model(model, batch, "cpu")
+            break
+        except Exception:  # noqa: BLE001 - the next layout, as the sweep does
+            model.zero_grad(set_to_none=True)
+    cm = copy.deepcopy(model).to(torch.bfloat16)
+    cm.zero_grad(set_to_none=True)
+    calls = record(cm, batch)
+    mods = dict(cm.named_modules())
+    found = {}
+    for name, (args, kwargs, grads) in calls.items():
+        mod = mods[name]
+        try:
+            want = run_alone(mod, args, kwargs, grads, "cpu")
+            with deferfuse.mode("defer"):
+                got = run_alone(mod, args, kwargs, grads, "tpu")
+        except Exception as e:  # noqa: BLE001 - reported, the next module
+            found[name] = f"error: {hf_sweep._first_line(e)}"
+            continue
+        what = []
+        for i, (g, w) in enumerate(zip(got[0], want[0])):
+            d = _diff(g, w)
+            if d:
+                what.append(f"out{i} {d[0]}/{w.numel()} ({d[1]:.3g})")
+        for i, (g, w) in enumerate(zip(got[1], want[1])):
+            d = _diff(g, w)
+            if d:
+                what.append(f"dx{i} {d[0]}/{-1 if w is None else w.numel()} ({d[1]:.3g})")
+        for n, w in want[2].items():
+            d = _diff(got[2][n], w)
+            if d:
+                what.append(f"d.{n} {d[0]}/{-1 if w is None else w.numel()} ({d[1]:.3g})")
+        if what:
+            found[name] = "; ".join(what)
+    inner = [n for n in found if not any(o != n and o.startswith(n + ".") for o in found)]
+    if verbose:
+        for n in inner:
+            print(f"{model_type}\t{n}\t{type(mods[n]).__name__}\t{found[n]}", flush=True)
+    return {n: (type(mods[n]).__name__, found[n]) for n in inner}
+
+
+if __name__ == "__main__":
+    for mt in sys.argv[1:]:
+        compare_model(mt)
