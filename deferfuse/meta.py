@@ -608,6 +608,13 @@ def _run_meta(func, args, kwargs):
     return _kernel_outputs(func, args, kwargs)
 
 
+_CPU_SCALAR_VALUE = {aten.masked_fill.Tensor, aten.masked_fill_.Tensor}
+
+
+def _cpu_scalar(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0
+
+
 def _kernel_outputs(func, args, kwargs):
     margs = [_to_meta(a) for a in args]
     mkw = {k: _to_meta(v) for k, v in kwargs.items()}
@@ -618,6 +625,10 @@ def _kernel_outputs(func, args, kwargs):
         offs = margs[2] if len(margs) > 2 else mkw.get("offs")
         dt = (margs[4] if len(margs) > 4 else mkw.get("out_dtype")) or a.dtype
         return "one", (_desc(_grouped_mm_out(a, b, offs, dt)),)
+    if func in _CPU_SCALAR_VALUE and len(margs) > 2 and _cpu_scalar(margs[2]):
+        # masked_fill's value may be a CPU scalar tensor on an accelerator (PyTorch's reference
+        # allows it for PrivateUse1, but not for the meta tensor standing in for ours)
+        margs[2] = torch.empty((), dtype=margs[2].dtype, device=_META)
     if not func._schema.returns:      # in-place ops declared "-> ()" (_foreach_add_ ...)
         try:
             func(*margs, **mkw)           # checks the arguments; there is nothing to infer
