@@ -333,7 +333,12 @@ class Runner:
             if more:
                 have = {id(v) for v in piece_outs}
                 for j, i in more:
-                    v = nodes[pc.pos[j]].outs[i]
+                    outs = nodes[pc.pos[j]].outs
+                    if i >= len(outs):
+                        # the union's (j, i) from a repetition; this piece is as long as one but
+                        # holds other ops (the loop's setup or tail): nothing to leave there
+                        continue
+                    v = outs[i]
                     if id(v) not in have:
                         have.add(id(v))
                         piece_outs.append(v)
