@@ -105,6 +105,12 @@ class _Struct:
         self.plans: dict = {}
 
 
+def _structure(keys, wirings) -> tuple:
+    """A region's structure across its sizes: each op key's first part and its wiring,
+    the key of the shape-churn and bucket tables."""
+    return tuple([(k[0], w) for k, w in zip(keys, wirings)])
+
+
 class Runner:
     """Runs flushed traces, and owns every cache of that: verified trace structures, compiled
     regions, what churns, and the index checks not read yet."""
@@ -369,8 +375,7 @@ class Runner:
         if len(two) < 2:
             return
         ents = [[entries[p] for p in pc.pos] for pc in two]
-        structs = [tuple([(e.key[0], w) for e, w in zip(es, pc.wiring)])
-                   for es, pc in zip(ents, two)]
+        structs = [_structure([e.key for e in es], pc.wiring) for es, pc in zip(ents, two)]
         struct = structs[0]
         if structs[1] != struct or struct in self.churn or struct in self.ahead:
             return
@@ -456,7 +461,7 @@ class Runner:
         cfg = ctx.cfg
         keys = [e.key for e in run.entries]
         # The structure: which ops, wired how; shapes, dtypes and static arguments left out.
-        struct = tuple([(k[0], w) for k, w in zip(keys, run.wirings)])
+        struct = _structure(keys, run.wirings)
         seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
         if cfg.buckets and not cfg.cross_check:
