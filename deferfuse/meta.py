@@ -572,13 +572,9 @@ def _meta_outputs(func, args, kwargs):
     if rk is not None:
         r = sizes.derive(rk)
         if r is not None:
-            if config.cross_check or config.mode == "debug":
-                exact = _run_meta(func, args, kwargs)
-                if exact != r:
-                    raise AssertionError(
-                        f"deferfuse internal error: {func}'s outputs derived by rule {r} differ from "
-                        f"its meta kernel's {exact} (NOTE [sizes by rule] in deferfuse/metasize.py); "
-                        "DEFERFUSE_META_RULES=0 turns the rules off")
+            _cross_check(func, args, kwargs, r, _run_meta,
+                         "derived by rule", "NOTE [sizes by rule] in deferfuse/metasize.py; "
+                         "DEFERFUSE_META_RULES=0 turns the rules off")
             sizes.derived += 1
             if key is not None:
                 memo.put(key, r)
@@ -591,18 +587,32 @@ def _meta_outputs(func, args, kwargs):
     return r
 
 
+def _cross_check(func, args, kwargs, r, kernel, how: str, where: str) -> None:
+    """In debug mode or with ``DEFERFUSE_CROSS_CHECK=1``: a rule's answer ``r`` for ``func`` must
+    equal what ``kernel`` gives on the same arguments."""
+    if config.cross_check or config.mode == "debug":
+        exact = kernel(func, args, kwargs)
+        if exact != r:
+            raise AssertionError(
+                f"deferfuse internal error: {func}'s outputs {how} {r} differ from its meta "
+                f"kernel's {exact} ({where})")
+
+
 def _run_meta(func, args, kwargs):
     # NOTE [meta without dynamo] (metaplain.py)
     r = plain.answer(func, args, kwargs) if config.meta_plain else None
     if r is not None:
-        if config.cross_check or config.mode == "debug":
-            exact = _kernel_outputs(func, args, kwargs)
-            if exact != r:
-                raise AssertionError(
-                    f"deferfuse internal error: {func}'s outputs {r} differ from its meta "
-                    f"kernel's {exact} (NOTE [meta without dynamo] in deferfuse/metaplain.py)")
+        _cross_check(func, args, kwargs, r, _kernel_outputs, "answered by rule",
+                     "NOTE [meta without dynamo] in deferfuse/metaplain.py")
         return r
     return _kernel_outputs(func, args, kwargs)
+
+
+_CPU_SCALAR_VALUE = {aten.masked_fill.Tensor, aten.masked_fill_.Tensor}
+
+
+def _cpu_scalar(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0
 
 
 def _kernel_outputs(func, args, kwargs):
@@ -615,6 +625,10 @@ def _kernel_outputs(func, args, kwargs):
         offs = margs[2] if len(margs) > 2 else mkw.get("offs")
         dt = (margs[4] if len(margs) > 4 else mkw.get("out_dtype")) or a.dtype
         return "one", (_desc(_grouped_mm_out(a, b, offs, dt)),)
+    if func in _CPU_SCALAR_VALUE and len(margs) > 2 and _cpu_scalar(margs[2]):
+        # masked_fill's value may be a CPU scalar tensor on an accelerator (PyTorch's reference
+        # allows it for PrivateUse1, but not for the meta tensor standing in for ours)
+        margs[2] = torch.empty((), dtype=margs[2].dtype, device=_META)
     if not func._schema.returns:      # in-place ops declared "-> ()" (_foreach_add_ ...)
         try:
             func(*margs, **mkw)           # checks the arguments; there is nothing to infer

@@ -43,6 +43,19 @@ def _mask_dims(x, dims, forms, fill, t):
     return x
 
 
+def _padded_index(ix, forms, mask, wrap, exc, msg, t):
+    """An index tensor of a gather or scatter at bucket length: its padded entries read or write
+    position 0 (``mask``), and indices checked against the exact extent ``wrap`` (``exc(msg)`` as
+    CPU raises it) and kept inside it."""
+    if mask:
+        ix = _mask_dims(ix, range(ix.ndim), forms, jnp.zeros((), ix.dtype), t)
+    if wrap is not None:
+        ext = jnp.asarray(wrap[0] * t + wrap[1])
+        check_index_sized(ix, ext, exc, msg, allow_negative=False)
+        ix = _zero_outside(ix, ext)
+    return ix
+
+
 class NodeFn:
     """One op's padded function ``(arrays, scalars, t) -> outputs`` at bucket length ``P``."""
 
@@ -95,27 +108,13 @@ class NodeFn:
                 vals[i] = _zero_outside(ix, ext)
         elif rule == "along":
             mask, wrap, exc, msg = p.extra
-            ix = vals[1]
-            if mask:
-                ix = _mask_dims(ix, range(ix.ndim), p.in_forms[1], jnp.zeros((), ix.dtype), t)
-            if wrap is not None:
-                ext = jnp.asarray(wrap[0] * t + wrap[1])
-                check_index_sized(ix, ext, exc, msg, allow_negative=False)
-                ix = _zero_outside(ix, ext)
-            vals[1] = ix
+            vals[1] = _padded_index(vals[1], p.in_forms[1], mask, wrap, exc, msg, t)
         elif rule == "scatter":
             mask, zero, wrap, msg = p.extra
-            ix = vals[1]
-            if mask:
-                ix = _mask_dims(ix, range(ix.ndim), p.in_forms[1], jnp.zeros((), ix.dtype), t)
             if zero:    # scatter_add: padded index entries along the dim add nothing
                 src = vals[2]
                 vals[2] = _mask_dims(src, zero, p.in_forms[1], jnp.zeros((), src.dtype), t)
-            if wrap is not None:
-                ext = jnp.asarray(wrap[0] * t + wrap[1])
-                check_index_sized(ix, ext, RuntimeError, msg, allow_negative=False)
-                ix = _zero_outside(ix, ext)
-            vals[1] = ix
+            vals[1] = _padded_index(vals[1], p.in_forms[1], mask, wrap, RuntimeError, msg, t)
         elif rule == "zero":
             for i in p.extra:
                 v = vals[i]

@@ -105,6 +105,12 @@ class _Struct:
         self.plans: dict = {}
 
 
+def _structure(keys, wirings) -> tuple:
+    """A region's structure across its sizes: each op key's first part and its wiring,
+    the key of the shape-churn and bucket tables."""
+    return tuple([(k[0], w) for k, w in zip(keys, wirings)])
+
+
 class Runner:
     """Runs flushed traces, and owns every cache of that: verified trace structures, compiled
     regions, what churns, and the index checks not read yet."""
@@ -333,7 +339,12 @@ class Runner:
             if more:
                 have = {id(v) for v in piece_outs}
                 for j, i in more:
-                    v = nodes[pc.pos[j]].outs[i]
+                    outs = nodes[pc.pos[j]].outs
+                    if i >= len(outs):
+                        # the union's (j, i) from a repetition; this piece is as long as one but
+                        # holds other ops (the loop's setup or tail): nothing to leave there
+                        continue
+                    v = outs[i]
                     if id(v) not in have:
                         have.add(id(v))
                         piece_outs.append(v)
@@ -364,8 +375,7 @@ class Runner:
         if len(two) < 2:
             return
         ents = [[entries[p] for p in pc.pos] for pc in two]
-        structs = [tuple([(e.key[0], w) for e, w in zip(es, pc.wiring)])
-                   for es, pc in zip(ents, two)]
+        structs = [_structure([e.key for e in es], pc.wiring) for es, pc in zip(ents, two)]
         struct = structs[0]
         if structs[1] != struct or struct in self.churn or struct in self.ahead:
             return
@@ -451,7 +461,7 @@ class Runner:
         cfg = ctx.cfg
         keys = [e.key for e in run.entries]
         # The structure: which ops, wired how; shapes, dtypes and static arguments left out.
-        struct = tuple([(k[0], w) for k, w in zip(keys, run.wirings)])
+        struct = _structure(keys, run.wirings)
         seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
         if cfg.buckets and not cfg.cross_check:

@@ -61,6 +61,14 @@ def test_greedy_generate(model_type, tpu_mode):
     assert row["kind"] in ("causal", "seq2seq", "speech2seq")
 
 
+@pytest.mark.modes("defer")
+def test_swiftformer_float32(tpu_mode):
+    """The sweep's swiftformer: its trace splits into a loop's repetitions and a piece as long as
+    one holding other ops, which the flush once asked for a repetition's outputs (an IndexError at
+    the first read; the row had only ever timed out under load)."""
+    _check("swiftformer", "f32")
+
+
 @pytest.mark.modes("strict")     # no device work: once
 def test_tiny_config_shrinks_nested_configs():
     """Sizes shrink consistently, nested text and vision configs too (no model built)."""

@@ -201,6 +201,11 @@ def test_masked():
     m = torch.rand(3, 4) > 0.5
     check(lambda x, m: x.masked_fill(m, -1.5), x, m)
     check(lambda x, m: x.masked_fill(m[0], torch.tensor(2.0, device=x.device)), x, m)
+    # a CPU scalar tensor as the value, as PyTorch allows on an accelerator (HF's sew-d): the
+    # meta kernel once refused it ("Expected `value` to be on same device as `a`")
+    check(lambda x, m: x.masked_fill(m, torch.tensor(-2.5)), x, m)
+    check(lambda x, m: x.clone().masked_fill_(m[0], torch.tensor(3.25, dtype=torch.float64)), x, m)
+    check(lambda x, m: x.long().masked_fill(m, torch.tensor(1.5)), x, m)
     check(lambda x, m: x.long().masked_fill(m, 7), x, m)
     check(lambda x, m: x.clone().masked_fill_(m, float("-inf")), x, m)
     check(lambda x, m, s: x.masked_scatter(m, s), x, m, torch.randn(20))
