@@ -27,7 +27,7 @@ test-dist: $(STAMP)
 
 # The plain PrivateUse1 tensor (branch cxx, docs/cxx-plan.md): its tests, with the flag on.
 test-cxx: $(STAMP)
-	DEFERFUSE_TENSOR=plain $(BIN)/python -m pytest -q tests/test_cxx_tensor.py
+	DEFERFUSE_TENSOR=plain $(BIN)/python -m pytest -q tests/test_cxx_*.py
 
 test-full: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m "slow or not slow"
