@@ -23,6 +23,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/InferSize.h>
+#include <ATen/ops/alias_native.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
@@ -420,7 +421,13 @@ at::Tensor conj_view(const at::Tensor& self) {
   return make_view(self, self.sizes(), self.strides(), self.storage_offset(), Step{CONJ, {}});
 }
 
+// NOTE [fake plain tensors]: Dynamo and AOTAutograd trace plain tensors as fake tensors whose
+// dispatch keys are tpu's (FakeTensor: `_make_subclass(..., dispatch_device=True)`), and that
+// constructor detaches its meta element outside the fake mode, so the detach reaches this kernel.
+// With dynamic shapes its sizes are symbolic, which `storage_offset()` refuses: such a tensor is
+// aliased by PyTorch's own kernel (symbolic sizes and strides, as CUDA's detach does it).
 at::Tensor alias(const at::Tensor& self) {
+  if (self.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return at::native::alias(self);
   return make_view(self, self.sizes(), self.strides(), self.storage_offset(), std::nullopt);
 }
 

@@ -387,6 +387,67 @@ class CompiledGraph:
         return e
 
 
+def _dense_stride(val):
+    """``val``'s strides when they describe a dense layout of its elements (a permutation of
+    contiguous strides: a transposed output), which a Storage's layout may be; else None
+    (contiguous)."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    size, stride = tuple(val.shape), tuple(val.stride())
+    if stride == _contig(size):
+        return None
+    acc = 1
+    for s, st in sorted(((s, st) for s, st in zip(size, stride) if s != 1),
+                        key=lambda p: p[1]):
+        if st != acc:
+            return None
+        acc *= s
+    return stride
+
+
+class PlainGraph(CompiledGraph):
+    """NOTE [compiled plain tensors]: a compiled graph called with plain PrivateUse1 tpu tensors
+    (DEFERFUSE_TENSOR=plain; docs/cxx-plan.md). Dynamo fakeifies a plain tensor as the
+    PrivateUse1 tensor it is, so AOTAutograd's graphs are plain graphs of aten ops and no inner
+    tensors exist (traceable.py is not used on this path). A call reads each plain input as the
+    ``TpuTensor`` over the same Storage and view (``tensor.as_tpu``: the form the graph's entry
+    keys and binds), runs the graph as ``CompiledGraph`` does, and gives each output back as a
+    plain base tensor over a Storage of its own holding the output's value, with the traced
+    output's strides where they are a dense layout. A write into an input binds the new value to
+    the Storage the plain tensor shares with its wrapper, so the caller's tensor (and its views)
+    sees it."""
+
+    def __init__(self, gm, example_inputs, kind: str):
+        super().__init__(gm, example_inputs, kind)
+        from . import plain
+        self._ext = plain.PLAIN.ext
+        self._wrapper = plain.PLAIN.wrapper
+        self._is_plain = plain.PLAIN.is_plain
+        # per output: its strides when they are a dense non-contiguous layout
+        self._strides = [_dense_stride(val) if what in (DEV, PASS) else None
+                         for what, _, val in self.outs]
+
+    def __call__(self, *args):
+        if len(args) == 1 and type(args[0]) is list:
+            args = args[0]
+        if self.spmd is not None and not self.spmd.agree(args):
+            return _interpret(self.plan.gm, args)
+        is_plain, wrapper = self._is_plain, self._wrapper
+        wargs = [wrapper(a) if isinstance(a, torch.Tensor) and a.device.type == "tpu"
+                 and is_plain(a) else a for a in args]
+        res = super().__call__(wargs)
+        make_base = self._ext.make_base
+        for j, o in enumerate(res):
+            if isinstance(o, torch.Tensor) and "_out" in o.__dict__:
+                st = o._s
+                stride = self._strides[j]
+                if stride is not None:
+                    st.stride = stride
+                res[j] = make_base(tuple(o.shape), stride or _contig(o.shape), o.dtype,
+                                   st.device, st)
+        return res
+
+
 def backward_cut_pays(trace) -> bool:
     """NOTE [no backward cut for graphs]: ``backward()`` dispatches the pending trace (NOTE
     [backward cut] in device.py) so the device computes the forward pass while the host records
@@ -474,11 +535,11 @@ def _rng_states_on_device(gm) -> None:
                 st.meta["val"] = torch.empty(16, dtype=torch.uint8, device=dev)
 
 
-def _compiler(kind: str):
+def _compiler(kind: str, cls=CompiledGraph):
     def compile_graph(gm, example_inputs):
         _rng_states_on_device(gm)
         try:
-            return CompiledGraph(gm, example_inputs, kind)
+            return cls(gm, example_inputs, kind)
         except LoweringError as e:
             return _Eager(gm, str(e))
     return compile_graph
@@ -533,11 +594,7 @@ def backend(gm, example_inputs, **kwargs):
     """The ``tpu`` Dynamo backend (also registered as ``deferfuse``)."""
     from torch._dynamo.backends.common import aot_autograd
     from . import plain
-    if plain.ENABLED:
-        # compiled mode reads inner tensors' Python state (NOTE [inner tensor]); on plain tensors
-        # it gave wrong values: refused until it is ported (docs/cxx-plan.md, STATUS)
-        raise NotImplementedError("the tpu compile backend is not yet ported to the plain tpu "
-                                  "tensor (DEFERFUSE_TENSOR=plain); run without the flag")
+    graph = PlainGraph if plain.ENABLED else CompiledGraph     # NOTE [compiled plain tensors]
     S["dynamo_graphs"] += 1
     cid = torch._guards.CompileContext.current_compile_id()
     if cid is not None and getattr(cid, "frame_compile_id", 0):
@@ -546,8 +603,9 @@ def backend(gm, example_inputs, **kwargs):
         S["graph_recompiles"].append(f"compile {cid} of a frame ({len(example_inputs)} inputs)")
 
     def aot(library_ops):
-        return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
-                            inference_compiler=_compiler("inference"),
+        return aot_autograd(fw_compiler=_compiler("forward", graph),
+                            bw_compiler=_compiler("backward", graph),
+                            inference_compiler=_compiler("inference", graph),
                             decompositions=_decompositions(library_ops),
                             keep_inference_input_mutations=True)(gm, example_inputs)
     try:
@@ -556,6 +614,8 @@ def backend(gm, example_inputs, **kwargs):
         if not _calls_library_ops(gm):
             raise
         compiled = aot(False)    # NOTE [quantization ops in graphs]
+    if graph is PlainGraph:
+        return compiled         # every tpu tensor is plain: nothing to wrap
     plain = _plain_outputs(gm)
     return _wrap_plain(compiled, plain) if plain else compiled
 

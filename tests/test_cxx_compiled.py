@@ -1,0 +1,214 @@
+"""Compiled mode on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; NOTE [compiled plain
+tensors] in deferfuse/compiled.py): ``torch.compile(backend="tpu")`` takes plain tensors, whose
+graphs Dynamo and AOTAutograd trace as plain PrivateUse1 graphs, and gives plain tensors back.
+Every output and every input a graph writes is compared with CPU eager (dtype, shape, values).
+
+Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
+extension is not built."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deferfuse
+from deferfuse import plain
+from util import assert_same
+
+if not plain.ENABLED:
+    pytest.skip("the plain tpu tensor is off: run with DEFERFUSE_TENSOR=plain (make test-cxx)",
+                allow_module_level=True)
+if plain.extension()[0] is None:
+    pytest.skip(plain.extension()[1], allow_module_level=True)
+
+pytestmark = pytest.mark.modes("defer")     # compiled graphs mix with the eager mode in force
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import torch._dynamo
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _is_plain(t):
+    """A plain tpu tensor (a Parameter too), not a ``TpuTensor``."""
+    return type(t) in (torch.Tensor, nn.Parameter) and plain.PLAIN.is_plain(t)
+
+
+def test_a_function_compiles_to_one_graph_of_plain_tensors_and_matches_cpu():
+    def f(a, b):
+        y = F.gelu(a @ b.t())
+        return y.sum(-1) * 2 - a.mean(), y.t(), (a > 0).sum()
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    for _ in range(2):
+        got = cf(x.to("tpu"), w.to("tpu"))
+        want = f(x, w)
+        for g, v in zip(got, want):
+            assert _is_plain(g)
+            assert_same(g, v, atol=1e-5)
+        # the transposed output keeps the traced strides, as CPU's
+        assert got[1].stride() == want[1].stride()
+        assert_same(got[1].contiguous(), want[1].contiguous(), atol=1e-5)
+        # outputs are ordinary tpu tensors: eager ops on them
+        assert_same(got[1][1:3] * 2 + got[0][:3].unsqueeze(0), want[1][1:3] * 2 + want[0][:3],
+                    atol=1e-5)
+    m = deferfuse.metrics()
+    assert m["dynamo_graphs"] == 1 and m["graph_compiles"] == 1 and m["compiled_calls"] == 2
+    assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+
+
+def test_training_with_a_compiled_model_and_optimizer_step_matches_cpu():
+    """Forward and backward graphs (AOTAutograd) and a compiled SGD step with momentum (a graph
+    writing the parameters and momentum buffers, its inputs): losses, gradients, parameters and
+    optimizer states equal CPU's every step."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(ref).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    cm = torch.compile(model, backend="tpu", fullgraph=True)
+    step = torch.compile(opt.step, backend="tpu")
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    xt, yt = x.to("tpu"), y.to("tpu")
+    for _ in range(3):
+        loss = F.cross_entropy(cm(xt), yt)
+        loss.backward()
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        assert_same(loss, want.detach(), atol=1e-5)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert _is_plain(p.grad)
+            assert_same(p.grad, q.grad, atol=1e-5)
+        step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert _is_plain(p)
+            assert_same(p, q.detach(), atol=1e-5)
+            assert_same(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
+                        atol=1e-5)
+    assert deferfuse.metrics()["graphs_run_eagerly"] == 0
+
+
+def test_graph_breaks_run_eagerly_between_graphs():
+    def f(x):
+        y = x.sin() * 3
+        if y.sum().item() > 0:          # a graph break: .item()
+            y = y + 1
+        return (y * y).cos()
+    cf = torch.compile(f, backend="tpu")
+    for n in (5, 5, 6):
+        x = torch.randn(n)
+        assert_same(cf(x.to("tpu")), f(x), atol=1e-5)
+    assert deferfuse.metrics()["dynamo_graphs"] >= 2
+
+
+def test_new_shapes_compile_new_programs_and_stay_right():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+    cm = torch.compile(copy.deepcopy(model).to("tpu"), backend="tpu")
+    with torch.no_grad():
+        for b in (3, 5, 7, 5, 7):
+            x = torch.randn(b, 8)
+            assert_same(cm(x.to("tpu")), model(x), atol=1e-5)
+    m = deferfuse.metrics()
+    # batch 3 (static), then Dynamo's dynamic graph: one program for 5, one for 7, reused after
+    assert m["graph_compiles"] == 3 and m["graphs_run_eagerly"] == 0
+
+
+def test_in_place_writes_into_inputs_and_their_views_match_cpu():
+    """A graph writing its inputs: a whole tensor, a window of a bigger tensor (the write lands in
+    the base, seen by the base and its other views), and returning a view of a written input."""
+    def f(x, w, acc):
+        y = torch.tanh(x @ w)
+        x.mul_(0.5)
+        acc.add_(y.sum(0))
+        return y, x.t()
+    d, w, a = torch.randn(20, 4), torch.randn(4, 3), torch.zeros(3)
+    t, tw, ta = d.to("tpu"), w.to("tpu"), a.to("tpu")
+    side = t[2:9:3]                     # another view of the written base
+    cf = torch.compile(f, backend="tpu")
+    for i in (0, 3, 6):
+        got = cf(t[i:i + 5], tw, ta)
+        want = f(d[i:i + 5], w, a)
+        assert_same(got[0], want[0], atol=1e-5)
+        assert_same(got[1], want[1], atol=1e-6)
+        assert got[1].stride() == want[1].stride()
+        assert_same(t, d, atol=1e-6)
+        assert_same(ta, a, atol=1e-5)
+        assert_same(side, d[2:9:3], atol=1e-6)
+
+
+def test_an_in_place_function_returning_its_argument_matches_cpu():
+    def f(x):
+        x.mul_(0.999)
+        x.add_(0.001)
+        x.clamp_(-2.0, 2.0)
+        x.sin_()
+        return x
+    d = torch.randn(64)
+    t = d.to("tpu")
+    cf = torch.compile(f, backend="tpu")
+    for _ in range(2):
+        got = cf(t)
+        f(d)
+        assert_same(got, d, atol=1e-6)
+        assert_same(t, d, atol=1e-6)
+
+
+def test_batch_norm_running_stats_written_by_the_graph_match_cpu():
+    """BatchNorm in training mode: the graph writes its buffers (running mean and variance, the
+    batch count) and the backward pass; then eval mode reads them."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    model = copy.deepcopy(ref).to("tpu")
+    cm = torch.compile(model, backend="tpu")
+    for _ in range(2):
+        x = torch.randn(8, 4)
+        out, want = cm(x.to("tpu")), ref(x)
+        assert_same(out, want.detach(), atol=1e-5)
+        out.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
+            assert_same(b, c, atol=1e-5, msg=n)
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert_same(p.grad, q.grad, atol=1e-4, msg=n)
+    model.eval()
+    ref.eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert_same(cm(x.to("tpu")), ref(x), atol=1e-5)
+
+
+def test_inputs_that_are_views_match_cpu():
+    """Slices, transposes and selects of tpu tensors as graph inputs (read only)."""
+    def f(a, b):
+        return (a * 2 + b).relu().sum(0)
+    d = torch.randn(6, 4)
+    t = d.to("tpu")
+    cf = torch.compile(f, backend="tpu")
+    assert_same(cf(t[1:4], t[2:5]), f(d[1:4], d[2:5]), atol=1e-6)
+    assert_same(cf(t.t()[:, :4], t[:4].t()), f(d.t()[:, :4], d[:4].t()), atol=1e-6)
+    assert_same(cf(t[3], t[:, 1][:4]), f(d[3], d[:, 1][:4]), atol=1e-6)
+
+
+def test_reduce_overhead_mode_on_tpu_tensors_matches_cpu():
+    """``torch.compile(model, mode="reduce-overhead")`` (no backend: tpu inputs go to the tpu
+    backend, NOTE [default backend]): the mode is accepted and the values are CPU's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 7), nn.SiLU(), nn.Linear(7, 2))
+    model = copy.deepcopy(ref).to("tpu")
+    cm = torch.compile(model, mode="reduce-overhead")
+    for _ in range(2):
+        x = torch.randn(4, 5)
+        out, want = cm(x.to("tpu")), ref(x)
+        assert _is_plain(out)
+        assert_same(out, want.detach(), atol=1e-5)
+        out.sum().backward()
+        want.sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad, atol=1e-5)
