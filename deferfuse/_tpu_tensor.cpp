@@ -1527,11 +1527,14 @@ at::Tensor make_base(c10::IntArrayRef size, c10::IntArrayRef stride, c10::Scalar
   return t;
 }
 
-// A view of `of`'s storage with the given geometry and a chain set from Python.
+// A view of `of`'s storage with the given geometry and a chain set from Python; `dtype`: the
+// view's own when its chain changes it (view_as_real, view(dtype)), else `of`'s.
 at::Tensor make_view_py(const at::Tensor& of, c10::IntArrayRef size, c10::IntArrayRef stride,
-                        int64_t offset, py::object py_chain) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(of.storage()),
-                                                   of.key_set(), of.dtype());
+                        int64_t offset, py::object py_chain,
+                        std::optional<c10::ScalarType> dtype) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(of.storage()), of.key_set(),
+      dtype.has_value() ? caffe2::TypeMeta::fromScalarType(*dtype) : of.dtype());
   impl->set_sizes_and_strides(size, stride, offset);
   auto m = c10::make_intrusive<ViewMeta>();
   m->py_chain = py_chain.release().ptr();
@@ -1552,7 +1555,8 @@ PYBIND11_MODULE(_tpu_tensor, m) {
   m.def("chain", &chain);
   m.def("state", &state);
   m.def("make_base", &make_base);
-  m.def("make_view", &make_view_py);
+  m.def("make_view", &make_view_py, py::arg("of"), py::arg("size"), py::arg("stride"),
+        py::arg("offset"), py::arg("py_chain"), py::arg("dtype") = py::none());
   m.def("is_plain", &is_plain);
   m.def("route_whole", [](const std::vector<std::string>& names) {
     auto& in = installed();

@@ -464,7 +464,7 @@ def backward_cut_pays(trace) -> bool:
     forward = False
     for n in nodes:
         k = getattr(n.key, "key", None)
-        if type(k) is tuple and k and type(k[0]) is CompiledGraph:
+        if type(k) is tuple and k and isinstance(k[0], CompiledGraph):     # (PlainGraph too)
             if k[0].kind == "backward":
                 return True
             forward = True

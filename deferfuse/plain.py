@@ -426,6 +426,8 @@ class Plain:
             of = ext.make_base(bshape, st.stride or _contig(bshape), st.dtype, st.device, st)
             if stores is not None:
                 stores[id(st)] = of
+        if w.dtype != of.dtype:     # a dtype view (view_as_real, view(dtype)): its own dtype
+            return ext.make_view(of, size, stride, off, chain, w.dtype)
         return ext.make_view(of, size, stride, off, chain)
 
 
@@ -502,7 +504,12 @@ def install() -> Plain:
     raw = TpuTensor.__dict__["__torch_dispatch__"].__func__
     types = (TpuTensor,)
 
+    fake_mode, real = torch._C._get_dispatch_mode, _real_ops
+    FAKE = torch._C._TorchDispatchModeKey.FAKE
+
     def c_dispatch(func, args, kwargs):
+        if fake_mode(FAKE) is not None:     # NOTE [real ops under a fake mode]
+            return real(raw, func, types, args, kwargs)
         return raw(TpuTensor, func, types, tuple(args), kwargs)
     PLAIN = Plain(ext, c_dispatch)
     has_plain, mixed = PLAIN.has_plain, PLAIN.mixed
@@ -538,6 +545,19 @@ def install() -> Plain:
     from .distributed import group
     group.plain_collectives()
     return PLAIN
+
+
+def _real_ops(raw, func, types, args, kwargs):
+    """NOTE [real ops under a fake mode]: an op on real plain tensors can reach the fallback
+    while Dynamo's FakeTensorMode is active: ``torch.tensor(data, device="tpu")`` in traced code
+    moves its CPU data to the device with the Python key excluded, and FakeTensorMode runs ops
+    on small real constants for real ("constant propagation"). The op path reads an active fake
+    mode as "these are tensors being traced" (route.torch_dispatch -> traceable.traced_dispatch,
+    the wrapper's inner tensors); plain tensors reaching the router are always real, so the op
+    runs with the fake mode unset, as it would outside the trace."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return raw(TpuTensor, func, types, tuple(args), kwargs)
 
 
 def _serialization() -> None:

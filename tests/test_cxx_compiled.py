@@ -212,3 +212,44 @@ def test_reduce_overhead_mode_on_tpu_tensors_matches_cpu():
         want.sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_same(p.grad, q.grad, atol=1e-5)
+
+
+def test_tensors_made_from_data_in_a_graph_with_backward_match_cpu():
+    """``torch.tensor(data, device="tpu")`` in traced code moves its data to the device while
+    Dynamo's fake mode is active (NOTE [real ops under a fake mode] in plain.py): empty,
+    one-element and longer constants, forward and backward."""
+    def f(x, dev):
+        empty = torch.tensor([], dtype=x.dtype, device=dev)
+        scale = torch.tensor(2.5, device=dev)
+        w = torch.tensor([1.0, -2.0, 0.5], device=dev)
+        return (torch.cat([empty, x]) * scale * w).sum() + empty.numel()
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    x = torch.randn(3)
+    for _ in range(2):
+        xt = x.clone().to("tpu").requires_grad_()
+        xc = x.clone().requires_grad_()
+        got, want = cf(xt, "tpu"), f(xc, "cpu")
+        got.backward()
+        want.backward()
+        assert_same(got, want, atol=1e-6)
+        assert_same(xt.grad, xc.grad, atol=1e-6)
+    assert deferfuse.metrics()["dynamo_graphs"] == 1
+
+
+def test_dtype_views_as_graph_inputs_match_cpu():
+    """Inputs that are views of another dtype than their storage (``view_as_real`` of a complex
+    product, as RoPE makes q and k; ``view_as_complex`` of a real one): the plain view has its
+    own dtype (it had its base's, complex64, before), and the graph reads it as CPU does."""
+    x = torch.randn(2, 4, 8, dtype=torch.complex64)
+    r = torch.randn(2, 3, 4, 2)
+
+    def f(q, c):
+        return q * 2 + 1, c * c
+    xt, rt = x.to("tpu"), r.to("tpu")
+    q, c = torch.view_as_real(xt * 2).flatten(2).transpose(1, 2), torch.view_as_complex(rt + 1)
+    qc, cc = torch.view_as_real(x * 2).flatten(2).transpose(1, 2), torch.view_as_complex(r + 1)
+    for a, b in ((q, qc), (c, cc)):
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+    got, want = torch.compile(f, backend="tpu")(q, c), f(qc, cc)
+    for g, w in zip(got, want):
+        assert_same(g, w, atol=1e-5, rtol=1e-5)
