@@ -201,12 +201,15 @@ def test_ops_are_recorded_in_defer_mode():
 
 
 @pytest.mark.modes("defer")
-def test_compiled_mode_refuses_plain_tensors_until_ported():
-    # It read inner tensors' Python state and returned wrong values on plain tensors.
-    x = torch.randn(3, 4).to("tpu")
+def test_compiled_mode_takes_plain_tensors():
+    # Ported (NOTE [compiled plain tensors] in compiled.py; tests/test_cxx_compiled.py): it
+    # had read inner tensors' Python state and returned wrong values on plain tensors.
+    c = torch.randn(3, 4)
     f = torch.compile(lambda a: (a * 2).sin().sum(), backend="tpu")
-    with pytest.raises(Exception, match="not yet ported to the plain tpu tensor"):
-        f(x)
+    got = f(c.to("tpu"))
+    want = (c * 2).sin().sum()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 # -- the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp): cache hits are
