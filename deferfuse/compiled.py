@@ -13,6 +13,7 @@ deferred regions mix in one step.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import sys
@@ -535,8 +536,39 @@ def _rng_states_on_device(gm) -> None:
                 st.meta["val"] = torch.empty(16, dtype=torch.uint8, device=dev)
 
 
+def _dense_hops(gm, example_inputs):
+    """NOTE [flex attention in plain graphs]: with ``TpuTensor``s, AOTAutograd traces the flex
+    attention HOPs through their ``TpuTensor`` kernels (PyTorch's dense implementation, NOTE in
+    flex.py), so graphs hold its aten ops. A plain tpu tensor is no subclass: the HOPs stay whole
+    in the graph (as for Inductor), with their score and mask functions as submodules, which no
+    lowering covers. Such a graph is traced again with ``make_fx`` over its own fake inputs,
+    each HOP node running that same dense implementation: a graph of aten ops. ``gm`` as it is
+    when it holds no such HOP."""
+    from . import flex
+    dense = flex.dense_impls()
+    if not any(n.op == "call_function" and n.target in dense for n in gm.graph.nodes):
+        return gm
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    class Dense(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            impl = dense.get(target)
+            if impl is not None:
+                return impl(*args, **kwargs)
+            return super().call_function(target, args, kwargs)
+
+    def run(*args):
+        return Dense(gm).run(*args)
+    mode = detect_fake_mode(example_inputs)
+    with mode if mode is not None else contextlib.nullcontext():
+        return make_fx(run)(*example_inputs)
+
+
 def _compiler(kind: str, cls=CompiledGraph):
     def compile_graph(gm, example_inputs):
+        if cls is not CompiledGraph:
+            gm = _dense_hops(gm, example_inputs)    # NOTE [flex attention in plain graphs]
         _rng_states_on_device(gm)
         try:
             return cls(gm, example_inputs, kind)

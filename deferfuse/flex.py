@@ -56,6 +56,20 @@ def register() -> None:
         for_dynamo()        # Dynamo was imported first (a script that never imports deferfuse)
 
 
+def dense_impls() -> dict:
+    """{flex attention HOP: PyTorch's dense implementation of it} (the kernels ``register`` gives
+    ``TpuTensor``), for compiled graphs of plain tpu tensors (NOTE [flex attention in plain
+    graphs] in compiled.py); empty when this torch spells them otherwise."""
+    hops = importlib.import_module("torch._higher_order_ops.flex_attention")
+    out = {}
+    for hop_name, impl_name in (("flex_attention", "sdpa_dense"),
+                                ("flex_attention_backward", "sdpa_dense_backward")):
+        hop, impl = getattr(hops, hop_name, None), getattr(hops, impl_name, None)
+        if hop is not None and impl is not None:
+            out[hop] = impl
+    return out
+
+
 def for_dynamo() -> None:
     """Called when Dynamo first meets deferfuse (compiled._skip_deferfuse), which puts deferfuse
     on its skip list: the device check is marked for Dynamo to trace through (NOTE [flex device
