@@ -38,6 +38,7 @@ def _is_plain(t):
     return type(t) in (torch.Tensor, nn.Parameter) and plain.PLAIN.is_plain(t)
 
 
+@pytest.mark.modes("strict", "defer")     # a graph runs at once in strict mode
 def test_a_function_compiles_to_one_graph_of_plain_tensors_and_matches_cpu():
     def f(a, b):
         y = F.gelu(a @ b.t())
@@ -61,6 +62,7 @@ def test_a_function_compiles_to_one_graph_of_plain_tensors_and_matches_cpu():
     assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
 
 
+@pytest.mark.modes("strict", "defer")     # a graph runs at once in strict mode
 def test_training_with_a_compiled_model_and_optimizer_step_matches_cpu():
     """Forward and backward graphs (AOTAutograd) and a compiled SGD step with momentum (a graph
     writing the parameters and momentum buffers, its inputs): losses, gradients, parameters and
@@ -120,6 +122,7 @@ def test_new_shapes_compile_new_programs_and_stay_right():
     assert m["graph_compiles"] == 3 and m["graphs_run_eagerly"] == 0
 
 
+@pytest.mark.modes("strict", "defer")     # a graph runs at once in strict mode
 def test_in_place_writes_into_inputs_and_their_views_match_cpu():
     """A graph writing its inputs: a whole tensor, a window of a bigger tensor (the write lands in
     the base, seen by the base and its other views), and returning a view of a written input."""
