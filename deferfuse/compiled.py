@@ -424,6 +424,7 @@ class PlainGraph(CompiledGraph):
         self._ext = plain.PLAIN.ext
         self._wrapper = plain.PLAIN.wrapper
         self._is_plain = plain.PLAIN.is_plain
+        self._plain = plain.PLAIN
         # per output: its strides when they are a dense non-contiguous layout
         self._strides = [_dense_stride(val) if what in (DEV, PASS) else None
                          for what, _, val in self.outs]
@@ -433,7 +434,9 @@ class PlainGraph(CompiledGraph):
             args = args[0]
         if self.spmd is not None and not self.spmd.agree(args):
             return _interpret(self.plan.gm, args)
-        is_plain, wrapper = self._is_plain, self._wrapper
+        is_plain = self._is_plain
+        # (the host slice and collectives run ops on the inputs: TpuTensors; else a record)
+        wrapper = self._wrapper if self.host is not None or self.spmd is not None else self._input
         wargs = [wrapper(a) if isinstance(a, torch.Tensor) and a.device.type == "tpu"
                  and is_plain(a) else a for a in args]
         res = super().__call__(wargs)
@@ -447,6 +450,24 @@ class PlainGraph(CompiledGraph):
                 res[j] = make_base(tuple(o.shape), stride or _contig(o.shape), o.dtype,
                                    st.device, st)
         return res
+
+    def _input(self, p) -> _Input:
+        """What ``CompiledGraph.__call__`` reads of a tpu input (its Storage, view chain and
+        dtype), without making the ``TpuTensor``."""
+        pl = self._plain
+        st, raw, base = pl.ext.state(p)
+        st = pl.storage(p, st)
+        x = _Input()
+        x._s = st
+        x._chain = () if base else pl.chain(p, st, raw, base)
+        x.dtype = p.dtype
+        return x
+
+
+class _Input:
+    """A plain tensor as ``CompiledGraph.__call__`` reads an input: ``_s``, ``_chain``, ``_dyn``
+    (always empty: NOTE [plain router]'s views are static) and ``dtype``."""
+    _dyn = ()
 
 
 def backward_cut_pays(trace) -> bool:
