@@ -293,3 +293,34 @@ def test_flex_attention_in_a_compiled_graph_matches_cpu():
         assert_same(a.grad, b.grad, atol=1e-5)
     m = deferfuse.metrics()
     assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+
+
+def test_a_graph_run_eagerly_takes_plain_tensors(monkeypatch):
+    """A graph with an op no lowering covers runs op by op in the eager mode in force
+    (compiled._Eager, on the plain tensors themselves): outputs (a view of a written input
+    among them), the write and the gradient equal CPU's. The LoweringError is forced here."""
+    from deferfuse import compiled
+    from deferfuse.errors import LoweringError
+
+    def no_lowering(self, *a, **k):
+        raise LoweringError("every op", "forced by the test")
+    monkeypatch.setattr(compiled.PlainGraph, "__init__", no_lowering)
+
+    def f(x, w):
+        x.mul_(2)
+        return (x @ w).relu(), x[1:].t()
+    c, w = torch.randn(3, 4), torch.randn(4, 2)
+    t, tw = c.to("tpu"), w.to("tpu").requires_grad_()
+    wc = w.clone().requires_grad_()
+    cf = torch.compile(f, backend="tpu")
+    for _ in range(2):
+        got, want = cf(t, tw), f(c, wc)
+        for g, v in zip(got, want):
+            assert _is_plain(g)
+            assert_same(g, v.detach(), atol=1e-5)
+            assert g.stride() == v.stride()
+        assert_same(t, c)
+        got[0].sum().backward()
+        want[0].sum().backward()
+        assert_same(tw.grad, wc.grad, atol=1e-5)
+    assert deferfuse.metrics()["graphs_run_eagerly"] >= 1
