@@ -435,8 +435,8 @@ class PlainGraph(CompiledGraph):
         if self.spmd is not None and not self.spmd.agree(args):
             return _interpret(self.plan.gm, args)
         is_plain = self._is_plain
-        # (the host slice and collectives run ops on the inputs: TpuTensors; else a record)
-        wrapper = self._wrapper if self.host is not None or self.spmd is not None else self._input
+        # (collectives take the inputs as tensors: TpuTensors; else a record)
+        wrapper = self._wrapper if self.spmd is not None else self._input
         wargs = [wrapper(a) if isinstance(a, torch.Tensor) and a.device.type == "tpu"
                  and is_plain(a) else a for a in args]
         res = super().__call__(wargs)
@@ -452,8 +452,8 @@ class PlainGraph(CompiledGraph):
         return res
 
     def _input(self, p) -> _Input:
-        """What ``CompiledGraph.__call__`` reads of a tpu input (its Storage, view chain and
-        dtype), without making the ``TpuTensor``."""
+        """What ``CompiledGraph.__call__`` reads of a tpu input (its Storage, view chain, dtype
+        and shape), without making the ``TpuTensor``."""
         pl = self._plain
         st, raw, base = pl.ext.state(p)
         st = pl.storage(p, st)
@@ -461,12 +461,14 @@ class PlainGraph(CompiledGraph):
         x._s = st
         x._chain = () if base else pl.chain(p, st, raw, base)
         x.dtype = p.dtype
+        x.shape = p.shape
         return x
 
 
 class _Input:
     """A plain tensor as ``CompiledGraph.__call__`` reads an input: ``_s``, ``_chain``, ``_dyn``
-    (always empty: NOTE [plain router]'s views are static) and ``dtype``."""
+    (always empty: NOTE [plain router]'s views are static), ``dtype``, and ``shape`` (all the
+    host slice reads of a tpu input: ``SIZES`` in runtime/graph.py)."""
     _dyn = ()
 
 
