@@ -424,6 +424,41 @@ at::Tensor alias(const at::Tensor& self) {
   return make_view(self, self.sizes(), self.strides(), self.storage_offset(), std::nullopt);
 }
 
+// NOTE [in-place views]: `squeeze_`, `unsqueeze_`, `t_`, `transpose_`, `as_strided_` change the
+// tensor itself (at::matmul ends a vector-matrix product with `squeeze_(0)`). Each is the out-of-
+// place view kernel's result moved into `self`: its sizes, strides, offset and chain (a fresh
+// ViewMeta; one a detach() copy shares is not touched). Through the router they changed only the
+// op path's wrapper and the plain tensor kept its old shape.
+void become(const at::Tensor& self, const at::Tensor& v) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(v.sizes(), v.strides(), v.storage_offset());
+  impl->set_backend_meta(v.unsafeGetTensorImpl()->get_backend_meta_intrusive_ptr());
+}
+
+at::Tensor& squeeze_inplace(at::Tensor& self) { become(self, ::squeeze(self)); return self; }
+at::Tensor& squeeze_dim_inplace(at::Tensor& self, int64_t dim) {
+  become(self, ::squeeze_dim(self, dim));
+  return self;
+}
+at::Tensor& squeeze_dims_inplace(at::Tensor& self, c10::IntArrayRef dims) {
+  become(self, ::squeeze_dims(self, dims));
+  return self;
+}
+at::Tensor& unsqueeze_inplace(at::Tensor& self, int64_t dim) {
+  become(self, ::unsqueeze(self, dim));
+  return self;
+}
+at::Tensor& t_inplace(at::Tensor& self) { become(self, ::t(self)); return self; }
+at::Tensor& transpose_inplace(at::Tensor& self, int64_t d0, int64_t d1) {
+  become(self, ::transpose(self, d0, d1));
+  return self;
+}
+const at::Tensor& as_strided_inplace(const at::Tensor& self, c10::IntArrayRef size,
+                                     c10::IntArrayRef stride, std::optional<int64_t> offset) {
+  become(self, ::as_strided(self, size, stride, offset));
+  return self;
+}
+
 // NOTE [plain storage hooks]: what the storage kernels ask of Python (deferfuse/plain.py sets them
 // at install): `grow(Storage, n)`, a new Storage of n elements holding the old one's first (the
 // op path's cat, as specials.resize grows a TpuTensor's), and `freed(Storage, bool)`, which drops
@@ -1449,6 +1484,13 @@ void install(py::object route, py::object resolve, int devices) {
   m.impl("_conj", TORCH_FN(conj_view));
   m.impl("detach", TORCH_FN(alias));
   m.impl("alias", TORCH_FN(alias));
+  m.impl("squeeze_", TORCH_FN(squeeze_inplace));
+  m.impl("squeeze_.dim", TORCH_FN(squeeze_dim_inplace));
+  m.impl("squeeze_.dims", TORCH_FN(squeeze_dims_inplace));
+  m.impl("unsqueeze_", TORCH_FN(unsqueeze_inplace));
+  m.impl("t_", TORCH_FN(t_inplace));
+  m.impl("transpose_", TORCH_FN(transpose_inplace));
+  m.impl("as_strided_", TORCH_FN(as_strided_inplace));
   in.fallback = std::make_unique<torch::Library>(torch::Library::IMPL, "_",
                                                  c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
   in.fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
