@@ -467,7 +467,8 @@ def route_whole(composites=()) -> int:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     names = list(composites)
     for n in torch._C._dispatch_get_all_op_names():
-        if n.startswith("aten::") and has(n, "CompositeExplicitAutograd") and not has(n, "PrivateUse1"):
+        if n.startswith("aten::") and not has(n, "PrivateUse1") and (
+                has(n, "CompositeExplicitAutograd") or _nonfunctional_composite(n)):
             op, _, ov = n[6:].partition(".")
             # an op with a device= argument reaches PrivateUse1 for a CPU input too
             # (``_to_copy(cpu, device="tpu")``): its composite kernel runs, as today
@@ -475,6 +476,16 @@ def route_whole(composites=()) -> int:
                 names.append(n[6:])
     PLAIN.ext.route_whole(names)
     return len(names)
+
+
+def _nonfunctional_composite(n: str) -> bool:
+    """An op whose only composite kernel is a CompositeExplicitAutogradNonFunctional one that is not
+    a structured op's (those have a C++ Meta kernel and reach the router as ``.out`` ops, NOTE
+    [fresh out]): ``select_backward``, ``select_scatter``, ``slice_scatter``, ``diag_embed``,
+    ``pixel_shuffle`` ... (NOTE [whole ops]: the wrapper receives them whole; decomposed here,
+    ``select_backward`` recorded ``zeros`` and a copy through a ``select`` view, two ops)."""
+    return (torch._C._dispatch_has_kernel_for_dispatch_key(n, "CompositeExplicitAutogradNonFunctional")
+            and "RegisterMeta" not in torch._C._dispatch_dump(n))
 
 
 def extension():
@@ -519,6 +530,9 @@ def install() -> Plain:
     PLAIN.resize, PLAIN.rebind = specials.resize, specials.rebind
     # out= tensors of the wrong shape are resized on the plain tensor (NOTE [plain router])
     route.resize = PLAIN.resize_out
+    # and resize_/resize_as_ called by a decomposition on the router's wrappers (PyTorch's
+    # _maybe_resize_out on arange's out=): the plain tensor is resized, not only its wrapper
+    specials.resize = PLAIN.resize_out
     from .tensor import _DEVICES
     ext.install(PLAIN.route, PLAIN.resolve, len(_DEVICES))
     if KERNEL:

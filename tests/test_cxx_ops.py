@@ -1,0 +1,100 @@
+"""The op-side suite files on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; issue 34,
+docs/cxx-plan.md, "Session 3 (cxx5)"): each fix here against CPU eager (values, dtypes, shapes).
+
+Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
+extension is not built."""
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import plain
+
+if not plain.ENABLED:
+    pytest.skip("the plain tpu tensor is off: run with DEFERFUSE_TENSOR=plain (make test-cxx)",
+                allow_module_level=True)
+if plain.extension()[0] is None:
+    pytest.skip(plain.extension()[1], allow_module_level=True)
+
+
+def _same(got, want):
+    assert got.device.type == "tpu"
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    torch.testing.assert_close(got.cpu(), want)
+
+
+def _geom(t):
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+INPLACE_VIEWS = [
+    ("squeeze_", lambda x: x.squeeze_()),
+    ("squeeze_dim", lambda x: x.squeeze_(0)),
+    ("squeeze_dims", lambda x: x.squeeze_((0, 2))),
+    ("unsqueeze_", lambda x: x.unsqueeze_(-1)),
+    ("t_", lambda x: x[0].t_()),
+    ("transpose_", lambda x: x.transpose_(0, 2)),
+    ("swapdims_", lambda x: x.swapdims_(1, 2)),
+    ("as_strided_", lambda x: x.as_strided_((2, 3), (1, 2), 1)),
+    ("chain", lambda x: x.squeeze_(0).t_().unsqueeze_(1).transpose_(0, 2)),
+]
+
+
+@pytest.mark.parametrize("name,fn", INPLACE_VIEWS, ids=[v[0] for v in INPLACE_VIEWS])
+def test_inplace_view_ops_change_the_tensor_as_on_cpu(name, fn):
+    # NOTE [in-place views]: through the router only the op path's wrapper changed
+    c = torch.arange(24.0).reshape(1, 4, 6)
+    x = c.to("tpu")
+    rc, rx = fn(c), fn(x)
+    assert _geom(rx) == _geom(rc)
+    _same(rx, rc)
+    rc.mul_(2)
+    rx.mul_(2)          # a write through the changed tensor reaches its storage's other views
+    _same(x, c)
+
+
+def test_vector_matrix_product_as_on_cpu():
+    # at::matmul ends 1-D @ 2-D with squeeze_(0): the result was (1, 4)
+    v, m = torch.randn(3), torch.randn(3, 4)
+    _same(v.to("tpu") @ m.to("tpu"), v @ m)
+    _same(m.t().to("tpu") @ v.to("tpu"), m.t() @ v)
+
+
+@pytest.mark.parametrize("case", ["select", "select_neg"])
+def test_select_backward_is_one_op(case):
+    # NOTE [whole ops]: select_backward's only composite kernel is a NonFunctional one; it was
+    # decomposed (zeros, a copy through a select view: two ops)
+    read = {"select": lambda x: x[:, 0], "select_neg": lambda x: x[-1]}[case]
+    x, g = torch.randn(4, 6), torch.randn(read(torch.empty(4, 6)).shape)
+    xc = x.clone().requires_grad_()
+    read(xc).backward(g)
+    xt = x.to("tpu").requires_grad_()
+    y = read(xt)
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    y.backward(g.to("tpu"))
+    deferfuse.sync()
+    m = deferfuse.metrics()
+    assert m["ops_recorded"] + m["ops_eager"] == 1
+    _same(xt.grad, xc.grad)
+    src = torch.randn(g.shape)
+    dim, i = (1, 0) if case == "select" else (0, -1)
+    _same(torch.select_scatter(x.to("tpu"), src.to("tpu"), dim, i), torch.select_scatter(x, src, dim, i))
+
+
+def test_resize_as_and_out_resized_by_a_decomposition_as_on_cpu():
+    # resize_as_ and PyTorch's own _maybe_resize_out (arange's out=) resized only the router's
+    # wrapper: the plain tensor kept its shape (or the grow was refused as "shared")
+    r, rc = torch.zeros(5, device="tpu"), torch.zeros(5)
+    r.resize_as_(torch.ones(2, 2))
+    rc.resize_as_(torch.ones(2, 2))
+    assert _geom(r) == _geom(rc)
+    for start in (0, 2):
+        o, oc = torch.empty(start, dtype=torch.long).to("tpu"), torch.empty(start, dtype=torch.long)
+        torch.arange(5, out=o)
+        torch.arange(5, out=oc)
+        _same(o, oc)
+    with pytest.raises(RuntimeError) as want:
+        torch.arange(6).resize_(-1)
+    with pytest.raises(RuntimeError) as got:
+        torch.arange(6, device="tpu").resize_(-1)
+    assert str(got.value) == str(want.value)
