@@ -220,11 +220,30 @@ void remember_base(const at::Tensor& t) {
 
 c10::DispatchKeySet tpu_keys() { return c10::DispatchKeySet(c10::DispatchKey::PrivateUse1); }
 
+// A device index that does not exist raises device_info.check's error (CUDA's kind: "invalid device
+// ordinal", naming the devices there are) at the call, as the Python factories do.
+void check_device(c10::DeviceIndex i) {
+  if (i >= 0 && i < n_devices) return;
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("deferfuse.device_info").attr("check")(static_cast<int>(i));
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error err;
+    err.persist();
+    throw std::move(err);
+  }
+  TORCH_CHECK(false, "tpu:", static_cast<int>(i), " does not exist");
+}
+
 // The device a factory allocates on (the allocator reads the current device), for its scope.
 struct DeviceScope {
   c10::DeviceIndex old;
   explicit DeviceScope(std::optional<c10::Device> d) : old(tls_device) {
-    if (d.has_value() && d->has_index()) tls_device = d->index();
+    if (d.has_value() && d->has_index()) {
+      check_device(d->index());
+      tls_device = d->index();
+    }
   }
   ~DeviceScope() { tls_device = old; }
 };
