@@ -549,9 +549,35 @@ def install() -> Plain:
     if lib is not None:     # the C++ hooks: untyped_storage().resize_ (FSDP2)
         lib.deferfuse_set_storage_resize(ctypes.c_void_p(ext.storage_resize_address()))
     _serialization()
+    _sparse_refusals()
     from .distributed import group
     group.plain_collectives()
     return PLAIN
+
+
+# sparse tensors PyTorch builds on tpu (``sparse_cpu.to("tpu")``'s _to_copy), by layout key
+_SPARSE = (("_sparse_coo_tensor_with_dims_and_tensors", "SparsePrivateUse1", torch.sparse_coo),
+           ("_sparse_compressed_tensor_unsafe", "SparseCsrPrivateUse1", None))
+_sparse_lib = None
+
+
+def _sparse_refusals() -> None:
+    """A sparse tensor moved to tpu raises the op path's refusal (fallback.py: tpu tensors are
+    dense), as a ``TpuTensor`` argument made it raise; with plain arguments PyTorch dispatched the
+    sparse constructor to the SparsePrivateUse1 key, which has no kernel ("Could not run")."""
+    global _sparse_lib
+    if _sparse_lib is not None:
+        return
+    _sparse_lib = torch.library.Library("aten", "IMPL")
+    for name, key, layout in _SPARSE:
+        op = getattr(aten, name).default
+
+        def refuse(*args, _op=op, _layout=layout, **kwargs):
+            lay = _layout or kwargs.get("layout")
+            raise NotImplementedError(
+                f"{_op} gives a {lay} tensor; tpu tensors are dense (strided) only. Keep sparse "
+                "and other layouts on CPU, and move dense tensors to tpu")
+        _sparse_lib.impl(name, refuse, key)
 
 
 def _serialization() -> None:
