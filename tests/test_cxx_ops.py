@@ -98,3 +98,49 @@ def test_resize_as_and_out_resized_by_a_decomposition_as_on_cpu():
     with pytest.raises(RuntimeError) as got:
         torch.arange(6, device="tpu").resize_(-1)
     assert str(got.value) == str(want.value)
+
+
+def test_cpu_index_tensors_as_on_cpu():
+    # the op path moved a CPU index to the device with .to(): a plain tensor among its TpuTensors
+    # ("two devices, tpu:0 and tpu:0")
+    x, i = torch.randn(5, 3), torch.tensor([[0, 4], [2, 2]])
+    xt = x.to("tpu").requires_grad_()
+    xc = x.clone().requires_grad_()
+    got, want = (xt * 2)[i], (xc * 2)[i]
+    _same(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    _same(xt.grad, xc.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64, torch.float64], ids=str)
+def test_eigvals_runs_on_the_device_as_on_cpu(dtype):
+    # linalg_eigvals reaches _linalg_eigvals on a plain tensor (a subclass went to linalg_eig)
+    a = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    deferfuse.reset_metrics()
+    got = torch.linalg.eigvals(a.to("tpu"))
+    assert not deferfuse.metrics()["cpu_fallbacks"]
+    want = torch.linalg.eigvals(a)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_to_tpu_raises_the_dense_refusal():
+    for make in (lambda: torch.ones(2, 2).to_sparse().to("tpu"),
+                 lambda: torch.ones(2, 2).to_sparse_csr().to("tpu"),
+                 lambda: torch.ones(2, 2, device="tpu").to_sparse()):
+        with pytest.raises(NotImplementedError, match="dense"):
+            make()
+
+
+def test_a_bad_device_index_raises_in_the_cxx_factories():
+    # the C++ empty kernels took any index (no error, a tensor on a device that does not exist)
+    n = torch.tpu.device_count()
+    x = torch.ones(2, device="tpu")
+    for call in (lambda: torch.empty(2, device=f"tpu:{n}"),
+                 lambda: torch.empty_like(x, device=f"tpu:{n}"),
+                 lambda: torch.empty_strided((2,), (1,), device=f"tpu:{n}")):
+        with pytest.raises(RuntimeError, match=rf"invalid device ordinal: tpu:{n} does not exist"):
+            call()
+    assert torch.tpu.current_device() == 0
+    _same(x + 1, torch.full((2,), 2.0))
