@@ -77,8 +77,11 @@ class Plain:
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
         name = self.out_name(func) if kwargs else None
         out = kwargs.get(name) if name else None
+        # a fresh out= that is a view of its storage (DDP's bucket views: mul.out into a slice
+        # of a flat bucket) is not fresh: its Storage would be the result's, shaped unlike the
+        # storage's base, which every other view of the bucket reads through its chain
         if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
-                and self.ext.storage(out) is None:
+                and self.ext.storage(out) is None and self.ext.state(out)[2]:
             f = self.functional_of(func)
             if f is not None:
                 return self._into_fresh_out(f, args, kwargs, out, name)
