@@ -102,6 +102,38 @@ struct TpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
     return c10::Stream(c10::Stream::DEFAULT, s.device());
   }
   c10::DeviceIndex deviceCount() const noexcept override { return n_devices; }
+  // NOTE [one stream] in streams.py: every stream is the device's one stream, events are true at
+  // once (torch.tpu.Stream()/Event().record() reach these: FSDP2's streams); a synchronize waits
+  // for the engine (streams._synchronize), as torch.tpu.Stream.synchronize does.
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d.has_index() ? d : getDevice());
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d.has_index() ? d : getDevice());
+  }
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex,
+              const c10::EventFlag) const override {
+    if (*event == nullptr) *event = reinterpret_cast<void*>(1);  // recorded: nothing to free
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override { synchronize_engine(); }
+  void synchronizeEvent(void*) const override { synchronize_engine(); }
+  void synchronizeDevice(const c10::DeviceIndex) const override { synchronize_engine(); }
+
+  static void synchronize_engine() {
+    py::gil_scoped_acquire gil;
+    try {
+      py::module_::import("deferfuse.streams").attr("_synchronize")();
+    } catch (py::error_already_set& e) {
+      e.restore();
+      python_error err;
+      err.persist();
+      throw std::move(err);
+    }
+  }
 };
 
 c10::DeviceIndex current_device() { return tls_device; }
@@ -1137,7 +1169,10 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
       if (!v.isTensor()) return false;
       const at::Tensor& o = v.toTensor();
       if (!o.defined() || !is_plain_tensor(o)) return false;
-      if (fresh || (meta_of(o) == nullptr && o.storage_offset() == 0 && ctx_of(o)->storage == nullptr)) {
+      // (its storage's base itself, as Plain.route asks: a view of a bucket is not fresh)
+      if (fresh || (meta_of(o) == nullptr && o.storage_offset() == 0 && ctx_of(o)->storage == nullptr &&
+                    ctx_of(o)->known && o.sizes() == c10::IntArrayRef(ctx_of(o)->size) &&
+                    o.strides() == c10::IntArrayRef(ctx_of(o)->stride))) {
         c.out = o;
         c.key.push_back(-20);
         continue;

@@ -144,3 +144,58 @@ def test_a_bad_device_index_raises_in_the_cxx_factories():
             call()
     assert torch.tpu.current_device() == 0
     _same(x + 1, torch.full((2,), 2.0))
+
+
+@pytest.fixture
+def group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("tpu", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _train_beside(ref, model, steps=3):
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    x = torch.randn(5, 4)
+    for _ in range(steps):
+        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
+            loss = m(xi).square().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+
+
+def test_ddp_bucket_views_train_as_on_cpu(group):
+    # DDP writes each gradient into a view of a flat bucket (mul.out into a slice of a fresh
+    # tensor): the router took the view as a fresh out= and gave the whole bucket the gradient's
+    # Storage ([6, 4] under a chain over [50]: IndexError in the region)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model.load_state_dict(ref.state_dict())
+    model = DDP(model.to("tpu"))
+    _train_beside(ref, model)
+    got = model.module.state_dict()
+    for k, v in ref.state_dict().items():
+        _same(got[k], v)
+
+
+def test_fsdp2_streams_and_storage_resize_train_as_on_cpu(group):
+    # fully_shard makes torch.tpu streams and events (the C++ device guard had none: "Backend
+    # doesn't support create a new Stream") and frees/reallocates parameter storage
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model.load_state_dict(ref.state_dict())
+    model = model.to("tpu")
+    fully_shard(model[0])
+    fully_shard(model)
+    _train_beside(ref, model)
+    got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        _same(got[k], v)
+    s, e = torch.tpu.Stream(), torch.tpu.Event()
+    e.record(s)
+    assert e.query() and s.query()
