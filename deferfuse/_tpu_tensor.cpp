@@ -718,7 +718,15 @@ void storage_resize(const c10::Storage& storage, size_t n) {
     call_hook(storage_hooks().freed, py::reinterpret_borrow<py::object>(ctx->storage),
               py::bool_(n == 0));
   }
-  storage.unsafeGetStorageImpl()->set_nbytes(n);
+  // a freed storage's data_ptr() is 0, as CPU's and CUDA's (test_distributed's storage resize);
+  // the same context stays (it holds the Storage; the DataPtr frees it)
+  auto* impl = storage.unsafeGetStorageImpl();
+  c10::DataPtr& old = impl->mutable_data_ptr();
+  c10::Device dev = old.device();
+  old.release_context();  // ownership passes to the DataPtr made next
+  impl->set_data_ptr_noswap(c10::DataPtr(n == 0 ? nullptr : static_cast<void*>(ctx), ctx,
+                                         &free_ctx, dev));
+  impl->set_nbytes(n);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -199,3 +199,25 @@ def test_fsdp2_streams_and_storage_resize_train_as_on_cpu(group):
     s, e = torch.tpu.Stream(), torch.tpu.Event()
     e.record(s)
     assert e.query() and s.query()
+
+
+def test_all_to_all_of_lists_in_a_group_of_one(group):
+    # the collective's own cat/empty made plain tensors, which it read as TpuTensors (no ._s)
+    import torch.distributed as dist
+    src = torch.arange(3.0)
+    out = [torch.empty(3, device="tpu")]
+    dist.all_to_all(out, [src.to("tpu")])
+    _same(out[0], src)
+
+
+def test_storage_resize_frees_and_its_data_ptr_is_zero():
+    t = torch.arange(6.0, device="tpu")
+    v = t.view(2, 3)
+    st = t.untyped_storage()
+    assert st.size() == 24 and st.data_ptr() == v.untyped_storage().data_ptr() != 0
+    st.resize_(0)
+    assert t.untyped_storage().size() == 0 and st.data_ptr() == 0
+    st.resize_(24)
+    assert st.data_ptr() == v.untyped_storage().data_ptr() != 0
+    t.copy_(torch.ones(6))
+    _same(v, torch.ones(2, 3))
