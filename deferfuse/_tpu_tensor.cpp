@@ -103,6 +103,38 @@ struct TpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
     return c10::Stream(c10::Stream::DEFAULT, s.device());
   }
   c10::DeviceIndex deviceCount() const noexcept override { return n_devices; }
+  // NOTE [one stream] in streams.py: every stream is the device's one stream, events are true at
+  // once (torch.tpu.Stream()/Event().record() reach these: FSDP2's streams); a synchronize waits
+  // for the engine (streams._synchronize), as torch.tpu.Stream.synchronize does.
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d.has_index() ? d : getDevice());
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d.has_index() ? d : getDevice());
+  }
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex,
+              const c10::EventFlag) const override {
+    if (*event == nullptr) *event = reinterpret_cast<void*>(1);  // recorded: nothing to free
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override { synchronize_engine(); }
+  void synchronizeEvent(void*) const override { synchronize_engine(); }
+  void synchronizeDevice(const c10::DeviceIndex) const override { synchronize_engine(); }
+
+  static void synchronize_engine() {
+    py::gil_scoped_acquire gil;
+    try {
+      py::module_::import("deferfuse.streams").attr("_synchronize")();
+    } catch (py::error_already_set& e) {
+      e.restore();
+      python_error err;
+      err.persist();
+      throw std::move(err);
+    }
+  }
 };
 
 c10::DeviceIndex current_device() { return tls_device; }
@@ -221,11 +253,30 @@ void remember_base(const at::Tensor& t) {
 
 c10::DispatchKeySet tpu_keys() { return c10::DispatchKeySet(c10::DispatchKey::PrivateUse1); }
 
+// A device index that does not exist raises device_info.check's error (CUDA's kind: "invalid device
+// ordinal", naming the devices there are) at the call, as the Python factories do.
+void check_device(c10::DeviceIndex i) {
+  if (i >= 0 && i < n_devices) return;
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("deferfuse.device_info").attr("check")(static_cast<int>(i));
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error err;
+    err.persist();
+    throw std::move(err);
+  }
+  TORCH_CHECK(false, "tpu:", static_cast<int>(i), " does not exist");
+}
+
 // The device a factory allocates on (the allocator reads the current device), for its scope.
 struct DeviceScope {
   c10::DeviceIndex old;
   explicit DeviceScope(std::optional<c10::Device> d) : old(tls_device) {
-    if (d.has_value() && d->has_index()) tls_device = d->index();
+    if (d.has_value() && d->has_index()) {
+      check_device(d->index());
+      tls_device = d->index();
+    }
   }
   ~DeviceScope() { tls_device = old; }
 };
@@ -429,6 +480,41 @@ at::Tensor conj_view(const at::Tensor& self) {
 at::Tensor alias(const at::Tensor& self) {
   if (self.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return at::native::alias(self);
   return make_view(self, self.sizes(), self.strides(), self.storage_offset(), std::nullopt);
+}
+
+// NOTE [in-place views]: `squeeze_`, `unsqueeze_`, `t_`, `transpose_`, `as_strided_` change the
+// tensor itself (at::matmul ends a vector-matrix product with `squeeze_(0)`). Each is the out-of-
+// place view kernel's result moved into `self`: its sizes, strides, offset and chain (a fresh
+// ViewMeta; one a detach() copy shares is not touched). Through the router they changed only the
+// op path's wrapper and the plain tensor kept its old shape.
+void become(const at::Tensor& self, const at::Tensor& v) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(v.sizes(), v.strides(), v.storage_offset());
+  impl->set_backend_meta(v.unsafeGetTensorImpl()->get_backend_meta_intrusive_ptr());
+}
+
+at::Tensor& squeeze_inplace(at::Tensor& self) { become(self, ::squeeze(self)); return self; }
+at::Tensor& squeeze_dim_inplace(at::Tensor& self, int64_t dim) {
+  become(self, ::squeeze_dim(self, dim));
+  return self;
+}
+at::Tensor& squeeze_dims_inplace(at::Tensor& self, c10::IntArrayRef dims) {
+  become(self, ::squeeze_dims(self, dims));
+  return self;
+}
+at::Tensor& unsqueeze_inplace(at::Tensor& self, int64_t dim) {
+  become(self, ::unsqueeze(self, dim));
+  return self;
+}
+at::Tensor& t_inplace(at::Tensor& self) { become(self, ::t(self)); return self; }
+at::Tensor& transpose_inplace(at::Tensor& self, int64_t d0, int64_t d1) {
+  become(self, ::transpose(self, d0, d1));
+  return self;
+}
+const at::Tensor& as_strided_inplace(const at::Tensor& self, c10::IntArrayRef size,
+                                     c10::IntArrayRef stride, std::optional<int64_t> offset) {
+  become(self, ::as_strided(self, size, stride, offset));
+  return self;
 }
 
 // NOTE [plain storage hooks]: what the storage kernels ask of Python (deferfuse/plain.py sets them
@@ -639,7 +725,15 @@ void storage_resize(const c10::Storage& storage, size_t n) {
     call_hook(storage_hooks().freed, py::reinterpret_borrow<py::object>(ctx->storage),
               py::bool_(n == 0));
   }
-  storage.unsafeGetStorageImpl()->set_nbytes(n);
+  // a freed storage's data_ptr() is 0, as CPU's and CUDA's (test_distributed's storage resize);
+  // the same context stays (it holds the Storage; the DataPtr frees it)
+  auto* impl = storage.unsafeGetStorageImpl();
+  c10::DataPtr& old = impl->mutable_data_ptr();
+  c10::Device dev = old.device();
+  old.release_context();  // ownership passes to the DataPtr made next
+  impl->set_data_ptr_noswap(c10::DataPtr(n == 0 ? nullptr : static_cast<void*>(ctx), ctx,
+                                         &free_ctx, dev));
+  impl->set_nbytes(n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1090,7 +1184,10 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
       if (!v.isTensor()) return false;
       const at::Tensor& o = v.toTensor();
       if (!o.defined() || !is_plain_tensor(o)) return false;
-      if (fresh || (meta_of(o) == nullptr && o.storage_offset() == 0 && ctx_of(o)->storage == nullptr)) {
+      // (its storage's base itself, as Plain.route asks: a view of a bucket is not fresh)
+      if (fresh || (meta_of(o) == nullptr && o.storage_offset() == 0 && ctx_of(o)->storage == nullptr &&
+                    ctx_of(o)->known && o.sizes() == c10::IntArrayRef(ctx_of(o)->size) &&
+                    o.strides() == c10::IntArrayRef(ctx_of(o)->stride))) {
         c.out = o;
         c.key.push_back(-20);
         continue;
@@ -1456,6 +1553,13 @@ void install(py::object route, py::object resolve, int devices) {
   m.impl("_conj", TORCH_FN(conj_view));
   m.impl("detach", TORCH_FN(alias));
   m.impl("alias", TORCH_FN(alias));
+  m.impl("squeeze_", TORCH_FN(squeeze_inplace));
+  m.impl("squeeze_.dim", TORCH_FN(squeeze_dim_inplace));
+  m.impl("squeeze_.dims", TORCH_FN(squeeze_dims_inplace));
+  m.impl("unsqueeze_", TORCH_FN(unsqueeze_inplace));
+  m.impl("t_", TORCH_FN(t_inplace));
+  m.impl("transpose_", TORCH_FN(transpose_inplace));
+  m.impl("as_strided_", TORCH_FN(as_strided_inplace));
   in.fallback = std::make_unique<torch::Library>(torch::Library::IMPL, "_",
                                                  c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
   in.fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());

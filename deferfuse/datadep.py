@@ -21,7 +21,7 @@ import torch
 from .dispatch import Fallback, _run, to_cpu
 from .opinfo import op_info
 from .runtime.buckets import bucket_of
-from .tensor import TpuTensor
+from .tensor import TpuTensor, as_tpu
 
 aten = torch.ops.aten
 _WHY = "data-dependent shape"
@@ -88,7 +88,8 @@ def _h_index(func, args, kwargs):
     if type(x) is TpuTensor and any(_cpu_int(i) for i in indices):
         # CPU integer index tensors move to x's device, as PyTorch's indexing does on CUDA (a
         # CPU mask stays: its nonzero() below is CPU work)
-        indices = [i.to(x.device) if _cpu_int(i) else i for i in indices]
+        # (as_tpu: with DEFERFUSE_TENSOR=plain, .to() makes a plain tensor, NOTE [mixed arguments])
+        indices = [as_tpu(i.to(x.device)) if _cpu_int(i) else i for i in indices]
         args = (x, indices, *args[2:])
     if not any(i is not None and i.dtype in _MASKS for i in indices):
         return _run(func, op_info(func), args, kwargs)

@@ -77,8 +77,11 @@ class Plain:
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
         name = self.out_name(func) if kwargs else None
         out = kwargs.get(name) if name else None
+        # a fresh out= that is a view of its storage (DDP's bucket views: mul.out into a slice
+        # of a flat bucket) is not fresh: its Storage would be the result's, shaped unlike the
+        # storage's base, which every other view of the bucket reads through its chain
         if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
-                and self.ext.storage(out) is None:
+                and self.ext.storage(out) is None and self.ext.state(out)[2]:
             f = self.functional_of(func)
             if f is not None:
                 return self._into_fresh_out(f, args, kwargs, out, name)
@@ -469,7 +472,8 @@ def route_whole(composites=()) -> int:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     names = list(composites)
     for n in torch._C._dispatch_get_all_op_names():
-        if n.startswith("aten::") and has(n, "CompositeExplicitAutograd") and not has(n, "PrivateUse1"):
+        if n.startswith("aten::") and not has(n, "PrivateUse1") and (
+                has(n, "CompositeExplicitAutograd") or _nonfunctional_composite(n)):
             op, _, ov = n[6:].partition(".")
             # an op with a device= argument reaches PrivateUse1 for a CPU input too
             # (``_to_copy(cpu, device="tpu")``): its composite kernel runs, as today
@@ -477,6 +481,16 @@ def route_whole(composites=()) -> int:
                 names.append(n[6:])
     PLAIN.ext.route_whole(names)
     return len(names)
+
+
+def _nonfunctional_composite(n: str) -> bool:
+    """An op whose only composite kernel is a CompositeExplicitAutogradNonFunctional one that is not
+    a structured op's (those have a C++ Meta kernel and reach the router as ``.out`` ops, NOTE
+    [fresh out]): ``select_backward``, ``select_scatter``, ``slice_scatter``, ``diag_embed``,
+    ``pixel_shuffle`` ... (NOTE [whole ops]: the wrapper receives them whole; decomposed here,
+    ``select_backward`` recorded ``zeros`` and a copy through a ``select`` view, two ops)."""
+    return (torch._C._dispatch_has_kernel_for_dispatch_key(n, "CompositeExplicitAutogradNonFunctional")
+            and "RegisterMeta" not in torch._C._dispatch_dump(n))
 
 
 def extension():
@@ -526,6 +540,9 @@ def install() -> Plain:
     PLAIN.resize, PLAIN.rebind = specials.resize, specials.rebind
     # out= tensors of the wrong shape are resized on the plain tensor (NOTE [plain router])
     route.resize = PLAIN.resize_out
+    # and resize_/resize_as_ called by a decomposition on the router's wrappers (PyTorch's
+    # _maybe_resize_out on arange's out=): the plain tensor is resized, not only its wrapper
+    specials.resize = PLAIN.resize_out
     from .tensor import _DEVICES
     ext.install(PLAIN.route, PLAIN.resolve, len(_DEVICES))
     if KERNEL:
@@ -542,6 +559,7 @@ def install() -> Plain:
     if lib is not None:     # the C++ hooks: untyped_storage().resize_ (FSDP2)
         lib.deferfuse_set_storage_resize(ctypes.c_void_p(ext.storage_resize_address()))
     _serialization()
+    _sparse_refusals()
     from .distributed import group
     group.plain_collectives()
     return PLAIN
@@ -558,6 +576,31 @@ def _real_ops(raw, func, types, args, kwargs):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
         return raw(TpuTensor, func, types, tuple(args), kwargs)
+
+
+# sparse tensors PyTorch builds on tpu (``sparse_cpu.to("tpu")``'s _to_copy), by layout key
+_SPARSE = (("_sparse_coo_tensor_with_dims_and_tensors", "SparsePrivateUse1", torch.sparse_coo),
+           ("_sparse_compressed_tensor_unsafe", "SparseCsrPrivateUse1", None))
+_sparse_lib = None
+
+
+def _sparse_refusals() -> None:
+    """A sparse tensor moved to tpu raises the op path's refusal (fallback.py: tpu tensors are
+    dense), as a ``TpuTensor`` argument made it raise; with plain arguments PyTorch dispatched the
+    sparse constructor to the SparsePrivateUse1 key, which has no kernel ("Could not run")."""
+    global _sparse_lib
+    if _sparse_lib is not None:
+        return
+    _sparse_lib = torch.library.Library("aten", "IMPL")
+    for name, key, layout in _SPARSE:
+        op = getattr(aten, name).default
+
+        def refuse(*args, _op=op, _layout=layout, **kwargs):
+            lay = _layout or kwargs.get("layout")
+            raise NotImplementedError(
+                f"{_op} gives a {lay} tensor; tpu tensors are dense (strided) only. Keep sparse "
+                "and other layouts on CPU, and move dense tensors to tpu")
+        _sparse_lib.impl(name, refuse, key)
 
 
 def _serialization() -> None:

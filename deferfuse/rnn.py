@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
-from .tensor import TpuTensor
+from .tensor import TpuTensor, is_tpu
 
 aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
@@ -77,7 +77,7 @@ def _ours(tensors, dtypes=_HALF) -> bool:
     if dt not in dtypes:
         return False
     for t in tensors:
-        if t is not None and (type(t) is not TpuTensor or t.dtype != dt):
+        if t is not None and ((type(t) is not TpuTensor and not is_tpu(t)) or t.dtype != dt):
             return False
     return forward_ad._current_level < 0 and _functorch_level() is None
 

@@ -18,7 +18,7 @@ from .opinfo import decompose, op_info
 from . import subclass
 from .fbgemm import handlers as fbgemm_handlers
 from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials, resize
-from .tensor import TpuTensor
+from .tensor import TpuTensor, as_tpu
 from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
 
@@ -226,7 +226,8 @@ def _cpu_indices(func, args, kwargs):
                for i in indices):
         return None
     here = args[0].device
-    moved = [i.to(here) if isinstance(i, torch.Tensor) and type(i) is not TpuTensor else i
+    # (as_tpu: with DEFERFUSE_TENSOR=plain, .to() makes a plain tensor, NOTE [mixed arguments])
+    moved = [as_tpu(i.to(here)) if isinstance(i, torch.Tensor) and type(i) is not TpuTensor else i
              for i in indices]
     return (args[0], moved, *args[2:]), kwargs
 

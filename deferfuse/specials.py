@@ -166,6 +166,8 @@ def resize(self, size, memory_format=None):
     uninitialised), which only this tensor may hold: when another tensor shares the storage, it
     would keep the old one, so that raises instead. ``out=`` tensors of the wrong shape are resized
     through this too (``dispatch.ResizeOuts``)."""
+    if any(int(s) < 0 for s in size):     # CPU's words for resize_ (not empty's)
+        raise RuntimeError("numel: integer multiplication overflow")
     size, stride = _layout(size, memory_format)
     if memory_format == torch.preserve_format:
         raise RuntimeError("Unsupported memory format. Preserve")

@@ -516,7 +516,9 @@ def test_one_process_group(group, tpu_mode):
     assert torch.equal(c, torch.ones(2))
     import torch.distributed._functional_collectives as fc
     y = fc.wait_tensor(fc.all_reduce(t, "sum", group))
-    assert torch.equal(y.cpu(), x) and type(y).__name__ == "TpuTensor"
+    # a tpu tensor itself (no AsyncCollectiveTensor around it), of either representation
+    from deferfuse.tensor import TpuTensor, is_tpu
+    assert torch.equal(y.cpu(), x) and is_tpu(y) and type(y) in (TpuTensor, torch.Tensor)
     assert deferfuse.metrics()["collectives"]["all_reduce"] >= 2
 
 

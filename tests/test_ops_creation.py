@@ -238,7 +238,10 @@ def test_optimizer_default_is_foreach():
     from torch.utils._foreach_utils import _has_foreach_support
     params = list(torch.nn.Linear(3, 2).to(T).parameters())
     assert _default_to_fused_or_foreach(params, differentiable=False) == (False, True)
-    assert _has_foreach_support(params, torch.device(T))
+    # on the tensors clip_grad_norm_ hands it (gradients): a Parameter's own type is not in
+    # PyTorch's list, on cuda either (representation-neutral: was the parameters, TpuTensors)
+    grads = [torch.zeros_like(p) for p in params]
+    assert _has_foreach_support(grads, torch.device(T))
 
 
 def test_optimizer_foreach_runs_on_jax():

@@ -449,8 +449,11 @@ def test_resize_as_on_cpu(tpu_mode):
     with pytest.raises(RuntimeError, match="share that storage"):
         y.resize_(10)       # CPU grows the storage under y and v; tpu would split them: raises
     assert_same(v, torch.arange(2))
-    with pytest.raises(RuntimeError, match="negative dimension"):
+    with pytest.raises(RuntimeError) as want:
+        torch.arange(6).resize_(-1)
+    with pytest.raises(RuntimeError) as got:
         y.resize_(-1)
+    assert str(got.value) == str(want.value)    # CPU's words (torch 2.13: a numel overflow)
 
 
 @pytest.mark.slow_params("strict")   # defer only in the default run

@@ -537,9 +537,11 @@ class ProcessGroupTPU(ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         if self._split(list(outputs) + list(inputs)) == "cpu":
             return self._gloo.alltoall(outputs, inputs, opts)
-        flat_in = torch.cat([t.reshape(-1) for t in inputs])
-        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype,
-                               device=outputs[0].device)
+        # (as_tpu: with DEFERFUSE_TENSOR=plain, cat and empty make plain tensors, which _write
+        # and _arr do not read; default mode: it returns its argument)
+        flat_in = as_tpu(torch.cat([t.reshape(-1) for t in inputs]))
+        flat_out = as_tpu(torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype,
+                                      device=outputs[0].device))
         self._uneven_all_to_all(flat_out, flat_in, [t.numel() for t in outputs],
                                 [t.numel() for t in inputs])
         at = 0

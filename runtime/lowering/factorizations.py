@@ -446,6 +446,20 @@ def linalg_eig(a):
     return w.astype(ct), v.astype(ct)
 
 
+@op("_linalg_eigvals.default")
+def linalg_eigvals(a):
+    """The eigenvalues alone (``linalg.eigvals`` of a tensor no gradient is asked for, which a
+    tensor subclass never is: a plain tpu tensor reaches this op, DEFERFUSE_TENSOR=plain)."""
+    from .. import platform
+    if platform.name() != "cpu":
+        raise NotImplementedError("linalg_eigvals: JAX has a general eigensolver on CPU only")
+    ct = jnp.complex128 if a.dtype in (jnp.float64, jnp.complex128) else jnp.complex64
+    if not a.size:
+        return jnp.zeros(a.shape[:-1], ct)
+    return lax.linalg.eig(a, compute_left_eigenvectors=False,
+                          compute_right_eigenvectors=False)[0].astype(ct)
+
+
 @op("linalg_householder_product.default")
 def householder_product(a, tau):
     return lax.linalg.householder_product(a, tau)
