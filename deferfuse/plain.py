@@ -24,7 +24,7 @@ import torch
 
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
-from .scheduler.records import Value
+from .scheduler.records import Value, sig_id
 from .tensor import Storage, TpuTensor, make
 
 ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
@@ -32,6 +32,8 @@ ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
 KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 
 aten = torch.ops.aten
+# the view ops whose window may move (views._MOVING, and the steps unbind/split record)
+_MOVING_OPS = (aten.slice.Tensor, aten.select.int, aten.as_strided.default)
 
 
 def _contig(size) -> tuple:
@@ -64,6 +66,9 @@ class Plain:
         self.sigs = {}
         self.sig_limit = 1 << 16
         self.sig_clears = 0
+        # C++ signature id of a view -> (chain, _sig, _dyn) of its TpuTensor (NOTE [plain moving
+        # windows]); bounded as ``sigs``
+        self.moving = {}
 
     # -- the fallback's two callbacks
 
@@ -388,14 +393,56 @@ class Plain:
         if base:
             t = make(st, (), p.shape, p.stride(), 0, p.dtype, sig)
         else:
-            t = make(st, self.chain(p, st, raw, base), p.shape, p.stride(), p.storage_offset(),
-                     p.dtype, sig)
+            mv = self.moving.get(cid) if cid >= 0 else None
+            if mv is None:
+                mv = self._moving(p, st, self.chain(p, st, raw, base), cid)
+            t = make(st, mv[0], p.shape, p.stride(), p.storage_offset(), p.dtype, mv[1])
+            if mv[2]:
+                t._dyn = mv[2]
+            return t
         if sig is None and cid >= 0:
             if len(self.sigs) >= self.sig_limit:
                 self.sigs.clear()
                 self.sig_clears += 1
             self.sigs[cid] = t._sig
         return t
+
+    def _moving(self, p, st: Storage, chain: tuple, cid: int) -> tuple:
+        """NOTE [plain moving windows]: ``(view chain, signature, dynamic offsets)`` of the
+        TpuTensor for view ``p``. The C++ view kernels record static steps (``t[i:i + 5]`` names
+        ``i``), so the op path would see a new signature, and compile a new program, per offset.
+        The chain is replayed here through the op path's view route from the base, which writes
+        a window that moves as a dynamic step (NOTE [dynamic offsets]) with its offset a runtime
+        input, as a TpuTensor view gets it. Cached by C++ signature id (a function of the base
+        geometry and the static steps, so of the result; bounded, cleared when full). A chain the
+        view route cannot replay, or whose replay differs in geometry, stays static."""
+        from . import route
+        got = None
+        if chain and any(s[0] in _MOVING_OPS for s in chain):
+            try:
+                size, stride, dtype = self.ext.base(p)
+                t = make(st, (), size, stride, 0, dtype)
+                for op, args, kw in chain:
+                    if op is aten.as_strided.default:
+                        args = args[:3]
+                    r = route._routes.get(id(op))
+                    if r is None:
+                        r = route._routes[id(op)] = route._route(op)
+                    t = r[0](op, r[1], (t, *args), dict(kw))
+                if (type(t) is TpuTensor and t.shape == p.shape and t.stride() == p.stride()
+                        and t.storage_offset() == p.storage_offset() and t.dtype == p.dtype):
+                    got = (t._chain, t._sig, t._dyn)
+            except Exception:
+                got = None
+        if got is None:
+            got = (chain, sig_id((st.val.shape, st.dtype, chain, tuple(p.shape), p.stride(),
+                                  p.dtype)), ())
+        if cid >= 0:
+            if len(self.moving) >= self.sig_limit:
+                self.moving.clear()
+                self.sig_clears += 1
+            self.moving[cid] = got
+        return got
 
     # -- TpuTensor -> plain
 

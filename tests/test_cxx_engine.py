@@ -1,0 +1,68 @@
+"""The engine side on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; docs/cxx-plan.md,
+Session 3 (cxx4)): moving windows, step detection, cuts and errors behave as on the wrapper
+subclass, and every result equals CPU eager.
+
+Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
+extension is not built."""
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import plain
+from util import assert_same
+
+if not plain.ENABLED:
+    pytest.skip("the plain tpu tensor is off: run with DEFERFUSE_TENSOR=plain (make test-cxx)",
+                allow_module_level=True)
+if plain.extension()[0] is None:
+    pytest.skip(plain.extension()[1], allow_module_level=True)
+
+
+def _compiles():
+    return deferfuse.metrics()["compiles"]
+
+
+# NOTE [plain moving windows]: a C++ view names its offset; the router writes it as a dynamic step
+MOVING = [
+    ("slice", lambda x, i: x[i:i + 3] * 2),
+    ("select", lambda x, i: x[i] + 1),
+    ("strided_slice", lambda x, i: x[i:i + 7:3].sum(0)),
+    ("narrow_of_t", lambda x, i: x.t()[:, i:i + 2] - 1),
+    ("slice_of_slice", lambda x, i: x[i:i + 6][1:3] * 3),
+    ("as_strided", lambda x, i: x.as_strided((2, 2), (3, 1), i) + 0),
+    ("select_of_view", lambda x, i: x.view(-1)[i] * 2),
+]
+
+
+@pytest.mark.parametrize("case", [c[1] for c in MOVING], ids=[c[0] for c in MOVING])
+def test_a_window_at_each_offset_is_one_program_and_matches_cpu(case):
+    d = torch.randn(20, 3)
+    t = d.to("tpu")
+    after = []
+    for i in range(0, 10, 2):
+        got = case(t, i)
+        assert_same(got, case(d, i))
+        after.append(_compiles())
+    assert after[1] == after[-1], after     # no offset after the first compiles anything
+
+
+def test_writes_through_a_moving_window_match_cpu():
+    want = torch.zeros(10, 2)
+    t = want.to("tpu")
+    after = []
+    for i in range(6):
+        for x in (t, want):
+            x[i:i + 3] += 1
+            x[i + 1].mul_(2)
+        after.append(_compiles())
+    assert_same(t, want)
+    assert after[1] == after[-1], after
+
+
+def test_a_whole_slice_and_a_one_row_select_stay_static_and_match_cpu():
+    """The windows the view path does not move (all of a dim, a dim of one) equal CPU too."""
+    d = torch.randn(1, 4)
+    t = d.to("tpu")
+    assert_same(t[0:1] * 2, d[0:1] * 2)
+    assert_same(t[0] + 1, d[0] + 1)
+    assert_same(t[:, 0:4] - 1, d[:, 0:4] - 1)
