@@ -619,7 +619,7 @@ def _serialization() -> None:
             raise RuntimeError("Cannot serialize tensors on backends with no storage under "
                                "skip_data context manager")
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (self.cpu(), self.dtype, str(self.device), self.requires_grad))
+                (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
     T.__deepcopy__ = __deepcopy__
     T._reduce_ex_internal = _reduce_ex_internal
 

@@ -66,3 +66,17 @@ def test_a_whole_slice_and_a_one_row_select_stay_static_and_match_cpu():
     assert_same(t[0:1] * 2, d[0:1] * 2)
     assert_same(t[0] + 1, d[0] + 1)
     assert_same(t[:, 0:4] - 1, d[:, 0:4] - 1)
+
+
+def test_a_tensor_that_requires_grad_comes_back_from_a_checkpoint(tmp_path):
+    """torch.save of a plain tpu leaf that requires grad pickles its values detached, so the load
+    can set requires_grad on the rebuilt tensor (it raised "you can only change requires_grad
+    flags of leaf variables")."""
+    c = torch.randn(3).requires_grad_()
+    t = c.detach().to("tpu").requires_grad_()
+    path = tmp_path / "t.pt"
+    torch.save({"t": t, "v": t.detach()[1:]}, path)
+    back = torch.load(path)
+    assert back["t"].device.type == "tpu" and back["t"].is_leaf and back["t"].requires_grad
+    assert_same(back["t"].detach(), c.detach())
+    assert_same(back["v"], c.detach()[1:])
