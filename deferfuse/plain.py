@@ -582,6 +582,7 @@ def install() -> Plain:
     if lib is not None:     # the C++ hooks: untyped_storage().resize_ (FSDP2)
         lib.deferfuse_set_storage_resize(ctypes.c_void_p(ext.storage_resize_address()))
     _serialization()
+    _host_reads()
     from .distributed import group
     group.plain_collectives()
     return PLAIN
@@ -622,6 +623,44 @@ def _serialization() -> None:
                 (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
     T.__deepcopy__ = __deepcopy__
     T._reduce_ex_internal = _reduce_ex_internal
+
+
+def _host_reads() -> None:
+    """NOTE [plain host reads]: ``repr`` and ``tolist`` of a plain tpu tensor read its values in
+    one copy to the host, synced with the reason the wrapper subclass gives (``print``,
+    ``tolist``: ``deferfuse.metrics()["syncs"]``, the report's sync sites), instead of
+    PyTorch's own printing, which runs ops on the device and reads their results one ``item`` at
+    a time. ``repr`` keeps PyTorch's own frame (``device=``, ``dtype=``, ``grad_fn=``, a
+    Parameter's header): only the values' text is formatted from the host copy, as PyTorch
+    formats a CPU tensor's."""
+    from . import dispatch
+    from .tensor import as_tpu
+    T = torch.Tensor
+    repr_, tolist = T.__repr__, T.tolist
+    tensor_str = torch._tensor_str._tensor_str
+    has_tf = torch.overrides.has_torch_function_unary
+
+    def ours(t):
+        return (t.device.type == "tpu" and PLAIN is not None and PLAIN.is_plain(t)
+                and t.layout == torch.strided and not has_tf(t))
+
+    def __repr__(self, *, tensor_contents=None):
+        if tensor_contents is None and ours(self):
+            try:
+                cpu = dispatch.to_cpu(as_tpu(self.detach()), "print")
+            except Exception as e:
+                raise dispatch.user_error(e)    # NOTE [user frames] (engine.py)
+            if cpu.numel():
+                # the indent of "tensor(", the prefix PyTorch's _str_intern prints
+                tensor_contents = tensor_str(cpu, len("tensor("))
+        return repr_(self, tensor_contents=tensor_contents)
+
+    def tolist_(self):
+        if ours(self):
+            return dispatch._tolist(as_tpu(self.detach()))
+        return tolist(self)
+    T.__repr__ = __repr__
+    T.tolist = tolist_
 
 
 def is_tpu(t) -> bool:

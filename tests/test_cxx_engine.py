@@ -80,3 +80,40 @@ def test_a_tensor_that_requires_grad_comes_back_from_a_checkpoint(tmp_path):
     assert back["t"].device.type == "tpu" and back["t"].is_leaf and back["t"].requires_grad
     assert_same(back["t"].detach(), c.detach())
     assert_same(back["v"], c.detach()[1:])
+
+
+REPRS = [
+    ("base", lambda x: x),
+    ("view", lambda x: x[1]),
+    ("bf16", lambda x: x.to(torch.bfloat16)),
+    ("scalar", lambda x: x.sum()),
+    ("empty", lambda x: x[:0]),
+    ("bool", lambda x: x > 0),
+    ("int", lambda x: (x * 10).long()),
+    ("grad_fn", lambda x: x.clone().requires_grad_() * 2),
+    ("parameter", lambda x: torch.nn.Parameter(x.clone())),
+    ("summarised", lambda x: x.repeat(100, 100)),
+]
+
+
+def _text(s):
+    return "".join(s.split()).replace(",device='tpu:0'", "")      # CPU's text, wrapped alike
+
+
+@pytest.mark.parametrize("case", [c[1] for c in REPRS], ids=[c[0] for c in REPRS])
+def test_repr_and_tolist_read_the_values_once_as_cpu_prints_them(case):
+    """NOTE [plain host reads]: repr is PyTorch's text for the CPU tensor with the device added,
+    tolist CPU's list, each synced with its own reason (as the wrapper subclass does)."""
+    c = torch.randn(3, 4)
+    got = case(c.to("tpu") * 1)
+    want = case(c * 1)
+    deferfuse.reset_metrics()
+    text = repr(got)
+    assert "device='tpu:0'" in text
+    assert _text(text) == _text(repr(want))
+    if deferfuse.current_mode() == "defer":
+        assert deferfuse.metrics()["syncs"].get("print", 0) == 1, deferfuse.metrics()["syncs"]
+    lst = got.detach().mul(1).tolist()
+    assert lst == want.detach().tolist()
+    if deferfuse.current_mode() == "defer":
+        assert deferfuse.metrics()["syncs"].get("tolist", 0) == 1, deferfuse.metrics()["syncs"]
