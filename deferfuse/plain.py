@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from .engine import user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
 from .scheduler.records import Value, sig_id
@@ -80,23 +81,28 @@ class Plain:
 
     def route(self, func, args, kwargs):
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
-        name = self.out_name(func) if kwargs else None
-        out = kwargs.get(name) if name else None
-        if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
-                and self.ext.storage(out) is None:
-            f = self.functional_of(func)
-            if f is not None:
-                return self._into_fresh_out(f, args, kwargs, out, name)
-        ins = {}
-        stores = {}
-        wargs = [self._in(a, ins, stores) for a in args]
-        wkw = {k: self._in(v, ins, stores) for k, v in kwargs.items()} if kwargs else {}
-        outer, self.current = self.current, ins
         try:
-            out = self.dispatch(func, wargs, wkw)
-        finally:
-            self.current = outer
-        return self._out(out, ins, stores)
+            name = self.out_name(func) if kwargs else None
+            out = kwargs.get(name) if name else None
+            if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
+                    and self.ext.storage(out) is None:
+                f = self.functional_of(func)
+                if f is not None:
+                    return self._into_fresh_out(f, args, kwargs, out, name)
+            ins = {}
+            stores = {}
+            wargs = [self._in(a, ins, stores) for a in args]
+            wkw = {k: self._in(v, ins, stores) for k, v in kwargs.items()} if kwargs else {}
+            outer, self.current = self.current, ins
+            try:
+                out = self.dispatch(func, wargs, wkw)
+            finally:
+                self.current = outer
+            return self._out(out, ins, stores)
+        except Exception as e:
+            # NOTE [user frames] (engine.py): the error ends in the user's frames, not the
+            # router's (one deferfuse frame, this one, as on the wrapper subclass)
+            raise user_error(e)
 
     def out_name(self, func):
         """The name of an op's one written argument when it is a keyword-only output (``out``, or

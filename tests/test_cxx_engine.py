@@ -117,3 +117,49 @@ def test_repr_and_tolist_read_the_values_once_as_cpu_prints_them(case):
     assert lst == want.detach().tolist()
     if deferfuse.current_mode() == "defer":
         assert deferfuse.metrics()["syncs"].get("tolist", 0) == 1, deferfuse.metrics()["syncs"]
+
+
+def test_an_error_through_the_router_ends_in_the_users_frames():
+    """NOTE [user frames]: an op's error raised through the router (plain.Plain.route) shows the
+    user's line and at most one frame of deferfuse, as on the wrapper subclass; the type and
+    message are CPU's."""
+    import os
+    import traceback
+    a, b = torch.ones(3, 4), torch.ones(5, 6)
+    with pytest.raises(RuntimeError) as cpu:
+        a @ b
+    with pytest.raises(RuntimeError) as info:
+        a.to("tpu") @ b.to("tpu")
+    assert str(info.value) == str(cpu.value)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert frames[0].filename == __file__
+    assert len([f for f in frames if os.sep + "deferfuse" + os.sep in f.filename]) <= 1, frames
+
+
+def test_to_and_copy_between_tpu_devices_match_cpu():
+    """``x.to("tpu:0")`` of a plain tensor on tpu:1 is an empty tensor on tpu:0 and a copy_
+    between devices, which moves the value over (it raised "two devices"); in a fresh process with
+    two host devices."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import torch, deferfuse
+        from deferfuse.tensor import storage_of
+        c = torch.arange(6.).reshape(2, 3)
+        for mode in ("strict", "defer"):
+            with deferfuse.mode(mode):
+                b = c.to("tpu:1")
+                m = b.to("tpu:0")
+                assert m.device == torch.device("tpu:0") and storage_of(m).device == 0, mode
+                assert torch.equal(m.cpu(), c) and m.stride() == c.stride(), mode
+                z = torch.zeros(3, 2, device="tpu:0")
+                z.copy_(b.t())
+                assert torch.equal(z.cpu(), c.t()) and storage_of(z).device == 0, mode
+                assert torch.equal(b.to("tpu:0", torch.float64).cpu(), c.double()), mode
+        print("ok")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
