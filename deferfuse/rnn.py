@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
-from .tensor import TpuTensor
+from .tensor import PLAIN, TpuTensor
 
 aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
@@ -77,9 +77,15 @@ def _ours(tensors, dtypes=_HALF) -> bool:
     if dt not in dtypes:
         return False
     for t in tensors:
-        if t is not None and (type(t) is not TpuTensor or t.dtype != dt):
+        if t is not None and ((type(t) is not TpuTensor and not _plain(t)) or t.dtype != dt):
             return False
     return forward_ad._current_level < 0 and _functorch_level() is None
+
+
+def _plain(t) -> bool:
+    """A plain tpu tensor (DEFERFUSE_TENSOR=plain, docs/cxx-plan.md); never without the flag."""
+    f = PLAIN.is_plain
+    return f is not None and isinstance(t, torch.Tensor) and f(t)
 
 
 class _Params:

@@ -163,3 +163,26 @@ def test_to_and_copy_between_tpu_devices_match_cpu():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.modes("defer")
+def test_an_lstm_on_plain_tensors_is_one_op_a_layer_and_matches_cpu():
+    """deferfuse/rnn.py's kernels take plain tpu tensors too: a float32 nn.LSTM is one recorded
+    op a layer (a scan), not three a time step (step detection read those as a loop), and its
+    outputs and gradients equal CPU's."""
+    torch.manual_seed(0)
+    m = torch.nn.LSTM(8, 16)
+    x = torch.randn(20, 3, 8)
+    mt = torch.nn.LSTM(8, 16).to("tpu")
+    mt.load_state_dict(m.state_dict())
+    out, (h, c) = m(x)
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    out_t, (h_t, c_t) = mt(x.to("tpu"))
+    assert deferfuse.metrics()["ops_recorded"] < 20, deferfuse.metrics()["ops_recorded"]
+    for g, w in ((out_t, out), (h_t, h), (c_t, c)):
+        assert_same(g.detach(), w.detach(), atol=1e-5, rtol=1e-5)
+    (out.sum() + c.sum()).backward()
+    (out_t.sum() + c_t.sum()).backward()
+    for p, q in zip(m.parameters(), mt.parameters()):
+        assert_same(q.grad, p.grad, atol=1e-5, rtol=1e-5)
