@@ -581,6 +581,17 @@ def install() -> Plain:
         from .engine import engine
         ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages, PLAIN.storage)
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
+        # deferfuse.clear_caches() drops the op cache and the OpInfos its Entries name: the kernel's
+        # Entries go with them (a hit on a stale Entry recorded ops under OpInfos no new region
+        # shares: "the closest one has aten.mul.Tensor where this has aten.mul.Tensor", a
+        # compile per call and no buckets after a clear_caches)
+        clear = engine.clear_caches
+
+        def clear_caches():
+            clear()
+            ext.kernel_clear()
+            PLAIN.moving.clear()
+        engine.clear_caches = clear_caches
     ext.set_storage_hooks(PLAIN.grow, PLAIN.freed)
     import ctypes
     import deferfuse_autoload

@@ -186,3 +186,19 @@ def test_an_lstm_on_plain_tensors_is_one_op_a_layer_and_matches_cpu():
     (out_t.sum() + c_t.sum()).backward()
     for p, q in zip(m.parameters(), mt.parameters()):
         assert_same(q.grad, p.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.modes("defer")
+def test_clear_caches_drops_the_kernels_entries_so_growing_lengths_still_bucket():
+    """After ``deferfuse.clear_caches()`` the C++ kernel's Entries go with the op cache (a hit on
+    a stale Entry recorded ops no new region shared: a compile per length, no buckets)."""
+    for fn in (lambda x: (x * 3 + 1).tanh(), lambda x: (x * 3).sum(0)):
+        deferfuse.clear_caches()
+        deferfuse.reset_metrics()
+        for t in range(5, 14):
+            x = torch.randn(t, 4)
+            got = fn(x.to("tpu"))
+            assert_same(got, fn(x), atol=1e-5, rtol=1e-5)
+        m = deferfuse.metrics()
+        assert m["bucketed_runs"] == 8 and m["region_compiles"] + m["disk_cache_hits"] == 2, \
+            m["miss_reasons"]
