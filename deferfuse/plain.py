@@ -35,6 +35,8 @@ KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 aten = torch.ops.aten
 # the view ops whose window may move (views._MOVING, and the steps unbind/split record)
 _MOVING_OPS = (aten.slice.Tensor, aten.select.int, aten.as_strided.default)
+_TO_COPY = aten._to_copy.default
+_COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
 def _contig(size) -> tuple:
@@ -61,6 +63,7 @@ class Plain:
         self.is_plain = ext.is_plain
         self.functionals = {}           # .out op -> its functional op or None (NOTE [fresh out])
         self.out_names = {}             # op -> its one keyword-only output's name or None
+        self.multi = {}                 # op -> (its keyword-only outputs, functional op) or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
@@ -82,7 +85,14 @@ class Plain:
     def route(self, func, args, kwargs):
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
         try:
+            if func is _TO_COPY and not self.is_plain(args[0]):
+                # NOTE [plain _to_copy]: a CPU input to a tpu device: PyTorch's composite
+                return func._op_dk(_COMPOSITE, *args, **kwargs)
             name = self.out_name(func) if kwargs else None
+            if kwargs and name is None:
+                fresh = self._fresh_outs(func, args, kwargs)
+                if fresh is not None:
+                    return fresh
             out = kwargs.get(name) if name else None
             if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
                     and self.ext.storage(out) is None:
@@ -162,6 +172,66 @@ class Plain:
         res = self._out(res, ins, stores)
         with torch.no_grad():
             return out.copy_(res)
+
+    def multi_outs(self, func):
+        """NOTE [fresh outs]: ``(names of the keyword-only outputs, functional op)`` of a
+        structured op with several outputs (``max.dim_max``, ``topk.values``,
+        ``nll_loss_forward.output``), or None (cached per op)."""
+        got = self.multi.get(func, False)
+        if got is False:
+            got = None
+            s = func._schema
+            written = [a for a in s.arguments if a.alias_info is not None and a.alias_info.is_write]
+            if len(written) > 1 and all(a.kwarg_only for a in written) \
+                    and len(s.returns) == len(written):
+                names = tuple(a.name for a in written)
+                want = [(a.name, str(a.type)) for a in s.arguments if a.name not in names]
+                ns, _, op = s.name.partition("::")
+                packet = getattr(getattr(torch.ops, ns), op)
+                for ov in packet.overloads():
+                    o = getattr(packet, ov)
+                    sc = o._schema
+                    if (len(sc.returns) == len(names)
+                            and all(a.alias_info is None for a in sc.arguments)
+                            and [(a.name, str(a.type)) for a in sc.arguments] == want):
+                        got = (names, o)
+                        break
+            self.multi[func] = got
+        return got
+
+    def _fresh_outs(self, func, args, kwargs):
+        """NOTE [fresh outs]: NOTE [fresh out] for an op with several outputs: when every out=
+        tensor is fresh (its storage holds no Storage yet: PyTorch's own empties for a structured
+        op), the functional op is recorded and each out tensor takes its result's Storage (an
+        out op would be an in-place write of each, which buckets refuse). None otherwise."""
+        m = self.multi_outs(func)
+        if m is None:
+            return None
+        names, f = m
+        outs = [kwargs.get(n) for n in names]
+        for o in outs:
+            if (o is None or type(o) is TpuTensor or not self.is_plain(o)
+                    or self.ext.storage(o) is not None):
+                return None
+        kw = {k: v for k, v in kwargs.items() if k not in names}
+        ins, stores = {}, {}
+        wargs = [self._in(a, ins, stores) for a in args]
+        wkw = {k: self._in(v, ins, stores) for k, v in kw.items()} if kw else {}
+        res = self.dispatch(f, wargs, wkw)
+        if type(res) is not tuple and type(res) is not list or len(res) != len(outs):
+            res = self._out(res, ins, stores)
+            raise RuntimeError(f"{f} returned {type(res).__name__}, not {len(outs)} tensors")
+        for r, o in zip(res, outs):
+            if (type(r) is TpuTensor and r.dtype == o.dtype and not r._chain and not r._dyn
+                    and id(r) not in ins):
+                if r.shape != o.shape:
+                    aten.resize_.default(o, r.shape)
+                if r.stride() == o.stride() and o.storage_offset() == 0:
+                    self.ext.set_storage(o, r._s)
+                    continue
+            with torch.no_grad():
+                o.copy_(self._out(r, ins, stores))
+        return tuple(outs)
 
     def resize_out(self, t, size, memory_format=None):
         """``specials.resize`` for an out= tensor of the wrong shape (route._resized): the plain
@@ -526,6 +596,10 @@ def route_whole(composites=()) -> int:
             # (``_to_copy(cpu, device="tpu")``): its composite kernel runs, as today
             if not any(a.name == "device" for a in torch._C._get_schema("aten::" + op, ov).arguments):
                 names.append(n[6:])
+    # NOTE [plain _to_copy]: a cast or move of a tpu tensor is one op (specials._h_to_copy), not
+    # its composite's empty + copy_ (an in-place write, which refuses buckets); a CPU input
+    # reaching it (``_to_copy(cpu, device="tpu")``) runs the composite (Plain.route)
+    names.append("_to_copy")
     PLAIN.ext.route_whole(names)
     return len(names)
 

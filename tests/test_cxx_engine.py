@@ -202,3 +202,69 @@ def test_clear_caches_drops_the_kernels_entries_so_growing_lengths_still_bucket(
         m = deferfuse.metrics()
         assert m["bucketed_runs"] == 8 and m["region_compiles"] + m["disk_cache_hits"] == 2, \
             m["miss_reasons"]
+
+
+CASTS = [
+    ("long", lambda x: x.long()),
+    ("double", lambda x: x.to(torch.float64)),
+    ("bf16_of_t", lambda x: x.t().to(torch.bfloat16)),
+    ("int_of_slice", lambda x: x[1:].int()),
+    ("to_cpu", lambda x: x.to("cpu")),
+    ("contiguous_format", lambda x: x.t().to(memory_format=torch.contiguous_format)),
+]
+
+
+@pytest.mark.parametrize("case", [c[1] for c in CASTS], ids=[c[0] for c in CASTS])
+def test_a_cast_is_one_op_and_matches_cpu(case):
+    """NOTE [plain _to_copy]: ``_to_copy`` of a plain tpu tensor is the op path's one cast (its
+    composite, an empty tensor and an in-place copy_, refused buckets); values, dtypes, shapes,
+    strides and devices as on CPU, and a CPU tensor's move to tpu still works."""
+    c = torch.randn(3, 4)
+    got, want = case(c.to("tpu")), case(c)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+    assert got.device.type == ("cpu" if want.device.type == "cpu" and case is CASTS[4][1] else "tpu")
+    assert torch.equal(got.cpu(), want)
+    moved = c.t().to("tpu", torch.float64)
+    assert moved.device.type == "tpu" and moved.stride() == c.t().stride()
+    assert torch.equal(moved.cpu(), c.t().double())
+
+
+MULTI = [
+    ("max_dim", lambda x: torch.max(x, 0)),
+    ("min_keepdim_of_view", lambda x: torch.min(x[1:], 1, keepdim=True)),
+    ("topk", lambda x: x.topk(2, 1)),
+    ("sort", lambda x: x.sort(0)),
+    ("max_of_t", lambda x: x.t().max(1)),
+    ("cross_entropy", lambda x: torch.nn.functional.cross_entropy(
+        x, torch.tensor([0, 1, 3, 2, -100, 1], device=x.device))),
+]
+
+
+@pytest.mark.parametrize("case", [c[1] for c in MULTI], ids=[c[0] for c in MULTI])
+def test_structured_ops_with_several_outputs_match_cpu(case):
+    """NOTE [fresh outs]: a structured op with several outputs reaches the backend as its out op
+    with PyTorch's fresh empties; the functional op is recorded and each empty takes its result's
+    storage (values, dtypes, shapes, strides as on CPU)."""
+    c = torch.randn(6, 4)
+    got, want = case(c.to("tpu")), case(c)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride()
+        assert_same(g, w)
+
+
+@pytest.mark.modes("defer")
+def test_casts_and_several_outputs_along_a_growing_dim_run_in_buckets():
+    """Lengths 5..13 of a region with a cast and a two-output op: the first compiles exactly,
+    the other eight run in one bucket (an in-place out write refused them)."""
+    def fn(x):
+        return (x * 2).topk(2, 1)[0].sum() + torch.max(x, 0)[0] + (x * 10).long().sum(0)
+    deferfuse.clear_caches()
+    deferfuse.reset_metrics()
+    for t in range(5, 14):
+        x = torch.randn(t, 4)
+        assert_same(fn(x.to("tpu")), fn(x), atol=1e-5, rtol=1e-5)
+    m = deferfuse.metrics()
+    assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
