@@ -35,7 +35,13 @@ KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 aten = torch.ops.aten
 # the view ops whose window may move (views._MOVING, and the steps unbind/split record)
 _MOVING_OPS = (aten.slice.Tensor, aten.select.int, aten.as_strided.default)
-_TO_COPY = aten._to_copy.default
+# NOTE [plain _to_copy]: ops with a device= argument routed whole (route_whole leaves the others
+# out): a cast and the *_like/new_* factories of a tpu tensor, one op each as on the wrapper
+# (their composites' empty + copy_/fill_ were in-place writes: buckets refused them, and a
+# ones_like before a loop was no longer a setup op, NOTE [setup first])
+_DEVICE_WHOLE = ("_to_copy", "ones_like", "zeros_like", "full_like", "empty_like", "new_full",
+                 "new_empty", "new_zeros", "new_ones")
+_DEVICE_WHOLE_IDS = frozenset(id(getattr(aten, n).default) for n in _DEVICE_WHOLE)
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
@@ -85,7 +91,7 @@ class Plain:
     def route(self, func, args, kwargs):
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
         try:
-            if func is _TO_COPY and not self.is_plain(args[0]):
+            if id(func) in _DEVICE_WHOLE_IDS and not self.is_plain(args[0]):
                 # NOTE [plain _to_copy]: a CPU input to a tpu device: PyTorch's composite
                 return func._op_dk(_COMPOSITE, *args, **kwargs)
             name = self.out_name(func) if kwargs else None
@@ -599,7 +605,7 @@ def route_whole(composites=()) -> int:
     # NOTE [plain _to_copy]: a cast or move of a tpu tensor is one op (specials._h_to_copy), not
     # its composite's empty + copy_ (an in-place write, which refuses buckets); a CPU input
     # reaching it (``_to_copy(cpu, device="tpu")``) runs the composite (Plain.route)
-    names.append("_to_copy")
+    names.extend(_DEVICE_WHOLE)
     PLAIN.ext.route_whole(names)
     return len(names)
 

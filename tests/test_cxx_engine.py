@@ -268,3 +268,34 @@ def test_casts_and_several_outputs_along_a_growing_dim_run_in_buckets():
         assert_same(fn(x.to("tpu")), fn(x), atol=1e-5, rtol=1e-5)
     m = deferfuse.metrics()
     assert m["bucketed_runs"] == 8 and not m["bucket_refusals"], m["bucket_refusals"]
+
+
+LIKES = [
+    ("ones_like", lambda x, **k: torch.ones_like(x, **k)),
+    ("zeros_like_of_t", lambda x, **k: torch.zeros_like(x.t(), **k)),
+    ("full_like_f64", lambda x, **k: torch.full_like(x, 2.5, dtype=torch.float64, **k)),
+    ("empty_like_filled", lambda x, **k: torch.empty_like(x, **k).fill_(1)),
+    ("new_full", lambda x, **k: x.new_full((2,), 3, **k)),
+    ("new_zeros", lambda x, **k: x.new_zeros(2, 3, **k)),
+    ("new_ones", lambda x, **k: x.new_ones(1, **k)),
+    ("new_empty_filled", lambda x, **k: x.new_empty(2, **k).fill_(0)),
+]
+
+
+@pytest.mark.parametrize("case", [c[1] for c in LIKES], ids=[c[0] for c in LIKES])
+def test_like_and_new_factories_are_one_op_and_match_cpu(case):
+    """NOTE [plain _to_copy]: the *_like and new_* factories of a plain tpu tensor reach the op
+    path whole (one op, as on the wrapper: a ones_like before a loop is a setup op again), and a
+    CPU input with device="tpu" or a tpu input with device="cpu" lands where CPU's rules say."""
+    c = torch.randn(3, 4)
+    t = c.to("tpu")
+    deferfuse.sync()
+    deferfuse.reset_metrics()
+    got = case(t)
+    if deferfuse.current_mode() == "defer":
+        assert deferfuse.metrics()["ops_recorded"] <= 2     # the factory (and the test's fill_)
+    want = case(c)
+    for g, w in ((got, want), (case(c, device="tpu"), want), (case(t, device="cpu"), want)):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride()
+        assert torch.equal(g.cpu(), w)
+    assert case(c, device="tpu").device.type == "tpu" and case(t, device="cpu").device.type == "cpu"
