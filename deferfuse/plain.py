@@ -22,9 +22,10 @@ import os
 
 import torch
 
+from .engine import user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
-from .scheduler.records import Value
+from .scheduler.records import Value, sig_id
 from .tensor import Storage, TpuTensor, make
 
 ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
@@ -32,6 +33,16 @@ ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
 KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 
 aten = torch.ops.aten
+# the view ops whose window may move (views._MOVING, and the steps unbind/split record)
+_MOVING_OPS = (aten.slice.Tensor, aten.select.int, aten.as_strided.default)
+# NOTE [plain _to_copy]: ops with a device= argument routed whole (route_whole leaves the others
+# out): a cast and the *_like/new_* factories of a tpu tensor, one op each as on the wrapper
+# (their composites' empty + copy_/fill_ were in-place writes: buckets refused them, and a
+# ones_like before a loop was no longer a setup op, NOTE [setup first])
+_DEVICE_WHOLE = ("_to_copy", "ones_like", "zeros_like", "full_like", "empty_like", "new_full",
+                 "new_empty", "new_zeros", "new_ones")
+_DEVICE_WHOLE_IDS = frozenset(id(getattr(aten, n).default) for n in _DEVICE_WHOLE)
+_COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
 def _contig(size) -> tuple:
@@ -58,12 +69,16 @@ class Plain:
         self.is_plain = ext.is_plain
         self.functionals = {}           # .out op -> its functional op or None (NOTE [fresh out])
         self.out_names = {}             # op -> its one keyword-only output's name or None
+        self.multi = {}                 # op -> (its keyword-only outputs, functional op) or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
         self.sigs = {}
         self.sig_limit = 1 << 16
         self.sig_clears = 0
+        # C++ signature id of a view -> (chain, _sig, _dyn) of its TpuTensor (NOTE [plain moving
+        # windows]); bounded as ``sigs``
+        self.moving = {}
 
     # -- the fallback's two callbacks
 
@@ -75,26 +90,39 @@ class Plain:
 
     def route(self, func, args, kwargs):
         """Run ``func`` on plain tpu tensors through the existing op path (NOTE [plain router])."""
-        name = self.out_name(func) if kwargs else None
-        out = kwargs.get(name) if name else None
-        # a fresh out= that is a view of its storage (DDP's bucket views: mul.out into a slice
-        # of a flat bucket) is not fresh: its Storage would be the result's, shaped unlike the
-        # storage's base, which every other view of the bucket reads through its chain
-        if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
-                and self.ext.storage(out) is None and self.ext.state(out)[2]:
-            f = self.functional_of(func)
-            if f is not None:
-                return self._into_fresh_out(f, args, kwargs, out, name)
-        ins = {}
-        stores = {}
-        wargs = [self._in(a, ins, stores) for a in args]
-        wkw = {k: self._in(v, ins, stores) for k, v in kwargs.items()} if kwargs else {}
-        outer, self.current = self.current, ins
         try:
-            out = self.dispatch(func, wargs, wkw)
-        finally:
-            self.current = outer
-        return self._out(out, ins, stores)
+            if id(func) in _DEVICE_WHOLE_IDS and not self.is_plain(args[0]):
+                # NOTE [plain _to_copy]: a CPU input to a tpu device: PyTorch's composite
+                return func._op_dk(_COMPOSITE, *args, **kwargs)
+            name = self.out_name(func) if kwargs else None
+            if kwargs and name is None:
+                fresh = self._fresh_outs(func, args, kwargs)
+                if fresh is not None:
+                    return fresh
+            out = kwargs.get(name) if name else None
+            # a fresh out= that is a view of its storage (DDP's bucket views: mul.out into a
+            # slice of a flat bucket) is not fresh: its Storage would be the result's, shaped
+            # unlike the storage's base, which every other view of the bucket reads through its
+            # chain
+            if out is not None and type(out) is not TpuTensor and self.is_plain(out) \
+                    and self.ext.storage(out) is None and self.ext.state(out)[2]:
+                f = self.functional_of(func)
+                if f is not None:
+                    return self._into_fresh_out(f, args, kwargs, out, name)
+            ins = {}
+            stores = {}
+            wargs = [self._in(a, ins, stores) for a in args]
+            wkw = {k: self._in(v, ins, stores) for k, v in kwargs.items()} if kwargs else {}
+            outer, self.current = self.current, ins
+            try:
+                out = self.dispatch(func, wargs, wkw)
+            finally:
+                self.current = outer
+            return self._out(out, ins, stores)
+        except Exception as e:
+            # NOTE [user frames] (engine.py): the error ends in the user's frames, not the
+            # router's (one deferfuse frame, this one, as on the wrapper subclass)
+            raise user_error(e)
 
     def out_name(self, func):
         """The name of an op's one written argument when it is a keyword-only output (``out``, or
@@ -154,6 +182,66 @@ class Plain:
         res = self._out(res, ins, stores)
         with torch.no_grad():
             return out.copy_(res)
+
+    def multi_outs(self, func):
+        """NOTE [fresh outs]: ``(names of the keyword-only outputs, functional op)`` of a
+        structured op with several outputs (``max.dim_max``, ``topk.values``,
+        ``nll_loss_forward.output``), or None (cached per op)."""
+        got = self.multi.get(func, False)
+        if got is False:
+            got = None
+            s = func._schema
+            written = [a for a in s.arguments if a.alias_info is not None and a.alias_info.is_write]
+            if len(written) > 1 and all(a.kwarg_only for a in written) \
+                    and len(s.returns) == len(written):
+                names = tuple(a.name for a in written)
+                want = [(a.name, str(a.type)) for a in s.arguments if a.name not in names]
+                ns, _, op = s.name.partition("::")
+                packet = getattr(getattr(torch.ops, ns), op)
+                for ov in packet.overloads():
+                    o = getattr(packet, ov)
+                    sc = o._schema
+                    if (len(sc.returns) == len(names)
+                            and all(a.alias_info is None for a in sc.arguments)
+                            and [(a.name, str(a.type)) for a in sc.arguments] == want):
+                        got = (names, o)
+                        break
+            self.multi[func] = got
+        return got
+
+    def _fresh_outs(self, func, args, kwargs):
+        """NOTE [fresh outs]: NOTE [fresh out] for an op with several outputs: when every out=
+        tensor is fresh (its storage holds no Storage yet: PyTorch's own empties for a structured
+        op), the functional op is recorded and each out tensor takes its result's Storage (an
+        out op would be an in-place write of each, which buckets refuse). None otherwise."""
+        m = self.multi_outs(func)
+        if m is None:
+            return None
+        names, f = m
+        outs = [kwargs.get(n) for n in names]
+        for o in outs:
+            if (o is None or type(o) is TpuTensor or not self.is_plain(o)
+                    or self.ext.storage(o) is not None):
+                return None
+        kw = {k: v for k, v in kwargs.items() if k not in names}
+        ins, stores = {}, {}
+        wargs = [self._in(a, ins, stores) for a in args]
+        wkw = {k: self._in(v, ins, stores) for k, v in kw.items()} if kw else {}
+        res = self.dispatch(f, wargs, wkw)
+        if type(res) is not tuple and type(res) is not list or len(res) != len(outs):
+            res = self._out(res, ins, stores)
+            raise RuntimeError(f"{f} returned {type(res).__name__}, not {len(outs)} tensors")
+        for r, o in zip(res, outs):
+            if (type(r) is TpuTensor and r.dtype == o.dtype and not r._chain and not r._dyn
+                    and id(r) not in ins):
+                if r.shape != o.shape:
+                    aten.resize_.default(o, r.shape)
+                if r.stride() == o.stride() and o.storage_offset() == 0:
+                    self.ext.set_storage(o, r._s)
+                    continue
+            with torch.no_grad():
+                o.copy_(self._out(r, ins, stores))
+        return tuple(outs)
 
     def resize_out(self, t, size, memory_format=None):
         """``specials.resize`` for an out= tensor of the wrong shape (route._resized): the plain
@@ -391,14 +479,56 @@ class Plain:
         if base:
             t = make(st, (), p.shape, p.stride(), 0, p.dtype, sig)
         else:
-            t = make(st, self.chain(p, st, raw, base), p.shape, p.stride(), p.storage_offset(),
-                     p.dtype, sig)
+            mv = self.moving.get(cid) if cid >= 0 else None
+            if mv is None:
+                mv = self._moving(p, st, self.chain(p, st, raw, base), cid)
+            t = make(st, mv[0], p.shape, p.stride(), p.storage_offset(), p.dtype, mv[1])
+            if mv[2]:
+                t._dyn = mv[2]
+            return t
         if sig is None and cid >= 0:
             if len(self.sigs) >= self.sig_limit:
                 self.sigs.clear()
                 self.sig_clears += 1
             self.sigs[cid] = t._sig
         return t
+
+    def _moving(self, p, st: Storage, chain: tuple, cid: int) -> tuple:
+        """NOTE [plain moving windows]: ``(view chain, signature, dynamic offsets)`` of the
+        TpuTensor for view ``p``. The C++ view kernels record static steps (``t[i:i + 5]`` names
+        ``i``), so the op path would see a new signature, and compile a new program, per offset.
+        The chain is replayed here through the op path's view route from the base, which writes
+        a window that moves as a dynamic step (NOTE [dynamic offsets]) with its offset a runtime
+        input, as a TpuTensor view gets it. Cached by C++ signature id (a function of the base
+        geometry and the static steps, so of the result; bounded, cleared when full). A chain the
+        view route cannot replay, or whose replay differs in geometry, stays static."""
+        from . import route
+        got = None
+        if chain and any(s[0] in _MOVING_OPS for s in chain):
+            try:
+                size, stride, dtype = self.ext.base(p)
+                t = make(st, (), size, stride, 0, dtype)
+                for op, args, kw in chain:
+                    if op is aten.as_strided.default:
+                        args = args[:3]
+                    r = route._routes.get(id(op))
+                    if r is None:
+                        r = route._routes[id(op)] = route._route(op)
+                    t = r[0](op, r[1], (t, *args), dict(kw))
+                if (type(t) is TpuTensor and t.shape == p.shape and t.stride() == p.stride()
+                        and t.storage_offset() == p.storage_offset() and t.dtype == p.dtype):
+                    got = (t._chain, t._sig, t._dyn)
+            except Exception:
+                got = None
+        if got is None:
+            got = (chain, sig_id((st.val.shape, st.dtype, chain, tuple(p.shape), p.stride(),
+                                  p.dtype)), ())
+        if cid >= 0:
+            if len(self.moving) >= self.sig_limit:
+                self.moving.clear()
+                self.sig_clears += 1
+            self.moving[cid] = got
+        return got
 
     # -- TpuTensor -> plain
 
@@ -479,6 +609,10 @@ def route_whole(composites=()) -> int:
             # (``_to_copy(cpu, device="tpu")``): its composite kernel runs, as today
             if not any(a.name == "device" for a in torch._C._get_schema("aten::" + op, ov).arguments):
                 names.append(n[6:])
+    # NOTE [plain _to_copy]: a cast or move of a tpu tensor is one op (specials._h_to_copy), not
+    # its composite's empty + copy_ (an in-place write, which refuses buckets); a CPU input
+    # reaching it (``_to_copy(cpu, device="tpu")``) runs the composite (Plain.route)
+    names.extend(_DEVICE_WHOLE)
     PLAIN.ext.route_whole(names)
     return len(names)
 
@@ -552,6 +686,17 @@ def install() -> Plain:
         from .engine import engine
         ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages, PLAIN.storage)
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
+        # deferfuse.clear_caches() drops the op cache and the OpInfos its Entries name: the kernel's
+        # Entries go with them (a hit on a stale Entry recorded ops under OpInfos no new region
+        # shares: "the closest one has aten.mul.Tensor where this has aten.mul.Tensor", a
+        # compile per call and no buckets after a clear_caches)
+        clear = engine.clear_caches
+
+        def clear_caches():
+            clear()
+            ext.kernel_clear()
+            PLAIN.moving.clear()
+        engine.clear_caches = clear_caches
     ext.set_storage_hooks(PLAIN.grow, PLAIN.freed)
     import ctypes
     import deferfuse_autoload
@@ -560,6 +705,7 @@ def install() -> Plain:
         lib.deferfuse_set_storage_resize(ctypes.c_void_p(ext.storage_resize_address()))
     _serialization()
     _sparse_refusals()
+    _host_reads()
     from .distributed import group
     group.plain_collectives()
     return PLAIN
@@ -635,9 +781,47 @@ def _serialization() -> None:
             raise RuntimeError("Cannot serialize tensors on backends with no storage under "
                                "skip_data context manager")
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (self.cpu(), self.dtype, str(self.device), self.requires_grad))
+                (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
     T.__deepcopy__ = __deepcopy__
     T._reduce_ex_internal = _reduce_ex_internal
+
+
+def _host_reads() -> None:
+    """NOTE [plain host reads]: ``repr`` and ``tolist`` of a plain tpu tensor read its values in
+    one copy to the host, synced with the reason the wrapper subclass gives (``print``,
+    ``tolist``: ``deferfuse.metrics()["syncs"]``, the report's sync sites), instead of
+    PyTorch's own printing, which runs ops on the device and reads their results one ``item`` at
+    a time. ``repr`` keeps PyTorch's own frame (``device=``, ``dtype=``, ``grad_fn=``, a
+    Parameter's header): only the values' text is formatted from the host copy, as PyTorch
+    formats a CPU tensor's."""
+    from . import dispatch
+    from .tensor import as_tpu
+    T = torch.Tensor
+    repr_, tolist = T.__repr__, T.tolist
+    tensor_str = torch._tensor_str._tensor_str
+    has_tf = torch.overrides.has_torch_function_unary
+
+    def ours(t):
+        return (t.device.type == "tpu" and PLAIN is not None and PLAIN.is_plain(t)
+                and t.layout == torch.strided and not has_tf(t))
+
+    def __repr__(self, *, tensor_contents=None):
+        if tensor_contents is None and ours(self):
+            try:
+                cpu = dispatch.to_cpu(as_tpu(self.detach()), "print")
+            except Exception as e:
+                raise dispatch.user_error(e)    # NOTE [user frames] (engine.py)
+            if cpu.numel():
+                # the indent of "tensor(", the prefix PyTorch's _str_intern prints
+                tensor_contents = tensor_str(cpu, len("tensor("))
+        return repr_(self, tensor_contents=tensor_contents)
+
+    def tolist_(self):
+        if ours(self):
+            return dispatch._tolist(as_tpu(self.detach()))
+        return tolist(self)
+    T.__repr__ = __repr__
+    T.tolist = tolist_
 
 
 def is_tpu(t) -> bool:

@@ -105,6 +105,10 @@ def _h_copy(func, args, kwargs):
         with torch._C._DisableTorchDispatch():
             dst.copy_(to_cpu(src, "cpu"))
         return dst
+    if type(src) is TpuTensor and src._s.device != dst._s.device:
+        # copy_ from another tpu device, as CUDA's copy_ between devices: the value moves over
+        # first (``x.to("tpu:0")`` on a plain tensor is empty on tpu:0 and this copy_)
+        src = _h_to_copy(aten._to_copy.default, (src,), {"device": dst.device})
     return copy_into(dst, src)
 
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import deferfuse
 from deferfuse.engine import engine
+from deferfuse.tensor import as_tpu, storage_of
 from util import assert_same
 
 aten = torch.ops.aten
@@ -104,7 +105,7 @@ def test_every_number_slot_of_every_lowering_is_lifted_or_keyed_by_type():
     from deferfuse.dispatch import op_key
     from deferfuse.opinfo import op_info
     from deferfuse.runtime.lowering import LOWERINGS
-    dev = torch.zeros(2, device="tpu")
+    dev = as_tpu(torch.zeros(2, device="tpu"))    # op_key reads the op path's tensors
     checked = 0
     for op in LOWERINGS:
         info = op_info(op)
@@ -200,13 +201,13 @@ def test_a_donated_buffer_is_never_read_as_zeros(monkeypatch):
     monkeypatch.setattr(Value, "fail", lambda v, e: (marked.append((id(v), e)), real(v, e)))
     x = torch.randn(100).to("tpu")
     deferfuse.sync()
-    old_id = id(x._s.val)
+    old_id = id(storage_of(x).val)
     x.mul_(2)
     deferfuse.sync()
     assert deferfuse.metrics()["donated_bytes"] >= 400
     (err,) = [e for i, e in marked if i == old_id]
     assert isinstance(err, Donated) and "mul" in str(err)
-    v = Value((3,), x._s.val.dtype, 12)
+    v = Value((3,), storage_of(x).val.dtype, 12)
     v.fail(err)
     with pytest.raises(RuntimeError, match="internal error.*donated.*mul"):
         engine.ready(v)
@@ -505,6 +506,7 @@ def test_tpu_n_is_jax_device_n():
     set_device changes the default (two forced host devices, in a fresh process)."""
     code = textwrap.dedent("""
         import torch, deferfuse
+        from deferfuse.tensor import storage_of
         assert torch.tpu.device_count() == 2
         for mode in ("strict", "defer", "debug"):
             with deferfuse.mode(mode):
@@ -512,12 +514,12 @@ def test_tpu_n_is_jax_device_n():
                 b = a * 2 + torch.arange(3, device="tpu:1")
                 assert b.device == torch.device("tpu:1")
                 deferfuse.sync()
-                assert {d.id for d in b._s.val.array.devices()} == {1}, mode
+                assert {d.id for d in storage_of(b).val.array.devices()} == {1}, mode
                 c = b.to("tpu:0")
                 assert c.device == torch.device("tpu:0")
                 e = c + 1
                 deferfuse.sync()
-                assert {d.id for d in e._s.val.array.devices()} == {0}, mode
+                assert {d.id for d in storage_of(e).val.array.devices()} == {0}, mode
                 assert torch.equal(e.cpu(), torch.tensor([3., 4., 5.]))
                 try:
                     c + b
@@ -529,7 +531,7 @@ def test_tpu_n_is_jax_device_n():
                 d = torch.zeros(2, device="tpu") + 1
                 assert d.device == torch.device("tpu:1"), d.device
                 deferfuse.sync()
-                assert {x.id for x in d._s.val.array.devices()} == {1}
+                assert {x.id for x in storage_of(d).val.array.devices()} == {1}
                 torch.tpu.set_device(0)
                 assert (torch.ones(1, device="tpu") + 0).device == torch.device("tpu:0")
                 # a device= names where the result goes (it stayed on tpu:0); moves keep strides
@@ -540,7 +542,7 @@ def test_tpu_n_is_jax_device_n():
                     r = f()
                     assert r.device == torch.device("tpu:1") and r.dtype == a.dtype, mode
                     deferfuse.sync()
-                    assert {x.id for x in r._s.val.array.devices()} == {1}, mode
+                    assert {x.id for x in storage_of(r).val.array.devices()} == {1}, mode
                 assert a.to("tpu:1").stride() == a.stride()
                 torch.accelerator.set_device_index(1)
                 assert torch.tpu.current_device() == torch.accelerator.current_device_index() == 1

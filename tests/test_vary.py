@@ -1042,15 +1042,17 @@ def test_meta_memo_keeps_only_what_every_process_describes_alike(tmp_path):
     # NOTE [meta memo] (deferfuse/meta.py): output shapes kept on disk for the next process, by a
     # description with no addresses and no values a meta kernel could read.
     from deferfuse.meta import MetaMemo, _run_meta
+    from deferfuse.tensor import as_tpu     # the memo reads the op path's tensors (either form)
     add = torch.ops.aten.add.Tensor
     a, b = torch.randn(3, 4), torch.randn(4)
-    ta, tb = a.to("tpu"), b.to("tpu")
+    ta, tb = as_tpu(a.to("tpu")), as_tpu(b.to("tpu"))
     memo = MetaMemo()
     memo.enable(str(tmp_path))
     k = memo.key(add, (ta, tb), {"alpha": 2})
-    assert k is not None and k == memo.key(add, (torch.ones(3, 4).to("tpu"), tb), {"alpha": 2})
+    assert k is not None and k == memo.key(add, (as_tpu(torch.ones(3, 4).to("tpu")), tb),
+                                           {"alpha": 2})
     assert k != memo.key(add, (ta, tb), {"alpha": 2.0})                  # the type counts
-    assert k != memo.key(add, (ta.t().contiguous().t(), tb), {"alpha": 2})    # strides count
+    assert k != memo.key(add, (as_tpu(ta.t().contiguous().t()), tb), {"alpha": 2})  # strides count
     assert memo.key(add, (ta, b), {}) is None                   # a CPU tensor: its values
     with torch.autocast("cpu", enabled=False):
         torch.set_default_dtype(torch.float64)
