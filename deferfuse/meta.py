@@ -608,7 +608,9 @@ def _run_meta(func, args, kwargs):
     return _kernel_outputs(func, args, kwargs)
 
 
-_CPU_SCALAR_VALUE = {aten.masked_fill.Tensor, aten.masked_fill_.Tensor}
+# op -> the position of a value argument that may be a CPU 0-dim tensor beside tpu tensors
+_CPU_SCALAR_VALUE = {aten.masked_fill.Tensor: 2, aten.masked_fill_.Tensor: 2,
+                     aten.index_fill.int_Tensor: 3, aten.index_fill_.int_Tensor: 3}
 
 
 def _cpu_scalar(a) -> bool:
@@ -625,10 +627,11 @@ def _kernel_outputs(func, args, kwargs):
         offs = margs[2] if len(margs) > 2 else mkw.get("offs")
         dt = (margs[4] if len(margs) > 4 else mkw.get("out_dtype")) or a.dtype
         return "one", (_desc(_grouped_mm_out(a, b, offs, dt)),)
-    if func in _CPU_SCALAR_VALUE and len(margs) > 2 and _cpu_scalar(margs[2]):
-        # masked_fill's value may be a CPU scalar tensor on an accelerator (PyTorch's reference
-        # allows it for PrivateUse1, but not for the meta tensor standing in for ours)
-        margs[2] = torch.empty((), dtype=margs[2].dtype, device=_META)
+    at = _CPU_SCALAR_VALUE.get(func)
+    if at is not None and len(margs) > at and _cpu_scalar(margs[at]):
+        # masked_fill's and index_fill's value may be a CPU scalar tensor on an accelerator
+        # (PyTorch's reference allows it for PrivateUse1, not for the meta tensor standing in)
+        margs[at] = torch.empty((), dtype=margs[at].dtype, device=_META)
     if not func._schema.returns:      # in-place ops declared "-> ()" (_foreach_add_ ...)
         try:
             func(*margs, **mkw)           # checks the arguments; there is nothing to infer
