@@ -21,7 +21,8 @@ from .runtime import execute, prng, transfer
 from .runtime.dtypes import to_np_dtype
 from .runtime.node import SS, TS, build, const
 from .scheduler.records import Value, sig_id
-from .meta import dtype_error, infer
+from .cpuwords import dtype_error
+from .meta import infer
 from .tensor import Storage, TpuTensor, make
 
 aten = torch.ops.aten
@@ -266,7 +267,7 @@ def _run(func, info, args, kwargs):
                                    scalars)
         except NotImplementedError as e:
             if getattr(e, "deferfuse_cpu_words", False):
-                raise                   # CPU's own refusal (NOTE [CPU's words] in meta.py)
+                raise                   # CPU's own refusal (NOTE [CPU's words] in cpuwords.py)
             # No meta kernel, or an output shape that depends on the data (boolean masks).
             msg = str(e)
             why = "data-dependent shape" if ("nonzero" in msg or "data-dependent" in msg
