@@ -172,8 +172,9 @@ class MetaMemo:
     dtype, base and conjugate/negative bits, every other argument's value with its type); an
     argument with no such description (a CPU tensor, whose values a meta kernel may read; a
     generator) is never kept. Only answers are kept, never errors, and the file is keyed by the
-    torch version and this module's source. Written once at exit (merged with what another
-    process wrote meanwhile, replaced atomically), at most ``capacity`` entries."""
+    torch version and the source of the modules that answer (``_MEMO_SOURCES``). Written once at
+    exit (merged with what another process wrote meanwhile, replaced atomically), at most
+    ``capacity`` entries."""
 
     def __init__(self, capacity: int = 1 << 15):
         self.capacity = capacity
