@@ -1,5 +1,5 @@
-"""nn ops (runtime/lowering/nn.py, embedding.py, sampling.py, rnn.py): forward and gradients
-against CPU eager, and no CPU fallbacks."""
+"""nn ops (runtime/lowering/nn.py, norms.py, embedding.py, sampling.py, rnn.py): forward and
+gradients against CPU eager, and no CPU fallbacks."""
 import copy
 
 import pytest
