@@ -483,8 +483,12 @@ class Runner:
         # one recurs, and compiles whole on its second run. The policy decides
         # (CutPolicy.new_shapes in scheduler/policy.py); what it remembers is kept here.
         if seen:
+            # (a version at a new base of a family that runs in buckets: NOTE [new bases])
+            base = (cfg.buckets and not cfg.cross_check
+                    and self.buckets.relearns(struct, run.entries))
             sp, memo = policy.CutPolicy.new_shapes(n_compiled, cfg.shape_limit,
-                                                   self.once.get(key), seen[1], keys, seen[2])
+                                                   self.once.get(key), seen[1], keys, seen[2],
+                                                   base)
             if memo is not None:
                 self.once[key] = memo
             if sp.how is policy.Shapes.SPLIT:

@@ -120,15 +120,18 @@ class CutPolicy:
         return enabled and not whole and n >= steps.LOOP_SPLIT_MIN_OPS and not cross_check
 
     @staticmethod
-    def new_shapes(versions: int, limit: int, decided, first_keys, keys, vary: set):
+    def new_shapes(versions: int, limit: int, decided, first_keys, keys, vary: set,
+                   new_base: bool = False):
         """A structure compiled for ``versions`` sets of shapes is here with new ones (and no
         bucket takes them): (its ``ShapePlan``, what to remember for this version or None).
         ``limit``: versions compiled whole before splitting (DEFERFUSE_SHAPE_RECOMPILE_LIMIT);
         ``decided``: what was remembered for this version (None: nothing); ``first_keys``,
         ``keys``: the op keys of the first version and of this one; ``vary``: the positions seen
         to change (updated). A version that comes back runs as it did, except one that ran op by
-        op: that one recurs, and compiles whole."""
-        if versions < limit:
+        op: that one recurs, and compiles whole. ``new_base``: the version is the first at a new
+        base of a structure that runs in buckets (NOTE [new bases] in runtime/buckets.py): it
+        compiles whole, to be fitted against by the versions that follow it."""
+        if versions < limit or new_base:
             return WHOLE, None
         if decided is None:
             cuts = cut.churn_cuts(first_keys, keys, vary)

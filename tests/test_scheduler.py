@@ -308,6 +308,9 @@ def test_cut_policy_says_how_a_churning_structure_runs():
     plan, keep = CutPolicy.new_shapes(2, 2, None, first, list("ABCDEF"), set())
     assert plan.how is Shapes.OP_BY_OP and keep == "whole" and str(plan.how) == "op by op"
     assert CutPolicy.new_shapes(2, 2, keep, first, list("ABCDEF"), set()) == (WHOLE, None)
+    # the first version at a new base of a structure that runs in buckets compiles whole, past
+    # the limit too (NOTE [new bases] in runtime/buckets.py), and nothing is remembered for it
+    assert CutPolicy.new_shapes(5, 2, None, first, list("aBcdef"), set(), True) == (WHOLE, None)
 
 
 def test_report_words_every_cut_reason():
