@@ -194,8 +194,8 @@ class Buckets:
     def relearns(self, struct, entries) -> bool:
         """Whether this version of ``struct``, which no plan took, is a new base to learn from
         (NOTE [new bases]): its family has a plan that runs, no plan's fit (run or refused)
-        takes it, and fewer than ``MAX_PLANS`` plans were made and bases met. Counted: each call that
-        says yes is one of them."""
+        takes it, and fewer than ``MAX_PLANS`` plans were made and bases met. Counted: each call
+        that says yes is one of them."""
         ints, mask, skels, lens = self._ints(entries)
         if ints is None:
             return False

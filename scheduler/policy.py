@@ -96,9 +96,9 @@ WHOLE = ShapePlan(Shapes.WHOLE)
 class Split(str, Enum):
     """How the runner splits a flushed trace before compiling it (each computed by
     scheduler/cut.py or steps.py from the trace's structure, cached with it)."""
-    SETUP_FIRST = "setup first"     # leading factories as a region of their own (NOTE [setup first])
+    SETUP_FIRST = "setup first"     # leading factories run first (NOTE [setup first])
     LOOP = "loop"                   # at every repetition of a loop body (NOTE [loop split])
-    NEEDED_FIRST = "needed first"   # what the sync reads first, the rest after (NOTE [needed first])
+    NEEDED_FIRST = "needed first"   # what the sync reads, then the rest (NOTE [needed first])
 
     def __str__(self) -> str:
         return self.value
