@@ -21,6 +21,7 @@ from .runtime import execute, prng, transfer
 from .runtime.dtypes import to_np_dtype
 from .runtime.node import SS, TS, build, const
 from .scheduler.records import Value, sig_id
+from .scheduler.policy import Sync
 from .cpuwords import dtype_error
 from .meta import infer
 from .tensor import Storage, TpuTensor, make
@@ -60,7 +61,7 @@ def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0,
     return t
 
 
-def read(t: TpuTensor, reason: str = "cpu"):
+def read(t: TpuTensor, reason: str = Sync.CPU):
     """The concrete JAX array of ``t`` (its view applied), running pending work first."""
     arr = engine.ready(t._s.val, t._s.device, reason)
     if not t._chain:
@@ -68,7 +69,7 @@ def read(t: TpuTensor, reason: str = "cpu"):
     return execute.read_view(arr, t._chain, t._dyn)
 
 
-def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
+def to_cpu(t: TpuTensor, reason: str = Sync.CPU) -> torch.Tensor:
     """A CPU copy of ``t`` (a sync point in defer mode)."""
     v = t._s.val
     trace = _local.ts.trace
@@ -502,7 +503,7 @@ def _repr(self, *, tensor_contents=None):
         return (f"TpuTensor(traced, size={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device='{self.device}')")
     try:
-        cpu = to_cpu(self, "print")
+        cpu = to_cpu(self, Sync.PRINT)
     except Exception as e:
         raise user_error(e)     # NOTE [user frames] (engine.py)
     user = getattr(type(self), "_tpu_user", None)
@@ -528,7 +529,7 @@ def _repr(self, *, tensor_contents=None):
 
 def _tolist(self):
     try:
-        return to_cpu(self, "tolist").tolist()
+        return to_cpu(self, Sync.TOLIST).tolist()
     except Exception as e:
         raise user_error(e)
 
