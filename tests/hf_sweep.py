@@ -384,6 +384,12 @@ def build(model_type: str, dtype=None):
     cfg = tiny_config(AutoConfig.for_model(model_type))
     if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
         cfg.num_labels = 3
+    if kind in ("seq2seq", "speech2seq") and _get(cfg, "is_encoder_decoder") and _get(cfg, "pad_token_id") is None:
+        # labels are shifted right into decoder inputs with the pad id as the first token
+        # (encoder-decoder, moonshine leave it None; a checkpoint's tokenizer sets it)
+        _set(cfg, "pad_token_id", 0)
+        if _get(cfg, "decoder_start_token_id") is None:
+            _set(cfg, "decoder_start_token_id", 0)
     cls = getattr(transformers, cls_name)
     want = getattr(cls, "config_class", None)
     if isinstance(want, type) and not isinstance(cfg, want):
