@@ -290,7 +290,17 @@ def tiny_config(cfg, depth=0):
             all(isinstance(i, int) and 0 <= i <= n_old for i in d["out_indices"]) and \
             max(d["out_indices"]) > LAYERS:
         idx = sorted({max(1, -(-i * LAYERS // n_old)) if i else 0 for i in d["out_indices"]})
-        _set(cfg, "stage_names", ["stem"] + [f"stage{i}" for i in range(1, LAYERS + 1)])
+        depth_new = LAYERS
+        k = len(set(d["out_indices"]))
+        if depth and k > len(idx):
+            # a backbone nested in a model that reads each of its k feature maps (depth_anything's
+            # neck reads 4): k layers, one map each, the last k stages as before
+            depth_new = max(LAYERS, k)
+            idx = list(range(depth_new - k + 1, depth_new + 1))
+            for name in old_layers:
+                if name in ("num_hidden_layers", "num_layers"):
+                    _set(cfg, name, depth_new)
+        _set(cfg, "stage_names", ["stem"] + [f"stage{i}" for i in range(1, depth_new + 1)])
         try:
             cfg.set_output_features_output_indices(None, idx)
         except Exception:  # noqa: BLE001 - not a BackboneConfigMixin: the plain fields
