@@ -527,6 +527,11 @@ def _required(model, cfg, batch):
     if "query_embeds" in params and params["query_embeds"].default is inspect.Parameter.empty:
         width = _sub(cfg, "hidden_size") or HIDDEN       # blip-2's Q-Former alone: its query tokens
         add["query_embeds"] = torch.randn(BATCH, _sub(cfg, "num_query_tokens") or 8, width, generator=g)
+    if "decoder_input_ids" in params and "decoder_input_ids" not in batch and "labels" not in batch and (
+            "input_features" in batch or "input_values" in batch):
+        # a transducer's prediction network reads the previous tokens (parakeet_rnnt, parakeet_tdt)
+        vocab = _sub(cfg, "vocab_size") or VOCAB
+        add["decoder_input_ids"] = torch.randint(3, min(vocab, VOCAB), (BATCH, SEQ - 2), generator=g)
     return {**batch, **add} if add else None
 
 
