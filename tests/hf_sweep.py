@@ -506,6 +506,13 @@ def candidates(kind, model, cfg):
         full = _required(model, cfg, b)
         if full is not None:
             yield full
+    nc = _sub(cfg, "num_codebooks")
+    if seen and isinstance(nc, int) and nc > 1 and "input_ids" in seen[0] and kind == "causal":
+        # a decoder over several audio codebooks (musicgen): ids (batch x codebooks, seq), labels
+        # (batch, seq, codebooks)
+        import torch
+        ids = torch.randint(3, VOCAB, (BATCH * nc, SEQ), generator=torch.Generator().manual_seed(10))
+        yield {"input_ids": ids, "labels": ids.reshape(BATCH, nc, SEQ).transpose(1, 2).contiguous()}
 
 
 def _required(model, cfg, batch):
