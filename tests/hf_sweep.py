@@ -506,6 +506,12 @@ def candidates(kind, model, cfg):
         full = _required(model, cfg, b)
         if full is not None:
             yield full
+    width = _sub(cfg, "feature_projection_input_dim")
+    if seen and isinstance(width, int) and "input_features" in seen[0]:
+        # features stacked by the processor before the projection (wav2vec2-bert: 2 x 80 mel bins)
+        import torch
+        yield {**seen[0], "input_features": torch.randn(BATCH, 2 * SEQ, width,
+                                                        generator=torch.Generator().manual_seed(11))}
     nc = _sub(cfg, "num_codebooks")
     if seen and isinstance(nc, int) and nc > 1 and "input_ids" in seen[0] and kind == "causal":
         # a decoder over several audio codebooks (musicgen): ids (batch x codebooks, seq), labels
