@@ -512,6 +512,17 @@ def candidates(kind, model, cfg):
         import torch
         yield {**seen[0], "input_features": torch.randn(BATCH, 2 * SEQ, width,
                                                         generator=torch.Generator().manual_seed(11))}
+    f = seen[0].get("input_features") if seen else None
+    if f is not None and f.dim() == 3:
+        # mel bins fixed in the model's code, not in its config (gemma4_audio: 128), or frames the
+        # processor stacks 4 by 4 (granite_speech5: 4 x 80): (batch, frames, bins) and (batch, bins,
+        # frames)
+        import torch
+        g = torch.Generator().manual_seed(12)
+        for bins in (128, 4 * f.shape[1]):
+            x = torch.randn(BATCH, 2 * SEQ, bins, generator=g)
+            yield {**seen[0], "input_features": x}
+            yield {**seen[0], "input_features": x.transpose(1, 2).contiguous()}
     nc = _sub(cfg, "num_codebooks")
     if seen and isinstance(nc, int) and nc > 1 and "input_ids" in seen[0] and kind == "causal":
         # a decoder over several audio codebooks (musicgen): ids (batch x codebooks, seq), labels
