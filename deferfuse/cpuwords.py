@@ -308,6 +308,13 @@ _NO_STAND_INS = {o for o in (getattr(getattr(aten, p, None), ov, None) for p, ov
 # with integers on any device but CPU (transformers' MoE layers count tokens per expert with an
 # integer ``histc`` off CPU): tpu accepts them, as CUDA does.
 _ACCELERATOR_INT_OK = {aten.histc.default}
+# Ops CPU refuses for bfloat16 and float16 and CUDA computes, which models call in half precision
+# on any device but CPU (transformers' cosmos3_edge resizes its position grid with an antialiased
+# interpolate, upcast to float32 on CPU only): tpu computes them, as CUDA does (the lowering
+# accumulates in float32 and rounds once, as CPU's float32 result cast back would).
+_ACCELERATOR_HALF_OK = {o for o in (getattr(getattr(aten, p, None), ov, None) for p in (
+    "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "_upsample_bilinear2d_aa_backward",
+    "_upsample_bicubic2d_aa_backward") for ov in ("default", "vec")) if o is not None}
 
 
 def dtype_error(func, args, kwargs):
@@ -317,6 +324,9 @@ def dtype_error(func, args, kwargs):
     at most one element per dimension (other errors from those stand-ins are ignored)."""
     if func in _ACCELERATOR_INT_OK and isinstance(args[0], torch.Tensor) and not (
             args[0].is_floating_point() or args[0].is_complex() or args[0].dtype == torch.bool):
+        return None
+    if func in _ACCELERATOR_HALF_OK and isinstance(args[0], torch.Tensor) and args[0].dtype in (
+            torch.bfloat16, torch.float16):
         return None
     key = (func, tuple(_dtype_sig(a) for a in args),
            tuple((k, _dtype_sig(v)) for k, v in kwargs.items()))
