@@ -207,6 +207,13 @@ def tiny_config(cfg, depth=0):
             _set(cfg, k, v)
     for k in ints(("first_k_dense_replace",)):
         _set(cfg, k, min(d[k], 1))
+    # The scale of noise a model draws at run time on its own device (vits: randn_like of its
+    # latents; the detectors' denoising queries in training: rand_like boxes and labels):
+    # tpu's generator is not CPU's, so the draws differ; at 0 both compute the same deterministic
+    # function, which is what the comparison can check.
+    for k in d:
+        if (k.endswith("noise_scale") or k.endswith("noise_ratio")) and type(d[k]) is float:
+            _set(cfg, k, 0.0)
     # State-space mixers (mamba2, bamba): heads x head dim = expand x hidden size.
     for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
         if all(isinstance(d.get(k), int) for k in (heads, dim, expand)) and "hidden_size" in d:
