@@ -13,6 +13,7 @@ from .engine import engine as _engine
 from .engine import user_error as _user_error
 from .errors import LoweringError, RegionError
 from .jax_op import jax_op
+from .scheduler.policy import Sync as _Sync
 from .metrics import metrics, reset_metrics
 from .runtime import platform as _platform
 
@@ -49,14 +50,14 @@ def mode(name: str | None = None):
         yield
     finally:
         if name == "defer":
-            _engine.sync("mode exit")
+            _engine.sync(_Sync.MODE_EXIT)
         _engine.set_mode(prev)
 
 
 def sync() -> None:
     """Run everything the calling thread recorded so far (a sync point with reason 'sync')."""
     try:
-        _engine.sync("sync")
+        _engine.sync(_Sync.SYNC)
     except Exception as e:
         raise _user_error(e)    # NOTE [user frames] (engine.py)
 
@@ -79,7 +80,7 @@ def dump_trace(path: str) -> str:
 
 def clear_caches() -> None:
     """Drop every in-process compile cache (per-op programs, regions, meta inference)."""
-    _engine.sync("sync")
+    _engine.sync(_Sync.SYNC)
     _engine.clear_caches()
 
 

@@ -31,6 +31,7 @@ from .runtime.lowering import LOWERINGS, take_flags
 from .runtime import stats, transfer
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fill
+from .scheduler.policy import GRAPH_STEP_OPS, Sync
 from .tensor import Storage, TpuTensor, make
 from .traceable import output_inner, wrap_inner
 
@@ -283,12 +284,12 @@ class CompiledGraph:
                     reads.append((None, outs[x], args[i]))
             del outs
             if ts.mode == "debug":
-                engine.sync("compiled graph")
+                engine.sync(Sync.COMPILED_GRAPH)
             elif ts.mode != "defer":
-                engine.flush(trace, "compiled graph", later=True)
+                engine.flush(trace, Sync.COMPILED_GRAPH, later=True)
             for j, v, val in reads:
                 # A CPU tensor or a number computed on the device: a sync, as .item() is.
-                arr = engine.ready(v, dev, "compiled graph")
+                arr = engine.ready(v, dev, Sync.COMPILED_GRAPH)
                 if j is None:
                     with torch.no_grad():
                         val.copy_(transfer.to_torch(arr, val.dtype).reshape(val.shape))
@@ -472,8 +473,11 @@ class _Input:
     _dyn = ()
 
 
-def backward_cut_pays(trace) -> bool:
-    """NOTE [no backward cut for graphs]: ``backward()`` dispatches the pending trace (NOTE
+def graph_kinds(nodes) -> tuple:
+    """The kinds ("forward", "backward") of the compiled graphs among a short pending trace's
+    ``nodes`` (none asked of a longer one): what ``CutPolicy.cut_at_backward`` decides from.
+
+    NOTE [no backward cut for graphs]: ``backward()`` dispatches the pending trace (NOTE
     [backward cut] in device.py) so the device computes the forward pass while the host records
     the backward pass op by op. When the pending trace is this step's compiled forward graph and a
     few eager ops (the loss), the backward pass is the graph's backward graph and a few ops:
@@ -481,21 +485,15 @@ def backward_cut_pays(trace) -> bool:
     programs (measured, quick sizes: compiled GPT training steps about 10% faster without it). A
     trace that still holds the last step's backward graph (a loop that reads its loss every few
     steps) is cut as in defer mode: one program per step, running while the host records the next
-    step."""
-    nodes = trace.nodes
-    if len(nodes) > _FEW_OPS:
-        return True
-    forward = False
+    step. The policy decides (scheduler/policy.py); this only looks."""
+    if len(nodes) > GRAPH_STEP_OPS:
+        return ()
+    kinds = []
     for n in nodes:
         k = getattr(n.key, "key", None)
-        if type(k) is tuple and k and isinstance(k[0], CompiledGraph):     # (PlainGraph too)
-            if k[0].kind == "backward":
-                return True
-            forward = True
-    return not forward
-
-
-_FEW_OPS = 8
+        if type(k) is tuple and k and isinstance(k[0], CompiledGraph):
+            kinds.append(k[0].kind)
+    return tuple(kinds)
 
 
 class _Eager:

@@ -18,7 +18,7 @@ from . import device_info, plain, subclass
 from .config import config
 from .engine import engine, user_error
 from .runtime import platform
-from .scheduler.policy import Cut
+from .scheduler.policy import Cut, CutPolicy, Sync
 from .tensor import _DEVICES
 
 _lib = None
@@ -39,7 +39,7 @@ _idx = device_info.index
 
 
 def _synchronize(device=None) -> None:
-    engine.sync("synchronize")
+    engine.sync(Sync.SYNCHRONIZE)
     from .runtime import execute
     execute.wait_all()
 
@@ -315,8 +315,9 @@ def _wrap_autograd() -> None:
         def run(*args, **kwargs):
             ts = engine.state
             roots = args[0] if args else kwargs.get(first)
-            if (ts.trace.nodes and ts.mode == "defer" and config.backward_cut and on_tpu(roots)
-                    and compiled.backward_cut_pays(ts.trace)):
+            nodes = ts.trace.nodes
+            if (nodes and ts.mode == "defer" and on_tpu(roots) and CutPolicy.cut_at_backward(
+                    len(nodes), compiled.graph_kinds(nodes), config.backward_cut)):
                 engine.sync(Cut.BACKWARD)
             errors = ts.backward_errors
             errors.clear()

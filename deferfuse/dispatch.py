@@ -21,7 +21,9 @@ from .runtime import execute, prng, transfer
 from .runtime.dtypes import to_np_dtype
 from .runtime.node import SS, TS, build, const
 from .scheduler.records import Value, sig_id
-from .meta import dtype_error, infer
+from .scheduler.policy import Sync
+from .cpuwords import dtype_error
+from .meta import infer
 from .tensor import Storage, TpuTensor, as_tpu, make
 
 aten = torch.ops.aten
@@ -59,7 +61,7 @@ def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0,
     return t
 
 
-def read(t: TpuTensor, reason: str = "cpu"):
+def read(t: TpuTensor, reason: str = Sync.CPU):
     """The concrete JAX array of ``t`` (its view applied), running pending work first."""
     arr = engine.ready(t._s.val, t._s.device, reason)
     if not t._chain:
@@ -67,7 +69,7 @@ def read(t: TpuTensor, reason: str = "cpu"):
     return execute.read_view(arr, t._chain, t._dyn)
 
 
-def to_cpu(t: TpuTensor, reason: str = "cpu") -> torch.Tensor:
+def to_cpu(t: TpuTensor, reason: str = Sync.CPU) -> torch.Tensor:
     """A CPU copy of ``t`` (a sync point in defer mode)."""
     v = t._s.val
     trace = _local.ts.trace
@@ -266,7 +268,7 @@ def _run(func, info, args, kwargs):
                                    scalars)
         except NotImplementedError as e:
             if getattr(e, "deferfuse_cpu_words", False):
-                raise                   # CPU's own refusal (NOTE [CPU's words] in meta.py)
+                raise                   # CPU's own refusal (NOTE [CPU's words] in cpuwords.py)
             # No meta kernel, or an output shape that depends on the data (boolean masks).
             msg = str(e)
             why = "data-dependent shape" if ("nonzero" in msg or "data-dependent" in msg
@@ -505,7 +507,7 @@ def _repr(self, *, tensor_contents=None):
         return (f"TpuTensor(traced, size={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device='{self.device}')")
     try:
-        cpu = to_cpu(self, "print")
+        cpu = to_cpu(self, Sync.PRINT)
     except Exception as e:
         raise user_error(e)     # NOTE [user frames] (engine.py)
     user = getattr(type(self), "_tpu_user", None)
@@ -531,7 +533,7 @@ def _repr(self, *, tensor_contents=None):
 
 def _tolist(self):
     try:
-        return to_cpu(self, "tolist").tolist()
+        return to_cpu(self, Sync.TOLIST).tolist()
     except Exception as e:
         raise user_error(e)
 

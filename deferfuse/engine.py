@@ -24,7 +24,7 @@ from .runtime import execute, stats
 from .runtime.flush import Runner, Settings
 from .runtime.transfer import materialize_empty
 from .scheduler.cache import Cache
-from .scheduler.policy import is_async
+from .scheduler.policy import Sync, is_async
 from .scheduler.records import Value, sig_id
 
 
@@ -96,7 +96,7 @@ class Engine:
         """The calling thread's mode (leaving defer runs what it recorded)."""
         ts = self.local.ts
         if ts.mode == "defer" and m != "defer":
-            self.sync("mode exit")
+            self.sync(Sync.MODE_EXIT)
         ts.mode = m
         if self.young_gc:
             t = gc.get_threshold()
@@ -181,7 +181,7 @@ class Engine:
                                "was dropped by an earlier sync but is still read")
         self.flush(tr, "another thread's read", raise_errors=False)
 
-    def ready(self, v: Value, device: int = 0, reason: str = "cpu", check: bool = True):
+    def ready(self, v: Value, device: int = 0, reason: str = Sync.CPU, check: bool = True):
         """The array of ``v``, running what it waits for; raises the error of a failed value.
         ``check``: read its index checks first (NOTE [unchecked values]); a program that takes it
         as an input carries them on instead."""
@@ -211,7 +211,7 @@ class Engine:
         """Run one op now (strict and debug mode): its inputs must be ready first."""
         for v in ins:
             if v is not None and (v.array is None or v.chk is not None):
-                self.ready(v, dev, "mode exit")
+                self.ready(v, dev, Sync.MODE_EXIT)
         self.runner.relieve()
         return execute.run_op(entry, ins, scalars, self.local.ts.mode == "debug",
                               self.runner.programs,

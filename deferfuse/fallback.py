@@ -12,6 +12,7 @@ from .dispatch import copy_into, from_cpu, to_cpu
 from .engine import engine
 from .errors import LoweringError
 from .metrics import count_fallback
+from .scheduler.policy import Sync
 from .tensor import TpuTensor
 
 _warned: set = set()     # ops warned about once (a set of op names: bounded by the op set)
@@ -23,7 +24,7 @@ def fallback(func, info, args, kwargs, why):
     once per op. A sync point in defer mode."""
     if not config.cpu_fallback:
         raise LoweringError(func, why)
-    reason = "data-dependent shape" if why == "data-dependent shape" else "unlowered op"
+    reason = Sync.DATA_DEPENDENT if why == Sync.DATA_DEPENDENT else Sync.UNLOWERED
     if engine.state.trace.nodes:
         engine.sync(reason, op=info.name)
     count_fallback(info.name)

@@ -12,7 +12,7 @@ AutogradPrivateUse1 key makes it one recorded op (``aten.linear``, lowered in
 Only inputs CPU's composite takes without complaint come here: a floating input of at least one
 dimension, a 2-D weight of its dtype whose columns match, no bias or a 1-D bias of the output size.
 Everything else (and forward-mode AD, functorch transforms, nested tensors) goes through PyTorch's
-own composite; mismatched shapes or dtypes raise CPU's own error (``meta.cpu_error``). With
+own composite; mismatched shapes or dtypes raise CPU's own error (``cpuwords.cpu_error``). With
 ``create_graph=True`` the backward computes with differentiable ops (matmul, mm, sum), so a second
 backward works.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from .meta import cpu_error
+from .cpuwords import cpu_error
 from .tensor import TpuTensor, is_tpu
 
 aten = torch.ops.aten

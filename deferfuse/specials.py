@@ -13,6 +13,7 @@ from .engine import engine
 from .opinfo import decompose, op_info
 from .runtime.lowering import LOWERINGS
 from .runtime import transfer
+from .scheduler.policy import Sync
 from .scheduler.records import Value
 from .tensor import TpuTensor
 
@@ -103,7 +104,7 @@ def _h_copy(func, args, kwargs):
     if type(dst) is not TpuTensor:
         # tpu -> cpu (or other) copy: read the value to the host, then copy there.
         with torch._C._DisableTorchDispatch():
-            dst.copy_(to_cpu(src, "cpu"))
+            dst.copy_(to_cpu(src, Sync.CPU))
         return dst
     if type(src) is TpuTensor and src._s.device != dst._s.device:
         # copy_ from another tpu device, as CUDA's copy_ between devices: the value moves over
@@ -124,7 +125,7 @@ def _h_to_copy(func, args, kwargs):
     if dev is not None and torch.device(dev).type == "meta":
         return torch.empty_strided(self.shape, self.stride(), dtype=dtype, device="meta")
     if dev is not None and torch.device(dev).type != "tpu":
-        out = to_cpu(self, "cpu")
+        out = to_cpu(self, Sync.CPU)
         out = out.to(dtype=dtype)
         if kwargs.get("pin_memory"):
             out = out.pin_memory()
@@ -136,7 +137,7 @@ def _h_to_copy(func, args, kwargs):
         return out
     if dev is not None and _dev_index(dev) != self._s.device:
         # Another tpu device: the value moves device to device (a sync point in defer mode).
-        arr = transfer.to_device(read(self, "cpu"), _dev_index(dev))
+        arr = transfer.to_device(read(self, Sync.CPU), _dev_index(dev))
         t = new_tensor(Value(tuple(arr.shape), arr.dtype, arr.nbytes, array=arr), _dev_index(dev),
                        self.dtype, tuple(self.shape),
                        tuple(self.stride()) if _dense(self) else _contig(self.shape))
@@ -150,7 +151,7 @@ def _h_to_copy(func, args, kwargs):
 
 
 def _h_item(func, args, kwargs):
-    return to_cpu(args[0], "item").item()
+    return to_cpu(args[0], Sync.ITEM).item()
 
 
 def rebind(self, new) -> None:
@@ -408,7 +409,7 @@ def _h_linalg_check_errors(func, args, kwargs):
     # LAPACK's info is checked on JAX (a flag), but PyTorch raises LinAlgError at the call on
     # every device (CUDA syncs for it), so code can catch it there: a sync point in defer mode.
     _run(func, op_info(func), args, kwargs)
-    engine.sync("linalg error check", op=op_info(func).name)
+    engine.sync(Sync.LINALG_CHECK, op=op_info(func).name)
 
 
 def _h_equal(func, args, kwargs):

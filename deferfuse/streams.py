@@ -14,11 +14,12 @@ import contextlib
 import torch
 
 from .engine import engine
+from .scheduler.policy import Sync
 from .runtime import execute
 
 
 def _synchronize() -> None:
-    engine.sync("synchronize")
+    engine.sync(Sync.SYNCHRONIZE)
     execute.wait_all()
 
 

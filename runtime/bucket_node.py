@@ -55,7 +55,7 @@ import numpy as np
 from .bucket_fit import _PROBES, Refused, _is_form, _padded, _put, at, parts
 from .dtypes import to_np_dtype
 from .lowering import LOWERINGS, aten
-from .lowering.padding import (Along, Attention, Cat, Contract, Embedding, Factory, Index,
+from .lowering.padding import (Along, Attention, Batched, Cat, Contract, Embedding, Factory, Index,
                                IndexPut, MoveDims, Multinomial, Normalize, Pointwise, Reduce,
                                Refuse, Reshape, Scan, Scatter, Slice, Targets, TopK, ZeroPadded)
 from .node import CS, SS, TS
@@ -332,6 +332,24 @@ def _plan_attention(n, rule, func, ins, targs, tkw, name):
         n.rule, n.extra = "sdpa", k[-2]
 
 
+def _plan_batched(n, rule, func, ins, targs, tkw, name):
+    def ok(f):
+        k = len(f)
+        allowed = {d % k for d in rule.dims if -k <= d < k}
+        return all(d in allowed for d, (a, _) in enumerate(f) if a)
+    for i, f in enumerate(n.in_forms):
+        if f is not None and _padded(f) and (i in rule.fixed or not ok(f)):
+            raise Refused(f"{name}: a padded dim it does not run independently along")
+    for f in n.out_forms:
+        if f is not None and not ok(f):
+            raise Refused(f"{name}: a padded dim it does not run independently along")
+    if any(a for a, _ in _forms_in(n.targs)) or any(a for a, _ in _forms_in(n.tkw)):
+        raise Refused(f"{name}: an argument that follows the length")
+    zero = tuple(i for i, f in enumerate(n.in_forms) if f is not None and _padded(f))
+    if rule.zero and zero:
+        n.rule, n.extra = "zero", zero
+
+
 def _plan_embedding(n, rule, func, ins, targs, tkw, name):
     if _padded(n.in_forms[rule.table]):
         raise Refused(f"{name} of a padded table")
@@ -550,5 +568,6 @@ _PLANNERS = {Pointwise: _plan_pointwise, Factory: _plan_admitted, Scan: _plan_ad
              Embedding: _plan_embedding, Index: _plan_advanced, Along: _plan_along_rule,
              TopK: _plan_topk, Cat: _plan_cat, Multinomial: _plan_multinomial,
              Scatter: _plan_scatter, ZeroPadded: _plan_zero, Targets: _plan_targets,
+             Batched: _plan_batched,
              MoveDims: _plan_no_op_rule,
              Slice: _plan_no_op_rule}

@@ -35,6 +35,33 @@ from .bucket_region import (_at, BucketPlan, BucketProgram, cut, describe_plan, 
 from .learned import LearnedStore
 
 
+# NOTE [new bases]: plans per region family (each a base the family was met at) and versions kept
+# to fit a new base against; past them a family's new sizes compile as shape churn.
+MAX_PLANS = 8
+MAX_VERSIONS = 8
+
+
+class Refusal:
+    """A fit whose plan was refused (``why``): versions it takes compile exactly."""
+    __slots__ = ("fit", "why")
+
+    def __init__(self, fit, why):
+        self.fit, self.why = fit, why
+
+
+def _closest(vs, ints, mask):
+    """The kept version with the fewest ints unlike ``ints`` (and the same may-change mask;
+    never ``ints`` itself), or None."""
+    best, nb = None, None
+    for v in vs:
+        if v[3] != mask or v[0] == ints:
+            continue
+        d = sum(x != y for x, y in zip(v[0], ints))
+        if nb is None or d < nb:
+            best, nb = v, d
+    return best
+
+
 class BucketHit:
     """A region key that runs in a bucket: the plan, its length ``t``, and the structure it was
     found for (a hit compares it: NOTE [verified hits] in regions.py)."""
@@ -54,13 +81,14 @@ class Buckets:
     def __init__(self):
         from ..scheduler.cache import Cache
         self.versions = Cache("bucket versions", 4096)   # structure -> [(ints, entries, lens)]
-        self.plans = Cache("bucket plans", 4096)         # structure -> BucketPlan or a refusal
+        self.plans = Cache("bucket plans", 4096)         # family -> [BucketPlan or Refusal]
         self.ints = Cache("bucket ints", 1 << 15)        # id(entry) -> (entry, ints)
         self.moves = Cache("bucket pad and cut programs", 4096)   # off CPU: NOTE on pad()
+        self.bases = Cache("bucket bases learned", 4096)  # family -> relearns (NOTE [new bases])
         self.learned = LearnedStore()   # NOTE [learned on disk] (learned.py)
 
     def caches(self) -> list:
-        return [self.versions, self.plans, self.ints, self.moves]
+        return [self.versions, self.plans, self.ints, self.moves, self.bases]
 
     def _ints(self, entries):
         """(ints, may-change mask, skeletons, ints per entry) of a version, or Nones."""
@@ -80,7 +108,8 @@ class Buckets:
         return out, mask, skels, lens
 
     def note(self, struct, entries) -> None:
-        """An exact version of ``struct`` compiled: keep the first two that differ.
+        """An exact version of ``struct`` compiled: keep the first ``MAX_VERSIONS`` that differ
+        (what a new base is fitted against: NOTE [new bases]).
 
         NOTE [bucket families]: versions and plans are kept per structure *and skeleton* (what is
         left of the ops' keys without their ints: views, dtypes, static arguments). Two sites of
@@ -92,46 +121,95 @@ class Buckets:
         ints, mask, skels, lens = self._ints(entries)
         if ints is None:
             return
-        fam = (struct, tuple(skels))
+        self._keep((struct, tuple(skels)), ints, entries, lens, mask, skels)
+
+    def _keep(self, fam, ints, entries, lens, mask, skels) -> None:
         vs = self.versions.get(fam)
         if vs is None:
             self.versions[fam] = [(ints, list(entries), lens, mask, skels)]
-        elif len(vs) < 2 and vs[0][0] != ints:
+        elif len(vs) < MAX_VERSIONS and all(v[0] != ints for v in vs):
             vs.append((ints, list(entries), lens, mask, skels))
 
     def find(self, struct, entries, wirings, stats):
-        """(plan, length) to run this version of ``struct`` in a bucket, or None."""
+        """(plan, length) to run this version of ``struct`` in a bucket, or None.
+
+        NOTE [new bases]: a family keeps up to ``MAX_PLANS`` plans, each with its own fit. A
+        version that none takes (the same model met with a batch of another size, a longer
+        prompt, a model rebuilt at another width) is fitted against the closest version kept
+        (the fewest ints differ): where one length separates them, that is a new plan, and the
+        new base runs in buckets from its second version on (its first may make a plan with a
+        version of another base, a line through both that nothing else follows: it is kept, so
+        the second is fitted against it). A first version that fits no kept version compiles
+        exactly (``relearns``) instead of being split as shape churn, and is kept. Before, a
+        family had one plan, made from its first two versions, and a new base never fitted it:
+        every size of it compiled (a sampling loop at batch 2 after batch 1: 8 programs, its
+        regions split as shape churn; bench/results/vary-new-bases.md)."""
         ints, mask, skels, lens = self._ints(entries)
         if ints is None:
             return None
         fam = (struct, tuple(skels))
-        plan = self.plans.get(fam)
-        if plan is None:
-            vs = self.versions.get(fam)
-            if vs is None:
+        plans = self.plans.get(fam)
+        if plans is not None:
+            for p in plans:
+                t = p.fit.value(ints)
+                if t is not None:
+                    return None if p.__class__ is Refusal else (p, t)
+            if len(plans) >= MAX_PLANS:
+                stats["bucket_misfits"] += 1
                 return None
-            if mask != vs[0][3] or ints == vs[0][0]:
-                return None
-            # Two versions give the forms (each is exact on them; a later version that does not
-            # follow them compiles exactly: bucket_misfits), a third checks them.
-            f = fit([vs[0][0], ints] + [v[0] for v in vs[1:2]], mask)
-            if f is None:
-                return None
-            f.skels = skels
-            try:
-                plan = plan_region(f, vs[0][1], wirings, vs[0][2], self.learned)
-            except Refused as e:
-                plan = str(e)
-                stats["bucket_refusals"][plan] += 1
-            except Exception as e:      # a view or rule this code did not foresee: no buckets
-                plan = f"{type(e).__name__}: {e}"
-                stats["bucket_refusals"][plan] += 1
-            self.plans[fam] = plan
-            if plan.__class__ is not str and self.learned.on:
-                key = _family_key(fam)
-                if key is not None:
-                    self.learned.put("fits", key, (tuple(vs[0][0]), tuple(ints)))
-        return _at(plan, ints, stats)
+        vs = self.versions.get(fam)
+        v = _closest(vs, ints, mask) if vs else None
+        if v is None:
+            return None
+        # Two versions give the forms (each is exact on them; a later version that does not
+        # follow them compiles exactly: bucket_misfits).
+        f = fit([v[0], ints], mask)
+        if f is None:
+            if plans:
+                stats["bucket_misfits"] += 1
+            return None
+        f.skels = skels
+        try:
+            plan = plan_region(f, v[1], wirings, v[2], self.learned)
+        except Refused as e:
+            plan = Refusal(f, str(e))
+            stats["bucket_refusals"][plan.why] += 1
+        except Exception as e:      # a view or rule this code did not foresee: no buckets
+            plan = Refusal(f, f"{type(e).__name__}: {e}")
+            stats["bucket_refusals"][plan.why] += 1
+        if plans is None:
+            plans = self.plans[fam] = []
+        plans.append(plan)
+        if plan.__class__ is Refusal:
+            return None
+        # (kept to fit against: a base's first version may have made a plan with a version of
+        # another base, a line through both that no third version follows)
+        self._keep(fam, ints, entries, lens, mask, skels)
+        if len(plans) == 1 and self.learned.on:
+            key = _family_key(fam)
+            if key is not None:
+                self.learned.put("fits", key, (tuple(v[0]), tuple(ints)))
+        return plan, f.value(ints)
+
+    def relearns(self, struct, entries) -> bool:
+        """Whether this version of ``struct``, which no plan took, is a new base to learn from
+        (NOTE [new bases]): its family has a plan that runs, no plan's fit (run or refused)
+        takes it, and fewer than ``MAX_PLANS`` plans were made and bases met. Counted: each call
+        that says yes is one of them."""
+        ints, mask, skels, lens = self._ints(entries)
+        if ints is None:
+            return False
+        fam = (struct, tuple(skels))
+        plans = self.plans.get(fam)
+        if not plans or not any(p.__class__ is not Refusal for p in plans):
+            return False
+        if any(p.fit.value(ints) is not None for p in plans):
+            return False
+        n = self.bases.get(fam, 0)
+        if n >= MAX_PLANS or len(plans) >= MAX_PLANS:
+            return False
+        self.bases[fam] = n + 1
+        return True
 
     def recall(self, struct, entries, wirings, stats):
         """(plan, length) to run the first version of ``struct`` seen in this process in a bucket
@@ -142,8 +220,14 @@ class Buckets:
         if ints is None:
             return None
         fam = (struct, tuple(skels))
-        plan = self.plans.get(fam)
-        if plan is None:
+        plans = self.plans.get(fam)
+        if plans is not None:
+            for p in plans:
+                t = p.fit.value(ints)
+                if t is not None:
+                    return None if p.__class__ is Refusal else (p, t)
+            return None
+        if True:
             key = _family_key(fam)
             vs = self.learned.fit_versions(key) if key is not None else None
             if vs is None:
@@ -165,7 +249,7 @@ class Buckets:
             except Exception:           # (refused: what made it no longer holds)
                 self.learned.drop_fit(key)
                 return None
-            self.plans[fam] = plan
+            self.plans[fam] = [plan]
         return _at(plan, ints, stats)
 
     def program(self, plan, P, run, device, store, debug, stats, why=""):
@@ -259,14 +343,16 @@ class Buckets:
         why = f"{type(err).__name__} making a bucket program: {str(err)[:200]}"
         stats["bucket_refusals"][why] += 1
         for key, v in self.plans.items():
-            if v is plan:
-                self.plans[key] = why
-                fk = _family_key(key) if self.learned.on else None
+            if type(v) is list and plan in v:
+                i = v.index(plan)
+                if key[0] == "op":
+                    v.remove(plan)
+                    self.versions.pop(key, None)    # (its versions made the failing plan)
+                    continue
+                v[i] = Refusal(plan.fit, why)
+                fk = _family_key(key) if i == 0 and self.learned.on else None
                 if fk is not None:
                     self.learned.drop_fit(fk)
-            elif type(v) is list and plan in v:
-                v.remove(plan)
-                self.versions.pop(key, None)        # (its versions made the failing plan)
 
     # ------------------------------------------------------------------- one op (strict mode)
     def note_op(self, entry) -> None:

@@ -24,6 +24,7 @@ from ..scheduler.cache import Cache
 from ..scheduler.records import Donated
 
 S = stats.S
+Policy = policy.CutPolicy
 # Cuts nobody waits for (policy.is_async: the recorder's own cuts, scheduler/policy.py): the trace
 # runs and recording goes on. Their index checks are read at the next real sync (NOTE [unchecked
 # values] in checks.py).
@@ -187,7 +188,8 @@ class Runner:
         out_sig = tuple((v.node.pos, v.idx) for v in fl.outs)
         whole = Run(nodes, entries, wirings, range(len(nodes)), ext, held, fl.scalars, fl.h,
                     fl.outs, out_sig, later)
-        if cfg.setup_first and len(nodes) > 1 and cut.is_setup(entries[0].name):
+        if Policy.setup_split(len(nodes), bool(nodes) and cut.is_setup(entries[0].name),
+                              cfg.setup_first):
             k = cut.setup_first(entries, wirings, {p for p, _ in out_sig})
             if k:       # NOTE [setup first] in scheduler/cut.py
                 S["setup_splits"] += 1
@@ -209,18 +211,23 @@ class Runner:
         cfg = ctx.cfg
         entries, wirings = whole.entries, whole.wirings
         lf = 0 if whole.later else None     # pieces of a later run are later too
-        if policy.CutPolicy.loop_split(len(entries), inside, cfg.loop_split, cfg.cross_check):
-            cuts = st.loop_cuts
-            if cuts == 0:
-                cuts = steps.periodic_cuts([e.ohash for e in entries])
-                # Repetitions whose sizes change (NOTE [shapeless loop bodies]): see _pieces.
-                vary = cuts is not None and steps.periodic_cuts([e.khash for e in entries]) != cuts
-                cuts = st.loop_cuts = None if cuts is None else (cuts, vary)
-            if cuts is not None:        # see NOTE [loop split] in scheduler/steps.py
-                S["loop_splits"] += 1
-                self._pieces(ctx, st, whole, cuts[0], None, lf, cuts[1])
-                return
-        if want is not None and not cfg.cross_check:
+        # The splits to try, in order (the policy's: scheduler/policy.py); each is computed
+        # from the structure and cached with it.
+        for how in Policy.trace_splits(len(entries), inside, want is not None, cfg.loop_split,
+                                       cfg.cross_check):
+            if how is policy.Split.LOOP:
+                cuts = st.loop_cuts
+                if cuts == 0:
+                    cuts = steps.periodic_cuts([e.ohash for e in entries])
+                    # Repetitions whose sizes change (NOTE [shapeless loop bodies]): _pieces.
+                    vary = (cuts is not None
+                            and steps.periodic_cuts([e.khash for e in entries]) != cuts)
+                    cuts = st.loop_cuts = None if cuts is None else (cuts, vary)
+                if cuts is not None:        # see NOTE [loop split] in scheduler/steps.py
+                    S["loop_splits"] += 1
+                    self._pieces(ctx, st, whole, cuts[0], None, lf, cuts[1])
+                    return
+                continue
             split = st.splits.get(want, 0)
             if split == 0:
                 split = st.splits[want] = cut.needed_first(wirings, want)
@@ -306,7 +313,7 @@ class Runner:
         union = None
         if reps:
             n_rep = max(len(pc.pos) for pc in plan)
-            if ctx.cfg.buckets_ahead and ctx.cfg.buckets and not ctx.cfg.cross_check:
+            if Policy.plan_ahead(ctx.cfg.buckets, ctx.cfg.buckets_ahead, ctx.cfg.cross_check):
                 self._plan_ahead(plan, entries, n_rep)
             union = set()
             for pc in plan:
@@ -464,7 +471,8 @@ class Runner:
         struct = _structure(keys, run.wirings)
         seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
-        if cfg.buckets and not cfg.cross_check:
+        in_buckets = Policy.in_buckets(cfg.buckets, cfg.cross_check)
+        if in_buckets:
             # (first seen here: a bucket an earlier process learned, NOTE [learned on disk])
             # (planned ahead from two repetitions at hand: NOTE [buckets ahead])
             found = (self.buckets.find(struct, run.entries, run.wirings, S)
@@ -483,8 +491,11 @@ class Runner:
         # one recurs, and compiles whole on its second run. The policy decides
         # (CutPolicy.new_shapes in scheduler/policy.py); what it remembers is kept here.
         if seen:
-            sp, memo = policy.CutPolicy.new_shapes(n_compiled, cfg.shape_limit,
-                                                   self.once.get(key), seen[1], keys, seen[2])
+            # (a version at a new base of a family that runs in buckets: NOTE [new bases])
+            base = in_buckets and self.buckets.relearns(struct, run.entries)
+            sp, memo = Policy.new_shapes(n_compiled, cfg.shape_limit,
+                                                   self.once.get(key), seen[1], keys, seen[2],
+                                                   base)
             if memo is not None:
                 self.once[key] = memo
             if sp.how is policy.Shapes.SPLIT:
@@ -529,9 +540,9 @@ class Runner:
         except Exception:
             reg.temp_bytes = None
         out_bytes = sum(v.nbytes for v in run.outs)
-        if cfg.budget and len(run.entries) > 1:
+        if cfg.budget:
             est = sum(v.nbytes for v in run.ext) + out_bytes + (reg.temp_bytes or 0)
-            if est > cfg.budget:
+            if Policy.over_budget(len(run.entries), est, cfg.budget):
                 cuts = cut.budget_cut(run.wirings,
                                       [[0 if o is None else o.nbytes for o in n.outs]
                                        for n in run.nodes],

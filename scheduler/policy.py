@@ -34,6 +34,28 @@ class Cut(str, Enum):
 ASYNC_CUTS = frozenset(c.value for c in Cut)
 
 
+class Sync(str, Enum):
+    """Why a trace ran because values were read (a sync: the host waits). Members are strings
+    equal to (and hashing as) their values, as ``Cut``'s."""
+    CPU = "cpu"                             # a tensor copied to the host (.cpu(), .numpy(), ...)
+    ITEM = "item"                           # .item()
+    TOLIST = "tolist"
+    PRINT = "print"
+    SYNC = "sync"                           # deferfuse.sync()
+    SYNCHRONIZE = "synchronize"             # torch.tpu.synchronize(), a stream's or event's
+    MODE_EXIT = "mode exit"                 # leaving defer mode
+    COMPILED_GRAPH = "compiled graph"       # a torch.compile graph reads the pending values
+    COLLECTIVE = "collective"               # a collective: cut at the same op on every rank
+    DATA_DEPENDENT = "data-dependent shape"     # an op whose output size depends on values
+    UNLOWERED = "unlowered op"              # an op with no lowering runs on the CPU
+    LINALG_CHECK = "linalg error check"     # a linalg op's error flag read to raise as CPU does
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def is_async(reason) -> bool:
     """Whether ``reason`` is a cut the host does not wait for (else a sync that reads values)."""
     return reason in ASYNC_CUTS
@@ -69,6 +91,22 @@ class ShapePlan:
 
 
 WHOLE = ShapePlan(Shapes.WHOLE)
+
+
+class Split(str, Enum):
+    """How the runner splits a flushed trace before compiling it (each computed by
+    scheduler/cut.py or steps.py from the trace's structure, cached with it)."""
+    SETUP_FIRST = "setup first"     # leading factories run first (NOTE [setup first])
+    LOOP = "loop"                   # at every repetition of a loop body (NOTE [loop split])
+    NEEDED_FIRST = "needed first"   # what the sync reads, then the rest (NOTE [needed first])
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# A pending trace this short that holds a compiled forward graph is not cut at backward() (NOTE
+# [no backward cut for graphs] in deferfuse/compiled.py).
+GRAPH_STEP_OPS = 8
 
 
 class CutPolicy:
@@ -120,15 +158,18 @@ class CutPolicy:
         return enabled and not whole and n >= steps.LOOP_SPLIT_MIN_OPS and not cross_check
 
     @staticmethod
-    def new_shapes(versions: int, limit: int, decided, first_keys, keys, vary: set):
+    def new_shapes(versions: int, limit: int, decided, first_keys, keys, vary: set,
+                   new_base: bool = False):
         """A structure compiled for ``versions`` sets of shapes is here with new ones (and no
         bucket takes them): (its ``ShapePlan``, what to remember for this version or None).
         ``limit``: versions compiled whole before splitting (DEFERFUSE_SHAPE_RECOMPILE_LIMIT);
         ``decided``: what was remembered for this version (None: nothing); ``first_keys``,
         ``keys``: the op keys of the first version and of this one; ``vary``: the positions seen
         to change (updated). A version that comes back runs as it did, except one that ran op by
-        op: that one recurs, and compiles whole."""
-        if versions < limit:
+        op: that one recurs, and compiles whole. ``new_base``: the version is the first at a new
+        base of a structure that runs in buckets (NOTE [new bases] in runtime/buckets.py): it
+        compiles whole, to be fitted against by the versions that follow it."""
+        if versions < limit or new_base:
             return WHOLE, None
         if decided is None:
             cuts = cut.churn_cuts(first_keys, keys, vary)
@@ -138,6 +179,58 @@ class CutPolicy:
         if decided.__class__ is tuple:
             return ShapePlan(Shapes.SPLIT, decided), None
         return WHOLE, None
+
+    @staticmethod
+    def cut_at_backward(n: int, graphs=(), enabled: bool = True) -> bool:
+        """Whether ``backward()`` cuts the pending trace of ``n`` ops (NOTE [backward cut] in
+        deferfuse/device.py: the forward pass computes while the backward pass is recorded).
+        ``graphs``: the kinds ("forward", "backward") of the compiled graphs the trace holds,
+        asked only of a trace of at most ``GRAPH_STEP_OPS`` ops: one that holds a compiled
+        forward graph and no backward graph is a compiled step's forward pass and its loss,
+        whose backward pass is one graph too, and is not cut (NOTE [no backward cut for
+        graphs] in deferfuse/compiled.py)."""
+        if not enabled or n == 0:
+            return False
+        if n > GRAPH_STEP_OPS:
+            return True
+        return "backward" in graphs or "forward" not in graphs
+
+    @staticmethod
+    def setup_split(n: int, first_is_setup: bool, setup_first: bool = True) -> bool:
+        """Whether the runner looks for leading setup ops to run first in a flushed trace of
+        ``n`` ops whose first op is a factory (``first_is_setup``: NOTE [setup first])."""
+        return setup_first and n > 1 and first_is_setup
+
+    @staticmethod
+    def trace_splits(n: int, whole: bool, wants: bool, loop_split: bool = True,
+                     cross_check: bool = False) -> tuple:
+        """The splits the runner tries on a flushed trace (or what setup first left of it), in
+        order; the first that finds cuts is carried out, else the trace is one region. ``whole``:
+        within an outer loop's body; ``wants``: the sync reads values (needed first)."""
+        out = ()
+        if CutPolicy.loop_split(n, whole, loop_split, cross_check):
+            out = (Split.LOOP,)
+        if wants and not cross_check:
+            out += (Split.NEEDED_FIRST,)
+        return out
+
+    @staticmethod
+    def in_buckets(enabled: bool = True, cross_check: bool = False) -> bool:
+        """Whether a region with new sizes is tried in a bucket (NOTE [buckets] in
+        runtime/buckets.py): not when every region is also run op by op to compare."""
+        return enabled and not cross_check
+
+    @staticmethod
+    def plan_ahead(enabled: bool = True, ahead: bool = True, cross_check: bool = False) -> bool:
+        """Whether a loop's first repetitions at hand plan their bucket before the first runs
+        (NOTE [buckets ahead] in runtime/flush.py)."""
+        return ahead and CutPolicy.in_buckets(enabled, cross_check)
+
+    @staticmethod
+    def over_budget(n: int, need: int, budget: int) -> bool:
+        """Whether a region of ``n`` ops that needs ``need`` bytes (inputs, outputs and XLA's
+        temporaries) is split for the memory budget (DEFERFUSE_MEMORY_BUDGET; 0: none)."""
+        return bool(budget) and n > 1 and need > budget
 
     def clear(self) -> None:
         self.outer.clear()

@@ -110,7 +110,10 @@ _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "embedding_si
            "codebook_dim",
            # a vision tower's output projected to the text width (glm4v, qwen3-vl), a predictor's
            # width (vjepa2), a codec decoder's first width (dac)
-           "out_hidden_size", "pred_hidden_size", "decoder_hidden_size")
+           "out_hidden_size", "pred_hidden_size", "decoder_hidden_size",
+           # a decoder's cross attention over the encoder (dia), a pooled vision output read by a
+           # projection (vision-text-dual-encoder), the global model of a byte-level one (blt)
+           "cross_hidden_size", "pooler_output_size", "hidden_size_global")
 _INTER = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
           "moe_intermediate_size", "shared_expert_intermediate_size", "hidden_dim", "ffn_hidden_size",
           "expert_intermediate_size", "decoder_intermediate_size", "encoder_intermediate_size",
@@ -122,7 +125,8 @@ _HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_atte
           "decoder_attention_heads", "decoder_num_attention_heads", "encoder_num_attention_heads",
           "pred_num_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
-_HEAD_DIM = ("head_dim", "d_kv", "attention_head_dim", "kv_head_dim", "v_head_dim", "qk_head_dim")
+_HEAD_DIM = ("head_dim", "d_kv", "attention_head_dim", "kv_head_dim", "v_head_dim", "qk_head_dim",
+             "cross_head_dim")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _POSITIONS = ("max_position_embeddings", "n_positions", "max_target_positions", "max_source_positions",
               "n_ctx", "max_seq_len", "seq_length", "max_sequence_length", "max_length")
@@ -203,6 +207,13 @@ def tiny_config(cfg, depth=0):
             _set(cfg, k, v)
     for k in ints(("first_k_dense_replace",)):
         _set(cfg, k, min(d[k], 1))
+    # The scale of noise a model draws at run time on its own device (vits: randn_like of its
+    # latents; the detectors' denoising queries in training: rand_like boxes and labels):
+    # tpu's generator is not CPU's, so the draws differ; at 0 both compute the same deterministic
+    # function, which is what the comparison can check.
+    for k in d:
+        if (k.endswith("noise_scale") or k.endswith("noise_ratio")) and type(d[k]) is float:
+            _set(cfg, k, 0.0)
     # State-space mixers (mamba2, bamba): heads x head dim = expand x hidden size.
     for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
         if all(isinstance(d.get(k), int) for k in (heads, dim, expand)) and "hidden_size" in d:
@@ -241,6 +252,13 @@ def tiny_config(cfg, depth=0):
         _set(cfg, "image_size", [IMAGE, IMAGE])
         if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
             _set(cfg, "patch_size", PATCH)
+    img, patch = getattr(cfg, "image_size", None), getattr(cfg, "patch_size", None)
+    if isinstance(img, int) and isinstance(patch, int) and patch and (img, patch) != (d.get("image_size"), d.get("patch_size")):
+        if isinstance(d.get("num_patches"), int):
+            _set(cfg, "num_patches", (img // patch) ** 2)     # siglip2's position grid
+        ch = d.get("num_channels") if isinstance(d.get("num_channels"), int) else 3
+        if isinstance(d.get("patch_dim"), int) and d["patch_dim"] == ch * d["patch_size"] ** 2:
+            _set(cfg, "patch_dim", ch * patch ** 2)           # radio's flattened patch
     if isinstance(d.get("depths"), list) and isinstance(d.get("window_size"), int) and \
             isinstance(getattr(cfg, "patch_size", None), int) and isinstance(d.get("image_size"), int):
         # windowed stages (swin): each stage's grid at least one window of 2, halving per stage
@@ -249,13 +267,52 @@ def tiny_config(cfg, depth=0):
     # Per-stage lists of vision backbones: one block per stage, narrow stages.
     if isinstance(d.get("depths"), list) and all(isinstance(x, int) for x in d["depths"]):
         _set(cfg, "depths", [1] * len(d["depths"]))
-    if isinstance(d.get("hidden_sizes"), list) and all(isinstance(x, int) for x in d["hidden_sizes"]):
+    chans = [k for k, v in d.items() if _CHANNELS(k) and isinstance(v, list) and v
+             and all(isinstance(x, int) and not isinstance(x, bool) for x in v)]
+    if any(max(d[k]) > 64 for k in chans if k != "hidden_sizes") and any(
+            k == "hidden_sizes" or "in_channels" in k or k == "downsample_channels" for k in chans):
+        # (not the PP-LCNet family's stem/stage lists: their blocks scale widths by their own factor)
+        # Channel widths given stage by stage in several lists that must agree with each other and
+        # with the configs nested around them (hgnet_v2's stage in/mid/out channels and hidden_sizes,
+        # d_fine's encoder_in_channels = its backbone's stage outputs): every width divided by 8 alike,
+        # input channels (<= 8) kept.
+        for k in chans:
+            _set(cfg, k, [_narrow(x) for x in d[k]])
+        for k, v in d.items():
+            if isinstance(v, int) and not isinstance(v, bool) and v > 64 and k.endswith(
+                    ("_channels", "_hidden_dim")) and k not in _INTER:
+                _set(cfg, k, _narrow(v))
+    elif isinstance(d.get("hidden_sizes"), list) and all(isinstance(x, int) for x in d["hidden_sizes"]):
         _set(cfg, "hidden_sizes", [32 * 2 ** i for i in range(len(d["hidden_sizes"]))])
     # Per-layer lists as long as the old layer count: keep the first entries.
     for n_old in set(old_layers.values()):
         for k, v in d.items():
             if isinstance(v, list) and len(v) == n_old and n_old > LAYERS and k not in ("depths", "hidden_sizes"):
                 _set(cfg, k, v[:LAYERS])
+    # A backbone's outputs (out_indices, stage numbers counted in layers) past the tiny depth: each
+    # index scaled to the new depth (vit-style backbones of lw_detr, rf_detr, vitpose; stage 12 of 12
+    # becomes stage 2 of 2), so the backbone still returns feature maps.
+    n_old = next((v for k, v in old_layers.items() if k in ("num_hidden_layers", "num_layers")), None)
+    if isinstance(d.get("out_indices"), list) and d["out_indices"] and n_old and n_old > LAYERS and \
+            all(isinstance(i, int) and 0 <= i <= n_old for i in d["out_indices"]) and \
+            max(d["out_indices"]) > LAYERS:
+        idx = sorted({max(1, -(-i * LAYERS // n_old)) if i else 0 for i in d["out_indices"]})
+        depth_new = LAYERS
+        k = len(set(d["out_indices"]))
+        if depth and k > len(idx):
+            # a backbone nested in a model that reads each of its k feature maps (depth_anything's
+            # neck reads 4): k layers, one map each, the last k stages as before
+            depth_new = max(LAYERS, k)
+            idx = list(range(depth_new - k + 1, depth_new + 1))
+            for name in old_layers:
+                if name in ("num_hidden_layers", "num_layers"):
+                    _set(cfg, name, depth_new)
+        _set(cfg, "stage_names", ["stem"] + [f"stage{i}" for i in range(1, depth_new + 1)])
+        try:
+            cfg.set_output_features_output_indices(None, idx)
+        except Exception:  # noqa: BLE001 - not a BackboneConfigMixin: the plain fields
+            _set(cfg, "out_indices", idx)
+            _set(cfg, "out_features", [f"stage{i}" if i else "stem" for i in idx])
     if d.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
         _set(cfg, "decoder_start_token_id", d.get("pad_token_id") or 0)
     if isinstance(d.get("num_queries"), int) and d["num_queries"] > 8:
@@ -273,6 +330,17 @@ def tiny_config(cfg, depth=0):
     if isinstance(d.get("num_labels"), int):
         _set(cfg, "num_labels", 3)
     return cfg
+
+
+def _CHANNELS(name):
+    """A per-stage list of channel widths (``stage_out_channels``, ``encoder_in_channels``,
+    ``backbone_channel_list``, ``hidden_sizes``, ...)."""
+    return name != "num_channels" and ("channels" in name or name in (
+        "hidden_sizes", "backbone_channel_list", "embed_dim_per_stage"))
+
+
+def _narrow(v):
+    return v if v <= 8 else max(8, v // 8)
 
 
 def _untimm(cfg):
@@ -306,6 +374,24 @@ def _mrope(cfg, depth=0):
     _set(cfg, "rope_parameters", {**rp, "mrope_section": [half - 2 * (half // 3)] + [half // 3] * 2})
 
 
+def _sources(cls, cfg, depth=0):
+    """The source of ``cls``'s module, then of the modeling modules of ``cfg``'s nested configs (a
+    retrieval or composite model over a qwen2-vl or glm4v part: colqwen2, glm46v)."""
+    import importlib
+    from transformers import PretrainedConfig
+    if cls is not None:
+        yield inspect.getsource(sys.modules[cls.__module__])
+    for k in list(_get(cfg, "sub_configs") or {}):
+        v = _get(cfg, k)
+        if isinstance(v, PretrainedConfig) and depth < 3:
+            try:
+                yield inspect.getsource(importlib.import_module(
+                    type(v).__module__.replace(".configuration_", ".modeling_")))
+            except Exception:  # noqa: BLE001 - no modeling module beside that config
+                pass
+            yield from _sources(None, v, depth + 1)
+
+
 def build(model_type: str, dtype=None):
     """(kind, CPU model in eval mode seeded, config) for ``model_type``."""
     import torch
@@ -315,13 +401,19 @@ def build(model_type: str, dtype=None):
     cfg = tiny_config(AutoConfig.for_model(model_type))
     if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
         cfg.num_labels = 3
+    if kind in ("seq2seq", "speech2seq") and _get(cfg, "is_encoder_decoder") and _get(cfg, "pad_token_id") is None:
+        # labels are shifted right into decoder inputs with the pad id as the first token
+        # (encoder-decoder, moonshine leave it None; a checkpoint's tokenizer sets it)
+        _set(cfg, "pad_token_id", 0)
+        if _get(cfg, "decoder_start_token_id") is None:
+            _set(cfg, "decoder_start_token_id", 0)
     cls = getattr(transformers, cls_name)
     want = getattr(cls, "config_class", None)
     if isinstance(want, type) and not isinstance(cfg, want):
         # a text-only class mapped from a composite model_type (qwen3_5 -> Qwen3_5ForCausalLM,
         # llama4 -> Llama4ForCausalLM): it is built from the composite config's text part
         cfg = next((_get(cfg, k) for k in (_get(cfg, "sub_configs") or {}) if isinstance(_get(cfg, k), want)), cfg)
-    if "mrope_section" in inspect.getsource(sys.modules[cls.__module__]):
+    if any("mrope_section" in src for src in _sources(cls, cfg)):
         _mrope(cfg)
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -411,6 +503,70 @@ def inputs(kind, model, cfg, name=None) -> dict:
 
 
 def candidates(kind, model, cfg):
+    """``_layouts``'s batches, then each again with the inputs its forward requires and it lacks
+    filled in (``_required``: a features mask, the Q-Former's own ids, ...)."""
+    seen = []
+    for b in _layouts(kind, model, cfg):
+        seen.append(b)
+        yield b
+    for b in seen:
+        full = _required(model, cfg, b)
+        if full is not None:
+            yield full
+    width = _sub(cfg, "feature_projection_input_dim")
+    if seen and isinstance(width, int) and "input_features" in seen[0]:
+        # features stacked by the processor before the projection (wav2vec2-bert: 2 x 80 mel bins)
+        import torch
+        yield {**seen[0], "input_features": torch.randn(BATCH, 2 * SEQ, width,
+                                                        generator=torch.Generator().manual_seed(11))}
+    f = seen[0].get("input_features") if seen else None
+    if f is not None and f.dim() == 3:
+        # mel bins fixed in the model's code, not in its config (gemma4_audio: 128), or frames the
+        # processor stacks 4 by 4 (granite_speech5: 4 x 80): (batch, frames, bins) and (batch, bins,
+        # frames)
+        import torch
+        g = torch.Generator().manual_seed(12)
+        for bins in (128, 4 * f.shape[1]):
+            x = torch.randn(BATCH, 2 * SEQ, bins, generator=g)
+            yield {**seen[0], "input_features": x}
+            yield {**seen[0], "input_features": x.transpose(1, 2).contiguous()}
+    nc = _sub(cfg, "num_codebooks")
+    if seen and isinstance(nc, int) and nc > 1 and "input_ids" in seen[0] and kind == "causal":
+        # a decoder over several audio codebooks (musicgen): ids (batch x codebooks, seq), labels
+        # (batch, seq, codebooks)
+        import torch
+        ids = torch.randint(3, VOCAB, (BATCH * nc, SEQ), generator=torch.Generator().manual_seed(10))
+        yield {"input_ids": ids, "labels": ids.reshape(BATCH, nc, SEQ).transpose(1, 2).contiguous()}
+
+
+def _required(model, cfg, batch):
+    """``batch`` with the inputs ``model.forward`` requires (no default), or uses beside its main
+    input to know the batch's layout, filled in where a rule knows them; None if it adds nothing."""
+    import torch
+    params = inspect.signature(model.forward).parameters
+    g = torch.Generator().manual_seed(9)
+    add = {}
+    feats = batch.get("input_features")
+    for n in ("input_features_mask", "feature_attention_mask"):
+        if n in params and n not in batch and isinstance(feats, torch.Tensor):
+            # every frame valid; frames are the last dimension of (batch, bins, frames)
+            add[n] = torch.ones(feats.shape[0], feats.shape[-1], dtype=torch.long)
+    ids = batch.get("input_ids")
+    if "qformer_input_ids" in params and "qformer_input_ids" not in batch and isinstance(ids, torch.Tensor):
+        add["qformer_input_ids"] = ids.clone()      # instructblip: the Q-Former reads the prompt too
+        add["qformer_attention_mask"] = torch.ones_like(ids)
+    if "query_embeds" in params and params["query_embeds"].default is inspect.Parameter.empty:
+        width = _sub(cfg, "hidden_size") or HIDDEN       # blip-2's Q-Former alone: its query tokens
+        add["query_embeds"] = torch.randn(BATCH, _sub(cfg, "num_query_tokens") or 8, width, generator=g)
+    if "decoder_input_ids" in params and "decoder_input_ids" not in batch and "labels" not in batch and (
+            "input_features" in batch or "input_values" in batch):
+        # a transducer's prediction network reads the previous tokens (parakeet_rnnt, parakeet_tdt)
+        vocab = _sub(cfg, "vocab_size") or VOCAB
+        add["decoder_input_ids"] = torch.randint(3, min(vocab, VOCAB), (BATCH, SEQ - 2), generator=g)
+    return {**batch, **add} if add else None
+
+
+def _layouts(kind, model, cfg):
     """Dummy batches to try in order, the first that runs on CPU is the one compared: ``inputs``'s,
     then the other layouts models of the same main input take (features as (batch, frames, bins):
     parakeet, lasr; a waveform with a channel dimension: codecs, dac, encodec), labels as long as
@@ -456,6 +612,15 @@ def candidates(kind, model, cfg):
         yield {**base, "input_features": torch.randn(*f.shape[:-1], 2 * mel, generator=torch.Generator().manual_seed(7))}
     if "input_values" in base and base["input_values"].dim() == 2:
         yield {**base, "input_values": base["input_values"].unsqueeze(1)}
+        # a codec whose encoder downsamples by the product of its ratios (mimi 960, vibevoice 3200,
+        # muse_spark 1920, which wants a multiple of it): 8 frames' worth of samples, mono
+        hop = 1
+        for r in (_sub(cfg, "downsampling_ratios", "upsampling_ratios", "patch_sizes", "strides") or []):
+            hop *= r if isinstance(r, int) else 1
+        n = 8 * hop if hop > 1 else 16000
+        wave = torch.randn(BATCH, 1, n, generator=torch.Generator().manual_seed(8))
+        yield {**base, "input_values": wave[:, 0]}
+        yield {**base, "input_values": wave}
     if "labels" in base and "input_ids" in base and base["labels"].shape != base["input_ids"].shape \
             and base["labels"].dim() == 2:
         yield {**base, "labels": base["input_ids"].clone()}
@@ -641,8 +806,8 @@ def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict
             try:
                 want = run_model(model, batch, "cpu")
                 break
-            except Exception as e:  # noqa: BLE001 - the next layout; the first error is the one reported
-                first = first or e
+            except Exception as e:  # noqa: BLE001 - the next layout; the last error is the one reported
+                first = e   # (the last layout is the fullest: a first one often just lacks an input)
                 model.zero_grad(set_to_none=True)
                 if verbose:
                     traceback.print_exc()

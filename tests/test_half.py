@@ -625,7 +625,7 @@ def test_pow_of_a_scalar_base_rounds_the_base(dt, tpu_mode):
 
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 def test_layer_norm_input_gradient_as_cpu(dt, affine):
-    """NOTE [bf16 layer norm] (runtime/lowering/nn.py): CPU's bfloat16 layer norm backward
+    """NOTE [bf16 layer norm] (runtime/lowering/norms.py): CPU's bfloat16 layer norm backward
     takes the input gradient as ``a * dy * w + b * x + c`` from per-row vectorized sums and fused
     multiply-adds; the textbook form was an ulp off on a few elements per thousand rows (one such
     element in a ViLT's layer norm, and the whole model's gradients drifted from CPU's). bfloat16:

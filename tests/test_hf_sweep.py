@@ -144,3 +144,32 @@ def test_build_rules_for_default_configs_that_do_not_build():
         assert hs._first_line(e) == "ImportError: needs natten (not installed)"
     else:
         pytest.skip("natten is installed here")
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_build_rules_for_widths_and_inputs():
+    """The rules of the second pass over the "not built" list (configs only, no model built): a
+    backbone's out_indices scaled to the tiny depth (lw_detr_vit's stage 12 of 12 is stage 2 of 2),
+    stage channel lists narrowed alike across nested configs (d_fine's encoder reads its hgnet
+    backbone's stage outputs), a flattened patch's width following the tiny patch (radio),
+    multimodal rotary sections found through a nested config's model (colqwen2 over qwen2-vl), and
+    a features mask filled in where forward requires one."""
+    import torch
+    b = hs.tiny_config(transformers.AutoConfig.for_model("lw_detr_vit"))
+    assert b.out_indices == [hs.LAYERS] and b.out_features == [f"stage{hs.LAYERS}"]
+    d = hs.tiny_config(transformers.AutoConfig.for_model("d_fine"))
+    assert d.encoder_in_channels == d.backbone_config.stage_out_channels[1:]
+    assert d.backbone_config.stage_in_channels[1:] == d.backbone_config.stage_out_channels[:-1]
+    r = hs.tiny_config(transformers.AutoConfig.for_model("radio"))
+    assert r.patch_dim == 3 * r.patch_size ** 2
+    c = hs.tiny_config(transformers.AutoConfig.for_model("colqwen2"))
+    assert any("mrope_section" in s for s in hs._sources(transformers.ColQwen2ForRetrieval, c))
+
+    class Enc(torch.nn.Module):
+        def forward(self, input_features, input_features_mask):
+            return input_features * input_features_mask[:, None]
+
+    feats = torch.randn(2, 5, 7)
+    full = hs._required(Enc(), c, {"input_features": feats})
+    assert full["input_features_mask"].shape == (2, 7) and bool(full["input_features_mask"].all())
+    assert hs._required(Enc(), c, full) is None

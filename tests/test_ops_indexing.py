@@ -166,6 +166,11 @@ def test_index_add_copy_fill():
     check(lambda x, i, s: x.index_copy(0, i, s), x, u, s[:3])
     check(lambda x, i: x.index_fill(1, i, -2.0), x, torch.tensor([0, -1]))
     check(lambda x, i: x.index_fill(0, i, torch.tensor(3.0, device=x.device)), x, u)
+    # a CPU scalar tensor as the value (PyTorch allows it beside an accelerator's tensors; the
+    # meta kernel refused it: "index_copy(): self, index and source expected to be in the same
+    # device")
+    check(lambda x, i: x.index_fill(0, i, torch.tensor(-1.5)), x, u)
+    check(lambda x, i: x.long().index_fill_(1, i, torch.tensor(2)), x, torch.tensor([0, -1]))
     check(lambda x, i, s: x.clone().index_add_(0, i, s), x, i, s)
     for red in ("prod", "mean", "amax"):
         check(lambda x, i, s: x.index_reduce(0, i, s, red, include_self=False), x, i, s, rtol=1e-5)

@@ -1,5 +1,5 @@
-"""nn ops (runtime/lowering/nn.py, embedding.py, sampling.py, rnn.py): forward and gradients
-against CPU eager, and no CPU fallbacks."""
+"""nn ops (runtime/lowering/nn.py, norms.py, embedding.py, sampling.py, rnn.py): forward and
+gradients against CPU eager, and no CPU fallbacks."""
 import copy
 
 import pytest
@@ -237,6 +237,28 @@ def test_interpolate_antialias(mode, hw, kw):
         x = torch.randn(2, 3, *hw, dtype=dt)
         check(lambda _, a: F.interpolate(a, mode=mode, antialias=True, **kw), x,
               tol=dict(atol=2e-5, rtol=1e-5))
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
+def test_interpolate_antialias_half_as_cuda(mode):
+    """CPU refuses an antialiased interpolate in bfloat16 and float16 ("compute_index_ranges_weights"
+    not implemented); CUDA (and tpu) compute it, and models call it in half precision off CPU
+    (transformers' cosmos3_edge upcasts on CPU only). Forward and gradient: CPU's float32 result
+    rounded to the dtype."""
+    for dt in (torch.bfloat16, torch.float16):
+        x = torch.randn(2, 3, 7, 6).to(dt)
+        g = torch.randn(2, 3, 4, 5).to(dt)
+        xc = x.float().requires_grad_()
+        want = F.interpolate(xc, size=(4, 5), mode=mode, antialias=True)
+        want.backward(g.float())
+        xt = x.to("tpu").requires_grad_()
+        got = F.interpolate(xt, size=(4, 5), mode=mode, antialias=True)
+        got.backward(g.to("tpu"))
+        torch.testing.assert_close(got.cpu(), want.detach().to(dt))
+        torch.testing.assert_close(xt.grad.cpu(), xc.grad.to(dt))
+        with pytest.raises(NotImplementedError, match="not implemented for"):
+            F.interpolate(x, size=(4, 5), mode=mode, antialias=True)    # CPU still refuses it
 
 
 # ------------------------------------------------------------------------------------ attention, softmax

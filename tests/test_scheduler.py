@@ -294,6 +294,34 @@ def test_cut_policy_plans_from_counts_and_reasons():
     assert P.at_sync("item", big, "emb", None) == policy.SyncPlan(True, None, False)
 
 
+def test_cut_policy_says_how_the_runner_splits_and_when_backward_cuts():
+    # The runner's choices among its splits, buckets and the memory budget, and the front end's
+    # cut at backward(), are the policy's (typed answers from counts and flags).
+    from deferfuse.scheduler import policy
+    P, Split, big = policy.CutPolicy, policy.Split, steps.LOOP_SPLIT_MIN_OPS
+    assert P.trace_splits(big, False, True) == (Split.LOOP, Split.NEEDED_FIRST)
+    assert P.trace_splits(big, True, True) == (Split.NEEDED_FIRST,)      # an outer body: whole
+    assert P.trace_splits(big - 1, False, False) == ()
+    assert P.trace_splits(big, False, True, loop_split=False) == (Split.NEEDED_FIRST,)
+    assert P.trace_splits(big, False, True, cross_check=True) == ()      # compared op by op
+    assert P.setup_split(5, True) and not P.setup_split(1, True)
+    assert not P.setup_split(5, False) and not P.setup_split(5, True, setup_first=False)
+    assert P.in_buckets() and not P.in_buckets(cross_check=True) and not P.in_buckets(False)
+    assert P.plan_ahead() and not P.plan_ahead(ahead=False) and not P.plan_ahead(False, True)
+    assert P.over_budget(3, 200, 100) and not P.over_budget(1, 200, 100)
+    assert not P.over_budget(3, 200, 0) and not P.over_budget(3, 100, 100)
+    few = policy.GRAPH_STEP_OPS
+    assert P.cut_at_backward(few + 1) and not P.cut_at_backward(0)
+    assert not P.cut_at_backward(few + 1, enabled=False)
+    assert P.cut_at_backward(3, ())                             # eager ops only: cut
+    assert not P.cut_at_backward(3, ("forward",))               # a compiled step's forward pass
+    assert P.cut_at_backward(3, ("backward", "forward"))        # still holds a backward graph
+    # sync reasons are typed too, and strings to every counter
+    assert policy.Sync.ITEM == "item" and {"mode exit": 1}[policy.Sync.MODE_EXIT] == 1
+    assert f"{policy.Sync.COLLECTIVE}" == "collective"
+    assert not any(policy.is_async(r) for r in policy.Sync)
+
+
 def test_cut_policy_says_how_a_churning_structure_runs():
     # NOTE [shape churn] (runtime/flush.py), decided by CutPolicy.new_shapes: compiled whole until
     # the limit, then split between changing and stable ops (remembered for the version), or op
@@ -308,6 +336,9 @@ def test_cut_policy_says_how_a_churning_structure_runs():
     plan, keep = CutPolicy.new_shapes(2, 2, None, first, list("ABCDEF"), set())
     assert plan.how is Shapes.OP_BY_OP and keep == "whole" and str(plan.how) == "op by op"
     assert CutPolicy.new_shapes(2, 2, keep, first, list("ABCDEF"), set()) == (WHOLE, None)
+    # the first version at a new base of a structure that runs in buckets compiles whole, past
+    # the limit too (NOTE [new bases] in runtime/buckets.py), and nothing is remembered for it
+    assert CutPolicy.new_shapes(5, 2, None, first, list("aBcdef"), set(), True) == (WHOLE, None)
 
 
 def test_report_words_every_cut_reason():

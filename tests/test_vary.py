@@ -824,6 +824,71 @@ def test_nanogpt_sampling_runs_in_buckets(temperature):
     assert m["compiles"] + m["disk_cache_hits"] == 0, m["miss_reasons"]
 
 
+@pytest.mark.modes("defer")
+def test_a_learnt_sampling_loop_met_with_another_batch_relearns_its_buckets():
+    """NOTE [new bases] (runtime/buckets.py): the sampling loop learnt from one token at batch 1,
+    then met with a batch of two and a longer prompt, runs in buckets again after at most two
+    programs (a plan through the two bases, then one along the new base's length); it compiled
+    per length before (the family's one plan never took the new base). Tokens equal CPU's."""
+    torch.manual_seed(0)
+    model = _TinyGPT(layers=1).eval()
+    x1, x2 = torch.zeros((1, 1), dtype=torch.long), torch.randint(0, 40, (2, 3))
+    want1, want2 = model.sample(x1, 20), model.sample(x2, 20)
+    model.to("tpu")
+    deferfuse.clear_caches()
+    assert_same(model.sample(x1.to("tpu"), 20), want1)
+    deferfuse.reset_metrics()
+    assert_same(model.sample(x2.to("tpu"), 20), want2)
+    m = deferfuse.metrics()
+    assert m["compiles"] + m["disk_cache_hits"] <= 2, m["miss_reasons"]
+    assert m["bucketed_runs"] == 20 and m["shape_splits"] == 0 and m["shape_fallbacks"] == 0, m
+    deferfuse.reset_metrics()           # the new base learnt: its second call compiles nothing
+    assert_same(model.sample(x2.to("tpu"), 20), want2)
+    assert deferfuse.metrics()["compiles"] == 0, deferfuse.metrics()["miss_reasons"]
+
+
+def _gpt_phases(model, dev):
+    """Train a small GPT at batch 8, evaluate it at batches 8, 3 and 5, train it at 3 and 5:
+    (losses, compiles per phase)."""
+    import torch.optim as optim
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    losses, counts = [], []
+    for b, train in ((8, True), (8, False), (3, False), (5, False), (3, True), (5, True)):
+        c0 = _compiles()
+        g = torch.Generator().manual_seed(b)
+        for _ in range(3 if train else 1):
+            x = torch.randint(0, 40, (b, 12), generator=g).to(dev)
+            with torch.set_grad_enabled(train):
+                loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, 40), x[:, 1:].reshape(-1))
+            if train:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append(loss.item())
+        counts.append(_compiles() - c0)
+    return losses, counts
+
+
+@pytest.mark.slow
+@pytest.mark.modes("defer")
+def test_a_model_trained_at_one_batch_runs_other_batches_in_buckets():
+    """A GPT trained at batch 8 and then evaluated and trained at batches 3 and 5 (a linear
+    layer's and attention's backward over a padded batch have rules): losses equal CPU's, each
+    new batch size of a phase costs at most its regions' programs once, the third size none."""
+    import copy
+    torch.manual_seed(0)
+    model = _TinyGPT()
+    tmodel = copy.deepcopy(model).to("tpu")
+    want, _ = _gpt_phases(model, "cpu")
+    deferfuse.clear_caches()
+    got, counts = _gpt_phases(tmodel, "tpu")
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert counts[3] == 0 and counts[5] == 0, counts    # batch 5 after 3: in their buckets
+    assert sum(counts) <= 8, (counts, deferfuse.metrics()["miss_reasons"])
+    m = deferfuse.metrics()
+    assert not m["bucket_refusals"] and m["shape_splits"] == 0, m["bucket_refusals"]
+
+
 # ------------------------------------------------------------------ real loops, as users write them
 @pytest.mark.modes("defer")
 @pytest.mark.parametrize("cache", [None, "static", "static compiled"])

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _resolve_process_group
 
+from ..scheduler.policy import Sync
 from ..engine import engine
 from ..dispatch import read
 from ..specials import register as register_specials
@@ -31,7 +32,7 @@ def _group(name) -> ProcessGroupTPU:
 def _fresh(x):
     """A new tensor holding ``x``'s current value (no copy: JAX arrays never change)."""
     if engine.state.trace.nodes:
-        engine.sync("collective", op="functional collective")
+        engine.sync(Sync.COLLECTIVE, op="functional collective")
     return _wrap(read(x), x._s.device, x.dtype)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from jax.sharding import PartitionSpec as P
 
+from ..scheduler.policy import Sync
 from ..config import config
 from ..dispatch import user_frame
 from ..engine import engine
@@ -103,7 +104,7 @@ class SpmdGraph:
         got = []
 
         def run(devices):
-            arrays = [engine.ready(v, dev, "collective") for v in ins]
+            arrays = [engine.ready(v, dev, Sync.COLLECTIVE) for v in ins]
             res = self._program(entry, arrays, scalars, devices)(arrays, scalars)
             got.extend(res)
             return res

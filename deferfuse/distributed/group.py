@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo, Work
 
+from ..scheduler.policy import Sync
 from ..engine import engine
 from ..config import config
 from ..dispatch import _contig, copy_into, new_tensor, read, user_frame
@@ -228,7 +229,7 @@ class ProcessGroupTPU(ProcessGroup):
             # Shown when ranks disagree: whether the ops each recorded before it differ too.
             trace = (f" (after a recorded trace of {len(trace_now.nodes)} ops, structure "
                      f"{trace_now.h & 0xffffffff:08x})")
-            engine.sync("collective", op=kind)
+            engine.sync(Sync.COLLECTIVE, op=kind)
         ranks = peers or self._ranks
         me = CLUSTER.rank
         if scope is None:
@@ -556,7 +557,7 @@ class ProcessGroupTPU(ProcessGroup):
             raise ValueError(f"{kind}: invalid peer rank {peer} for a group of {self.size()} "
                              f"processes (this process is rank {self.rank()})")
         if engine.state.trace.nodes:
-            engine.sync("collective", op=kind)
+            engine.sync(Sync.COLLECTIVE, op=kind)
         line = user_frame()
         ops = [_P2P(kind, self._ranks[peer], t, _arr(t) if kind == "send" else None, line)
                for t in tensors]

@@ -166,9 +166,9 @@ def _default_pads() -> None:
 
 
 FAMILIES = ("pointwise", "unary_int", "binary", "special", "activations", "reductions", "sorting",
-            "views", "linalg", "factorizations", "linear", "creation", "nn", "embedding", "sampling",
-            "losses", "attention", "pooling", "indexing", "rearrange", "random", "foreach", "optim",
-            "rnn")
+            "views", "linalg", "factorizations", "linear", "creation", "nn", "norms", "embedding",
+            "sampling", "losses", "attention", "pooling", "indexing", "rearrange", "random",
+            "foreach", "optim", "rnn")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")
 _default_pads()

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import op
-from .padding import Attention, Reduce, Refuse
+from .padding import Attention, Batched, Reduce, Refuse
 from .nn import _acc
 from .precision import HALF, round_to
 
@@ -82,7 +82,9 @@ def sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_ma
     return out, lse
 
 
-@op("_scaled_dot_product_flash_attention_for_cpu_backward.default")
+# (each batch and head its own attention: a padded batch reaches padded gradients only)
+@op("_scaled_dot_product_flash_attention_for_cpu_backward.default",
+    pad=Batched(dims=(0, 1), fixed=(6,)))
 def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                             attn_mask=None, scale=None):
     _no_dropout(dropout_p)

@@ -10,11 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import op
-from .padding import Contract, Refuse
+from .padding import Contract, ZeroPadded
 from .linalg import _LOWP, _mat
-
-# Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
-PAD = Refuse("no padding rule for its backward")
 
 
 @op("linear.default", pad=Contract(((0, -1), (1, 1))))
@@ -26,7 +23,10 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
-@op("linear_backward.default")
+# Padded: every sum over a padded dim (rows for the weight and bias gradients, outputs for the
+# input gradient) has a factor zeroed in its padding: x and g for the rows, g and w for the
+# outputs; an input gradient's padded rows are padding.
+@op("linear_backward.default", pad=ZeroPadded(inputs=(0, 1, 2)))
 def linear_backward(x, g, w, mask):
     """(input grad, weight grad, bias grad), each where ``mask`` asks for it; the weight and bias
     gradients come together (as the meta kernel gives them)."""

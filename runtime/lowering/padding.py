@@ -179,6 +179,18 @@ class Targets(Pad):
 
 
 @dataclass(frozen=True, slots=True)
+class Batched(Pad):
+    """Independent along a batch (the batch and heads of an attention backward, the batch of a
+    recurrent layer): every padded dim of every tensor, input or output, is one of ``dims`` (dim
+    numbers, negative from the end), and the inputs at ``fixed`` (weights, a mask) are not padded,
+    so padding reaches only padded outputs. ``zero``: inputs' padding is set to 0 first (a weight
+    gradient summed over the batch then adds nothing from it)."""
+    dims: tuple = (0,)
+    fixed: tuple = ()
+    zero: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Refuse(Pad):
     """No rule: a region where this op touches a padded dim runs exactly; ``why`` says why."""
     why: str = ""

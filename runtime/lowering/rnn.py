@@ -21,7 +21,7 @@ from jax import lax
 from jax import nn as jnn
 
 from . import op
-from .padding import Refuse
+from .padding import Batched, Refuse
 from .nn import _acc
 from .precision import acc, round_to
 
@@ -150,7 +150,14 @@ def _onednn_check(mode, batch_sizes):
                                   "lowered (the only one PyTorch's CPU LSTM runs)")
 
 
-@op("mkldnn_rnn_layer.default")
+# Padded: each batch row is its own recurrence (the batch is dim -2 of every tensor of these
+# ops: the sequence, the states, the gradients); the backward pass sums the weight gradients
+# over it, with the padding of its inputs set to 0 (zero states and gradients give zero gate
+# gradients). A padded time dim refuses (a reversed layer would start in the padding).
+_BATCH = Batched(dims=(-2,), fixed=(1, 2, 3, 4), zero=True)
+
+
+@op("mkldnn_rnn_layer.default", pad=_BATCH)
 def mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size,
                      num_layers, has_biases, bidirectional, batch_first, train):
     _onednn_check(mode, batch_sizes)
@@ -160,7 +167,7 @@ def mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, 
             jnp.zeros((0,), jnp.uint8))
 
 
-@op("mkldnn_rnn_layer_backward.default")
+@op("mkldnn_rnn_layer_backward.default", pad=_BATCH)
 def mkldnn_rnn_layer_backward(input, w0, w1, w2, w3, hx, cx, output, hy, cy, grad_output,
                               grad_hy, grad_cy, reverse, mode, hidden_size, num_layers,
                               has_biases, train, bidirectional, batch_sizes, batch_first,

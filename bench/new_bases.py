@@ -1,0 +1,129 @@
+"""A learnt model met at another base (issue 33, NOTE [new bases] in runtime/buckets.py): what each
+phase compiles when one model is trained, evaluated and sampled at batch sizes and prompt lengths
+it has not met, in defer mode, in one process from a cold cache folder, each phase's result
+compared with CPU eager on the same inputs.
+
+    python bench/new_bases.py [--tokens 20]
+
+Phases: train a small GPT (nanoGPT's shape) at batch 8, evaluate at 8, 3 and 5, train at 3 and 5,
+sample 20 tokens from one token at batch 1, then from a 3-token prompt at batch 2, and again. Each
+row: programs compiled (or loaded from disk), regions run in buckets, regions split for shape
+churn, the largest difference from CPU, wall seconds. Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("DEFERFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="deferfuse-new-bases-"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import deferfuse  # noqa: E402
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape: positions from ``arange``, pre-norm causal attention blocks, top-k
+    sampling by a boolean-mask write and ``multinomial``."""
+
+    def __init__(self, vocab=40, d=16, layers=2, block=64):
+        super().__init__()
+        self.block = block
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.ln = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        for ln, qkv, proj in zip(self.ln, self.qkv, self.proj):
+            q, k, v = qkv(ln(x)).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(b, t, 2, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+        return self.head(x)
+
+    @torch.no_grad()
+    def sample(self, idx, n, top_k=1):
+        for _ in range(n):
+            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
+            logits = self(cond)[:, [-1], :][:, -1, :]
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("Inf")
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def train(m, dev, b, steps=4):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(b)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, 40, (b, 12), generator=g).to(dev)
+        loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, 40), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def evaluate(m, dev, b):
+    g = torch.Generator().manual_seed(100 + b)
+    with torch.no_grad():
+        x = torch.randint(0, 40, (b, 12), generator=g).to(dev)
+        return [F.cross_entropy(m(x[:, :-1]).reshape(-1, 40), x[:, 1:].reshape(-1)).item()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=20)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model = GPT()
+    tmodel = copy.deepcopy(model).to("tpu")
+    p2 = torch.randint(0, 40, (2, 3), generator=torch.Generator().manual_seed(2))
+
+    def sample(x):
+        return lambda m, d: m.eval().sample(x.to(d), a.tokens).flatten().tolist()
+    phases = [("train, batch 8", lambda m, d: train(m.train(), d, 8)),
+              ("evaluate, batch 8", lambda m, d: evaluate(m, d, 8)),
+              ("evaluate, batch 3", lambda m, d: evaluate(m, d, 3)),
+              ("evaluate, batch 5", lambda m, d: evaluate(m, d, 5)),
+              ("train, batch 3", lambda m, d: train(m.train(), d, 3)),
+              ("train, batch 5", lambda m, d: train(m.train(), d, 5)),
+              ("sample, batch 1 from 1 token", sample(torch.zeros((1, 1), dtype=torch.long))),
+              ("sample, batch 2 from 3 tokens", sample(p2)),
+              ("sample, batch 2 from 3 tokens, again", sample(p2))]
+    print(f"new bases: {time.strftime('%Y-%m-%dT%H:%M:%S')}, load {os.getloadavg()[0]:.1f}, "
+          f"{a.tokens} tokens\n")
+    print("| phase | compiles | bucketed runs | shape splits | max diff from CPU | s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    total = 0
+    for name, f in phases:
+        want = f(model, "cpu")
+        deferfuse.reset_metrics()
+        t0 = time.perf_counter()
+        got = f(tmodel, "tpu")
+        dt = time.perf_counter() - t0
+        m = deferfuse.metrics()
+        n = m["compiles"] + m["disk_cache_hits"]
+        total += n
+        diff = max(abs(x - y) for x, y in zip(got, want))
+        print(f"| {name} | {n} | {m['bucketed_runs']} | {m['shape_splits']} | {diff:.1e} | "
+              f"{dt:.1f} |", flush=True)
+    print(f"\ntotal compiles: {total}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
