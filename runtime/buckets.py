@@ -425,14 +425,19 @@ class Buckets:
             return None
         hit = BucketHit(plan, t, [entry], [wiring])
         entry.msgs = [m[1:] for m in prog.msgs]     # (exception type, message) per flag
-        shapes = [None if a is None else _Shape(a[0]) for a in entry.res_avals]
+        avals = entry.res_avals
         buckets = self
 
         def call(arrays, scalars_):
             stats["bucketed_ops"] += 1
             r = _OpRun(entry, [None if a is None else _Arr(a) for a in arrays], scalars_, wiring)
-            r.outs = shapes
-            return buckets.execute(prog, hit, r, entry.dev)
+            res, flags = buckets.execute(prog, hit, r, entry.dev)
+            if len(res) != len(avals):
+                # outputs an output mask leaves out (linear_backward's bias gradient): the
+                # program has none; the op's results hold None there, as its own program's do
+                got = iter(res)
+                res = [None if a is None else next(got) for a in avals]
+            return res, flags
         return call
 
 
