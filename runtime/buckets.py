@@ -150,10 +150,9 @@ class Buckets:
         fam = (struct, tuple(skels))
         plans = self.plans.get(fam)
         if plans is not None:
-            for p in plans:
-                t = p.fit.value(ints)
-                if t is not None:
-                    return None if p.__class__ is Refusal else (p, t)
+            found = _taken(plans, ints)
+            if found is not _NONE:
+                return found
             if len(plans) >= MAX_PLANS:
                 stats["bucket_misfits"] += 1
                 return None
@@ -222,34 +221,30 @@ class Buckets:
         fam = (struct, tuple(skels))
         plans = self.plans.get(fam)
         if plans is not None:
-            for p in plans:
-                t = p.fit.value(ints)
-                if t is not None:
-                    return None if p.__class__ is Refusal else (p, t)
+            found = _taken(plans, ints)
+            return None if found is _NONE else found
+        key = _family_key(fam)
+        vs = self.learned.fit_versions(key) if key is not None else None
+        if vs is None:
             return None
-        if True:
-            key = _family_key(fam)
-            vs = self.learned.fit_versions(key) if key is not None else None
-            if vs is None:
-                return None
-            # Made again from the two versions, and it must take this one: else it is stale.
-            f = fit([list(vs[0]), list(vs[1]), ints], mask) if vs[0] != vs[1] else None
-            if f is None:
-                self.learned.drop_fit(key)
-                return None
-            f.skels = skels
-            # The version a fit was learned from first ran exactly in that process. Where its
-            # bucket is not the second version's (a ragged last batch: 64 rows, then 23, buckets
-            # 64 and 32), no bucket program of it was made: its exact program is the one on disk.
-            s = f.value(ints)
-            if s == f.value(list(vs[0])) and f.bucket(s) != f.bucket(f.value(list(vs[1]))):
-                return None
-            try:
-                plan = plan_region(f, entries, wirings, lens, self.learned)
-            except Exception:           # (refused: what made it no longer holds)
-                self.learned.drop_fit(key)
-                return None
-            self.plans[fam] = [plan]
+        # Made again from the two versions, and it must take this one: else it is stale.
+        f = fit([list(vs[0]), list(vs[1]), ints], mask) if vs[0] != vs[1] else None
+        if f is None:
+            self.learned.drop_fit(key)
+            return None
+        f.skels = skels
+        # The version a fit was learned from first ran exactly in that process. Where its
+        # bucket is not the second version's (a ragged last batch: 64 rows, then 23, buckets
+        # 64 and 32), no bucket program of it was made: its exact program is the one on disk.
+        s = f.value(ints)
+        if s == f.value(list(vs[0])) and f.bucket(s) != f.bucket(f.value(list(vs[1]))):
+            return None
+        try:
+            plan = plan_region(f, entries, wirings, lens, self.learned)
+        except Exception:           # (refused: what made it no longer holds)
+            self.learned.drop_fit(key)
+            return None
+        self.plans[fam] = [plan]
         return _at(plan, ints, stats)
 
     def program(self, plan, P, run, device, store, debug, stats, why=""):
@@ -439,6 +434,19 @@ class Buckets:
                 res = [None if a is None else next(got) for a in avals]
             return res, flags
         return call
+
+
+_NONE = object()     # (_taken: no kept plan takes the version)
+
+
+def _taken(plans, ints):
+    """What the first of a family's kept ``plans`` that takes the version ``ints`` says: (plan,
+    length), None for a refusal, or ``_NONE`` where none takes it."""
+    for p in plans:
+        t = p.fit.value(ints)
+        if t is not None:
+            return None if p.__class__ is Refusal else (p, t)
+    return _NONE
 
 
 def _family_key(fam) -> str | None:
