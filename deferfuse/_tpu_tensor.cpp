@@ -187,6 +187,10 @@ const char* const kOps[N_OPS] = {"as_strided.default", "view.default", "_reshape
 struct Step {
   Op op;
   std::vector<IValue> args;
+  // NOTE [C++ moving windows]: a slice or select that moves a window (the op path's DSLICE /
+  // DSELECT rule, views._moving_view): its normalised start, else -1; a slice's length
+  int64_t win = -1;
+  int64_t len = -1;
 };
 
 struct ViewMeta final : c10::BackendMeta {
@@ -398,6 +402,8 @@ at::Tensor slice(const at::Tensor& self, int64_t dim, std::optional<int64_t> sta
   stride[dim] *= step;
   Step st{SLICE, {IValue(dim), start.has_value() ? IValue(*start) : IValue(),
                   end.has_value() ? IValue(*end) : IValue(), IValue(step)}};
+  st.len = size[dim];
+  if (st.len != 0 && !(s == 0 && e == len)) st.win = s;  // NOTE [C++ moving windows]
   return make_view(self, size, stride, self.storage_offset() + s * self.stride(dim), std::move(st));
 }
 
@@ -412,8 +418,9 @@ at::Tensor select(const at::Tensor& self, int64_t dim, int64_t index) {
   IntVec size = self.sizes().vec(), stride = self.strides().vec();
   size.erase(size.begin() + dim);
   stride.erase(stride.begin() + dim);
-  return make_view(self, size, stride, self.storage_offset() + i * self.stride(dim),
-                   Step{SELECT, {IValue(dim), IValue(index)}});
+  Step st{SELECT, {IValue(dim), IValue(index)}};
+  if (len > 1) st.win = i;  // NOTE [C++ moving windows]
+  return make_view(self, size, stride, self.storage_offset() + i * self.stride(dim), std::move(st));
 }
 
 at::Tensor expand(const at::Tensor& self, c10::IntArrayRef size, bool implicit) {
@@ -996,6 +1003,63 @@ int64_t sig_of(const at::Tensor& t) {
   return intern_sig(std::move(d));
 }
 
+// NOTE [C++ moving windows]: a view whose chain moves a window over its input (a slice that is
+// not the whole dimension, a select of a dimension longer than 1, an as_strided with its storage
+// offset: the op path's DSLICE / DSELECT / DSTRIDED rule, views._moving_view, which
+// plain.Plain._moving replays for the router) has a second id for the kernel's key: its
+// description with each moving step's start (and the tensor's own storage offset) left out, the
+// starts appended to `offs` in chain order instead. The kernel keys an op on such a view by that
+// id, so `buf[i]`, `t[i:i + 5]` at every `i` are one key, and hands the starts to the C record
+// path as int inputs after the op's own scalars, as dispatch._run does with a TpuTensor's `_dyn`
+// (NOTE [dynamic offsets] in runtime/viewchain.py). `Plain.learn` returns the op path's `_dyn` of
+// each input, which must equal these starts, or the key is refused. -1 (nothing appended): no
+// step moves, or a step cannot be keyed.
+int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_t>& offs) {
+  auto* ctx = static_cast<StorageCtx*>(t.storage().data_ptr().get_context());
+  if (!ctx->known || m.py_chain != nullptr) return -1;
+  const size_t n0 = offs.size();
+  Key d;
+  d.reserve(48);
+  d.push_back(-400);  // never a full description's first item (a dtype)
+  key_geom(d, ctx->dtype, ctx->size, ctx->stride);
+  d.push_back(static_cast<int64_t>(m.steps.size()));
+  for (const auto& s : m.steps) {
+    d.push_back(s.op);
+    int64_t w = s.win;
+    if (s.op == AS_STRIDED && s.args.size() == 5 && s.args[0].isIntList() && s.args[2].isInt()) {
+      // views._moving_strided: an explicit offset (the C++ step always has one), no empty size
+      w = s.args[2].toInt();
+      for (int64_t x : s.args[0].toIntList())
+        if (x == 0) w = -1;
+    }
+    bool ok = true;
+    if (w >= 0) {
+      offs.push_back(w);
+      d.push_back(-300);
+      if (s.op == SLICE) {
+        ok = key_static(d, s.args[0]) && key_static(d, s.args[3]);
+        d.push_back(s.len);
+      } else if (s.op == SELECT) {
+        ok = key_static(d, s.args[0]);
+      } else {
+        ok = key_static(d, s.args[0]) && key_static(d, s.args[1]) && key_static(d, s.args[3]) &&
+             key_static(d, s.args[4]);
+      }
+    } else {
+      d.push_back(static_cast<int64_t>(s.args.size()));
+      for (const auto& a : s.args) ok = ok && key_static(d, a);
+    }
+    if (!ok) {
+      offs.resize(n0);
+      return -1;
+    }
+  }
+  if (offs.size() == n0) return -1;
+  key_geom(d, t.scalar_type(), t.sizes(), t.strides());
+  d.push_back(-301);  // its storage offset: a function of the starts
+  return intern_sig(std::move(d));
+}
+
 // ---------------------------------------------------------------------------------------------
 // NOTE [C++ recording kernel]: the boxed fallback's fast path. For an op call it can key, it
 // builds the op's key in C++ over the stack (the op's schema address; each tensor's signature id
@@ -1070,6 +1134,8 @@ struct Call {
   Key key;
   std::vector<at::Tensor> tensors;  // tensor inputs, in dispatch.op_key's order
   std::vector<IValue> scalars;      // runtime numbers (double or int), in its order
+  std::vector<int64_t> offs;        // moving windows' starts, in tensor order (NOTE [C++ moving windows])
+  std::vector<int> n_offs;          // how many of them each tensor input has
   int64_t dev = -1;
   at::Tensor out;                   // the fresh out= tensor, or undefined
 };
@@ -1079,13 +1145,18 @@ bool special_int(int64_t i) { return i == 0 || i == 1 || i == -1 || i == 2; }
 
 bool key_tensor_sig(Call& c, const at::Tensor& t) {
   if (!is_plain_tensor(t)) return false;
-  int64_t s = sig_of(t);
+  const ViewMeta* m = meta_of(t);
+  const size_t n0 = c.offs.size();
+  int64_t s = m == nullptr ? -1 : window_sig_of(t, *m, c.offs);
+  const bool moves = s >= 0;
+  if (!moves) s = sig_of(t);
   if (s < 0) return false;
   int64_t d = t.device().index();
   if (c.dev < 0) c.dev = d;
   else if (c.dev != d) return false;  // the router raises PyTorch's device error
-  c.key.push_back(-1);
+  c.key.push_back(moves ? -2 : -1);
   c.key.push_back(s);
+  c.n_offs.push_back(static_cast<int>(c.offs.size() - n0));
   c.tensors.push_back(t);
   return true;
 }
@@ -1251,6 +1322,12 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     if (o == nullptr) rethrow_python();
     PyList_SET_ITEM(scalars.ptr(), i, o);
   }
+  for (int64_t off : c.offs) {
+    // NOTE [C++ moving windows]: the starts, int inputs after the op's own scalars
+    PyObject* o = PyLong_FromLongLong(off);
+    if (o == nullptr || PyList_Append(scalars.ptr(), o) < 0) rethrow_python();
+    Py_DECREF(o);
+  }
   py::int_ dev(c.dev);
   if (e.mut != nullptr) {
     // an op writing its inputs (dispatch._bind): each written storage takes its new value
@@ -1344,8 +1421,17 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     e.n_scalars = g[2].cast<size_t>();
     ok = e.n_tensors == c.tensors.size() && e.n_scalars == c.scalars.size() &&
          (!c.out.defined() || nret == 1);
+    // NOTE [C++ moving windows]: the op path's `_dyn` of each input, the starts the key left out
+    py::tuple dyn = g[g.size() - 1].cast<py::tuple>();
+    ok = ok && dyn.size() == c.n_offs.size();
+    size_t k = 0;
+    for (size_t i = 0; ok && i < dyn.size(); ++i) {
+      py::tuple di = dyn[i].cast<py::tuple>();
+      ok = static_cast<int>(di.size()) == c.n_offs[i];
+      for (size_t j = 0; ok && j < di.size(); ++j, ++k) ok = di[j].cast<int64_t>() == c.offs[k];
+    }
   }
-  if (ok && g.size() == 6) {
+  if (ok && g.size() == 7) {
     // an op writing its inputs: (Entry, tensors, scalars, Entry.out[1], overwrites, returned)
     ok = nret == 1 && !c.out.defined();
     for (auto m : g[3]) {

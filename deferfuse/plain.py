@@ -265,7 +265,7 @@ class Plain:
         Python number at this argument is a runtime input])``, or None. Called once per op,
         after its first call through the router. A fresh out= tensor is keyed as the functional
         op's call (NOTE [fresh out]), any other as the op's own."""
-        from . import dispatch, route
+        from . import dispatch
         args = func._schema.arguments
         out, f = -1, func
         name = self.out_name(func)
@@ -274,9 +274,7 @@ class Plain:
             if out != len(args) - 1:
                 return None
             f = self.functional_of(func) or func
-        r = route._routes.get(id(f))
-        if r is None:       # the functional op not called yet (an out= op's first calls)
-            r = route._routes[id(f)] = route._route(f)
+        r = _kernel_route(f)
         if r[0] is not dispatch._run:
             return None
         info = r[1]
@@ -293,8 +291,10 @@ class Plain:
         with new outputs only (``Entry.fast``), no dynamic offsets, output metadata equal to the
         router's result; or, for an op writing its inputs (in place, out=), ``(Entry, tensor
         inputs, scalar inputs, Entry.out[1], OpInfo.overwrites, the stack index of the argument
-        it returns)``. None otherwise (the kernel then leaves the key to the router)."""
-        from . import dispatch, route
+        it returns)``; either followed by each tensor input's dynamic offsets (``_dyn``), which
+        the kernel checks against the starts it left out of its key (NOTE [C++ moving windows]
+        in _tpu_tensor.cpp). None otherwise (the kernel then leaves the key to the router)."""
+        from . import dispatch
         f, kw = func, kwargs
         if fresh:
             f = self.functional_of(func)
@@ -302,11 +302,11 @@ class Plain:
             kw = {k: v for k, v in kwargs.items() if k != name}
         if f is None:
             return None
-        r = route._routes.get(id(f))
-        if r is None:
-            r = route._routes[id(f)] = route._route(f)
+        r = _kernel_route(f)
         if r[0] is not dispatch._run:
             return None
+        if f is aten.copy_.default:
+            args, kw = args[:2], {}     # as specials._h_copy runs it (non_blocking dropped)
         ins, stores = {}, {}
         try:
             wargs = [self._in(a, ins, stores) for a in args]
@@ -315,8 +315,9 @@ class Plain:
         except Exception:
             return None
         e = dispatch._ops.get(key)
-        if type(e) is not dispatch.Entry or e.dyn or e.out[2]:
+        if type(e) is not dispatch.Entry or e.out[2]:
             return None
+        dyn = tuple(t._dyn for t in tensors)
         if e.fast is None:
             info = r[1]
             mut = e.out[1]
@@ -324,7 +325,7 @@ class Plain:
                     or info.returns[0] is None:
                 return None
             return (e, len(tensors), len(scalars), tuple(mut), bool(info.overwrites),
-                    info.returns[0][0])
+                    info.returns[0][0], dyn)
         if type(e.fast) is tuple:
             metas, res = [e.fast], [result]
         elif e.out[0][0] == "tuple" and type(result) is tuple:
@@ -338,7 +339,8 @@ class Plain:
                     or t.dtype != m[0] or tuple(t.shape) != m[1]
                     or t.stride() != (m[2] or _contig(m[1])) or t.storage_offset() != 0):
                 return None
-        return e, len(tensors), len(scalars)
+        return e, len(tensors), len(scalars), dyn
+
     def mixed(self, entry, cls, func, types, args, kwargs):
         """NOTE [mixed arguments]: an op reaching ``TpuTensor.__torch_dispatch__`` with a plain tpu
         tensor among its arguments (a tensor a factory made inside the op path: a decomposition's
@@ -562,6 +564,20 @@ class Plain:
         if w.dtype != of.dtype:     # a dtype view (view_as_real, view(dtype)): its own dtype
             return ext.make_view(of, size, stride, off, chain, w.dtype)
         return ext.make_view(of, size, stride, off, chain)
+
+
+def _kernel_route(f):
+    """``route._routes``' entry for ``f`` (made on first use), as the C++ kernel sees it: a
+    ``copy_`` between two tpu tensors of one device (the only ``copy_`` the kernel keys: a CPU
+    source or another device is not a plain tensor of the call's device) is
+    ``specials._h_copy``'s last step, ``dispatch._run`` of the lowered ``copy_``."""
+    from . import dispatch, route
+    if f is aten.copy_.default:
+        return dispatch._run, dispatch.op_info(f)
+    r = route._routes.get(id(f))
+    if r is None:       # the functional op not called yet (an out= op's first calls)
+        r = route._routes[id(f)] = route._route(f)
+    return r
 
 
 def _static_chain(chain, dyn) -> tuple:
