@@ -1135,7 +1135,8 @@ struct Call {
   std::vector<at::Tensor> tensors;  // tensor inputs, in dispatch.op_key's order
   std::vector<IValue> scalars;      // runtime numbers (double or int), in its order
   std::vector<int64_t> offs;        // moving windows' starts, in tensor order (NOTE [C++ moving windows])
-  std::vector<int> n_offs;          // how many of them each tensor input has
+  std::vector<std::pair<size_t, size_t>> moving;  // (tensor input, how many starts): empty, so
+                                                  // allocating nothing, for calls without windows
   int64_t dev = -1;
   at::Tensor out;                   // the fresh out= tensor, or undefined
 };
@@ -1156,7 +1157,7 @@ bool key_tensor_sig(Call& c, const at::Tensor& t) {
   else if (c.dev != d) return false;  // the router raises PyTorch's device error
   c.key.push_back(moves ? -2 : -1);
   c.key.push_back(s);
-  c.n_offs.push_back(static_cast<int>(c.offs.size() - n0));
+  if (moves) c.moving.emplace_back(c.tensors.size(), c.offs.size() - n0);
   c.tensors.push_back(t);
   return true;
 }
@@ -1423,11 +1424,13 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
          (!c.out.defined() || nret == 1);
     // NOTE [C++ moving windows]: the op path's `_dyn` of each input, the starts the key left out
     py::tuple dyn = g[g.size() - 1].cast<py::tuple>();
-    ok = ok && dyn.size() == c.n_offs.size();
-    size_t k = 0;
+    ok = ok && dyn.size() == c.tensors.size();
+    size_t k = 0, w = 0;
     for (size_t i = 0; ok && i < dyn.size(); ++i) {
       py::tuple di = dyn[i].cast<py::tuple>();
-      ok = static_cast<int>(di.size()) == c.n_offs[i];
+      size_t want = 0;
+      if (w < c.moving.size() && c.moving[w].first == i) want = c.moving[w++].second;
+      ok = di.size() == want;
       for (size_t j = 0; ok && j < di.size(); ++j, ++k) ok = di[j].cast<int64_t>() == c.offs[k];
     }
   }
