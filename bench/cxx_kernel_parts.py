@@ -1,4 +1,5 @@
-"""Where the C++ recording kernel's time goes on a cache hit (issue 34; docs/cxx-plan.md, Session 4):
+"""Where the C++ recording kernel's time goes on a cache hit (issue 34; docs/cxx-plan.md,
+Session 4):
 µs per ``x + y`` (64x64 float32), side by side in one process, rounds alternated:
 
 - ``cpu``: CPU eager PyTorch;
