@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import deferfuse
+from deferfuse.tensor import is_tpu
 
 VOCAB, T, STEPS = 64, 16, 20
 
@@ -345,7 +346,8 @@ def scenario_fsdp(mode, arg):
         opt.step()
         losses.append(mean_loss(loss))
     local = next(iter(model.parameters())).to_local()
-    assert type(local).__name__ == "TpuTensor" and local.shape[0] < VOCAB, "not sharded on tpu"
+    # a tpu tensor of either representation (tensor.is_tpu), not a CPU or meta local shard
+    assert is_tpu(local) and local.shape[0] < VOCAB, "not sharded on tpu"
     # bf16 compute against fp32 CPU training: bf16's rounding, not exactness
     tol = dict(loss_tol=5e-3, param_tol=2e-3) if arg == "mp" else {}
     return compare_training(losses, full_state(model), data, **tol)

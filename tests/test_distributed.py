@@ -230,9 +230,11 @@ def test_p2p_in_any_order(n):
         assert all("each waits on a request the other has not matched" in r["error"] for r in res)
 
 
-# The end of the signal tests' workers: say they are ready, then run on (until killed).
+# The end of the signal tests' workers: say they are ready, then run on (until killed). Both ranks
+# write into torchrun's one stdout: the line goes out in one write (print's text and its end are two
+# writes unbuffered, and another rank's line could land between them: "READY 0 1READY 1 2").
 _RUN_ON = """
-print(f"READY {r} {os.getpid()}", flush=True)
+print(f"READY {r} {os.getpid()}\\n", end="", flush=True)
 t0 = time.monotonic()
 while time.monotonic() - t0 < 100:
     time.sleep(0.05)
@@ -277,11 +279,10 @@ def test_signal_ends_a_rank_under_torchrun(tmp_path, how, sig):
     try:
         for line in p.stdout:
             seen.append(line)
-            m = re.search(r"READY (\d) (\d+)", line)
-            if m:
+            for m in re.finditer(r"READY (\d) (\d+)", line):   # (two on a line, as well)
                 pids[int(m.group(1))] = int(m.group(2))
-                if len(pids) == 2:
-                    break
+            if len(pids) == 2:
+                break
         assert len(pids) == 2, "".join(seen)[-4000:]
         t0 = time.monotonic()
         os.kill(pids[1], getattr(signal, sig))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from deferfuse import meta, metaplain
+from deferfuse.tensor import as_tpu
 
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -32,10 +33,13 @@ def _cpu(func, args, kwargs=None):
 
 
 def _tpu(shape, dtype=torch.float32, t=False):
+    """A tpu tensor as the op path hands it to the meta inference (``as_tpu``: the op path's
+    form with either representation, NOTE [mixed arguments] in plain.py)."""
     x = torch.randn(shape, dtype=torch.float32).to(dtype)
     if t:                           # a transposed (non-contiguous) view: the kernel answers
         x = x.transpose(-1, -2)
-    return x.to("tpu") if not t else x.contiguous().transpose(-1, -2).to("tpu").transpose(-1, -2)
+    return as_tpu(x.to("tpu") if not t
+                  else x.contiguous().transpose(-1, -2).to("tpu").transpose(-1, -2))
 
 
 def _cases():
@@ -72,7 +76,7 @@ def _cases():
               (aten.mean.dim, (_tpu((4, 5), t=True), [-1], True), {}),
               (aten.div.Tensor, (_tpu((4, 5), t=True), 2.0), {}),
               (aten.div.Tensor, (_tpu((4, 5)), _tpu((4, 5), torch.float64)), {}),
-              (aten.div.Tensor, (torch.arange(6).to("tpu"), 4), {}),
+              (aten.div.Tensor, (as_tpu(torch.arange(6).to("tpu")), 4), {}),
               (aten.div.Tensor, (_tpu((4, 5)), torch.tensor(2.0, dtype=torch.float64)), {})]
     return cases
 
