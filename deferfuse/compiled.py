@@ -31,7 +31,7 @@ from .runtime import stats, transfer
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fill
 from .scheduler.policy import GRAPH_STEP_OPS, Sync
-from .tensor import Storage, TpuTensor, make
+from .tensor import TpuTensor, make
 from .traceable import output_inner, wrap_inner
 
 S = stats.S
