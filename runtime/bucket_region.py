@@ -78,7 +78,7 @@ def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device,
             parts_.append(describe((n.name, n.rule, n.extra if n.rule != "exact" else None,
                                     at(n.targs, P), at(n.tkw, P), at(n.chains, P),
                                     at(n.out_avals, P), tuple(n.in_forms), n.base_forms,
-                                    tuple(n.widen))))
+                                    tuple(n.widen), tuple(n.compact))))
     except (Unstable, AttributeError):
         return None
     return "\n".join(parts_)
