@@ -27,9 +27,10 @@ def _at(plan, ints, stats):
 
 class BucketPlan:
     """A region structure run in buckets: its fit, its ops' plans, the forms of its external
-    inputs, and the programs made for it so far ((bucket length, outputs, scalar types) ->
-    ``BucketProgram``)."""
-    __slots__ = ("fit", "nodes", "ext_forms", "programs", "desc")
+    inputs, the programs made for it so far ((bucket length, outputs, scalar types) ->
+    ``BucketProgram``), and ``seen``: up to two lengths it took (two: its line is confirmed by
+    versions, NOTE [a new base grows alike] in buckets.py)."""
+    __slots__ = ("fit", "nodes", "ext_forms", "programs", "desc", "seen")
 
 
 class BucketProgram:
@@ -60,7 +61,7 @@ def plan_region(f: Fit, entries, wirings, lengths, learned=None) -> BucketPlan:
                     raise Refused(f"{n.name}: an input whose sizes differ from its producer's")
     bp = BucketPlan()
     bp.fit, bp.nodes, bp.ext_forms, bp.programs = f, nodes, ext_forms, {}
-    bp.desc = None
+    bp.desc, bp.seen = None, set()
     return bp
 
 
