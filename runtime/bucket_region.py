@@ -27,9 +27,10 @@ def _at(plan, ints, stats):
 
 class BucketPlan:
     """A region structure run in buckets: its fit, its ops' plans, the forms of its external
-    inputs, and the programs made for it so far ((bucket length, outputs, scalar types) ->
-    ``BucketProgram``)."""
-    __slots__ = ("fit", "nodes", "ext_forms", "programs", "desc")
+    inputs, the programs made for it so far ((bucket length, outputs, scalar types) ->
+    ``BucketProgram``), and ``seen``: up to two lengths it took (two: its line is confirmed by
+    versions, NOTE [a new base grows alike] in buckets.py)."""
+    __slots__ = ("fit", "nodes", "ext_forms", "programs", "desc", "seen")
 
 
 class BucketProgram:
@@ -60,7 +61,7 @@ def plan_region(f: Fit, entries, wirings, lengths, learned=None) -> BucketPlan:
                     raise Refused(f"{n.name}: an input whose sizes differ from its producer's")
     bp = BucketPlan()
     bp.fit, bp.nodes, bp.ext_forms, bp.programs = f, nodes, ext_forms, {}
-    bp.desc = None
+    bp.desc, bp.seen = None, set()
     return bp
 
 
@@ -78,7 +79,7 @@ def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device,
             parts_.append(describe((n.name, n.rule, n.extra if n.rule != "exact" else None,
                                     at(n.targs, P), at(n.tkw, P), at(n.chains, P),
                                     at(n.out_avals, P), tuple(n.in_forms), n.base_forms,
-                                    tuple(n.widen))))
+                                    tuple(n.widen), tuple(n.compact))))
     except (Unstable, AttributeError):
         return None
     return "\n".join(parts_)
