@@ -548,6 +548,7 @@ def test_one_process_compiled_graph_with_collectives(group, tpu_mode):
     assert "one program over a process group: 1" in deferfuse.report()
 
 
+@pytest.mark.slow_params("strict")   # defer only in the default run
 def test_one_process_compiled_graph_donates_what_it_overwrites(group, tpu_mode):
     """A compiled graph with collectives that writes into an input (a KV cache, as vLLM's
     attention does) gets that input's buffer (NOTE [donation in graphs over a group]): no copy
