@@ -140,7 +140,7 @@ class CompiledGraph:
                 raise LoweringError("functional collectives",
                                     "off in compiled graphs (DEFERFUSE_COMPILED_COLLECTIVES=0)")
             from .distributed.graphs import SpmdGraph
-            self.spmd = SpmdGraph(gm, plan.groups)
+            self.spmd = SpmdGraph(gm, plan.groups, plan.kinds)
         index = {n: i for i, n in enumerate(phs)}
         self.outs = []          # (what, node or input index or value, fake value) per output
         roots = []
@@ -250,6 +250,8 @@ class CompiledGraph:
             if self.spmd is None:
                 outs = trace.record(entry, ins, scalars, dev)
             else:       # a sync point: the values are ready when the call returns
+                # ins alone holds the inputs' values (NOTE [donation in graphs over a group])
+                v = None
                 outs = self.spmd.call(self, entry, ins, scalars, dev, tensors)
             del ins, tensors
             self.calls += 1
