@@ -147,6 +147,18 @@ def test_build_rules_for_default_configs_that_do_not_build():
 
 
 @pytest.mark.modes("strict")     # no device work: once
+def test_batch_norm_scales_initialised_near_zero_are_set_to_one():
+    """rt_detr initialises its batch norms' scales from N(0, 0.01): every feature map after one was
+    its bias, its detection scores exactly equal, and which of them top-k picked was CPU's sort
+    kernel's order (the row's float32 loss differed). ``build`` sets such scales to 1, as a
+    checkpoint's would be (no model run)."""
+    import torch
+    _, model, _ = hs.build("rt_detr")
+    norms = [m for m in model.modules() if type(m) is torch.nn.BatchNorm2d]
+    assert norms and all(bool((m.weight == 1).all()) for m in norms)
+
+
+@pytest.mark.modes("strict")     # no device work: once
 def test_build_rules_for_widths_and_inputs():
     """The rules of the second pass over the "not built" list (configs only, no model built): a
     backbone's out_indices scaled to the tiny depth (lw_detr_vit's stage 12 of 12 is stage 2 of 2),
