@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import torch
 
+from . import packed
 from .config import config
 from .dispatch import Entry, _contig, _nbytes
 from .engine import engine
@@ -178,7 +179,11 @@ class CompiledGraph:
         self.host = host if host.order or self.host_writes or any(
             o[0] == HOST for o in self.outs) else None
         self.phs = phs
-        self.entries: dict = {}     # (ints, views, write aliases) -> Entry; see _entry
+        # NOTE [packed boundaries] (packed.py): inputs padded to a bucket (their lengths key the
+        # entry, padded or not), integers in no key
+        self.bounds = plan.boundaries
+        self.free_ints = plan.free_ints
+        self.entries: dict = {}     # (ints, views, write aliases, lengths) -> Entry; see _entry
         self.evictions = 0
         self._shaping = False
         self.calls = 0
@@ -200,16 +205,26 @@ class CompiledGraph:
             ins, scalars, ints, views, offsets = [], [], [], [], []
             tensors = []        # (a graph with collectives: its tpu inputs, for the group's steps)
             dev = None
+            bounds, lengths, pad = self.bounds, [], config.buckets
             for i, (a, kind) in enumerate(zip(args, self.kinds)):
                 if kind == ARRAY:
                     d = a.__dict__
                     st = d.get("_s")
                     if st is None:      # a CPU tensor
-                        ins.append(transfer.host_value(a, dev or 0))
+                        v = transfer.host_value(a, dev or 0)
+                        if i in bounds:     # NOTE [packed boundaries] (packed.py)
+                            if pad:
+                                v = packed.padded_value(v, dev or 0) or v
+                            lengths.append(v.shape[0])
+                        ins.append(v)
                         continue
                     if dev is None:
                         dev = st.device
                     v = st.val
+                    if i in bounds:
+                        if pad and not d["_chain"]:
+                            v = packed.padded_value(v, dev) or v
+                        lengths.append(v.shape[0])
                     ins.append(v)
                     tensors.append(a)
                     c = d["_chain"]
@@ -223,7 +238,8 @@ class CompiledGraph:
                 elif kind == FLOAT:
                     scalars.append(float(a))
                 elif kind == INT:
-                    ints.append(int(a))
+                    # (an integer no lowering reads, such as varlen's longest length: no key)
+                    ints.append(0 if i in self.free_ints else int(a))
             if dev is None:
                 dev = ts.device
             scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
@@ -238,7 +254,7 @@ class CompiledGraph:
                     seen[id(st)] = len(al) - 1
                 if any(x >= 0 for x in al):
                     aliases = tuple(al)
-            key = (tuple(ints), tuple(views), aliases)
+            key = (tuple(ints), tuple(views), aliases, tuple(lengths))
             if self.plan.rng:
                 # The graph's draws fold their node's index into this (seed, offset) key
                 # (GraphPlan.run), so one step of the offset keeps calls apart.
@@ -324,7 +340,7 @@ class CompiledGraph:
     def _entry(self, key, ins, scalars, dev) -> Entry:
         """The op entry of this graph for these integer inputs, views and write aliases: its
         function, its outputs' shapes (traced once with ``jax.eval_shape``) and its key."""
-        ints, views, aliases = key
+        ints, views, aliases, _ = key      # (the boundaries' lengths: in ``ins``' shapes)
         chains = {i: c for i, c, _, _ in views}
         plan = self.plan
         dev_outs, out_acts = [], []
@@ -373,7 +389,7 @@ class CompiledGraph:
         e.out = (tuple(out_acts), tuple(write_acts))
         e.dev = dev
         e.name = self.name
-        e.key = (self, (ints, views, aliases), (), (), dev)
+        e.key = (self, key, (), (), dev)
         e.khash = hash((id(self), e.key[1], repr(e.key[1]), dev))
         e.ohash = hash((id(self), "graph"))     # NOTE [shapeless loop bodies] (record.py)
         e.dyn = ()              # (its views' offsets are among its scalars: GraphPlan.function)
