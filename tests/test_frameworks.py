@@ -357,11 +357,11 @@ PACKED = [[23], [5, 11, 7], [10, 13], [1, 2, 3, 17], [4, 4, 4, 4, 4, 3], [8, 15]
           [2] * 10 + [3], [6, 6, 11]]
 
 
-def _packed_batches(fn):
-    """``fn(q, k, v, cu, longest)`` on each batch of PACKED, forward and backward, against SDPA
-    on each sequence on CPU; the programs made (compiles and disk-cache hits) after each batch."""
+def _packed_batches(fn, packed=PACKED):
+    """``fn(q, k, v, cu, longest)`` on each batch of ``packed``, forward and backward, against
+    SDPA on each sequence on CPU; the programs made (compiles and disk-cache hits) after each."""
     made = []
-    for lens in PACKED:
+    for lens in packed:
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
         q = torch.randn(sum(lens), 4, 8)
         k, v = torch.randn(sum(lens), 2, 8), torch.randn(sum(lens), 2, 8)
@@ -416,3 +416,20 @@ def test_varlen_packed_batches_compiled_share_programs():
     assert m["graph_compiles"] <= 4, m["graph_compiles"]       # forward and backward, 2 each
     assert made[2:] == [made[1]] * (len(PACKED) - 2), made
     assert m["packed_padded"] >= 2 * (len(PACKED) - 1), m["packed_padded"]
+
+
+@pytest.mark.modes("defer")
+def test_varlen_boundaries_read_elsewhere_are_not_padded():
+    """A graph that also reads the boundaries (here their last entry, the token count) keeps
+    them exact: only inputs read by nothing but the flash ops are padded (the backward graph's
+    are: it reads them only in the flash backward op). Values are CPU's."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    @torch.compile(backend="tpu", fullgraph=True)
+    def fn(q, k, v, cu, longest):
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0),
+                          enable_gqa=True)
+        return out * (cu[-1] / 23.0)        # (every batch of PACKED has 23 tokens: times 1)
+    deferfuse.reset_metrics()
+    _packed_batches(fn, PACKED[:3])
+    assert deferfuse.metrics()["packed_padded"] == 2          # the backward graph's, twice
