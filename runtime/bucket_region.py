@@ -136,6 +136,22 @@ def cut(array, shape, moves):
         return jax.device_put(np.ascontiguousarray(host), dev)
 
 
+def pad_edge(array, length: int, moves):
+    """The 1-D ``array`` padded at its end to ``length`` with copies of its last entry (a packed
+    batch's sequence boundaries: the padding adds empty sequences, NOTE [packed boundaries] in
+    deferfuse/packed.py). Where ``array`` is, as ``pad``: through the host on a CPU device, a
+    small program per length elsewhere."""
+    n = array.shape[0]
+    if n == length or n == 0:
+        return array
+    dev = next(iter(array.devices()))
+    if dev.platform != "cpu":
+        return _moved(moves, ("edge", (n,), (length,)), array)
+    host = np.asarray(array)
+    with x64(True):
+        return jax.device_put(np.concatenate([host, np.repeat(host[-1:], length - n)]), dev)
+
+
 def _moved(moves, key, array):
     """A pad or cut program from ``moves`` (a Cache: (what, shape in, shape out) -> program)."""
     fn = moves.get(key)
@@ -144,6 +160,8 @@ def _moved(moves, key, array):
         if what == "pad":
             cfg = [(0, d - s, 0) for s, d in zip(src, dst)]
             fn = jax.jit(lambda a: lax.pad(a, jnp.zeros((), a.dtype), cfg))
+        elif what == "edge":
+            fn = jax.jit(lambda a: jnp.pad(a, (0, dst[0] - src[0]), mode="edge"))
         else:
             fn = jax.jit(lambda a: a[tuple(slice(0, n) for n in dst)])
         moves[key] = fn
