@@ -3,12 +3,15 @@ phase compiles when one model is trained, evaluated and sampled at batch sizes a
 it has not met, in defer mode, in one process from a cold cache folder, each phase's result
 compared with CPU eager on the same inputs.
 
-    python bench/new_bases.py [--tokens 20]
+    python bench/new_bases.py [--tokens 20] [--only "wlm LSTM"]
 
 Phases: train a small GPT (nanoGPT's shape) at batch 8, evaluate at 8, 3 and 5, train at 3 and 5,
-sample 20 tokens from one token at batch 1, then from a 3-token prompt at batch 2, and again. Each
-row: programs compiled (or loaded from disk), regions run in buckets, regions split for shape
-churn, the largest difference from CPU, wall seconds. Prints a markdown table.
+sample 20 tokens from one token at batch 1, then from a 3-token prompt at batch 2, and again; then
+pytorch/examples' word_language_model with its LSTM (1 layer, 16 wide, bptt 35; the decoder's
+output flattened by ``view(-1, ntoken)``) trained at batch 20, evaluated at 20, 10, 7 and 10 again
+(two bptt chunks each) and trained at 10 and 7. Each row: programs compiled (or loaded from disk),
+regions run in buckets, regions split for shape churn, the largest difference from CPU, wall
+seconds. Prints a markdown table.
 """
 from __future__ import annotations
 
@@ -84,9 +87,54 @@ def evaluate(m, dev, b):
         return [F.cross_entropy(m(x[:, :-1]).reshape(-1, 40), x[:, 1:].reshape(-1)).item()]
 
 
+class WlmLSTM(nn.Module):
+    """word_language_model's ``RNNModel`` (LSTM, dropout 0)."""
+
+    def __init__(self, ntoken=50, d=16):
+        super().__init__()
+        self.ntoken, self.d = ntoken, d
+        self.encoder, self.rnn = nn.Embedding(ntoken, d), nn.LSTM(d, d)
+        self.decoder = nn.Linear(d, ntoken)
+
+    def forward(self, x, hidden):
+        output, hidden = self.rnn(self.encoder(x), hidden)
+        decoded = self.decoder(output).view(-1, self.ntoken)
+        return F.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, bsz):
+        w = next(self.parameters())
+        return (w.new_zeros(1, bsz, self.d), w.new_zeros(1, bsz, self.d))
+
+
+def wlm(m, dev, b, train, bptt=35):
+    """word_language_model's training loop (``clip_grad_norm_``, the manual update) or its
+    ``evaluate()`` at batch ``b``, over data batchified to 3 (training) or 2 (evaluation) bptt
+    chunks: the losses."""
+    rows = 3 * bptt + 1 if train else 2 * bptt + 1
+    corpus = torch.randint(0, m.ntoken, (rows * b,), generator=torch.Generator().manual_seed(b))
+    src = corpus.view(b, -1).t().contiguous().to(dev)
+    h, out = m.init_hidden(b), []
+    m.train(train)
+    for i in range(0, rows - 1, bptt):
+        x, y = src[i:i + bptt], src[i + 1:i + 1 + bptt].reshape(-1)
+        h = tuple(v.detach() for v in h)
+        with torch.set_grad_enabled(train):
+            o, h = m(x, h)
+            loss = F.nll_loss(o, y)
+        if train:
+            m.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.25)
+            for p in m.parameters():
+                p.data.add_(p.grad, alpha=-20.0)
+        out.append(loss.item())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=20)
+    ap.add_argument("--only", default="", help="run only the phases whose name has this")
     a = ap.parse_args()
     torch.manual_seed(0)
     model = GPT()
@@ -104,6 +152,16 @@ def main() -> None:
               ("sample, batch 1 from 1 token", sample(torch.zeros((1, 1), dtype=torch.long))),
               ("sample, batch 2 from 3 tokens", sample(p2)),
               ("sample, batch 2 from 3 tokens, again", sample(p2))]
+    torch.manual_seed(0)
+    lstm = WlmLSTM()
+    tlstm = copy.deepcopy(lstm).to("tpu")
+
+    def lm(b, train):
+        return lambda m, d: wlm(tlstm if d == "tpu" else lstm, d, b, train)
+    phases += [(f"wlm LSTM: {'train' if t else 'evaluate'}, batch {b}", lm(b, t))
+               for b, t in ((20, True), (20, False), (10, False), (7, False), (10, False),
+                            (10, True), (7, True))]
+    phases = [(name, f) for name, f in phases if a.only in name]
     print(f"new bases: {time.strftime('%Y-%m-%dT%H:%M:%S')}, load {os.getloadavg()[0]:.1f}, "
           f"{a.tokens} tokens\n")
     print("| phase | compiles | bucketed runs | shape splits | max diff from CPU | s |")

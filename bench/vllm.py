@@ -52,6 +52,28 @@ if device == "tpu" and args["tp"] > 1:
 elif device == "tpu":
     import deferfuse
     metrics = deferfuse.metrics
+per_worker = (lambda: llm.collective_rpc("deferfuse_metrics")) if metrics and args["tp"] > 1 \
+    else None
+
+
+def steps_of(before, after, seconds):     # rank 0's work per engine step (one tolist() a step)
+    a, b = before[0], after[0]
+    d = lambda k: b[k] - a[k]
+    steps = b["syncs"].get("tolist", 0) - a["syncs"].get("tolist", 0)
+    if not steps:
+        return None
+    coll = sum(b["collectives"].values()) - sum(a["collectives"].values())
+    return {"steps": steps, "ms": 1e3 * seconds / steps, "regions": d("regions_run") / steps,
+            "collectives": coll / steps,
+            "graph_calls": (b["collectives"].get("compiled_graph", 0)
+                            - a["collectives"].get("compiled_graph", 0)) / steps,
+            "graph_calls_op_by_op": d("graph_calls_op_by_op"),
+            "collective_ms": 1e3 * d("collective_seconds") / steps,
+            "check_ms": 1e3 * d("collective_check_seconds") / steps,
+            "donated_mb": d("donated_bytes") / steps / 2**20,
+            "compiles": d("compiles") + d("disk_cache_hits")}
+
+
 rows = []
 for n in args["concurrency"]:
     prompts = [{"prompt_token_ids": [(11 * i + 7 * j) % 500 + 1 for j in range(16)]} for i in range(n)]
@@ -62,18 +84,20 @@ for n in args["concurrency"]:
         llm.generate(prompts, sp, use_tqdm=False)
         warm.append(time.perf_counter() - t)
     c0 = metrics()["compiles"] + metrics()["disk_cache_hits"] if metrics else None
+    w0 = per_worker() if per_worker else None
     times = []
     for _ in range(args["repeats"]):
         t = time.perf_counter()
         out = llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - t)
+    per_step = steps_of(w0, per_worker(), sum(times)) if per_worker else None
     dt = sorted(times)[len(times) // 2]
     toks = sum(len(o.outputs[0].token_ids) for o in out)
     rows.append({"concurrency": n, "tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
                  "all_seconds": times, "warmup_seconds": warm,
                  "compiles_timed": (metrics()["compiles"] + metrics()["disk_cache_hits"] - c0)
                                    if metrics else None,
-                 "tokens_out": [list(o.outputs[0].token_ids) for o in out]})
+                 "tokens_out": [list(o.outputs[0].token_ids) for o in out], "per_step": per_step})
 res = {"device": device, "rows": rows}
 if metrics:
     m = metrics()
@@ -148,6 +172,20 @@ def main() -> int:
                 "yes" if r["tokens_out"] == ref[r["concurrency"]] else "NO")
             lines.append(f"| {SYSTEMS[p]} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
                          f"{r['seconds']:.2f} | {warm} | {c} | {same} |")
+    steps = [(p, r) for p, res in results.items() for r in res["rows"] if r.get("per_step")]
+    if steps:
+        lines += ["", "Per engine step of the timed batches, rank 0's counters (host ms include "
+                  "the waits for the other rank):", "",
+                  "| system | concurrent requests | steps | ms a step | regions run | collectives "
+                  "(of them compiled graphs) | ms in collectives | ms agreeing | MB donated | "
+                  "graph calls op by op | programs compiled |", "|---|---:|---:|---:|---:|---|"
+                  "---:|---:|---:|---:|---:|"]
+        for p, r in steps:
+            s = r["per_step"]
+            lines.append(f"| {SYSTEMS[p]} | {r['concurrency']} | {s['steps']} | {s['ms']:.1f} | "
+                         f"{s['regions']:.1f} | {s['collectives']:.1f} ({s['graph_calls']:.1f}) | "
+                         f"{s['collective_ms']:.1f} | {s['check_ms']:.1f} | "
+                         f"{s['donated_mb']:.1f} | {s['graph_calls_op_by_op']} | {s['compiles']} |")
     for p, res in results.items():
         if "graphs_run_eagerly" in res:
             lines.append(f"\n{SYSTEMS[p]}: graphs run op by op {res['graphs_run_eagerly']}, "

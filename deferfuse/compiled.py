@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import torch
 
+from . import packed
 from .config import config
 from .dispatch import Entry, _contig, _nbytes
 from .engine import engine
@@ -32,7 +33,7 @@ from .runtime import stats, transfer
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fill
 from .scheduler.policy import GRAPH_STEP_OPS, Sync
-from .tensor import Storage, TpuTensor, make
+from .tensor import TpuTensor, make
 from .traceable import output_inner, wrap_inner
 
 S = stats.S
@@ -141,7 +142,7 @@ class CompiledGraph:
                 raise LoweringError("functional collectives",
                                     "off in compiled graphs (DEFERFUSE_COMPILED_COLLECTIVES=0)")
             from .distributed.graphs import SpmdGraph
-            self.spmd = SpmdGraph(gm, plan.groups)
+            self.spmd = SpmdGraph(gm, plan.groups, plan.kinds)
         index = {n: i for i, n in enumerate(phs)}
         self.outs = []          # (what, node or input index or value, fake value) per output
         roots = []
@@ -179,7 +180,14 @@ class CompiledGraph:
         self.host = host if host.order or self.host_writes or any(
             o[0] == HOST for o in self.outs) else None
         self.phs = phs
-        self.entries: dict = {}     # (ints, views, write aliases) -> Entry; see _entry
+        # NOTE [packed boundaries] (packed.py): inputs padded to a bucket, integers in no key.
+        # An integer left out may be the only one that gave an input's dynamic size: the sizes
+        # of the inputs with dynamic sizes key the entry themselves.
+        self.bounds = plan.boundaries
+        self.free_ints = plan.free_ints
+        self.sized = frozenset(i for i, n in enumerate(phs) if plan.kinds[i] == ARRAY and any(
+            isinstance(d, torch.SymInt) for d in getattr(n.meta.get("val"), "shape", ())))
+        self.entries: dict = {}     # (ints, views, write aliases, sizes) -> Entry; see _entry
         self.evictions = 0
         self._shaping = False
         self.calls = 0
@@ -201,16 +209,26 @@ class CompiledGraph:
             ins, scalars, ints, views, offsets = [], [], [], [], []
             tensors = []        # (a graph with collectives: its tpu inputs, for the group's steps)
             dev = None
+            bounds, sized, sizes, pad = self.bounds, self.sized, [], config.buckets
             for i, (a, kind) in enumerate(zip(args, self.kinds)):
                 if kind == ARRAY:
                     d = a.__dict__
                     st = d.get("_s")
                     if st is None:      # a CPU tensor
-                        ins.append(transfer.host_value(a, dev or 0))
+                        v = transfer.host_value(a, dev or 0)
+                        if pad and i in bounds:     # NOTE [packed boundaries] (packed.py)
+                            v = packed.padded_value(v, dev or 0) or v
+                        if i in sized:
+                            sizes.append(v.shape)
+                        ins.append(v)
                         continue
                     if dev is None:
                         dev = st.device
                     v = st.val
+                    if i in sized:
+                        if pad and i in bounds and not d["_chain"]:
+                            v = packed.padded_value(v, dev) or v
+                        sizes.append(v.shape)
                     ins.append(v)
                     tensors.append(a)
                     c = d["_chain"]
@@ -224,7 +242,8 @@ class CompiledGraph:
                 elif kind == FLOAT:
                     scalars.append(float(a))
                 elif kind == INT:
-                    ints.append(int(a))
+                    # (an integer no lowering reads, such as varlen's longest length: no key)
+                    ints.append(0 if i in self.free_ints else int(a))
             if dev is None:
                 dev = ts.device
             scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
@@ -239,7 +258,7 @@ class CompiledGraph:
                     seen[id(st)] = len(al) - 1
                 if any(x >= 0 for x in al):
                     aliases = tuple(al)
-            key = (tuple(ints), tuple(views), aliases)
+            key = (tuple(ints), tuple(views), aliases, tuple(sizes))
             if self.plan.rng:
                 # The graph's draws fold their node's index into this (seed, offset) key
                 # (GraphPlan.run), so one step of the offset keeps calls apart.
@@ -251,6 +270,8 @@ class CompiledGraph:
             if self.spmd is None:
                 outs = trace.record(entry, ins, scalars, dev)
             else:       # a sync point: the values are ready when the call returns
+                # ins alone holds the inputs' values (NOTE [donation in graphs over a group])
+                v = None
                 outs = self.spmd.call(self, entry, ins, scalars, dev, tensors)
             del ins, tensors
             self.calls += 1
@@ -325,7 +346,7 @@ class CompiledGraph:
     def _entry(self, key, ins, scalars, dev) -> Entry:
         """The op entry of this graph for these integer inputs, views and write aliases: its
         function, its outputs' shapes (traced once with ``jax.eval_shape``) and its key."""
-        ints, views, aliases = key
+        ints, views, aliases, _ = key      # (the dynamic inputs' sizes: ``ins``' shapes)
         chains = {i: c for i, c, _, _ in views}
         plan = self.plan
         dev_outs, out_acts = [], []
@@ -374,7 +395,7 @@ class CompiledGraph:
         e.out = (tuple(out_acts), tuple(write_acts))
         e.dev = dev
         e.name = self.name
-        e.key = (self, (ints, views, aliases), (), (), dev)
+        e.key = (self, key, (), (), dev)
         e.khash = hash((id(self), e.key[1], repr(e.key[1]), dev))
         e.ohash = hash((id(self), "graph"))     # NOTE [shapeless loop bodies] (record.py)
         e.dyn = ()              # (its views' offsets are among its scalars: GraphPlan.function)

@@ -16,7 +16,7 @@ import torch
 from .config import config
 from .device_info import check
 from .engine import engine, user_error
-from .opinfo import decompose, op_info
+from .opinfo import op_info
 from .runtime import execute, prng, transfer
 from .runtime.dtypes import to_np_dtype
 from .runtime.node import SS, TS, build, const

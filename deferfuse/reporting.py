@@ -25,6 +25,8 @@ _CUT_WORDS = {
                        "trace was dispatched",
     Cut.FENCE: "a library ended a region there (vLLM's compiled model: a program of its own, "
                "whatever sizes the step's other ops have)",
+    Cut.PACKED: "varlen attention's sequence boundaries were still pending: the trace was "
+                "dispatched so they could be padded to their bucket (NOTE [packed boundaries])",
 }
 
 

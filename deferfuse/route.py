@@ -17,6 +17,7 @@ from .fallback import fallback
 from .opinfo import decompose, op_info
 from . import subclass
 from .fbgemm import handlers as fbgemm_handlers
+from .packed import handlers as packed_handlers
 from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials, resize
 from .tensor import TpuTensor, as_tpu
 from .traceable import FAKE, traced_dispatch
@@ -155,6 +156,10 @@ def _route(func):
         # FBGEMM's ops (TorchRec's): registered on first sight, so that deferfuse never imports
         # fbgemm_gpu itself (fbgemm.py).
         register_specials(fbgemm_handlers())
+        h = SPECIAL.get(func)
+    elif h is None and func.namespace == "torch_attn":
+        # varlen attention's custom ops: their boundaries padded to a bucket (packed.py)
+        register_specials(packed_handlers())
         h = SPECIAL.get(func)
     if h is _h_foreach_inplace:
         return _foreach, info, func

@@ -8,7 +8,7 @@ import torch
 from torch._prims_common import suggest_memory_format
 
 from .device_info import check
-from .dispatch import Fallback, _contig, _run, copy_into, from_cpu, new_tensor, read, to_cpu
+from .dispatch import Fallback, _contig, _run, copy_into, new_tensor, read, to_cpu
 from .engine import engine
 from .opinfo import decompose, op_info
 from .runtime.lowering import LOWERINGS

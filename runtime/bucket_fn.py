@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from . import bucket_reshape
 from .bucket_fit import at
 from .bucket_node import NodePlan
 from .lowering import check, check_index_sized
 from .node import _fill, _rounded
-from .viewchain import apply_chain
+from .viewchain import DYNAMIC, apply_chain, apply_step
 
 
 def _zero_outside(ix, ext):
@@ -83,7 +84,7 @@ class NodeFn:
             for n in p.ndyn:
                 dyns.append(offs[k:k + n])
                 k += n
-        vals = [None if a is None else (apply_chain(self._widened(a, i), c, d) if c else a)
+        vals = [None if a is None else (self._chain(self._widened(a, i), i, c, d, t) if c else a)
                 for i, (a, c, d) in enumerate(zip(arrays, self.chains, dyns))]
         rule = p.rule
         if rule == "contract":
@@ -161,6 +162,9 @@ class NodeFn:
         kw = {k: _fill(x, vals, scalars) for k, x in kw.items()}
         if rule == "cat":
             res = [self._cat(args, t)]
+        elif rule == "reshape":     # NOTE [compacting reshapes] (bucket_reshape.py)
+            fin, fout, gs = p.extra
+            res = [bucket_reshape.reshape(vals[0], fin, fout, gs, t, self.P)]
         else:
             if rule == "sdpa":
                 keys = _valid((vals[1].shape[-2],), 0, p.extra, t)
@@ -183,6 +187,25 @@ class NodeFn:
                 res = [self._mean(vals[0], res[0], t)]
         return [r if r is None or d is None or r.dtype == d else r.astype(d)
                 for r, d in zip(res, self.dtypes)]
+
+    def _chain(self, a, i, chain, dyn, t):
+        """Input ``i``'s view chain of ``a``, its compacting reshapes (NOTE [compacting
+        reshapes] in bucket_reshape.py) run at the exact length ``t``."""
+        compact = self.p.compact[i] if i < len(self.p.compact) else None
+        if not compact:
+            return apply_chain(a, chain, dyn)
+        steps = dict(compact)
+        k = 0
+        for j, step in enumerate(chain):
+            if step[0] in DYNAMIC:
+                a = apply_step(a, step, dyn[k])
+                k += 1
+            elif j in steps:
+                fin, fout, gs = steps[j]
+                a = bucket_reshape.reshape(a, fin, fout, gs, t, self.P)
+            else:
+                a = apply_step(a, step)
+        return a
 
     def _widened(self, a, i):
         """NOTE [widened bases]: a window whose padded length grows faster than its base (the

@@ -10,9 +10,10 @@ refuses the whole region (it then runs as before; ``metrics()['bucket_refusals']
 - elementwise ops (PyTorch's ``pointwise`` tag) and dtype conversions; factories and ``tril``/
   ``triu``, whose values depend on the index alone (``arange(T)`` padded is ``arange(P)``, whose
   first T values are ``arange(T)``'s), ``cumsum`` (a prefix depends on the prefix);
-- views that move dims (transpose, permute, squeeze, unsqueeze, expand); reshapes that keep each
-  padded dim the first dim of its group of merged or split dims (``(T, C) -> (T * C)``, never
-  ``(B, T) -> (B * T)``, which would interleave padding with data); windows at dynamic offsets
+- views that move dims (transpose, permute, squeeze, unsqueeze, expand); reshapes, as plain
+  reshapes where each padded dim is the first dim of its group of merged or split dims
+  (``(T, C) -> (T * C)``), else compacted (``(T, B) -> (T * B)`` with ``B`` padded: NOTE
+  [compacting reshapes] in bucket_reshape.py); windows at dynamic offsets
   along a padded dim (``x[:, -1]``, ``x[:, i:i+k]``: the offset is the exact one, data);
 - reductions, softmax and log-softmax over padded dims with the padding masked by the reduction's
   identity (0 for sums, -inf for maxima and softmax; a mean divides by the exact count);
@@ -52,6 +53,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from . import bucket_reshape
 from .bucket_fit import _PROBES, Refused, _is_form, _padded, _put, at, parts
 from .dtypes import to_np_dtype
 from .lowering import LOWERINGS, aten
@@ -103,47 +105,11 @@ def _step_forms_at(fstep, fin, dtype, learned, probes) -> tuple:
     return tuple(out)
 
 
-def _check_reshape(fin, fout, name) -> None:
-    """NOTE [buckets]: a reshape keeps each padded dim the first of its group of dims."""
-    fin = [f for f in fin if f != (0, 1)]
-    fout = [f for f in fout if f != (0, 1)]
-
-    def prod(g):
-        out = []
-        for t in _PROBES:
-            p = 1
-            for a, b in g:
-                p *= a * t + b
-            out.append(p)
-        return out
-    i = j = 0
-    while i < len(fin) or j < len(fout):
-        if i >= len(fin) or j >= len(fout):
-            raise Refused(f"{name}: a reshape whose sizes do not match")
-        gi, gj = [fin[i]], [fout[j]]
-        i, j = i + 1, j + 1
-        while prod(gi) != prod(gj):
-            if prod(gi)[0] < prod(gj)[0]:
-                if i >= len(fin):
-                    raise Refused(f"{name}: a reshape whose sizes do not match")
-                gi.append(fin[i])
-                i += 1
-            else:
-                if j >= len(fout):
-                    raise Refused(f"{name}: a reshape whose sizes do not match")
-                gj.append(fout[j])
-                j += 1
-        for g in (gi, gj):
-            if any(a for a, _ in g[1:]):
-                raise Refused(f"{name}: a reshape that merges a padded dim behind another dim")
-        if bool(gi[0][0]) != bool(gj[0][0]):
-            raise Refused(f"{name}: a reshape that moves padding")
-
-
-def _chain_forms(fbase, dtype, fchain, name, learned=None, widen=None) -> tuple:
+def _chain_forms(fbase, dtype, fchain, name, learned=None, widen=None, compact=None) -> tuple:
     """The forms of a view chain's result, checking each step (NOTE [buckets]); ``widen``: a
     list that takes (dim, the window's length form) where the chain's first step is a window
-    that may pass its base's end."""
+    that may pass its base's end; ``compact``: a dict that takes {step: (forms in, forms out,
+    groups)} for each reshape step that NOTE [compacting reshapes] (bucket_reshape.py) runs."""
     form = tuple(fbase)
     for j, fstep in enumerate(fchain):
         op = fstep[0]
@@ -153,7 +119,11 @@ def _chain_forms(fbase, dtype, fchain, name, learned=None, widen=None) -> tuple:
         if not (_padded(form) or _padded(out)) or rule is MoveDims or op is DSELECT:
             pass        # (DSELECT: the index is data, inside the exact extent)
         elif rule is Reshape:
-            _check_reshape(form, out, name)
+            gs = bucket_reshape.plan(form, out, name)
+            if gs is not None:
+                if compact is None:
+                    raise Refused(f"{name}: a reshape that merges a padded dim behind another")
+                compact[j] = (tuple(form), tuple(out), gs)
         elif op is DSLICE:
             dim, length, stp = at(fstep[1], _PROBES[0])
             # A window's padded length may grow no faster than its base's: XLA moves the start of
@@ -181,9 +151,12 @@ def _chain_forms(fbase, dtype, fchain, name, learned=None, widen=None) -> tuple:
 
 # --------------------------------------------------------------------------- one op's plan
 class NodePlan:
-    """How one op runs padded: its structure as forms, its rule and what the rule needs."""
+    """How one op runs padded: its structure as forms, its rule and what the rule needs;
+    ``compact``: per input, None or its chain's compacting reshapes (NOTE [compacting
+    reshapes])."""
     __slots__ = ("rule", "extra", "low", "meta", "name", "targs", "tkw", "chains", "out_avals",
-                 "in_forms", "out_forms", "base_forms", "ndyn", "mut", "read_forms", "widen")
+                 "in_forms", "out_forms", "base_forms", "ndyn", "mut", "read_forms", "widen",
+                 "compact")
 
 
 def _arg(targs, tkw, pos, name):
@@ -230,10 +203,13 @@ def plan_node(entry, forms, learned=None) -> NodePlan:
     n.ndyn = [sum(1 for st in c if st[0] in DYNAMIC) for c in n.chains]
     n.in_forms = []
     n.widen = widen = []
+    n.compact = []
     for (bshape, bdt, chain, size, dt), (fb, _, fchain, fsize, _) in zip(ins, f_ins):
         w: list = []
-        fin = _chain_forms(fb, bdt, fchain, name, learned, w) if chain else tuple(fb)
+        c: dict = {}
+        fin = _chain_forms(fb, bdt, fchain, name, learned, w, c) if chain else tuple(fb)
         widen.append(w[0] if w else None)     # NOTE [widened bases] (bucket_fn.py)
+        n.compact.append(tuple(sorted(c.items())) if c else None)
         if tuple(fin) != tuple(fsize):
             raise Refused(f"{name}: a view whose sizes do not follow from its chain")
         n.in_forms.append(tuple(fsize))
@@ -304,7 +280,9 @@ def _plan_reshape(n, rule, func, ins, targs, tkw, name):
     # view's would (NOTE [buckets]); views reach plan_node as chains of their readers' inputs
     if not n.out_forms or n.out_forms[0] is None:
         raise Refused(f"{name} has no rule for padded dims")
-    _check_reshape(n.in_forms[0], n.out_forms[0], name)
+    gs = bucket_reshape.plan(n.in_forms[0], n.out_forms[0], name)
+    if gs is not None:      # NOTE [compacting reshapes] (bucket_reshape.py)
+        n.rule, n.extra = "reshape", (tuple(n.in_forms[0]), tuple(n.out_forms[0]), gs)
 
 
 def _plan_normalize(n, rule, func, ins, targs, tkw, name):

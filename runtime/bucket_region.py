@@ -27,9 +27,10 @@ def _at(plan, ints, stats):
 
 class BucketPlan:
     """A region structure run in buckets: its fit, its ops' plans, the forms of its external
-    inputs, and the programs made for it so far ((bucket length, outputs, scalar types) ->
-    ``BucketProgram``)."""
-    __slots__ = ("fit", "nodes", "ext_forms", "programs", "desc")
+    inputs, the programs made for it so far ((bucket length, outputs, scalar types) ->
+    ``BucketProgram``), and ``seen``: up to two lengths it took (two: its line is confirmed by
+    versions, NOTE [a new base grows alike] in buckets.py)."""
+    __slots__ = ("fit", "nodes", "ext_forms", "programs", "desc", "seen")
 
 
 class BucketProgram:
@@ -60,7 +61,7 @@ def plan_region(f: Fit, entries, wirings, lengths, learned=None) -> BucketPlan:
                     raise Refused(f"{n.name}: an input whose sizes differ from its producer's")
     bp = BucketPlan()
     bp.fit, bp.nodes, bp.ext_forms, bp.programs = f, nodes, ext_forms, {}
-    bp.desc = None
+    bp.desc, bp.seen = None, set()
     return bp
 
 
@@ -78,7 +79,7 @@ def describe_plan(bp: BucketPlan, P: int, wirings, out_sig, is_float, device,
             parts_.append(describe((n.name, n.rule, n.extra if n.rule != "exact" else None,
                                     at(n.targs, P), at(n.tkw, P), at(n.chains, P),
                                     at(n.out_avals, P), tuple(n.in_forms), n.base_forms,
-                                    tuple(n.widen))))
+                                    tuple(n.widen), tuple(n.compact))))
     except (Unstable, AttributeError):
         return None
     return "\n".join(parts_)
@@ -135,6 +136,22 @@ def cut(array, shape, moves):
         return jax.device_put(np.ascontiguousarray(host), dev)
 
 
+def pad_edge(array, length: int, moves):
+    """The 1-D ``array`` padded at its end to ``length`` with copies of its last entry (a packed
+    batch's sequence boundaries: the padding adds empty sequences, NOTE [packed boundaries] in
+    deferfuse/packed.py). Where ``array`` is, as ``pad``: through the host on a CPU device, a
+    small program per length elsewhere."""
+    n = array.shape[0]
+    if n == length or n == 0:
+        return array
+    dev = next(iter(array.devices()))
+    if dev.platform != "cpu":
+        return _moved(moves, ("edge", (n,), (length,)), array)
+    host = np.asarray(array)
+    with x64(True):
+        return jax.device_put(np.concatenate([host, np.repeat(host[-1:], length - n)]), dev)
+
+
 def _moved(moves, key, array):
     """A pad or cut program from ``moves`` (a Cache: (what, shape in, shape out) -> program)."""
     fn = moves.get(key)
@@ -143,6 +160,8 @@ def _moved(moves, key, array):
         if what == "pad":
             cfg = [(0, d - s, 0) for s, d in zip(src, dst)]
             fn = jax.jit(lambda a: lax.pad(a, jnp.zeros((), a.dtype), cfg))
+        elif what == "edge":
+            fn = jax.jit(lambda a: jnp.pad(a, (0, dst[0] - src[0]), mode="edge"))
         else:
             fn = jax.jit(lambda a: a[tuple(slice(0, n) for n in dst)])
         moves[key] = fn

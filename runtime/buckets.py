@@ -139,7 +139,9 @@ class Buckets:
         (the fewest ints differ): where one length separates them, that is a new plan, and the
         new base runs in buckets from its second version on (its first may make a plan with a
         version of another base, a line through both that nothing else follows: it is kept, so
-        the second is fitted against it). A first version that fits no kept version compiles
+        the second is fitted against it). Where the family's latest plan is confirmed, the new
+        base's first version is first tried on that plan's line moved to it (NOTE [a new base
+        grows alike]): one program, not two. A first version that fits no kept version compiles
         exactly (``relearns``) instead of being split as shape churn, and is kept. Before, a
         family had one plan, made from its first two versions, and a new base never fitted it:
         every size of it compiled (a sampling loop at batch 2 after batch 1: 8 programs, its
@@ -156,6 +158,9 @@ class Buckets:
             if len(plans) >= MAX_PLANS:
                 stats["bucket_misfits"] += 1
                 return None
+            found = self._grows_alike(fam, plans, ints, mask, skels, entries, wirings, lens)
+            if found is not None:
+                return found
         vs = self.versions.get(fam)
         v = _closest(vs, ints, mask) if vs else None
         if v is None:
@@ -181,6 +186,7 @@ class Buckets:
         plans.append(plan)
         if plan.__class__ is Refusal:
             return None
+        plan.seen.update((f.value(v[0]), f.value(ints)))
         # (kept to fit against: a base's first version may have made a plan with a version of
         # another base, a line through both that no third version follows)
         self._keep(fam, ints, entries, lens, mask, skels)
@@ -189,6 +195,38 @@ class Buckets:
             if key is not None:
                 self.learned.put("fits", key, (tuple(v[0]), tuple(ints)))
         return plan, f.value(ints)
+
+    def _grows_alike(self, fam, plans, ints, mask, skels, entries, wirings, lens):
+        """NOTE [a new base grows alike]: a version that no plan takes, at a new base of a family
+        whose latest plan is confirmed (it took two lengths), runs in a plan along the same line
+        through this version: (plan, 0), or None.
+
+        A sampling loop learnt at batch 1 and run at batch 2 from a longer prompt made its first
+        new plan through a version of each base (a line along the batch, which the loop's next
+        version, one token longer, does not follow) and a second from the new base's first two
+        versions: 2 programs where the second alone was needed. A new base mostly moves as the
+        old one did (a sequence grows by one token; a batch sweep at another length changes the
+        batch again): each int moves by the same step as in the latest plan, from this version.
+        Where it does not (a size that is the batch times the length), the next version misses
+        and the family goes on as before: a line through the two closest versions (one program
+        more, as before). A plan made so and not confirmed is never followed again: the next new
+        base takes the line through the closest versions (a batch sweep after a growing loop)."""
+        last = next((p for p in reversed(plans) if p.__class__ is not Refusal), None)
+        if last is None or len(last.seen) < 2:
+            return None
+        f = Fit()
+        f.forms = [(a, x) for (a, _), x in zip(last.fit.forms, ints)]
+        f.n, f.pos0, f.skels = len(f.forms), last.fit.pos0, skels
+        if f.n != len(ints) or any(a and not m for (a, _), m in zip(f.forms, mask)):
+            return None
+        try:
+            plan = plan_region(f, entries, wirings, lens, self.learned)
+        except Exception:       # (refused: the line through the closest versions is tried)
+            return None
+        plans.append(plan)
+        plan.seen.add(0)
+        self._keep(fam, ints, entries, lens, mask, skels)
+        return plan, 0
 
     def relearns(self, struct, entries) -> bool:
         """Whether this version of ``struct``, which no plan took, is a new base to learn from
@@ -244,6 +282,7 @@ class Buckets:
         except Exception:           # (refused: what made it no longer holds)
             self.learned.drop_fit(key)
             return None
+        plan.seen.update((f.value(list(vs[0])), f.value(list(vs[1]))))
         self.plans[fam] = [plan]
         return _at(plan, ints, stats)
 
@@ -445,7 +484,11 @@ def _taken(plans, ints):
     for p in plans:
         t = p.fit.value(ints)
         if t is not None:
-            return None if p.__class__ is Refusal else (p, t)
+            if p.__class__ is Refusal:
+                return None
+            if len(p.seen) < 2:
+                p.seen.add(t)
+            return p, t
     return _NONE
 
 

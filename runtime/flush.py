@@ -25,6 +25,8 @@ from ..scheduler.records import Donated
 
 S = stats.S
 Policy = policy.CutPolicy
+# The sets of shapes a churning structure remembers having compiled (NOTE [shape churn]).
+_SHAPES_KEPT = 16
 # Cuts nobody waits for (policy.is_async: the recorder's own cuts, scheduler/policy.py): the trace
 # runs and recording goes on. Their index checks are read at the next real sync (NOTE [unchecked
 # values] in checks.py).
@@ -122,7 +124,7 @@ class Runner:
         # cache itself never rotates before that.
         self.regions = Cache("regions", 2 * max_regions + 2)
         self.max_regions = max_regions
-        self.churn = Cache("region structures", 8192)   # ops+wiring -> [compiles, keys, varied]
+        self.churn = Cache("region structures", 8192)   # ops+wiring -> [versions, keys, varied, shapes]
         self.once = Cache("regions run split once", 8192)
         self.ahead = Cache("bucket plans made ahead", 4096)    # NOTE [buckets ahead]
         self.checks = CheckList()
@@ -471,6 +473,10 @@ class Runner:
         struct = _structure(keys, run.wirings)
         seen = self.churn.get(struct)
         n_compiled = seen[0] if seen else 0
+        # The same ops at the same shapes compiled before under another key (another donation
+        # pattern or set of outputs): not a new version of its shapes (NOTE [shape churn]).
+        tkeys = tuple(keys)
+        same = seen is not None and tkeys in seen[3]
         in_buckets = Policy.in_buckets(cfg.buckets, cfg.cross_check)
         if in_buckets:
             # (first seen here: a bucket an earlier process learned, NOTE [learned on disk])
@@ -490,7 +496,7 @@ class Runner:
         # compiled (what a loop taught converges in one call), except one that ran op by op: that
         # one recurs, and compiles whole on its second run. The policy decides
         # (CutPolicy.new_shapes in scheduler/policy.py); what it remembers is kept here.
-        if seen:
+        if seen and not same:
             # (a version at a new base of a family that runs in buckets: NOTE [new bases])
             base = in_buckets and self.buckets.relearns(struct, run.entries)
             sp, memo = Policy.new_shapes(n_compiled, cfg.shape_limit,
@@ -563,10 +569,12 @@ class Runner:
         reg.transient = (reg.temp_bytes or 0) + out_bytes - mplan.donated_bytes
         if n_compiled and fresh:
             S["recompiles"] += 1
-        if seen:
+        if seen is None:
+            self.churn[struct] = [1, keys, set(), {tkeys}]
+        elif not same:
             seen[0] += 1
-        else:
-            self.churn[struct] = [1, keys, set()]
+            if len(seen[3]) < _SHAPES_KEPT:
+                seen[3].add(tkeys)
         if cfg.buckets:
             self.buckets.note(struct, run.entries)
         self.regions[key] = reg

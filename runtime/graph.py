@@ -142,6 +142,8 @@ class GraphPlan:
                     seen.add(size.node.expr)
                     self.sources.append((i, d, size.node.expr))
 
+        self.boundaries, self.free_ints = _packed(gm, self.placeholders, kinds)
+
     def function(self, ints: tuple, chains: dict, dev_outs: tuple, dev_writes: tuple,
                  traced=None):
         """The op function ``fn(arrays, scalars, spmd=None) -> [outputs, written values]``.
@@ -272,6 +274,70 @@ class GraphPlan:
                 # (a Python number: ``_to_copy`` of a literal, as vmapped flex attention traces)
                 res = jnp.asarray(res).astype(avals[0][1])
             env[n] = res
+
+
+# NOTE [packed boundaries] (deferfuse/packed.py): a packed batch's sequence boundaries
+# (``cum_seq_q``/``cum_seq_k`` of the flash attention ops: varlen attention) are one longer than
+# its number of sequences, which changes from batch to batch, and its longest sequence
+# (``max_q``/``max_k``) changes too: with dynamic shapes, a graph input and an integer input that
+# made a program each. The boundaries can be padded with copies of their last entry (empty
+# sequences: the lowering gives every token the same sequence, and so the same result), and no
+# lowering reads the longest length. ``_packed`` finds, once per graph: the inputs that are such
+# boundaries and nothing else (read only by those arguments, or returned as they are, and their
+# length in no other value's shape), which the caller may pad to a bucket; and the integer inputs
+# no lowering reads (only those arguments, returned as they are, or unused, and in no value's
+# shape), which need not key a program.
+_FLASH_OPS = frozenset(("_flash_attention_forward", "_flash_attention_backward"))
+
+
+def _packed(gm, placeholders, kinds) -> tuple:
+    """(indices of the boundary inputs that may be padded, indices of the integer inputs no
+    lowering reads): NOTE [packed boundaries]."""
+    import torch
+    index = {n: i for i, n in enumerate(placeholders)}
+    uses: dict = {}         # placeholder index -> set of argument names ('' for any other use)
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        names = None
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and n.target.namespace == "aten" and n.target._opname in _FLASH_OPS:
+            names = [a.name for a in n.target._schema.arguments]
+        pairs = list(zip(names or [""] * len(n.args), n.args)) + [
+            (k if names else "", v) for k, v in n.kwargs.items()]
+        for name, a in pairs:
+            for x in (a if isinstance(a, (tuple, list)) else (a,)):
+                i = index.get(x) if isinstance(x, torch.fx.Node) else None
+                if i is not None:
+                    uses.setdefault(i, set()).add(name)
+    cands, free = {}, {}
+    for i, n in enumerate(placeholders):
+        v = n.meta.get("val")
+        u = uses.get(i, set())
+        if kinds[i] == ARRAY and isinstance(v, torch.Tensor) and v.dim() == 1 \
+                and not v.dtype.is_floating_point and v.dtype != torch.bool \
+                and isinstance(v.shape[0], torch.SymInt) and v.shape[0].node.expr.is_Symbol \
+                and u and u <= {"cum_seq_q", "cum_seq_k"}:
+            cands[i] = v.shape[0].node.expr.free_symbols
+        elif kinds[i] == INT and isinstance(v, torch.SymInt) and u <= {"max_q", "max_k"}:
+            free[i] = v.node.expr.free_symbols
+    if not cands and not free:
+        return frozenset(), frozenset()
+    # The size symbols any other value's shape (or a read integer) is made of.
+    other = set()
+    for n in gm.graph.nodes:
+        if n.op == "output" or (n.op == "placeholder" and (index[n] in cands or index[n] in free)):
+            continue
+        vals = n.meta.get("val")
+        for v in (vals if isinstance(vals, (tuple, list)) else (vals,)):
+            if isinstance(v, torch.Tensor):
+                for d in tuple(v.shape) + tuple(v.stride()):
+                    if isinstance(d, torch.SymInt):
+                        other |= d.node.expr.free_symbols
+            elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                other |= v.node.expr.free_symbols
+    return (frozenset(i for i, syms in cands.items() if not syms & other),
+            frozenset(i for i, syms in free.items() if not syms & other))
 
 
 # NOTE [rng state HOPs]: AOTAutograd's partitioner, when the backward pass recomputes a random op

@@ -2,7 +2,6 @@
 failed, and for the cross-check switch."""
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from . import execute

@@ -30,6 +30,7 @@ def fresh() -> dict:
         "bucketed_ops": 0,          # ops run padded in a bucket in strict/debug mode
         "bucket_refusals": Counter(),   # region structures that cannot run padded: why
         "bucket_misfits": 0,        # versions of a bucketed structure whose sizes did not fit
+        "packed_padded": 0,         # varlen boundaries padded to a bucket (NOTE [packed boundaries])
         "setup_splits": 0,          # traces whose leading setup ops ran first (NOTE [setup first])
         "needed_first_splits": 0,   # syncs that waited only for the ops the value read needs
         "loop_splits": 0,           # traces of many loop iterations run one region per iteration

@@ -24,6 +24,7 @@ class Cut(str, Enum):
     BACKWARD = "backward"               # backward() dispatched the forward pass
     DEVICE_SWITCH = "device switch"     # an op on another device: a region runs on one
     FENCE = "fence"                     # the caller ended a region here (deferfuse.vllm: a step's model)
+    PACKED = "packed boundaries"        # a packed batch's boundaries computed before they are padded
 
     __hash__ = str.__hash__             # (as the plain string: counters keyed by reason)
 

@@ -395,7 +395,8 @@ def scenario_tp_compiled(mode, arg):
     kind, against gloo on CPU), one called with other shapes on each rank (run op by op on every
     rank), then a tensor-parallel MLP (ColwiseParallel/RowwiseParallel)
     behind a replicated layer, compiled with backend="tpu", trained 3 steps: outputs, losses and
-    gradients against the unsharded model on CPU, and steps 2 and 3 compile nothing."""
+    gradients against the unsharded model on CPU, and steps 2 and 3 compile nothing; then a graph
+    that writes into a cache input, its buffer donated, against gloo."""
     import torch.distributed._functional_collectives as fc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -480,9 +481,28 @@ def scenario_tp_compiled(mode, arg):
     # gradient is an all-reduce) hold collectives
     assert m["graphs_with_collectives"] == 4, m["graphs_with_collectives"]
     assert compiles[0] == compiles[-1], compiles       # steps 2 and 3 compile nothing
+
+    # A graph that writes into its input (a KV cache, as vLLM's attention) is given that input's
+    # buffer (NOTE [donation in graphs over a group]): the cache against gloo's, three calls.
+    def kv(cache, idx, x):
+        cache.index_copy_(0, idx, x)
+        return fc.wait_tensor(fc.all_reduce(cache.sum(0), "sum", w))
+    ckv = torch.compile(kv, backend="tpu")
+    ref_cache = torch.arange(32.).reshape(8, 4) * (r + 1)
+    cache = ref_cache.to("tpu")
+    donated = deferfuse.metrics()["donated_bytes"]
+    for step in range(3):
+        idx, xb = torch.tensor([step, 5]), torch.randn(2, 4, generator=g) + r
+        got = ckv(cache, idx.to("tpu"), xb.to("tpu"))
+        ref_cache.index_copy_(0, idx, xb)
+        same([got, cache], [_gloo_sum(ref_cache.sum(0), gloo), ref_cache],
+             "a graph writing a cache")
+    kv_donated = deferfuse.metrics()["donated_bytes"] - donated
+    assert kv_donated >= 3 * ref_cache.numel() * 4, kv_donated
     return {"out_err": out_err, "loss_err": loss_err, "grad_err": grad_err,
             "graph_compiles": compiles[-1], "compiled_calls": m["compiled_calls"],
-            "collectives": dict(m["collectives"]), "report": deferfuse.report()}
+            "collectives": dict(m["collectives"]), "kv_donated": kv_donated,
+            "report": deferfuse.report()}
 
 
 def scenario_dcp(mode, arg):

@@ -420,10 +420,13 @@ def test_dtensor_and_tensor_parallel(n, mode):
 def test_compiled_tensor_parallel(n, mode):
     """torch.compile(backend="tpu") of functional collectives and of a tensor-parallel MLP:
     each graph one program over the group (NOTE [collectives in programs]), values and gradients
-    equal to gloo's and CPU's, no graph run op by op (tests/dist_worker.py's scenario asserts)."""
+    equal to gloo's and CPU's, no graph run op by op (tests/dist_worker.py's scenario asserts);
+    a graph writing into a cache input is given its buffer (NOTE [donation in graphs over a
+    group]), the cache equal to gloo's."""
     for r in results(launch(n, "tp_compiled", mode)):
         assert r["grad_err"] <= 1e-5 and r["graph_compiles"] == 3, r
         assert r["collectives"]["compiled_graph"] == 7, r["collectives"]
+        assert r["kv_donated"] >= 3 * 32 * 4, r["kv_donated"]
 
 
 @once
@@ -546,6 +549,45 @@ def test_one_process_compiled_graph_with_collectives(group, tpu_mode):
     assert m["graphs_with_collectives"] == 1 and m["graph_compiles"] == 1, m
     assert m["collectives"]["compiled_graph"] == 2
     assert "one program over a process group: 1" in deferfuse.report()
+
+
+@pytest.mark.slow_params("strict")   # defer only in the default run
+def test_one_process_compiled_graph_donates_what_it_overwrites(group, tpu_mode):
+    """A compiled graph with collectives that writes into an input (a KV cache, as vLLM's
+    attention does) gets that input's buffer (NOTE [donation in graphs over a group]): no copy
+    of the cache each call. Values, the cache included, equal CPU's over three calls; a clone
+    taken before a call keeps the old values; with the memory planner off nothing is donated."""
+    import torch.distributed._functional_collectives as fc
+
+    def f(cache, idx, x):
+        cache.index_copy_(0, idx, x)
+        return fc.wait_tensor(fc.all_reduce(cache.sum(0) * 2, "sum", group))
+    cf = torch.compile(f, backend="tpu")
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(8, 4, generator=g)
+    cache = ref.to("tpu")
+    nbytes = cache.numel() * cache.element_size()
+    for step in range(3):
+        idx, x = torch.tensor([step, 7 - step]), torch.randn(2, 4, generator=g)
+        snap = cache.clone()
+        before = deferfuse.metrics()["donated_bytes"]
+        old = ref.clone()
+        out = cf(cache, idx.to("tpu"), x.to("tpu"))
+        want = f(ref, idx, x)           # on CPU: the group's gloo
+        assert deferfuse.metrics()["donated_bytes"] - before >= nbytes
+        for got, w in ((out, want), (cache, ref), (snap, old)):
+            assert got.dtype == w.dtype and got.shape == w.shape and got.device.type == "tpu"
+            torch.testing.assert_close(got.cpu(), w, rtol=0, atol=0)
+    m = deferfuse.metrics()
+    assert m["graphs_run_eagerly"] == 0 and m["graph_calls_op_by_op"] == 0, m
+    assert m["collectives"]["compiled_graph"] == 3
+    with deferfuse.override(memory_planner=False):
+        before = deferfuse.metrics()["donated_bytes"]
+        out = cf(cache, torch.tensor([1], device="tpu"), torch.ones(1, 4, device="tpu"))
+        want = f(ref, torch.tensor([1]), torch.ones(1, 4))
+        torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
+        torch.testing.assert_close(cache.cpu(), ref, rtol=0, atol=0)
+        assert deferfuse.metrics()["donated_bytes"] == before
 
 
 def _train_beside(ref, model, steps=3):

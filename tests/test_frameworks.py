@@ -291,10 +291,10 @@ def test_ray_torch_trainer(tmp_path):
 LENS, CU = [5, 11, 7], torch.tensor([0, 5, 16, 23], dtype=torch.int32)
 
 
-def _varlen_ref(q, k, v, window):
+def _varlen_ref(q, k, v, window, cu=CU):
     """Each packed sequence on its own through SDPA on CPU, the window as a boolean mask."""
     parts = []
-    for s, e in zip(CU[:-1].tolist(), CU[1:].tolist()):
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         n = e - s
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
         mask = torch.ones(n, n, dtype=torch.bool)
@@ -350,3 +350,86 @@ def test_varlen_attention_compiled():
     _varlen_compare(fn, (-1, 0))
     met = deferfuse.metrics()
     assert met["dynamo_graphs"] == 1 and met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
+
+
+# Packed batches of 23 tokens with 1 to 11 sequences: boundaries of 2 to 12 entries.
+PACKED = [[23], [5, 11, 7], [10, 13], [1, 2, 3, 17], [4, 4, 4, 4, 4, 3], [8, 15],
+          [2] * 10 + [3], [6, 6, 11]]
+
+
+def _packed_batches(fn, packed=PACKED):
+    """``fn(q, k, v, cu, longest)`` on each batch of ``packed``, forward and backward, against
+    SDPA on each sequence on CPU; the programs made (compiles and disk-cache hits) after each."""
+    made = []
+    for lens in packed:
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        q = torch.randn(sum(lens), 4, 8)
+        k, v = torch.randn(sum(lens), 2, 8), torch.randn(sum(lens), 2, 8)
+        tq, tk, tv = (x.to("tpu").requires_grad_() for x in (q, k, v))
+        out = fn(tq, tk, tv, cu.to("tpu"), max(lens))
+        g = torch.randn(out.shape)
+        out.backward(g.to("tpu"))
+        cq, ck, cv = (x.clone().requires_grad_() for x in (q, k, v))
+        want = _varlen_ref(cq, ck, cv, (-1, 0), cu)
+        want.backward(g)
+        assert_same(out, want.detach(), atol=1e-5, rtol=1e-5, msg=str(lens))
+        for t, c in ((tq, cq), (tk, ck), (tv, cv)):
+            assert_same(t.grad, c.grad, atol=1e-5, rtol=1e-5, msg=str(lens))
+        m = deferfuse.metrics()
+        made.append(m["compiles"] + m["disk_cache_hits"])
+    return made
+
+
+@pytest.mark.modes("defer", "strict")
+def test_varlen_packed_batches_share_programs():
+    """NOTE [packed boundaries]: 8 packed batches of 1 to 11 sequences (and other longest
+    lengths) run in the programs the first batch made: the boundaries are padded to a bucket with
+    empty sequences, and the longest length keys nothing. Values and gradients are CPU's."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    def fn(q, k, v, cu, longest):
+        return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0),
+                           enable_gqa=True)
+    deferfuse.reset_metrics()
+    made = _packed_batches(fn)
+    assert made[1:] == [made[0]] * (len(PACKED) - 1), made
+    assert deferfuse.metrics()["packed_padded"] >= 2 * len(PACKED), deferfuse.metrics()
+
+
+@pytest.mark.modes("defer")
+def test_varlen_packed_batches_compiled_share_programs():
+    """The same under ``torch.compile(backend="tpu")``: Dynamo makes the boundaries' length and
+    the longest length dynamic after the first batch; the graph pads the boundaries to a bucket
+    and leaves the longest length out of its key, so the forward and the backward graph each
+    compile 2 programs (the first batch's static graph, then one for every other batch) instead
+    of one per number of sequences."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    @torch.compile(backend="tpu", fullgraph=True)
+    def fn(q, k, v, cu, longest):
+        return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0),
+                           enable_gqa=True)
+    deferfuse.reset_metrics()
+    made = _packed_batches(fn)
+    m = deferfuse.metrics()
+    assert m["dynamo_graphs"] == 2 and m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    assert m["graph_compiles"] <= 4, m["graph_compiles"]       # forward and backward, 2 each
+    assert made[2:] == [made[1]] * (len(PACKED) - 2), made
+    assert m["packed_padded"] >= 2 * (len(PACKED) - 1), m["packed_padded"]
+
+
+@pytest.mark.modes("defer")
+def test_varlen_boundaries_read_elsewhere_are_not_padded():
+    """A graph that also reads the boundaries (here their last entry, the token count) keeps
+    them exact: only inputs read by nothing but the flash ops are padded (the backward graph's
+    are: it reads them only in the flash backward op). Values are CPU's."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    @torch.compile(backend="tpu", fullgraph=True)
+    def fn(q, k, v, cu, longest):
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0),
+                          enable_gqa=True)
+        return out * (cu[-1] / 23.0)        # (every batch of PACKED has 23 tokens: times 1)
+    deferfuse.reset_metrics()
+    _packed_batches(fn, PACKED[:3])
+    assert deferfuse.metrics()["packed_padded"] == 2          # the backward graph's, twice

@@ -162,6 +162,7 @@ RUNS = {
     "hsdp": (2, 1, 2, "flex", "none"),
     "fsdp-compiled": (2, 2, 1, "flex", "inductor"),
     "hsdp-varlen-compiled-tpu": (2, 1, 2, "varlen", "tpu"),
+    "one-varlen-compiled-tpu": (1, 1, 1, "varlen", "tpu"),
 }
 
 

@@ -13,10 +13,21 @@ differ (DTensor's uneven shards: the same model, a row more on one rank) that ca
 on every rank, its collectives deferfuse's eager ones, which check their own agreement. A graph
 that uses two groups (a 2-D mesh's tensor- and data-parallel dimensions in one graph) or an uneven
 all-to-all always runs op by op.
+
+NOTE [donation in graphs over a group]: a graph that writes into an input (vLLM's attention
+writes each layer's KV cache) returns that input's new value; unless the program is given the old
+buffer, XLA copies the whole input into a new one first (the KV caches, every step). So, as a
+region's memory plan does (NOTE [donation safety] in scheduler/memory.py), each call donates the
+old buffer of every input the graph overwrites on the device, when nothing but the written
+storage holds that value (its reference count, counted after the pending trace ran) and the graph
+does not also return it; the donated values are marked so (``Donated``). The donation pattern is
+part of the program's key. ``DEFERFUSE_NO_MEMORY_PLANNER=1`` (or the cross-check) turns it off.
 """
 from __future__ import annotations
 
+import sys
 import time
+import warnings
 import zlib
 
 import jax
@@ -25,6 +36,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 from ..scheduler.policy import Sync
+from ..compiled import DEV, PASS
 from ..config import config
 from ..dispatch import user_frame
 from ..engine import engine
@@ -34,7 +46,8 @@ from ..runtime import execute, stats
 from ..runtime.cluster import CLUSTER
 from ..runtime.dtypes import x64
 from ..runtime.lowering import flag_message, take_flags
-from ..scheduler.records import Value
+from ..runtime.graph import ARRAY
+from ..scheduler.records import Donated, Value
 from .coord import COORD
 from .functional import _group
 
@@ -46,7 +59,12 @@ class SpmdGraph:
     recording of its node. The programs are kept on the graph's entries (one per input
     structure, bounded with them), one per group mesh."""
 
-    def __init__(self, gm, groups):
+    def __init__(self, gm, groups, kinds):
+        # the position in a call's input list of each tensor argument (``CompiledGraph``'s ins)
+        self.at = {}
+        for i, k in enumerate(kinds):
+            if k == ARRAY:
+                self.at[i] = len(self.at)
         pgs = {name: _group(name) for name in sorted(groups)}
         ranks = {tuple(pg._ranks) for pg in pgs.values()}
         if len(ranks) > 1:
@@ -100,24 +118,48 @@ class SpmdGraph:
 
     def call(self, graph, entry, ins, scalars, dev, tensors) -> list:
         """Run ``entry`` (the graph's op entry) on the input Values ``ins`` and ``scalars`` over
-        the group, every rank at once; its outputs as ready Values."""
+        the group, every rank at once; its outputs as ready Values. The caller holds each input
+        Value only in ``ins`` (NOTE [donation in graphs over a group])."""
         got = []
+        out_acts, write_acts = entry.out
+        # inputs the graph overwrites on the device and does not return as they are
+        written = [self.at[i] for what, i, _ in write_acts if what == DEV]
+        if written and config.memory_planner and not config.cross_check:
+            passed = {self.at[a[1]] for a in out_acts if a[0] == PASS}
+            written = [k for k in written if k not in passed]
+        else:
+            written = []
+        donate = []
 
         def run(devices):
             arrays = [engine.ready(v, dev, Sync.COLLECTIVE) for v in ins]
-            res = self._program(entry, arrays, scalars, devices)(arrays, scalars)
+            # After the pending trace ran (above), an overwritten input's value is held by the
+            # list ``ins``, its storage and getrefcount's argument: a fourth holder keeps it.
+            donate[:] = [k in written and arrays[k].ndim > 0 and sys.getrefcount(ins[k]) <= 3
+                         for k in range(len(ins))]
+            res = self._program(entry, arrays, scalars, devices, tuple(donate))(arrays, scalars)
             got.extend(res)
             return res
-        self.pg._collective("compiled_graph", graph.kind, tensors, run, check=False)
+        try:
+            self.pg._collective("compiled_graph", graph.kind, tensors, run, check=False)
+        finally:
+            if any(donate):
+                # (a call that raised may have taken them or not: its arrays say)
+                gone = Donated(graph.name)
+                for v, d in zip(ins, donate):
+                    if d and v.array is not None and v.array.is_deleted():
+                        S["donated_bytes"] += v.nbytes
+                        v.fail(gone)
         return [Value(tuple(a.shape), a.dtype, a.nbytes, array=a) for a in got]
 
-    def _program(self, entry, arrays, scalars, devices):
+    def _program(self, entry, arrays, scalars, devices, donate):
         progs = entry.jit
         if progs is None:
             progs = entry.jit = {}
-        run = progs.get(devices)
+        run = progs.get((devices, donate))
         if run is None:
-            run = progs[devices] = _Program(entry, arrays, scalars, devices, self.n)
+            run = progs[(devices, donate)] = _Program(entry, arrays, scalars, devices, self.n,
+                                                      donate)
         return run
 
 
@@ -136,10 +178,13 @@ class _Program:
     """One graph entry's program over one group mesh: local arrays and scalars in, local arrays
     out. Every value crosses ``shard_map`` as this process's block along dim 0 (0-d values as
     shape (1,)); the scalars as two packed arrays (NOTE [packed scalars] in runtime/execute.py),
-    each with one padding element so that neither is empty."""
+    each with one padding element so that neither is empty. ``donate[k]``: input k's buffer is
+    given to the program (NOTE [donation in graphs over a group]); the donated inputs come as the
+    program's first argument, the others as its second."""
 
-    def __init__(self, entry, arrays, scalars, devices, n):
+    def __init__(self, entry, arrays, scalars, devices, n, donate):
         self.devices = devices
+        self.donate = donate
         self.me = next(i for i, d in enumerate(devices) if d.process_index == jax.process_index())
         mesh, self.sharding = xc.mesh_of(devices)
         shapes = [tuple(a.shape) for a in arrays]
@@ -148,7 +193,9 @@ class _Program:
         fn = entry.fn
         self.msgs = msgs = []
 
-        def body(blocks, packed):
+        def body(don, keep, packed):
+            don, keep = iter(don), iter(keep)
+            blocks = [next(don) if d else next(keep) for d in donate]
             ins = [b.reshape(s) for b, s in zip(blocks, shapes)]
             fl, it = packed
             sc = execute._unpack_scalars((fl[:-1], it[:-1]), is_float) if is_float else []
@@ -159,9 +206,12 @@ class _Program:
             res += [f for f, _, _ in flags]
             return [r.reshape(1) if r.ndim == 0 else r for r in res]
         t0 = time.perf_counter()
-        with x64(True):
+        with x64(True), warnings.catch_warnings():
+            # an input donated to no output of its shape is only freed early
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             jitted = jax.jit(xc.shard_map(body, mesh=mesh, in_specs=P(xc.AXIS),
-                                          out_specs=P(xc.AXIS)))
+                                          out_specs=P(xc.AXIS)),
+                             donate_argnums=(0,) if any(donate) else ())
             self.compiled = jitted.lower(*self._globals(arrays, scalars)).compile()
         S["compiles"] += 1
         S["compile_seconds"] += time.perf_counter() - t0
@@ -175,7 +225,9 @@ class _Program:
         dev = self.devices[self.me]
         fl = np.array([s for s in scalars if type(s) is float] + [0.0], np.float64)
         it = np.array([s for s in scalars if type(s) is not float] + [0], np.int64)
-        return ([self._global(a) for a in arrays],
+        blocks = [self._global(a) for a in arrays]
+        return ([b for b, d in zip(blocks, self.donate) if d],
+                [b for b, d in zip(blocks, self.donate) if not d],
                 (self._global(jax.device_put(fl, dev)), self._global(jax.device_put(it, dev))))
 
     def __call__(self, arrays, scalars) -> list:

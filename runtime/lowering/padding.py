@@ -55,8 +55,9 @@ class MoveDims(Pad):
 
 @dataclass(frozen=True, slots=True)
 class Reshape(Pad):
-    """A reshape: admitted where each padded dim stays the first of its group of merged or split
-    dims (``(T, C) -> (T * C)``, never ``(B, T) -> (B * T)``); in a view chain every int of its
+    """A reshape: a plain one where each padded dim stays the first of its group of merged or
+    split dims (``(T, C) -> (T * C)``), else compacted (``(T, B) -> (T * B)`` with ``B`` padded:
+    NOTE [compacting reshapes] in runtime/bucket_reshape.py); in a view chain every int of its
     arguments is a size."""
 
 
