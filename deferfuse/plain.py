@@ -71,6 +71,7 @@ class Plain:
         self.out_names = {}             # op -> its one keyword-only output's name or None
         self.multi = {}                 # op -> (its keyword-only outputs, functional op) or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
+        self.attn_lib = None            # the torch_attn PrivateUse1 kernels (_packed_kernels)
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
         self.sigs = {}
@@ -722,9 +723,27 @@ def install() -> Plain:
     _serialization()
     _sparse_refusals()
     _host_reads()
+    PLAIN.attn_lib = _packed_kernels(PLAIN.route)
     from .distributed import group
     group.plain_collectives()
     return PLAIN
+
+
+def _packed_kernels(route):
+    """NOTE [packed boundaries] (packed.py) on plain tensors: varlen attention's custom ops are
+    ``custom_op``s with no device types, whose Python body is a CompositeExplicitAutograd kernel
+    that a backend without a kernel of its own runs, so a plain tensor reached the op path only
+    as the body's ``aten._flash_attention_forward`` (the boundaries unpadded: a program per
+    number of sequences). A PrivateUse1 kernel for each routes the custom op itself, as the
+    wrapper's ``__torch_dispatch__`` sees it. Registered before ``torch.nn.attention.varlen`` is
+    imported (the dispatcher keeps a kernel for an op defined later), so importing deferfuse never
+    imports that module (it imports Dynamo). Returns the ``Library`` (kept by its owner)."""
+    lib = torch.library.Library("torch_attn", "IMPL")
+    for name in ("_varlen_attn", "_varlen_attn_backward"):
+        def kernel(*args, _name=name, **kwargs):
+            return route(getattr(torch.ops.torch_attn, _name).default, args, kwargs)
+        lib.impl(name, kernel, "PrivateUse1")
+    return lib
 
 
 def _real_ops(raw, func, types, args, kwargs):
