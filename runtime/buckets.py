@@ -307,10 +307,8 @@ class Buckets:
                 plan.programs[pk] = prog
                 return prog
         import time
-        import warnings
         from .diskcache import fresh_compiles
-        from .dtypes import x64
-        from .execute import pack_scalars, sharding
+        from .execute import compiling, pack_scalars, sharding
         t0 = time.perf_counter()
         key = describe_plan(plan, P, run.wirings, run.out_sig, is_float, device,
                             [v.dtype for v in run.ext]) \
@@ -329,9 +327,7 @@ class Buckets:
                     else v.array for i, v in enumerate(run.ext)]
             scalars = pack_scalars(list(run.scalars) + [P])
             hits = stats["jax_disk_hits"]
-            with x64(True), warnings.catch_warnings(), \
-                    (fresh_compiles() if key is not None else _NULL):
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            with compiling(), (fresh_compiles() if key is not None else _NULL):
                 prog.compiled = jax.jit(fn, out_shardings=sharding(device)).lower(
                     [], keep, scalars).compile()
             prog.msgs = list(fn.msgs)

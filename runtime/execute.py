@@ -132,6 +132,15 @@ def _op_program(entry, arrays, scalars, store):
 _nothing = contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def compiling():
+    """``x64(True)`` for a compile, with JAX's warning about a donated buffer that no output can
+    reuse silenced: such a buffer is still freed early, which is all its donation was for."""
+    with x64(True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        yield
+
+
 view_jits = Cache("view reads", 4096)    # view chain -> its jitted read
 
 
@@ -237,9 +246,7 @@ def compile_region(plan, out_sig, donate, don, keep, scalars, device: int = 0, s
     msgs = fn.msgs
     scalars = pack_scalars(scalars)
     hits = S["jax_disk_hits"]
-    with x64(True), warnings.catch_warnings(), fresh_compiles() if key is not None else _nothing:
-        # A donated buffer no output can reuse is still freed early; JAX's warning is noise here.
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    with compiling(), fresh_compiles() if key is not None else _nothing:
         lowered = jax.jit(fn, donate_argnums=(0,) if any(donate) else (),
                           out_shardings=sharding(device)).lower(don, keep, scalars)
         compiled = lowered.compile()

@@ -499,9 +499,8 @@ class Runner:
         if seen and not same:
             # (a version at a new base of a family that runs in buckets: NOTE [new bases])
             base = in_buckets and self.buckets.relearns(struct, run.entries)
-            sp, memo = Policy.new_shapes(n_compiled, cfg.shape_limit,
-                                                   self.once.get(key), seen[1], keys, seen[2],
-                                                   base)
+            sp, memo = Policy.new_shapes(n_compiled, cfg.shape_limit, self.once.get(key),
+                                         seen[1], keys, seen[2], base)
             if memo is not None:
                 self.once[key] = memo
             if sp.how is policy.Shapes.SPLIT:
