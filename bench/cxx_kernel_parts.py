@@ -10,6 +10,8 @@ Session 4):
   node hand-over]: no Python call, the fake-mode check in C++), the output built;
 - ``kernel_call``: the same with the kernel calling ``_fastpath.record_storages`` as a Python
   function (``ext.install_record_capi(None)``; the kernel before the hand-over);
+- ``kernel_packed``: ``kernel`` with the trace's rolling hashes hashed from packed tuples
+  (``_fastpath.set_own_hash(False)``; before NOTE [rolling hashes in C]);
 - ``record_only``: ``_fastpath.record_storages`` alone, called from Python with the same Entry,
   input Values and device (what the kernel hands to it): the Python objects of the node (Node,
   Values, Storage), its hashes and the trace's checks;
@@ -42,7 +44,7 @@ from deferfuse import _fastpath, plain  # noqa: E402
 
 P = plain.PLAIN
 EXT = P.ext
-SYSTEMS = ("cpu", "floor", "kernel", "kernel_call", "record_only")
+SYSTEMS = ("cpu", "floor", "kernel", "kernel_call", "kernel_packed", "record_only")
 
 
 def main():
@@ -65,8 +67,9 @@ def main():
 
     def block(s):
         EXT.set_floor(s == "floor")
-        EXT.set_kernel(s in ("kernel", "kernel_call"))
+        EXT.set_kernel(s in ("kernel", "kernel_call", "kernel_packed"))
         EXT.install_record_capi(None if s == "kernel_call" else capi)
+        _fastpath.set_own_hash(s != "kernel_packed")
         parts = []
         try:
             # fresh inputs each block: the flush may donate the buffers of values only this
@@ -90,6 +93,7 @@ def main():
             EXT.set_floor(False)
             EXT.set_kernel(True)
             EXT.install_record_capi(capi)
+            _fastpath.set_own_hash(True)
         deferfuse.sync()
         return statistics.median(parts) / sub * 1e6
 
@@ -98,7 +102,7 @@ def main():
         for _ in range(3):
             block(s)
     times = {s: [] for s in SYSTEMS}
-    own, saved = [], []
+    own, saved, hashed = [], [], []
     for r in range(a.rounds):
         order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
         got = {s: block(s) for s in order}
@@ -106,6 +110,7 @@ def main():
             times[s].append(got[s])
         own.append(got["kernel"] - got["record_only"])
         saved.append(got["kernel_call"] - got["kernel"])
+        hashed.append(got["kernel_packed"] - got["kernel"])
     load = os.getloadavg()
     print(f"x + y, µs per op, {a.rounds} rounds of {n} ops (median of sub-blocks of {sub}); "
           f"load average before {load0[0]:.1f}, after {load[0]:.1f}")
@@ -117,6 +122,8 @@ def main():
     print(f"| kernel - record | {statistics.median(own):.2f} | {min(own):.2f} | {max(own):.2f} |")
     print(f"| kernel_call - kernel | {statistics.median(saved):.2f} | {min(saved):.2f} | "
           f"{max(saved):.2f} |")
+    print(f"| kernel_packed - kernel | {statistics.median(hashed):.2f} | {min(hashed):.2f} | "
+          f"{max(hashed):.2f} |")
 
 
 if __name__ == "__main__":

@@ -91,3 +91,42 @@ def test_install_record_capi_refuses_another_capsule():
         EXT.install_record_capi(datetime.datetime_CAPI)
     assert _fastpath.record_capi is not None
     EXT.install_record_capi(_fastpath.record_capi)
+
+
+def _record_once(c_record):
+    """The trace _steps records, with the C record path on (the kernel's hits, NOTE [rolling
+    hashes in C]) or off (every op through the router into Trace.record, in Python)."""
+    torch.manual_seed(4)
+    cx, cy, cb = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4, 4)
+    states, hits = [], []
+    with deferfuse.override(c_record=c_record):
+        for _ in range(2):
+            deferfuse.sync()
+            x, y, b = cx.to("tpu"), cy.to("tpu"), cb.to("tpu")
+            o = torch.empty(5, 4, device="tpu")
+            deferfuse.sync()
+            h = _hits()
+            got = _steps(x, y, o, b)
+            hits.append(_hits() - h)
+            states.append(_trace_state())
+            deferfuse.sync()
+    want = _steps(cx.clone(), cy.clone(), torch.empty(5, 4), cb.clone())
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    return states[-1], hits
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("own_hash", [True, False], ids=["lanes", "packed"])
+def test_rolling_hashes_in_c_equal_trace_record_in_python(own_hash):
+    assert _fastpath.set_own_hash(True), "setup's check of the tuple hash failed"
+    try:
+        _fastpath.set_own_hash(own_hash)
+        in_c, c_hits = _record_once(True)
+        in_py, py_hits = _record_once(False)
+    finally:
+        _fastpath.set_own_hash(True)
+    assert c_hits[-1] >= 7 and py_hits == [0, 0], (c_hits, py_hits)
+    # nodes, wiring, scalars and both rolling hashes: the same values
+    assert in_c == in_py
+    assert in_c[0] != 0 and in_c[1] != 0
