@@ -696,10 +696,14 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
     }
     if (node == NULL) goto done;
     for (Py_ssize_t k = 0; k < n_out; k++) {
+        /* Value.node: the slot written at its offset (the Value was made above, its node None) */
         PyObject *o = PyTuple_GET_ITEM(outs, k);
-        if (o != Py_None && PyObject_SetAttr(o, A_node, node) < 0) goto done;
+        if (o == Py_None) continue;
+        Py_INCREF(node);
+        Py_XSETREF(*(PyObject **)((char *)o + L_value.off[1]), node);
     }
-    if (PyObject_SetAttr(trace, A_device, dev_obj) < 0) goto done;
+    /* trace.device = dev: an equal int is there already unless the trace is empty (checked above) */
+    if (pos == 0 && PyObject_SetAttr(trace, A_device, dev_obj) < 0) goto done;
     if (PyList_Append(nodes, node) < 0) goto done;
     Py_ssize_t ns = PyList_GET_SIZE(scalars);
     if (ns && PyList_SetSlice(tscalars, PyList_GET_SIZE(tscalars), PyList_GET_SIZE(tscalars),
