@@ -434,6 +434,102 @@ static PyObject *source_line(void) {
     return src;
 }
 
+/* ------------------------------------------------------------------ rolling hashes */
+/* NOTE [rolling hashes in C]: Trace.record extends its hashes as hash((h, khash, wiring, n)) and
+   hash((hops, ohash)); every reader (the region cache, body searches, the known bodies) compares
+   values made by both paths, as one trace mixes ops recorded in Python and here. So this file
+   reproduces CPython's own tuple hash over the items' hashes (Objects/tupleobject.c, the xxHash
+   lanes of 3.8 and later) instead of packing a tuple per op only to hash it: the same value, no
+   allocation. setup() checks it against hash() of real tuples and, if CPython ever hashes tuples
+   otherwise, sets own_hash off and the tuples are packed again. */
+static int own_hash = 0, own_hash_checked = 0;
+
+#if SIZEOF_VOID_P > 4
+#define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
+#define XXPRIME_2 ((Py_uhash_t)14029467366897019727ULL)
+#define XXPRIME_5 ((Py_uhash_t)2870177450012600261ULL)
+#define XXROTATE(x) ((x << 31) | (x >> 33))
+#else
+#define XXPRIME_1 ((Py_uhash_t)2654435761UL)
+#define XXPRIME_2 ((Py_uhash_t)2246822519UL)
+#define XXPRIME_5 ((Py_uhash_t)374761393UL)
+#define XXROTATE(x) ((x << 13) | (x >> 19))
+#endif
+
+/* hash(tuple) from its items' hashes (none of them -1) */
+static Py_hash_t tuple_hash_lanes(const Py_hash_t *lanes, Py_ssize_t len) {
+    Py_uhash_t acc = XXPRIME_5;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        acc += (Py_uhash_t)lanes[i] * XXPRIME_2;
+        acc = XXROTATE(acc);
+        acc *= XXPRIME_1;
+    }
+    acc += len ^ (XXPRIME_5 ^ 3527539UL);
+    if (acc == (Py_uhash_t)-1) return 1546275796;
+    return (Py_hash_t)acc;
+}
+
+/* hash(n) of a Python int 0 <= n < 2**31 (a count): n itself */
+static Py_hash_t small_int_hash(Py_ssize_t n) { return (Py_hash_t)n; }
+
+/* the tuple's hash: its lanes, or (own_hash off) hash() of the packed tuple */
+static Py_hash_t tuple_hash_of(PyObject *const *items, const Py_hash_t *lanes, Py_ssize_t len) {
+    if (own_hash) return tuple_hash_lanes(lanes, len);
+    PyObject *t = PyTuple_New(len);
+    if (t == NULL) return -1;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(t, i, items[i]);
+    }
+    Py_hash_t hv = PyObject_Hash(t);
+    Py_DECREF(t);
+    return hv;
+}
+
+/* setup's check: the lanes give hash() of real tuples (ints of every size and sign, None, nested
+   tuples, lengths 0 to 5) */
+static int check_own_hash(void) {
+    PyObject *t = Py_BuildValue("((Ln)(LL)(nnOn)(L(nn)On)(nnnnn)())", (long long)-1, (Py_ssize_t)7,
+                                (long long)0x7fffffffffffffffLL, (long long)-0x7fffffffffffffffLL,
+                                (Py_ssize_t)3, (Py_ssize_t)0, Py_None, (Py_ssize_t)(1 << 30),
+                                (long long)0x1234567890abcdefLL, (Py_ssize_t)4, (Py_ssize_t)1,
+                                Py_None, (Py_ssize_t)2, (Py_ssize_t)1, (Py_ssize_t)2,
+                                (Py_ssize_t)3, (Py_ssize_t)4, (Py_ssize_t)5);
+    if (t == NULL) return -1;
+    int same = 1;
+    for (Py_ssize_t i = 0; same && i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *u = PyTuple_GET_ITEM(t, i);
+        Py_hash_t lanes[8];
+        Py_ssize_t n = PyTuple_GET_SIZE(u);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            lanes[j] = PyObject_Hash(PyTuple_GET_ITEM(u, j));
+            if (lanes[j] == -1) { Py_DECREF(t); return -1; }
+        }
+        Py_hash_t want = PyObject_Hash(u);
+        if (want == -1) { Py_DECREF(t); return -1; }
+        same = tuple_hash_lanes(lanes, n) == want;
+    }
+    /* and a count's hash */
+    for (Py_ssize_t n = 0; same && n < 70000; n += 4099) {
+        PyObject *o = PyLong_FromSsize_t(n);
+        if (o == NULL) { Py_DECREF(t); return -1; }
+        same = PyObject_Hash(o) == small_int_hash(n);
+        Py_DECREF(o);
+    }
+    Py_DECREF(t);
+    own_hash = own_hash_checked = same;
+    return 0;
+}
+
+/* set_own_hash(on) -> whether it is on: the benches' switch (bench/cxx_kernel_parts.py); on only
+   where setup's check passed */
+static PyObject *set_own_hash(PyObject *self, PyObject *on) {
+    int v = PyObject_IsTrue(on);
+    if (v < 0) return NULL;
+    own_hash = v && own_hash_checked;
+    return PyBool_FromLong(own_hash);
+}
+
 /* ------------------------------------------------------------------ recording (Trace.record) */
 /* The fast case of Trace.record(entry, ins, scalars, dev) followed by _run's per-output Storage
    and make(). Returns the op's result, Py_NotImplemented when it is not the fast case (nothing
@@ -600,10 +696,14 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
     }
     if (node == NULL) goto done;
     for (Py_ssize_t k = 0; k < n_out; k++) {
+        /* Value.node: the slot written at its offset (the Value was made above, its node None) */
         PyObject *o = PyTuple_GET_ITEM(outs, k);
-        if (o != Py_None && PyObject_SetAttr(o, A_node, node) < 0) goto done;
+        if (o == Py_None) continue;
+        Py_INCREF(node);
+        Py_XSETREF(*(PyObject **)((char *)o + L_value.off[1]), node);
     }
-    if (PyObject_SetAttr(trace, A_device, dev_obj) < 0) goto done;
+    /* trace.device = dev: an equal int is there already unless the trace is empty (checked above) */
+    if (pos == 0 && PyObject_SetAttr(trace, A_device, dev_obj) < 0) goto done;
     if (PyList_Append(nodes, node) < 0) goto done;
     Py_ssize_t ns = PyList_GET_SIZE(scalars);
     if (ns && PyList_SetSlice(tscalars, PyList_GET_SIZE(tscalars), PyList_GET_SIZE(tscalars),
@@ -617,22 +717,32 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
     ohash = GET(entry, A_ohash);
     if (!h || !khash || !hops || !ohash) goto done;
     {
-        PyObject *nso = PyLong_FromSsize_t(ns);
-        if (nso == NULL) goto done;
-        PyObject *t = PyTuple_Pack(4, h, khash, wiring, nso);
-        Py_DECREF(nso);
-        if (t == NULL) goto done;
-        Py_hash_t hv = PyObject_Hash(t);
-        Py_DECREF(t);
-        if (hv == -1 && PyErr_Occurred()) goto done;
+        /* hash((h, khash, wiring, ns)) and hash((hops, ohash)), NOTE [rolling hashes in C] */
+        Py_hash_t hv, lanes[4];
+        lanes[0] = PyObject_Hash(h);
+        lanes[1] = PyObject_Hash(khash);
+        lanes[2] = PyObject_Hash(wiring);
+        lanes[3] = small_int_hash(ns);
+        if (lanes[0] == -1 || lanes[1] == -1 || lanes[2] == -1) goto done;
+        {
+            PyObject *nso = own_hash ? NULL : PyLong_FromSsize_t(ns);
+            PyObject *items[4] = {h, khash, wiring, nso};
+            if (!own_hash && nso == NULL) goto done;
+            hv = tuple_hash_of(items, lanes, 4);
+            Py_XDECREF(nso);
+            if (hv == -1 && PyErr_Occurred()) goto done;
+        }
         PyObject *hn = PyLong_FromSsize_t(hv);
         if (hn == NULL || PyObject_SetAttr(trace, A_h, hn) < 0) { Py_XDECREF(hn); goto done; }
         Py_DECREF(hn);
-        t = PyTuple_Pack(2, hops, ohash);
-        if (t == NULL) goto done;
-        hv = PyObject_Hash(t);
-        Py_DECREF(t);
-        if (hv == -1 && PyErr_Occurred()) goto done;
+        lanes[0] = PyObject_Hash(hops);
+        lanes[1] = PyObject_Hash(ohash);
+        if (lanes[0] == -1 || lanes[1] == -1) goto done;
+        {
+            PyObject *items[2] = {hops, ohash};
+            hv = tuple_hash_of(items, lanes, 2);
+            if (hv == -1 && PyErr_Occurred()) goto done;
+        }
         Py_DECREF(hops);
         hops = PyLong_FromSsize_t(hv);
         if (hops == NULL || PyObject_SetAttr(trace, A_hops, hops) < 0) goto done;
@@ -1375,6 +1485,9 @@ static PyObject *dispatch(PyObject *self, PyObject *const *args, Py_ssize_t narg
    records the node as try_fast does (defer mode, no cut due, no input pending in another trace)
    and returns the outputs' new Storages, a tuple; Py_NotImplemented (nothing changed) when it is
    not that case, and the kernel hands the op to the Python router. */
+static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObject *scalars,
+                                         long dev, PyObject *writes, PyObject *mut);
+
 static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if ((nargs != 4 && nargs != 6) || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2]) ||
             (nargs == 6 && (!PyList_CheckExact(args[4]) || !PyTuple_CheckExact(args[5]) ||
@@ -1387,17 +1500,29 @@ static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize
        new value as dispatch._bind does, and it returns None (the kernel returns the argument) */
     PyObject *writes = nargs == 6 ? args[4] : NULL, *mut = nargs == 6 ? args[5] : NULL;
     if (!S.ready) Py_RETURN_NOTIMPLEMENTED;
-    PyObject *entry = args[0], *ins = args[1], *scalars = args[2];
     long dev = PyLong_AsLong(args[3]);
     if (dev == -1 && PyErr_Occurred()) return NULL;
-    int on;
-    if (is_true_attr(S.config, A_c_record, &on) < 0) return NULL;
-    if (!on) Py_RETURN_NOTIMPLEMENTED;
     PyObject *mode = PyObject_CallOneArg(S.get_mode, S.fake_key);
     if (mode == NULL) return NULL;
     int fake = mode != Py_None;
     Py_DECREF(mode);
     if (fake) Py_RETURN_NOTIMPLEMENTED;
+    return record_storages_checked(args[0], args[1], args[2], dev, writes, mut);
+}
+
+/* NOTE [C++ node hand-over]: record_storages without its Python call: the plain tensor's C++
+   kernel calls this through the capsule `_fastpath.record_capi` (RecordCapi), with the lists it
+   built (ins and scalars become the Node's, so they are fresh lists) and the device as a C long,
+   after checking itself, in C++, that no fake mode is active (c10's TorchDispatchModeTLS, which
+   torch._C._get_dispatch_mode reads: the same answer without a Python call, about half a
+   microsecond of record_storages' time). Everything else is record_storages' body: the same
+   checks, node, hashes and Storages. */
+static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObject *scalars,
+                                         long dev, PyObject *writes, PyObject *mut) {
+    if (!S.ready) Py_RETURN_NOTIMPLEMENTED;
+    int on;
+    if (is_true_attr(S.config, A_c_record, &on) < 0) return NULL;
+    if (!on) Py_RETURN_NOTIMPLEMENTED;
     PyObject *fast = GET(entry, A_fast);
     if (fast == NULL) return NULL;
     if (writes != NULL ? (fast != Py_None || PyTuple_GET_SIZE(mut) == 0)
@@ -1468,6 +1593,7 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
             layout_of(&L_node, S.node_type, NODE_SLOTS, 9) < 0 ||
             layout_of(&L_storage, S.storage_type, STORAGE_SLOTS, 7) < 0)
         return NULL;
+    if (check_own_hash() < 0) return NULL;      /* NOTE [rolling hashes in C] */
     S.ready = 1;
     Py_RETURN_NONE;
 }
@@ -1487,6 +1613,8 @@ static PyMethodDef methods[] = {
     {"record_storages", (PyCFunction)(void (*)(void))record_storages, METH_FASTCALL,
      "The plain tensor's C++ kernel: record one cached op, return its outputs' Storages."},
     {"setup", setup, METH_O, "Hand over the engine's objects (deferfuse/route.py)."},
+    {"set_own_hash", set_own_hash, METH_O,
+     "NOTE [rolling hashes in C]: hash the trace's tuples from their items (on) or pack them."},
     {"stats", stats, METH_NOARGS, "Calls taken by the fast case (hits) and passed on (misses)."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
     {NULL, NULL, 0, NULL}};
@@ -1507,5 +1635,16 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     S.device_str = PyUnicode_InternFromString("device");
     if (!S.dtype_str || !S.memory_format_str || !S.device_str) return NULL;
     if (!S.defer_str || !S.empty_tuple || !S.one || !S.loop_boundary) return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    /* NOTE [C++ node hand-over]: {version, record_storages_checked} for _tpu_tensor.cpp */
+    static struct {
+        long version;
+        PyObject *(*record)(PyObject *, PyObject *, PyObject *, long, PyObject *, PyObject *);
+    } capi = {1, record_storages_checked};
+    PyObject *cap = PyCapsule_New(&capi, "deferfuse._fastpath.record_capi", NULL);
+    if (cap == NULL || PyModule_AddObject(m, "record_capi", cap) < 0) {
+        Py_XDECREF(cap); Py_DECREF(m); return NULL;
+    }
+    return m;
 }

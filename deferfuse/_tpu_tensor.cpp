@@ -28,6 +28,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -1105,6 +1106,10 @@ struct Kernel {
   PyObject* plan_fn = nullptr;    // Plain.plan(op) -> (out index, [runtime number?]) or None
   PyObject* learn_fn = nullptr;   // Plain.learn(op, args, kwargs, fresh, result) -> tuple or None
   PyObject* record_fn = nullptr;  // _fastpath.record_storages(entry, ins, scalars, dev)
+  // NOTE [C++ node hand-over] in _fastpath.c: record_storages' body without its Python call, or
+  // null (then record_fn)
+  PyObject* (*record_c)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*) = nullptr;
+  PyObject* record_capi = nullptr;  // the capsule, owned: keeps _fastpath's table alive
   PyObject* val_str = nullptr;    // "val"
   PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
@@ -1329,6 +1334,12 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     if (o == nullptr || PyList_Append(scalars.ptr(), o) < 0) rethrow_python();
     Py_DECREF(o);
   }
+  if (K.record_c != nullptr &&
+      c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value()) {
+    // record_storages' fake mode check, made here (NOTE [C++ node hand-over])
+    ++K.why[2];
+    return false;
+  }
   py::int_ dev(c.dev);
   if (e.mut != nullptr) {
     // an op writing its inputs (dispatch._bind): each written storage takes its new value
@@ -1345,7 +1356,9 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
       }
     }
     PyObject* argv[6] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr(), writes.ptr(), e.mut};
-    PyObject* r = PyObject_Vectorcall(K.record_fn, argv, 6, nullptr);
+    PyObject* r = K.record_c != nullptr
+        ? K.record_c(e.entry, ins.ptr(), scalars.ptr(), static_cast<long>(c.dev), writes.ptr(), e.mut)
+        : PyObject_Vectorcall(K.record_fn, argv, 6, nullptr);
     if (r == nullptr) rethrow_python();
     py::object res = py::reinterpret_steal<py::object>(r);
     if (r == Py_NotImplemented) {
@@ -1358,7 +1371,9 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     return true;
   }
   PyObject* argv[4] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr()};
-  PyObject* r = PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
+  PyObject* r = K.record_c != nullptr
+      ? K.record_c(e.entry, ins.ptr(), scalars.ptr(), static_cast<long>(c.dev), nullptr, nullptr)
+      : PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
   if (r == nullptr) rethrow_python();
   py::object res = py::reinterpret_steal<py::object>(r);
   if (r == Py_NotImplemented) {
@@ -1792,6 +1807,24 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     K.record_fn = record.release().ptr();
     K.val_str = PyUnicode_InternFromString("val");
   }, "NOTE [C++ recording kernel]: Plain.plan, Plain.learn, _fastpath.record_storages, Plain.storage");
+  m.def("install_record_capi", [](py::object cap) {
+    // NOTE [C++ node hand-over]: _fastpath.record_capi, or None to call record_storages again
+    auto& K = kernel();
+    struct Capi {
+      long version;
+      PyObject* (*record)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*);
+    };
+    if (cap.is_none()) {
+      K.record_c = nullptr;
+      return;
+    }
+    auto* api = static_cast<Capi*>(PyCapsule_GetPointer(cap.ptr(), "deferfuse._fastpath.record_capi"));
+    if (api == nullptr) rethrow_python();
+    TORCH_CHECK(api->version == 1, "deferfuse: _fastpath.record_capi version ", api->version,
+                ", expected 1: rebuild the extensions");
+    Py_XSETREF(K.record_capi, cap.release().ptr());
+    K.record_c = api->record;
+  }, "NOTE [C++ node hand-over]: _fastpath.record_capi (record_storages without a Python call), or None");
   m.def("set_kernel", [](bool on) { kernel().on = on; },
         "the C++ recording kernel on or off (off: every op through the router; the table is kept)");
   // the plans stay: they hold no Python object, are bounded by the op set, and a fallback running

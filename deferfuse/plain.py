@@ -702,6 +702,8 @@ def install() -> Plain:
         from . import _fastpath
         from .engine import engine
         ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages, PLAIN.storage)
+        # NOTE [C++ node hand-over] in _fastpath.c: the kernel calls record_storages' body in C
+        ext.install_record_capi(_fastpath.record_capi)
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
         # deferfuse.clear_caches() drops the op cache and the OpInfos its Entries name: the kernel's
         # Entries go with them (a hit on a stale Entry recorded ops under OpInfos no new region
