@@ -43,6 +43,11 @@ _MOVING_OPS = (aten.slice.Tensor, aten.select.int, aten.as_strided.default)
 _DEVICE_WHOLE = ("_to_copy", "ones_like", "zeros_like", "full_like", "empty_like", "new_full",
                  "new_empty", "new_zeros", "new_ones")
 _DEVICE_WHOLE_IDS = frozenset(id(getattr(aten, n).default) for n in _DEVICE_WHOLE)
+# NOTE [plain split]: composite view ops left to PyTorch's own kernel, whose pieces are the C++
+# view kernels (split -> narrow -> slice, unbind -> select), rather than routed whole
+# (route_whole): routed, their results carried Python view steps, which have no C++ signature, so
+# every op on them (and on their views: a GPT block's q, k, v and attention) was routed too
+_CXX_VIEWS = frozenset(("split.Tensor", "split_with_sizes.default", "unbind.int"))
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
@@ -435,8 +440,38 @@ class Plain:
             return w
         if type(a) is list or type(a) is tuple:
             if a and any(isinstance(x, torch.Tensor) for x in a):
-                return type(a)(self._in(x, ins, stores) for x in a)
+                return self._in_list(a, ins, stores)
         return a
+
+    def _in_list(self, a, ins, stores):
+        """``_in`` of each item of a tensor list (a foreach op's lists: every parameter of an
+        optimizer group, several lists an op), with ``wrapper``'s cache hit inlined (NOTE [plain
+        wrapper cache]): the same checks, without two calls per item."""
+        out = []
+        append = out.append
+        T, is_plain, state, sig, cache = torch.Tensor, self.is_plain, self.ext.state, \
+            self.ext.sig, self.wrappers
+        for x in a:
+            if type(x) is TpuTensor or not isinstance(x, T) or not is_plain(x):
+                append(x if type(x) is not list and type(x) is not tuple
+                       else self._in(x, ins, stores))
+                continue
+            got = cache.get(id(x))
+            w = None
+            if got is not None:
+                st = state(x)[0]
+                w = got[1]
+                if (got[2] is st and st is not None and w._s is st and got[3] == sig(x)
+                        and w._sig == got[4] and got[0]() is x):
+                    self.wrapper_hits += 1
+                else:
+                    w = None
+            if w is None:
+                w = self.wrapper(x)
+            ins[id(w)] = (w, x)
+            stores.setdefault(id(w._s), x)
+            append(w)
+        return out if type(a) is list else tuple(out)
 
     def storage(self, p, st=None) -> Storage:
         """The Storage of plain tensor ``p``: the one its DataPtr context holds (``st`` when the
@@ -669,6 +704,7 @@ def route_whole(composites=()) -> int:
     # its composite's empty + copy_ (an in-place write, which refuses buckets); a CPU input
     # reaching it (``_to_copy(cpu, device="tpu")``) runs the composite (Plain.route)
     names.extend(_DEVICE_WHOLE)
+    names = [n for n in names if n not in _CXX_VIEWS and n + ".default" not in _CXX_VIEWS]
     PLAIN.ext.route_whole(names)
     return len(names)
 

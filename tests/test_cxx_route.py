@@ -138,3 +138,36 @@ def test_a_dead_tensor_leaves_the_wrapper_cache():
     del t
     gc.collect()
     assert k not in P.wrappers or P.wrappers[k][0]() is not None
+
+
+@pytest.mark.modes("defer", "strict")
+def test_split_and_unbind_make_cxx_views_and_attention_on_them_equals_cpu():
+    """NOTE [plain split]: ``split``/``split_with_sizes``/``unbind`` run PyTorch's composite over
+    the C++ view kernels, so their pieces have C++ signatures (the ops on them can be kernel
+    hits); a GPT block's q, k, v split, attention, and backward equal CPU's."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    w = (torch.randn(24, 24) * 0.2).requires_grad_()
+    tx, tw = (x.detach().to("tpu").requires_grad_(), w.detach().to("tpu").requires_grad_())
+    ext = plain.PLAIN.ext
+
+    def block(x, w, check=False):
+        q, k, v = (x @ w).split(8, dim=-1)
+        if check:
+            assert all(ext.sig(z) >= 0 for z in (q, k, v))
+        q, k, v = (z.view(2, 5, 2, 4).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        parts = a.transpose(1, 2).reshape(2, 5, 8).split_with_sizes([3, 5], dim=-1)
+        rows = parts[1].unbind(1)
+        if check:
+            assert all(ext.sig(z) >= 0 for z in (*parts, *rows))
+        return parts[0].sum() + sum(r.square().sum() for r in rows)
+
+    for _ in range(3):
+        want = block(x, w)
+        got = block(tx, tw, check=True)
+        assert_same(got, want, atol=1e-4, rtol=1e-5)
+        want.backward()
+        got.backward()
+        assert_same(tx.grad, x.grad, atol=1e-4, rtol=1e-5)
+        assert_same(tw.grad, w.grad, atol=1e-4, rtol=1e-5)
