@@ -1229,6 +1229,16 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
     if (scalar) return false;  // its items would be runtime inputs: the router
     return key_static(k, v);
   }
+  if (v.isBoolList()) {
+    // a static mask (linear_backward's and native_layer_norm_backward's output_mask, run every
+    // training step): Python bools, constants in dispatch.op_key
+    if (scalar) return false;
+    auto l = v.toBoolList();
+    k.push_back(-16);
+    k.push_back(static_cast<int64_t>(l.size()));
+    for (size_t i = 0; i < l.size(); ++i) k.push_back(l.get(i) ? 1 : 0);
+    return true;
+  }
   if (v.isTensorList()) {
     auto l = v.toTensorList();
     k.push_back(-8);

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+from weakref import ref as _weakref
 
 import torch
 
@@ -42,6 +43,11 @@ _MOVING_OPS = (aten.slice.Tensor, aten.select.int, aten.as_strided.default)
 _DEVICE_WHOLE = ("_to_copy", "ones_like", "zeros_like", "full_like", "empty_like", "new_full",
                  "new_empty", "new_zeros", "new_ones")
 _DEVICE_WHOLE_IDS = frozenset(id(getattr(aten, n).default) for n in _DEVICE_WHOLE)
+# NOTE [plain split]: composite view ops left to PyTorch's own kernel, whose pieces are the C++
+# view kernels (split -> narrow -> slice, unbind -> select), rather than routed whole
+# (route_whole): routed, their results carried Python view steps, which have no C++ signature, so
+# every op on them (and on their views: a GPT block's q, k, v and attention) was routed too
+_CXX_VIEWS = frozenset(("split.Tensor", "split_with_sizes.default", "unbind.int"))
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
@@ -80,6 +86,11 @@ class Plain:
         # C++ signature id of a view -> (chain, _sig, _dyn) of its TpuTensor (NOTE [plain moving
         # windows]); bounded as ``sigs``
         self.moving = {}
+        # NOTE [plain wrapper cache]: id(plain tensor) -> (weakref to it, its TpuTensor, the
+        # Storage and C++ signature id it was made for, the TpuTensor's _sig then); bounded
+        self.wrappers = {}
+        self.wrapper_limit = 1 << 16
+        self.wrapper_hits = self.wrapper_misses = self.wrapper_clears = 0
 
     # -- the fallback's two callbacks
 
@@ -429,8 +440,38 @@ class Plain:
             return w
         if type(a) is list or type(a) is tuple:
             if a and any(isinstance(x, torch.Tensor) for x in a):
-                return type(a)(self._in(x, ins, stores) for x in a)
+                return self._in_list(a, ins, stores)
         return a
+
+    def _in_list(self, a, ins, stores):
+        """``_in`` of each item of a tensor list (a foreach op's lists: every parameter of an
+        optimizer group, several lists an op), with ``wrapper``'s cache hit inlined (NOTE [plain
+        wrapper cache]): the same checks, without two calls per item."""
+        out = []
+        append = out.append
+        T, is_plain, state, sig, cache = torch.Tensor, self.is_plain, self.ext.state, \
+            self.ext.sig, self.wrappers
+        for x in a:
+            if type(x) is TpuTensor or not isinstance(x, T) or not is_plain(x):
+                append(x if type(x) is not list and type(x) is not tuple
+                       else self._in(x, ins, stores))
+                continue
+            got = cache.get(id(x))
+            w = None
+            if got is not None:
+                st = state(x)[0]
+                w = got[1]
+                if (got[2] is st and st is not None and w._s is st and got[3] == sig(x)
+                        and w._sig == got[4] and got[0]() is x):
+                    self.wrapper_hits += 1
+                else:
+                    w = None
+            if w is None:
+                w = self.wrapper(x)
+            ins[id(w)] = (w, x)
+            stores.setdefault(id(w._s), x)
+            append(w)
+        return out if type(a) is list else tuple(out)
 
     def storage(self, p, st=None) -> Storage:
         """The Storage of plain tensor ``p``: the one its DataPtr context holds (``st`` when the
@@ -474,10 +515,43 @@ class Plain:
         return tuple(steps)
 
     def wrapper(self, p) -> TpuTensor:
-        """A TpuTensor over ``p``'s Storage with ``p``'s view chain and geometry."""
+        """A TpuTensor over ``p``'s Storage with ``p``'s view chain and geometry.
+
+        NOTE [plain wrapper cache]: the router wraps every plain argument of every routed op, and
+        an optimizer's foreach ops pass the same parameters and states (lists of every parameter)
+        each step: a wrapper (``make``) costs about 3 µs, four fifths of the router's time on a
+        training step. So the wrapper of each plain tensor is kept while it still stands for the
+        tensor: the same Storage in its DataPtr context, the same C++ signature id (which names
+        the base geometry, the view steps and the tensor's own sizes, strides, offset and dtype),
+        and not rebound by the op path since (``specials.rebind``, ``set_``, ``as_strided_`` set
+        ``_s`` and ``_sig`` together). Keyed by the tensor's id, with a weak reference whose
+        callback drops the entry when the tensor dies (so an id is never matched by another
+        tensor, and a dead tensor's Storage is not kept); tensors without a C++ signature (Python
+        view steps) are not kept. Bounded (cleared when full, counted)."""
         st, raw, base = self.ext.state(p)
-        st = self.storage(p, st)
         cid = self.ext.sig(p)
+        k = id(p)
+        got = self.wrappers.get(k)
+        if got is not None:
+            w = got[1]
+            if (got[2] is st and st is not None and got[3] == cid and w._s is st
+                    and w._sig == got[4] and got[0]() is p):
+                self.wrapper_hits += 1
+                return w
+        t = self._wrap(p, st, raw, base, cid)
+        if cid >= 0:
+            self.wrapper_misses += 1
+            ws = self.wrappers
+            if len(ws) >= self.wrapper_limit:
+                ws.clear()
+                self.wrapper_clears += 1
+            ref = _weakref(p, lambda r, k=k, ws=ws: ws.get(k, (None,))[0] is r and ws.pop(k))
+            ws[k] = (ref, t, t._s, cid, t._sig)
+        return t
+
+    def _wrap(self, p, st, raw, base, cid) -> TpuTensor:
+        """A new TpuTensor for ``p`` (``wrapper`` without its cache)."""
+        st = self.storage(p, st)
         sig = self.sigs.get(cid) if cid >= 0 else None
         if base:
             t = make(st, (), p.shape, p.stride(), 0, p.dtype, sig)
@@ -630,6 +704,7 @@ def route_whole(composites=()) -> int:
     # its composite's empty + copy_ (an in-place write, which refuses buckets); a CPU input
     # reaching it (``_to_copy(cpu, device="tpu")``) runs the composite (Plain.route)
     names.extend(_DEVICE_WHOLE)
+    names = [n for n in names if n not in _CXX_VIEWS and n + ".default" not in _CXX_VIEWS]
     PLAIN.ext.route_whole(names)
     return len(names)
 
