@@ -147,7 +147,6 @@ class NodeFn:
             x = vals[0]
             vals[0] = _mask_dims(x, pdims, p.in_forms[0], _identity(ident, x.dtype), t)
         elif rule == "sdpa":
-            kf = p.extra
             # padded keys and values set to 0 (a NaN or a huge padded key would reach the valid
             # scores through the key mask's addition), then masked out of the softmax below
             k, v = vals[1], vals[2]
