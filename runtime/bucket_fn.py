@@ -120,6 +120,10 @@ class NodeFn:
             for i in p.extra:
                 v = vals[i]
                 vals[i] = _mask_dims(v, range(v.ndim), p.in_forms[i], jnp.zeros((), v.dtype), t)
+        elif rule == "steps":
+            for i in p.extra[0]:
+                v = vals[i]
+                vals[i] = _mask_dims(v, range(v.ndim), p.in_forms[i], jnp.zeros((), v.dtype), t)
         elif rule == "targets":
             ti, ignore, zero = p.extra
             tg = vals[ti]
@@ -155,6 +159,9 @@ class NodeFn:
         kw = dict(self.tkw)
         if rng_key is not None:
             kw["key"] = rng_key
+        if rule == "steps":     # a recurrence's exact steps (Batched's ``steps``)
+            a, b = p.extra[1]
+            kw["_steps"] = a * t + b
         if p.meta:
             kw["_avals"] = self.out_avals
         args = [_fill(a, vals, scalars) for a in self.targs]
