@@ -14,6 +14,7 @@ deferred regions mix in one step.
 from __future__ import annotations
 
 import functools
+import importlib
 import operator
 import sys
 
@@ -668,6 +669,36 @@ def _skip_deferfuse() -> None:
         trace_rules.add(mod)
     from . import flex
     flex.for_dynamo()
+    _functionalized_ops()
+
+
+def _functionalized_ops() -> None:
+    """A mutating custom op in a graph (``varlen_attn_out``'s) comes as AOTAutograd's
+    ``auto_functionalized`` operator, which no program lowers: the graph runs eagerly
+    (runtime/graph.py), and that operator finds PyTorch's dense kernel (clone the written inputs,
+    run the op on the clones) for tpu tensors, as flex attention's operators do (flex.py)."""
+    from .tensor import TpuTensor
+    hops = importlib.import_module("torch._higher_order_ops.auto_functionalize")
+    # AOTAutograd's first call of a graph runs under a mode that checks custom ops' aliasing and
+    # answers NotImplemented for tensor subclasses, which a HOP returns as its result instead of
+    # asking the subclass: for tpu tensors that mode steps aside (the subclass's kernel runs).
+    wrappers = importlib.import_module("torch._functorch._aot_autograd.runtime_wrappers")
+    check = getattr(wrappers, "_AnalyzeCustomOpInputOutputMode", None)
+
+    def aside(hop):
+        def handler(mode, *args, **kwargs):
+            flat = torch.utils._pytree.tree_leaves((args, kwargs))
+            if any(isinstance(a, TpuTensor) for a in flat):
+                return NotImplemented
+            return mode.__torch_dispatch__(hop, [], args, kwargs)
+        return handler
+    for hop_name in ("auto_functionalized", "auto_functionalized_v2"):
+        hop, impl = getattr(hops, hop_name, None), getattr(hops, hop_name + "_dense", None)
+        if hop is None or impl is None or TpuTensor in hop.python_key_table:
+            continue
+        hop.py_impl(TpuTensor)(impl)
+        if check is not None and check not in hop.python_key_table:
+            hop.py_impl(check)(aside(hop))
 
 
 _skipping = False
