@@ -30,6 +30,7 @@ from .errors import LoweringError
 from .opinfo import _DECOMP
 from .runtime.lowering import LOWERINGS, take_flags
 from .runtime import stats, transfer
+from .runtime.bucket_fit import bucket_of
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fill
 from .scheduler.policy import GRAPH_STEP_OPS, Sync
@@ -193,6 +194,24 @@ class CompiledGraph:
         self.calls = 0
         S["compiled_graphs"] += 1
 
+    def _described(self, args) -> str:
+        """The inputs as this call's program sees them, for the ranks of a graph with collectives
+        to compare (``SpmdGraph.agree``): each tensor's dtype and shape, with boundaries at the
+        length ``__call__`` pads them to (ranks packing other numbers of sequences share a
+        program: NOTE [packed boundaries]), and the integers that key the program."""
+        parts = []
+        pad = config.buckets
+        for i, (a, kind) in enumerate(zip(args, self.kinds)):
+            if isinstance(a, torch.Tensor):
+                shape = list(a.shape)
+                if pad and i in self.bounds and shape and shape[0] and (
+                        "_s" not in a.__dict__ or (i in self.sized and not a.__dict__["_chain"])):
+                    shape[0] = bucket_of(shape[0])
+                parts.append(f"{str(a.dtype).replace('torch.', '')}{shape}")
+            elif kind == INT and i not in self.free_ints:
+                parts.append(repr(a))
+        return " ".join(parts)
+
     def _traced(self):
         if not self._shaping:
             S["graph_compiles"] += 1    # traced into a region's program (or op by op)
@@ -201,7 +220,7 @@ class CompiledGraph:
         # Boxed (one list of arguments) or not (the backward graph, wrapped by Dynamo).
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
-        if self.spmd is not None and not self.spmd.agree(args):
+        if self.spmd is not None and not self.spmd.agree(self._described(args)):
             return _interpret(self.plan.gm, args)       # uneven shards (distributed/graphs.py)
         ts = _local.ts
         with engine.lock:
