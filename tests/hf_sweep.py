@@ -1090,11 +1090,11 @@ class _Made:
     def _generic(self, name):
         """Rules by the form of the name alone."""
         import torch
-        if name == "attention_mask" or name.endswith("_attention_mask") and name[:-15] + "_input_ids" in self.batch:
-            return None
+        if name.endswith("attention_mask"):
+            return None     # made in finish, after the ids they follow
         if name.endswith("_embeds") or name in ("hidden_states", "context_hidden_states", "encoder_hidden_states"):
-            # embeddings a model's other half makes (pi0's action expert, a decoder alone): the tiny
-            # width every hidden size was set to
+            # embeddings or states a model's other half makes (a word-timestamp head's inputs, the
+            # Q-Former's vision states): the tiny width every hidden size was set to
             return lambda: self.randn(BATCH, SEQ, HIDDEN)
         if name == "decoder_input_ids" and _get(self.cfg, "is_encoder_decoder") is not False and \
                 "labels" not in self.batch:
