@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist test-cxx docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-torchao wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-full test-dist test-cxx docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-titan-quick test-ray test-torchao wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -96,6 +96,17 @@ test-torchrec: $(STAMP)
 test-titan: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[titan]"
 	$(BIN)/python -m pytest -q -n 0 tests/test_titan.py -m "slow or not slow"
+
+# The 1-process part of test-titan (flex and varlen attention against CPU; CI runs it).
+test-titan-quick: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[titan]"
+	$(BIN)/python -m pytest -q -n 0 tests/test_titan.py::test_llama3_debugmodel_trains_as_on_cpu -m "slow or not slow"
+
+# Ray Train's TorchTrainer, 2 workers, DDP with backend "tpu" and "tpu_dist", against gloo
+# (tests/test_frameworks.py::test_ray_torch_trainer, slow) with the ray extra installed.
+test-ray: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[ray]"
+	$(BIN)/python -m pytest -q -n 0 tests/test_frameworks.py::test_ray_torch_trainer -m "slow or not slow"
 
 # The Diffusers tests with the diffusers extra installed (CI runs them after the default run).
 test-diffusers: $(STAMP)

@@ -9,7 +9,8 @@ Phases: train a small GPT (nanoGPT's shape) at batch 8, evaluate at 8, 3 and 5, 
 sample 20 tokens from one token at batch 1, then from a 3-token prompt at batch 2, and again; then
 pytorch/examples' word_language_model with its LSTM (1 layer, 16 wide, bptt 35; the decoder's
 output flattened by ``view(-1, ntoken)``) trained at batch 20, evaluated at 20, 10, 7 and 10 again
-(two bptt chunks each) and trained at 10 and 7. Each row: programs compiled (or loaded from disk),
+(two bptt chunks each) and trained at 10 and 7; then the same over one corpus of 1,800 tokens
+batchified at each batch (``N // B`` rows). Each row: programs compiled (or loaded from disk),
 regions run in buckets, regions split for shape churn, the largest difference from CPU, wall
 seconds. Prints a markdown table.
 """
@@ -106,16 +107,21 @@ class WlmLSTM(nn.Module):
         return (w.new_zeros(1, bsz, self.d), w.new_zeros(1, bsz, self.d))
 
 
-def wlm(m, dev, b, train, bptt=35):
+def wlm(m, dev, b, train, bptt=35, corpus_len=None):
     """word_language_model's training loop (``clip_grad_norm_``, the manual update) or its
     ``evaluate()`` at batch ``b``, over data batchified to 3 (training) or 2 (evaluation) bptt
-    chunks: the losses."""
+    chunks, or (``corpus_len``) over the first 2 chunks of one corpus batchified at ``b``
+    (``N // b`` rows, as its ``batchify``): the losses."""
     rows = 3 * bptt + 1 if train else 2 * bptt + 1
-    corpus = torch.randint(0, m.ntoken, (rows * b,), generator=torch.Generator().manual_seed(b))
+    if corpus_len:
+        corpus = torch.randint(0, m.ntoken, (corpus_len,), generator=torch.Generator().manual_seed(1))
+        corpus = corpus[:corpus_len // b * b]
+    else:
+        corpus = torch.randint(0, m.ntoken, (rows * b,), generator=torch.Generator().manual_seed(b))
     src = corpus.view(b, -1).t().contiguous().to(dev)
     h, out = m.init_hidden(b), []
     m.train(train)
-    for i in range(0, rows - 1, bptt):
+    for i in range(0, rows - 1 if not corpus_len else 2 * bptt, bptt):
         x, y = src[i:i + bptt], src[i + 1:i + 1 + bptt].reshape(-1)
         h = tuple(v.detach() for v in h)
         with torch.set_grad_enabled(train):
@@ -160,6 +166,17 @@ def main() -> None:
         return lambda m, d: wlm(tlstm if d == "tpu" else lstm, d, b, train)
     phases += [(f"wlm LSTM: {'train' if t else 'evaluate'}, batch {b}", lm(b, t))
                for b, t in ((20, True), (20, False), (10, False), (7, False), (10, False),
+                            (10, True), (7, True))]
+    # one corpus batchified at each batch (N // B rows: NOTE [window bases])
+    torch.manual_seed(0)
+    lstm2 = WlmLSTM()
+    tlstm2 = copy.deepcopy(lstm2).to("tpu")
+
+    def lm2(b, train):
+        return lambda m, d: wlm(tlstm2 if d == "tpu" else lstm2, d, b, train, corpus_len=1800)
+    phases += [(f"wlm LSTM, one corpus: {'train' if t else 'evaluate'}, batch {b} "
+                f"({1800 // b} rows)", lm2(b, t))
+               for b, t in ((20, True), (10, False), (7, False), (8, False), (10, False),
                             (10, True), (7, True))]
     phases = [(name, f) for name, f in phases if a.only in name]
     print(f"new bases: {time.strftime('%Y-%m-%dT%H:%M:%S')}, load {os.getloadavg()[0]:.1f}, "

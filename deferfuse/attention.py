@@ -127,8 +127,26 @@ def transformer_encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, p
     return x
 
 
+def flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                       is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+                       window_size_right=None, seqused_k=None, alibi_slopes=None,
+                       block_table=None, num_splits=None):
+    """CUDA's ``_flash_attention_forward_no_dropout_inplace`` (``varlen_attn_out``): the flash
+    forward (lowered on tpu) written into ``out``; its log-sum-exp returned."""
+    res = aten._flash_attention_forward(
+        query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+        return_debug_mask, scale=scale, window_size_left=window_size_left,
+        window_size_right=window_size_right, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+        block_table=block_table, num_splits=num_splits)
+    out.copy_(res[0])
+    return res[1]
+
+
 DECOMPOSITIONS = {aten._native_multi_head_attention.default: native_mha,
                   aten._transformer_encoder_layer_fwd.default: transformer_encoder_layer}
+_INTO = getattr(aten, "_flash_attention_forward_no_dropout_inplace", None)
+if _INTO is not None:       # (looked up defensively: not in every torch version)
+    DECOMPOSITIONS[_INTO.default] = flash_forward_into
 
 
 def register() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import operator
 import sys
 
@@ -30,6 +31,7 @@ from .errors import LoweringError
 from .opinfo import _DECOMP
 from .runtime.lowering import LOWERINGS, take_flags
 from .runtime import stats, transfer
+from .runtime.bucket_fit import bucket_of
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fill
 from .scheduler.policy import GRAPH_STEP_OPS, Sync
@@ -193,6 +195,24 @@ class CompiledGraph:
         self.calls = 0
         S["compiled_graphs"] += 1
 
+    def _described(self, args) -> str:
+        """The inputs as this call's program sees them, for the ranks of a graph with collectives
+        to compare (``SpmdGraph.agree``): each tensor's dtype and shape, with boundaries at the
+        length ``__call__`` pads them to (ranks packing other numbers of sequences share a
+        program: NOTE [packed boundaries]), and the integers that key the program."""
+        parts = []
+        pad = config.buckets
+        for i, (a, kind) in enumerate(zip(args, self.kinds)):
+            if isinstance(a, torch.Tensor):
+                shape = list(a.shape)
+                if pad and i in self.bounds and shape and shape[0] and (
+                        "_s" not in a.__dict__ or (i in self.sized and not a.__dict__["_chain"])):
+                    shape[0] = bucket_of(shape[0])
+                parts.append(f"{str(a.dtype).replace('torch.', '')}{shape}")
+            elif kind == INT and i not in self.free_ints:
+                parts.append(repr(a))
+        return " ".join(parts)
+
     def _traced(self):
         if not self._shaping:
             S["graph_compiles"] += 1    # traced into a region's program (or op by op)
@@ -201,7 +221,7 @@ class CompiledGraph:
         # Boxed (one list of arguments) or not (the backward graph, wrapped by Dynamo).
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
-        if self.spmd is not None and not self.spmd.agree(args):
+        if self.spmd is not None and not self.spmd.agree(self._described(args)):
             return _interpret(self.plan.gm, args)       # uneven shards (distributed/graphs.py)
         ts = _local.ts
         with engine.lock:
@@ -789,6 +809,36 @@ def _skip_deferfuse() -> None:
         trace_rules.add(mod)
     from . import flex
     flex.for_dynamo()
+    _functionalized_ops()
+
+
+def _functionalized_ops() -> None:
+    """A mutating custom op in a graph (``varlen_attn_out``'s) comes as AOTAutograd's
+    ``auto_functionalized`` operator, which no program lowers: the graph runs eagerly
+    (runtime/graph.py), and that operator finds PyTorch's dense kernel (clone the written inputs,
+    run the op on the clones) for tpu tensors, as flex attention's operators do (flex.py)."""
+    from .tensor import TpuTensor
+    hops = importlib.import_module("torch._higher_order_ops.auto_functionalize")
+    # AOTAutograd's first call of a graph runs under a mode that checks custom ops' aliasing and
+    # answers NotImplemented for tensor subclasses, which a HOP returns as its result instead of
+    # asking the subclass: for tpu tensors that mode steps aside (the subclass's kernel runs).
+    wrappers = importlib.import_module("torch._functorch._aot_autograd.runtime_wrappers")
+    check = getattr(wrappers, "_AnalyzeCustomOpInputOutputMode", None)
+
+    def aside(hop):
+        def handler(mode, *args, **kwargs):
+            flat = torch.utils._pytree.tree_leaves((args, kwargs))
+            if any(isinstance(a, TpuTensor) for a in flat):
+                return NotImplemented
+            return mode.__torch_dispatch__(hop, [], args, kwargs)
+        return handler
+    for hop_name in ("auto_functionalized", "auto_functionalized_v2"):
+        hop, impl = getattr(hops, hop_name, None), getattr(hops, hop_name + "_dense", None)
+        if hop is None or impl is None or TpuTensor in hop.python_key_table:
+            continue
+        hop.py_impl(TpuTensor)(impl)
+        if check is not None and check not in hop.python_key_table:
+            hop.py_impl(check)(aside(hop))
 
 
 _skipping = False

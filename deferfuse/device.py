@@ -420,7 +420,7 @@ def register() -> None:
     global _lib
     import deferfuse_autoload
     from .route import dispatch
-    from .specials import empty_memory_format, empty_strided, _h_copy_from
+    from .specials import empty_memory_format, empty_strided, _h_copy_from, _h_item
     from . import distributed
     distributed.register()      # before the first device lookup (NOTE [distributed start])
 
@@ -461,6 +461,10 @@ def register() -> None:
                                      _h_copy_from(None, (src, dst), {})), "PrivateUse1")
         _lib.impl("_copy_from_and_resize", held(lambda src, dst: _h_copy_from(None, (src, dst), {})),
                   "PrivateUse1")
+        # torch.tensor(data) runs below Python dispatch and reads a tensor in ``data`` with item():
+        # tpu scalars in a list (a model's lengths, torch.tensor([n0, n1], device=...)) are read as
+        # CUDA reads its own, a sync each.
+        _lib.impl("_local_scalar_dense", held(lambda t: _h_item(None, (t,), {})), "PrivateUse1")
     # one_hot is composite: without a backend kernel PyTorch decomposes it above Python dispatch,
     # skipping its range check on PrivateUse1. This kernel is never called (tpu tensors reach
     # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).

@@ -17,10 +17,10 @@ needs to:
   bound, valid for any kernel), and compiled graphs leave those integer inputs out of their key
   (``GraphPlan.free_ints``, runtime/graph.py).
 
-Where: in eager modes, ``varlen_attn``'s two custom ops (``torch_attn::_varlen_attn`` and its
-backward) run their own kernel with the padded boundaries (``handlers``: registered the first
-time such an op reaches ``tpu``, so that ``import deferfuse`` never imports the varlen module,
-which imports Dynamo); in compiled graphs, ``CompiledGraph`` pads the inputs that are only such
+Where: in eager modes, ``varlen_attn``'s custom ops (``torch_attn::_varlen_attn``, its backward,
+and ``varlen_attn_out``'s ``_varlen_attn_out``) run their own kernel with the padded boundaries
+(``handlers``: registered the first time such an op reaches ``tpu``, so that ``import
+deferfuse`` never imports the varlen module, which imports Dynamo); in compiled graphs, ``CompiledGraph`` pads the inputs that are only such
 boundaries (``GraphPlan.boundaries``). A ready boundary tensor is padded where it is
 (``pad_edge``: through the host on a CPU device, a small program per length elsewhere); a pending
 one is computed first, without waiting for it (``Cut.PACKED``). ``DEFERFUSE_BUCKETS=0`` turns the
@@ -95,7 +95,8 @@ def _call(func, bound: dict):
 
 
 def _h_varlen(func, args, kwargs):
-    """``torch_attn::_varlen_attn`` and ``_varlen_attn_backward``: NOTE [packed boundaries]."""
+    """``torch_attn::_varlen_attn``, ``_varlen_attn_out`` (``varlen_attn_out``: the same into a
+    given output) and ``_varlen_attn_backward``: NOTE [packed boundaries]."""
     bound = _bind(func, args, kwargs)
     if config.buckets and bound.get("seqused_k") is None and bound.get("block_table") is None:
         cq, ck = bound.get("cu_seq_q"), bound.get("cu_seq_k")
@@ -115,4 +116,5 @@ def handlers() -> dict:
     """``{OpOverload: handler}`` for varlen attention's custom ops (defined in this process)."""
     ops = torch.ops.torch_attn
     return {getattr(ops, name).default: _h_varlen
-            for name in ("_varlen_attn", "_varlen_attn_backward") if hasattr(ops, name)}
+            for name in ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward")
+            if hasattr(ops, name)}

@@ -9,7 +9,33 @@ from .dtypes import to_np_dtype
 from .lowering import LOWERINGS
 from .lowering.padding import MoveDims, Reshape
 from .node import SS, TS
-from .viewchain import DSLICE
+from .viewchain import DSELECT, DSLICE
+
+
+# NOTE [window bases]: a region follows one length (``Fit``), but data batchified from one corpus
+# at batch B has N // B rows: the base that ``get_batch``'s windows ``source[i:i + bptt]`` read
+# changes with the batch the other way (word_language_model evaluated at batch 7 after 10: 37 rows
+# after 26), two sizes that no one line takes, so the region compiled again per batch (and its
+# second chunk ran as shape churn). A base's dim along which its first view is a window (a
+# ``DSLICE`` of step 1, or a ``DSELECT``: ``x[i]``) is read only inside its exact extent, whatever
+# the base's length: the window's start is data and the window's own sizes are structure. Such an
+# int is marked ``FREE`` in the mask; where versions fit no line with it, it leaves the line and
+# follows a size of its own: its form is ``(0, Q)``, the base padded to ``Q`` rows (the next power
+# of two of the longest base seen, at least ``MIN_BUCKET``), and every version whose base is at
+# most ``Q`` long runs in the plan. A longer base makes a copy of the plan at its own bucket
+# (``Buckets._wider``): one program per power of two the base's length crosses, none per batch.
+# Anything else reading the same base whole, or a region that makes the base itself, sees its
+# exact length as structure and refuses (``an input read with two different sizes``, or a fit
+# that fails), so padding never reaches a valid position. Another cut (the window sliced off the
+# base before the region, as its own small program) would free the region of the base's length
+# too, but it is a region boundary inside every step and a program per window size; and two
+# lengths in every form (``a * s + c * u + b``) would give each op's rule two padded masks to
+# keep, where only a window's base needs none. The batch ``B`` then follows its own powers of two:
+# ``Fit.bucket`` pads the length's own size (the changing int with the smallest step), not the
+# first int that changes (the ``T * B`` rows of a loss's gradient followed their own powers of
+# two, so batches 10 and 7 fell in different buckets).
+FREE = 2
+_WINDOWS = (DSLICE, DSELECT)
 
 
 class Refused(Exception):
@@ -93,7 +119,16 @@ def flatten(entry):
     s_tkw = tuple([(_skeleton(k), _scan(v, k in size_args, ints, mask)) for k, v in tkw])
     s_ins = []
     for bshape, bdt, chain, size, dt in ins:
+        k0 = len(ints)
         s_b = _scan(bshape, True, ints, mask)
+        if chain and chain[0][0] in _WINDOWS and type(bshape) is tuple:
+            # NOTE [window bases]: the dim a window or index starts along may follow a size of
+            # its own (2 in the mask, truthy: it may change)
+            st = chain[0]
+            if st[0] is DSELECT or (len(st[1]) == 3 and st[1][2] == 1):
+                d = st[1][0]
+                if type(d) is int and -len(bshape) <= d < len(bshape):
+                    mask[k0 + d % len(bshape)] = FREE
         s_chain = []
         for op, args, kw in chain:
             if _chain_sizes(op):
@@ -112,8 +147,10 @@ def flatten(entry):
 
 class Fit:
     """How a region's sizes follow one length ``s``: each int's form ``(a, b)``, its value
-    ``a * s + b`` (``s`` is 0 at the first version seen)."""
-    __slots__ = ("pos0", "forms", "skels", "n")
+    ``a * s + b`` (``s`` is 0 at the first version seen); ``free``: the positions of ints that
+    follow a size of their own (NOTE [window bases]), whose form ``(0, Q)`` takes any value up
+    to ``Q``, the bucket they are padded to."""
+    __slots__ = ("pos0", "forms", "skels", "n", "free")
 
     def value(self, ints) -> int | None:
         """``s`` of a version with these ints, or None if it does not fit."""
@@ -125,24 +162,64 @@ class Fit:
             return None
         for v, (a, b) in zip(ints, self.forms):
             if v != a * s + b:
-                return None
+                return s if self.free and _free_at(self, ints, s) else None
         return s
 
+    def over(self, ints):
+        """Where this fit takes ``ints`` but for free ints past their buckets: {position: the
+        bucket the int needs}, else None (NOTE [window bases])."""
+        if not self.free or len(ints) != self.n:
+            return None
+        a0, b0 = self.forms[self.pos0]
+        s, r = divmod(ints[self.pos0] - b0, a0)
+        if r:
+            return None
+        out = {}
+        for k, (v, (a, b)) in enumerate(zip(ints, self.forms)):
+            if v == a * s + b or (k in self.free and 0 <= v <= b):
+                continue
+            if k not in self.free or v < 0:
+                return None
+            out[k] = bucket_of(v)
+        return out or None
+
     def bucket(self, s: int) -> int:
-        """The ``s`` a version of length ``s`` is padded to: where the first size that changes
-        reaches the next power of two (``bucket_of``)."""
+        """The ``s`` a version of length ``s`` is padded to: where the length's own size (the
+        changing size with the smallest step, ``pos0``: the batch, not the ``T * B`` rows it is a
+        factor of) reaches the next power of two (``bucket_of``)."""
         a0, b0 = self.forms[self.pos0]
         return -(-(bucket_of(a0 * s + b0) - b0) // a0)
+
+
+def _free_at(f, ints, s) -> bool:
+    """Whether every int of ``ints`` is on ``f``'s forms at ``s``, free ints up to their
+    buckets."""
+    free = f.free
+    for k, (v, (a, b)) in enumerate(zip(ints, f.forms)):
+        if v != a * s + b and not (k in free and 0 <= v <= b):
+            return False
+    return True
 
 
 def fit(versions, mask) -> Fit | None:
     """The forms of versions' ints (lists of equal length, the first two different; an int may
     change only where ``mask`` says so), or None: every int is constant or grows (or shrinks)
-    with one length, as the first two versions say and every other one confirms."""
-    i1, i2 = versions[0], versions[1]
+    with one length, as the first two versions say and every other one confirms. Where they do
+    not, and the ints that break the line are window bases (``FREE`` in the mask), those follow
+    sizes of their own (NOTE [window bases])."""
     if not all(len(v) == len(mask) for v in versions):
         return None
-    ds = [y - x for x, y in zip(i1, i2)]
+    f = _fit(versions, mask, frozenset())
+    if f is not None or FREE not in mask:
+        return f
+    free = frozenset(k for k, m in enumerate(mask)
+                     if m == FREE and len({v[k] for v in versions}) > 1)
+    return _fit(versions, mask, free) if free else None
+
+
+def _fit(versions, mask, free) -> Fit | None:
+    i1, i2 = versions[0], versions[1]
+    ds = [0 if k in free else y - x for k, (x, y) in enumerate(zip(i1, i2))]
     nz = [d for d in ds if d]
     if not nz:
         return None
@@ -152,16 +229,20 @@ def fit(versions, mask) -> Fit | None:
     if nz[0] < 0:
         g = -g
     forms = []
-    for x, d, may in zip(i1, ds, mask):
-        if not d:
+    for k, (x, d, may) in enumerate(zip(i1, ds, mask)):
+        if k in free:
+            forms.append((0, bucket_of(max(v[k] for v in versions))))
+        elif not d:
             forms.append((0, x))
         elif not may or d * g < 0:
             return None
         else:
             forms.append((d // g, x))
     f = Fit()
-    f.pos0 = next(k for k, (a, _) in enumerate(forms) if a)
-    f.forms, f.n = forms, len(forms)
+    # the length's own size: the changing int with the smallest step (a batch ``B``, not the
+    # ``T * B`` rows of a merged dim, whose bucket would follow ``T * B``'s powers of two)
+    f.pos0 = min((k for k, (a, _) in enumerate(forms) if a), key=lambda k: forms[k][0])
+    f.forms, f.n, f.free = forms, len(forms), free
     for v in versions[2:]:
         if f.value(v) is None:
             return None

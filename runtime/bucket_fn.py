@@ -120,6 +120,10 @@ class NodeFn:
             for i in p.extra:
                 v = vals[i]
                 vals[i] = _mask_dims(v, range(v.ndim), p.in_forms[i], jnp.zeros((), v.dtype), t)
+        elif rule == "steps":
+            for i in p.extra[0]:
+                v = vals[i]
+                vals[i] = _mask_dims(v, range(v.ndim), p.in_forms[i], jnp.zeros((), v.dtype), t)
         elif rule == "targets":
             ti, ignore, zero = p.extra
             tg = vals[ti]
@@ -147,7 +151,6 @@ class NodeFn:
             x = vals[0]
             vals[0] = _mask_dims(x, pdims, p.in_forms[0], _identity(ident, x.dtype), t)
         elif rule == "sdpa":
-            kf = p.extra
             # padded keys and values set to 0 (a NaN or a huge padded key would reach the valid
             # scores through the key mask's addition), then masked out of the softmax below
             k, v = vals[1], vals[2]
@@ -156,6 +159,9 @@ class NodeFn:
         kw = dict(self.tkw)
         if rng_key is not None:
             kw["key"] = rng_key
+        if rule == "steps":     # a recurrence's exact steps (Batched's ``steps``)
+            a, b = p.extra[1]
+            kw["_steps"] = a * t + b
         if p.meta:
             kw["_avals"] = self.out_avals
         args = [_fill(a, vals, scalars) for a in self.targs]

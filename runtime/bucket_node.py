@@ -324,6 +324,12 @@ def _plan_batched(n, rule, func, ins, targs, tkw, name):
     if any(a for a, _ in _forms_in(n.targs)) or any(a for a, _ in _forms_in(n.tkw)):
         raise Refused(f"{name}: an argument that follows the length")
     zero = tuple(i for i, f in enumerate(n.in_forms) if f is not None and _padded(f))
+    if rule.steps is not None and n.in_forms and n.in_forms[0] is not None:
+        f0 = n.in_forms[0]
+        form = f0[rule.steps] if -len(f0) <= rule.steps < len(f0) else (0, 0)
+        if form[0]:     # a recurrence over a padded time dim: its exact steps (bucket_fn.py)
+            n.rule, n.extra = "steps", (zero if rule.zero else (), tuple(form))
+            return
     if rule.zero and zero:
         n.rule, n.extra = "zero", zero
 

@@ -158,6 +158,9 @@ class Buckets:
             if len(plans) >= MAX_PLANS:
                 stats["bucket_misfits"] += 1
                 return None
+            found = self._wider(plans, ints, entries, wirings, lens)
+            if found is not None:
+                return found
             found = self._grows_alike(fam, plans, ints, mask, skels, entries, wirings, lens)
             if found is not None:
                 return found
@@ -215,8 +218,10 @@ class Buckets:
         if last is None or len(last.seen) < 2:
             return None
         f = Fit()
-        f.forms = [(a, x) for (a, _), x in zip(last.fit.forms, ints)]
-        f.n, f.pos0, f.skels = len(f.forms), last.fit.pos0, skels
+        free = last.fit.free
+        f.forms = [(a, x) if k not in free else (0, max(b, bucket_of(x)))
+                   for k, ((a, b), x) in enumerate(zip(last.fit.forms, ints))]
+        f.n, f.pos0, f.skels, f.free = len(f.forms), last.fit.pos0, skels, free
         if f.n != len(ints) or any(a and not m for (a, _), m in zip(f.forms, mask)):
             return None
         try:
@@ -227,6 +232,29 @@ class Buckets:
         plan.seen.add(0)
         self._keep(fam, ints, entries, lens, mask, skels)
         return plan, 0
+
+    def _wider(self, plans, ints, entries, wirings, lens):
+        """NOTE [window bases]: a version on a plan's line whose window bases are longer than
+        the plan's buckets for them runs in a copy of the plan with those buckets grown to
+        theirs: (plan, length), or None."""
+        for p in plans:
+            if p.__class__ is Refusal:
+                continue
+            need = p.fit.over(ints)
+            if need is None:
+                continue
+            f = Fit()
+            f.forms = [(0, max(b, need[k])) if k in need else (a, b)
+                       for k, (a, b) in enumerate(p.fit.forms)]
+            f.n, f.pos0, f.skels, f.free = p.fit.n, p.fit.pos0, p.fit.skels, p.fit.free
+            try:
+                plan = plan_region(f, entries, wirings, lens, self.learned)
+            except Exception:       # (refused: the version goes on as one no plan takes)
+                return None
+            plan.seen.update(p.seen)
+            plans.append(plan)
+            return plan, f.value(ints)
+        return None
 
     def relearns(self, struct, entries) -> bool:
         """Whether this version of ``struct``, which no plan took, is a new base to learn from

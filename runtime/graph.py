@@ -116,6 +116,11 @@ class GraphPlan:
                 target = n.args[hop]            # NOTE [rng state HOPs]: the random op inside
                 if hop == 0:
                     self.rng = True
+            elif getattr(target, "_name", None) in _MUTATING_HOPS:
+                # A mutating custom op (``varlen_attn_out``'s) that AOTAutograd functionalized:
+                # lowered nowhere, so the graph runs eagerly, where the op itself runs.
+                missing.append(f"{target._name}({n.args[0]})")
+                continue
             elif (target in (operator.getitem,) or target in _SIZES or target in _EMPTIES
                     or not isinstance(target, torch._ops.OpOverload)):
                 continue
@@ -351,6 +356,7 @@ def _packed(gm, placeholders, kinds) -> tuple:
 # reads there. The value of the argument: 0, the forward HOP, whose op is its first argument; 1,
 # the backward HOP, whose op follows the state.
 _RNG_HOPS = {"run_and_save_rng_state": 0, "run_with_rng_state": 1}
+_MUTATING_HOPS = frozenset(("auto_functionalized", "auto_functionalized_v2"))
 
 
 def _rng_hop(n, hop: int, args, kwargs, key, j: int, sizes=None):

@@ -505,6 +505,51 @@ def scenario_tp_compiled(mode, arg):
             "report": deferfuse.report()}
 
 
+def _varlen_ref(q, k, v, lens):
+    """Causal attention over each packed document on its own, SDPA on CPU."""
+    parts, s = [], 0
+    for n in lens:
+        qq, kk, vv = (x[s:s + n].transpose(0, 1) for x in (q, k, v))
+        parts.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(0, 1))
+        s += n
+    return torch.cat(parts)
+
+
+def scenario_packed_graph(mode, arg):
+    """NOTE [packed boundaries] in a compiled graph over a group (NOTE [collectives in
+    programs]): varlen attention whose output is all-reduced, called on ranks that pack
+    other numbers of documents (23 tokens on each). The first call packs as many on each rank
+    (Dynamo's static graph); from the second on (its dynamic graph) every rank's boundaries are
+    padded to one bucket, so the ranks agree on the inputs and each call runs as one program over
+    the group, never op by op. Values against CPU's SDPA per document, summed by gloo."""
+    import torch.distributed._functional_collectives as fc
+    from torch.nn.attention.varlen import varlen_attn
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    w = dist.group.WORLD
+
+    def f(q, k, v, cu, longest):
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))
+        return fc.wait_tensor(fc.all_reduce(out, "sum", w))
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    # per call, each rank's documents: the same count on the first call, then other counts
+    docs = [([5, 18], [10, 13]), ([5, 11, 7], [4, 4, 4, 11]), ([23], [2, 3, 4, 5, 9]),
+            ([6, 6, 6, 5], [12, 11])]
+    g = torch.Generator().manual_seed(r)
+    for lens in (d[r] for d in docs):
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        q, k, v = (torch.randn(23, 2, 8, generator=g) for _ in range(3))
+        got = cf(q.to("tpu"), k.to("tpu"), v.to("tpu"), cu.to("tpu"), max(lens))
+        want = _gloo_sum(_varlen_ref(q, k, v, lens), gloo)
+        assert got.device.type == "tpu" and got.dtype == want.dtype, (got.device, got.dtype)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"varlen attention over {lens}, all-reduced: {m}")
+    m = deferfuse.metrics()
+    assert m["graphs_run_eagerly"] == 0, m["graph_fallback_reasons"]
+    return {"op_by_op": m["graph_calls_op_by_op"], "padded": m["packed_padded"],
+            "graphs": m["dynamo_graphs"], "calls": m["compiled_calls"]}
+
+
 def scenario_dcp(mode, arg):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard

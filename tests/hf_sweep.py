@@ -329,6 +329,14 @@ def tiny_config(cfg, depth=0):
         _set(cfg, "num_groups", 4)     # group norms over the narrowed channels
     if isinstance(d.get("num_labels"), int):
         _set(cfg, "num_labels", 3)
+    if "prediction_length" in d and d["prediction_length"] is None and isinstance(d.get("lags_sequence"), list):
+        # a forecaster's horizon, which the default config leaves to the checkpoint (the model
+        # refuses None); the context defaults to it, as the config's own __init__ does
+        _set(cfg, "prediction_length", 4)
+        if d.get("context_length") is None:
+            _set(cfg, "context_length", 4)
+        if isinstance(d.get("label_length"), int) and d["label_length"] > 4:
+            _set(cfg, "label_length", 4)    # autoformer's decoder start: the context's last steps
     return cfg
 
 
@@ -514,10 +522,21 @@ def inputs(kind, model, cfg, name=None) -> dict:
 def candidates(kind, model, cfg):
     """``_layouts``'s batches, then each again with the inputs its forward requires and it lacks
     filled in (``_required``: a features mask, the Q-Former's own ids, ...)."""
-    seen = []
-    for b in _layouts(kind, model, cfg):
-        seen.append(b)
-        yield b
+    seen, unknown = [], None
+    try:
+        for b in _layouts(kind, model, cfg):
+            seen.append(b)
+            yield b
+    except NotImplementedError as e:    # no plain dummy input: only the processor's layouts below
+        unknown = e
+    if unknown is not None:
+        made = False
+        for b in _processor_layouts(kind, model, cfg, {}):
+            made = True
+            yield b
+        if not made:
+            raise unknown
+        return
     for b in seen:
         full = _required(model, cfg, b)
         if full is not None:
@@ -546,6 +565,555 @@ def candidates(kind, model, cfg):
         import torch
         ids = torch.randint(3, VOCAB, (BATCH * nc, SEQ), generator=torch.Generator().manual_seed(10))
         yield {"input_ids": ids, "labels": ids.reshape(BATCH, nc, SEQ).transpose(1, 2).contiguous()}
+    yield from _processor_layouts(kind, model, cfg, seen[0] if seen else {})
+
+
+# ---------------------------------------------------------------- inputs a processor makes
+#
+# Models whose inputs are not their main input alone: a text with as many image placeholder tokens
+# as the vision tower gives features, layout boxes beside the tokens, a time series with its lags
+# and time features, an agent's states and actions, image pairs, flattened patches with their grid.
+# Their processors (which need downloaded files) are not run: each rule below builds the tensors a
+# processor would, from the tiny config's own fields and the model's forward signature, one rule
+# per kind of input, keyed by the parameter's name. Tried after every other layout, so a row that
+# built before keeps its batch.
+
+def _processor_layouts(kind, model, cfg, base):
+    """Batches as processors make them: ``base`` plus every forward parameter a rule of
+    ``_Made`` knows (required ones, and the companions a processor adds), then variants."""
+    import torch
+    params = inspect.signature(model.forward).parameters
+    required = [n for n, q in params.items() if q.default is inspect.Parameter.empty
+                and q.kind not in (q.VAR_KEYWORD, q.VAR_POSITIONAL)]
+    main = getattr(model, "main_input_name", None)
+    main = [main] if isinstance(main, str) else list(main or [])
+    for variant in range(len(_VARIANTS)):
+        g = torch.Generator().manual_seed(13)
+        batch = {k: v for k, v in base.items() if k in params}
+        made = _Made(model, cfg, kind, batch, g, _VARIANTS[variant])
+        names = [n for n in (*main, *required, *_COMPANIONS) if n in params]
+        for n in dict.fromkeys(names):
+            if n not in batch or made.replaces(n):
+                v = made(n)
+                if v is not None:
+                    batch[n] = v
+        if made.used and batch and (variant == 0 or made.framed):
+            made.finish(batch)
+            yield batch
+
+
+# Parameters a processor fills beside the main input, where the model takes them (in this order:
+# the token ids before the masks that follow them).
+_COMPANIONS = ("input_ids", "pixel_values", "flattened_patches", "bbox", "qformer_input_ids",
+               "image_embeds_position_mask", "image_attention_mask", "visual_feats", "visual_pos", "past_values",
+               "past_time_features", "past_observed_mask", "future_values", "future_time_features", "static_categorical_features",
+               "static_real_features", "past_values_padding", "freq", "states", "actions", "rewards",
+               "returns_to_go", "timesteps", "task_inputs", "prompt_pixel_values", "prompt_masks",
+               "pixel_attention_mask", "spatial_shapes", "pixel_position_ids", "audio_mel_mask",
+               "decoder_input_ids", "encoder_hidden_states", "input_values", "input_features", "is_longer",
+               "grid_thw", "image_grid_thw", "merge_sizes", "input_features_mask")
+# Variants tried in turn: pixel inputs as images, then as clips of frames (the config's
+# ``num_frames``, else an image pair: keypoint matchers), then as lists of one image (idefics). The
+# second variant is also where an input takes its other layout: a waveform or spectrogram with a
+# channel dimension, a codec decoder's latents instead of a waveform, patches as pixel rows.
+_VARIANTS = (dict(frames=None), dict(frames="clip"), dict(frames=1))
+
+
+_PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+
+
+def _copy_placeholders(src, dst, depth=0):
+    """The placeholder ids ``_Made`` gave ``src`` (a config the layouts ran with), onto ``dst``
+    (the config of the copy taken before any run, which every stage copies)."""
+    from transformers import PretrainedConfig
+    for k in _PLACEHOLDERS:
+        if _get(src, k) is not None and hasattr(dst, k):
+            _set(dst, k, _get(src, k))
+    for k in list(_get(src, "sub_configs") or {}):
+        a, b = _get(src, k), _get(dst, k)
+        if isinstance(a, PretrainedConfig) and isinstance(b, PretrainedConfig) and depth < 3:
+            _copy_placeholders(a, b, depth + 1)
+
+
+class _Made:
+    """Maker of the processor-made inputs of one batch (``__call__(name)``: a tensor or None)."""
+
+    def __init__(self, model, cfg, kind, batch, g, variant):
+        self.model, self.cfg, self.kind, self.batch, self.g, self.v = model, cfg, kind, batch, g, variant
+        self.used = False   # a rule of this class made something: the batch is new
+        self.framed = False     # the variant's frame count was used
+        self.params = inspect.signature(model.forward).parameters
+
+    def replaces(self, name):
+        """Names whose base value a processor makes differently (the ids get placeholders)."""
+        if name == "input_ids" and "inputs" in self.params:
+            self.batch.pop("input_ids", None)
+            self.batch.pop("attention_mask", None)
+            return False
+        if name == "input_values" and self.v["frames"] is not None:
+            return True     # remade with its channel dimension
+        if name == "input_features" and isinstance(self.sub("n_window"), int):
+            return True     # padded to its window
+        return name in ("input_ids", "pixel_values", "past_values", "bbox", "grid_thw", "image_grid_thw") \
+            and self._wants(name)
+
+    def _wants(self, name):
+        return name in self.__class__.__dict__ and name not in ("replaces", "finish")
+
+    def __call__(self, name):
+        fn = getattr(self, name, None) if self._wants(name) else None
+        out = fn() if fn is not None else None
+        if out is None:
+            fn = self._generic(name)
+            out = fn() if fn is not None else None
+        if out is not None:
+            self.used = True
+        return out
+
+    # -- shared sizes
+    def sub(self, *names):
+        return _sub(self.cfg, *names)
+
+    def vocab(self):
+        v = self.sub("vocab_size")
+        return min(v, VOCAB) if isinstance(v, int) and v > 4 else VOCAB
+
+    def image_size(self):
+        s = self.sub("image_size") or IMAGE
+        return s if isinstance(s, int) else s[0]
+
+    def randn(self, *shape):
+        import torch
+        return torch.randn(*shape, generator=self.g)
+
+    def ids(self, n, hi=None):
+        import torch
+        return torch.randint(3, hi or self.vocab(), (BATCH, n), generator=self.g)
+
+    # -- text with image placeholders
+    def _placeholders(self):
+        """(token id, count) of the image placeholders a processor puts in the text, or None: the
+        count from the config (query tokens of a Q-Former, kosmos-2's latent queries, an image
+        sequence length), the id the config names, else the last id of the vocabulary (a
+        tokenizer appends the token; the text around it is drawn below it)."""
+        if "pixel_values" not in self.params or "input_ids" not in self.params:
+            return None
+        n = self.sub("num_query_tokens", "latent_query_num", "image_seq_length", "mm_tokens_per_image")
+        tok = None
+        for c in (self.cfg, self.sub("text_config")):
+            for k in _PLACEHOLDERS:
+                if c is not None and hasattr(c, k):
+                    if _get(c, k) is None or _get(c, k) >= self.vocab():
+                        _set(c, k, self.vocab() - 1)
+                    tok = tok if tok is not None else _get(c, k)
+        if not isinstance(n, int) and tok is not None:
+            n = self._features_per_image()
+        return (tok, n) if isinstance(n, int) and n > 0 else None
+
+    def _features_per_image(self):
+        """How many features the model's own ``get_image_features`` gives one image (a processor
+        knows it from the image size; the config names no count)."""
+        import torch
+        pv = self.batch.get("pixel_values")
+        fn = getattr(self.model, "get_image_features", None) or getattr(
+            getattr(self.model, "model", None), "get_image_features", None)
+        if pv is None or fn is None:
+            return None
+        try:
+            with torch.no_grad():
+                out = fn(pixel_values=pv)
+        except Exception:  # noqa: BLE001 - no count: the placeholder layout is not made
+            return None
+        out = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
+        if isinstance(out, (list, tuple)) and len(out) == pv.shape[0] and isinstance(out[0], torch.Tensor):
+            return out[0].shape[-2]     # one (features, width) tensor per image
+        if isinstance(out, torch.Tensor):
+            return out.shape[1] if out.dim() == 3 else out.shape[0] // pv.shape[0]
+        return None
+
+    def input_ids(self):
+        import torch
+        ph = self._placeholders()
+        if "inputs" in self.batch:      # a generic main input already holds the ids (perceiver)
+            return None
+        if ph is None:
+            return None if "input_ids" in self.batch else self.ids(SEQ)
+        tok, n = ph
+        pv = self.batch.get("pixel_values")
+        if pv is not None and pv.dim() == 5 and self.v["frames"] == "clip":
+            n *= pv.shape[1]    # a video Q-Former's queries, once per frame (instructblipvideo)
+        text = self.ids(SEQ, self.vocab() - 1)
+        if tok is None:     # positions marked by a mask instead (kosmos-2)
+            return torch.cat([text[:, :1].expand(-1, n), text], 1)
+        return torch.cat([torch.full((BATCH, n), tok), text], 1)
+
+    def frames(self):
+        f = self.v["frames"]
+        if f is None:
+            return None
+        self.framed = True
+        if f == "clip":
+            f = self.sub("num_frames", "frames_per_clip")
+            return f if isinstance(f, int) else 2
+        return f
+
+    # -- patches of a grid of merged patches (qwen2-vl's kin): each image a 4 x 4 grid (2 x 2 merges
+    # of 2 x 2 patches), each patch as the patch embedding reads it, the grid (t, h, w) beside
+    def _grid_name(self):
+        return next((n for n in ("grid_thw", "image_grid_thw") if n in self.params), None)
+
+    def _merge(self):
+        m = self.sub("spatial_merge_size", "merge_size", "merge_kernel_size")
+        m = m[0] if isinstance(m, (list, tuple)) else m
+        return m if isinstance(m, int) else 1
+
+    def _grid_patches(self):
+        import torch
+        side = 2 * self._merge() if self._merge() > 1 else 4
+        n = BATCH * side * side
+        for name, m in self.model.named_modules():
+            if isinstance(m, torch.nn.Linear) and "patch" in name.lower():
+                if self.frames() is not None:
+                    # pixel rows (inkling2): each patch's pixels one row of channels
+                    p = self.sub("patch_size")
+                    ch = self.sub("num_channels", "in_channels") or 3
+                    if isinstance(p, int) and m.in_features == ch * p * p:
+                        return self.randn(n * p * p, ch)
+                    return None
+                return self.randn(n, m.in_features)
+            if isinstance(m, torch.nn.Conv2d) and "patch" in name.lower():
+                return self.randn(n, m.in_channels, *m.kernel_size)
+            if isinstance(m, torch.nn.Conv3d) and "patch" in name.lower():
+                return self.randn(n, m.in_channels * m.kernel_size[0] * m.kernel_size[1] * m.kernel_size[2])
+        return None
+
+    def grid_thw(self):
+        import torch
+        side = 2 * self._merge() if self._merge() > 1 else 4
+        return torch.tensor([[1, side, side]] * BATCH)
+
+    image_grid_thw = grid_thw
+
+    def merge_sizes(self):
+        import torch
+        return torch.tensor([self._merge()] * BATCH)
+
+    def pixel_values(self):
+        if self._grid_name():
+            return self._grid_patches()
+        if any(n in self.params for n in ("spatial_shapes", "pixel_position_ids")):
+            return self._flat_pixels()
+        size = self.image_size()
+        ch = self.sub("num_channels", "in_chans") or 3
+        f = self.frames()
+        if f is None and "prompt_pixel_values" in self.params:
+            # an image and its in-context prompt, stacked on the height the config gives (seggpt)
+            return self.randn(BATCH, ch, size // 2, size)
+        if f is None:
+            return None if "pixel_values" in self.batch else self.randn(BATCH, ch, size, size)
+        return self.randn(BATCH, f, ch, size, size)
+
+    def image_attention_mask(self):
+        """Which images each token attends to (idefics): every image, every token."""
+        import torch
+        ids, pv = self.batch.get("input_ids"), self.batch.get("pixel_values")
+        if ids is None or pv is None or pv.dim() != 5:
+            return None
+        return torch.ones(BATCH, ids.shape[1], pv.shape[1], dtype=torch.long)
+
+    def image_embeds_position_mask(self):
+        import torch
+        ids, ph = self.batch.get("input_ids"), self._placeholders()
+        if ids is None or ph is None:
+            return None
+        m = torch.zeros(ids.shape, dtype=torch.long)
+        m[:, :ph[1]] = 1
+        return m
+
+    def qformer_input_ids(self):
+        return self.ids(SEQ) if "qformer_input_ids" not in self.batch else None
+
+    # -- layout boxes: (x0, y0, x1, y1) on a 0-1000 page, each box's corners in order
+    def bbox(self):
+        import torch
+        n = self.batch["input_ids"].shape[1] if "input_ids" in self.batch else SEQ
+        lo = torch.randint(0, 500, (BATCH, n, 2), generator=self.g)
+        box = torch.cat([lo, lo + torch.randint(1, 500, (BATCH, n, 2), generator=self.g)], -1)
+        if self.sub("dim_bbox") == 8:
+            # a quadrilateral's four corners, normalised to the page (bros)
+            x0, y0, x1, y1 = (box[..., i].float() / 1000 for i in range(4))
+            return torch.stack([x0, y0, x1, y0, x1, y1, x0, y1], -1)
+        return box
+
+    # -- region features beside the text (lxmert): features and boxes in [0, 1]
+    def visual_feats(self):
+        d = self.sub("visual_feat_dim")
+        return self.randn(BATCH, 4, d) if isinstance(d, int) else None
+
+    def visual_pos(self):
+        import torch
+        d = self.sub("visual_pos_dim")
+        if not isinstance(d, int):
+            return None
+        lo = torch.rand(BATCH, 4, d // 2, generator=self.g) / 2
+        return torch.cat([lo, lo + torch.rand(BATCH, 4, d - d // 2, generator=self.g) / 2], -1)
+
+    # -- a time series with lags and time features (time_series_transformer, informer, autoformer):
+    # the past is the context plus the largest lag, the future the prediction length
+    def _series(self):
+        ctx, pred = self.sub("context_length"), self.sub("prediction_length")
+        lags = self.sub("lags_sequence")
+        if not isinstance(pred, int) or not isinstance(ctx, int):
+            return None
+        return ctx + (max(lags) if lags else 0), pred
+
+    def _values(self, n):
+        k = self.sub("input_size")
+        return self.randn(BATCH, n, *([k] if isinstance(k, int) and k > 1 else []))
+
+    def _time_features(self, n):
+        k = (self.sub("num_time_features") or 0) + (self.sub("num_dynamic_real_features") or 0)
+        return self.randn(BATCH, n, k)
+
+    def past_values(self):
+        ts = self._series()
+        if ts is not None:
+            return self._values(ts[0])
+        ctx = self.sub("context_length")    # a plain series (timesfm): the context
+        return None if "past_values" in self.batch or not isinstance(ctx, int) else self.randn(BATCH, ctx)
+
+    def past_time_features(self):
+        ts = self._series()
+        return None if ts is None else self._time_features(ts[0])
+
+    def past_observed_mask(self):
+        import torch
+        pv = self.batch.get("past_values")
+        return None if pv is None else torch.ones_like(pv)
+
+    def future_values(self):
+        ts = self._series()
+        return None if ts is None else self._values(ts[1])
+
+    def future_time_features(self):
+        ts = self._series()
+        return None if ts is None else self._time_features(ts[1])
+
+    def static_categorical_features(self):
+        import torch
+        n, card = self.sub("num_static_categorical_features"), self.sub("cardinality")
+        if not n:
+            return None
+        return torch.stack([torch.randint(0, c, (BATCH,), generator=self.g) for c in card[:n]], 1)
+
+    def static_real_features(self):
+        n = self.sub("num_static_real_features")
+        return self.randn(BATCH, n) if n else None
+
+    def past_values_padding(self):
+        import torch
+        pv = self.batch.get("past_values")
+        return None if pv is None else torch.zeros_like(pv)
+
+    def freq(self):
+        import torch
+        return torch.zeros(BATCH, 1, dtype=torch.long)     # the high-frequency class
+
+    # -- an agent's trajectory (decision_transformer): states, actions, rewards, returns, steps
+    def states(self):
+        d = self.sub("state_dim")
+        return self.randn(BATCH, SEQ, d) if isinstance(d, int) else None
+
+    def actions(self):
+        d = self.sub("act_dim")
+        return self.randn(BATCH, SEQ, d) if isinstance(d, int) else None
+
+    def rewards(self):
+        return self.randn(BATCH, SEQ, 1) if "states" in self.batch else None
+
+    def returns_to_go(self):
+        return self.randn(BATCH, SEQ, 1) if "states" in self.batch else None
+
+    def timesteps(self):
+        import torch
+        return torch.arange(SEQ).expand(BATCH, SEQ).contiguous() if "states" in self.batch else None
+
+    # -- a task prompt's tokens (oneformer: "the task is semantic"), as long as the config says
+    def task_inputs(self):
+        n = self.sub("task_seq_len")
+        return self.ids(n) if isinstance(n, int) else None
+
+    # -- an in-context segmentation prompt (seggpt): a prompt image and its mask, as the image
+    def prompt_pixel_values(self):
+        pv = self.batch.get("pixel_values")
+        return None if pv is None else self.randn(*pv.shape)
+
+    def prompt_masks(self):
+        pv = self.batch.get("pixel_values")
+        return None if pv is None else self.randn(*pv.shape)
+
+    # -- flattened patches with their grid (siglip2, gemma4's vision tower, pix2struct): a 4 x 4
+    # grid of patches, each as wide as the patch embedding reads
+    def _patch_width(self):
+        import torch
+        for n, m in self.model.named_modules():
+            if isinstance(m, torch.nn.Linear) and "patch" in n.lower():
+                return m.in_features
+        p, ch = self.sub("patch_size"), self.sub("num_channels") or 3
+        return ch * p * p if isinstance(p, int) else None
+
+    def _grid(self):
+        n = self.sub("num_patches")
+        side = int(round(n ** 0.5)) if isinstance(n, int) and n <= 64 else 4
+        return side
+
+    def flattened_patches(self):
+        import torch
+        w, side = self._patch_width(), self._grid()
+        if w is None:
+            return None
+        rows = torch.arange(1, side + 1).repeat_interleave(side).float()
+        cols = torch.arange(1, side + 1).repeat(side).float()
+        pos = torch.stack([rows, cols], -1).expand(BATCH, -1, -1)
+        return torch.cat([pos, self.randn(BATCH, side * side, w)], -1)
+
+    def _flat_pixels(self):
+        w, side = self._patch_width(), self._grid()
+        return None if w is None else self.randn(BATCH, side * side, w)
+
+    def spatial_shapes(self):
+        import torch
+        side = self._grid()
+        return torch.tensor([[side, side]] * BATCH)
+
+    def pixel_attention_mask(self):
+        import torch
+        pv = self.batch.get("pixel_values")
+        if pv is None or pv.dim() != 3:
+            return None
+        return torch.ones(pv.shape[:2], dtype=torch.long)
+
+    def pixel_position_ids(self):
+        import torch
+        side = self._grid()
+        xy = torch.stack([torch.arange(side).repeat(side), torch.arange(side).repeat_interleave(side)], -1)
+        return xy.expand(BATCH, -1, -1).contiguous()
+
+    # -- audio beside another input (a text and audio tower, a codec's semantic features): a
+    # waveform, or features (batch, bins, frames); with the variant's leading dimension, a channel:
+    # (batch, 1, samples), or a spectrogram as a one-channel image (batch, 1, frames, bins), clap
+    def _deep(self, name, cfg=None, depth=0):
+        """``name`` in the config or any config nested in it (pe_audio's codec in its audio tower)."""
+        from transformers import PretrainedConfig
+        cfg = self.cfg if cfg is None else cfg
+        v = _get(cfg, name)
+        if v is not None or depth > 3:
+            return v
+        for k in list(_get(cfg, "sub_configs") or {}):
+            c = _get(cfg, k)
+            if isinstance(c, PretrainedConfig):
+                v = self._deep(name, c, depth + 1)
+                if v is not None:
+                    return v
+        return None
+
+    def _hop(self):
+        """A codec's encoder downsamples by the product of its ratios."""
+        hop = 1
+        for r in self._deep("downsampling_ratios") or []:
+            hop *= r if isinstance(r, int) else 1
+        return hop
+
+    def hidden_states(self):
+        """A codec's half alone (vibevoice's acoustic encoder and decoder): a mono waveform for the
+        encoder, latents (batch, channels, frames) for the decoder (the variant)."""
+        if getattr(self.model, "main_input_name", None) != "input_values":
+            return None     # the generic rule: (batch, seq, hidden)
+        f = self.frames()
+        return self.randn(BATCH, 1, max(1600, 8 * self._hop())) if f is None else self.randn(BATCH, HIDDEN, SEQ)
+
+    def input_values(self):
+        if "input_values" in self.batch and self.v["frames"] is None:
+            return None
+        n = max(1600, 8 * self._hop())     # 8 frames' worth of samples
+        f = self.frames()
+        return self.randn(BATCH, n) if f is None else self.randn(BATCH, 1, n)
+
+    def input_features(self):
+        win = self.sub("n_window")
+        if isinstance(win, int) and self.v["frames"] is None:
+            # padded by the processor to a multiple of the encoder's window pair (qwen3_asr)
+            return self.randn(BATCH, self.sub("num_mel_bins") or 80, 2 * win)
+        if "input_features" in self.batch:
+            return None
+        width = self._deep("feature_projection_input_dim")
+        if isinstance(width, int):
+            # features stacked by the processor (a w2v-bert semantic tower), one frame per frame of
+            # the codec's waveform beside them (xcodec2 adds the two)
+            wave, hop = self.batch.get("input_values"), self._hop()
+            n = wave.shape[-1] // hop if wave is not None and hop > 1 else 4 * SEQ
+            return self.randn(BATCH, n, width)
+        bins = self.sub("num_mel_bins", "feature_size", "n_mels") or 80
+        f = self.frames()
+        return self.randn(BATCH, bins, 4 * SEQ) if f is None else self.randn(BATCH, 1, 4 * SEQ, bins)
+
+    def input_features_mask(self):
+        import torch
+        f = self.batch.get("input_features")
+        return None if f is None else torch.ones(f.shape[0], f.shape[-1], dtype=torch.long)
+
+    def is_longer(self):
+        import torch
+        return torch.zeros(BATCH, 1, dtype=torch.bool) if "input_features" in self.batch else None
+
+    # -- a mel spectrogram with its padding mask (gemma3n's audio tower: True marks padding)
+    def audio_mel(self):
+        bins = self.sub("input_feat_size", "num_mel_bins", "feature_size")
+        return self.randn(BATCH, 4 * SEQ, bins) if isinstance(bins, int) else None
+
+    def audio_mel_mask(self):
+        import torch
+        mel = self.batch.get("audio_mel")
+        return None if mel is None else torch.zeros(mel.shape[:2], dtype=torch.bool)
+
+    # -- a generic main input (perceiver, speech-encoder-decoder): what its encoder reads
+    def inputs(self):
+        enc = _get(self.model, "encoder")
+        name = getattr(enc, "main_input_name", None) if enc is not None else None
+        if name == "input_values":
+            return self.randn(BATCH, 1600)
+        if name == "input_features":
+            bins = self.sub("num_mel_bins", "feature_size") or 80
+            return self.randn(BATCH, bins, 2 * SEQ)
+        return self.ids(SEQ)
+
+    def _generic(self, name):
+        """Rules by the form of the name alone."""
+        import torch
+        if name.endswith("attention_mask"):
+            return None     # made in finish, after the ids they follow
+        if name.endswith("_embeds") or name in ("hidden_states", "context_hidden_states", "encoder_hidden_states"):
+            # embeddings or states a model's other half makes (a word-timestamp head's inputs, the
+            # Q-Former's vision states): the tiny width every hidden size was set to
+            return lambda: self.randn(BATCH, SEQ, HIDDEN)
+        if name == "decoder_input_ids" and _get(self.cfg, "is_encoder_decoder") is not False and \
+                "labels" not in self.batch:
+            return lambda: self.ids(SEQ - 2)
+        return None
+
+    def finish(self, batch):
+        """Masks that follow the final shapes (ids' attention mask, qformer's)."""
+        import torch
+        for ids_name, mask_name in (("input_ids", "attention_mask"), ("qformer_input_ids", "qformer_attention_mask")):
+            ids = batch.get(ids_name)
+            if ids is not None and mask_name in self.params:
+                batch[mask_name] = torch.ones_like(ids)
+        ids = batch.get("input_ids")
+        if ids is not None and isinstance(batch.get("labels"), torch.Tensor) and self.kind in ("causal", "masked"):
+            batch["labels"] = ids.clone()
+        for n in ("image_embeds_position_mask",):
+            if n in batch and ids is not None and batch[n].shape != ids.shape:
+                batch[n] = self.image_embeds_position_mask()
 
 
 def _required(model, cfg, batch):
@@ -828,6 +1396,7 @@ def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict
         else:
             raise first
         model.zero_grad(set_to_none=True)
+        _copy_placeholders(model.config, pristine.config)
         row["built"] = True
     except Exception as e:  # noqa: BLE001 - reported: cannot be built tiny on CPU
         row["errors"]["build"] = _first_line(e)

@@ -431,6 +431,17 @@ def test_compiled_tensor_parallel(n, mode):
 
 @once
 @pytest.mark.slow
+def test_compiled_packed_boundaries_agree_across_ranks():
+    """Varlen attention all-reduced in a compiled graph, on 2 ranks packing other numbers of
+    documents: after the first call, each rank's boundaries are padded to the same bucket, so the
+    ranks agree and every call runs as one program over the group, none op by op (NOTE [packed
+    boundaries], NOTE [collectives in programs]); values against CPU and gloo (the scenario)."""
+    for r in results(launch(2, "packed_graph", "defer")):
+        assert r["op_by_op"] == 0 and r["calls"] == 4 and r["padded"] >= 3, r
+
+
+@once
+@pytest.mark.slow
 def test_dcp_saves_and_loads_sharded_fsdp2(tmp_path):
     res = results(launch(2, "dcp", "defer", str(tmp_path / "ckpt")))
     assert any(f.endswith(".distcp") for f in res[0]["files"])

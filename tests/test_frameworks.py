@@ -352,6 +352,54 @@ def test_varlen_attention_compiled():
     assert met["dynamo_graphs"] == 1 and met["graphs_run_eagerly"] == 0, met["graph_fallback_reasons"]
 
 
+def _varlen_lse_ref(q, k, cu=CU):
+    """Each packed sequence's log-sum-exp of its causal scores on CPU, (heads, tokens)."""
+    parts = []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qq = q[s:e].transpose(0, 1)
+        kk = k[s:e].transpose(0, 1).repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+        sc = qq @ kk.transpose(1, 2) / q.shape[-1] ** 0.5
+        sc = sc.masked_fill(~torch.ones(e - s, e - s, dtype=torch.bool).tril(), -torch.inf)
+        parts.append(torch.logsumexp(sc, dim=-1))
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.modes("defer", "strict")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_varlen_attention_out(compiled):
+    """``varlen_attn_out`` (``torch_attn::_varlen_attn_out``: CUDA's
+    ``_flash_attention_forward_no_dropout_inplace``) writes varlen attention into a given output
+    (here a view of a larger buffer) and returns it with its log-sum-exp: each against SDPA and
+    the log-sum-exp of the scores of each sequence on CPU; the rest of the buffer untouched. Its
+    boundaries are padded as ``varlen_attn``'s (NOTE [packed boundaries]). Compiled, AOTAutograd
+    functionalizes the op (no lowering): the graph runs eagerly, with the same values."""
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn_out
+
+    def fn(out, q, k, v, cu):
+        return varlen_attn_out(out, q, k, v, cu, cu, max(LENS), max(LENS), window_size=(-1, 0),
+                               enable_gqa=True, return_aux=AuxRequest(lse=True))
+    if compiled:
+        torch._dynamo.reset()           # (the other mode's run compiled this function already)
+        fn = torch.compile(fn, backend="tpu", fullgraph=True)
+    q = torch.randn(sum(LENS), 4, 8)
+    k, v = torch.randn(sum(LENS), 2, 8), torch.randn(sum(LENS), 2, 8)
+    buf = torch.full((2, sum(LENS), 4, 8), 7.0, device="tpu")
+    deferfuse.reset_metrics()
+    with torch.no_grad():
+        out, lse = fn(buf[1], *(x.to("tpu") for x in (q, k, v)), CU.to("tpu"))
+    assert_same(out, _varlen_ref(q, k, v, (-1, 0)), atol=1e-5, rtol=1e-5)
+    assert_same(buf[1], _varlen_ref(q, k, v, (-1, 0)), atol=1e-5, rtol=1e-5)
+    assert_same(buf[0], torch.full((sum(LENS), 4, 8), 7.0))
+    assert_same(lse, _varlen_lse_ref(q, k), atol=1e-5, rtol=1e-5)
+    m = deferfuse.metrics()
+    assert m["cpu_fallbacks"] == {}, m["cpu_fallbacks"]
+    assert m["packed_padded"] >= 1, m["packed_padded"]
+    if compiled:
+        assert m["graph_fallback_reasons"] == [
+            "auto_functionalized_v2(torch_attn._varlen_attn_out.default): no lowering in a "
+            "compiled graph"], m["graph_fallback_reasons"]
+
+
 # Packed batches of 23 tokens with 1 to 11 sequences: boundaries of 2 to 12 entries.
 PACKED = [[23], [5, 11, 7], [10, 13], [1, 2, 3, 17], [4, 4, 4, 4, 4, 3], [8, 15],
           [2] * 10 + [3], [6, 6, 11]]

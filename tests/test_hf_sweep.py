@@ -194,3 +194,30 @@ def test_build_rules_for_widths_and_inputs():
     full = hs._required(Enc(), c, {"input_features": feats})
     assert full["input_features_mask"].shape == (2, 7) and bool(full["input_features_mask"].all())
     assert hs._required(Enc(), c, full) is None
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_processor_made_inputs_follow_the_config():
+    """The inputs a processor makes, built by the harness from the tiny config (no model run): a
+    time series as long as its context plus its largest lag, with its time features and a future as
+    long as the prediction; layout boxes on the 0-1000 page with each box's corners in order."""
+    kind, model, cfg = hs.build("time_series_transformer")
+    batch = next(b for b in hs.candidates(kind, model, cfg) if "past_time_features" in b)
+    assert batch["past_values"].shape == (hs.BATCH, cfg.context_length + max(cfg.lags_sequence))
+    assert batch["past_time_features"].shape[:2] == batch["past_values"].shape
+    assert batch["past_observed_mask"].shape == batch["past_values"].shape
+    assert batch["future_values"].shape == (hs.BATCH, cfg.prediction_length)
+    kind, model, cfg = hs.build("udop")
+    box = next(b for b in hs.candidates(kind, model, cfg) if "bbox" in b)["bbox"]
+    assert box.shape[-1] == 4 and int(box.min()) >= 0 and int(box.max()) <= 1000
+    assert bool((box[..., 2] >= box[..., 0]).all() and (box[..., 3] >= box[..., 1]).all())
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("model_type", _params(["blip-2", "informer", "decision_transformer",
+                                                "siglip2_vision_model"]))
+def test_processor_made_inputs_float32(model_type, tpu_mode):
+    """Rows built from the inputs a processor makes (image placeholders counted from the Q-Former's
+    queries, a time series with its lags, an agent's trajectory, flattened patches with their grid):
+    forward and backward against CPU."""
+    _check(model_type, "f32")

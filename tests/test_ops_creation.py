@@ -108,6 +108,21 @@ def test_factories_with_indexing_users():
     assert fallbacks() == {}
 
 
+def test_tensor_from_a_list_of_tpu_scalars():
+    # torch.tensor(data) reads tensors in data with item() below Python dispatch (qwen3_asr's
+    # chunk lengths, udop's): on tpu as on CPU, whatever device the result is made on
+    lens = torch.tensor([5, 3, 7])
+    scores = torch.randn(3)
+    want = torch.tensor([lens[i] for i in range(3)])
+    assert_same(torch.tensor([lens.to(T)[i] for i in range(3)], device=T), want)
+    assert_same(torch.tensor([lens.to(T)[i] for i in range(3)], device=T).cumsum(-1, dtype=torch.int32),
+                want.cumsum(-1, dtype=torch.int32))
+    assert_same(torch.tensor([scores.to(T)[0], scores.to(T)[2]], device=T), torch.tensor([scores[0], scores[2]]))
+    on_cpu = torch.tensor([scores.to(T)[0], scores.to(T)[2]])
+    assert on_cpu.device.type == "cpu" and on_cpu.dtype == torch.float32
+    assert torch.equal(on_cpu, torch.tensor([scores[0], scores[2]]))
+
+
 
 @pytest.mark.parametrize("bad", [[0, 3, 5], [0, -1, 2]])
 def test_one_hot_class_out_of_range_raises_as_on_cpu(bad):

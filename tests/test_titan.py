@@ -161,6 +161,8 @@ RUNS = {
     "fsdp": (2, 2, 1, "flex", "none"),
     "hsdp": (2, 1, 2, "flex", "none"),
     "fsdp-compiled": (2, 2, 1, "flex", "inductor"),
+    "hsdp-compiled": (2, 1, 2, "flex", "inductor"),
+    "fsdp-varlen-compiled-tpu": (2, 2, 1, "varlen", "tpu"),
     "hsdp-varlen-compiled-tpu": (2, 1, 2, "varlen", "tpu"),
     "one-varlen-compiled-tpu": (1, 1, 1, "varlen", "tpu"),
 }

@@ -7,8 +7,11 @@ included, and runs as one ``jit(shard_map(...))`` over the devices of the collec
 device per process, as deferfuse's eager collectives do: every rank calls the graph at the same
 point of its program (the graph is a collective), so each call takes the group's collective steps
 (``ProcessGroupTPU._collective``): a sync point in defer mode, and the wait that names a rank that
-failed. Before each call the ranks compare the graph's collectives and its input shapes
-(``agree``; with ``DEFERFUSE_DIST_CHECK``): one program needs the same block shapes on every rank, so where they
+failed. Before each call the ranks compare the graph's collectives and its inputs as its program
+sees them (``agree``; with ``DEFERFUSE_DIST_CHECK``): shapes, with packed sequence boundaries at
+their padded length (ranks packing other numbers of sequences share a program: NOTE [packed
+boundaries] in packed.py), and the integers that key the program. One program needs the same
+block shapes on every rank, so where they
 differ (DTensor's uneven shards: the same model, a row more on one rank) that call runs op by op
 on every rank, its collectives deferfuse's eager ones, which check their own agreement. A graph
 that uses two groups (a 2-D mesh's tensor- and data-parallel dimensions in one graph) or an uneven
@@ -95,15 +98,15 @@ class SpmdGraph:
         self.desc = f"{zlib.crc32(';'.join(sig).encode()):08x}"
         S["graphs_with_collectives"] += 1
 
-    def agree(self, args) -> bool:
-        """Whether every rank calls a graph with these collectives on inputs of the shapes and
-        dtypes it has here (always, without the check or in a group of one); every rank gets the
-        same answer."""
+    def agree(self, inputs: str) -> bool:
+        """Whether every rank calls a graph with these collectives on inputs as ``inputs``
+        describes them here (``CompiledGraph._described``: the shapes and dtypes its program
+        sees, boundaries padded; always, without the check or in a group of one); every rank
+        gets the same answer."""
         pg = self.pg
         if len(pg._ranks) == 1 or COORD.client is None or not config.dist_check:
             return True
-        desc = f"graph {self.desc} " + " ".join(_shapes(a) for a in args
-                                                 if isinstance(a, torch.Tensor))
+        desc = f"graph {self.desc} {inputs}"
         seq, pg._seq = pg._seq, pg._seq + 1
         t0 = time.perf_counter()
         got = COORD.gather(pg._gname, seq, CLUSTER.rank, pg._ranks, desc, user_frame(),

@@ -29,7 +29,6 @@ import functools
 import time
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo, Work
@@ -44,7 +43,7 @@ from ..runtime.cluster import CLUSTER
 from ..runtime.dtypes import to_np_dtype
 from ..scheduler.records import Value
 from ..tensor import TpuTensor, as_tpu
-from .coord import COORD, DistributedError
+from .coord import COORD
 
 S = stats.S
 _DEFAULT_TIMEOUT = timedelta(minutes=30)    # torch's default_pg_timeout: not a choice the user made

@@ -185,10 +185,13 @@ class Batched(Pad):
     recurrent layer): every padded dim of every tensor, input or output, is one of ``dims`` (dim
     numbers, negative from the end), and the inputs at ``fixed`` (weights, a mask) are not padded,
     so padding reaches only padded outputs. ``zero``: inputs' padding is set to 0 first (a weight
-    gradient summed over the batch then adds nothing from it)."""
+    gradient summed over the batch then adds nothing from it). ``steps``: the dim (of the first
+    input) along which the op is a recurrence over time; where it is padded, the lowering is
+    called with ``_steps``, the exact count of steps, and keeps its state past them as it was."""
     dims: tuple = (0,)
     fixed: tuple = ()
     zero: bool = False
+    steps: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,18 +118,29 @@ def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
 _HI = lax.Precision.HIGHEST
 
 
-def _onednn_states(input, w0, w1, w2, w3, hx, cx, reverse, has_biases):
+def _live(input, steps):
+    """Which time steps of ``input`` are real: all, or the first ``steps`` (NOTE [padded
+    steps])."""
+    return lax.iota(jnp.int32, input.shape[0]) < steps
+
+
+def _onednn_states(input, w0, w1, w2, w3, hx, cx, reverse, has_biases, steps=None):
     """The forward recurrence: per step (in time order) the rounded gates, the previous hidden
-    and cell states and the new ones; and the final states."""
+    and cell states and the new ones; and the final states. ``steps``: NOTE [padded steps]."""
     dt = input.dtype
     n_batch, hidden = input.shape[1], w1.shape[1]
     x = acc(input)
+    live = None
+    if steps is not None:
+        live = _live(input, steps)
+        x = jnp.where(live[:, None, None], x, jnp.zeros((), x.dtype))
     bias = round_to(acc(w2) + acc(w3), dt) if has_biases else jnp.zeros((4 * hidden,), x.dtype)
     layer = jnp.einsum("tbi,gi->tbg", x, acc(w0), precision=_HI)
     wh = acc(w1)
 
-    def step(carry, xg):
+    def step(carry, xs):
         h, c = carry
+        xg, ok = xs
         g = xg + jnp.dot(h, wh.T, precision=_HI) + bias
         i, f, gg, o = jnp.split(g, 4, axis=1)
         i, f, gg, o = jnn.sigmoid(i), jnn.sigmoid(f), jnp.tanh(gg), jnn.sigmoid(o)
@@ -137,11 +148,13 @@ def _onednn_states(input, w0, w1, w2, w3, hx, cx, reverse, has_biases):
         h_new = round_to(o * jnp.tanh(c_new), dt)
         c_new = round_to(c_new, dt)
         gates = tuple(round_to(v, dt) for v in (i, f, gg, o))
+        if ok is not None:      # a padded step keeps the state as it was
+            h_new, c_new = jnp.where(ok, h_new, h), jnp.where(ok, c_new, c)
         return (h_new, c_new), (gates, h, c, h_new, c_new)
 
     h0 = acc(hx).reshape(n_batch, hidden)
     c0 = acc(cx).reshape(n_batch, hidden)
-    return lax.scan(step, (h0, c0), layer, reverse=reverse)
+    return lax.scan(step, (h0, c0), (layer, live), reverse=reverse)
 
 
 def _onednn_check(mode, batch_sizes):
@@ -153,16 +166,25 @@ def _onednn_check(mode, batch_sizes):
 # Padded: each batch row is its own recurrence (the batch is dim -2 of every tensor of these
 # ops: the sequence, the states, the gradients); the backward pass sums the weight gradients
 # over it, with the padding of its inputs set to 0 (zero states and gradients give zero gate
-# gradients). A padded time dim refuses (a reversed layer would start in the padding).
-_BATCH = Batched(dims=(-2,), fixed=(1, 2, 3, 4), zero=True)
+# gradients).
+#
+# NOTE [padded steps]: a padded time dim (dim 0: word_language_model's ragged last bptt chunk,
+# ``source[i:i + min(bptt, len(source) - 1 - i)]``) runs with the exact count of steps
+# (``_steps``, from Batched's ``steps``): a padded step keeps the states as they were, so the
+# final states are those after the last real step, in either direction (a reversed layer starts
+# in the padding and carries its initial states through it unchanged); the padded steps' input is
+# set to 0 (never trusted), and the backward pass gives them no gate gradients and carries the
+# state gradients through them unchanged, so the weight gradients sum over real steps only.
+_BATCH = Batched(dims=(0, -2), fixed=(1, 2, 3, 4), zero=True, steps=0)
 
 
 @op("mkldnn_rnn_layer.default", pad=_BATCH)
 def mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size,
-                     num_layers, has_biases, bidirectional, batch_first, train):
+                     num_layers, has_biases, bidirectional, batch_first, train, _steps=None):
     _onednn_check(mode, batch_sizes)
     dt = input.dtype
-    (h, c), (_, _, _, ys, _) = _onednn_states(input, w0, w1, w2, w3, hx, cx, reverse, has_biases)
+    (h, c), (_, _, _, ys, _) = _onednn_states(input, w0, w1, w2, w3, hx, cx, reverse, has_biases,
+                                              _steps)
     return (ys.astype(dt), h.reshape(hx.shape).astype(dt), c.reshape(cx.shape).astype(dt),
             jnp.zeros((0,), jnp.uint8))
 
@@ -171,12 +193,15 @@ def mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, 
 def mkldnn_rnn_layer_backward(input, w0, w1, w2, w3, hx, cx, output, hy, cy, grad_output,
                               grad_hy, grad_cy, reverse, mode, hidden_size, num_layers,
                               has_biases, train, bidirectional, batch_sizes, batch_first,
-                              workspace):
+                              workspace, _steps=None):
     _onednn_check(mode, batch_sizes)
     dt = input.dtype
     steps, n_batch, hidden = input.shape[0], input.shape[1], w1.shape[1]
     _, (gates, h_prev, c_prev, _, c_new) = _onednn_states(input, w0, w1, w2, w3, hx, cx,
-                                                          reverse, has_biases)
+                                                          reverse, has_biases, _steps)
+    live = None if _steps is None else _live(input, _steps)
+    x = acc(input) if live is None else \
+        jnp.where(live[:, None, None], acc(input), jnp.zeros((), acc(input).dtype))
     zeros = jnp.zeros((n_batch, hidden), jnp.float32)
     gy = jnp.zeros((steps, n_batch, hidden), jnp.float32) if grad_output is None \
         else acc(grad_output).astype(jnp.float32)
@@ -186,19 +211,23 @@ def mkldnn_rnn_layer_backward(input, w0, w1, w2, w3, hx, cx, output, hy, cy, gra
 
     def step(carry, xs):
         dh, dc = carry
-        (i, f, g, o), cp, ct, dy = xs
+        (i, f, g, o), cp, ct, dy, ok = xs
         tc = jnp.tanh(ct)
         dht = dy + dh
         dct = dc + (1 - tc * tc) * o * dht
         dg = jnp.concatenate([g * dct * ((1 - i) * i), cp * dct * ((1 - f) * f),
                               i * dct * (1 - g * g), tc * dht * ((1 - o) * o)], axis=1)
         dg = round_to(dg, dt)
-        return (jnp.dot(dg, wh, precision=_HI), dct * f), (dg, jnp.dot(dg, wi, precision=_HI))
+        dh_new, dc_new = jnp.dot(dg, wh, precision=_HI), dct * f
+        if ok is not None:      # NOTE [padded steps]: nothing from a padded step
+            dg = jnp.where(ok, dg, jnp.zeros((), dg.dtype))
+            dh_new, dc_new = jnp.where(ok, dh_new, dh), jnp.where(ok, dc_new, dc)
+        return (dh_new, dc_new), (dg, jnp.dot(dg, wi, precision=_HI))
 
     # The backward pass walks the steps in the other order than the forward one.
-    (dh, dc), (dgs, dx) = lax.scan(step, (dh0, dc0), (gates, c_prev, c_new, gy),
+    (dh, dc), (dgs, dx) = lax.scan(step, (dh0, dc0), (gates, c_prev, c_new, gy, live),
                                    reverse=not reverse)
-    dw_ih = jnp.einsum("tbg,tbi->gi", dgs, acc(input), precision=_HI)
+    dw_ih = jnp.einsum("tbg,tbi->gi", dgs, x, precision=_HI)
     dw_hh = jnp.einsum("tbg,tbh->gh", dgs, h_prev, precision=_HI)
     db = jnp.sum(dgs, axis=(0, 1))
     return dx, dw_ih, dw_hh, db, db, dh.reshape(hx.shape), dc.reshape(cx.shape)
