@@ -8,11 +8,19 @@ STAMP := $(VENV)/.installed
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
-$(STAMP): pyproject.toml setup.py deferfuse/_fastpath.c deferfuse/_tpu_hooks.cpp constraints.txt tools/install_torch.py
+# Then deferfuse with --no-build-isolation, so its C++ extension (deferfuse/_tpu_tensor.cpp,
+# NOTE [extension build] in setup.py) is compiled against this venv's torch, the one it runs with
+# (an isolated build has no torch of its own), and setuptools/wheel come from this venv. A missing
+# compiler or a failed build stops here (setup.py says what to install) and the stamp stays old,
+# so the next make builds again; a changed .c/.cpp rebuilds (an editable install recompiles all
+# three: a few minutes on 2 cores).
+$(STAMP): pyproject.toml setup.py deferfuse/_fastpath.c deferfuse/_tpu_hooks.cpp deferfuse/_tpu_tensor.cpp constraints.txt tools/install_torch.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python tools/install_torch.py
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install -q -c constraints.txt "setuptools>=77" wheel
+	$(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e ".[test]"
+	$(BIN)/python -c "from deferfuse import plain; e, why = plain.extension(); raise SystemExit(why)"
 	touch $(STAMP)
 
 demo: $(STAMP)

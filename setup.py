@@ -4,9 +4,16 @@ compiler fails the install with a message saying what to install. The hooks are 
 when torch is installed in the environment deferfuse goes into (found without importing it: pip
 builds in an isolated environment), skipped with a message otherwise; without them deferfuse
 registers PyTorch's Python hooks, and pinned memory (DDP's static_graph) is unavailable.
-The plain tpu tensor (deferfuse/_tpu_tensor.cpp, docs/cxx-plan.md; used only with
-DEFERFUSE_TENSOR=plain) is optional too: built with torch.utils.cpp_extension when torch imports
-here, skipped when its build fails or with DEFERFUSE_BUILD_TENSOR=0."""
+The plain tpu tensor (deferfuse/_tpu_tensor.cpp, docs/cxx-plan.md) is required: built with
+torch.utils.cpp_extension against the torch deferfuse will run with, so torch must be installed
+first. NOTE [extension build]: pip's isolated build environment has no torch; setup.py then
+imports the torch of the environment being installed into (found as the hooks find it), so
+`pip install .` works after torch, and `pip install --no-build-isolation .` (what the Makefile
+does) builds against that torch directly. No torch, a missing compiler or a failed build stops the
+install with a message saying what to do. The library is tied to torch's exact version: it records
+the version it was built for (`deferfuse-built-for-torch:` in the .so), which deferfuse/plain.py
+reads before loading it. DEFERFUSE_BUILD_TENSOR=0 skips it (then only DEFERFUSE_TENSOR=wrapper
+runs)."""
 import os
 import re
 import sysconfig
@@ -50,35 +57,59 @@ def _hooks_extension():
                             f'-DDEFERFUSE_TORCH_VERSION="{version}"'])]
 
 
+def _import_torch():
+    """torch as deferfuse will run with it (NOTE [extension build]), or None."""
+    try:
+        import torch
+        return torch
+    except ImportError:
+        pass
+    t = _torch_dir()        # pip's isolated build: the target environment's torch
+    if t is None:
+        return None
+    import sys
+    sys.path.append(os.path.dirname(t))     # last: the build environment's setuptools stay first
+    try:
+        import torch
+        return torch
+    except ImportError as e:
+        print(f"deferfuse: torch in {os.path.dirname(t)} does not import here: {e}")
+        return None
+
+
 def _tensor_extension():
     if os.environ.get("DEFERFUSE_BUILD_TENSOR", "1") == "0":
+        print("deferfuse: DEFERFUSE_BUILD_TENSOR=0: the plain tpu tensor is not built "
+              "(only DEFERFUSE_TENSOR=wrapper will run)")
         return []
-    try:
-        from torch.utils.cpp_extension import CppExtension
-        import torch
-    except ImportError:
-        print("deferfuse: torch does not import here: the plain tpu tensor is not built")
-        return []
-    ext = CppExtension(
+    torch = _import_torch()
+    if torch is None:
+        raise SystemExit(
+            "deferfuse: its C++ extension (deferfuse/_tpu_tensor.cpp) is built against the torch it "
+            "will run with, and torch is not installed here. Install torch first (the CPU build: "
+            "pip install torch --index-url https://download.pytorch.org/whl/cpu), then deferfuse "
+            "(pip install --no-build-isolation .).")
+    from torch.utils.cpp_extension import CppExtension
+    return [CppExtension(
         "deferfuse._tpu_tensor", ["deferfuse/_tpu_tensor.cpp"],
         extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden",
                             "-DTORCH_EXTENSION_NAME=_tpu_tensor", "-DTORCH_API_INCLUDE_EXTENSION_H",
                             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                            f'-DDEFERFUSE_TORCH_VERSION="{torch.__version__}"'])
-    ext.optional = True     # a failed build is reported and skipped: deferfuse runs as without it
-    return [ext]
+                            f'-DDEFERFUSE_TORCH_VERSION="{torch.__version__}"'])]
 
 
 class BuildExt(build_ext):
-    def run(self):
+    def build_extension(self, ext):
         try:
-            super().run()
-        except Exception as e:      # distutils' CompileError / a missing compiler's OSError
+            super().build_extension(ext)
+        except Exception as e:      # distutils' CompileError / LinkError / a missing compiler
+            if getattr(ext, "optional", False):
+                raise               # the hooks: reported and skipped by setuptools
             raise SystemExit(
-                f"deferfuse: building its C record path (deferfuse/_fastpath.c) failed: {e}\n"
-                "deferfuse needs a C compiler and Python's headers: on Debian/Ubuntu "
-                "`apt install build-essential python3-dev`, on macOS `xcode-select --install`."
-            ) from e
+                f"deferfuse: building {ext.name} ({', '.join(ext.sources)}) failed: {e}\n"
+                "deferfuse needs a C and C++ compiler and Python's headers: on Debian/Ubuntu "
+                "`apt install build-essential python3-dev`, on macOS `xcode-select --install`; "
+                "CC and CXX name other compilers. The compiler's own errors are above.") from e
 
 
 setup(

@@ -1764,6 +1764,12 @@ bool is_plain(const at::Tensor& t) { return is_plain_tensor(t); }
 
 }  // namespace
 
+// NOTE [extension build] in setup.py: the torch this library is built for, which deferfuse/plain.py
+// reads from the file before loading it, so a library built for another torch (another C++ ABI) is
+// refused with the fix, never loaded.
+extern "C" __attribute__((visibility("default"), used))
+const char deferfuse_built_for_torch[] = "deferfuse-built-for-torch:" DEFERFUSE_TORCH_VERSION;
+
 PYBIND11_MODULE(_tpu_tensor, m) {
   m.doc() = "deferfuse's plain PrivateUse1 tpu tensor (NOTE [plain tensor] in _tpu_tensor.cpp)";
   m.def("install", &install, "register the kernels, the allocator and the fallback (once)");

@@ -719,16 +719,42 @@ def _nonfunctional_composite(n: str) -> bool:
             and "RegisterMeta" not in torch._C._dispatch_dump(n))
 
 
+_MARK = b"deferfuse-built-for-torch:"
+
+
+def built_for(path: str) -> str | None:
+    """The torch version the library at ``path`` was built for (NOTE [extension build] in setup.py),
+    read from the file without loading it; None when it records none (built before the mark)."""
+    import mmap
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        i = m.find(_MARK)
+        if i < 0:
+            return None
+        j = m.find(b"\0", i)
+        return m[i + len(_MARK):j].decode()
+
+
+REBUILD = ("rebuild it against this torch: in a clone, `make` (or `python setup.py build_ext "
+           "--inplace`); an installed deferfuse, `pip install --no-build-isolation "
+           "--force-reinstall --no-deps <deferfuse source>`")
+
+
 def extension():
-    """The C++ extension, or None (with the reason) when it is not built for this torch."""
-    try:
-        from . import _tpu_tensor
-    except ImportError as e:
-        return None, f"deferfuse._tpu_tensor is not built ({e}); build it with " \
-                     "`python setup.py build_ext --inplace` (docs/cxx-plan.md)"
-    if _tpu_tensor.TORCH_VERSION != torch.__version__:
-        return None, (f"deferfuse._tpu_tensor was built for torch {_tpu_tensor.TORCH_VERSION}, "
-                      f"this is {torch.__version__}: rebuild it")
+    """The C++ extension, or None (with the reason and the fix) when it is not built for this
+    torch. The version it was built for is read from the file first: a library built for another
+    torch (another C++ ABI) is never loaded."""
+    import importlib.util
+    spec = importlib.util.find_spec(f"{__package__}._tpu_tensor")
+    if spec is None or not spec.origin:
+        return None, ("deferfuse's C++ extension deferfuse._tpu_tensor is not built; build it: "
+                      "in a clone, `make` (or `python setup.py build_ext --inplace`); an installed "
+                      "deferfuse, reinstall it with a C++ compiler present (docs/architecture.md)")
+    built = built_for(spec.origin)
+    if built != torch.__version__:
+        return None, (f"deferfuse's C++ extension {spec.origin} was built for torch "
+                      f"{built or 'of an older deferfuse'}, this is torch {torch.__version__}: "
+                      + REBUILD)
+    from . import _tpu_tensor
     return _tpu_tensor, None
 
 

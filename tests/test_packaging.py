@@ -27,8 +27,10 @@ def test_wheel_installs_and_imports(tmp_path):
                 "deferfuse/vllm/__init__.py", "deferfuse/vllm/platform.py", "deferfuse/vllm/buckets.py"):
         assert pkg in names, f"{pkg} missing from the wheel"
     assert not any(n.startswith(("runtime/", "scheduler/", "tests/")) for n in names)
-    # the C record path, built into the wheel (NOTE [C record path])
-    assert any(n.startswith("deferfuse/_fastpath") and n.endswith((".so", ".pyd")) for n in names), names
+    # the C++ extension (the plain tpu tensor, NOTE [extension build] in setup.py) and the C
+    # record path, both built into the wheel
+    for ext in ("deferfuse/_tpu_tensor", "deferfuse/_fastpath"):
+        assert any(n.startswith(ext) and n.endswith((".so", ".pyd")) for n in names), (ext, names)
     # the autoload module and its torch.backends entry point (import torch registers tpu)
     assert "deferfuse_autoload.py" in names
     ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -48,18 +50,37 @@ def test_wheel_installs_and_imports(tmp_path):
     subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("import deferfuse, torch, sys\n"
-            "assert 'site-packages' in deferfuse.__file__ or 'dist-packages' in deferfuse.__file__, deferfuse.__file__\n"
-            "import deferfuse.runtime, deferfuse.scheduler\n"
-            "from deferfuse import _fastpath\n"
-            "from deferfuse.tensor import TpuTensor\n"
-            "assert TpuTensor.__dict__['__torch_dispatch__'].__func__ is _fastpath.dispatch\n"
-            "x = torch.arange(6.).to('tpu')\n"
-            "print((x * 2).sum().item())\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([str(py), "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().endswith("30.0")
+    # Each representation named explicitly, so the test means the same before and after the default
+    # becomes the plain tensor: the plain one is a torch.Tensor made by the wheel's C++ extension;
+    # the C record path's dispatch is asserted only for the wrapper (DEFERFUSE_TENSOR=wrapper).
+    common = ("import deferfuse, torch, sys\n"
+              "assert 'site-packages' in deferfuse.__file__ or 'dist-packages' in deferfuse.__file__, deferfuse.__file__\n"
+              "import deferfuse.runtime, deferfuse.scheduler\n"
+              "c = torch.arange(6.).reshape(2, 3)\n"
+              "x = c.to('tpu')\n"
+              "y, want = (x * 2).t().sum(0), (c * 2).t().sum(0)\n"
+              "assert y.device.type == 'tpu' and y.is_tpu, y.device\n"
+              "assert y.dtype == want.dtype and y.shape == want.shape, (y.dtype, y.shape)\n"
+              "assert torch.equal(y.cpu(), want), (y.cpu(), want)\n")
+    plain = ("from deferfuse import plain\n"
+             "ext, why = plain.extension()\n"
+             "assert ext is not None, why\n"
+             "assert ext.__file__.startswith(deferfuse.__path__[0]), (ext.__file__, deferfuse.__path__)\n"
+             "assert type(x) is torch.Tensor and type(y) is torch.Tensor, (type(x), type(y))\n"
+             "assert ext.is_plain(x) and ext.is_plain(y)\n"
+             "print('plain', type(y).__name__, y.sum().item())\n")
+    wrapper = ("from deferfuse import _fastpath\n"
+               "from deferfuse.tensor import TpuTensor\n"
+               "assert TpuTensor.__dict__['__torch_dispatch__'].__func__ is _fastpath.dispatch\n"
+               "assert type(y) is TpuTensor, type(y)\n"
+               "print('wrapper', type(y).__name__, y.sum().item())\n")
+    for rep, code in (("plain", plain), ("wrapper", wrapper)):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["DEFERFUSE_TENSOR"] = rep
+        out = subprocess.run([str(py), "-c", common + code], cwd=elsewhere, env=env,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-3:] == [rep, "Tensor" if rep == "plain" else "TpuTensor", "30.0"], out.stdout
 
 
 def test_make_installs_cpu_torch_into_a_clean_venv(tmp_path):
@@ -80,3 +101,30 @@ def test_make_installs_cpu_torch_into_a_clean_venv(tmp_path):
     version, acc, jax_loaded, *extras = out.stdout.split()
     assert version.startswith("2.13.0") and acc == "tpu" and jax_loaded == "False"
     assert extras == ["True", "True"]
+    # the install built the C++ extension against this venv's torch: a tpu tensor is plain
+    code = ("import torch, deferfuse\n"
+            "from deferfuse import plain\n"
+            "ext, why = plain.extension()\n"
+            "assert ext is not None, why\n"
+            "x = torch.ones(3, device='tpu')\n"
+            "assert type(x) is torch.Tensor and x.is_tpu and ext.is_plain(x), type(x)\n"
+            "print(plain.built_for(ext.__file__) == torch.__version__, (x + 1).sum().item())\n")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path,
+                         env={**env, "DEFERFUSE_TENSOR": "plain"}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "6.0"], out.stdout
+
+
+def test_a_missing_compiler_stops_the_build_with_the_fix(tmp_path):
+    # NOTE [extension build] in setup.py: the C++ extension is required, so a missing C++ compiler
+    # stops the install (pip and make exit non-zero) with what to install, not a silent skip.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["CXX"] = str(tmp_path / "nonexistent")
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                        "--build-temp", str(tmp_path / "temp")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "deferfuse: building deferfuse._tpu_tensor (deferfuse/_tpu_tensor.cpp) failed" in r.stderr, r.stderr[-3000:]
+    assert "apt install build-essential python3-dev" in r.stderr and "nonexistent" in r.stderr
+    assert not list((tmp_path / "lib").rglob("_tpu_tensor*"))
