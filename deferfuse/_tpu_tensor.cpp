@@ -36,6 +36,7 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -751,6 +752,8 @@ struct Router {
   PyObject* route = nullptr;    // route(op, args, kwargs) -> result
   PyObject* resolve = nullptr;  // resolve(qualified name, overload name) -> OpOverload
   std::unordered_map<const void*, PyObject*> ops;  // &schema -> OpOverload (never freed)
+  // calls routed per op (&schema -> count; bounded by the op set): `route_stats()`
+  std::unordered_map<const c10::FunctionSchema*, int64_t> routed;
 };
 
 Router& router() {
@@ -1081,7 +1084,8 @@ int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_
 // each tensor's whole geometry and view steps), so two calls with one C++ key have one Python key:
 // the learnt Entry is the one the Python path would find. Anything else goes to the router
 // unchanged: a key it cannot build (a CPU tensor, a Python view step, a device, a generator,
-// lists of numbers at scalar positions ...), in-place and out= ops on existing tensors, strict
+// complex numbers ...; a list of numbers at a scalar position is keyed as its numbers), an
+// in-place foreach call whose written storages are read elsewhere (NOTE [C++ foreach]), strict
 // mode, a cut due, an input pending in another trace. All of it runs under the GIL, which guards
 // the tables. Bounded: a full table is cleared (counted); the engine's eviction of per-op programs
 // clears it too (plain.install).
@@ -1089,11 +1093,19 @@ struct Plan {
   bool ok = false;
   int out = -1;              // the stack index of a written `out` (a fresh one is taken), or -1
   std::vector<char> scalar;  // per argument: a Python number there is a runtime input
+  // NOTE [C++ foreach]: an in-place foreach op (route._foreach): each call is checked for
+  // written storages read elsewhere (foreach_overlaps) before its key is used
+  bool foreach = false;
+  // NOTE [fresh outs] in plain.py: the stack indexes of a structured op's several out= tensors
+  // (nll_loss_forward.output), taken as fresh when every one is
+  std::vector<int> outs;
 };
 
 struct KEntry {
   PyObject* entry = nullptr;  // dispatch.Entry (owned), or null: refused, the router always
   std::vector<OutMeta> outs;  // new outputs (Entry.fast), or none: an op writing its inputs
+  std::vector<char> undefined;  // per new output: None (an output_mask False), an undefined tensor
+  bool list_out = false;      // the op returns one Tensor[] (_foreach_sqrt): the outputs as a list
   size_t n_tensors = 0, n_scalars = 0;
   PyObject* mut = nullptr;    // an op writing its inputs: Entry.out[1] (owned), the written inputs
   std::vector<int> mut_idx;   // the same, as ints
@@ -1117,6 +1129,7 @@ struct Kernel {
   size_t limit = 1 << 16;
   int64_t hits = 0, misses = 0, learned = 0, refused = 0, passed = 0, unkeyed = 0, clears = 0;
   int64_t why[3] = {0, 0, 0};
+  int64_t overlaps = 0;           // foreach calls routed for a written storage read elsewhere
   bool debug = std::getenv("DEFERFUSE_KERNEL_DEBUG") != nullptr;  // refusals to stderr  // passed because: out= geometry, no Storage, the C record path said no
 };
 
@@ -1143,7 +1156,7 @@ struct Call {
   std::vector<std::pair<size_t, size_t>> moving;  // (tensor input, how many starts): empty, so
                                                   // allocating nothing, for calls without windows
   int64_t dev = -1;
-  at::Tensor out;                   // the fresh out= tensor, or undefined
+  std::vector<at::Tensor> fresh;    // the fresh out= tensors (NOTE [fresh out], [fresh outs]), or none
 };
 
 bool special_double(double d) { return d == 0 || d == 1 || d == -1 || d == 2 || d == 0.5; }
@@ -1225,10 +1238,25 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
     k.push_back(-3);
     return true;
   }
-  if (v.isIntList()) {
-    if (scalar) return false;  // its items would be runtime inputs: the router
-    return key_static(k, v);
+  if (scalar && v.isList() && !v.isTensorList()) {
+    // a list of numbers at a scalar position (the per-tensor step sizes of foreach optimizers,
+    // `Scalar[]`): each number as dispatch._encode makes it, a runtime input unless special
+    auto l = v.toListRef();
+    k.push_back(-17);
+    k.push_back(static_cast<int64_t>(l.size()));
+    for (const IValue& x : l) {
+      if (x.isDouble() || x.isInt()) {
+        key_number(c, x, true);
+      } else if (x.isBool()) {
+        k.push_back(-14);
+        k.push_back(x.toBool());
+      } else {
+        return false;  // complex, tensors ...: the router
+      }
+    }
+    return true;
   }
+  if (v.isIntList()) return key_static(k, v);
   if (v.isBoolList()) {
     // a static mask (linear_backward's and native_layer_norm_backward's output_mask, run every
     // training step): Python bools, constants in dispatch.op_key
@@ -1259,23 +1287,42 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
 
 // `stack`'s last n values are the call's arguments; `fresh`: the out= tensor is taken as fresh
 // whatever it holds now (the key of a call the router just ran, NOTE [C++ recording kernel]).
+// A structured op's out= tensor no Python code has seen (NOTE [fresh out]): its storage's base
+// itself, as Plain.route asks (a view of a bucket is not fresh), holding no Storage yet.
+bool is_fresh(const at::Tensor& o) {
+  if (!o.defined() || !is_plain_tensor(o) || meta_of(o) != nullptr || o.storage_offset() != 0)
+    return false;
+  const StorageCtx* ctx = ctx_of(o);
+  return ctx->storage == nullptr && ctx->known && o.sizes() == c10::IntArrayRef(ctx->size) &&
+         o.strides() == c10::IntArrayRef(ctx->stride);
+}
+
 bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit::Stack& stack,
                size_t n, Call& c, bool fresh = false) {
   c.key.reserve(32);
   c.key.push_back(reinterpret_cast<int64_t>(&op.schema()));
   const size_t first = stack.size() - n;
+  // NOTE [fresh outs] in plain.py: several out= tensors are fresh when every one is
+  bool all_fresh = !plan.outs.empty();
+  for (int i : plan.outs) {
+    const IValue& v = stack[first + i];
+    if (!v.isTensor() || !v.toTensor().defined() || !is_plain_tensor(v.toTensor())) return false;
+    all_fresh = all_fresh && (fresh || is_fresh(v.toTensor()));
+  }
   for (size_t i = 0; i < n; ++i) {
     const IValue& v = stack[first + i];
+    if (all_fresh && std::find(plan.outs.begin(), plan.outs.end(), static_cast<int>(i)) != plan.outs.end()) {
+      c.fresh.push_back(v.toTensor());
+      c.key.push_back(-20);
+      continue;
+    }
     if (static_cast<int>(i) == plan.out) {
       // a structured op's out= tensor no Python code has seen (NOTE [fresh out])
       if (!v.isTensor()) return false;
       const at::Tensor& o = v.toTensor();
       if (!o.defined() || !is_plain_tensor(o)) return false;
-      // (its storage's base itself, as Plain.route asks: a view of a bucket is not fresh)
-      if (fresh || (meta_of(o) == nullptr && o.storage_offset() == 0 && ctx_of(o)->storage == nullptr &&
-                    ctx_of(o)->known && o.sizes() == c10::IntArrayRef(ctx_of(o)->size) &&
-                    o.strides() == c10::IntArrayRef(ctx_of(o)->stride))) {
-        c.out = o;
+      if (fresh || is_fresh(o)) {
+        c.fresh.push_back(o);
         c.key.push_back(-20);
         continue;
       }
@@ -1292,6 +1339,53 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
   return true;
 }
 
+// NOTE [C++ foreach]: an in-place foreach op (`_foreach_add_(xs, ys)`, an optimizer's updates) is
+// one op writing every tensor of its first list from the values they held before it
+// (specials._h_foreach_inplace). That holds unless two written tensors share a storage (slices of
+// one flat buffer), or another argument reads a written storage at another index of its list, or
+// as a single tensor (`_foreach_add_(xs, xs[::-1])`): PyTorch's CPU kernel writes element by
+// element, so a later element reads what an earlier one wrote, and the router runs such a call
+// one element at a time. This is specials._reads_written's test (and _fastpath.c's
+// foreach_fast), made per call on the storages: the Storage a context holds, or the context
+// itself before Python made one (one context per storage, shared by its views). True: the router.
+const void* storage_key(const at::Tensor& t) {
+  const StorageCtx* ctx = ctx_of(t);
+  return ctx->storage != nullptr ? static_cast<const void*>(ctx->storage) : static_cast<const void*>(ctx);
+}
+
+bool foreach_overlaps(const torch::jit::Stack& stack, size_t n) {
+  const size_t first = stack.size() - n;
+  if (n == 0 || !stack[first].isTensorList()) return true;
+  auto dsts = stack[first].toTensorList();
+  std::unordered_map<const void*, size_t> written;
+  written.reserve(dsts.size() * 2);
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const at::Tensor& t = dsts.get(i);
+    if (!t.defined() || !is_plain_tensor(t)) return true;
+    if (!written.emplace(storage_key(t), i).second) return true;
+  }
+  if (dsts.size() == 1) return false;  // one written tensor: one op whatever it reads (specials.py)
+  for (size_t a = 1; a < n; ++a) {
+    const IValue& v = stack[first + a];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (t.defined() && is_plain_tensor(t) && written.count(storage_key(t))) return true;
+    } else if (v.isTensorList()) {
+      auto l = v.toTensorList();
+      for (size_t j = 0; j < l.size(); ++j) {
+        const at::Tensor& t = l.get(j);
+        if (!t.defined() || !is_plain_tensor(t)) continue;
+        auto it = written.find(storage_key(t));
+        if (it != written.end() && it->second != j) return true;
+      }
+    } else if (v.isList()) {
+      for (const IValue& x : v.toListRef())
+        if (x.isTensor()) return true;  // an optional tensor list: not a foreach op's
+    }
+  }
+  return false;
+}
+
 [[noreturn]] void rethrow_python() {
   python_error err;
   err.persist();
@@ -1302,10 +1396,15 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
 // changed) when the router must take it. Holds the GIL.
 bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   auto& K = kernel();
-  if (c.out.defined()) {
-    const auto& m = e.outs[0];
-    if (c.out.scalar_type() != m.dtype || c.out.sizes() != c10::IntArrayRef(m.size) ||
-        c.out.strides() != c10::IntArrayRef(m.stride) || c.out.device().index() != c.dev) {
+  for (size_t k = 0; k < c.fresh.size(); ++k) {
+    const at::Tensor& o = c.fresh[k];
+    if (k >= e.outs.size() || e.undefined[k]) {
+      ++K.why[0];
+      return false;
+    }
+    const auto& m = e.outs[k];
+    if (o.scalar_type() != m.dtype || o.sizes() != c10::IntArrayRef(m.size) ||
+        o.strides() != c10::IntArrayRef(m.stride) || o.device().index() != c.dev) {
       ++K.why[0];
       return false;
     }
@@ -1375,6 +1474,10 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
       ++K.why[2];
       return false;
     }
+    if (e.ret < 0) {  // an op returning nothing (in-place foreach ops: "-> ()")
+      torch::jit::drop(*stack, n);
+      return true;
+    }
     IValue out = (*stack)[stack->size() - n + e.ret];
     torch::jit::drop(*stack, n);
     stack->push_back(std::move(out));
@@ -1397,8 +1500,12 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   for (size_t k = 0; k < e.outs.size(); ++k) {
     PyObject* st = PyTuple_GET_ITEM(r, k);
     at::Tensor t;
-    if (c.out.defined()) {
-      t = c.out;
+    if (e.undefined[k]) {  // a None output (an output_mask False): an undefined tensor
+      outs.emplace_back(std::move(t));
+      continue;
+    }
+    if (!c.fresh.empty()) {
+      t = c.fresh[k];
     } else {
       const auto& m = e.outs[k];
       DeviceScope g(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(c.dev)));
@@ -1411,6 +1518,13 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     outs.emplace_back(std::move(t));
   }
   torch::jit::drop(*stack, n);
+  if (e.list_out) {  // one Tensor[] (_foreach_sqrt)
+    c10::List<at::Tensor> l;
+    l.reserve(outs.size());
+    for (auto& o : outs) l.push_back(o.toTensor());
+    stack->push_back(std::move(l));
+    return true;
+  }
   for (auto& o : outs) stack->push_back(std::move(o));
   return true;
 }
@@ -1424,7 +1538,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     // the arguments' key after the router ran: an out= tensor it resized has another signature
     // now, and the Entry Python finds is that one's, not the call's
     Call after;
-    if (!build_key(op, plan, args, args.size(), after, c.out.defined()) || after.key != c.key) {
+    if (!build_key(op, plan, args, args.size(), after, !c.fresh.empty()) || after.key != c.key) {
       if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
                              << op.schema().overload_name() << ": its key changed in the router\n";
       ++K.refused;
@@ -1438,15 +1552,15 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
   }
   KEntry e;
   py::object got = py::reinterpret_borrow<py::object>(K.learn_fn)(
-      func, positional, kwargs, py::bool_(c.out.defined()), result);
-  bool ok = !got.is_none() && nret >= 1;
+      func, positional, kwargs, py::bool_(!c.fresh.empty()), result);
+  bool ok = !got.is_none();
   py::tuple g;
   if (ok) {
     g = got.cast<py::tuple>();
     e.n_tensors = g[1].cast<size_t>();
     e.n_scalars = g[2].cast<size_t>();
     ok = e.n_tensors == c.tensors.size() && e.n_scalars == c.scalars.size() &&
-         (!c.out.defined() || nret == 1);
+         (c.fresh.empty() || nret == c.fresh.size());
     // NOTE [C++ moving windows]: the op path's `_dyn` of each input, the starts the key left out
     py::tuple dyn = g[g.size() - 1].cast<py::tuple>();
     ok = ok && dyn.size() == c.tensors.size();
@@ -1460,8 +1574,9 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     }
   }
   if (ok && g.size() == 7) {
-    // an op writing its inputs: (Entry, tensors, scalars, Entry.out[1], overwrites, returned)
-    ok = nret == 1 && !c.out.defined();
+    // an op writing its inputs: (Entry, tensors, scalars, Entry.out[1], overwrites, returned
+    // or -1: it returns nothing, as the in-place foreach ops)
+    ok = nret <= 1 && c.fresh.empty();
     for (auto m : g[3]) {
       int mi = m.cast<int>();
       ok = ok && mi >= 0 && static_cast<size_t>(mi) < c.tensors.size();
@@ -1469,24 +1584,45 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     }
     e.overwrites = g[4].cast<bool>();
     e.ret = g[5].cast<int>();
-    ok = ok && !e.mut_idx.empty() && e.ret >= 0 && static_cast<size_t>(e.ret) < args.size() &&
-         args[e.ret].isTensor() && stack.back().isTensor() &&
-         stack.back().toTensor().unsafeGetTensorImpl() == args[e.ret].toTensor().unsafeGetTensorImpl();
+    if (e.ret < 0) {
+      ok = ok && !e.mut_idx.empty() && nret == 0;
+    } else {
+      ok = ok && !e.mut_idx.empty() && nret == 1 && static_cast<size_t>(e.ret) < args.size() &&
+           args[e.ret].isTensor() && stack.back().isTensor() &&
+           stack.back().toTensor().unsafeGetTensorImpl() == args[e.ret].toTensor().unsafeGetTensorImpl();
+    }
     if (ok) {
       e.mut = py::object(g[3]).release().ptr();
       e.entry = py::object(g[0]).release().ptr();
     }
-  } else if (ok) {
-    for (size_t r = stack.size() - nret; ok && r < stack.size(); ++r) {
-      const auto& v = stack[r];
-      ok = v.isTensor() && v.toTensor().defined() && is_plain_tensor(v.toTensor());
-      if (!ok) break;
-      const auto& t = v.toTensor();
+  } else if (ok && nret >= 1) {
+    // the new outputs: each returned tensor, or the items of one returned Tensor[]
+    std::vector<IValue> vals;
+    const auto& rets = op.schema().returns();
+    e.list_out = nret == 1 && rets[0].type()->kind() == c10::TypeKind::ListType;
+    if (e.list_out) {
+      ok = stack.back().isTensorList() && c.fresh.empty();
+      if (ok)
+        for (const at::Tensor& t : stack.back().toTensorList()) vals.emplace_back(t);
+    } else {
+      vals.assign(stack.end() - nret, stack.end());
+    }
+    for (size_t r = 0; ok && r < vals.size(); ++r) {
+      const auto& v = vals[r];
       OutMeta m;
-      m.size = t.sizes().vec();
-      m.stride = t.strides().vec();
-      m.dtype = t.scalar_type();
+      // an undefined tensor is a None output (Plain.learn checked that the Entry has None there)
+      const bool none = v.isNone() || (v.isTensor() && !v.toTensor().defined());
+      ok = none ? (r >= c.fresh.size())
+                : v.isTensor() && is_plain_tensor(v.toTensor());
+      if (!ok) break;
+      if (!none) {
+        const auto& t = v.toTensor();
+        m.size = t.sizes().vec();
+        m.stride = t.strides().vec();
+        m.dtype = t.scalar_type();
+      }
       e.outs.push_back(std::move(m));
+      e.undefined.push_back(none ? 1 : 0);
     }
     if (ok) e.entry = py::object(g[0]).release().ptr();
   }
@@ -1509,6 +1645,14 @@ void kernel_plan(const c10::OperatorHandle& op, py::handle func) {
     p.out = g[0].cast<int>();
     for (auto f : g[1]) p.scalar.push_back(f.cast<bool>());
     p.ok = p.scalar.size() == op.schema().arguments().size();
+    if (g.size() >= 4) {
+      p.foreach = g[2].cast<bool>();  // NOTE [C++ foreach]
+      for (auto i : g[3]) {           // NOTE [fresh outs]
+        int k = i.cast<int>();
+        p.ok = p.ok && k >= 0 && static_cast<size_t>(k) < p.scalar.size() && p.out < 0;
+        p.outs.push_back(k);
+      }
+    }
   }
   K.plans.emplace(&op.schema(), std::move(p));
 }
@@ -1567,8 +1711,11 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     if (pit != K.plans.end()) {
       plan = &pit->second;
       if (plan->ok && build_key(op, *plan, *stack, n, call)) {
-        auto it = K.entries.find(call.key);
-        if (it == K.entries.end()) {
+        const bool overlaps = plan->foreach && foreach_overlaps(*stack, n);
+        auto it = overlaps ? K.entries.end() : K.entries.find(call.key);
+        if (overlaps) {
+          ++K.overlaps;  // NOTE [C++ foreach]: the router, one element at a time; nothing learnt
+        } else if (it == K.entries.end()) {
           ++K.misses;
           learn = true;
         } else if (it->second.entry != nullptr && kernel_hit(it->second, call, stack, n)) {
@@ -1594,6 +1741,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     }
   }
   PyObject* func = py_op(op);
+  ++router().routed[&schema];
   py::tuple pos(positional);
   py::object out;
   try {
@@ -1855,13 +2003,24 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     d["entries"] = K.entries.size(); d["plans"] = K.plans.size(); d["clears"] = K.clears;
     d["passed_out_geometry"] = K.why[0]; d["passed_no_storage"] = K.why[1];
     d["passed_record_refused"] = K.why[2];
+    d["passed_overlap"] = K.overlaps;
     return d;
   });
   m.def("reset_kernel_stats", []() {
     auto& K = kernel();
     K.hits = K.misses = K.learned = K.refused = K.passed = K.unkeyed = 0;
     K.why[0] = K.why[1] = K.why[2] = 0;
+    K.overlaps = 0;
   });
+  m.def("route_stats", []() {
+    py::dict d;
+    for (const auto& kv : router().routed) {
+      const auto& s = *kv.first;
+      d[py::str(s.overload_name().empty() ? s.name() : s.name() + "." + s.overload_name())] = kv.second;
+    }
+    return d;
+  }, "calls the fallback handed to the Python router, per op ('aten::name.overload' -> count)");
+  m.def("reset_route_stats", []() { router().routed.clear(); });
   m.def("sig", [](const at::Tensor& t) { return is_plain_tensor(t) ? sig_of(t) : -1; },
         "NOTE [C++ signatures]: the tensor's signature id, or -1");
   m.def("sig_desc", [](int64_t id) -> py::object {

@@ -272,50 +272,69 @@ class Plain:
     # -- the C++ recording kernel's two callbacks (NOTE [C++ recording kernel] in _tpu_tensor.cpp)
 
     def plan(self, func):
-        """Whether the kernel may take ``func`` (its route is dispatch._run, it draws no random
-        numbers, and a ``.out`` op's out= is its last argument), as ``(index of out or -1, [a
-        Python number at this argument is a runtime input])``, or None. Called once per op,
-        after its first call through the router. A fresh out= tensor is keyed as the functional
-        op's call (NOTE [fresh out]), any other as the op's own."""
-        from . import dispatch
+        """Whether the kernel may take ``func`` (its route is dispatch._run or an in-place
+        foreach op's, it draws no random numbers, and a ``.out`` op's out= is its last argument),
+        as ``(index of out or -1, [a Python number at this argument is a runtime input],
+        whether each call is checked as NOTE [C++ foreach] says, the indexes of several out=
+        tensors (NOTE [fresh outs]) or ())``, or None. Called once per op, after its first call
+        through the router. Fresh out= tensors are keyed as the functional op's call (NOTE
+        [fresh out]), any other as the op's own."""
+        from . import dispatch, route
         args = func._schema.arguments
-        out, f = -1, func
+        out, f, outs = -1, func, ()
         name = self.out_name(func)
         if name is not None:
             out = next(i for i, a in enumerate(args) if a.name == name)
             if out != len(args) - 1:
                 return None
             f = self.functional_of(func) or func
+        else:
+            m = self.multi_outs(func)
+            if m is not None:
+                # NOTE [fresh outs]: the out= tensors, the last arguments (keyword-only)
+                outs = tuple(i for i, a in enumerate(args) if a.name in m[0])
+                if outs != tuple(range(len(args) - len(outs), len(args))):
+                    return None
+                f = m[1]
         r = _kernel_route(f)
-        if r[0] is not dispatch._run:
+        # NOTE [C++ foreach] in _tpu_tensor.cpp: an in-place foreach op is dispatch._run once
+        # the kernel checked the call as specials._h_foreach_inplace does
+        foreach = r[0] is route._foreach
+        if r[0] is not dispatch._run and not foreach:
             return None
         info = r[1]
         if info.low.rng:
             return None
         if info.low.static:
-            return out, [False] * len(args)
+            return out, [False] * len(args), foreach, outs
         return out, [(a.name in info.scalar_kw) if a.kwarg_only else (i in info.scalar_pos)
-                     for i, a in enumerate(args)]
+                     for i, a in enumerate(args)], foreach, outs
 
     def learn(self, func, args, kwargs, fresh, result):
         """The op cache's Entry the op path used for this call (the router ran it just now), as
         ``(Entry, tensor inputs, scalar inputs)`` when the kernel can record its hits: an Entry
-        with new outputs only (``Entry.fast``), no dynamic offsets, output metadata equal to the
-        router's result; or, for an op writing its inputs (in place, out=), ``(Entry, tensor
-        inputs, scalar inputs, Entry.out[1], OpInfo.overwrites, the stack index of the argument
-        it returns)``; either followed by each tensor input's dynamic offsets (``_dyn``), which
+        with new outputs only (``Entry.fast``; a tuple or a list of them, None where the router
+        returned None: an ``output_mask`` False), no dynamic offsets, output metadata equal to the
+        router's result; or, for an op writing its inputs (in place, out=, in-place foreach),
+        ``(Entry, tensor inputs, scalar inputs, Entry.out[1], OpInfo.overwrites, the stack index
+        of the argument it returns or -1 when it returns nothing)``; either followed by each tensor input's dynamic offsets (``_dyn``), which
         the kernel checks against the starts it left out of its key (NOTE [C++ moving windows]
         in _tpu_tensor.cpp). None otherwise (the kernel then leaves the key to the router)."""
-        from . import dispatch
+        from . import dispatch, route
         f, kw = func, kwargs
         if fresh:
-            f = self.functional_of(func)
             name = self.out_name(func)
-            kw = {k: v for k, v in kwargs.items() if k != name}
+            if name is not None:
+                f = self.functional_of(func)
+                kw = {k: v for k, v in kwargs.items() if k != name}
+            else:       # NOTE [fresh outs]: several
+                m = self.multi_outs(func)
+                f = m[1] if m is not None else None
+                kw = {k: v for k, v in kwargs.items() if m is None or k not in m[0]}
         if f is None:
             return None
         r = _kernel_route(f)
-        if r[0] is not dispatch._run:
+        if r[0] is not dispatch._run and r[0] is not route._foreach:
             return None
         if f is aten.copy_.default:
             args, kw = args[:2], {}     # as specials._h_copy runs it (non_blocking dropped)
@@ -333,20 +352,27 @@ class Plain:
         if e.fast is None:
             info = r[1]
             mut = e.out[1]
-            if not mut or info.kind not in ("self_mut", "func_mut") or len(info.returns) != 1 \
-                    or info.returns[0] is None:
+            if not mut or info.kind not in ("self_mut", "func_mut"):
                 return None
-            return (e, len(tensors), len(scalars), tuple(mut), bool(info.overwrites),
-                    info.returns[0][0], dyn)
+            if not info.returns:        # "-> ()": the in-place foreach ops (NOTE [C++ foreach])
+                ret = -1
+            elif len(info.returns) != 1 or info.returns[0] is None:
+                return None
+            else:
+                ret = info.returns[0][0]
+            return (e, len(tensors), len(scalars), tuple(mut), bool(info.overwrites), ret, dyn)
         if type(e.fast) is tuple:
             metas, res = [e.fast], [result]
-        elif e.out[0][0] == "tuple" and type(result) is tuple:
+        elif (e.out[0][0] == "tuple" and type(result) is tuple
+              or e.out[0][0] == "list" and type(result) is list):
             metas, res = e.fast, list(result)
         else:
             return None
         if len(metas) != len(res):
             return None
         for m, t in zip(metas, res):
+            if m is None and t is None:     # an output_mask False (linear_backward): None there
+                continue
             if (m is None or not isinstance(t, torch.Tensor) or not self.is_plain(t)
                     or t.dtype != m[0] or tuple(t.shape) != m[1]
                     or t.stride() != (m[2] or _contig(m[1])) or t.storage_offset() != 0):

@@ -359,7 +359,9 @@ def _h_foreach_inplace(func, args, kwargs):
                 break
             seen[id(d._s)] = i
     else:
-        if not _reads_written(args, kwargs, seen):
+        # one written tensor is one op whatever it reads (CPU's ``t.mul_(t)``): run one element
+        # at a time, ``_foreach_mul_([t], t)`` called itself again, for ever
+        if len(dsts) == 1 or not _reads_written(args, kwargs, seen):
             return _run(func, op_info(func), args, kwargs)
     if func is aten._foreach_copy_.default:
         srcs = args[1]

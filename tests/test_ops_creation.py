@@ -191,6 +191,18 @@ def test_foreach_functional_and_inplace():
     assert_same(inplace(ta, tb, tc), inplace(a, b, c), atol=1e-5, rtol=1e-5)
 
 
+def test_foreach_inplace_reading_its_own_written_tensor():
+    """An in-place foreach op whose single tensor argument is one it writes runs one element at a
+    time, as CPU writes (the last element reads the middle one's new value); the one-element call
+    that leaves is one op (it recursed for ever before)."""
+    zs = [torch.tensor(v) for v in (2.0, 3.0, 5.0)]
+    ts = _tpu(zs)
+    for xs in (zs, ts):
+        torch._foreach_mul_(xs, xs[1])
+        torch._foreach_add_(xs[2:], xs[2])
+    assert_same(ts, zs)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
