@@ -837,7 +837,7 @@ def _packed_kernels(route):
     imported (the dispatcher keeps a kernel for an op defined later), so importing deferfuse never
     imports that module (it imports Dynamo). Returns the ``Library`` (kept by its owner)."""
     lib = torch.library.Library("torch_attn", "IMPL")
-    for name in ("_varlen_attn", "_varlen_attn_backward"):
+    for name in ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward"):
         def kernel(*args, _name=name, **kwargs):
             return route(getattr(torch.ops.torch_attn, _name).default, args, kwargs)
         lib.impl(name, kernel, "PrivateUse1")
