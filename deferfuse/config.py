@@ -45,6 +45,17 @@ def _mode(s: str) -> str:
     return s
 
 
+TENSORS = ("plain", "wrapper")
+
+
+def _tensor(s: str) -> str:
+    s = s.strip().lower()
+    if s not in TENSORS:
+        raise ValueError(f"DEFERFUSE_TENSOR={s!r} is not a tensor representation; expected one of "
+                         f"{', '.join(TENSORS)}")
+    return s
+
+
 def _bytes(s: str) -> int:
     s = s.strip().lower()
     mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -72,6 +83,10 @@ SETTINGS = {s.name: s for s in [
             "run every fused region also op by op and raise at the first op that differs"),
     Setting("c_record", "DEFERFUSE_C_RECORD", True, _bool,
             "record the common ops through the C record path (deferfuse/_fastpath.c); 0: Python only"),
+    Setting("tensor", "DEFERFUSE_TENSOR", "plain", _tensor,
+            "what a tpu tensor is: plain (a PrivateUse1 tensor of the C++ extension "
+            "deferfuse._tpu_tensor) or wrapper (the TpuTensor subclass: a transition switch, removed "
+            "with it); read at import (NOTE [tensor representation] in deferfuse/plain.py)"),
     Setting("source_lines", "DEFERFUSE_SOURCE_LINES", True, _bool,
             "remember the user's source line of every recorded op (for error messages)"),
     Setting("cpu_fallback", "DEFERFUSE_CPU_FALLBACK", True, _bool,

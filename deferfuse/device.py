@@ -422,6 +422,8 @@ def register() -> None:
     from .route import dispatch
     from .specials import empty_memory_format, empty_strided, _h_copy_from, _h_item
     from . import distributed
+    if plain.ENABLED:
+        plain.require()         # NOTE [tensor representation]: before anything registers
     distributed.register()      # before the first device lookup (NOTE [distributed start])
 
     # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at

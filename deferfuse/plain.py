@@ -1,7 +1,7 @@
 """The Python half of the plain PrivateUse1 ``tpu`` tensor (issue 34; docs/cxx-plan.md).
 
-With ``DEFERFUSE_TENSOR=plain`` (read once, at import; the default, ``wrapper``, is the
-``TpuTensor`` subclass) a tpu tensor is a plain PrivateUse1 tensor made by the C++ extension
+By default (``DEFERFUSE_TENSOR``, read once, at import; ``wrapper`` selects the ``TpuTensor``
+subclass, NOTE [tensor representation]) a tpu tensor is a plain PrivateUse1 tensor made by the C++ extension
 ``deferfuse._tpu_tensor`` (NOTE [plain tensor] in _tpu_tensor.cpp): empty tensors and the core
 view ops are C++ kernels, and every other op reaches one boxed C++ fallback that calls
 ``Plain.route`` here.
@@ -23,13 +23,25 @@ from weakref import ref as _weakref
 
 import torch
 
+from .config import config
 from .engine import user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
 from .scheduler.records import Value, sig_id
 from .tensor import Storage, TpuTensor, make
 
-ENABLED = os.environ.get("DEFERFUSE_TENSOR", "wrapper") == "plain"
+# NOTE [tensor representation]: a tpu tensor is the plain PrivateUse1 tensor unless
+# ``DEFERFUSE_TENSOR=wrapper`` (config.tensor) selects the ``TpuTensor`` wrapper subclass, a
+# transition switch that goes with the wrapper. The choice is made once, at import, for the whole
+# process. When the extension cannot be loaded (not built, or built for another torch),
+# ``import deferfuse`` raises ImportError naming the fix (``require``) rather than falling back to
+# the wrapper with a warning: a fallback would change what a tpu tensor is between two processes
+# of one job or one test run (a worker or a fresh venv without the build) with a warning as the
+# only sign, every representation-specific path (compiled graphs, checkpoints, the router) would
+# differ with it, and the wrapper it falls back to is to be deleted. The build is part of the
+# install, so the error means a broken install; it says how to rebuild and how to choose the
+# wrapper meanwhile.
+ENABLED = config.tensor == "plain"
 # the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp); 0: the router only
 KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 
@@ -784,12 +796,20 @@ def extension():
     return _tpu_tensor, None
 
 
-def install() -> Plain:
-    """Register the C++ kernels, allocator and fallback (device.register, with the flag on)."""
-    global PLAIN
+def require():
+    """The C++ extension, or ImportError naming the fix (NOTE [tensor representation])."""
     ext, why = extension()
     if ext is None:
-        raise RuntimeError(f"DEFERFUSE_TENSOR=plain: {why}")
+        raise ImportError(f"the tpu tensor needs the C++ extension: {why}; or set "
+                          "DEFERFUSE_TENSOR=wrapper for the TpuTensor subclass meanwhile (a "
+                          "transition switch, to be removed)")
+    return ext
+
+
+def install() -> Plain:
+    """Register the C++ kernels, allocator and fallback (device.register, the plain tensor)."""
+    global PLAIN
+    ext = require()
     from . import route, specials
     # The op path's entry as a TpuTensor op reaches it: the C record path first (NOTE [C record
     # path] in _fastpath.c), which hands what it does not take to ``dispatch``'s Python path.
@@ -868,7 +888,7 @@ def _packed_kernels(route):
     imported (the dispatcher keeps a kernel for an op defined later), so importing deferfuse never
     imports that module (it imports Dynamo). Returns the ``Library`` (kept by its owner)."""
     lib = torch.library.Library("torch_attn", "IMPL")
-    for name in ("_varlen_attn", "_varlen_attn_backward"):
+    for name in ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward"):
         def kernel(*args, _name=name, **kwargs):
             return route(getattr(torch.ops.torch_attn, _name).default, args, kwargs)
         lib.impl(name, kernel, "PrivateUse1")

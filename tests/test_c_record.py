@@ -11,11 +11,19 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse import _fastpath
+from deferfuse import _fastpath, plain
 from deferfuse.engine import engine
 from deferfuse.tensor import TpuTensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tests of the wrapper subclass's own entry (TpuTensor.__torch_dispatch__ is the C path, NOTE [C
+# record path]): on the plain tensor (the default, NOTE [tensor representation]) ops enter through
+# the C++ kernel instead, so these run in a wrapper process (test_wrapper_entry_in_a_wrapper_process)
+WRAPPER_ENTRY = ("test_the_c_path_is_the_dispatch_and_takes_common_ops",
+                 "test_casts_and_windows_that_do_not_move_take_the_c_path")
+wrapper_entry = pytest.mark.skipif(
+    plain.ENABLED, reason="the wrapper subclass's entry: run under DEFERFUSE_TENSOR=wrapper by "
+                          "test_wrapper_entry_in_a_wrapper_process")
 
 
 def _hits():
@@ -63,6 +71,7 @@ def _record(fn, *args):
     return out, rec
 
 
+@wrapper_entry
 @pytest.mark.modes("defer")
 def test_the_c_path_is_the_dispatch_and_takes_common_ops(tpu_mode):
     assert TpuTensor.__dict__["__torch_dispatch__"].__func__ is _fastpath.dispatch
@@ -75,6 +84,7 @@ def test_the_c_path_is_the_dispatch_and_takes_common_ops(tpu_mode):
     torch.testing.assert_close(y.cpu(), (_inputs("cpu")[0] @ _inputs("cpu")[1]).relu() * 3)
 
 
+@wrapper_entry
 @pytest.mark.modes("defer")
 def test_casts_and_windows_that_do_not_move_take_the_c_path(tpu_mode):
     xc = _inputs("cpu")[0][:1]
@@ -88,6 +98,18 @@ def test_casts_and_windows_that_do_not_move_take_the_c_path(tpu_mode):
         torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
         assert g.stride() == w.stride() and g.dtype == w.dtype
     assert x.to("cpu", torch.float64).device.type == "cpu"     # other devices: the Python path
+
+
+@pytest.mark.skipif(not plain.ENABLED, reason="this process is the wrapper's: they run here")
+@pytest.mark.modes("defer")
+def test_wrapper_entry_in_a_wrapper_process(tpu_mode):
+    """The tests of the wrapper's entry (WRAPPER_ENTRY) under DEFERFUSE_TENSOR=wrapper."""
+    env = dict(os.environ, DEFERFUSE_TENSOR="wrapper")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                        "no:xdist", __file__, "-k", " or ".join(WRAPPER_ENTRY)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith(f"{len(WRAPPER_ENTRY)} passed, "), r.stdout[-500:]
 
 
 @pytest.mark.modes("strict")

@@ -10,7 +10,7 @@ import deferfuse
 from deferfuse import plain
 
 if not plain.ENABLED:
-    pytest.skip("the plain tpu tensor is off: run with DEFERFUSE_TENSOR=plain (make test-cxx)",
+    pytest.skip("the plain tpu tensor is off (DEFERFUSE_TENSOR=wrapper): these are its tests",
                 allow_module_level=True)
 if plain.extension()[0] is None:
     pytest.skip(plain.extension()[1], allow_module_level=True)
