@@ -1113,7 +1113,24 @@ class _WlmLSTM(nn.Module):
         return (w.new_zeros(1, bsz, self.d), w.new_zeros(1, bsz, self.d))
 
 
-def _wlm_lstm_phases(model, dev, phases, bptt=6, rows=13, corpus_len=None):
+def _wlm_step(model, x, y, h, train):
+    """One step of word_language_model's training loop (``train``) or of its ``evaluate()``:
+    the hidden state detached, the forward pass and the loss, then ``clip_grad_norm_`` and the
+    manual ``p.data.add_``. (loss.item(), the new hidden state)."""
+    h = tuple(v.detach() for v in h)
+    with torch.set_grad_enabled(train):
+        out, h = model(x, h)
+        loss = F.nll_loss(out, y)
+    if train:
+        model.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.5)
+    return loss.item(), h
+
+
+def _wlm_lstm_phases(model, dev, phases, bptt=6, rows=13, corpus_len=None, step=_wlm_step):
     """word_language_model's ``evaluate()`` (and its training loop) at each (batch, train) of
     ``phases``, over ``rows`` rows of data batchified at that batch (two bptt chunks), or, with
     ``corpus_len``, over one corpus of that length batchified as its ``batchify`` does (``N // B``
@@ -1129,17 +1146,8 @@ def _wlm_lstm_phases(model, dev, phases, bptt=6, rows=13, corpus_len=None):
         model.train(train)
         for i in range(0, rows - 1, bptt):
             x, y = src[i:i + bptt], src[i + 1:i + 1 + bptt].reshape(-1)
-            h = tuple(v.detach() for v in h)
-            with torch.set_grad_enabled(train):
-                out, h = model(x, h)
-                loss = F.nll_loss(out, y)
-            if train:
-                model.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-                for p in model.parameters():
-                    p.data.add_(p.grad, alpha=-0.5)
-            losses.append(loss.item())
+            loss, h = step(model, x, y, h, train)
+            losses.append(loss)
         counts.append(_compiles() - c0)
     return losses, counts
 
@@ -1162,7 +1170,8 @@ def test_word_language_model_lstm_evaluated_at_new_batches_runs_in_buckets():
     assert counts[1] <= 2 and counts[2] == 0 and counts[3] == 0, counts
     m = deferfuse.metrics()
     assert not m["bucket_refusals"] and m["shape_splits"] == 0 and m["shape_fallbacks"] == 0, m
-    assert m["bucketed_runs"] == 6, m["bucketed_runs"]
+    # two chunks and the initial state's zeros (NOTE [carried setup]) at batches 10, 7 and 10
+    assert m["bucketed_runs"] == 9, m["bucketed_runs"]
     deferfuse.clear_caches()
 
 
@@ -1185,7 +1194,75 @@ def test_word_language_model_lstm_over_one_corpus_batchified_at_new_batches():
     assert counts[1] <= 2 and counts[2] == 0 and counts[3] == 0, counts
     m = deferfuse.metrics()
     assert not m["bucket_refusals"] and m["shape_splits"] == 0 and m["shape_fallbacks"] == 0, m
-    assert m["bucketed_runs"] == 4, m["bucketed_runs"]
+    # two regions and the initial state's zeros (NOTE [carried setup]) at batches 7 and 8
+    assert m["bucketed_runs"] == 6, m["bucketed_runs"]
+    deferfuse.clear_caches()
+
+
+def _wlm_eval_inline(model, dev, phases, bptt=6, rows=13):
+    """``_wlm_lstm_phases``'s evaluation with its step written inline, as ``evaluate()`` is
+    (``h`` rebound in this frame, where a helper's caller still holds the ``h`` it passed)."""
+    g = torch.Generator().manual_seed(3)
+    corpus = torch.randint(0, model.ntoken, (rows * 32,), generator=g)
+    losses, counts = [], []
+    for b, _ in phases:
+        c0 = _compiles()
+        src = corpus[:rows * b].view(b, -1).t().contiguous().to(dev)
+        h = model.init_hidden(b)
+        model.eval()
+        for i in range(0, rows - 1, bptt):
+            x, y = src[i:i + bptt], src[i + 1:i + 1 + bptt].reshape(-1)
+            h = tuple(v.detach() for v in h)
+            with torch.no_grad():
+                out, h = model(x, h)
+                loss = F.nll_loss(out, y)
+            losses.append(loss.item())
+        counts.append(_compiles() - c0)
+    return losses, counts
+
+
+class _WlmRunner:
+    """The step as a method, called from the loop (a third place for the same ops)."""
+
+    def step(self, model, x, y, h, train):
+        return _wlm_step(model, x, y, h, train)
+
+
+@pytest.mark.modes("defer")
+def test_the_same_step_inline_in_a_helper_or_a_method_runs_the_same_regions():
+    """NOTE [carried setup] (scheduler/cut.py): the evaluation loop with its step inline, in a
+    helper function and in a method runs the same regions, in buckets alike, with the same
+    programs made or loaded per phase, and gives CPU's losses. (Inline, the initial hidden state
+    is dead at the chunk's ``loss.item()``; through a helper its caller still holds it, and its
+    zeros ran as a region of their own: 9 regions against 6 over these phases, 6 in buckets
+    against 4.)"""
+    import copy
+    torch.manual_seed(0)
+    model = _WlmLSTM()
+    phases = ((20, False), (10, False), (7, False))
+    want, _ = _wlm_lstm_phases(model, "cpu", phases)
+    seen = {}
+    for how in ("inline", "helper", "method"):
+        deferfuse.clear_caches()
+        deferfuse.reset_metrics()
+        tmodel = copy.deepcopy(model).to("tpu")
+        made = []
+        for ph in phases:
+            c0 = deferfuse.metrics()
+            if how == "inline":
+                got, _ = _wlm_eval_inline(tmodel, "tpu", (ph,))
+            else:
+                step = _wlm_step if how == "helper" else _WlmRunner().step
+                got, _ = _wlm_lstm_phases(tmodel, "tpu", (ph,), step=step)
+            assert got == pytest.approx(want[2 * len(made):2 * len(made) + 2], rel=1e-5,
+                                        abs=1e-6), how
+            c1 = deferfuse.metrics()
+            made.append(sum(c1[k] - c0[k] for k in ("compiles", "disk_cache_hits")))
+        m = deferfuse.metrics()
+        seen[how] = (m["regions_run"], m["bucketed_runs"], m["setup_splits"], made)
+        assert not m["bucket_refusals"] and m["shape_fallbacks"] == 0, (how, m)
+    assert seen["inline"] == seen["helper"] == seen["method"], seen
+    assert seen["inline"][2] == len(phases), seen     # each phase's zeros run first, once
     deferfuse.clear_caches()
 
 
@@ -1200,17 +1277,8 @@ def _wlm_lstm_chunks(model, dev, lens, train, b=4, rows=40):
     for n in lens:
         x, y = src[i:i + n], src[i + 1:i + 1 + n].reshape(-1)
         i += n
-        h = tuple(v.detach() for v in h)
-        with torch.set_grad_enabled(train):
-            out, h = model(x, h)
-            loss = F.nll_loss(out, y)
-        if train:
-            model.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-            for p in model.parameters():
-                p.data.add_(p.grad, alpha=-0.5)
-        losses.append(loss.item())
+        loss, h = _wlm_step(model, x, y, h, train)
+        losses.append(loss)
         counts.append(_compiles())
     return losses, counts
 
