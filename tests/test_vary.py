@@ -202,7 +202,8 @@ for t in (3, 5, 6, 7, 9):     # a growing length: bucket programs (pointwise ops
 m = deferfuse.metrics()
 print(",".join(f"{v:.6f}" for v in losses), err, m["compiles"], m["program_disk_hits"],
       "loaded from" in deferfuse.report(file=False), m["jax_disk_hits"],
-      __import__("deferfuse.meta").meta.memo.hits)
+      __import__("deferfuse.meta").meta.memo.hits, m["caches"]["op entries on disk"]["hits"],
+      m["caches"]["op entries on disk"]["misses"])
 """
 
 
@@ -223,8 +224,10 @@ def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
     # ... from deferfuse's store, whole: none traced and lowered again for JAX's cache to answer
     # (bucket programs with a pointwise op on the padding had no stable key and were, each process)
     assert int(second[5]) == 0, second
-    # Output shapes came from the first process's meta kernels (NOTE [meta memo] in meta.py).
-    assert int(first[6]) == 0 and int(second[6]) > 0, runs
+    # Op entries came from the first process's (NOTE [entries on disk] in entries.py): no meta
+    # kernel and no meta memo lookup (NOTE [meta memo] in meta.py) made one.
+    assert int(first[6]) == 0 and int(first[7]) == 0 and int(first[8]) > 0, runs
+    assert int(second[6]) == 0 and int(second[7]) > 0 and int(second[8]) == 0, runs
     want = [((torch.arange(t, dtype=torch.float32) * 0.3 + 1).tanh() * 2).sum().item()
             for t in (3, 5, 6, 7, 9)]
     assert [float(v) for v in first[0].split(",")[-5:]] == pytest.approx(want, rel=1e-5), first
@@ -321,6 +324,104 @@ def test_learned_store_checks_what_it_reads(tmp_path):
     e = LearnedStore()
     e.enable(str(tmp_path), lambda: "env one")
     assert e.step("s") is None and e.corrupt == 1
+
+
+def _entries_round(tmp_path, monkeypatch, env="test environment"):
+    """Ops of several kinds (a matmul, layer norm, in-place and view ops, a two-output topk, a
+    random op) on tpu as a new process would run them: no op entry made in this process, the
+    entries' store read from ``tmp_path``; (values, CPU's, entries made by the meta kernels,
+    the store's counters)."""
+    from deferfuse import dispatch
+    from deferfuse.engine import engine
+    from deferfuse.entries import EntryStore
+    engine.ops.clear()          # (the compiled regions stay: their keys are the same again)
+    store = engine.entry_store = EntryStore()
+    store.enable(str(tmp_path), lambda: env)
+    inferred = []
+    real = dispatch.infer
+    monkeypatch.setattr(dispatch, "infer", lambda *a, **k: inferred.append(1) or real(*a, **k))
+
+    def run(dev):
+        x = torch.linspace(-2, 2, 24).reshape(4, 6).to(dev)
+        w = torch.linspace(1, -1, 36).reshape(6, 6).to(dev)
+        h = F.layer_norm(x @ w, (6,))
+        h.add_(1)
+        v, i = h[:, 1:].topk(2, dim=1)
+        return [h, v, i, h.softmax(-1)]
+    got = run("tpu")
+    torch.manual_seed(0)
+    drawn = torch.multinomial(torch.ones(3, 5, device="tpu"), 2).cpu()
+    store.save()
+    return got, run("cpu"), drawn, len(inferred), store.stats()
+
+
+@pytest.mark.modes("defer")
+def test_a_second_process_makes_its_op_entries_from_disk(tmp_path, monkeypatch):
+    """NOTE [entries on disk] (deferfuse/entries.py): the op entries' metadata (outputs' sizes,
+    strides and dtypes; a random op's draws) is kept in the cache folder, and a second process
+    makes its entries from it with no meta kernel and gives CPU's values; an entry of another
+    form, a file that does not match its digest, or another environment's file is ignored."""
+    import glob
+    import hashlib
+    import os
+    import pickle
+    from deferfuse.engine import engine
+    keep = engine.entry_store
+    try:
+        got, want, drawn, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert inferred > 0 and st["hits"] == 0 and st["misses"] == inferred, (inferred, st)
+        n = inferred
+        # the next "process": every entry from disk, none by the meta kernels; the same values
+        # and the same draws
+        got, want, drawn2, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert torch.equal(drawn, drawn2)
+        assert inferred == 0 and st["hits"] == n and st["misses"] == 0, (inferred, st)
+        # cross-checked against the meta kernels: all equal
+        with deferfuse.override(cross_check=True):
+            _, _, _, inferred, st = _entries_round(tmp_path, monkeypatch)
+        assert inferred == n and st["hits"] == n and st["stale"] == 0, (inferred, st)
+        (path,) = glob.glob(os.path.join(str(tmp_path), "entries-*.pkl"))
+        env_, tables = pickle.loads(open(path, "rb").read()[32:])
+        # an entry of another form (negative draws), with a valid digest: that entry is made again
+        k0 = next(iter(tables["entries"]))
+        tables["entries"][k0] = (tables["entries"][k0][0], -1)
+        body = pickle.dumps((env_, tables))
+        open(path, "wb").write(hashlib.sha256(body).digest() + body)
+        got, want, _, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert inferred == 1 and st["corrupt"] == 1 and st["hits"] == n - 1, (inferred, st)
+        # an entry whose answer is wrong (a size changed): the cross-check says so
+        (path,) = glob.glob(os.path.join(str(tmp_path), "entries-*.pkl"))
+        env_, tables = pickle.loads(open(path, "rb").read()[32:])
+        for k, ((structure, metas), draws) in tables["entries"].items():
+            if metas and metas[0] is not None:
+                (size, stride, dt), rest = metas[0], metas[1:]
+                tables["entries"][k] = ((structure, ((size + (1,), stride + (1,), dt),) + rest),
+                                        draws)
+                break
+        body = pickle.dumps((env_, tables))
+        open(path, "wb").write(hashlib.sha256(body).digest() + body)
+        with deferfuse.override(cross_check=True), pytest.raises(AssertionError, match="on disk"):
+            _entries_round(tmp_path, monkeypatch)
+        # a file that does not match its digest: ignored whole, every entry made again
+        blob = bytearray(open(path, "rb").read())
+        blob[-5] ^= 0xFF
+        open(path, "wb").write(bytes(blob))
+        got, want, _, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert inferred == n and st["corrupt"] == 1 and st["hits"] == 0, (inferred, st)
+        # another environment (other versions, another platform): another file, nothing read
+        _, _, _, inferred, st = _entries_round(tmp_path, monkeypatch, env="another environment")
+        assert inferred == n and st["hits"] == 0 and st["corrupt"] == 0, (inferred, st)
+    finally:
+        engine.entry_store = keep
+        deferfuse.clear_caches()
 
 
 # --------------------------------------------------------------------------- buckets
