@@ -222,7 +222,7 @@ class Engine:
     # --- caches -----------------------------------------------------------------------------------
     def caches(self) -> list:
         return [self.ops, self.views, self.aliases, execute.view_jits, *self.runner.caches(),
-                self.bodies.found, self.bodies.ops, self.sources.codes, self.entry_store.sigs]
+                self.bodies.found, self.bodies.ops, self.sources.codes]
 
     def cache_stats(self) -> dict:
         out = {c.name: c.stats() for c in self.caches()}

@@ -8,8 +8,8 @@ already keeps on disk, but which still checks the arguments and describes them t
 and, for a random op, how far its generator moves (``prng.draws``, a JAX trace). A loop whose
 length grows makes one entry per op and length: nanoGPT's sampling loop makes 710, which a second
 process made again before it could find its programs in the store. This store keeps, per op key
-spelled out stably (the program store's ``describe`` of each part, with types: ``2``, ``2.0`` and
-``True`` differ), the answer ``infer`` gave and the draws, and a second process takes them from
+spelled out stably (the op by the program store's ``describe``, the rest by ``repr``, whose
+text has the type: ``2``, ``2.0`` and ``True`` differ; with the default dtype), the answer ``infer`` gave and the draws, and a second process takes them from
 here: no meta kernel, no memo lookup, no argument check (as for a key met again in one process:
 only what once succeeded is kept, never an error).
 
@@ -28,7 +28,6 @@ import torch
 
 from .runtime.diskcache import Unstable, describe
 from .runtime.learned import LearnedStore
-from .scheduler.cache import Cache
 from .scheduler.records import sig_id
 
 _STRUCTURES = ("one", "tuple", "list", "none", None)
@@ -65,7 +64,6 @@ class EntryStore:
         self.store = LearnedStore(capacity, kinds=("entries",), prefix="entries",
                                   name="op entries on disk")
         self.infos: dict = {}       # OpInfo -> its description (one per op: bounded by the op set)
-        self.sigs = Cache("entry signatures described", 1 << 15)     # signature id -> description
         self.stale = 0
 
     def enable(self, folder: str, env_of) -> None:
@@ -76,32 +74,32 @@ class EntryStore:
         return self.store.on
 
     def key(self, key) -> str | None:
-        """The op key ``(info, targs, tkw, sigs, dev)`` spelled out the same in every process
-        (None: a part is printed with an address, or a signature is no longer in the table).
-        The op's and the signatures' descriptions are made once each."""
+        """The op key ``(info, targs, tkw, sigs, dev)`` and the default dtype, spelled out the
+        same in every process (None: a part is printed with an address, or a signature is no
+        longer in the table).
+        The op's description is made once."""
         info, targs, tkw, sigs, dev = key
         try:
             d = self.infos.get(info)
             if d is None:
                 d = self.infos[info] = describe(info)
-            # The templates hold strs, ints, floats, bools, None and types: their repr has the
-            # type in it (2, 2.0, True, '2'); anything printed with an address is not kept.
-            t = repr((targs, tkw, dev))
-            if " at 0x" in t:
-                return None
-            parts = [d, t]
-            of, cache = sig_id.of, self.sigs
-            for i in sigs:
-                s = cache.get(i)
-                if s is None:
-                    sig = of.get(i)
-                    if sig is None:
-                        return None
-                    s = cache[i] = describe(sig)
-                parts.append(s)
         except Unstable:
             return None
-        return "\n".join(parts)
+        of = sig_id.of
+        spelled = []
+        for i in sigs:
+            sig = of.get(i)
+            if sig is None:
+                return None
+            spelled.append(sig)
+        # The templates and signatures hold strs, ints, floats, bools, None, types, dtypes and
+        # view steps: their repr has the type in it (2, 2.0, True, '2'); anything printed with an
+        # address is not kept. Factories without a dtype make the default dtype's (aten.zeros
+        # receives none): it is part of the key.
+        t = repr((targs, tkw, dev, spelled, torch.get_default_dtype()))
+        if " at 0x" in t:
+            return None
+        return d + "\n" + t
 
     def get(self, skey: str):
         """(infer's answer, draws) kept for ``skey``, or None."""
@@ -123,4 +121,3 @@ class EntryStore:
     def clear(self) -> None:
         """Forget the descriptions made here (the kept entries stay on disk)."""
         self.infos.clear()
-        self.sigs.clear()

@@ -373,6 +373,14 @@ def test_a_second_process_makes_its_op_entries_from_disk(tmp_path, monkeypatch):
             assert_same(a, b, atol=1e-5)
         assert inferred > 0 and st["hits"] == 0 and st["misses"] == inferred, (inferred, st)
         n = inferred
+        # a factory without a dtype makes the default dtype's: the key holds it
+        e = next(v for v in engine.ops.young.values() if v.__class__ is not str)
+        k32 = engine.entry_store.key(e.key)
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert k32 is not None and engine.entry_store.key(e.key) != k32
+        finally:
+            torch.set_default_dtype(torch.float32)
         # the next "process": every entry from disk, none by the meta kernels; the same values
         # and the same draws
         got, want, drawn2, inferred, st = _entries_round(tmp_path, monkeypatch)
