@@ -121,5 +121,7 @@ if config.persistent_cache:
                                    (_torch.__version__, _codegen_key()))
     if config.learned_buckets:
         _engine.runner.buckets.learned.enable(config.cache_dir, _engine.runner.programs.env)
+    if config.learned_entries:
+        _engine.entry_store.enable(config.cache_dir, _engine.runner.programs.env)
     from .meta import memo as _meta_memo
     _meta_memo.enable(config.cache_dir)

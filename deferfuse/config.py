@@ -131,6 +131,10 @@ SETTINGS = {s.name: s for s in [
             "keep what bucketing learned (each growing region's fit) in the cache folder, so a "
             "later process runs its first length in the bucket (NOTE [learned on disk]); read at "
             "import"),
+    Setting("learned_entries", "DEFERFUSE_LEARNED_ENTRIES", True, _bool,
+            "keep each op entry's output metadata and random draws in the cache folder, so a "
+            "later process makes its entries without the meta kernels (NOTE [entries on disk] in "
+            "deferfuse/entries.py); read at import"),
     Setting("distributed", "DEFERFUSE_DISTRIBUTED", "auto", str,
             "start JAX's distributed runtime at import: auto (when torchrun's WORLD_SIZE > 1), "
             "1 (also JAX's own cluster discovery, e.g. a TPU pod), 0 (never); read at import"),

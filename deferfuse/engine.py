@@ -17,6 +17,7 @@ import weakref
 
 from . import opinfo
 from .config import config
+from .entries import EntryStore
 from .generator import Rng
 from .meta import sizes as meta_sizes
 from .record import Bodies, SourceLines, Trace
@@ -63,6 +64,7 @@ class Engine:
         self._epochs = itertools.count(1)
         # Caches (NOTE [two generations] in scheduler/cache.py): op key -> entry; view results.
         self.ops = Cache("ops", 1 << 16)
+        self.entry_store = EntryStore()     # entries' metadata on disk (NOTE [entries on disk])
         self.views = Cache("views", 1 << 15)
         self.aliases = Cache("aliases", 1 << 15)
         self.routes: dict = {}      # id(OpOverload) -> route: one per op, bounded by the op set
@@ -229,6 +231,7 @@ class Engine:
         out["memory mappings"] = self.runner.maps.stats()
         out["meta size rules"] = meta_sizes.stats()
         out["bucket fits on disk"] = self.runner.buckets.learned.stats()
+        out["op entries on disk"] = self.entry_store.stats()
         return out
 
     def clear_caches(self) -> None:
@@ -240,6 +243,7 @@ class Engine:
             self.routes.clear()
             meta_sizes.clear()
             opinfo.clear()
+            self.entry_store.clear()
 
 
 engine = Engine()

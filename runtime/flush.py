@@ -192,7 +192,7 @@ class Runner:
                     fl.outs, out_sig, later)
         if Policy.setup_split(len(nodes), bool(nodes) and cut.is_setup(entries[0].name),
                               cfg.setup_first):
-            k = cut.setup_first(entries, wirings, {p for p, _ in out_sig})
+            k = cut.setup_first(entries, wirings, out_sig)
             if k:       # NOTE [setup first] in scheduler/cut.py
                 S["setup_splits"] += 1
                 rest, st = self._setup_first(ctx, st, whole, k)
@@ -265,11 +265,19 @@ class Runner:
                 if w.__class__ is int:
                     sub_ext.append(run.ext[w])
                     sub_held.append(later or run.held[w])
-                else:                   # a setup op's output: it leaves the trace (held)
-                    sub_ext.append(nodes[w[0]].outs[w[1]])
-                    sub_held.append(True)
+                else:                   # a setup op's output (held if kept)
+                    v = nodes[w[0]].outs[w[1]]
+                    sub_ext.append(v)
+                    sub_held.append(later or any(v is o for o in run.outs))
             lo = pc.pos[0]
             outs = [v for v in run.outs if lo <= v.node.pos < lo + len(pc.pos)]
+            # What the rest reads leaves the setup region too (a carried state that no tensor
+            # holds after the sync: NOTE [carried setup] in scheduler/cut.py), in trace order.
+            for j, i in pc.needed:
+                v = nodes[pc.pos[j]].outs[i]
+                if not any(v is o for o in outs):
+                    outs.append(v)
+            outs.sort(key=lambda v: (v.node.pos, v.idx))
             sig = tuple((v.node.pos - lo, v.idx) for v in outs)
             sc = [x for p in pc.pos for x in nodes[p].scalars]
             made.append(Run(pieces.PieceNodes(nodes, pc), [run.entries[p] for p in pc.pos],

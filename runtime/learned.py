@@ -28,16 +28,22 @@ from .diskcache import write_atomic
 
 
 class LearnedStore:
-    """Bucket fits and view-step shapes on disk (NOTE [learned on disk]); off until ``enable``."""
+    """Tables of what one process learned, on disk for the next (NOTE [learned on disk]); off
+    until ``enable``. ``kinds``: the tables' names (the bucket store's: fits and view-step
+    shapes); ``prefix``: the file's name before the environment's digest; ``name``: what
+    ``metrics()['caches']`` calls it. The one mechanism for such stores: the op entries' store
+    (NOTE [entries on disk] in deferfuse/entries.py) is another instance."""
 
-    def __init__(self, capacity: int = 4096):
+    def __init__(self, capacity: int = 4096, kinds=("fits", "steps"), prefix: str = "buckets",
+                 name: str = "bucket fits on disk"):
         self.capacity = capacity
+        self.kinds, self.prefix, self.name = tuple(kinds), prefix, name
         self.folder = None
         self.env_of = None          # () -> the environment's description (computed when first read)
         self.path = None
         self.env = ""
-        self.tables = None          # {"fits": {...}, "steps": {...}}, loaded on first use
-        self.new = {"fits": {}, "steps": {}}
+        self.tables = None          # {kind: {...}}, loaded on first use
+        self.new = {k: {} for k in self.kinds}
         self.hits = self.misses = self.stale = self.corrupt = self.writes = 0
 
     def enable(self, folder: str, env_of) -> None:
@@ -55,14 +61,14 @@ class LearnedStore:
     def _locate(self) -> None:
         self.env = self.env_of()
         h = hashlib.sha256(self.env.encode()).hexdigest()[:24]
-        self.path = os.path.join(self.folder, f"buckets-{h}.pkl")
+        self.path = os.path.join(self.folder, f"{self.prefix}-{h}.pkl")
 
     def has_fits(self) -> bool:
         return self.folder is not None and bool(self._table("fits"))
 
     def stats(self) -> dict:
         n = 0 if self.tables is None else sum(len(t) for t in self.tables.values())
-        return {"name": "bucket fits on disk", "entries": n, "hits": self.hits,
+        return {"name": self.name, "entries": n, "hits": self.hits,
                 "misses": self.misses, "stale": self.stale, "corrupt": self.corrupt,
                 "writes": self.writes}
 
@@ -70,7 +76,7 @@ class LearnedStore:
     def _read(self, count: bool = True) -> dict:
         """The tables in the file, or empty ones (no file, another environment, a digest that does
         not match, anything that does not load as two dicts of str keys)."""
-        empty = {"fits": {}, "steps": {}}
+        empty = {k: {} for k in self.kinds}
         try:
             with open(self.path, "rb") as f:
                 blob = f.read()
@@ -84,7 +90,7 @@ class LearnedStore:
             if env != self.env or type(tables) is not dict:
                 raise ValueError("environment")
             out = {}
-            for kind in ("fits", "steps"):
+            for kind in self.kinds:
                 t = tables.get(kind)
                 if type(t) is not dict or not all(type(k) is str for k in t):
                     raise ValueError(kind)
@@ -99,6 +105,27 @@ class LearnedStore:
             self._locate()
             self.tables = self._read()
         return self.tables[kind]
+
+    def get(self, kind: str, key: str, valid):
+        """The value kept under ``key`` in the table ``kind`` if ``valid(value)`` holds (counted
+        as a hit), else None: a miss, or an entry of another form (counted as corrupt, dropped)."""
+        if self.folder is None:
+            return None
+        t = self._table(kind)
+        v = t.get(key)
+        if v is None:
+            self.misses += 1
+            return None
+        try:
+            ok = valid(v)
+        except Exception:
+            ok = False
+        if not ok:
+            self.corrupt += 1
+            t.pop(key, None)
+            return None
+        self.hits += 1
+        return v
 
     def fit_versions(self, key: str):
         """The two versions' ints (two tuples of ints of one length) kept for the family ``key``,
@@ -165,7 +192,7 @@ class LearnedStore:
                         t[k] = v
             body = pickle.dumps((self.env, tables), protocol=pickle.HIGHEST_PROTOCOL)
             write_atomic(self.path, hashlib.sha256(body).digest() + body)
-            self.new = {"fits": {}, "steps": {}}
+            self.new = {k: {} for k in self.kinds}
             self.writes += 1
         except Exception:
             pass

@@ -7,7 +7,8 @@ Four reasons to cut:
   changed and those that never did (``churn_cuts``), so the unchanging runs compile once;
 - a sync that reads one value (``.item()``): the ops it needs run first and the rest after, so the
   host waits for the first piece only (``needed_first``; see NOTE [needed first] in flush.py);
-- tensors made before a computation and kept: they run first, on their own (``setup_first``).
+- tensors made before a computation and kept (or carried: a loop's initial state): they run
+  first, on their own (``setup_first``).
 
 A cut list is the end index of each piece, the last one being the trace length.
 """
@@ -73,21 +74,45 @@ SETUP_OPS = frozenset(("ones_like", "zeros_like", "full_like", "empty_like", "ne
                        "empty_strided", "scalar_tensor", "arange"))
 
 
-def setup_first(entries, wiring: list, live: set) -> int:
+def setup_first(entries, wiring: list, outs) -> int:
     """NOTE [setup first]: a tensor made before a call and kept (``mask = torch.ones_like(ids)``
     before ``model.generate(ids, attention_mask=mask)``) is recorded lazily, so it joins the first
     trace of the call, and that trace's structure (the factory, then the call's first ops) is one
     the second call never records: its mask is computed already, so it records the call's ops
     alone and compiled them again (HF ``generate()``'s right-padding check, a 2-op region). The
     leading ops of a trace that only make values (``SETUP_OPS``), read no value of the trace and
-    leave it (``live``: positions whose outputs tensors hold after the sync) run first as a
-    region of their own; the rest runs as the trace the second call records, so it finds that
-    call's programs. Returns how many leading ops run first (0: none; never the whole trace).
-    ``entries``: the ops (their ``name``, ``aten.<op>.<overload>``)."""
+    leave it, or are *carried* (below), run first as a region of their own; the rest runs as the
+    trace the second call records, so it finds that call's programs. Returns how many leading
+    ops run first (0: none; never the whole trace). ``entries``: the ops (their ``name``,
+    ``aten.<op>.<overload>``, and ``res_avals``: (shape, dtype, ...) per output); ``outs``: the
+    (position, output index) of the values tensors hold after the sync.
+
+    NOTE [carried setup]: whether a tensor "leaves" a trace is Python liveness, and that depends
+    on where the user's code sits, not on what it computes. A loop's initial state
+    (``h = model.init_hidden(b)``, then ``out, h = model(x, h)`` per chunk) is dead at the
+    chunk's ``loss.item()`` when the step is written inline (``h`` was rebound to the new state),
+    and alive when the step is a helper or a method (its caller still holds the ``h`` it passed).
+    Both are the same loop, and the next chunk reads the carried state in place of the zeros
+    either way, so a leading factory counts as kept also when a value the rest of the trace
+    makes and leaves has its shape and dtype: the state that replaces it. The same regions then
+    run whether the step is inline, in a helper or in a method (``tests/test_vary.py``)."""
     n = len(wiring)
+    live = {p for p, _ in outs}
+    made = None
     k = 0
-    while k < n - 1 and k in live and is_setup(entries[k].name) and \
+    while k < n - 1 and is_setup(entries[k].name) and \
             all(w is None or w.__class__ is int for w in wiring[k]):
+        if k not in live:
+            if made is None:        # the shapes and dtypes of what the rest leaves
+                made = set()
+                for p, i in outs:
+                    if not is_setup(entries[p].name):
+                        a = entries[p].res_avals[i]
+                        if a is not None:
+                            made.add((a[0], a[1]))
+            a = entries[k].res_avals
+            if len(a) != 1 or a[0] is None or (a[0][0], a[0][1]) not in made:
+                break
         k += 1
     return k
 

@@ -6,6 +6,11 @@ the gradient reaching its outputs), then reruns each module alone on CPU and on 
 same inputs and output gradients, and compares the outputs, input gradients and parameter
 gradients bit for bit. Differences upstream cannot leak in: a module is listed only when it
 differs on identical inputs. The innermost such modules (no listed child) are the causes.
+
+``--f64`` also reruns each listed innermost module in float64 on CPU from the same inputs (cast; float32
+where the module refuses float64) and
+prints, for each tensor that differs, tpu's and CPU's max abs error and RMSE from that result:
+which side rounds farther from the exact result of the same computation.
 """
 from __future__ import annotations
 
@@ -63,11 +68,16 @@ def record(model, batch):
     return calls
 
 
-def run_alone(mod, args, kwargs, grads, device):
-    """(outputs, input grads, param grads) of one module on ``device`` from recorded inputs."""
+def run_alone(mod, args, kwargs, grads, device, dtype=None):
+    """(outputs, input grads, param grads) of one module on ``device`` from recorded inputs
+    (module, floating inputs and output gradients cast to ``dtype`` when given)."""
     import torch
     from torch.utils._pytree import tree_map
     m = copy.deepcopy(mod).to(device)
+    if dtype is not None:
+        m = m.to(dtype)
+        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        args, kwargs, grads = tree_map(cast, args), tree_map(cast, kwargs), [cast(g) for g in grads]
     m.zero_grad(set_to_none=True)
     leaves = []
 
@@ -101,7 +111,35 @@ def _diff(a, b):
     return None if n == 0 else (n, float((a.double() - b.double()).abs()[bad].max()))
 
 
-def compare_model(model_type, verbose=True):
+def _err(x, r):
+    """(max abs, RMSE) of ``x`` from ``r`` over the finite differences."""
+    d = (x.double() - r.double()).abs()
+    d = d[d.isfinite()]
+    return (float(d.max()), float(d.pow(2).mean().sqrt())) if d.numel() else (float("nan"), float("nan"))
+
+
+def against_f64(mod, call, got, want):
+    """["what: tpu max/rmse, CPU max/rmse"] for each tensor where tpu and CPU differ, both measured
+    from the module run alone in float64 on CPU from the same inputs."""
+    import torch
+    try:
+        ref, kind = run_alone(mod, *call, "cpu", torch.float64), ""
+    except Exception as e:  # noqa: BLE001 - the module refuses float64 on CPU (grouped mm): float32
+        ref, kind = run_alone(mod, *call, "cpu", torch.float32), f" (float32: {hf_sweep._first_line(e)[:60]})"
+    out = []
+    named = ([(f"out{i}", g, w, r) for i, (g, w, r) in enumerate(zip(got[0], want[0], ref[0]))]
+             + [(f"dx{i}", g, w, r) for i, (g, w, r) in enumerate(zip(got[1], want[1], ref[1]))]
+             + [(f"d.{n}", got[2][n], w, ref[2][n]) for n, w in want[2].items()])
+    for what, g, w, r in named:
+        if _diff(g, w) is None or g is None or w is None or r is None or g.shape != r.shape:
+            continue
+        (tm, tr), (cm, cr) = _err(g, r), _err(w, r)
+        out.append(f"{what}: tpu {tm:.3g}/{tr:.3g} CPU {cm:.3g}/{cr:.3g}"
+                   + (" tpu farther" if tm > cm or tr > cr else "") + kind)
+    return out
+
+
+def compare_model(model_type, verbose=True, f64=False):
     import torch
     import deferfuse
     kind, model, cfg = hf_sweep.build(model_type)
@@ -115,7 +153,7 @@ def compare_model(model_type, verbose=True):
     cm.zero_grad(set_to_none=True)
     calls = record(cm, batch)
     mods = dict(cm.named_modules())
-    found = {}
+    found, results = {}, {}
     for name, (args, kwargs, grads) in calls.items():
         mod = mods[name]
         try:
@@ -140,13 +178,22 @@ def compare_model(model_type, verbose=True):
                 what.append(f"d.{n} {d[0]}/{-1 if w is None else w.numel()} ({d[1]:.3g})")
         if what:
             found[name] = "; ".join(what)
+            results[name] = ((args, kwargs, grads), got, want)
     inner = [n for n in found if not any(o != n and o.startswith(n + ".") for o in found)]
     if verbose:
         for n in inner:
             print(f"{model_type}\t{n}\t{type(mods[n]).__name__}\t{found[n]}", flush=True)
+            if f64 and n in results:
+                try:
+                    for line in against_f64(mods[n], *results[n]):
+                        print(f"  vs float64 {line}", flush=True)
+                except Exception as e:  # noqa: BLE001 - the module refuses float64 on CPU
+                    print(f"  vs float64: {hf_sweep._first_line(e)}", flush=True)
     return {n: (type(mods[n]).__name__, found[n]) for n in inner}
 
 
 if __name__ == "__main__":
+    f64 = "--f64" in sys.argv[1:]
     for mt in sys.argv[1:]:
-        compare_model(mt)
+        if mt != "--f64":
+            compare_model(mt, f64=f64)

@@ -141,21 +141,38 @@ def test_needed_first_orders_the_read_value_s_ops_first():
 
 def test_setup_first_takes_only_leading_kept_factories():
     """NOTE [setup first]: the leading ops that only make a value, read nothing of the trace and
-    leave it run first; anything else (a factory read only inside, one reading a pending value,
-    an op that computes, the whole trace) does not."""
+    leave it (or are carried: NOTE [carried setup]) run first; anything else (a factory read only
+    inside, one reading a pending value, an op that computes, the whole trace) does not."""
     from types import SimpleNamespace as E
 
     from deferfuse.scheduler import cut
-    ops = [E(name=f"aten.{n}.default") for n in ("ones_like", "zeros", "eq", "any")]
+    f32, b8 = "float32", "bool"
+    avals = {"ones_like": ((2, 3), f32), "zeros": ((4,), f32), "eq": ((2, 3), b8), "any": ((), b8)}
+    ops = [E(name=f"aten.{n}.default", res_avals=(avals[n] + (0,),))
+           for n in ("ones_like", "zeros", "eq", "any")]
     wiring = [(0,), (), ((0, 0),), ((2, 0),)]
-    assert cut.setup_first(ops, wiring, {0, 1, 3}) == 2
-    assert cut.setup_first(ops, wiring, {0, 3}) == 1              # zeros: used inside only
-    assert cut.setup_first(ops, wiring, {1, 3}) == 0              # ones_like not kept
-    assert cut.setup_first(ops, [(0,), ((0, 0),), ((0, 0),), ((2, 0),)], {0, 1, 3}) == 1
-    assert cut.setup_first(ops[:1], wiring[:1], {0}) == 0         # never the whole trace
-    assert cut.setup_first([E(name="aten.rand_like.default")] + ops[2:], [(0,), ((0, 0),),
-                                                                       ((1, 0),)], {0, 2}) == 0
+
+    def outs(*ps):
+        return tuple((p, 0) for p in ps)
+    assert cut.setup_first(ops, wiring, outs(0, 1, 3)) == 2
+    assert cut.setup_first(ops, wiring, outs(0, 3)) == 1              # zeros: used inside only
+    assert cut.setup_first(ops, wiring, outs(1, 3)) == 0              # ones_like not kept
+    assert cut.setup_first(ops, [(0,), ((0, 0),), ((0, 0),), ((2, 0),)], outs(0, 1, 3)) == 1
+    assert cut.setup_first(ops[:1], wiring[:1], outs(0)) == 0         # never the whole trace
+    assert cut.setup_first([E(name="aten.rand_like.default", res_avals=(((2, 3), f32, 0),))]
+                           + ops[2:], [(0,), ((0, 0),), ((1, 0),)], outs(0, 2)) == 0
     assert not cut.is_setup("myns.ones.default") and not cut.is_setup("ones")
+    # NOTE [carried setup]: a state made by a factory that no tensor holds after the sync runs
+    # first when the rest leaves a value of its shape and dtype (the state that replaces it)...
+    h0 = E(name="aten.new_zeros.default", res_avals=(((1, 4, 8), f32, 0),))
+    cell = E(name="aten.tanh.default", res_avals=(((1, 4, 8), f32, 0),))
+    loss = E(name="aten.sum.default", res_avals=(((), f32, 0),))
+    chain = [(0,), ((0, 0),), ((1, 0),)]
+    assert cut.setup_first([h0, cell, loss], chain, outs(1, 2)) == 1
+    # ... and not when nothing of its shape and dtype leaves (a position arange read inside)
+    assert cut.setup_first([h0, cell, loss], chain, outs(2)) == 0
+    # another setup op's value is no replacement
+    assert cut.setup_first([h0, h0, loss], [(0,), (), ((0, 0), (1, 0))], outs(1, 2)) == 0
 
 
 def test_pieces_plan_renumbers_and_finds_what_crosses():

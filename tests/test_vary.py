@@ -202,7 +202,8 @@ for t in (3, 5, 6, 7, 9):     # a growing length: bucket programs (pointwise ops
 m = deferfuse.metrics()
 print(",".join(f"{v:.6f}" for v in losses), err, m["compiles"], m["program_disk_hits"],
       "loaded from" in deferfuse.report(file=False), m["jax_disk_hits"],
-      __import__("deferfuse.meta").meta.memo.hits)
+      __import__("deferfuse.meta").meta.memo.hits, m["caches"]["op entries on disk"]["hits"],
+      m["caches"]["op entries on disk"]["misses"])
 """
 
 
@@ -223,8 +224,10 @@ def test_second_process_compiles_nothing_and_says_so(tmp_path, tpu_mode):
     # ... from deferfuse's store, whole: none traced and lowered again for JAX's cache to answer
     # (bucket programs with a pointwise op on the padding had no stable key and were, each process)
     assert int(second[5]) == 0, second
-    # Output shapes came from the first process's meta kernels (NOTE [meta memo] in meta.py).
-    assert int(first[6]) == 0 and int(second[6]) > 0, runs
+    # Op entries came from the first process's (NOTE [entries on disk] in entries.py): no meta
+    # kernel and no meta memo lookup (NOTE [meta memo] in meta.py) made one.
+    assert int(first[6]) == 0 and int(first[7]) == 0 and int(first[8]) > 0, runs
+    assert int(second[6]) == 0 and int(second[7]) > 0 and int(second[8]) == 0, runs
     want = [((torch.arange(t, dtype=torch.float32) * 0.3 + 1).tanh() * 2).sum().item()
             for t in (3, 5, 6, 7, 9)]
     assert [float(v) for v in first[0].split(",")[-5:]] == pytest.approx(want, rel=1e-5), first
@@ -321,6 +324,112 @@ def test_learned_store_checks_what_it_reads(tmp_path):
     e = LearnedStore()
     e.enable(str(tmp_path), lambda: "env one")
     assert e.step("s") is None and e.corrupt == 1
+
+
+def _entries_round(tmp_path, monkeypatch, env="test environment"):
+    """Ops of several kinds (a matmul, layer norm, in-place and view ops, a two-output topk, a
+    random op) on tpu as a new process would run them: no op entry made in this process, the
+    entries' store read from ``tmp_path``; (values, CPU's, entries made by the meta kernels,
+    the store's counters)."""
+    from deferfuse import dispatch
+    from deferfuse.engine import engine
+    from deferfuse.entries import EntryStore
+    engine.ops.clear()          # (the compiled regions stay: their keys are the same again)
+    store = engine.entry_store = EntryStore()
+    store.enable(str(tmp_path), lambda: env)
+    inferred = []
+    real = dispatch.infer
+    monkeypatch.setattr(dispatch, "infer", lambda *a, **k: inferred.append(1) or real(*a, **k))
+
+    def run(dev):
+        x = torch.linspace(-2, 2, 24).reshape(4, 6).to(dev)
+        w = torch.linspace(1, -1, 36).reshape(6, 6).to(dev)
+        h = F.layer_norm(x @ w, (6,))
+        h.add_(1)
+        v, i = h[:, 1:].topk(2, dim=1)
+        return [h, v, i, h.softmax(-1)]
+    got = run("tpu")
+    torch.manual_seed(0)
+    drawn = torch.multinomial(torch.ones(3, 5, device="tpu"), 2).cpu()
+    store.save()
+    return got, run("cpu"), drawn, len(inferred), store.stats()
+
+
+@pytest.mark.modes("defer")
+def test_a_second_process_makes_its_op_entries_from_disk(tmp_path, monkeypatch):
+    """NOTE [entries on disk] (deferfuse/entries.py): the op entries' metadata (outputs' sizes,
+    strides and dtypes; a random op's draws) is kept in the cache folder, and a second process
+    makes its entries from it with no meta kernel and gives CPU's values; an entry of another
+    form, a file that does not match its digest, or another environment's file is ignored."""
+    import glob
+    import hashlib
+    import os
+    import pickle
+    from deferfuse.engine import engine
+    keep = engine.entry_store
+    try:
+        got, want, drawn, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert inferred > 0 and st["hits"] == 0 and st["misses"] == inferred, (inferred, st)
+        n = inferred
+        # a factory without a dtype makes the default dtype's: the key holds it
+        e = next(v for v in engine.ops.young.values() if v.__class__ is not str)
+        k32 = engine.entry_store.key(e.key)
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert k32 is not None and engine.entry_store.key(e.key) != k32
+        finally:
+            torch.set_default_dtype(torch.float32)
+        # the next "process": every entry from disk, none by the meta kernels; the same values
+        # and the same draws
+        got, want, drawn2, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert torch.equal(drawn, drawn2)
+        assert inferred == 0 and st["hits"] == n and st["misses"] == 0, (inferred, st)
+        # cross-checked against the meta kernels: all equal
+        with deferfuse.override(cross_check=True):
+            _, _, _, inferred, st = _entries_round(tmp_path, monkeypatch)
+        assert inferred == n and st["hits"] == n and st["stale"] == 0, (inferred, st)
+        (path,) = glob.glob(os.path.join(str(tmp_path), "entries-*.pkl"))
+        env_, tables = pickle.loads(open(path, "rb").read()[32:])
+        # an entry of another form (negative draws), with a valid digest: that entry is made again
+        k0 = next(iter(tables["entries"]))
+        tables["entries"][k0] = (tables["entries"][k0][0], -1)
+        body = pickle.dumps((env_, tables))
+        open(path, "wb").write(hashlib.sha256(body).digest() + body)
+        got, want, _, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert inferred == 1 and st["corrupt"] == 1 and st["hits"] == n - 1, (inferred, st)
+        # an entry whose answer is wrong (a size changed): the cross-check says so
+        (path,) = glob.glob(os.path.join(str(tmp_path), "entries-*.pkl"))
+        env_, tables = pickle.loads(open(path, "rb").read()[32:])
+        for k, ((structure, metas), draws) in tables["entries"].items():
+            if metas and metas[0] is not None:
+                (size, stride, dt), rest = metas[0], metas[1:]
+                tables["entries"][k] = ((structure, ((size + (1,), stride + (1,), dt),) + rest),
+                                        draws)
+                break
+        body = pickle.dumps((env_, tables))
+        open(path, "wb").write(hashlib.sha256(body).digest() + body)
+        with deferfuse.override(cross_check=True), pytest.raises(AssertionError, match="on disk"):
+            _entries_round(tmp_path, monkeypatch)
+        # a file that does not match its digest: ignored whole, every entry made again
+        blob = bytearray(open(path, "rb").read())
+        blob[-5] ^= 0xFF
+        open(path, "wb").write(bytes(blob))
+        got, want, _, inferred, st = _entries_round(tmp_path, monkeypatch)
+        for a, b in zip(got, want):
+            assert_same(a, b, atol=1e-5)
+        assert inferred == n and st["corrupt"] == 1 and st["hits"] == 0, (inferred, st)
+        # another environment (other versions, another platform): another file, nothing read
+        _, _, _, inferred, st = _entries_round(tmp_path, monkeypatch, env="another environment")
+        assert inferred == n and st["hits"] == 0 and st["corrupt"] == 0, (inferred, st)
+    finally:
+        engine.entry_store = keep
+        deferfuse.clear_caches()
 
 
 # --------------------------------------------------------------------------- buckets
@@ -1113,7 +1222,24 @@ class _WlmLSTM(nn.Module):
         return (w.new_zeros(1, bsz, self.d), w.new_zeros(1, bsz, self.d))
 
 
-def _wlm_lstm_phases(model, dev, phases, bptt=6, rows=13, corpus_len=None):
+def _wlm_step(model, x, y, h, train):
+    """One step of word_language_model's training loop (``train``) or of its ``evaluate()``:
+    the hidden state detached, the forward pass and the loss, then ``clip_grad_norm_`` and the
+    manual ``p.data.add_``. (loss.item(), the new hidden state)."""
+    h = tuple(v.detach() for v in h)
+    with torch.set_grad_enabled(train):
+        out, h = model(x, h)
+        loss = F.nll_loss(out, y)
+    if train:
+        model.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.5)
+    return loss.item(), h
+
+
+def _wlm_lstm_phases(model, dev, phases, bptt=6, rows=13, corpus_len=None, step=_wlm_step):
     """word_language_model's ``evaluate()`` (and its training loop) at each (batch, train) of
     ``phases``, over ``rows`` rows of data batchified at that batch (two bptt chunks), or, with
     ``corpus_len``, over one corpus of that length batchified as its ``batchify`` does (``N // B``
@@ -1129,17 +1255,8 @@ def _wlm_lstm_phases(model, dev, phases, bptt=6, rows=13, corpus_len=None):
         model.train(train)
         for i in range(0, rows - 1, bptt):
             x, y = src[i:i + bptt], src[i + 1:i + 1 + bptt].reshape(-1)
-            h = tuple(v.detach() for v in h)
-            with torch.set_grad_enabled(train):
-                out, h = model(x, h)
-                loss = F.nll_loss(out, y)
-            if train:
-                model.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-                for p in model.parameters():
-                    p.data.add_(p.grad, alpha=-0.5)
-            losses.append(loss.item())
+            loss, h = step(model, x, y, h, train)
+            losses.append(loss)
         counts.append(_compiles() - c0)
     return losses, counts
 
@@ -1162,7 +1279,8 @@ def test_word_language_model_lstm_evaluated_at_new_batches_runs_in_buckets():
     assert counts[1] <= 2 and counts[2] == 0 and counts[3] == 0, counts
     m = deferfuse.metrics()
     assert not m["bucket_refusals"] and m["shape_splits"] == 0 and m["shape_fallbacks"] == 0, m
-    assert m["bucketed_runs"] == 6, m["bucketed_runs"]
+    # two chunks and the initial state's zeros (NOTE [carried setup]) at batches 10, 7 and 10
+    assert m["bucketed_runs"] == 9, m["bucketed_runs"]
     deferfuse.clear_caches()
 
 
@@ -1185,7 +1303,75 @@ def test_word_language_model_lstm_over_one_corpus_batchified_at_new_batches():
     assert counts[1] <= 2 and counts[2] == 0 and counts[3] == 0, counts
     m = deferfuse.metrics()
     assert not m["bucket_refusals"] and m["shape_splits"] == 0 and m["shape_fallbacks"] == 0, m
-    assert m["bucketed_runs"] == 4, m["bucketed_runs"]
+    # two regions and the initial state's zeros (NOTE [carried setup]) at batches 7 and 8
+    assert m["bucketed_runs"] == 6, m["bucketed_runs"]
+    deferfuse.clear_caches()
+
+
+def _wlm_eval_inline(model, dev, phases, bptt=6, rows=13):
+    """``_wlm_lstm_phases``'s evaluation with its step written inline, as ``evaluate()`` is
+    (``h`` rebound in this frame, where a helper's caller still holds the ``h`` it passed)."""
+    g = torch.Generator().manual_seed(3)
+    corpus = torch.randint(0, model.ntoken, (rows * 32,), generator=g)
+    losses, counts = [], []
+    for b, _ in phases:
+        c0 = _compiles()
+        src = corpus[:rows * b].view(b, -1).t().contiguous().to(dev)
+        h = model.init_hidden(b)
+        model.eval()
+        for i in range(0, rows - 1, bptt):
+            x, y = src[i:i + bptt], src[i + 1:i + 1 + bptt].reshape(-1)
+            h = tuple(v.detach() for v in h)
+            with torch.no_grad():
+                out, h = model(x, h)
+                loss = F.nll_loss(out, y)
+            losses.append(loss.item())
+        counts.append(_compiles() - c0)
+    return losses, counts
+
+
+class _WlmRunner:
+    """The step as a method, called from the loop (a third place for the same ops)."""
+
+    def step(self, model, x, y, h, train):
+        return _wlm_step(model, x, y, h, train)
+
+
+@pytest.mark.modes("defer")
+def test_the_same_step_inline_in_a_helper_or_a_method_runs_the_same_regions():
+    """NOTE [carried setup] (scheduler/cut.py): the evaluation loop with its step inline, in a
+    helper function and in a method runs the same regions, in buckets alike, with the same
+    programs made or loaded per phase, and gives CPU's losses. (Inline, the initial hidden state
+    is dead at the chunk's ``loss.item()``; through a helper its caller still holds it, and its
+    zeros ran as a region of their own: 9 regions against 6 over these phases, 6 in buckets
+    against 4.)"""
+    import copy
+    torch.manual_seed(0)
+    model = _WlmLSTM()
+    phases = ((20, False), (10, False), (7, False))
+    want, _ = _wlm_lstm_phases(model, "cpu", phases)
+    seen = {}
+    for how in ("inline", "helper", "method"):
+        deferfuse.clear_caches()
+        deferfuse.reset_metrics()
+        tmodel = copy.deepcopy(model).to("tpu")
+        made = []
+        for ph in phases:
+            c0 = deferfuse.metrics()
+            if how == "inline":
+                got, _ = _wlm_eval_inline(tmodel, "tpu", (ph,))
+            else:
+                step = _wlm_step if how == "helper" else _WlmRunner().step
+                got, _ = _wlm_lstm_phases(tmodel, "tpu", (ph,), step=step)
+            assert got == pytest.approx(want[2 * len(made):2 * len(made) + 2], rel=1e-5,
+                                        abs=1e-6), how
+            c1 = deferfuse.metrics()
+            made.append(sum(c1[k] - c0[k] for k in ("compiles", "disk_cache_hits")))
+        m = deferfuse.metrics()
+        seen[how] = (m["regions_run"], m["bucketed_runs"], m["setup_splits"], made)
+        assert not m["bucket_refusals"] and m["shape_fallbacks"] == 0, (how, m)
+    assert seen["inline"] == seen["helper"] == seen["method"], seen
+    assert seen["inline"][2] == len(phases), seen     # each phase's zeros run first, once
     deferfuse.clear_caches()
 
 
@@ -1200,17 +1386,8 @@ def _wlm_lstm_chunks(model, dev, lens, train, b=4, rows=40):
     for n in lens:
         x, y = src[i:i + n], src[i + 1:i + 1 + n].reshape(-1)
         i += n
-        h = tuple(v.detach() for v in h)
-        with torch.set_grad_enabled(train):
-            out, h = model(x, h)
-            loss = F.nll_loss(out, y)
-        if train:
-            model.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-            for p in model.parameters():
-                p.data.add_(p.grad, alpha=-0.5)
-        losses.append(loss.item())
+        loss, h = _wlm_step(model, x, y, h, train)
+        losses.append(loss)
         counts.append(_compiles())
     return losses, counts
 
