@@ -54,7 +54,7 @@ def test_the_default_is_plain_and_a_missing_extension_is_an_import_error(tpu_mod
     assert _out(default) == f"Tensor plain {want}"
     line = _out(blocked)
     assert line.startswith("ImportError: the tpu tensor needs the C++ extension: "
-                           "deferfuse._tpu_tensor is not built"), line
+                           "deferfuse's C++ extension deferfuse._tpu_tensor is not built"), line
     assert "setup.py build_ext --inplace" in line and "DEFERFUSE_TENSOR=wrapper" in line
 
 
@@ -68,17 +68,19 @@ def test_this_process_has_the_configured_representation():
 
 @pytest.mark.modes("strict")
 def test_require_names_the_fix(monkeypatch):
-    # built for another torch: the version the library was built against is named
-    class Other:
-        TORCH_VERSION = "0.0.1"
-    monkeypatch.setattr(deferfuse, "_tpu_tensor", Other, raising=False)
-    with pytest.raises(ImportError, match=r"built for torch 0\.0\.1, this is .*rebuild it.*"
+    # built for another torch: the version the library records (read from the file) is named
+    monkeypatch.setattr(plain, "built_for", lambda path: "0.0.1")
+    with pytest.raises(ImportError, match=r"built for torch 0\.0\.1, this is torch .*rebuild it.*"
                                           r"DEFERFUSE_TENSOR=wrapper"):
         plain.require()
+    monkeypatch.undo()
     # not built
-    monkeypatch.delattr(deferfuse, "_tpu_tensor")
-    monkeypatch.setitem(sys.modules, "deferfuse._tpu_tensor", None)
-    with pytest.raises(ImportError, match=r"is not built .*setup.py build_ext --inplace"):
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deferfuse._tpu_tensor" else find(name, *a))
+    with pytest.raises(ImportError, match=r"is not built.*setup.py build_ext --inplace.*"
+                                          r"DEFERFUSE_TENSOR=wrapper"):
         plain.require()
 
 
