@@ -171,6 +171,30 @@ def _memory_module(m) -> types.ModuleType:
     return mem
 
 
+def _patch_default_dtype() -> None:
+    """NOTE [default dtype]: an op's output dtype can follow the default dtype (a factory with no
+    dtype, an integer tensor divided, ``sqrt`` of one), but op keys hold the arguments, not the
+    default dtype: the entries and programs made under one default would answer for another
+    (``torch.zeros(2, device="tpu")`` after ``torch.set_default_dtype(torch.float64)`` was float32
+    when float32's entry came first). Changing the default is rare and happens between steps, so a
+    change syncs and drops the in-process caches, as ``deferfuse.clear_caches()`` does; the
+    entries kept on disk hold the default dtype in their key (NOTE [entries on disk])."""
+    orig = torch.set_default_dtype
+    if getattr(orig, "_deferfuse", False):
+        return
+
+    def set_default_dtype(d):
+        before = torch.get_default_dtype()
+        orig(d)
+        if torch.get_default_dtype() != before:
+            from . import clear_caches
+            clear_caches()
+    set_default_dtype.__doc__ = orig.__doc__
+    set_default_dtype.__wrapped__ = orig
+    set_default_dtype._deferfuse = True
+    torch.set_default_dtype = set_default_dtype
+
+
 def _patch_accelerator() -> None:
     # The Python device guard cannot implement synchronizeDevice, so torch.accelerator.synchronize
     # would raise "Backend doesn't support synchronizing all streams". Route it to ours.
@@ -431,6 +455,7 @@ def register() -> None:
     deferfuse_autoload.begin()
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator()
+    _patch_default_dtype()
     _enable_foreach()
     _keep_tied_parameters()
     subclass.install()

@@ -369,3 +369,23 @@ def test_grad_scaler_matches_cpu(opt_cls, fused):
                                        msg=lambda m: f"step {step} {name}: {m}")
     assert [s[2].item() for s in want] == [1024.0, 2048.0, 2048.0, 1024.0, 1024.0]
     assert not fallbacks(), "GradScaler ran ops on CPU"
+
+
+def test_default_dtype_changes_are_followed():
+    # NOTE [default dtype] (device.py): entries made under one default dtype must not answer for
+    # another; each call repeated under float32, float64, float32 gives CPU's dtype and values.
+    x = torch.arange(5, device=T)
+    xc = torch.arange(5)
+
+    def calls(d, xi):
+        return [torch.zeros(2, 3, device=d), torch.ones(3, device=d) * 2,
+                torch.arange(0.0, 3.0, device=d), torch.full((2,), 1.5, device=d),
+                torch.linspace(0, 1, 5, device=d), xi / 2, torch.sqrt(xi)]
+    try:
+        for dt in (torch.float32, torch.float64, torch.float32, torch.float64):
+            torch.set_default_dtype(dt)
+            for a, b in zip(calls(T, x), calls("cpu", xc)):
+                assert_same(a, b)
+                assert a.dtype == b.dtype
+    finally:
+        torch.set_default_dtype(torch.float32)
