@@ -57,15 +57,15 @@ sweep-hf: $(STAMP)
 	$(BIN)/python tests/hf_sweep.py $(ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python tools/install_extra.py bench
 	$(BIN)/python bench/run.py $(ARGS)
 
 bench-quick: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python tools/install_extra.py bench
 	$(BIN)/python bench/run.py --quick --systems eager,strict,defer,jax $(ARGS)
 
 bench-paired: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python tools/install_extra.py bench
 	$(BIN)/python bench/paired.py --quick --systems eager,strict,defer,compiled,floor,jax $(ARGS)
 
 bench-dist: $(STAMP)
@@ -73,7 +73,7 @@ bench-dist: $(STAMP)
 
 # Programs that vary (docs/recompiles.md): first call, second call, new prompt, second process.
 bench-vary: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python tools/install_extra.py bench
 	$(BIN)/python bench/vary.py --quick $(ARGS)
 
 # vLLM on tpu (docs/serving.md) in its own venv, .venv-vllm (hard links to .venv, then the vllm
@@ -95,7 +95,7 @@ bench-vllm: $(VLLM_STAMP)
 # The TorchRec tests (docs/frameworks.md) with the torchrec extra installed; torchrec 1.8.0 without
 # its dependencies (it asks for the CUDA fbgemm-gpu, the extra gives fbgemm-gpu-cpu 1.8.0).
 test-torchrec: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[torchrec]"
+	$(BIN)/python tools/install_extra.py torchrec
 	$(BIN)/python -m pip install -q -c constraints.txt --no-deps torchrec==1.8.0
 	$(BIN)/python -m pytest -q -n 0 tests/test_torchrec.py
 
@@ -103,34 +103,34 @@ test-torchrec: $(STAMP)
 # (tests/test_titan.py, slow: about 30 minutes on 2 cores)
 # with the titan extra installed.
 test-titan: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[titan]"
+	$(BIN)/python tools/install_extra.py titan
 	$(BIN)/python -m pytest -q -n 0 tests/test_titan.py -m "slow or not slow"
 
 # The 1-process part of test-titan (flex and varlen attention against CPU; CI runs it).
 test-titan-quick: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[titan]"
+	$(BIN)/python tools/install_extra.py titan
 	$(BIN)/python -m pytest -q -n 0 tests/test_titan.py::test_llama3_debugmodel_trains_as_on_cpu -m "slow or not slow"
 
 # Ray Train's TorchTrainer, 2 workers, DDP with backend "tpu" and "tpu_dist", against gloo
 # (tests/test_frameworks.py::test_ray_torch_trainer, slow) with the ray extra installed.
 test-ray: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[ray]"
+	$(BIN)/python tools/install_extra.py ray
 	$(BIN)/python -m pytest -q -n 0 tests/test_frameworks.py::test_ray_torch_trainer -m "slow or not slow"
 
 # The Diffusers tests with the diffusers extra installed (CI runs them after the default run).
 test-diffusers: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[diffusers]"
+	$(BIN)/python tools/install_extra.py diffusers
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_diffusers.py
 
 # torchao quantization on tpu (docs/serving.md) with the torchao extra installed: every test of the
 # file, the slow tiny-Llama ones too (a few minutes).
 test-torchao: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[torchao]"
+	$(BIN)/python tools/install_extra.py torchao
 	$(BIN)/python -m pytest -q -n 0 tests/test_torchao.py -m "slow or not slow"
 
 # Diffusers pipelines (docs/serving.md): ms per denoising step, CPU eager, tpu defer and compiled.
 bench-diffusers: $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[diffusers]"
+	$(BIN)/python tools/install_extra.py diffusers
 	$(BIN)/python bench/diffusers_bench.py --steps 8 --calls 2 $(ARGS)
 
 wheel-test: $(STAMP)
