@@ -297,7 +297,7 @@ def test_a_missing_compiler_is_a_clear_install_error(tmp_path):
                           "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     assert out.returncode != 0
-    assert "deferfuse needs a C compiler" in out.stdout + out.stderr
+    assert "deferfuse needs a C and C++ compiler" in out.stdout + out.stderr
 
 
 @pytest.mark.modes("defer")
