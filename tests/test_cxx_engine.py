@@ -8,14 +8,9 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse import plain
-from util import assert_same
+from util import assert_same, plain_tensor_only
 
-if not plain.ENABLED:
-    pytest.skip("the plain tpu tensor is off (DEFERFUSE_TENSOR=wrapper): these are its tests",
-                allow_module_level=True)
-if plain.extension()[0] is None:
-    pytest.skip(plain.extension()[1], allow_module_level=True)
+plain_tensor_only()
 
 
 def _compiles():

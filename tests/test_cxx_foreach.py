@@ -18,13 +18,9 @@ import torch.nn.functional as F
 
 import deferfuse
 from deferfuse import plain
-from util import assert_same
+from util import assert_same, plain_tensor_only
 
-if not plain.ENABLED:
-    pytest.skip("the plain tpu tensor is off: run with DEFERFUSE_TENSOR=plain (make test-cxx)",
-                allow_module_level=True)
-if plain.extension()[0] is None:
-    pytest.skip(plain.extension()[1], allow_module_level=True)
+plain_tensor_only()
 if not plain.KERNEL:
     pytest.skip("the C++ recording kernel is off (DEFERFUSE_CXX_KERNEL=0)", allow_module_level=True)
 

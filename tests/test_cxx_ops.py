@@ -7,13 +7,9 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse import plain
+from util import plain_tensor_only
 
-if not plain.ENABLED:
-    pytest.skip("the plain tpu tensor is off (DEFERFUSE_TENSOR=wrapper): these are its tests",
-                allow_module_level=True)
-if plain.extension()[0] is None:
-    pytest.skip(plain.extension()[1], allow_module_level=True)
+plain_tensor_only()
 
 
 def _same(got, want):

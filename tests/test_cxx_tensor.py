@@ -10,13 +10,9 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse import plain
+from util import plain_tensor_only
 
-if not plain.ENABLED:
-    pytest.skip("the plain tpu tensor is off (DEFERFUSE_TENSOR=wrapper): these are its tests",
-                allow_module_level=True)
-if plain.extension()[0] is None:
-    pytest.skip(plain.extension()[1], allow_module_level=True)
+plain_tensor_only()
 
 # (name, view of a 4x6 tensor); every one a C++ kernel
 VIEWS = [
