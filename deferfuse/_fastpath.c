@@ -29,6 +29,25 @@ typedef struct {
     Py_ssize_t off[12];
 } Layout;
 
+/* The offsets of the named slots of type (its own __slots__' member descriptors): enough to read
+   them (slot_get); layout_of checks the whole list too, for the records made here. */
+static int slot_offsets(Layout *L, PyObject *type, const char *const *names, int n) {
+    if (!PyType_Check(type) || n > 12) { PyErr_SetString(PyExc_TypeError, "slot_offsets"); return -1; }
+    L->type = (PyTypeObject *)type;
+    L->n = n;
+    for (int i = 0; i < n; i++) {
+        PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, names[i]);
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+                ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            PyErr_Format(PyExc_RuntimeError, "deferfuse._fastpath: %R.%s is not a slot: update "
+                         "deferfuse/_fastpath.c (it reads it at every op)", type, names[i]);
+            return -1;
+        }
+        L->off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    return 0;
+}
+
 static int layout_of(Layout *L, PyObject *type, const char *const *names, int n) {
     if (!PyType_Check(type) || n > 12) { PyErr_SetString(PyExc_TypeError, "layout_of"); return -1; }
     PyObject *slots = PyObject_GetAttrString(type, "__slots__");
@@ -55,16 +74,7 @@ static int layout_of(Layout *L, PyObject *type, const char *const *names, int n)
                          "deferfuse/_fastpath.c (it makes these records)", type);
         goto bad;
     }
-    L->type = (PyTypeObject *)type;
-    L->n = n;
-    for (int i = 0; i < n; i++) {
-        PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, names[i]);
-        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-            PyErr_Format(PyExc_RuntimeError, "deferfuse._fastpath: %R.%s is not a slot", type, names[i]);
-            goto bad;
-        }
-        L->off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
-    }
+    if (slot_offsets(L, type, names, n) < 0) goto bad;
     Py_DECREF(slots); Py_DECREF(want);
     return 0;
 bad:
@@ -83,16 +93,17 @@ static PyObject *make_record(Layout *L, PyObject *const *vals) {
     return o;
 }
 
-static Layout L_value, L_node, L_storage, L_held, L_ts;
+static Layout L_value, L_node, L_storage, L_held, L_ts, L_entry;
 static const char *const VALUE_SLOTS[] = {"array", "node", "idx", "shape", "dtype", "nbytes",
                                           "err", "chk"};
 static const char *const NODE_SLOTS[] = {"key", "ins", "wiring", "s0", "scalars", "outs", "src",
                                          "pos", "trace"};
 static const char *const STORAGE_SLOTS[] = {"val", "device", "dtype", "stride", "wr", "ep", "prev"};
-/* runtime.interrupts.Interrupts and engine.ThreadState: read and written at every op */
-static const char *const HELD_SLOTS[] = {"main", "depth", "held", "_prev_hook", "_getsignal",
-                                         "_setsignal", "_later"};
-static const char *const TS_SLOTS[] = {"mode", "trace", "device", "backward_errors"};
+/* slots read (and depth written) at every op: runtime.interrupts.Interrupts', engine.ThreadState's
+   and dispatch.Entry's */
+static const char *const HELD_SLOTS[] = {"main", "depth", "held"};
+static const char *const TS_SLOTS[] = {"mode", "trace"};
+static const char *const ENTRY_SLOTS[] = {"fast", "res_avals", "khash", "ohash"};
 
 /* ------------------------------------------------------------------ the objects from setup */
 typedef struct {
@@ -116,6 +127,7 @@ typedef struct {
     PyObject *config;       /* deferfuse.config.config */
     PyObject *config_dict;  /* its __dict__: the settings (config_get) */
     PyObject *ts_type;      /* engine.ThreadState */
+    PyObject *entry_type;   /* dispatch.Entry */
     PyObject *sources;      /* engine.sources (SourceLines) */
     PyObject *defer_str;    /* "defer" */
     PyObject *empty_tuple;
@@ -938,7 +950,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
     }
 
     /* output Values */
-    res = GET(entry, A_res_avals);
+    res = slot_get(&L_entry, 1, entry, A_res_avals);
     if (res == NULL) goto done;
     Py_ssize_t n_out = PyTuple_GET_SIZE(res);
     outs = PyTuple_New(n_out);
@@ -995,8 +1007,8 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         goto done;
 
     /* the rolling hashes: h over structure and wiring, hops over structure without sizes */
-    khash = GET(entry, A_khash);
-    ohash = GET(entry, A_ohash);
+    khash = slot_get(&L_entry, 2, entry, A_khash);
+    ohash = slot_get(&L_entry, 3, entry, A_ohash);
     if (!khash || !ohash) goto done;
     {
         /* hash((h, khash, wiring, ns)) and hash((hops, ohash)), NOTE [rolling hashes in C] */
@@ -1802,7 +1814,7 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
     int on = on_o == NULL ? -1 : PyObject_IsTrue(on_o);
     if (on < 0) return NULL;
     if (!on) Py_RETURN_NOTIMPLEMENTED;
-    PyObject *fast = GET(entry, A_fast);
+    PyObject *fast = slot_get(&L_entry, 0, entry, A_fast);
     if (fast == NULL) return NULL;
     if (writes != NULL ? (fast != Py_None || PyTuple_GET_SIZE(mut) == 0)
                        : !(PyTuple_CheckExact(fast) || PyList_CheckExact(fast))) {
@@ -1856,7 +1868,7 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
     F(moving, "moving") F(inference_on, "inference_on") F(tensor_type, "Tensor")
     F(select_op, "select") F(slice_op, "slice") F(dselect, "DSELECT") F(dslice, "DSLICE")
     F(dtype_type, "dtype_type") F(memory_format_type, "memory_format_type") F(layout_type, "layout_type")
-    F(ts_type, "ThreadState")
+    F(ts_type, "ThreadState") F(entry_type, "Entry")
 #undef F
     if (!PyAnySet_Check(S.special) || !PyList_Check(S.devices)) {
         PyErr_SetString(PyExc_TypeError, "setup: special_scalars must be a set, devices a list");
@@ -1872,8 +1884,9 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
     if (layout_of(&L_value, S.value_type, VALUE_SLOTS, 8) < 0 ||
             layout_of(&L_node, S.node_type, NODE_SLOTS, 9) < 0 ||
             layout_of(&L_storage, S.storage_type, STORAGE_SLOTS, 7) < 0 ||
-            layout_of(&L_held, (PyObject *)Py_TYPE(S.held), HELD_SLOTS, 7) < 0 ||
-            layout_of(&L_ts, S.ts_type, TS_SLOTS, 4) < 0)
+            slot_offsets(&L_held, (PyObject *)Py_TYPE(S.held), HELD_SLOTS, 3) < 0 ||
+            slot_offsets(&L_ts, S.ts_type, TS_SLOTS, 2) < 0 ||
+            slot_offsets(&L_entry, S.entry_type, ENTRY_SLOTS, 4) < 0)
         return NULL;
     Py_XSETREF(S.config_dict, PyObject_GetAttrString(S.config, "__dict__"));
     if (S.config_dict == NULL) return NULL;

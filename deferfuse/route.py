@@ -279,7 +279,8 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
         views=engine.views,
         aliases=engine.aliases, moving=(*views._MOVING, torch.ops.aten.unbind.int),
         inference_on=_inference_on, Tensor=torch.Tensor, select=torch.ops.aten.select.int,
-        slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE, ThreadState=ThreadState)
+        slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE, ThreadState=ThreadState,
+        Entry=d.Entry)
 
 
 def _c_record_path():
