@@ -29,6 +29,25 @@ typedef struct {
     Py_ssize_t off[12];
 } Layout;
 
+/* The offsets of the named slots of type (its own __slots__' member descriptors): enough to read
+   them (slot_get); layout_of checks the whole list too, for the records made here. */
+static int slot_offsets(Layout *L, PyObject *type, const char *const *names, int n) {
+    if (!PyType_Check(type) || n > 12) { PyErr_SetString(PyExc_TypeError, "slot_offsets"); return -1; }
+    L->type = (PyTypeObject *)type;
+    L->n = n;
+    for (int i = 0; i < n; i++) {
+        PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, names[i]);
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+                ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            PyErr_Format(PyExc_RuntimeError, "deferfuse._fastpath: %R.%s is not a slot: update "
+                         "deferfuse/_fastpath.c (it reads it at every op)", type, names[i]);
+            return -1;
+        }
+        L->off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    return 0;
+}
+
 static int layout_of(Layout *L, PyObject *type, const char *const *names, int n) {
     if (!PyType_Check(type) || n > 12) { PyErr_SetString(PyExc_TypeError, "layout_of"); return -1; }
     PyObject *slots = PyObject_GetAttrString(type, "__slots__");
@@ -55,16 +74,7 @@ static int layout_of(Layout *L, PyObject *type, const char *const *names, int n)
                          "deferfuse/_fastpath.c (it makes these records)", type);
         goto bad;
     }
-    L->type = (PyTypeObject *)type;
-    L->n = n;
-    for (int i = 0; i < n; i++) {
-        PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, names[i]);
-        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-            PyErr_Format(PyExc_RuntimeError, "deferfuse._fastpath: %R.%s is not a slot", type, names[i]);
-            goto bad;
-        }
-        L->off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
-    }
+    if (slot_offsets(L, type, names, n) < 0) goto bad;
     Py_DECREF(slots); Py_DECREF(want);
     return 0;
 bad:
@@ -83,12 +93,17 @@ static PyObject *make_record(Layout *L, PyObject *const *vals) {
     return o;
 }
 
-static Layout L_value, L_node, L_storage;
+static Layout L_value, L_node, L_storage, L_held, L_ts, L_entry;
 static const char *const VALUE_SLOTS[] = {"array", "node", "idx", "shape", "dtype", "nbytes",
                                           "err", "chk"};
 static const char *const NODE_SLOTS[] = {"key", "ins", "wiring", "s0", "scalars", "outs", "src",
                                          "pos", "trace"};
 static const char *const STORAGE_SLOTS[] = {"val", "device", "dtype", "stride", "wr", "ep", "prev"};
+/* slots read (and depth written) at every op: runtime.interrupts.Interrupts', engine.ThreadState's
+   and dispatch.Entry's */
+static const char *const HELD_SLOTS[] = {"main", "depth", "held"};
+static const char *const TS_SLOTS[] = {"mode", "trace"};
+static const char *const ENTRY_SLOTS[] = {"fast", "res_avals", "khash", "ohash"};
 
 /* ------------------------------------------------------------------ the objects from setup */
 typedef struct {
@@ -110,6 +125,9 @@ typedef struct {
     PyObject *strided;      /* torch.strided */
     PyObject *devices;      /* tensor._DEVICES: torch.device("tpu", i) */
     PyObject *config;       /* deferfuse.config.config */
+    PyObject *config_dict;  /* its __dict__: the settings (config_get) */
+    PyObject *ts_type;      /* engine.ThreadState */
+    PyObject *entry_type;   /* dispatch.Entry */
     PyObject *sources;      /* engine.sources (SourceLines) */
     PyObject *defer_str;    /* "defer" */
     PyObject *empty_tuple;
@@ -472,6 +490,19 @@ static Py_hash_t tuple_hash_lanes(const Py_hash_t *lanes, Py_ssize_t len) {
 /* hash(n) of a Python int 0 <= n < 2**31 (a count): n itself */
 static Py_hash_t small_int_hash(Py_ssize_t n) { return (Py_hash_t)n; }
 
+/* hash(n) of a Python int that fits a Py_hash_t (a rolling hash): |n| mod 2**61 - 1 with n's
+   sign, -1 read as -2 (Objects/longobject.c's long_hash on 64-bit builds; checked at setup) */
+static Py_hash_t word_int_hash(Py_hash_t x) {
+#if SIZEOF_VOID_P > 4
+    Py_uhash_t a = x < 0 ? (Py_uhash_t)0 - (Py_uhash_t)x : (Py_uhash_t)x;
+    a %= (Py_uhash_t)_PyHASH_MODULUS;
+    Py_hash_t r = x < 0 ? -(Py_hash_t)a : (Py_hash_t)a;
+    return r == -1 ? -2 : r;
+#else
+    return x == -1 ? -2 : x;    /* unused: check_own_hash turns own_hash off where this is wrong */
+#endif
+}
+
 /* the tuple's hash: its lanes, or (own_hash off) hash() of the packed tuple */
 static Py_hash_t tuple_hash_of(PyObject *const *items, const Py_hash_t *lanes, Py_ssize_t len) {
     if (own_hash) return tuple_hash_lanes(lanes, len);
@@ -509,6 +540,19 @@ static int check_own_hash(void) {
         if (want == -1) { Py_DECREF(t); return -1; }
         same = tuple_hash_lanes(lanes, n) == want;
     }
+    /* a rolling hash's (a Py_hash_t held as a C word by TraceState) */
+    {
+        const long long w[] = {0, 1, -1, -2, 2305843009213693950LL, 2305843009213693951LL,
+                               2305843009213693952LL, -2305843009213693951LL,
+                               0x7fffffffffffffffLL, -0x7fffffffffffffffLL - 1,
+                               0x1234567890abcdefLL, -0x1234567890abcdefLL};
+        for (size_t i = 0; same && i < sizeof(w) / sizeof(w[0]); i++) {
+            PyObject *o = PyLong_FromLongLong(w[i]);
+            if (o == NULL) { Py_DECREF(t); return -1; }
+            same = PyObject_Hash(o) == word_int_hash((Py_hash_t)w[i]);
+            Py_DECREF(o);
+        }
+    }
     /* and a count's hash */
     for (Py_ssize_t n = 0; same && n < 70000; n += 4099) {
         PyObject *o = PyLong_FromSsize_t(n);
@@ -530,50 +574,329 @@ static PyObject *set_own_hash(PyObject *self, PyObject *on) {
     return PyBool_FromLong(own_hash);
 }
 
+/* ------------------------------------------------------------------ the trace's per-op state */
+/* NOTE [trace state in C]: what Trace.record reads and writes at every op (the pending nodes, the
+   external inputs with their use counts and id -> index map, the scalars, the storages to read
+   back, the rolling hashes h and hops, the cut due, the device, the next step-detection length
+   check_at, the count already in metrics, the epoch, the known loop bodies) are the fields of
+   this type, and deferfuse.record.Trace is its Python subclass: the C record path (record()
+   below, the plain tensor's kernel through NOTE [C++ node hand-over]) reads them as struct
+   fields, where it made ~15 attribute lookups and 3 sets an op on the Trace's instance dict.
+   Trace.record in Python reads and writes the same fields through the properties below, so one
+   trace still mixes ops recorded by either path with the same values. pos is len(nodes) (no
+   second counter to keep in step). The lists stay Python lists (the flush takes them); the use
+   counts are a C array that ext_uses copies into a list, and ext_index(v) is the one way to add
+   an external input (Python's Trace._external calls it). Everything is replaced at once by
+   reset_state(), under the engine's lock as every other write. */
+typedef struct { void *key; Py_ssize_t idx; } ExtSlot;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *nodes, *ext, *scalars, *storages;     /* lists, never NULL */
+    PyObject *cut;          /* None, or the reason of a cut due before the next op */
+    PyObject *known;        /* engine.bodies.known (a set) or None */
+    PyObject *epoch;        /* an int: storages registered in this trace carry it */
+    Py_hash_t h, hops;
+    long device;            /* -1: none yet */
+    Py_ssize_t check_at, counted;
+    ExtSlot *tab;           /* id(v) -> index in ext, open addressing; cap a power of two */
+    Py_ssize_t tab_cap;
+    Py_ssize_t *uses;       /* per external input, the node inputs reading it */
+    Py_ssize_t uses_cap;
+    Py_ssize_t n_ext;       /* inputs registered by ext_index: len(ext) unless ext was changed
+                               by hand, which ext_index and ext_uses refuse */
+} TraceState;
+
+static PyTypeObject TraceStateType;
+
+static int ts_fresh(TraceState *t) {
+    PyObject *n = PyList_New(0), *e = PyList_New(0), *s = PyList_New(0), *st = PyList_New(0);
+    if (!n || !e || !s || !st) { Py_XDECREF(n); Py_XDECREF(e); Py_XDECREF(s); Py_XDECREF(st); return -1; }
+    Py_XSETREF(t->nodes, n); Py_XSETREF(t->ext, e); Py_XSETREF(t->scalars, s);
+    Py_XSETREF(t->storages, st);
+    Py_INCREF(Py_None); Py_XSETREF(t->cut, Py_None);
+    t->h = t->hops = 0;
+    t->device = -1;
+    t->counted = 0;
+    t->n_ext = 0;
+    if (t->tab_cap > 4096) {       /* a trace with many external inputs: do not keep its size */
+        PyMem_Free(t->tab); PyMem_Free(t->uses);
+        t->tab = NULL; t->uses = NULL; t->tab_cap = t->uses_cap = 0;
+    } else if (t->tab != NULL) {
+        memset(t->tab, 0, t->tab_cap * sizeof(ExtSlot));
+    }
+    return 0;
+}
+
+static PyObject *ts_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    TraceState *t = (TraceState *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    Py_INCREF(Py_None); t->known = Py_None;
+    t->epoch = PyLong_FromLong(0);
+    t->check_at = 0;
+    if (t->epoch == NULL || ts_fresh(t) < 0) { Py_DECREF(t); return NULL; }
+    return (PyObject *)t;
+}
+
+static int ts_traverse(TraceState *t, visitproc visit, void *arg) {
+    Py_VISIT(t->nodes); Py_VISIT(t->ext); Py_VISIT(t->scalars); Py_VISIT(t->storages);
+    Py_VISIT(t->cut); Py_VISIT(t->known); Py_VISIT(t->epoch);
+    return 0;
+}
+
+static int ts_clear(TraceState *t) {
+    Py_CLEAR(t->nodes); Py_CLEAR(t->ext); Py_CLEAR(t->scalars); Py_CLEAR(t->storages);
+    Py_CLEAR(t->cut); Py_CLEAR(t->known); Py_CLEAR(t->epoch);
+    return 0;
+}
+
+static void ts_dealloc(TraceState *t) {
+    PyObject_GC_UnTrack(t);
+    ts_clear(t);
+    PyMem_Free(t->tab);
+    PyMem_Free(t->uses);
+    Py_TYPE(t)->tp_free((PyObject *)t);     /* a subclass's dealloc drops its type's reference */
+}
+
+/* the index of the external input v, registered (use count 1) if new, else its count + 1; -1 on
+   error. ext holds v, so its address names it while it is in the map. */
+static Py_ssize_t ts_ext_index(TraceState *t, PyObject *v) {
+    if (t->ext == NULL) { PyErr_SetString(PyExc_RuntimeError, "deferfuse: a cleared trace"); return -1; }
+    Py_ssize_t n = t->n_ext;
+    if (PyList_GET_SIZE(t->ext) != n) {
+        PyErr_SetString(PyExc_RuntimeError, "deferfuse: Trace.ext changed outside ext_index");
+        return -1;
+    }
+    if (2 * (n + 1) > t->tab_cap) {        /* grow: at most half full */
+        Py_ssize_t cap = t->tab_cap ? 2 * t->tab_cap : 64;
+        ExtSlot *tab = PyMem_Calloc(cap, sizeof(ExtSlot));
+        if (tab == NULL) { PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            void *k = PyList_GET_ITEM(t->ext, i);
+            size_t j = ((size_t)k >> 4) & (cap - 1);
+            while (tab[j].key != NULL) j = (j + 1) & (cap - 1);
+            tab[j].key = k; tab[j].idx = i;
+        }
+        PyMem_Free(t->tab);
+        t->tab = tab; t->tab_cap = cap;
+    }
+    size_t j = ((size_t)v >> 4) & (t->tab_cap - 1);
+    while (t->tab[j].key != NULL) {
+        if (t->tab[j].key == (void *)v) {
+            t->uses[t->tab[j].idx]++;
+            return t->tab[j].idx;
+        }
+        j = (j + 1) & (t->tab_cap - 1);
+    }
+    if (n + 1 > t->uses_cap) {
+        Py_ssize_t cap = t->uses_cap ? 2 * t->uses_cap : 64;
+        Py_ssize_t *u = PyMem_Realloc(t->uses, cap * sizeof(Py_ssize_t));
+        if (u == NULL) { PyErr_NoMemory(); return -1; }
+        t->uses = u; t->uses_cap = cap;
+    }
+    if (PyList_Append(t->ext, v) < 0) return -1;
+    t->tab[j].key = v; t->tab[j].idx = n;
+    t->uses[n] = 1;
+    t->n_ext = n + 1;
+    return n;
+}
+
+static PyObject *ts_ext_index_py(TraceState *t, PyObject *v) {
+    Py_ssize_t i = ts_ext_index(t, v);
+    return i < 0 ? NULL : PyLong_FromSsize_t(i);
+}
+
+static PyObject *ts_reset_state(TraceState *t, PyObject *unused) {
+    if (ts_fresh(t) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ts_get_list(TraceState *t, void *off) {
+    PyObject *v = *(PyObject **)((char *)t + (Py_ssize_t)off);
+    if (v == NULL) { PyErr_SetString(PyExc_AttributeError, "deferfuse: a cleared trace"); return NULL; }
+    Py_INCREF(v);
+    return v;
+}
+
+static PyObject *ts_get_ext_uses(TraceState *t, void *unused) {
+    if (t->ext == NULL) { PyErr_SetString(PyExc_AttributeError, "deferfuse: a cleared trace"); return NULL; }
+    Py_ssize_t n = t->n_ext;
+    if (PyList_GET_SIZE(t->ext) != n) {
+        PyErr_SetString(PyExc_RuntimeError, "deferfuse: Trace.ext changed outside ext_index");
+        return NULL;
+    }
+    PyObject *l = PyList_New(n);
+    if (l == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = PyLong_FromSsize_t(t->uses[i]);
+        if (c == NULL) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, i, c);
+    }
+    return l;
+}
+
+static PyObject *ts_get_cut(TraceState *t, void *unused) { return Py_NewRef(t->cut ? t->cut : Py_None); }
+static int ts_set_cut(TraceState *t, PyObject *v, void *unused) {
+    if (v == NULL) { PyErr_SetString(PyExc_AttributeError, "Trace.cut cannot be deleted"); return -1; }
+    Py_INCREF(v); Py_SETREF(t->cut, v);
+    return 0;
+}
+
+static PyObject *ts_get_known(TraceState *t, void *unused) { return Py_NewRef(t->known ? t->known : Py_None); }
+static int ts_set_known(TraceState *t, PyObject *v, void *unused) {
+    if (v == NULL || (v != Py_None && !PyAnySet_CheckExact(v))) {
+        PyErr_SetString(PyExc_TypeError, "Trace._known: a set or None");
+        return -1;
+    }
+    Py_INCREF(v); Py_SETREF(t->known, v);
+    return 0;
+}
+
+static PyObject *ts_get_epoch(TraceState *t, void *unused) { return Py_NewRef(t->epoch ? t->epoch : Py_None); }
+static int ts_set_epoch(TraceState *t, PyObject *v, void *unused) {
+    if (v == NULL || !PyLong_CheckExact(v)) {
+        PyErr_SetString(PyExc_TypeError, "Trace.epoch: an int");
+        return -1;
+    }
+    Py_INCREF(v); Py_SETREF(t->epoch, v);
+    return 0;
+}
+
+static PyObject *ts_get_device(TraceState *t, void *unused) {
+    if (t->device < 0) Py_RETURN_NONE;
+    return PyLong_FromLong(t->device);
+}
+static int ts_set_device(TraceState *t, PyObject *v, void *unused) {
+    if (v == Py_None) { t->device = -1; return 0; }
+    long d = v != NULL && PyLong_CheckExact(v) ? PyLong_AsLong(v) : -1;
+    if (d < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "Trace.device: None or a device index (an int >= 0)");
+        return -1;
+    }
+    t->device = d;
+    return 0;
+}
+
+/* h, hops: any int hash() returns (a Py_hash_t) */
+static PyObject *ts_get_hash(TraceState *t, void *off) {
+    return PyLong_FromSsize_t(*(Py_hash_t *)((char *)t + (Py_ssize_t)off));
+}
+/* check_at, counted: counts */
+static PyObject *ts_get_count(TraceState *t, void *off) {
+    return PyLong_FromSsize_t(*(Py_ssize_t *)((char *)t + (Py_ssize_t)off));
+}
+static int ts_set_word(TraceState *t, PyObject *v, void *off) {
+    if (v == NULL || !PyLong_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "Trace: an int");
+        return -1;
+    }
+    Py_ssize_t x = PyLong_AsSsize_t(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *(Py_ssize_t *)((char *)t + (Py_ssize_t)off) = x;
+    return 0;
+}
+
+#define TS_OFF(f) ((void *)offsetof(TraceState, f))
+static PyGetSetDef ts_getset[] = {
+    {"nodes", (getter)ts_get_list, NULL, "the pending Nodes, in order (a list)", TS_OFF(nodes)},
+    {"ext", (getter)ts_get_list, NULL, "the external input Values (a list)", TS_OFF(ext)},
+    {"scalars", (getter)ts_get_list, NULL, "the runtime scalars of all nodes (a list)", TS_OFF(scalars)},
+    {"storages", (getter)ts_get_list, NULL, "weak refs of storages that may hold pending values",
+     TS_OFF(storages)},
+    {"ext_uses", (getter)ts_get_ext_uses, NULL,
+     "node inputs reading each external value (a new list: the donation check's counts)", NULL},
+    {"cut", (getter)ts_get_cut, (setter)ts_set_cut, "a cut decided at the last op, made before the next one", NULL},
+    {"_known", (getter)ts_get_known, (setter)ts_set_known, "engine.bodies.known, read at every op", NULL},
+    {"epoch", (getter)ts_get_epoch, (setter)ts_set_epoch, "the trace's epoch (Storage.ep)", NULL},
+    {"device", (getter)ts_get_device, (setter)ts_set_device, "the device of its ops, or None", NULL},
+    {"h", (getter)ts_get_hash, (setter)ts_set_word, "rolling hash over structure and wiring", TS_OFF(h)},
+    {"hops", (getter)ts_get_hash, (setter)ts_set_word, "rolling hash over structure without sizes",
+     TS_OFF(hops)},
+    {"check_at", (getter)ts_get_count, (setter)ts_set_word, "next length to look for a loop body at",
+     TS_OFF(check_at)},
+    {"counted", (getter)ts_get_count, (setter)ts_set_word, "nodes already in S['ops_recorded']",
+     TS_OFF(counted)},
+    {NULL}};
+#undef TS_OFF
+
+static PyMethodDef ts_methods[] = {
+    {"ext_index", (PyCFunction)ts_ext_index_py, METH_O,
+     "The external-input index of the concrete Value v (registered if new), its use count + 1."},
+    {"reset_state", (PyCFunction)ts_reset_state, METH_NOARGS,
+     "Empty: fresh lists, no external inputs, hashes 0, no cut, no device, counted 0."},
+    {NULL}};
+
+static PyTypeObject TraceStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "deferfuse._fastpath.TraceState",
+    .tp_doc = "NOTE [trace state in C]: the per-op state of a pending trace (deferfuse.record.Trace's base).",
+    .tp_basicsize = sizeof(TraceState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = ts_new,
+    .tp_traverse = (traverseproc)ts_traverse,
+    .tp_clear = (inquiry)ts_clear,
+    .tp_dealloc = (destructor)ts_dealloc,
+    .tp_getset = ts_getset,
+    .tp_methods = ts_methods,
+};
+
+/* A slot of a record made by Python or by make_record (Value, Node): read at its offset when the
+   object is of the exact class whose layout setup checked, else by a generic get (a subclass, or
+   an unset slot, raises as Python would). New reference. */
+static PyObject *slot_get(Layout *L, int k, PyObject *o, PyObject *name) {
+    if (Py_IS_TYPE(o, L->type)) {
+        PyObject *v = *(PyObject **)((char *)o + L->off[k]);
+        if (v != NULL) { Py_INCREF(v); return v; }
+    }
+    return GET(o, name);
+}
+
+/* A setting of deferfuse.config (its instance dict: the settings are plain entries there, and
+   the generic get passes through _Config's __getattr__ hook first); borrowed, NULL with an error
+   set if absent. */
+static PyObject *config_get(PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(S.config_dict, name);
+    if (v == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+    return v;
+}
+
 /* ------------------------------------------------------------------ recording (Trace.record) */
 /* The fast case of Trace.record(entry, ins, scalars, dev) followed by _run's per-output Storage
    and make(). Returns the op's result, Py_NotImplemented when it is not the fast case (nothing
    was changed), NULL on error. The caller holds the engine's lock. storages_only (the plain
-   tensor's C++ kernel, record_storages): the new outputs' Storages, a tuple, no tensors made. */
+   tensor's C++ kernel, record_storages): the new outputs' Storages, a tuple, no tensors made.
+   The trace's state is read and written as fields (NOTE [trace state in C]). */
 static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObject *ins,
                         PyObject *scalars, long dev, PyObject *tensors, PyObject *mut,
                         PyObject *info, PyObject *args, PyObject *kwargs, int storages_only) {
-    PyObject *result = NULL, *cut = NULL, *tdev = NULL, *nodes = NULL, *wiring = NULL,
-             *ext_ids = NULL, *ext = NULL, *ext_uses = NULL, *res = NULL, *outs = NULL,
-             *src = NULL, *node = NULL, *tscalars = NULL, *h = NULL, *hops = NULL,
-             *khash = NULL, *ohash = NULL, *dev_obj = NULL, *s0 = NULL, *pos_obj = NULL,
-             *known = NULL, *check_at = NULL, *storages = NULL, *made = NULL;
+    PyObject *result = NULL, *nodes = NULL, *wiring = NULL, *res = NULL, *outs = NULL,
+             *src = NULL, *node = NULL, *tscalars = NULL, *khash = NULL, *ohash = NULL,
+             *dev_obj = NULL, *s0 = NULL, *pos_obj = NULL, *storages = NULL, *made = NULL;
     Py_ssize_t n_in = PyList_GET_SIZE(ins);
-
-    cut = GET(trace, A_cut);
-    if (cut == NULL) goto done;
-    if (cut != Py_None) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
-    nodes = GET(trace, A_nodes);
-    if (nodes == NULL) goto done;
-    Py_ssize_t pos = PyList_GET_SIZE(nodes);
-    tdev = GET(trace, A_device);
-    if (tdev == NULL) goto done;
-    dev_obj = PyLong_FromLong(dev);
-    if (dev_obj == NULL) goto done;
-    if (pos > 0) {
-        int same = PyObject_RichCompareBool(tdev, dev_obj, Py_EQ);
-        if (same < 0) goto done;
-        if (!same) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
+    if (!PyObject_TypeCheck(trace, &TraceStateType)) {
+        PyErr_Format(PyExc_TypeError, "deferfuse: %R is not a Trace", trace);
+        return NULL;
     }
+    TraceState *T = (TraceState *)trace;
+    if (T->nodes == NULL || T->cut != Py_None) Py_RETURN_NOTIMPLEMENTED;   /* a cut due */
+    /* the lists stay held while this runs, whatever Python code a hash or a decref may run */
+    nodes = T->nodes; Py_INCREF(nodes);
+    tscalars = T->scalars; Py_INCREF(tscalars);
+    storages = T->storages; Py_INCREF(storages);
+    Py_ssize_t pos = PyList_GET_SIZE(nodes);
+    if (pos > 0 && T->device != dev) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
     /* The next op's checks (Trace.record's tail): a due check of the trace for a loop body goes
        to the Python path, which records this op and then looks. */
-    check_at = GET(trace, A_check_at);
-    if (check_at == NULL) goto done;
-    Py_ssize_t check = PyLong_AsSsize_t(check_at);
-    if (check == -1 && PyErr_Occurred()) goto done;
-    PyObject *limit_o = GET(S.config, A_trace_limit);
+    PyObject *limit_o = config_get(A_trace_limit);
     if (limit_o == NULL) goto done;
     Py_ssize_t limit = PyLong_AsSsize_t(limit_o);
-    Py_DECREF(limit_o);
     if (limit == -1 && PyErr_Occurred()) goto done;
-    if (pos + 1 == check || pos + 1 >= limit) {
+    if (pos + 1 == T->check_at || pos + 1 >= limit) {
         result = Py_NotImplemented; Py_INCREF(result); goto done;
     }
+    dev_obj = PyLong_FromLong(dev);
+    if (dev_obj == NULL) goto done;
 
     /* wiring: per input, (pos, idx) of a node of this trace, or an external input's index.
        A first pass decides (an input pending in another trace, or failed, donated or empty, goes
@@ -588,14 +911,14 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
             PyTuple_SET_ITEM(wiring, i, Py_None);
             continue;
         }
-        PyObject *n = GET(v, A_node);
+        PyObject *n = slot_get(&L_value, 1, v, A_node);
         if (n == NULL) goto done;
         if (n != Py_None) {
-            PyObject *p = GET(n, A_pos);
+            PyObject *p = slot_get(&L_node, 7, n, A_pos);
             if (p == NULL) { Py_DECREF(n); goto done; }
             Py_ssize_t pi = PyLong_AsSsize_t(p);
             if (pi >= 0 && pi < pos && PyList_GET_ITEM(nodes, pi) == n) {
-                PyObject *idx = GET(v, A_idx);
+                PyObject *idx = slot_get(&L_value, 2, v, A_idx);
                 if (idx == NULL) { Py_DECREF(p); Py_DECREF(n); goto done; }
                 w = PyTuple_Pack(2, p, idx);
                 Py_DECREF(idx);
@@ -609,7 +932,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
             PyTuple_SET_ITEM(wiring, i, w);
         } else {
             Py_DECREF(n);
-            PyObject *arr = GET(v, A_array);
+            PyObject *arr = slot_get(&L_value, 0, v, A_array);
             if (arr == NULL) goto done;
             int absent = arr == Py_None;
             Py_DECREF(arr);
@@ -620,39 +943,14 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
     }
     for (Py_ssize_t i = 0; i < n_in; i++) {
         if (PyTuple_GET_ITEM(wiring, i) != NULL) continue;
-        PyObject *v = PyList_GET_ITEM(ins, i);
-        PyObject *w;
-        if (ext_ids == NULL) {
-            ext_ids = GET(trace, A_ext_ids);
-            ext = GET(trace, A_ext);
-            ext_uses = GET(trace, A_ext_uses);
-            if (!ext_ids || !ext || !ext_uses) goto done;
-        }
-        PyObject *id = PyLong_FromVoidPtr(v);
-        if (id == NULL) goto done;
-        PyObject *k = PyDict_GetItemWithError(ext_ids, id);
-        if (k == NULL) {
-            if (PyErr_Occurred()) { Py_DECREF(id); goto done; }
-            k = PyLong_FromSsize_t(PyList_GET_SIZE(ext));
-            if (k == NULL || PyDict_SetItem(ext_ids, id, k) < 0 || PyList_Append(ext, v) < 0 ||
-                    PyList_Append(ext_uses, S.one) < 0) {
-                Py_XDECREF(k); Py_DECREF(id); goto done;
-            }
-            w = k;
-        } else {
-            Py_ssize_t ki = PyLong_AsSsize_t(k);
-            PyObject *u1 = PyNumber_Add(PyList_GET_ITEM(ext_uses, ki), S.one);
-            if (u1 == NULL) { Py_DECREF(id); goto done; }
-            PyList_SetItem(ext_uses, ki, u1);      /* steals u1 */
-            Py_INCREF(k);
-            w = k;
-        }
-        Py_DECREF(id);
+        Py_ssize_t k = ts_ext_index(T, PyList_GET_ITEM(ins, i));
+        PyObject *w = k < 0 ? NULL : PyLong_FromSsize_t(k);
+        if (w == NULL) goto done;
         PyTuple_SET_ITEM(wiring, i, w);
     }
 
     /* output Values */
-    res = GET(entry, A_res_avals);
+    res = slot_get(&L_entry, 1, entry, A_res_avals);
     if (res == NULL) goto done;
     Py_ssize_t n_out = PyTuple_GET_SIZE(res);
     outs = PyTuple_New(n_out);
@@ -676,8 +974,9 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
     }
 
     /* the user's source line (NOTE [record depth] in record.py) */
-    int lines;
-    if (is_true_attr(S.config, A_source_lines, &lines) < 0) goto done;
+    PyObject *lines_o = config_get(A_source_lines);
+    int lines = lines_o == NULL ? -1 : PyObject_IsTrue(lines_o);
+    if (lines < 0) goto done;
     if (lines) {
         src = source_line();
         if (src == NULL) goto done;
@@ -685,8 +984,6 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         src = Py_None; Py_INCREF(src);
     }
 
-    tscalars = GET(trace, A_scalars);
-    if (tscalars == NULL) goto done;
     s0 = PyLong_FromSsize_t(PyList_GET_SIZE(tscalars));
     pos_obj = PyLong_FromSsize_t(pos);
     if (s0 == NULL || pos_obj == NULL) goto done;
@@ -702,8 +999,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         Py_INCREF(node);
         Py_XSETREF(*(PyObject **)((char *)o + L_value.off[1]), node);
     }
-    /* trace.device = dev: an equal int is there already unless the trace is empty (checked above) */
-    if (pos == 0 && PyObject_SetAttr(trace, A_device, dev_obj) < 0) goto done;
+    T->device = dev;
     if (PyList_Append(nodes, node) < 0) goto done;
     Py_ssize_t ns = PyList_GET_SIZE(scalars);
     if (ns && PyList_SetSlice(tscalars, PyList_GET_SIZE(tscalars), PyList_GET_SIZE(tscalars),
@@ -711,66 +1007,62 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         goto done;
 
     /* the rolling hashes: h over structure and wiring, hops over structure without sizes */
-    h = GET(trace, A_h);
-    khash = GET(entry, A_khash);
-    hops = GET(trace, A_hops);
-    ohash = GET(entry, A_ohash);
-    if (!h || !khash || !hops || !ohash) goto done;
+    khash = slot_get(&L_entry, 2, entry, A_khash);
+    ohash = slot_get(&L_entry, 3, entry, A_ohash);
+    if (!khash || !ohash) goto done;
     {
         /* hash((h, khash, wiring, ns)) and hash((hops, ohash)), NOTE [rolling hashes in C] */
-        Py_hash_t hv, lanes[4];
-        lanes[0] = PyObject_Hash(h);
+        Py_hash_t hv, hopv, lanes[4];
+        lanes[0] = word_int_hash(T->h);
         lanes[1] = PyObject_Hash(khash);
         lanes[2] = PyObject_Hash(wiring);
         lanes[3] = small_int_hash(ns);
-        if (lanes[0] == -1 || lanes[1] == -1 || lanes[2] == -1) goto done;
-        {
-            PyObject *nso = own_hash ? NULL : PyLong_FromSsize_t(ns);
-            PyObject *items[4] = {h, khash, wiring, nso};
-            if (!own_hash && nso == NULL) goto done;
-            hv = tuple_hash_of(items, lanes, 4);
-            Py_XDECREF(nso);
+        if (lanes[1] == -1 || lanes[2] == -1) goto done;
+        if (own_hash) {
+            hv = tuple_hash_lanes(lanes, 4);
+        } else {
+            PyObject *ho = PyLong_FromSsize_t(T->h), *nso = PyLong_FromSsize_t(ns);
+            PyObject *items[4] = {ho, khash, wiring, nso};
+            hv = ho && nso ? tuple_hash_of(items, lanes, 4) : -1;
+            Py_XDECREF(ho); Py_XDECREF(nso);
             if (hv == -1 && PyErr_Occurred()) goto done;
         }
-        PyObject *hn = PyLong_FromSsize_t(hv);
-        if (hn == NULL || PyObject_SetAttr(trace, A_h, hn) < 0) { Py_XDECREF(hn); goto done; }
-        Py_DECREF(hn);
-        lanes[0] = PyObject_Hash(hops);
+        lanes[0] = word_int_hash(T->hops);
         lanes[1] = PyObject_Hash(ohash);
-        if (lanes[0] == -1 || lanes[1] == -1) goto done;
-        {
-            PyObject *items[2] = {hops, ohash};
-            hv = tuple_hash_of(items, lanes, 2);
-            if (hv == -1 && PyErr_Occurred()) goto done;
+        if (lanes[1] == -1) goto done;
+        if (own_hash) {
+            hopv = tuple_hash_lanes(lanes, 2);
+        } else {
+            PyObject *ho = PyLong_FromSsize_t(T->hops);
+            PyObject *items[2] = {ho, ohash};
+            hopv = ho ? tuple_hash_of(items, lanes, 2) : -1;
+            Py_XDECREF(ho);
+            if (hopv == -1 && PyErr_Occurred()) goto done;
         }
-        Py_DECREF(hops);
-        hops = PyLong_FromSsize_t(hv);
-        if (hops == NULL || PyObject_SetAttr(trace, A_hops, hops) < 0) goto done;
+        T->h = hv;
+        T->hops = hopv;
     }
     /* a known loop body ends here: cut before the next op */
-    known = GET(trace, A_known);
-    if (known == NULL) goto done;
-    if (PySet_Size(known) > 0) {
-        PyObject *p1 = PyLong_FromSsize_t(pos + 1);
-        if (p1 == NULL) goto done;
-        PyObject *b = PyTuple_Pack(2, p1, hops);
-        Py_DECREF(p1);
+    if (T->known != NULL && T->known != Py_None && PySet_GET_SIZE(T->known) > 0) {
+        PyObject *p1 = PyLong_FromSsize_t(pos + 1), *ho = PyLong_FromSsize_t(T->hops);
+        PyObject *b = p1 && ho ? PyTuple_Pack(2, p1, ho) : NULL;
+        Py_XDECREF(p1); Py_XDECREF(ho);
         if (b == NULL) goto done;
-        int in = PySet_Contains(known, b);
-        if (in > 0 && (PyObject_SetAttr(trace, A_cut, S.loop_boundary) < 0 ||
-                       PyObject_SetAttr(trace, A_cut_body, b) < 0))
-            in = -1;
+        int in = PySet_Contains(T->known, b);
+        if (in > 0) {
+            if (PyObject_SetAttr(trace, A_cut_body, b) < 0) in = -1;
+            else { Py_INCREF(S.loop_boundary); Py_SETREF(T->cut, S.loop_boundary); }
+        }
         Py_DECREF(b);
         if (in < 0) goto done;
     }
 
-    storages = GET(trace, A_storages);
-    if (storages == NULL) goto done;
     if (fast == Py_None) {
         /* an op that writes its inputs (dispatch._bind): each written storage takes its new
            value (Trace.track_mut first), and the op returns the arguments it names */
-        PyObject *epoch = GET(trace, A_epoch);
+        PyObject *epoch = T->epoch;
         if (epoch == NULL) goto done;
+        Py_INCREF(epoch);
         for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(mut) && k < n_out; k++) {
             Py_ssize_t m = PyLong_AsSsize_t(PyTuple_GET_ITEM(mut, k));
             /* storages_only: tensors is the written Storages, one per entry of mut */
@@ -891,31 +1183,28 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         else { result = made; Py_INCREF(made); }
     }
 done:
-    Py_XDECREF(cut); Py_XDECREF(tdev); Py_XDECREF(nodes); Py_XDECREF(wiring); Py_XDECREF(ext_ids);
-    Py_XDECREF(ext); Py_XDECREF(ext_uses); Py_XDECREF(res); Py_XDECREF(outs); Py_XDECREF(src);
-    Py_XDECREF(node); Py_XDECREF(tscalars); Py_XDECREF(h); Py_XDECREF(hops); Py_XDECREF(khash);
-    Py_XDECREF(ohash); Py_XDECREF(dev_obj); Py_XDECREF(s0); Py_XDECREF(pos_obj);
-    Py_XDECREF(known); Py_XDECREF(check_at); Py_XDECREF(storages); Py_XDECREF(made);
+    Py_XDECREF(nodes); Py_XDECREF(wiring); Py_XDECREF(res); Py_XDECREF(outs); Py_XDECREF(src);
+    Py_XDECREF(node); Py_XDECREF(tscalars); Py_XDECREF(khash); Py_XDECREF(ohash);
+    Py_XDECREF(dev_obj); Py_XDECREF(s0); Py_XDECREF(pos_obj); Py_XDECREF(storages);
+    Py_XDECREF(made);
     return result;
 }
 
 /* ------------------------------------------------------------------ interrupts (depth) */
 static int held_enter(int *main) {
-    PyObject *m = GET(S.held, A_main);
-    if (m == NULL) return -1;
-    unsigned long mid = PyLong_AsUnsignedLong(m);
-    Py_DECREF(m);
+    /* Interrupts.main and .depth at their slots (the layout setup checked for engine.interrupts) */
+    PyObject **slot = (PyObject **)((char *)S.held + L_held.off[0]);
+    if (*slot == NULL) { PyErr_SetString(PyExc_AttributeError, "main"); return -1; }
+    unsigned long mid = PyLong_AsUnsignedLong(*slot);
     if (mid == (unsigned long)-1 && PyErr_Occurred()) return -1;
     *main = PyThread_get_thread_ident() == mid;
     if (!*main) return 0;
-    PyObject *d = GET(S.held, A_depth);
-    if (d == NULL) return -1;
-    PyObject *d1 = PyNumber_Add(d, S.one);
-    Py_DECREF(d);
+    slot = (PyObject **)((char *)S.held + L_held.off[1]);
+    if (*slot == NULL) { PyErr_SetString(PyExc_AttributeError, "depth"); return -1; }
+    PyObject *d1 = PyNumber_Add(*slot, S.one);
     if (d1 == NULL) return -1;
-    int r = PyObject_SetAttr(S.held, A_depth, d1);
-    Py_DECREF(d1);
-    return r;
+    Py_SETREF(*slot, d1);
+    return 0;
 }
 
 /* Leaves one level; at the outermost, calls the handlers of signals that arrived meanwhile.
@@ -924,19 +1213,20 @@ static int held_exit(int main, int deliver) {
     if (!main) return 0;
     PyObject *exc_type, *exc_val, *exc_tb;
     PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
-    PyObject *d = GET(S.held, A_depth);
+    PyObject **slot = (PyObject **)((char *)S.held + L_held.off[1]);
+    PyObject *d = *slot;
     int ret = 0;
     if (d != NULL) {
         PyObject *d1 = PyNumber_Subtract(d, S.one);
-        Py_DECREF(d);
         if (d1 != NULL) {
             long depth = PyLong_AsLong(d1);
-            if (PyObject_SetAttr(S.held, A_depth, d1) < 0) ret = -1;
-            Py_DECREF(d1);
+            if (depth == -1 && PyErr_Occurred()) ret = -1;
+            Py_SETREF(*slot, d1);
             if (ret == 0 && depth == 0 && deliver) {
-                PyObject *h = GET(S.held, A_held);
-                if (h == NULL) ret = -1;
+                PyObject *h = *(PyObject **)((char *)S.held + L_held.off[2]);   /* .held */
+                if (h == NULL) { PyErr_SetString(PyExc_AttributeError, "held"); ret = -1; }
                 else {
+                    Py_INCREF(h);
                     int any = PyObject_IsTrue(h);
                     Py_DECREF(h);
                     if (any > 0) {
@@ -952,7 +1242,7 @@ static int held_exit(int main, int deliver) {
                 }
             }
         } else ret = -1;
-    } else ret = -1;
+    } else { PyErr_SetString(PyExc_AttributeError, "depth"); ret = -1; }
     if (exc_type != NULL) {
         PyErr_Restore(exc_type, exc_val, exc_tb);
         return -1;
@@ -1520,10 +1810,11 @@ static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize
 static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObject *scalars,
                                          long dev, PyObject *writes, PyObject *mut) {
     if (!S.ready) Py_RETURN_NOTIMPLEMENTED;
-    int on;
-    if (is_true_attr(S.config, A_c_record, &on) < 0) return NULL;
+    PyObject *on_o = config_get(A_c_record);
+    int on = on_o == NULL ? -1 : PyObject_IsTrue(on_o);
+    if (on < 0) return NULL;
     if (!on) Py_RETURN_NOTIMPLEMENTED;
-    PyObject *fast = GET(entry, A_fast);
+    PyObject *fast = slot_get(&L_entry, 0, entry, A_fast);
     if (fast == NULL) return NULL;
     if (writes != NULL ? (fast != Py_None || PyTuple_GET_SIZE(mut) == 0)
                        : !(PyTuple_CheckExact(fast) || PyList_CheckExact(fast))) {
@@ -1535,7 +1826,7 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
     PyObject *result = NULL, *ts = NULL, *tmode = NULL, *trace = NULL;
     ts = GET(S.local, A_ts);
     if (ts == NULL) goto done;
-    tmode = GET(ts, A_mode);
+    tmode = slot_get(&L_ts, 0, ts, A_mode);
     if (tmode == NULL) goto done;
     int defer = PyObject_RichCompareBool(tmode, S.defer_str, Py_EQ);
     if (defer < 0) goto done;
@@ -1543,7 +1834,7 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
     PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
     if (r == NULL) goto done;
     Py_DECREF(r);
-    trace = GET(ts, A_trace);
+    trace = slot_get(&L_ts, 1, ts, A_trace);
     if (trace != NULL)
         result = record(trace, entry, fast, ins, scalars, dev, writes, mut, NULL, NULL, NULL, 1);
     PyObject *exc_type, *exc_val, *exc_tb;
@@ -1577,6 +1868,7 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
     F(moving, "moving") F(inference_on, "inference_on") F(tensor_type, "Tensor")
     F(select_op, "select") F(slice_op, "slice") F(dselect, "DSELECT") F(dslice, "DSLICE")
     F(dtype_type, "dtype_type") F(memory_format_type, "memory_format_type") F(layout_type, "layout_type")
+    F(ts_type, "ThreadState") F(entry_type, "Entry")
 #undef F
     if (!PyAnySet_Check(S.special) || !PyList_Check(S.devices)) {
         PyErr_SetString(PyExc_TypeError, "setup: special_scalars must be a set, devices a list");
@@ -1591,8 +1883,17 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
     }
     if (layout_of(&L_value, S.value_type, VALUE_SLOTS, 8) < 0 ||
             layout_of(&L_node, S.node_type, NODE_SLOTS, 9) < 0 ||
-            layout_of(&L_storage, S.storage_type, STORAGE_SLOTS, 7) < 0)
+            layout_of(&L_storage, S.storage_type, STORAGE_SLOTS, 7) < 0 ||
+            slot_offsets(&L_held, (PyObject *)Py_TYPE(S.held), HELD_SLOTS, 3) < 0 ||
+            slot_offsets(&L_ts, S.ts_type, TS_SLOTS, 2) < 0 ||
+            slot_offsets(&L_entry, S.entry_type, ENTRY_SLOTS, 4) < 0)
         return NULL;
+    Py_XSETREF(S.config_dict, PyObject_GetAttrString(S.config, "__dict__"));
+    if (S.config_dict == NULL) return NULL;
+    if (!PyDict_CheckExact(S.config_dict)) {
+        PyErr_SetString(PyExc_TypeError, "setup: config.__dict__ must be a dict");
+        return NULL;
+    }
     if (check_own_hash() < 0) return NULL;      /* NOTE [rolling hashes in C] */
     S.ready = 1;
     Py_RETURN_NONE;
@@ -1635,8 +1936,13 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     S.device_str = PyUnicode_InternFromString("device");
     if (!S.dtype_str || !S.memory_format_str || !S.device_str) return NULL;
     if (!S.defer_str || !S.empty_tuple || !S.one || !S.loop_boundary) return NULL;
+    if (PyType_Ready(&TraceStateType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    Py_INCREF(&TraceStateType);
+    if (PyModule_AddObject(m, "TraceState", (PyObject *)&TraceStateType) < 0) {
+        Py_DECREF(&TraceStateType); Py_DECREF(m); return NULL;
+    }
     /* NOTE [C++ node hand-over]: {version, record_storages_checked} for _tpu_tensor.cpp */
     static struct {
         long version;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from ._fastpath import TraceState
 from .config import SKIP_PREFIXES, config
 from .runtime import stats
 from .runtime.flush import Flush
@@ -97,8 +98,20 @@ def _trace_order(v):
     return (v.node.pos, v.idx)
 
 
-class Trace:
-    """One thread's pending ops (see the module docstring)."""
+class Trace(TraceState):
+    """One thread's pending ops (see the module docstring).
+
+    NOTE [trace state in C] (deferfuse/_fastpath.c): the state read and written at every op is
+    the C base's: ``nodes``, ``ext`` and ``scalars`` (lists: the Nodes, the external input
+    Values, the nodes' runtime scalars), ``ext_uses`` (a new list of the node inputs reading each
+    external value: the donation check), ``storages`` (weak refs of storages that may hold pending
+    values), ``h`` and ``hops`` (the rolling hashes), ``cut`` (a cut decided at the last op, made
+    before the next one), ``device`` (of its ops, one device per trace; None while empty),
+    ``check_at`` (the next length to look for a loop body at), ``counted`` (nodes already in
+    S["ops_recorded"]: metrics._pending), ``epoch`` and ``_known`` (engine.bodies.known). The C
+    record path reads them as struct fields; Python reads and writes them as attributes; the
+    lists are replaced only by ``reset_state()`` and external inputs added only by
+    ``ext_index(v)``."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -107,21 +120,11 @@ class Trace:
         self.reset()
 
     def reset(self):
-        self.nodes: list[Node] = []
-        self.ext: list[Value] = []
-        self.ext_uses: list[int] = []  # node inputs reading each external value (donation check)
-        self._ext_ids: dict = {}
-        self.scalars: list = []
-        self.h = 0
-        self.hops = 0
-        self.storages: list = []      # weak refs of storages that may hold pending values
-        self.cut = None               # a cut decided at the last op, made before the next one
-        self.counted = 0              # nodes already in S["ops_recorded"] (see metrics._pending)
+        self.reset_state()      # nodes, ext, ext_uses, scalars, storages, h, hops, cut, device, counted
         self.check_at = steps.LOOP_SPLIT_MIN_OPS     # next length to look for a loop body at
         self.after = None             # the body whose cut began this trace (NOTE [body phase])
         self.cut_body = None          # the body a pending "loop boundary" cut completes
         self.cut_wait = None          # a body found, cut once the trace reaches check_at
-        self.device = None            # the device of its ops (one device per trace)
         self.epoch = self.engine.next_epoch()       # storages taken by an earlier trace are taken again
 
     def track(self, storage):
@@ -302,14 +305,7 @@ class Trace:
         """The external-input index of the concrete value ``v``."""
         if v.array is None:
             materialize_empty(v, self.device or 0)
-        i = self._ext_ids.get(id(v))
-        if i is None:
-            i = self._ext_ids[id(v)] = len(self.ext)
-            self.ext.append(v)
-            self.ext_uses.append(1)
-        else:
-            self.ext_uses[i] += 1
-        return i
+        return self.ext_index(v)
 
     def _cut_now(self, reason=None):
         reason = reason or self.cut

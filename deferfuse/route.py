@@ -264,6 +264,7 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
     ``py_dispatch``, the Python path it hands every uncommon call to."""
     from . import dispatch as d, tensor as t, views
     from .config import config
+    from .engine import ThreadState
     from .runtime.node import SS, TS, const
     from .runtime.viewchain import DSELECT, DSLICE
     from .scheduler.records import Node, Value
@@ -278,7 +279,8 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
         views=engine.views,
         aliases=engine.aliases, moving=(*views._MOVING, torch.ops.aten.unbind.int),
         inference_on=_inference_on, Tensor=torch.Tensor, select=torch.ops.aten.select.int,
-        slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE)
+        slice=torch.ops.aten.slice.Tensor, DSELECT=DSELECT, DSLICE=DSLICE, ThreadState=ThreadState,
+        Entry=d.Entry)
 
 
 def _c_record_path():

@@ -126,3 +126,147 @@ def test_rolling_hashes_in_c_equal_trace_record_in_python(own_hash):
     # nodes, wiring, scalars and both rolling hashes: the same values
     assert in_c == in_py
     assert in_c[0] != 0 and in_c[1] != 0
+
+
+# --- NOTE [trace state in C]: the trace's per-op state as the C base's fields --------------------
+
+def _full_state():
+    """_trace_state and the rest of the per-op state the C base holds."""
+    t = engine.local.ts.trace
+    return (_trace_state(), t.ext_uses, [id(v) for v in t.ext], t.device, t.cut, t.check_at,
+            len(t.storages))
+
+
+def _mixed(split):
+    """_steps twice into one trace: the first ``split`` ops of the pair recorded in Python
+    (c_record off: the router into Trace.record), the rest by the kernel's hits."""
+    torch.manual_seed(5)
+    cx, cy, cb = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4, 4)
+    # the inputs and the out= tensor are made outside the timed part; a second round learns keys
+    for _ in range(2):
+        deferfuse.sync()
+        x, y, b = cx.to("tpu"), cy.to("tpu"), cb.to("tpu")
+        o = torch.empty(5, 4, device="tpu")
+        deferfuse.sync()
+        h = _hits()
+        with deferfuse.override(c_record=split == 0):
+            a = x + y
+            m = a * 1.75
+        with deferfuse.override(c_record=split <= 2):
+            s = (m - y).sum(0)
+            x.mul_(0.5)
+            b[1:3].add_(2.25)
+        with deferfuse.override(c_record=split <= 5):
+            torch.mul(a, y, out=o)
+            mx, ix = torch.max(m, 1)
+            z = (y + 1.5) * a
+        hits = _hits() - h
+        state = _full_state()
+        got = [a, m, s, x, b, o, mx, ix, z]
+        deferfuse.sync()
+    a = cx + cy
+    m = a * 1.75
+    xc, bc, oc = cx.clone(), cb.clone(), torch.empty(5, 4)
+    s = (m - cy).sum(0)
+    xc.mul_(0.5)
+    bc[1:3].add_(2.25)
+    torch.mul(a, cy, out=oc)
+    mx, ix = torch.max(m, 1)
+    for g, w in zip(got, [a, m, s, xc, bc, oc, mx, ix, (cy + 1.5) * a]):
+        assert_same(g, w)
+    return state, hits
+
+
+@pytest.mark.modes("defer")
+def test_one_trace_recorded_by_python_then_c_equals_python_alone():
+    """The C path reads what Trace.record in Python wrote (nodes, external inputs and their use
+    counts, scalars, hashes, device) and writes what Python reads next: a trace recorded half in
+    Python, half by the kernel, is the trace Python records alone, field by field."""
+    want, py_hits = _mixed(6)      # all in Python
+    assert py_hits == 0
+    for split in (0, 2, 5):
+        got, hits = _mixed(split)
+        assert hits > 0, split
+        # ids of the external Values differ from run to run: compare their count
+        assert got[0] == want[0] and got[1] == want[1] and len(got[2]) == len(want[2]), split
+        assert got[3:] == want[3:], split
+    assert max(want[1]) >= 2        # an external input read by several nodes
+
+
+def test_trace_state_fields_round_trip_and_refuse_bad_values():
+    from deferfuse.record import Trace
+    t = Trace(engine)
+    try:
+        assert isinstance(t, _fastpath.TraceState)
+        assert (t.nodes, t.ext, t.ext_uses, t.scalars, t.storages) == ([], [], [], [], [])
+        assert (t.h, t.hops, t.cut, t.device, t.counted) == (0, 0, None, None, 0)
+        assert t._known is engine.bodies.known
+        for v in (0, 1, -1, 2 ** 63 - 1, -2 ** 63, 2 ** 61 - 1):
+            t.h = v
+            t.hops = v
+            assert (t.h, t.hops) == (v, v)
+        with pytest.raises(OverflowError):
+            t.h = 2 ** 63
+        t.device = 3
+        assert t.device == 3
+        t.device = None
+        assert t.device is None
+        for bad in (-1, "tpu:0", 1.0):
+            with pytest.raises((TypeError, ValueError, OverflowError)):
+                t.device = bad
+        assert t.device is None
+        with pytest.raises(AttributeError):
+            t.nodes = []
+        with pytest.raises(AttributeError):
+            t.ext_uses = []
+        t.cut = "loop boundary"
+        assert t.cut == "loop boundary"
+        # ext_index: one entry per Value (by identity), its use count per call
+        from deferfuse.scheduler.records import Value
+        vs = [Value((2,), torch.float32, 8) for _ in range(200)]     # past the map's first growth
+        for k, v in enumerate(vs):
+            assert t.ext_index(v) == k
+        assert t.ext_index(vs[7]) == 7 and t.ext_index(vs[7]) == 7 and t.ext_index(vs[199]) == 199
+        assert t.ext == vs
+        uses = t.ext_uses
+        assert uses[7] == 3 and uses[199] == 2 and uses.count(1) == 198
+        t.reset()
+        assert (t.ext, t.ext_uses, t.h, t.cut, t.device) == ([], [], 0, None, None)
+        assert t.ext_index(vs[7]) == 0 and t.ext_uses == [1]
+        # by hand, the list and the counts would disagree: refused, not read past the counts
+        t.ext.append(vs[8])
+        with pytest.raises(RuntimeError, match="outside ext_index"):
+            t.ext_index(vs[9])
+        with pytest.raises(RuntimeError, match="outside ext_index"):
+            t.ext_uses
+        for k, v in enumerate(vs * 30):         # a big table is dropped at the next reset
+            t.reset() if k == 0 else t.ext_index(v)
+        assert len(t.ext) == 200 and t.ext_uses == [30] * 199 + [29]
+    finally:
+        engine.traces.discard(t)
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("start", [2 ** 62 + 12345, -2 ** 63, 2 ** 61 - 1, -(2 ** 61 - 1), 2 ** 61])
+def test_rolling_hashes_from_any_start_equal_python(start):
+    """The C path hashes h and hops from the C words (an int's hash is |n| mod 2**61 - 1, not n):
+    from a start of any size and sign, one kernel hit extends them as Trace.record does."""
+    cx, cy = torch.randn(3, 3), torch.randn(3, 3)
+    got = {}
+    for c_record in (True, False):
+        with deferfuse.override(c_record=c_record):
+            for _ in range(2):          # the first round learns the key
+                deferfuse.sync()
+                x, y = cx.to("tpu"), cy.to("tpu")
+                deferfuse.sync()
+                t = engine.local.ts.trace
+                t.h = start
+                t.hops = -start if start != -2 ** 63 else start
+                h = _hits()
+                z = x + y
+                hits = _hits() - h
+                got[c_record] = (t.h, t.hops, hits)
+                deferfuse.sync()
+                assert_same(z, cx + cy)
+    assert got[True][2] == 1 and got[False][2] == 0, got
+    assert got[True][:2] == got[False][:2]
