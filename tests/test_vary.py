@@ -1487,6 +1487,41 @@ def test_lstm_over_chunks_of_other_lengths_runs_in_buckets(train):
     deferfuse.clear_caches()
 
 
+class _BidiWlmLSTM(_WlmLSTM):
+    """``_WlmLSTM`` with a bidirectional LSTM (a reversed layer starts in the padding)."""
+
+    def __init__(self):
+        super().__init__(ntoken=30, d=8)
+        self.rnn = nn.LSTM(8, 4, bidirectional=True)
+
+    def init_hidden(self, bsz):
+        w = next(self.parameters())
+        return (w.new_zeros(2, bsz, 4), w.new_zeros(2, bsz, 4))
+
+
+@pytest.mark.modes("defer")
+def test_a_bidirectional_lstm_trained_over_chunks_of_other_lengths_as_cpu():
+    """NOTE [gates from the output] with NOTE [padded steps]: the backward pass of a reversed
+    layer over a padded time dim takes its last real step's starting state from ``hx``, not from
+    the padding of the forward pass's output (a bucket's input holds anything there): trained
+    over chunks of 6, 6, 4, 3 and 5 steps with the state carried, the losses and weights equal
+    CPU's, and the chunks after the first short one compile nothing."""
+    import copy
+    torch.manual_seed(0)
+    model = _BidiWlmLSTM()
+    tmodel = copy.deepcopy(model).to("tpu")
+    lens = (6, 6, 4, 3, 5)
+    want, _ = _wlm_lstm_chunks(model, "cpu", lens, True)
+    deferfuse.clear_caches()
+    got, counts = _wlm_lstm_chunks(tmodel, "tpu", lens, True)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for p, q in zip(tmodel.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5)
+    assert counts[-1] == counts[2], counts          # 3 and 5 steps: in the bucket of 4
+    assert deferfuse.metrics()["bucketed_runs"] >= 4, deferfuse.metrics()["bucketed_runs"]
+    deferfuse.clear_caches()
+
+
 @pytest.mark.modes("defer")
 def test_window_bases_follow_a_bucket_of_their_own_and_buckets_follow_the_factor():
     """NOTE [window bases], the fit alone (no compile): a batch ``B`` with its ``T * B`` rows

@@ -191,9 +191,10 @@ def mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, 
 
 # NOTE [gates from the output]: the backward pass does not run the forward recurrence again. The
 # hidden state each step started from is in the forward pass's ``output`` (the step before's
-# output, or ``hx`` for the first step; a padded step's output is the state it kept, NOTE [padded
-# steps]), so every step's gates come from two products over all steps at once, as CPU's oneDNN
-# keeps them in its workspace; only the cell states are a recurrence, elementwise (``_cells``).
+# output, or ``hx`` for the first step; with padded steps, NOTE [padded steps], the padding of
+# ``output`` is never read: a reversed layer's last real step starts from ``hx``), so every
+# step's gates come from two products over all steps at once, as CPU's oneDNN keeps them in its
+# workspace; only the cell states are a recurrence, elementwise (``_cells``).
 # The input's gradient is one product over all steps after the backward scan. Before, the backward
 # program ran the forward scan (a product per step) and then the backward one with two products
 # per step: one scan of 35 steps fewer for word_language_model's layer. The sums may differ from
@@ -227,6 +228,13 @@ def mkldnn_rnn_layer_backward(input, w0, w1, w2, w3, hx, cx, output, hy, cy, gra
     h0 = acc(hx).reshape(1, n_batch, hidden)
     hs = acc(output)
     h_prev = jnp.concatenate([hs[1:], h0]) if reverse else jnp.concatenate([h0, hs[:-1]])
+    if live is not None:
+        # A padded step's output is not read (a bucket's input holds anything there): a reversed
+        # layer's last real step started from ``hx``, and padded steps start from 0.
+        if reverse:
+            nxt = jnp.concatenate([live[1:], jnp.zeros((1,), live.dtype)])
+            h_prev = jnp.where(nxt[:, None, None], h_prev, h0)
+        h_prev = jnp.where(live[:, None, None], h_prev, jnp.zeros((), h_prev.dtype))
     bias = round_to(acc(w2) + acc(w3), dt) if has_biases else jnp.zeros((4 * hidden,), x.dtype)
     wi, wh = acc(w0), acc(w1)
     pre = (jnp.einsum("tbi,gi->tbg", x, wi, precision=_HI)
