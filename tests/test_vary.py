@@ -1242,6 +1242,70 @@ def _wlm_step(model, x, y, h, train):
     return loss.item(), h
 
 
+def _scans(jaxpr):
+    """The scans of a jaxpr, outermost first, each with the count of products in its body."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            body = e.params["jaxpr"].jaxpr
+            out.append(sum(b.primitive.name == "dot_general" for b in body.eqns))
+    return out
+
+
+@pytest.mark.modes("defer")
+def test_lstm_backward_takes_its_gates_from_the_output_and_trains_as_cpu():
+    """NOTE [gates from the output] (runtime/lowering/rnn.py): the backward pass of
+    ``mkldnn_rnn_layer`` computes every step's gates from the forward pass's output instead of
+    running the forward recurrence (a product per step) again: its program has one scan with one
+    product a step and an elementwise one for the cell states (before: a scan with one product a
+    step and one with two). word_language_model's step with a bidirectional two-layer LSTM (each
+    direction's own order, the final states' gradients through the detached carry) trains as CPU
+    does, in two regions a step, and its third step compiles nothing."""
+    import copy
+    import jax
+    import jax.numpy as jnp
+    from deferfuse.runtime.lowering.rnn import mkldnn_rnn_layer_backward as bwd
+    t, b, h = 7, 3, 8
+    z = [jnp.zeros(s, jnp.float32) for s in ((t, b, h), (4 * h, h), (4 * h, h), (4 * h,),
+                                             (4 * h,), (1, b, h), (1, b, h), (t, b, h),
+                                             (1, b, h), (1, b, h), (t, b, h), (1, b, h),
+                                             (1, b, h))]
+    for reverse in (False, True):
+        jaxpr = jax.make_jaxpr(lambda *a: bwd(*a, reverse, 2, h, 1, True, True, False, [],
+                                              False, None))(*z)
+        assert sorted(_scans(jaxpr.jaxpr)) == [0, 1], jaxpr
+
+    class Bidi(_WlmLSTM):
+        def __init__(self):
+            super().__init__(ntoken=30, d=8)
+            self.rnn = nn.LSTM(8, 4, num_layers=2, bidirectional=True)
+
+        def init_hidden(self, bsz):
+            w = next(self.parameters())
+            return (w.new_zeros(4, bsz, 4), w.new_zeros(4, bsz, 4))
+
+    torch.manual_seed(0)
+    model = Bidi()
+    tmodel = copy.deepcopy(model).to("tpu")
+    src = torch.randint(0, 30, (4 * 6 + 1, 3), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for m, dev in ((model, "cpu"), (tmodel, "tpu")):
+        data, hid, losses, counts = src.to(dev), m.init_hidden(3), [], []
+        for i in range(0, 4 * 6, 6):
+            r0, c0 = deferfuse.metrics()["regions_run"], _compiles()
+            loss, hid = _wlm_step(m, data[i:i + 6], data[i + 1:i + 7].reshape(-1), hid, True)
+            losses.append(loss)
+            counts.append((deferfuse.metrics()["regions_run"] - r0, _compiles() - c0))
+        runs.append((losses, counts))
+    (want, _), (got, counts) = runs
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for p, q in zip(tmodel.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5)
+    assert [r for r, _ in counts[1:]] == [2, 2, 2], counts
+    assert [c for _, c in counts[2:]] == [0, 0], counts
+    assert not deferfuse.metrics()["cpu_fallbacks"]
+
+
 def _wlm_lstm_phases(model, dev, phases, bptt=6, rows=13, corpus_len=None, step=_wlm_step):
     """word_language_model's ``evaluate()`` (and its training loop) at each (batch, train) of
     ``phases``, over ``rows`` rows of data batchified at that batch (two bptt chunks), or, with
@@ -1420,6 +1484,41 @@ def test_lstm_over_chunks_of_other_lengths_runs_in_buckets(train):
     m = deferfuse.metrics()
     assert not m["bucket_refusals"] and m["shape_splits"] == 0 and m["shape_fallbacks"] == 0, m
     assert m["bucketed_runs"] >= 4, m["bucketed_runs"]
+    deferfuse.clear_caches()
+
+
+class _BidiWlmLSTM(_WlmLSTM):
+    """``_WlmLSTM`` with a bidirectional LSTM (a reversed layer starts in the padding)."""
+
+    def __init__(self):
+        super().__init__(ntoken=30, d=8)
+        self.rnn = nn.LSTM(8, 4, bidirectional=True)
+
+    def init_hidden(self, bsz):
+        w = next(self.parameters())
+        return (w.new_zeros(2, bsz, 4), w.new_zeros(2, bsz, 4))
+
+
+@pytest.mark.modes("defer")
+def test_a_bidirectional_lstm_trained_over_chunks_of_other_lengths_as_cpu():
+    """NOTE [gates from the output] with NOTE [padded steps]: the backward pass of a reversed
+    layer over a padded time dim takes its last real step's starting state from ``hx``, not from
+    the padding of the forward pass's output (a bucket's input holds anything there): trained
+    over chunks of 6, 6, 4, 3 and 5 steps with the state carried, the losses and weights equal
+    CPU's, and the chunks after the first short one compile nothing."""
+    import copy
+    torch.manual_seed(0)
+    model = _BidiWlmLSTM()
+    tmodel = copy.deepcopy(model).to("tpu")
+    lens = (6, 6, 4, 3, 5)
+    want, _ = _wlm_lstm_chunks(model, "cpu", lens, True)
+    deferfuse.clear_caches()
+    got, counts = _wlm_lstm_chunks(tmodel, "tpu", lens, True)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for p, q in zip(tmodel.parameters(), model.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5)
+    assert counts[-1] == counts[2], counts          # 3 and 5 steps: in the bucket of 4
+    assert deferfuse.metrics()["bucketed_runs"] >= 4, deferfuse.metrics()["bucketed_runs"]
     deferfuse.clear_caches()
 
 
