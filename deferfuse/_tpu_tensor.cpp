@@ -1083,8 +1083,9 @@ int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_
 // The C++ key is at least as fine as dispatch.op_key (it keeps every int, bool, list and string,
 // each tensor's whole geometry and view steps), so two calls with one C++ key have one Python key:
 // the learnt Entry is the one the Python path would find. Anything else goes to the router
-// unchanged: a key it cannot build (a CPU tensor, a Python view step, a device, a generator,
-// complex numbers ...; a list of numbers at a scalar position is keyed as its numbers), an
+// unchanged: a key it cannot build (a CPU tensor, a Python view step, a device other than the
+// call's tpu, a generator, complex numbers ...; a list of numbers at a scalar position is keyed
+// as its numbers), an
 // in-place foreach call whose written storages are read elsewhere (NOTE [C++ foreach]), strict
 // mode, a cut due, an input pending in another trace. All of it runs under the GIL, which guards
 // the tables. Bounded: a full table is cleared (counted); the engine's eviction of per-op programs
@@ -1238,6 +1239,19 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
     k.push_back(-3);
     return true;
   }
+  if (v.isDevice()) {
+    // NOTE [C++ factories]: a `device=` argument (a factory's `torch.full(..., device=d)`, a
+    // cast's `x.to(dtype, device=x.device)`): a tpu device with its index is the call's device;
+    // any other (cpu, another tpu than the tensor inputs', a tpu without an index, which the op
+    // path reads as the thread's device) goes to the router
+    const c10::Device d = v.toDevice();
+    if (d.type() != c10::DeviceType::PrivateUse1 || !d.has_index()) return false;
+    if (c.dev < 0) c.dev = d.index();
+    else if (c.dev != d.index()) return false;
+    k.push_back(-18);
+    k.push_back(d.index());
+    return true;
+  }
   if (scalar && v.isList() && !v.isTensorList()) {
     // a list of numbers at a scalar position (the per-tensor step sizes of foreach optimizers,
     // `Scalar[]`): each number as dispatch._encode makes it, a runtime input unless special
@@ -1282,7 +1296,7 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
     for (char ch : s) k.push_back(ch);
     return true;
   }
-  return false;  // a device, a generator, a list of numbers, complex ...: the router
+  return false;  // a generator, a list of numbers, complex ...: the router
 }
 
 // `stack`'s last n values are the call's arguments; `fresh`: the out= tensor is taken as fresh
@@ -1334,7 +1348,7 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
     }
     if (!key_arg(c, v, plan.scalar[i])) return false;
   }
-  if (c.dev < 0) return false;  // no tensor input: the thread's device (the router)
+  if (c.dev < 0) return false;  // no tensor input and no device=: the thread's device (the router)
   c.key.push_back(c.dev);
   return true;
 }

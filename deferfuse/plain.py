@@ -58,8 +58,11 @@ _DEVICE_WHOLE_IDS = frozenset(id(getattr(aten, n).default) for n in _DEVICE_WHOL
 # NOTE [plain split]: composite view ops left to PyTorch's own kernel, whose pieces are the C++
 # view kernels (split -> narrow -> slice, unbind -> select), rather than routed whole
 # (route_whole): routed, their results carried Python view steps, which have no C++ signature, so
-# every op on them (and on their views: a GPT block's q, k, v and attention) was routed too
-_CXX_VIEWS = frozenset(("split.Tensor", "split_with_sizes.default", "unbind.int"))
+# every op on them (and on their views: a GPT block's q, k, v and attention) was routed too.
+# ``lift_fresh`` (``torch.tensor(data, device="tpu")``'s last step) is PyTorch's composite, which
+# returns its argument, as on CPU: routed, it was an alias with a Python view step, so the new
+# tensor was unkeyed (DynamicCache's first ``cat`` of its empty ``keys`` was routed)
+_CXX_VIEWS = frozenset(("split.Tensor", "split_with_sizes.default", "unbind.int", "lift_fresh.default"))
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
@@ -350,6 +353,14 @@ class Plain:
             return None
         if f is aten.copy_.default:
             args, kw = args[:2], {}     # as specials._h_copy runs it (non_blocking dropped)
+        elif f is aten._to_copy.default:
+            # as specials._h_to_copy runs a cast on the tensor's own device (the kernel keys no
+            # other, NOTE [C++ factories] in _tpu_tensor.cpp): dtype and memory_format, in the
+            # call's order, the dtype named
+            dtype = kw.get("dtype") or args[0].dtype
+            kw = {k: v for k, v in kw.items() if k in ("dtype", "memory_format")}
+            kw["dtype"] = dtype
+            args = args[:1]
         ins, stores = {}, {}
         try:
             wargs = [self._in(a, ins, stores) for a in args]
@@ -683,9 +694,11 @@ def _kernel_route(f):
     """``route._routes``' entry for ``f`` (made on first use), as the C++ kernel sees it: a
     ``copy_`` between two tpu tensors of one device (the only ``copy_`` the kernel keys: a CPU
     source or another device is not a plain tensor of the call's device) is
-    ``specials._h_copy``'s last step, ``dispatch._run`` of the lowered ``copy_``."""
+    ``specials._h_copy``'s last step, ``dispatch._run`` of the lowered ``copy_``; a ``_to_copy``
+    of a tpu tensor to its own device (the only one the kernel keys, NOTE [C++ factories] in
+    _tpu_tensor.cpp) is ``specials._h_to_copy``'s last step, ``dispatch._run`` of ``_to_copy``."""
     from . import dispatch, route
-    if f is aten.copy_.default:
+    if f is aten.copy_.default or f is aten._to_copy.default:
         return dispatch._run, dispatch.op_info(f)
     r = route._routes.get(id(f))
     if r is None:       # the functional op not called yet (an out= op's first calls)
