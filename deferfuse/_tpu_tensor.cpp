@@ -1086,8 +1086,16 @@ int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_
 // unchanged: a key it cannot build (a CPU tensor, a Python view step, a device other than the
 // call's tpu, a generator, complex numbers ...; a list of numbers at a scalar position is keyed
 // as its numbers), an
-// in-place foreach call whose written storages are read elsewhere (NOTE [C++ foreach]), strict
-// mode, a cut due, an input pending in another trace. All of it runs under the GIL, which guards
+// in-place foreach call whose written storages are read elsewhere (NOTE [C++ foreach]), debug
+// mode, a cut due, an input pending in another trace, an op writing its inputs in strict mode.
+//
+// NOTE [C++ strict hits]: in strict mode a hit of an op with new outputs is run now, not recorded:
+// `Plain.run_hit` runs the learnt Entry (`engine.run_node`, what dispatch._run does in strict
+// mode) and returns the outputs' Storages, which the kernel gives to the tensors it makes, as
+// for a recorded hit. No router, no TpuTensor: on the router, strict mode paid the wrapping of
+// every argument and result on top of the wrapper subclass's op path. Any error (a failed input)
+// makes it return NotImplemented before anything is bound, and the router runs the op again, so
+// errors are raised by the op path as before; debug mode and ops writing their inputs are routed. All of it runs under the GIL, which guards
 // the tables. Bounded: a full table is cleared (counted); the engine's eviction of per-op programs
 // clears it too (plain.install).
 struct Plan {
@@ -1125,12 +1133,14 @@ struct Kernel {
   PyObject* record_capi = nullptr;  // the capsule, owned: keeps _fastpath's table alive
   PyObject* val_str = nullptr;    // "val"
   PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
+  PyObject* strict_fn = nullptr;  // Plain.run_hit(entry, ins, scalars, dev), NOTE [C++ strict hits]
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
   std::unordered_map<Key, KEntry, FloorKeyHash> entries;
   size_t limit = 1 << 16;
   int64_t hits = 0, misses = 0, learned = 0, refused = 0, passed = 0, unkeyed = 0, clears = 0;
   int64_t why[3] = {0, 0, 0};
   int64_t overlaps = 0;           // foreach calls routed for a written storage read elsewhere
+  int64_t strict_hits = 0;        // hits run now, in strict mode (NOTE [C++ strict hits]), of `hits`
   bool debug = std::getenv("DEFERFUSE_KERNEL_DEBUG") != nullptr;  // refusals to stderr  // passed because: out= geometry, no Storage, the C record path said no
 };
 
@@ -1503,6 +1513,16 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
       : PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
   if (r == nullptr) rethrow_python();
   py::object res = py::reinterpret_steal<py::object>(r);
+  if (r == Py_NotImplemented && K.strict_fn != nullptr) {
+    // NOTE [C++ strict hits]: not recorded (strict mode, or any other refusal): in strict mode
+    // Plain.run_hit runs the learnt Entry now, as dispatch._run does, and returns the outputs'
+    // Storages; NotImplemented otherwise (another mode, an error: the router runs the op again
+    // and raises as the op path does)
+    r = PyObject_Vectorcall(K.strict_fn, argv, 4, nullptr);
+    if (r == nullptr) rethrow_python();
+    res = py::reinterpret_steal<py::object>(r);
+    if (r != Py_NotImplemented) ++K.strict_hits;
+  }
   if (r == Py_NotImplemented) {
     ++K.why[2];
     return false;
@@ -1985,6 +2005,10 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     K.record_fn = record.release().ptr();
     K.val_str = PyUnicode_InternFromString("val");
   }, "NOTE [C++ recording kernel]: Plain.plan, Plain.learn, _fastpath.record_storages, Plain.storage");
+  m.def("install_strict", [](py::object run) {
+    auto& K = kernel();
+    Py_XSETREF(K.strict_fn, run.is_none() ? nullptr : run.release().ptr());
+  }, "NOTE [C++ strict hits]: Plain.run_hit, or None (strict mode's hits go to the router)");
   m.def("install_record_capi", [](py::object cap) {
     // NOTE [C++ node hand-over]: _fastpath.record_capi, or None to call record_storages again
     auto& K = kernel();
@@ -2018,6 +2042,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     d["passed_out_geometry"] = K.why[0]; d["passed_no_storage"] = K.why[1];
     d["passed_record_refused"] = K.why[2];
     d["passed_overlap"] = K.overlaps;
+    d["strict_hits"] = K.strict_hits;
     return d;
   });
   m.def("reset_kernel_stats", []() {
@@ -2025,6 +2050,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     K.hits = K.misses = K.learned = K.refused = K.passed = K.unkeyed = 0;
     K.why[0] = K.why[1] = K.why[2] = 0;
     K.overlaps = 0;
+    K.strict_hits = 0;
   });
   m.def("route_stats", []() {
     py::dict d;

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import copy
 import os
+from _thread import get_ident as _get_ident
 from weakref import ref as _weakref
 
 import torch
 
 from .config import config
-from .engine import user_error
+from .engine import engine, user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
 from .scheduler.records import Value, sig_id
@@ -42,6 +43,7 @@ from .tensor import Storage, TpuTensor, make
 # install, so the error means a broken install; it says how to rebuild and how to choose the
 # wrapper meanwhile.
 ENABLED = config.tensor == "plain"
+_local = engine.local
 # the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp); 0: the router only
 KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 
@@ -401,6 +403,32 @@ class Plain:
                     or t.stride() != (m[2] or _contig(m[1])) or t.storage_offset() != 0):
                 return None
         return e, len(tensors), len(scalars), dyn
+
+    @staticmethod
+    def run_hit(entry, ins, scalars, dev):
+        """NOTE [C++ strict hits] in _tpu_tensor.cpp: a kernel hit in strict mode, run now as
+        ``dispatch._run`` runs it (``engine.run_node``), the outputs' Storages returned (None for
+        a None output), as ``record_storages`` returns them; NotImplemented in another mode or on
+        any error, before anything is bound (the router then runs the op again and raises as the
+        op path does). A signal arriving meanwhile is delivered when it returns, as in
+        ``route.torch_dispatch`` (NOTE [interrupt safety])."""
+        if _local.ts.mode != "strict":
+            return NotImplemented
+        held = engine.interrupts
+        main = _get_ident() == held.main
+        if main:
+            held.depth += 1
+        try:
+            outs = engine.run_node(entry, ins, scalars, dev)
+        except Exception:
+            return NotImplemented
+        finally:
+            if main:
+                held.depth -= 1
+                if not held.depth and held.held:
+                    held.deliver()
+        return tuple([None if m is None else Storage(v, dev, m[0], m[2])
+                      for m, v in zip(entry.made, outs)])
 
     def mixed(self, entry, cls, func, types, args, kwargs):
         """NOTE [mixed arguments]: an op reaching ``TpuTensor.__torch_dispatch__`` with a plain tpu
@@ -864,6 +892,7 @@ def install() -> Plain:
         ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages, PLAIN.storage)
         # NOTE [C++ node hand-over] in _fastpath.c: the kernel calls record_storages' body in C
         ext.install_record_capi(_fastpath.record_capi)
+        ext.install_strict(PLAIN.run_hit)      # NOTE [C++ strict hits] in _tpu_tensor.cpp
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
         # deferfuse.clear_caches() drops the op cache and the OpInfos its Entries name: the kernel's
         # Entries go with them (a hit on a stale Entry recorded ops under OpInfos no new region

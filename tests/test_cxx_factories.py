@@ -181,3 +181,37 @@ def test_tensor_from_data_is_its_own_tensor_and_cats_as_on_cpu(tpu_mode):
             assert set(r) == {"aten::_to_copy", "aten::copy_"}, (c, r)
             assert c["hits"] >= 2 and c["passed"] == 0, (c, r)
 
+
+@pytest.mark.modes("strict")
+def test_strict_mode_hits_run_now_and_equal_cpu():
+    """NOTE [C++ strict hits]: in strict mode a learnt key's call is run now by the kernel
+    (``Plain.run_hit``), not routed: a chain of pointwise ops with Python numbers (int, float,
+    bool), a reduction, a matmul, factories and casts equal CPU's on every call, and from the
+    third call on nothing but the in-place op and the sync is routed. Each result is computed
+    (a value, not pending) when the op returns."""
+    torch.manual_seed(9)
+    x, w = torch.randn(4, 5), torch.randn(5, 3)
+    dev = torch.device("tpu", 0)
+    tx, tw = x.to(dev), w.to(dev)
+
+    def ops(x, w, d, s):
+        y = (x * s + 2) * True
+        z = (y.int() * 3).sum(0)
+        h = (x @ w).relu().float()
+        h.add_(1.5)
+        return [y, z, h, torch.full((3,), s, device=d), torch.arange(4, device=d) * s,
+                (x > s).to(torch.float16), y.sum().item()]
+
+    for i, s in enumerate((0.25, 1.75, -0.6, 3.1)):
+        want = ops(x, w, "cpu", s)
+        k0 = EXT.kernel_stats()["strict_hits"]
+        got, k, r = _counted(lambda: ops(tx, tw, dev, s))
+        hits = EXT.kernel_stats()["strict_hits"] - k0
+        for t in got[:-1]:
+            st = plain.PLAIN.storage(t)
+            assert st.val.array is not None or st.val.node is None, "pending in strict mode"
+        assert_same(got[:-1], want[:-1], atol=1e-4, msg=f"call {i}")
+        assert type(got[-1]) is float and got[-1] == pytest.approx(want[-1], rel=1e-5)
+        if i >= 2:
+            assert set(r) <= {"aten::add_.Tensor", "aten::add.out", "aten::_local_scalar_dense"}, (k, r)
+            assert hits == k["hits"] and hits >= 12, (hits, k, r)
