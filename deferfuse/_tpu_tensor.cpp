@@ -1083,10 +1083,19 @@ int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_
 // The C++ key is at least as fine as dispatch.op_key (it keeps every int, bool, list and string,
 // each tensor's whole geometry and view steps), so two calls with one C++ key have one Python key:
 // the learnt Entry is the one the Python path would find. Anything else goes to the router
-// unchanged: a key it cannot build (a CPU tensor, a Python view step, a device, a generator,
-// complex numbers ...; a list of numbers at a scalar position is keyed as its numbers), an
-// in-place foreach call whose written storages are read elsewhere (NOTE [C++ foreach]), strict
-// mode, a cut due, an input pending in another trace. All of it runs under the GIL, which guards
+// unchanged: a key it cannot build (a CPU tensor, a Python view step, a device other than the
+// call's tpu, a generator, complex numbers ...; a list of numbers at a scalar position is keyed
+// as its numbers), an
+// in-place foreach call whose written storages are read elsewhere (NOTE [C++ foreach]), debug
+// mode, a cut due, an input pending in another trace, an op writing its inputs in strict mode.
+//
+// NOTE [C++ strict hits]: in strict mode a hit of an op with new outputs is run now, not recorded:
+// `Plain.run_hit` runs the learnt Entry (`engine.run_node`, what dispatch._run does in strict
+// mode) and returns the outputs' Storages, which the kernel gives to the tensors it makes, as
+// for a recorded hit. No router, no TpuTensor: on the router, strict mode paid the wrapping of
+// every argument and result on top of the wrapper subclass's op path. Any error (a failed input)
+// makes it return NotImplemented before anything is bound, and the router runs the op again, so
+// errors are raised by the op path as before; debug mode and ops writing their inputs are routed. All of it runs under the GIL, which guards
 // the tables. Bounded: a full table is cleared (counted); the engine's eviction of per-op programs
 // clears it too (plain.install).
 struct Plan {
@@ -1124,12 +1133,14 @@ struct Kernel {
   PyObject* record_capi = nullptr;  // the capsule, owned: keeps _fastpath's table alive
   PyObject* val_str = nullptr;    // "val"
   PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
+  PyObject* strict_fn = nullptr;  // Plain.run_hit(entry, ins, scalars, dev), NOTE [C++ strict hits]
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
   std::unordered_map<Key, KEntry, FloorKeyHash> entries;
   size_t limit = 1 << 16;
   int64_t hits = 0, misses = 0, learned = 0, refused = 0, passed = 0, unkeyed = 0, clears = 0;
   int64_t why[3] = {0, 0, 0};
   int64_t overlaps = 0;           // foreach calls routed for a written storage read elsewhere
+  int64_t strict_hits = 0;        // hits run now, in strict mode (NOTE [C++ strict hits]), of `hits`
   bool debug = std::getenv("DEFERFUSE_KERNEL_DEBUG") != nullptr;  // refusals to stderr  // passed because: out= geometry, no Storage, the C record path said no
 };
 
@@ -1238,6 +1249,19 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
     k.push_back(-3);
     return true;
   }
+  if (v.isDevice()) {
+    // NOTE [C++ factories]: a `device=` argument (a factory's `torch.full(..., device=d)`, a
+    // cast's `x.to(dtype, device=x.device)`): a tpu device with its index is the call's device;
+    // any other (cpu, another tpu than the tensor inputs', a tpu without an index, which the op
+    // path reads as the thread's device) goes to the router
+    const c10::Device d = v.toDevice();
+    if (d.type() != c10::DeviceType::PrivateUse1 || !d.has_index()) return false;
+    if (c.dev < 0) c.dev = d.index();
+    else if (c.dev != d.index()) return false;
+    k.push_back(-18);
+    k.push_back(d.index());
+    return true;
+  }
   if (scalar && v.isList() && !v.isTensorList()) {
     // a list of numbers at a scalar position (the per-tensor step sizes of foreach optimizers,
     // `Scalar[]`): each number as dispatch._encode makes it, a runtime input unless special
@@ -1282,7 +1306,7 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
     for (char ch : s) k.push_back(ch);
     return true;
   }
-  return false;  // a device, a generator, a list of numbers, complex ...: the router
+  return false;  // a generator, a list of numbers, complex ...: the router
 }
 
 // `stack`'s last n values are the call's arguments; `fresh`: the out= tensor is taken as fresh
@@ -1334,7 +1358,7 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
     }
     if (!key_arg(c, v, plan.scalar[i])) return false;
   }
-  if (c.dev < 0) return false;  // no tensor input: the thread's device (the router)
+  if (c.dev < 0) return false;  // no tensor input and no device=: the thread's device (the router)
   c.key.push_back(c.dev);
   return true;
 }
@@ -1489,6 +1513,16 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
       : PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
   if (r == nullptr) rethrow_python();
   py::object res = py::reinterpret_steal<py::object>(r);
+  if (r == Py_NotImplemented && K.strict_fn != nullptr) {
+    // NOTE [C++ strict hits]: not recorded (strict mode, or any other refusal): in strict mode
+    // Plain.run_hit runs the learnt Entry now, as dispatch._run does, and returns the outputs'
+    // Storages; NotImplemented otherwise (another mode, an error: the router runs the op again
+    // and raises as the op path does)
+    r = PyObject_Vectorcall(K.strict_fn, argv, 4, nullptr);
+    if (r == nullptr) rethrow_python();
+    res = py::reinterpret_steal<py::object>(r);
+    if (r != Py_NotImplemented) ++K.strict_hits;
+  }
   if (r == Py_NotImplemented) {
     ++K.why[2];
     return false;
@@ -1971,6 +2005,10 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     K.record_fn = record.release().ptr();
     K.val_str = PyUnicode_InternFromString("val");
   }, "NOTE [C++ recording kernel]: Plain.plan, Plain.learn, _fastpath.record_storages, Plain.storage");
+  m.def("install_strict", [](py::object run) {
+    auto& K = kernel();
+    Py_XSETREF(K.strict_fn, run.is_none() ? nullptr : run.release().ptr());
+  }, "NOTE [C++ strict hits]: Plain.run_hit, or None (strict mode's hits go to the router)");
   m.def("install_record_capi", [](py::object cap) {
     // NOTE [C++ node hand-over]: _fastpath.record_capi, or None to call record_storages again
     auto& K = kernel();
@@ -2004,6 +2042,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     d["passed_out_geometry"] = K.why[0]; d["passed_no_storage"] = K.why[1];
     d["passed_record_refused"] = K.why[2];
     d["passed_overlap"] = K.overlaps;
+    d["strict_hits"] = K.strict_hits;
     return d;
   });
   m.def("reset_kernel_stats", []() {
@@ -2011,6 +2050,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     K.hits = K.misses = K.learned = K.refused = K.passed = K.unkeyed = 0;
     K.why[0] = K.why[1] = K.why[2] = 0;
     K.overlaps = 0;
+    K.strict_hits = 0;
   });
   m.def("route_stats", []() {
     py::dict d;

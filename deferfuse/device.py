@@ -504,14 +504,23 @@ def register() -> None:
     # Lowered factories (no tensor argument) run as ops of their own, never through the
     # CompositeExplicitAutograd path that allocates an empty tensor and resizes it.
     from .runtime.lowering import LOWERINGS
+    in_cxx = []
     for o in LOWERINGS:
         args = o._schema.arguments
         if any("Tensor" in str(a.type) for a in args) or not any(a.name == "device" for a in args):
             continue
         if o._schema.name.startswith("aten::empty"):
             continue
-        _lib.impl(o._schema.name.split("::")[1] + ("." + o._overloadname if o._overloadname != "default" else ""),
-                  (lambda op: lambda *a, **k: dispatch(op, a, k))(o), "PrivateUse1")
+        name = o._schema.name.split("::")[1] + ("." + o._overloadname if o._overloadname != "default" else "")
+        if plain.ENABLED and plain.KERNEL and not LOWERINGS[o].rng \
+                and not any(a.name == "generator" for a in args):
+            # NOTE [C++ factories] in _tpu_tensor.cpp: through the C++ fallback, whose recording
+            # kernel keys the call on its device= argument (a kernel hit, no Python frame)
+            in_cxx.append(name)
+            continue
+        _lib.impl(name, (lambda op: lambda *a, **k: dispatch(op, a, k))(o), "PrivateUse1")
+    if in_cxx:
+        plain.PLAIN.ext.route_whole(in_cxx)
     if plain.ENABLED:
         # NOTE [whole ops] in plain.py: after every PrivateUse1 kernel
         plain.route_whole(("linear", *WHOLE_COMPOSITES))

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import copy
 import os
+from _thread import get_ident as _get_ident
 from weakref import ref as _weakref
 
 import torch
 
 from .config import config
-from .engine import user_error
+from .engine import engine, user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
 from .scheduler.records import Value, sig_id
@@ -42,6 +43,7 @@ from .tensor import Storage, TpuTensor, make
 # install, so the error means a broken install; it says how to rebuild and how to choose the
 # wrapper meanwhile.
 ENABLED = config.tensor == "plain"
+_local = engine.local
 # the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp); 0: the router only
 KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
 
@@ -58,8 +60,11 @@ _DEVICE_WHOLE_IDS = frozenset(id(getattr(aten, n).default) for n in _DEVICE_WHOL
 # NOTE [plain split]: composite view ops left to PyTorch's own kernel, whose pieces are the C++
 # view kernels (split -> narrow -> slice, unbind -> select), rather than routed whole
 # (route_whole): routed, their results carried Python view steps, which have no C++ signature, so
-# every op on them (and on their views: a GPT block's q, k, v and attention) was routed too
-_CXX_VIEWS = frozenset(("split.Tensor", "split_with_sizes.default", "unbind.int"))
+# every op on them (and on their views: a GPT block's q, k, v and attention) was routed too.
+# ``lift_fresh`` (``torch.tensor(data, device="tpu")``'s last step) is PyTorch's composite, which
+# returns its argument, as on CPU: routed, it was an alias with a Python view step, so the new
+# tensor was unkeyed (DynamicCache's first ``cat`` of its empty ``keys`` was routed)
+_CXX_VIEWS = frozenset(("split.Tensor", "split_with_sizes.default", "unbind.int", "lift_fresh.default"))
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
@@ -350,6 +355,14 @@ class Plain:
             return None
         if f is aten.copy_.default:
             args, kw = args[:2], {}     # as specials._h_copy runs it (non_blocking dropped)
+        elif f is aten._to_copy.default:
+            # as specials._h_to_copy runs a cast on the tensor's own device (the kernel keys no
+            # other, NOTE [C++ factories] in _tpu_tensor.cpp): dtype and memory_format, in the
+            # call's order, the dtype named
+            dtype = kw.get("dtype") or args[0].dtype
+            kw = {k: v for k, v in kw.items() if k in ("dtype", "memory_format")}
+            kw["dtype"] = dtype
+            args = args[:1]
         ins, stores = {}, {}
         try:
             wargs = [self._in(a, ins, stores) for a in args]
@@ -390,6 +403,32 @@ class Plain:
                     or t.stride() != (m[2] or _contig(m[1])) or t.storage_offset() != 0):
                 return None
         return e, len(tensors), len(scalars), dyn
+
+    @staticmethod
+    def run_hit(entry, ins, scalars, dev):
+        """NOTE [C++ strict hits] in _tpu_tensor.cpp: a kernel hit in strict mode, run now as
+        ``dispatch._run`` runs it (``engine.run_node``), the outputs' Storages returned (None for
+        a None output), as ``record_storages`` returns them; NotImplemented in another mode or on
+        any error, before anything is bound (the router then runs the op again and raises as the
+        op path does). A signal arriving meanwhile is delivered when it returns, as in
+        ``route.torch_dispatch`` (NOTE [interrupt safety])."""
+        if _local.ts.mode != "strict":
+            return NotImplemented
+        held = engine.interrupts
+        main = _get_ident() == held.main
+        if main:
+            held.depth += 1
+        try:
+            outs = engine.run_node(entry, ins, scalars, dev)
+        except Exception:
+            return NotImplemented
+        finally:
+            if main:
+                held.depth -= 1
+                if not held.depth and held.held:
+                    held.deliver()
+        return tuple([None if m is None else Storage(v, dev, m[0], m[2])
+                      for m, v in zip(entry.made, outs)])
 
     def mixed(self, entry, cls, func, types, args, kwargs):
         """NOTE [mixed arguments]: an op reaching ``TpuTensor.__torch_dispatch__`` with a plain tpu
@@ -683,9 +722,11 @@ def _kernel_route(f):
     """``route._routes``' entry for ``f`` (made on first use), as the C++ kernel sees it: a
     ``copy_`` between two tpu tensors of one device (the only ``copy_`` the kernel keys: a CPU
     source or another device is not a plain tensor of the call's device) is
-    ``specials._h_copy``'s last step, ``dispatch._run`` of the lowered ``copy_``."""
+    ``specials._h_copy``'s last step, ``dispatch._run`` of the lowered ``copy_``; a ``_to_copy``
+    of a tpu tensor to its own device (the only one the kernel keys, NOTE [C++ factories] in
+    _tpu_tensor.cpp) is ``specials._h_to_copy``'s last step, ``dispatch._run`` of ``_to_copy``."""
     from . import dispatch, route
-    if f is aten.copy_.default:
+    if f is aten.copy_.default or f is aten._to_copy.default:
         return dispatch._run, dispatch.op_info(f)
     r = route._routes.get(id(f))
     if r is None:       # the functional op not called yet (an out= op's first calls)
@@ -851,6 +892,7 @@ def install() -> Plain:
         ext.install_kernel(PLAIN.plan, PLAIN.learn, _fastpath.record_storages, PLAIN.storage)
         # NOTE [C++ node hand-over] in _fastpath.c: the kernel calls record_storages' body in C
         ext.install_record_capi(_fastpath.record_capi)
+        ext.install_strict(PLAIN.run_hit)      # NOTE [C++ strict hits] in _tpu_tensor.cpp
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
         # deferfuse.clear_caches() drops the op cache and the OpInfos its Entries name: the kernel's
         # Entries go with them (a hit on a stale Entry recorded ops under OpInfos no new region
