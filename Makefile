@@ -33,10 +33,9 @@ test: $(STAMP)
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"
 
-# The plain PrivateUse1 tensor's own tests (docs/cxx-plan.md); plain is the default, set here so an
-# exported DEFERFUSE_TENSOR=wrapper does not skip them.
+# The plain PrivateUse1 tensor's own tests (docs/cxx-plan.md), also part of `make test`.
 test-cxx: $(STAMP)
-	DEFERFUSE_TENSOR=plain $(BIN)/python -m pytest -q tests/test_cxx_*.py
+	$(BIN)/python -m pytest -q tests/test_cxx_*.py
 
 test-full: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m "slow or not slow"

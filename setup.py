@@ -12,8 +12,7 @@ imports the torch of the environment being installed into (found as the hooks fi
 does) builds against that torch directly. No torch, a missing compiler or a failed build stops the
 install with a message saying what to do. The library is tied to torch's exact version: it records
 the version it was built for (`deferfuse-built-for-torch:` in the .so), which deferfuse/plain.py
-reads before loading it. DEFERFUSE_BUILD_TENSOR=0 skips it (then only DEFERFUSE_TENSOR=wrapper
-runs)."""
+reads before loading it."""
 import os
 import re
 import sysconfig
@@ -78,10 +77,6 @@ def _import_torch():
 
 
 def _tensor_extension():
-    if os.environ.get("DEFERFUSE_BUILD_TENSOR", "1") == "0":
-        print("deferfuse: DEFERFUSE_BUILD_TENSOR=0: the plain tpu tensor is not built "
-              "(only DEFERFUSE_TENSOR=wrapper will run)")
-        return []
     torch = _import_torch()
     if torch is None:
         raise SystemExit(

@@ -1,11 +1,12 @@
 """µs per op on the host, side by side in one process (issue 34; docs/cxx-plan.md):
 
 - ``cpu``: CPU eager PyTorch;
-- ``defer``: today's tpu tensor (the ``TpuTensor`` wrapper subclass and the C record path), defer mode;
+- ``defer``: the op path's ``TpuTensor`` made directly (``from_cpu``: the removed wrapper subclass's
+  path, the C record path), defer mode;
 - ``wrapper_floor``: a wrapper subclass whose ``__torch_dispatch__`` only makes its output
   (``bench/workloads.FloorTensor``: PyTorch's own cost of reaching Python), ``x + y`` and
   ``y * 1.0001`` only;
-- ``plain``: the plain PrivateUse1 tensor (``DEFERFUSE_TENSOR=plain``), every op through the boxed
+- ``plain``: the plain PrivateUse1 tensor, every op through the boxed
   C++ fallback and the Python router into the same op path, defer mode;
 - ``plain_kernel``: the plain tensor with the C++ recording kernel (NOTE [C++ recording kernel] in
   deferfuse/_tpu_tensor.cpp): a cache hit keyed and recorded from C++, the node made by the C
@@ -16,7 +17,7 @@
 
 Recording time only: each block of ops is timed, and the trace is synced after the timer stops.
 Rounds alternate the systems' order; the ratio to ``cpu`` is taken within each round and the
-median reported. Run: ``python bench/cxx_floor.py`` (it sets DEFERFUSE_TENSOR=plain for itself).
+median reported. Run: ``python bench/cxx_floor.py``.
 """
 from __future__ import annotations
 
@@ -28,10 +29,6 @@ import platform
 import statistics
 import sys
 import time
-
-if os.environ.get("DEFERFUSE_TENSOR") != "plain":
-    os.environ["DEFERFUSE_TENSOR"] = "plain"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -23,19 +23,13 @@ trace's first step-detection check (256: ``record_storages`` says NotImplemented
 ``record_only`` would then time at every later call) and is timed in sub-blocks of ``--sub``
 ops, the block's figure their median: a block sometimes stalls 4-12 ms once (a background
 thread after the previous sync; no garbage collection ran), which the mean of 200 ops turns into
-20-60 µs an op. Run: ``python bench/cxx_kernel_parts.py`` (it sets DEFERFUSE_TENSOR=plain for
-itself)."""
+20-60 µs an op. Run: ``python bench/cxx_kernel_parts.py``."""
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
-
-if os.environ.get("DEFERFUSE_TENSOR") != "plain":
-    os.environ["DEFERFUSE_TENSOR"] = "plain"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch  # noqa: E402
 

@@ -2,26 +2,21 @@
 Session 4): µs per op, side by side in one process, rounds alternated, recording time only:
 
 - ``cpu``: CPU eager PyTorch;
-- ``defer``: today's tpu tensor (the ``TpuTensor`` wrapper and the C record path), defer mode;
+- ``defer``: the op path's ``TpuTensor`` made directly (``from_cpu``: the removed wrapper subclass's
+  path, the C record path), defer mode;
 - ``plain_router``: the plain tensor with the C++ kernel off (every op through the Python
   router: what a window's op cost before the kernel took windows, when it refused them);
 - ``plain_kernel``: the plain tensor with the C++ recording kernel.
 
 Cases: ``buf[i] = src * 0.5`` (a moving select written by ``copy_``, plus the ``mul``) and
 ``t[i:i + 3].sum(0)`` (a moving slice read), ``i`` cycling over 8 offsets. µs per aten op: the
-block's time over the ops CPU eager runs in it. Run: ``python bench/cxx_kernel_windows.py`` (it
-sets DEFERFUSE_TENSOR=plain for itself)."""
+block's time over the ops CPU eager runs in it. Run: ``python bench/cxx_kernel_windows.py``."""
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
-
-if os.environ.get("DEFERFUSE_TENSOR") != "plain":
-    os.environ["DEFERFUSE_TENSOR"] = "plain"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

@@ -93,9 +93,8 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
   }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t n) const override {
     StorageResize f = storage_resize.load();
-    TORCH_CHECK(f != nullptr, "untyped_storage().resize_() on the tpu device needs the plain tpu "
-                "tensor (DEFERFUSE_TENSOR=plain); tpu tensors of the default kind resize their "
-                "storage in Python (NOTE [storage resize])");
+    TORCH_CHECK(f != nullptr, "untyped_storage().resize_() on the tpu device needs deferfuse's "
+                "C++ tensor extension, installed by `import deferfuse` (NOTE [storage resize])");
     f(storage, n);
   }
 };

@@ -1,6 +1,6 @@
-// The plain PrivateUse1 `tpu` tensor (issue 34, first stage; docs/cxx-plan.md).
+// The `tpu` tensor: a plain PrivateUse1 tensor (docs/cxx-plan.md, docs/architecture.md).
 //
-// NOTE [plain tensor]: with DEFERFUSE_TENSOR=plain a tpu tensor is an ordinary c10::TensorImpl on
+// NOTE [plain tensor]: a tpu tensor is an ordinary c10::TensorImpl on
 // the PrivateUse1 key (no Python subclass, no Python dispatch key). Its state is held where
 // PyTorch keeps a backend's state:
 //

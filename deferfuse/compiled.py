@@ -3,8 +3,8 @@
 ``torch.compile(model, backend="tpu")`` (or ``"deferfuse"``; and plain ``torch.compile(model)``
 when the model's tensors are on ``tpu``: NOTE [default backend]) captures graphs with Dynamo;
 AOTAutograd splits them into forward and backward graphs of aten ops (PyTorch's decompositions for
-the ops with no lowering of their own), over the inner tensors of ``tpu`` tensors (NOTE [inner
-tensor] in traceable.py). Each graph becomes one ``jax.jit`` program (runtime/graph.py). Inputs
+the ops with no lowering of their own), over the plain ``tpu`` tensors as Dynamo fakeifies them
+(NOTE [compiled plain tensors]). Each graph becomes one ``jax.jit`` program (runtime/graph.py). Inputs
 a graph writes (an optimizer step's parameters and states: AOTAutograd keeps those ``copy_``\\s in
 inference graphs) are donated where nothing else holds them, and take the new values. Random ops
 draw from the device's generator, so ``torch.manual_seed`` decides them. Code Dynamo cannot
@@ -35,8 +35,9 @@ from .runtime.bucket_fit import bucket_of
 from .runtime.dtypes import x64
 from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fill
 from .scheduler.policy import GRAPH_STEP_OPS, Sync
-from .tensor import TpuTensor, make
-from .traceable import output_inner, wrap_inner
+from .tensor import Storage
+
+_empty = torch._C._acc.create_empty_tensor
 
 S = stats.S
 _getitem = operator.getitem
@@ -430,6 +431,20 @@ class CompiledGraph:
         return e
 
 
+def output_inner(v, dtype, device: int = 0):
+    """A dataless plain tensor carrying the value ``v`` (a graph's output, pending or ready) in a
+    Storage of its own, kept among the storages the pending trace reads back (the backward pass
+    may read it after a sync): ``PlainGraph`` makes the caller's tensor over that Storage."""
+    i = _empty(v.shape, dtype)
+    st = Storage(v, device, dtype)
+    if v.node is not None:
+        v.node.trace.track(st)
+    i._s = st
+    i._chain = ()
+    i._out = True
+    return i
+
+
 def _dense_stride(val):
     """``val``'s strides when they describe a dense layout of its elements (a permutation of
     contiguous strides: a transposed output), which a Storage's layout may be; else None
@@ -450,9 +465,9 @@ def _dense_stride(val):
 
 class PlainGraph(CompiledGraph):
     """NOTE [compiled plain tensors]: a compiled graph called with plain PrivateUse1 tpu tensors
-    (DEFERFUSE_TENSOR=plain; docs/cxx-plan.md). Dynamo fakeifies a plain tensor as the
-    PrivateUse1 tensor it is, so AOTAutograd's graphs are plain graphs of aten ops and no inner
-    tensors exist (traceable.py is not used on this path). A call reads each plain input as the
+    (NOTE [tensor representation] in plain.py). Dynamo fakeifies a plain tensor as the
+    PrivateUse1 tensor it is, so AOTAutograd's graphs are plain graphs of aten ops, with no
+    tensor subclass to trace through. A call reads each plain input as the
     ``TpuTensor`` over the same Storage and view (``tensor.as_tpu``: the form the graph's entry
     keys and binds), runs the graph as ``CompiledGraph`` does, and gives each output back as a
     plain base tensor over a Storage of its own holding the output's value, with the traced
@@ -554,22 +569,9 @@ class _Eager:
 
 
 def _interpret(gm, args) -> list:
-    """Run the graph ``gm`` op by op in the eager mode in force on its (inner tensor) inputs."""
-    outer = [_outer_of(a) if isinstance(a, torch.Tensor) and "_s" in a.__dict__ else a
-             for a in args]
-    outs = torch.fx.Interpreter(gm).run(*outer)
-    outs = outs if isinstance(outs, (tuple, list)) else [outs]
-    return [o._inner if isinstance(o, TpuTensor) else o for o in outs]
-
-
-def _outer_of(a):
-    """A tpu tensor for the inner tensor ``a`` (a graph run eagerly)."""
-    size, stride, offset = a.__dict__.get("_view") or (tuple(a.shape), _contig(a.shape), 0)
-    t = make(a._s, a._chain, size, stride, offset, a.dtype)
-    dyn = a.__dict__.get("_dyn")
-    if dyn:
-        t._dyn = dyn
-    return t
+    """Run the graph ``gm`` op by op in the eager mode in force on its (plain tensor) inputs."""
+    outs = torch.fx.Interpreter(gm).run(*args)
+    return list(outs) if isinstance(outs, (tuple, list)) else [outs]
 
 
 def _rng_states_on_device(gm) -> None:
@@ -627,10 +629,9 @@ def _dense_hops(gm, example_inputs):
         return make_fx(run)(*example_inputs)
 
 
-def _compiler(kind: str, cls=CompiledGraph):
+def _compiler(kind: str, cls=PlainGraph):
     def compile_graph(gm, example_inputs):
-        if cls is not CompiledGraph:
-            gm = _dense_hops(gm, example_inputs)    # NOTE [flex attention in plain graphs]
+        gm = _dense_hops(gm, example_inputs)        # NOTE [flex attention in plain graphs]
         _rng_states_on_device(gm)
         try:
             return cls(gm, example_inputs, kind)
@@ -687,8 +688,7 @@ def _custom_op_bodies(library_ops: bool = True) -> dict:
 def backend(gm, example_inputs, **kwargs):
     """The ``tpu`` Dynamo backend (also registered as ``deferfuse``)."""
     from torch._dynamo.backends.common import aot_autograd
-    from . import plain
-    graph = PlainGraph if plain.ENABLED else CompiledGraph     # NOTE [compiled plain tensors]
+    graph = PlainGraph      # NOTE [compiled plain tensors]
     S["dynamo_graphs"] += 1
     cid = torch._guards.CompileContext.current_compile_id()
     if cid is not None and getattr(cid, "frame_compile_id", 0):
@@ -708,10 +708,7 @@ def backend(gm, example_inputs, **kwargs):
         if not _calls_library_ops(gm):
             raise
         compiled = aot(False)    # NOTE [quantization ops in graphs]
-    if graph is PlainGraph:
-        return compiled         # every tpu tensor is plain: nothing to wrap
-    plain = _plain_outputs(gm)
-    return _wrap_plain(compiled, plain) if plain else compiled
+    return compiled
 
 
 def _calls_library_ops(gm) -> bool:
@@ -726,42 +723,6 @@ def _calls_library_ops(gm) -> bool:
                 t.split("::")[0] in _TRACE_THROUGH_NAMESPACES:
             return True
     return False
-
-
-def _plain_outputs(gm) -> tuple:
-    """NOTE [plain outputs]: a tensor the graph makes on ``tpu`` from no ``tpu`` input
-    (``torch.zeros(..., device="tpu")``, ``cpu_tensor.to("tpu")``: a static cache's buffers and
-    length, made in the first compiled forward) is traced as a plain fake tensor, not a
-    ``TpuTensor``: AOTAutograd returns it as the graph made it, an inner tensor (NOTE [inner
-    tensor] in traceable.py), which eager ops cannot run on. The positions of such outputs of a
-    Dynamo graph; ``_wrap_plain`` makes them ``TpuTensor``s before Dynamo's code (an attribute
-    set in the compiled code, a returned value) sees them."""
-    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
-    if out is None:
-        return ()
-    vals = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    plain = []
-    for i, n in enumerate(vals):
-        v = n.meta.get("example_value", n.meta.get("val")) if isinstance(n, torch.fx.Node) else None
-        if (isinstance(v, torch.Tensor) and v.device.type == "tpu"
-                and not isinstance(v, TpuTensor)):
-            plain.append(i)
-    return tuple(plain)
-
-
-def _wrap_plain(compiled, plain: tuple):
-    """``compiled`` returning ``TpuTensor``s at the positions ``plain`` (NOTE [plain outputs])."""
-    @functools.wraps(compiled)
-    def run(*args):
-        outs = compiled(*args)
-        was_tuple = isinstance(outs, tuple)
-        outs = list(outs)
-        for i in plain:
-            o = outs[i]
-            if type(o) is not TpuTensor and "_s" in o.__dict__:
-                outs[i] = wrap_inner(o)
-        return tuple(outs) if was_tuple else outs
-    return run
 
 
 def _on_tpu(x) -> bool:

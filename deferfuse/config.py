@@ -45,15 +45,21 @@ def _mode(s: str) -> str:
     return s
 
 
-TENSORS = ("plain", "wrapper")
-
-
-def _tensor(s: str) -> str:
-    s = s.strip().lower()
-    if s not in TENSORS:
-        raise ValueError(f"DEFERFUSE_TENSOR={s!r} is not a tensor representation; expected one of "
-                         f"{', '.join(TENSORS)}")
-    return s
+def _removed_tensor_choice() -> None:
+    """``DEFERFUSE_TENSOR`` chose between the plain tensor and the ``TpuTensor`` wrapper subclass
+    while the plain tensor was new; the wrapper is gone, so the setting is too. ``plain`` (the only
+    representation) and an empty value are accepted; any other value stops the import (a
+    ValueError, as a bad ``TORCHTPU_MODE`` does): a program that asked for the wrapper would
+    otherwise get another kind of tensor with nothing to tell it. Read at import."""
+    raw = os.environ.get("DEFERFUSE_TENSOR")
+    if raw is None or raw.strip().lower() in ("", "plain"):
+        return
+    raise ValueError(
+        f"DEFERFUSE_TENSOR={raw!r}: the setting was removed with the TpuTensor wrapper subclass it "
+        "selected; a tpu tensor is always the plain PrivateUse1 tensor of deferfuse's C++ "
+        "extension. Unset DEFERFUSE_TENSOR. If you set it because the extension was not built, "
+        "build it: in a clone, `make` (or `python setup.py build_ext --inplace`); an installed "
+        "deferfuse, reinstall it with a C++ compiler present (docs/troubleshooting.md)")
 
 
 def _bytes(s: str) -> int:
@@ -83,10 +89,6 @@ SETTINGS = {s.name: s for s in [
             "run every fused region also op by op and raise at the first op that differs"),
     Setting("c_record", "DEFERFUSE_C_RECORD", True, _bool,
             "record the common ops through the C record path (deferfuse/_fastpath.c); 0: Python only"),
-    Setting("tensor", "DEFERFUSE_TENSOR", "plain", _tensor,
-            "what a tpu tensor is: plain (a PrivateUse1 tensor of the C++ extension "
-            "deferfuse._tpu_tensor) or wrapper (the TpuTensor subclass: a transition switch, removed "
-            "with it); read at import (NOTE [tensor representation] in deferfuse/plain.py)"),
     Setting("source_lines", "DEFERFUSE_SOURCE_LINES", True, _bool,
             "remember the user's source line of every recorded op (for error messages)"),
     Setting("cpu_fallback", "DEFERFUSE_CPU_FALLBACK", True, _bool,
@@ -167,6 +169,7 @@ class _Config:
     thread starts in (``initial_mode``)."""
 
     def __init__(self):
+        _removed_tensor_choice()
         for s in SETTINGS.values():
             raw = os.environ.get(s.env)
             object.__setattr__(self, s.name, s.default if raw is None else s.parse(raw))

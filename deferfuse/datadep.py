@@ -88,7 +88,7 @@ def _h_index(func, args, kwargs):
     if type(x) is TpuTensor and any(_cpu_int(i) for i in indices):
         # CPU integer index tensors move to x's device, as PyTorch's indexing does on CUDA (a
         # CPU mask stays: its nonzero() below is CPU work)
-        # (as_tpu: with DEFERFUSE_TENSOR=plain, .to() makes a plain tensor, NOTE [mixed arguments])
+        # (as_tpu: .to() makes a plain tensor, NOTE [mixed arguments])
         indices = [as_tpu(i.to(x.device)) if _cpu_int(i) else i for i in indices]
         args = (x, indices, *args[2:])
     if not any(i is not None and i.dtype in _MASKS for i in indices):

@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from . import device_info, plain, subclass
+from . import device_info, plain
 from .config import config
 from .engine import engine, user_error
 from .runtime import platform
@@ -315,15 +315,10 @@ def _wrap_autograd() -> None:
     - raise the error of a backward op that failed (NOTE [errors in backward] in route.py)."""
     import torch.autograd as autograd
     from . import compiled
-    from .tensor import TpuTensor
+    tpu = plain.is_tpu
 
     def on_tpu(ts) -> bool:
-        if plain.ENABLED:       # a plain tpu tensor too (plain.py)
-            def tpu(t):
-                return isinstance(t, TpuTensor) or plain.is_tpu(t)
-            return tpu(ts) or isinstance(ts, (tuple, list)) and any(tpu(t) for t in ts)
-        return (isinstance(ts, TpuTensor) or isinstance(ts, (tuple, list))
-                and any(isinstance(t, TpuTensor) for t in ts))
+        return tpu(ts) or isinstance(ts, (tuple, list)) and any(tpu(t) for t in ts)
 
     def wrap(orig, first):
         @functools.wraps(orig)
@@ -376,17 +371,6 @@ def _wrap_autograd() -> None:
         orig = getattr(autograd, name)
         if not getattr(orig, "_deferfuse", False):
             setattr(autograd, name, wrap(orig, first))
-
-
-def _enable_foreach() -> None:
-    # Optimizers and clip_grad_norm_ pick their foreach (multi-tensor) path only for parameter types
-    # in these lists; tpu parameters are TpuTensor, so add it (one fused op per group, not per tensor).
-    import torch.optim.optimizer as optimizer
-    import torch.utils._foreach_utils as foreach_utils
-    from .tensor import TpuTensor
-    for types_ in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
-        if TpuTensor not in types_:
-            types_.append(TpuTensor)
 
 
 def _pin_memory(self, device=None):
@@ -443,11 +427,8 @@ def _whole(op):
 def register() -> None:
     global _lib
     import deferfuse_autoload
-    from .route import dispatch
-    from .specials import empty_memory_format, empty_strided, _h_copy_from, _h_item
     from . import distributed
-    if plain.ENABLED:
-        plain.require()         # NOTE [tensor representation]: before anything registers
+    plain.require()             # NOTE [tensor representation]: before anything registers
     distributed.register()      # before the first device lookup (NOTE [distributed start])
 
     # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at
@@ -456,12 +437,9 @@ def register() -> None:
     _DEVICES.extend(torch.device("tpu", i) for i in range(_device_count()))
     _patch_accelerator()
     _patch_default_dtype()
-    _enable_foreach()
     _keep_tied_parameters()
-    subclass.install()
     _wrap_autograd()
-    from . import amp, attention, compiled, datadep, flex, linear, quantized, rnn, serialization, traceable
-    traceable.install()
+    from . import amp, attention, compiled, datadep, flex, linear, quantized, rnn, serialization
     compiled.register()
     amp.register()
     serialization.register()
@@ -477,24 +455,12 @@ def register() -> None:
     # Each held: NOTE [interrupt safety] (runtime/interrupts.py).
     held = engine.interrupts.around
     _lib = torch.library.Library("aten", "IMPL")
-    if plain.ENABLED:
-        # The plain tensor (NOTE [plain router] in plain.py): C++ empty and view kernels and a
-        # fallback into the op path; the kernels below that take tpu tensors go through it too.
-        dispatch = plain.install().route
-    else:
-        _lib.impl("empty.memory_format", held(empty_memory_format), "PrivateUse1")
-        _lib.impl("empty_strided", held(empty_strided), "PrivateUse1")
-        _lib.impl("_copy_from", held(lambda src, dst, non_blocking=False:
-                                     _h_copy_from(None, (src, dst), {})), "PrivateUse1")
-        _lib.impl("_copy_from_and_resize", held(lambda src, dst: _h_copy_from(None, (src, dst), {})),
-                  "PrivateUse1")
-        # torch.tensor(data) runs below Python dispatch and reads a tensor in ``data`` with item():
-        # tpu scalars in a list (a model's lengths, torch.tensor([n0, n1], device=...)) are read as
-        # CUDA reads its own, a sync each.
-        _lib.impl("_local_scalar_dense", held(lambda t: _h_item(None, (t,), {})), "PrivateUse1")
+    # The plain tensor (NOTE [plain router] in plain.py): C++ empty and view kernels and a
+    # fallback into the op path; the kernels below that take tpu tensors go through it too.
+    dispatch = plain.install().route
     # one_hot is composite: without a backend kernel PyTorch decomposes it above Python dispatch,
-    # skipping its range check on PrivateUse1. This kernel is never called (tpu tensors reach
-    # __torch_dispatch__ first); it makes aten.one_hot arrive there whole (specials._h_one_hot).
+    # skipping its range check on PrivateUse1. This kernel routes aten.one_hot whole
+    # (specials._h_one_hot).
     _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
     _lib.impl("ctc_loss.Tensor", held(_ctc_loss_cpu_lengths), "AutogradPrivateUse1")
     for name in WHOLE_COMPOSITES:      # NOTE [whole composites]
@@ -512,7 +478,7 @@ def register() -> None:
         if o._schema.name.startswith("aten::empty"):
             continue
         name = o._schema.name.split("::")[1] + ("." + o._overloadname if o._overloadname != "default" else "")
-        if plain.ENABLED and plain.KERNEL and not LOWERINGS[o].rng \
+        if plain.KERNEL and not LOWERINGS[o].rng \
                 and not any(a.name == "generator" for a in args):
             # NOTE [C++ factories] in _tpu_tensor.cpp: through the C++ fallback, whose recording
             # kernel keys the call on its device= argument (a kernel hit, no Python frame)
@@ -521,7 +487,6 @@ def register() -> None:
         _lib.impl(name, (lambda op: lambda *a, **k: dispatch(op, a, k))(o), "PrivateUse1")
     if in_cxx:
         plain.PLAIN.ext.route_whole(in_cxx)
-    if plain.ENABLED:
-        # NOTE [whole ops] in plain.py: after every PrivateUse1 kernel
-        plain.route_whole(("linear", *WHOLE_COMPOSITES))
+    # NOTE [whole ops] in plain.py: after every PrivateUse1 kernel
+    plain.route_whole(("linear", *WHOLE_COMPOSITES))
     deferfuse_autoload.complete(_make_module())

@@ -502,8 +502,8 @@ def _contig(shape):
 def copy_into(dst: TpuTensor, src) -> TpuTensor:
     """``dst.copy_(src)`` for any src (tpu tensor, CPU tensor), through the lowered copy_."""
     if type(src) is not TpuTensor:
-        # a plain tpu tensor a factory made inside the op path (DEFERFUSE_TENSOR=plain): read as
-        # a CPU tensor, its bytes were the engine's storage record
+        # a plain tpu tensor a factory made inside the op path: read as a CPU tensor, its bytes
+        # were the engine's storage record
         src = as_tpu(src)
     if isinstance(src, torch.Tensor) and type(src) is not TpuTensor:
         if (not dst._chain and src.dtype == dst.dtype and src.shape == dst.shape
@@ -524,21 +524,11 @@ def copy_into(dst: TpuTensor, src) -> TpuTensor:
 # pointers, which a tpu tensor does not have)
 
 def _repr(self, *, tensor_contents=None):
-    if "_s" not in self.__dict__:      # a tensor being traced (NOTE [inner tensor]): no value
-        return (f"TpuTensor(traced, size={tuple(self.shape)}, dtype={self.dtype}, "
-                f"device='{self.device}')")
     try:
         cpu = to_cpu(self, Sync.PRINT)
     except Exception as e:
         raise user_error(e)     # NOTE [user frames] (engine.py)
-    user = getattr(type(self), "_tpu_user", None)
-    if user is not None:
-        # Its class's name, as CPU prints it (NOTE [tpu subclasses]); Tensor.__repr__ formats
-        # with subclasses' __torch_function__ off.
-        with torch._C.DisableTorchFunctionSubclass():
-            s = torch._tensor_str._str(cpu.as_subclass(user))
-    else:
-        s = torch._tensor_str._str(cpu)
+    s = torch._tensor_str._str(cpu)
     dev = f"device='{self.device}'"
     if s.endswith(")"):
         # Insert the device after the values, where PyTorch puts it for cuda tensors.

@@ -68,8 +68,6 @@ class Engine:
         self.views = Cache("views", 1 << 15)
         self.aliases = Cache("aliases", 1 << 15)
         self.routes: dict = {}      # id(OpOverload) -> route: one per op, bounded by the op set
-        # user Tensor subclass -> its tpu class (NOTE [tpu subclasses]): one per class
-        self.subclasses = weakref.WeakKeyDictionary()
         self.runner = Runner(config.max_regions)
         self.interrupts = self.runner.interrupts     # NOTE [interrupt safety]
         self.interrupts.install()

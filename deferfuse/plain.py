@@ -1,8 +1,7 @@
 """The Python half of the plain PrivateUse1 ``tpu`` tensor (issue 34; docs/cxx-plan.md).
 
-By default (``DEFERFUSE_TENSOR``, read once, at import; ``wrapper`` selects the ``TpuTensor``
-subclass, NOTE [tensor representation]) a tpu tensor is a plain PrivateUse1 tensor made by the C++ extension
-``deferfuse._tpu_tensor`` (NOTE [plain tensor] in _tpu_tensor.cpp): empty tensors and the core
+A tpu tensor is a plain PrivateUse1 tensor made by the C++ extension ``deferfuse._tpu_tensor``
+(NOTE [tensor representation]; NOTE [plain tensor] in _tpu_tensor.cpp): empty tensors and the core
 view ops are C++ kernels, and every other op reaches one boxed C++ fallback that calls
 ``Plain.route`` here.
 
@@ -24,25 +23,21 @@ from weakref import ref as _weakref
 
 import torch
 
-from .config import config
 from .engine import engine, user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
 from .scheduler.records import Value, sig_id
 from .tensor import Storage, TpuTensor, make
 
-# NOTE [tensor representation]: a tpu tensor is the plain PrivateUse1 tensor unless
-# ``DEFERFUSE_TENSOR=wrapper`` (config.tensor) selects the ``TpuTensor`` wrapper subclass, a
-# transition switch that goes with the wrapper. The choice is made once, at import, for the whole
-# process. When the extension cannot be loaded (not built, or built for another torch),
-# ``import deferfuse`` raises ImportError naming the fix (``require``) rather than falling back to
-# the wrapper with a warning: a fallback would change what a tpu tensor is between two processes
-# of one job or one test run (a worker or a fresh venv without the build) with a warning as the
-# only sign, every representation-specific path (compiled graphs, checkpoints, the router) would
-# differ with it, and the wrapper it falls back to is to be deleted. The build is part of the
-# install, so the error means a broken install; it says how to rebuild and how to choose the
-# wrapper meanwhile.
-ENABLED = config.tensor == "plain"
+# NOTE [tensor representation]: a tpu tensor is the plain PrivateUse1 tensor of the C++ extension:
+# its type is ``torch.Tensor``, a user's subclass of it is PyTorch's own ``as_subclass``, and Dynamo
+# sees it as the device tensor it is. ``TpuTensor`` (tensor.py) is no user's tensor: it is the op
+# path's argument type, the form the router gives a plain tensor (``as_tpu``: a TpuTensor over the
+# same Storage and view) for the ops the C++ kernel does not record; the op path reading Storage
+# records instead is the next step (docs/cxx-plan.md). When the extension cannot be loaded (not
+# built, or built for another torch), ``import deferfuse`` raises ImportError naming the fix
+# (``require``): there is no other representation to fall back to, and the build is part of the
+# install, so the error means a broken install.
 _local = engine.local
 # the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp); 0: the router only
 KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
@@ -841,9 +836,7 @@ def require():
     """The C++ extension, or ImportError naming the fix (NOTE [tensor representation])."""
     ext, why = extension()
     if ext is None:
-        raise ImportError(f"the tpu tensor needs the C++ extension: {why}; or set "
-                          "DEFERFUSE_TENSOR=wrapper for the TpuTensor subclass meanwhile (a "
-                          "transition switch, to be removed)")
+        raise ImportError(f"the tpu tensor needs the C++ extension: {why}")
     return ext
 
 
@@ -868,7 +861,7 @@ def install() -> Plain:
     has_plain, mixed = PLAIN.has_plain, PLAIN.mixed
 
     def checked(cls, func, types, args=(), kwargs=None):
-        # NOTE [mixed arguments]: only with the flag on; the default path is unchanged
+        # NOTE [mixed arguments]
         if has_plain(args, kwargs):
             return mixed(raw, cls, func, types, args, kwargs)
         return raw(cls, func, types, args, kwargs)
@@ -941,10 +934,9 @@ def _real_ops(raw, func, types, args, kwargs):
     """NOTE [real ops under a fake mode]: an op on real plain tensors can reach the fallback
     while Dynamo's FakeTensorMode is active: ``torch.tensor(data, device="tpu")`` in traced code
     moves its CPU data to the device with the Python key excluded, and FakeTensorMode runs ops
-    on small real constants for real ("constant propagation"). The op path reads an active fake
-    mode as "these are tensors being traced" (route.torch_dispatch -> traceable.traced_dispatch,
-    the wrapper's inner tensors); plain tensors reaching the router are always real, so the op
-    runs with the fake mode unset, as it would outside the trace."""
+    on small real constants for real ("constant propagation"). Plain tensors reaching the router
+    are always real, and the op path's records hold real values, so the op runs with the fake mode
+    unset, as it would outside the trace."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
         return raw(TpuTensor, func, types, tuple(args), kwargs)

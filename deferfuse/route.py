@@ -1,7 +1,10 @@
-"""The entry of every aten op on a ``tpu`` tensor: which path runs it (the generic op path, a view,
-a special, a decomposition, or the CPU fallback), decided once per op.
+"""The entry of the op path: which path runs an aten op (the generic op path, a view, a special, a
+decomposition, or the CPU fallback), decided once per op.
 
-Imported once, by device registration; it makes ``TpuTensor.__torch_dispatch__`` this dispatch.
+Ops reach it as ``TpuTensor`` ops: the router (plain.py, NOTE [plain router]) gives each op the C++
+kernel does not record to ``TpuTensor.__torch_dispatch__``, which this module makes the C record
+path (NOTE [C record path] in _fastpath.c) over ``torch_dispatch`` below. ``TpuTensor`` is the op
+path's argument type, never a user's tensor (NOTE [tensor representation] in plain.py).
 """
 from __future__ import annotations
 
@@ -15,12 +18,10 @@ from .dispatch import CpuTensorArg, Fallback, ForeignSubclass, OtherDevice, Resi
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
-from . import subclass
 from .fbgemm import handlers as fbgemm_handlers
 from .packed import handlers as packed_handlers
 from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials, resize
 from .tensor import TpuTensor, as_tpu
-from .traceable import FAKE, traced_dispatch
 from .views import ALIAS_OPS, run_alias, run_view
 
 _held = engine.interrupts
@@ -51,22 +52,19 @@ _alias = _in_base_mode(run_alias)
 
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
-    """``TpuTensor.__torch_dispatch__`` itself (one Python frame less per op than a wrapper).
-    A signal that arrives meanwhile is handled when it returns (NOTE [interrupt safety])."""
+    """The Python path of ``TpuTensor.__torch_dispatch__`` (the C record path hands it every call
+    it does not take). A signal that arrives meanwhile is handled when it returns (NOTE [interrupt
+    safety])."""
     main = _get_ident() == _held.main
     if main:
         _held.depth += 1
     try:
-        if cls is not TpuTensor and cls is not None:
-            return subclass.run(torch_dispatch, func, types, args, kwargs)  # NOTE [tpu subclasses]
         # Keyed by id: OpOverload.__hash__ is Python code, and this runs for every op. The route
         # keeps the OpOverload alive, so its id is never reused.
         r = _routes.get(id(func))
         if r is None:
             r = _routes[id(func)] = _route(func)
         kwargs = kwargs or {}
-        if _mode(FAKE) is not None:
-            return traced_dispatch(func, args, kwargs)   # NOTE [inner tensor] (traceable.py)
         try:
             return r[0](func, r[1], args, kwargs)
         except ForeignSubclass:
@@ -96,12 +94,6 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
                 return _resized(func, r, args, kwargs, ro.outs)
             except BaseException as e:
                 err = e
-        except AttributeError as e:
-            if _traced(args, kwargs):
-                # A tensor being traced reached the eager path with no fake mode on (Dynamo
-                # replaying a view on a fake base): NOTE [inner tensor] (traceable.py).
-                return traced_dispatch(func, args, kwargs)
-            err = e
         except BaseException as e:
             err = e
         if torch._C._current_autograd_node() is None:
@@ -137,11 +129,6 @@ def _resized(func, r, args, kwargs, outs):
                 stacklevel=3)
         resize(t, shape)
     return r[0](func, r[1], args, kwargs)
-
-
-def _traced(args, kwargs) -> bool:
-    return any(isinstance(a, TpuTensor) and "_s" not in a.__dict__
-               for a in pytree.tree_leaves((args, kwargs)))
 
 
 def dispatch(func, args, kwargs):
@@ -231,7 +218,7 @@ def _cpu_indices(func, args, kwargs):
                for i in indices):
         return None
     here = args[0].device
-    # (as_tpu: with DEFERFUSE_TENSOR=plain, .to() makes a plain tensor, NOTE [mixed arguments])
+    # (as_tpu: .to() makes a plain tensor, NOTE [mixed arguments])
     moved = [as_tpu(i.to(here)) if isinstance(i, torch.Tensor) and type(i) is not TpuTensor else i
              for i in indices]
     return (args[0], moved, *args[2:]), kwargs
@@ -266,6 +253,7 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
     from .config import config
     from .engine import ThreadState
     from .runtime.node import SS, TS, const
+    FAKE = torch._C._TorchDispatchModeKey.FAKE
     from .runtime.viewchain import DSELECT, DSLICE
     from .scheduler.records import Node, Value
     return dict(

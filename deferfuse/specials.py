@@ -159,7 +159,6 @@ def rebind(self, new) -> None:
     chain), as ``self.data = new`` does: what ``resize_`` leaves."""
     torch._C.TensorBase.data.__set__(self, new)
     self._s, self._chain, self._sig, self._dyn = new._s, new._chain, new._sig, new._dyn
-    self.__dict__.pop("_inner_t", None)     # NOTE [inner tensor] (traceable.py)
 
 
 def resize(self, size, memory_format=None):

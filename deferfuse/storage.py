@@ -91,7 +91,4 @@ STORAGE_HELP = ("tpu tensors have no PyTorch storage, so a storage cannot live o
 
 def untyped_storage(t):
     """``TpuTensor.untyped_storage()``."""
-    if torch.compiler.is_compiling():
-        # Dynamo describes the tensor it fakeifies (NOTE [inner tensor] in traceable.py).
-        return torch.Tensor.untyped_storage(t)
     return TpuUntypedStorage(t._s)

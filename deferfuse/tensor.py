@@ -1,4 +1,4 @@
-"""The ``tpu`` tensor: a wrapper subclass over a storage holding a JAX value.
+"""The op path's tensor (``TpuTensor``): a wrapper subclass over a storage holding a JAX value.
 
 NOTE [storage model]: a ``Storage`` holds the current value of one base tensor (a ``Value``: a
 device array, or pending in defer mode). A tensor is a storage plus a chain of view ops read out
@@ -38,7 +38,12 @@ _DEVICES: list = []   # torch.device("tpu", i), filled by deferfuse.device
 
 
 class TpuTensor(torch.Tensor):
-    """A tensor on the ``tpu`` device. Its value lives in JAX (see NOTE [storage model])."""
+    """The op path's form of a tpu tensor: a wrapper subclass over a ``Storage`` (its value lives in
+    JAX, NOTE [storage model]) with a view chain. No user holds one: a tpu tensor is the plain
+    PrivateUse1 tensor of the C++ extension (NOTE [tensor representation] in plain.py), and the
+    router gives the op path a ``TpuTensor`` over the same Storage and view (``as_tpu``) for the
+    ops the C++ kernel does not record. The op path reading Storage records instead of these is
+    the next step of docs/cxx-plan.md; until then this class is its argument type."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
     _dyn = ()   # the view chain's dynamic offsets (NOTE [dynamic offsets] in runtime/viewchain.py)
@@ -97,7 +102,6 @@ class TpuTensor(torch.Tensor):
         self._chain = new._chain
         self._sig = new._sig
         self._dyn = new._dyn
-        self.__dict__.pop("_inner_t", None)     # NOTE [inner tensor] (traceable.py)
 
 
     def data_ptr(self):
@@ -107,8 +111,7 @@ class TpuTensor(torch.Tensor):
 
 class PlainHooks:
     """What ``is_tpu``, ``storage_of`` and ``as_tpu`` ask of the plain PrivateUse1 tensor
-    (DEFERFUSE_TENSOR=plain; deferfuse/plain.py fills it at install, and it stays empty
-    otherwise). One object, owned by this module because every layer above reads it."""
+    (deferfuse/plain.py fills it at install). One object, owned by this module because every layer above reads it."""
     __slots__ = ("is_plain", "wrapper", "storage")
 
     def __init__(self):
@@ -121,8 +124,8 @@ PLAIN = PlainHooks()
 
 
 def is_tpu(a) -> bool:
-    """A tpu tensor of either representation: a ``TpuTensor`` (or a tpu class, subclass.py), or
-    a plain PrivateUse1 tensor (NOTE [plain tensor] in _tpu_tensor.cpp). Code that would read
+    """A tpu tensor: a plain PrivateUse1 tensor (NOTE [plain tensor] in _tpu_tensor.cpp), or the
+    op path's ``TpuTensor`` of one. Code that would read
     anything else as a CPU tensor asks this, never ``type(a) is TpuTensor`` alone: a plain tensor
     read as a CPU tensor gives silent garbage (its data pointer is the engine's record)."""
     if isinstance(a, TpuTensor):
@@ -132,7 +135,7 @@ def is_tpu(a) -> bool:
 
 
 def storage_of(a) -> Storage:
-    """The ``Storage`` of a tpu tensor of either representation."""
+    """The ``Storage`` of a tpu tensor, plain or the op path's ``TpuTensor``."""
     if isinstance(a, TpuTensor):
         return a._s
     return PLAIN.storage(a)

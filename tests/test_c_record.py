@@ -1,7 +1,7 @@
-"""The C record path (deferfuse/_fastpath.c, NOTE [C record path]): it is the dispatch, it takes
-the common calls, and what it records is what the Python path records (same op keys, wiring,
-scalars, rolling hashes and source lines), so both share every compiled program; results equal
-CPU eager's either way."""
+"""The C record path (deferfuse/_fastpath.c, NOTE [C record path]): it is the op path's entry (the
+ops the router hands on, NOTE [plain router] in plain.py), it takes the common calls, and what it
+records is what the Python path records (same op keys, wiring, scalars, rolling hashes and source
+lines), so both share every compiled program; results equal CPU eager's either way."""
 import os
 import subprocess
 import sys
@@ -11,19 +11,10 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse import _fastpath, plain
+from deferfuse import _fastpath
 from deferfuse.engine import engine
-from deferfuse.tensor import TpuTensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Tests of the wrapper subclass's own entry (TpuTensor.__torch_dispatch__ is the C path, NOTE [C
-# record path]): on the plain tensor (the default, NOTE [tensor representation]) ops enter through
-# the C++ kernel instead, so these run in a wrapper process (test_wrapper_entry_in_a_wrapper_process)
-WRAPPER_ENTRY = ("test_the_c_path_is_the_dispatch_and_takes_common_ops",
-                 "test_casts_and_windows_that_do_not_move_take_the_c_path")
-wrapper_entry = pytest.mark.skipif(
-    plain.ENABLED, reason="the wrapper subclass's entry: run under DEFERFUSE_TENSOR=wrapper by "
-                          "test_wrapper_entry_in_a_wrapper_process")
 
 
 def _hits():
@@ -71,45 +62,24 @@ def _record(fn, *args):
     return out, rec
 
 
-@wrapper_entry
 @pytest.mark.modes("defer")
-def test_the_c_path_is_the_dispatch_and_takes_common_ops(tpu_mode):
-    assert TpuTensor.__dict__["__torch_dispatch__"].__func__ is _fastpath.dispatch
-    x, w = _inputs("tpu")
-    (x @ w).relu() * 3         # the first call fills the op cache (the Python path)
-    before = _hits()
-    y = (x @ w).relu() * 3
-    assert _hits() - before == 3
-    assert deferfuse.metrics()["c_record"]["hits"] >= 3
-    torch.testing.assert_close(y.cpu(), (_inputs("cpu")[0] @ _inputs("cpu")[1]).relu() * 3)
-
-
-@wrapper_entry
-@pytest.mark.modes("defer")
-def test_casts_and_windows_that_do_not_move_take_the_c_path(tpu_mode):
-    xc = _inputs("cpu")[0][:1]
-    x = xc.to("tpu")
-    for k in range(2):
+def test_the_c_path_is_the_op_paths_entry_and_takes_routed_ops(tpu_mode):
+    """The router hands the ops the C++ kernel does not record to ``TpuTensor.__torch_dispatch__``
+    (NOTE [plain router] in plain.py), whose first stop is the C record path: an optimizer's
+    in-place foreach op, after its first call, is recorded there."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 3, generator=g) for _ in range(3)]
+    ys = [torch.randn(4, 3, generator=g) for _ in range(3)]
+    tx, ty = [x.to("tpu") for x in xs], [y.to("tpu") for y in ys]
+    for k in range(3):
         before = _hits()
-        got = [x.to(torch.float64), x.to(x.device, torch.bfloat16), x[:, :], x.select(0, 0)]
-        assert _hits() - before == 4 * k        # the first round fills the caches
-    want = [xc.double(), xc.bfloat16(), xc, xc[0]]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
-        assert g.stride() == w.stride() and g.dtype == w.dtype
-    assert x.to("cpu", torch.float64).device.type == "cpu"     # other devices: the Python path
-
-
-@pytest.mark.skipif(not plain.ENABLED, reason="this process is the wrapper's: they run here")
-@pytest.mark.modes("defer")
-def test_wrapper_entry_in_a_wrapper_process(tpu_mode):
-    """The tests of the wrapper's entry (WRAPPER_ENTRY) under DEFERFUSE_TENSOR=wrapper."""
-    env = dict(os.environ, DEFERFUSE_TENSOR="wrapper")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                        "no:xdist", __file__, "-k", " or ".join(WRAPPER_ENTRY)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1].startswith(f"{len(WRAPPER_ENTRY)} passed, "), r.stdout[-500:]
+        torch._foreach_add_(tx, ty, alpha=0.5)
+        assert _hits() - before == (1 if k else 0)     # the first call fills the op cache
+        torch._foreach_add_(xs, ys, alpha=0.5)
+    got = [t.cpu() for t in tx]
+    for g_, w in zip(got, xs):
+        torch.testing.assert_close(g_, w, rtol=0, atol=0)
+    assert deferfuse.metrics()["c_record"]["hits"] >= 2
 
 
 @pytest.mark.modes("strict")

@@ -36,7 +36,7 @@ def test_a_function_compiles_to_one_graph_and_matches_cpu():
     cf = torch.compile(f, backend="tpu", fullgraph=True)
     for _ in range(2):
         got = cf(x.to("tpu"), w.to("tpu"))
-        assert is_tpu(got)     # a tpu tensor (either representation), not an inner tensor
+        assert is_tpu(got)
         assert_same(got, f(x, w), atol=1e-5)
     m = deferfuse.metrics()
     assert m["dynamo_graphs"] == 1 and m["graph_compiles"] == 1 and m["compiled_calls"] == 2
@@ -125,9 +125,9 @@ def test_default_backend_changes_nothing_for_cpu(monkeypatch):
 
 
 def test_an_input_viewed_as_real_from_a_complex_tensor():
-    """NOTE [dtype views replayed] (traceable.py): RoPE's q and k are ``view_as_real`` views of a
-    complex product; a compiled function taking them (TorchTitan's compiled flex attention)
-    failed while Dynamo fakeified them ("view_as_real is only supported for complex tensors").
+    """RoPE's q and k are ``view_as_real`` views of a complex product; a compiled function taking
+    them (TorchTitan's compiled flex attention) failed while Dynamo fakeified them, on the wrapper
+    subclass ("view_as_real is only supported for complex tensors").
     The same views of a real base (``view_as_complex``) too; a misuse still raises."""
     torch._dynamo.reset()
     x = torch.randn(2, 4, 8, dtype=torch.complex64)
@@ -392,9 +392,8 @@ def test_an_index_error_in_a_graph_is_raised_at_the_read():
 
 
 def test_module_to_tpu_after_a_cpu_forward_pass():
-    """A tpu tensor is a traceable subclass; nn.Module._apply still converts parameters with a new
-    Parameter (PyTorch would swap a traceable subclass in, and refuse a parameter that an autograd
-    graph on CPU still holds)."""
+    """nn.Module._apply converts parameters with a new Parameter, as for CUDA (a traceable subclass
+    would be swapped in, and a parameter that an autograd graph on CPU still holds refused)."""
     lin = nn.Linear(4, 3)
     x = torch.randn(2, 4)
     want = lin(x)                      # holds the CPU weight in its graph

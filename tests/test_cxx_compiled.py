@@ -1,10 +1,7 @@
-"""Compiled mode on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; NOTE [compiled plain
+"""Compiled mode on the plain PrivateUse1 tpu tensor (NOTE [compiled plain
 tensors] in deferfuse/compiled.py): ``torch.compile(backend="tpu")`` takes plain tensors, whose
 graphs Dynamo and AOTAutograd trace as plain PrivateUse1 graphs, and gives plain tensors back.
-Every output and every input a graph writes is compared with CPU eager (dtype, shape, values).
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+Every output and every input a graph writes is compared with CPU eager (dtype, shape, values)."""
 import copy
 
 import pytest
@@ -14,9 +11,8 @@ import torch.nn.functional as F
 
 import deferfuse
 from deferfuse import plain
-from util import assert_same, plain_tensor_only
+from util import assert_same
 
-plain_tensor_only()
 
 pytestmark = pytest.mark.modes("defer")     # compiled graphs mix with the eager mode in force
 

@@ -1,16 +1,11 @@
-"""The engine side on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; docs/cxx-plan.md,
+"""The engine side on the plain PrivateUse1 tpu tensor (docs/cxx-plan.md,
 Session 3 (cxx4)): moving windows, step detection, cuts and errors behave as on the wrapper
-subclass, and every result equals CPU eager.
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+subclass, and every result equals CPU eager."""
 import pytest
 import torch
 
 import deferfuse
-from util import assert_same, plain_tensor_only
-
-plain_tensor_only()
+from util import assert_same
 
 
 def _compiles():

@@ -11,9 +11,8 @@ import torch
 
 import deferfuse
 from deferfuse import plain
-from util import assert_same, plain_tensor_only
+from util import assert_same
 
-plain_tensor_only()
 if not plain.KERNEL:
     pytest.skip("the C++ recording kernel is off (DEFERFUSE_CXX_KERNEL=0)", allow_module_level=True)
 

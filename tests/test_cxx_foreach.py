@@ -1,13 +1,10 @@
 """A training step's optimizer and loss ops as C++ kernel hits on the plain tpu tensor
-(DEFERFUSE_TENSOR=plain; docs/cxx-plan.md, Session 6 (cxx13)): the in-place foreach ops, checked
+(docs/cxx-plan.md, Session 6 (cxx13)): the in-place foreach ops, checked
 per call for a written storage read elsewhere (NOTE [C++ foreach] in deferfuse/_tpu_tensor.cpp),
 foreach ops returning a tensor list, lists of Python numbers as runtime inputs,
 ``linear_backward`` with a None output and ``nll_loss_forward`` (several fresh out= tensors,
 NOTE [fresh outs] in deferfuse/plain.py). Every result equals CPU eager (dtypes, shapes, values);
-the counts say what the kernel took and what the router ran.
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+the counts say what the kernel took and what the router ran."""
 import os
 import sys
 
@@ -18,9 +15,8 @@ import torch.nn.functional as F
 
 import deferfuse
 from deferfuse import plain
-from util import assert_same, plain_tensor_only
+from util import assert_same
 
-plain_tensor_only()
 if not plain.KERNEL:
     pytest.skip("the C++ recording kernel is off (DEFERFUSE_CXX_KERNEL=0)", allow_module_level=True)
 

@@ -1,18 +1,13 @@
-"""The C++ recording kernel on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain;
-docs/cxx-plan.md, Session 4 (cxx7)): ops on moving windows (NOTE [C++ moving windows] in
+"""The C++ recording kernel on the plain PrivateUse1 tpu tensor
+(docs/cxx-plan.md, Session 4 (cxx7)): ops on moving windows (NOTE [C++ moving windows] in
 deferfuse/_tpu_tensor.cpp) are kernel hits at every offset, one program for every offset, and
-every result equals CPU eager.
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+every result equals CPU eager."""
 import pytest
 import torch
 
 import deferfuse
 from deferfuse import plain
-from util import assert_same, plain_tensor_only
-
-plain_tensor_only()
+from util import assert_same
 
 
 def _hits():

@@ -1,19 +1,15 @@
-"""The node of the C++ recording kernel (DEFERFUSE_TENSOR=plain; docs/cxx-plan.md, Session 5
+"""The node of the C++ recording kernel (docs/cxx-plan.md, Session 5
 (cxx9)): the kernel hands its cache hits to the C record path without a Python call (NOTE [C++
 node hand-over] in deferfuse/_fastpath.c), and the trace it records is the one the Python call
-recorded: the same nodes, wiring, scalars and rolling hashes, and results equal to CPU eager.
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+recorded: the same nodes, wiring, scalars and rolling hashes, and results equal to CPU eager."""
 import pytest
 import torch
 
 import deferfuse
 from deferfuse import _fastpath, plain
 from deferfuse.engine import engine
-from util import assert_same, plain_tensor_only
+from util import assert_same
 
-plain_tensor_only()
 
 EXT = plain.PLAIN.ext
 

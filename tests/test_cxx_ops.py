@@ -1,15 +1,9 @@
-"""The op-side suite files on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; issue 34,
-docs/cxx-plan.md, "Session 3 (cxx5)"): each fix here against CPU eager (values, dtypes, shapes).
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+"""The op-side suite files on the plain PrivateUse1 tpu tensor (issue 34,
+docs/cxx-plan.md, "Session 3 (cxx5)"): each fix here against CPU eager (values, dtypes, shapes)."""
 import pytest
 import torch
 
 import deferfuse
-from util import plain_tensor_only
-
-plain_tensor_only()
 
 
 def _same(got, want):

@@ -1,11 +1,8 @@
-"""The router's share of a training step on the plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain;
-docs/cxx-plan.md, Session 5 (cxx10)): an optimizer's foreach ops reuse the wrappers of the
+"""The router's share of a training step on the plain PrivateUse1 tpu tensor
+(docs/cxx-plan.md, Session 5 (cxx10)): an optimizer's foreach ops reuse the wrappers of the
 tensors they were given last step (NOTE [plain wrapper cache] in deferfuse/plain.py), a wrapper is
 never reused once its tensor changed, and the backward ops with an ``output_mask`` are kernel hits
-(their bool list keyed in C++). Every result equals CPU eager.
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+(their bool list keyed in C++). Every result equals CPU eager."""
 import gc
 
 import pytest
@@ -15,9 +12,7 @@ import torch.nn.functional as F
 
 import deferfuse
 from deferfuse import plain
-from util import assert_same, plain_tensor_only
-
-plain_tensor_only()
+from util import assert_same
 
 
 def _mlp():

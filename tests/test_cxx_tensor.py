@@ -1,18 +1,13 @@
-"""The plain PrivateUse1 tpu tensor (DEFERFUSE_TENSOR=plain; docs/cxx-plan.md): its C++ view
+"""The plain PrivateUse1 tpu tensor (docs/cxx-plan.md): its C++ view
 kernels give PyTorch's sizes, strides, offsets, contiguity, ``_base`` and autograd, and ops routed
-through the existing op path (NOTE [plain router] in deferfuse/plain.py) equal CPU eager.
-
-Run with ``make test-cxx`` (the flag on). Skipped, saying why, when the flag is off or the
-extension is not built."""
+through the existing op path (NOTE [plain router] in deferfuse/plain.py) equal CPU eager."""
 import warnings
 
 import pytest
 import torch
 
 import deferfuse
-from util import plain_tensor_only
 
-plain_tensor_only()
 
 # (name, view of a 4x6 tensor); every one a C++ kernel
 VIEWS = [

@@ -50,37 +50,30 @@ def test_wheel_installs_and_imports(tmp_path):
     subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    # Each representation named explicitly, so the test means the same before and after the default
-    # becomes the plain tensor: the plain one is a torch.Tensor made by the wheel's C++ extension;
-    # the C record path's dispatch is asserted only for the wrapper (DEFERFUSE_TENSOR=wrapper).
-    common = ("import deferfuse, torch, sys\n"
-              "assert 'site-packages' in deferfuse.__file__ or 'dist-packages' in deferfuse.__file__, deferfuse.__file__\n"
-              "import deferfuse.runtime, deferfuse.scheduler\n"
-              "c = torch.arange(6.).reshape(2, 3)\n"
-              "x = c.to('tpu')\n"
-              "y, want = (x * 2).t().sum(0), (c * 2).t().sum(0)\n"
-              "assert y.device.type == 'tpu' and y.is_tpu, y.device\n"
-              "assert y.dtype == want.dtype and y.shape == want.shape, (y.dtype, y.shape)\n"
-              "assert torch.equal(y.cpu(), want), (y.cpu(), want)\n")
-    plain = ("from deferfuse import plain\n"
-             "ext, why = plain.extension()\n"
-             "assert ext is not None, why\n"
-             "assert ext.__file__.startswith(deferfuse.__path__[0]), (ext.__file__, deferfuse.__path__)\n"
-             "assert type(x) is torch.Tensor and type(y) is torch.Tensor, (type(x), type(y))\n"
-             "assert ext.is_plain(x) and ext.is_plain(y)\n"
-             "print('plain', type(y).__name__, y.sum().item())\n")
-    wrapper = ("from deferfuse import _fastpath\n"
-               "from deferfuse.tensor import TpuTensor\n"
-               "assert TpuTensor.__dict__['__torch_dispatch__'].__func__ is _fastpath.dispatch\n"
-               "assert type(y) is TpuTensor, type(y)\n"
-               "print('wrapper', type(y).__name__, y.sum().item())\n")
-    for rep, code in (("plain", plain), ("wrapper", wrapper)):
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["DEFERFUSE_TENSOR"] = rep
-        out = subprocess.run([str(py), "-c", common + code], cwd=elsewhere, env=env,
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split()[-3:] == [rep, "Tensor" if rep == "plain" else "TpuTensor", "30.0"], out.stdout
+    # a tpu tensor is the plain torch.Tensor of the wheel's C++ extension (NOTE [tensor
+    # representation] in plain.py), and the op path's entry is the wheel's C record path
+    code = ("import deferfuse, torch, sys\n"
+            "assert 'site-packages' in deferfuse.__file__ or 'dist-packages' in deferfuse.__file__, deferfuse.__file__\n"
+            "import deferfuse.runtime, deferfuse.scheduler\n"
+            "c = torch.arange(6.).reshape(2, 3)\n"
+            "x = c.to('tpu')\n"
+            "y, want = (x * 2).t().sum(0), (c * 2).t().sum(0)\n"
+            "assert y.device.type == 'tpu' and y.is_tpu, y.device\n"
+            "assert y.dtype == want.dtype and y.shape == want.shape, (y.dtype, y.shape)\n"
+            "assert torch.equal(y.cpu(), want), (y.cpu(), want)\n"
+            "from deferfuse import plain, _fastpath\n"
+            "ext, why = plain.extension()\n"
+            "assert ext is not None, why\n"
+            "assert ext.__file__.startswith(deferfuse.__path__[0]), (ext.__file__, deferfuse.__path__)\n"
+            "assert _fastpath.__file__.startswith(deferfuse.__path__[0]), _fastpath.__file__\n"
+            "assert type(x) is torch.Tensor and type(y) is torch.Tensor, (type(x), type(y))\n"
+            "assert ext.is_plain(x) and ext.is_plain(y)\n"
+            "print('plain', type(y).__name__, y.sum().item())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DEFERFUSE_TENSOR")}
+    out = subprocess.run([str(py), "-c", code], cwd=elsewhere, env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-3:] == ["plain", "Tensor", "30.0"], out.stdout
 
 
 def test_make_installs_cpu_torch_into_a_clean_venv(tmp_path):
@@ -109,9 +102,8 @@ def test_make_installs_cpu_torch_into_a_clean_venv(tmp_path):
             "x = torch.ones(3, device='tpu')\n"
             "assert type(x) is torch.Tensor and x.is_tpu and ext.is_plain(x), type(x)\n"
             "print(plain.built_for(ext.__file__) == torch.__version__, (x + 1).sum().item())\n")
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path,
-                         env={**env, "DEFERFUSE_TENSOR": "plain"}, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "6.0"], out.stdout
 

@@ -336,8 +336,7 @@ def _entries_round(tmp_path, monkeypatch, env="test environment"):
     from deferfuse.entries import EntryStore
     engine.ops.clear()          # (the compiled regions stay: their keys are the same again)
     from deferfuse import plain
-    if plain.ENABLED:           # the C++ kernel's cached entries too, as in a new process
-        plain.PLAIN.ext.kernel_clear()
+    plain.PLAIN.ext.kernel_clear()      # the C++ kernel's cached entries too, as in a new process
     store = engine.entry_store = EntryStore()
     store.enable(str(tmp_path), lambda: env)
     inferred = []

@@ -215,7 +215,7 @@ def test_as_strided_with_and_without_offset():
     assert_same(torch.as_strided(t, (2, 2), (4, 1), 1), torch.as_strided(x, (2, 2), (4, 1), 1))
 
 
-# --- as_subclass and _make_subclass (NOTE [tpu subclasses]) ----------------------------------------
+# --- as_subclass and _make_subclass (PyTorch's own on the plain tensor) ----------------------------
 
 class _Plain(torch.Tensor):
     pass

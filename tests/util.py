@@ -2,7 +2,6 @@
 pair for multi-process tests."""
 import socket
 
-import pytest
 import torch
 
 
@@ -53,13 +52,3 @@ def free_port() -> int:
         except OSError:
             continue
     raise RuntimeError("no free port pair")
-
-
-def plain_tensor_only() -> None:
-    """At the top of the plain tpu tensor's own test files (tests/test_cxx_*.py): they test its
-    internals, so they skip, saying why, in a process run with DEFERFUSE_TENSOR=wrapper. (Without
-    the C++ extension ``import deferfuse`` itself fails: NOTE [tensor representation].)"""
-    from deferfuse import plain
-    if not plain.ENABLED:
-        pytest.skip("the plain tpu tensor is off (DEFERFUSE_TENSOR=wrapper): these are its tests",
-                    allow_module_level=True)

@@ -537,8 +537,7 @@ class ProcessGroupTPU(ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         if self._split(list(outputs) + list(inputs)) == "cpu":
             return self._gloo.alltoall(outputs, inputs, opts)
-        # (as_tpu: with DEFERFUSE_TENSOR=plain, cat and empty make plain tensors, which _write
-        # and _arr do not read; default mode: it returns its argument)
+        # (as_tpu: cat and empty make plain tensors, which _write and _arr do not read)
         flat_in = as_tpu(torch.cat([t.reshape(-1) for t in inputs]))
         flat_out = as_tpu(torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype,
                                       device=outputs[0].device))
@@ -683,8 +682,7 @@ def _tpu_tree(a):
 
 def _taking_plain(method):
     """NOTE [mixed arguments] in plain.py, for the collectives: they read ``_s`` and ``_chain``,
-    so plain tpu tensors (DEFERFUSE_TENSOR=plain) come in as the ``TpuTensor``s over their
-    storages; with the flag off, the method itself."""
+    so plain tpu tensors come in as the ``TpuTensor``s over their storages."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         return method(self, *[_tpu_tree(a) for a in args], **kwargs)

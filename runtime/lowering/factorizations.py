@@ -449,7 +449,7 @@ def linalg_eig(a):
 @op("_linalg_eigvals.default")
 def linalg_eigvals(a):
     """The eigenvalues alone (``linalg.eigvals`` of a tensor no gradient is asked for, which a
-    tensor subclass never is: a plain tpu tensor reaches this op, DEFERFUSE_TENSOR=plain)."""
+    tensor subclass never is: a plain tpu tensor reaches this op)."""
     from .. import platform
     if platform.name() != "cpu":
         raise NotImplementedError("linalg_eigvals: JAX has a general eigensolver on CPU only")
