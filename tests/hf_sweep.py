@@ -669,7 +669,7 @@ _COMPANIONS = ("input_ids", "pixel_values", "flattened_patches", "bbox", "qforme
                "returns_to_go", "timesteps", "task_inputs", "prompt_pixel_values", "prompt_masks",
                "pixel_attention_mask", "spatial_shapes", "pixel_position_ids", "audio_mel_mask",
                "decoder_input_ids", "encoder_hidden_states", "input_values", "input_features", "is_longer",
-               "grid_thw", "image_grid_thw", "merge_sizes", "input_features_mask")
+               "grid_thw", "image_grid_thw", "merge_sizes", "input_features_mask", "latents", "lang_ids")
 # Variants tried in turn: pixel inputs as images, then as clips of frames (the config's
 # ``num_frames``, else an image pair: keypoint matchers), then as lists of one image (idefics). The
 # second variant is also where an input takes its other layout: a waveform or spectrogram with a
@@ -1090,6 +1090,15 @@ class _Made:
         f = self.frames()
         return self.randn(BATCH, 1, max(1600, 8 * self._hop())) if f is None else self.randn(BATCH, HIDDEN, SEQ)
 
+    def latents(self):
+        """A codec decoder alone (mimi's, pocket_tts's): continuous latents (batch, hidden, frames)."""
+        return self.randn(BATCH, self.sub("hidden_size") or HIDDEN, SEQ)
+
+    def lang_ids(self):
+        """A per-language adapter's choice (xmod): the first language for every sample."""
+        import torch
+        return torch.zeros(BATCH, dtype=torch.long)
+
     def input_values(self):
         if "input_values" in self.batch and self.v["frames"] is None:
             return None
@@ -1443,6 +1452,9 @@ _UNBUILT_RULES = (
     ("needs pytesseract", "needs pytesseract and the tesseract OCR binary"),
     ("argument: 'inference_session'", "a video tracker: forward reads an `inference_session` (the frames, "
      "prompts and memory bank its processor keeps across a video), not a batch of tensors"),
+    ("_forward_unimplemented()", "the class defines no forward: it runs through `generate` or its "
+     "sub-models (bark's three stages, a VQ tokenizer's encode/decode), so there is no one forward "
+     "with a loss to compare"),
 )
 
 
@@ -1451,9 +1463,14 @@ def unbuilt_reason(model_type, error):
     error line), or None where no rule knows one: a missing package or input by ``_UNBUILT_RULES``,
     else the default config's own failure where it does not build either (on the meta device, so
     a full-size model costs no memory), else ``UNBUILT``'s argument for that model."""
+    import re
     for text, why in _UNBUILT_RULES:
         if text in error:
             return why
+    m = re.search(r"forward\(\) missing \d+ required positional arguments?: (.*)", error)
+    if m:
+        return (f"forward requires {m.group(1)}: inputs only its own processor makes, which no rule of "
+                "`_Made` knows how to build")
     default = _default_error(model_type)
     if default is not None and default.split(":", 1)[0] == error.split(":", 1)[0]:
         return f"the default config does not build either (a transformers bug): {default[:160]}"
@@ -1482,7 +1499,14 @@ def _default_error(model_type):
 
 # Rows no rule builds, with the argument for each (checked against the row's error by the sweep:
 # a row's reason is given only while it is not built).
-UNBUILT = {}
+UNBUILT = {
+    "bridgetower": "its vision blocks take hidden_size // 64 attention heads (hard-coded): the 32-wide tiny "
+                   "config has none, and nn.MultiheadAttention refuses 0 heads",
+    "depth_pro": "each of its three image scales (the smallest 0.25) must hold a whole 384-pixel patch "
+                 "(`patch_size`, the size its patch encoder is built for): images of 1536 px, too slow on CPU",
+    "neomme": "its value embeddings sit on the first and the last global-attention layer, and the tiny "
+              "model's two layers hold none",
+}
 
 
 def _build_and_run(model_type, row, verbose=False):
