@@ -1452,6 +1452,10 @@ _UNBUILT_RULES = (
     ("needs pytesseract", "needs pytesseract and the tesseract OCR binary"),
     ("argument: 'inference_session'", "a video tracker: forward reads an `inference_session` (the frames, "
      "prompts and memory bank its processor keeps across a video), not a batch of tensors"),
+    ("timed out after", "no error to argue: the row timed out on the shared machine (each stage compiles, "
+     "and a row shares two cores with the load); rerun it alone with a longer --timeout"),
+    ("exit -9", "no error to argue: the row's process was killed (signal 9: out of memory on the shared "
+     "machine); rerun it alone"),
     ("_forward_unimplemented()", "the class defines no forward: it runs through `generate` or its "
      "sub-models (bark's three stages, a VQ tokenizer's encode/decode), so there is no one forward "
      "with a loss to compare"),
@@ -1790,9 +1794,10 @@ def write_markdown(data, path):
         f.write("\n".join(lines))
 
 
-def fill_reasons():
-    """Give every row of the json not built its argued reason (``unbuilt_reason``, from its stored
-    first error; no model is run) and rewrite the markdown table."""
+def fill_reasons(names=None):
+    """Give every row of the json not built (of ``names``, if given) its argued reason
+    (``unbuilt_reason``, from its stored first error; no model is run) and rewrite the markdown
+    table."""
     import fcntl
     import transformers
     transformers.logging.set_verbosity_error()
@@ -1800,7 +1805,7 @@ def fill_reasons():
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = load_results()
         for mt, r in sorted(data["rows"].items()):
-            if not r.get("built"):
+            if not r.get("built") and (names is None or mt in names):
                 err = r.get("errors", {}).get("build") or next(iter(r.get("errors", {}).values()), "")
                 why = unbuilt_reason(mt, err)
                 r.pop("reason", None)
@@ -1845,7 +1850,7 @@ def main(argv=None):
         update_docs()
         return None
     if a.reasons:
-        fill_reasons()
+        fill_reasons(a.only.split(",") if a.only else None)
         return None
     archs = enumerate_archs()
     if a.list:

@@ -255,6 +255,10 @@ def test_unbuilt_rows_get_an_argued_reason():
     assert "inference_session" in hs.unbuilt_reason(
         "sam2_video", "TypeError: Sam2VideoModel.forward() missing 1 required positional argument: "
         "'inference_session'")
+    assert hs.unbuilt_reason("kimi_linear", "timed out after 400 s").startswith("no error to argue")
+    assert "'marks'" in hs.unbuilt_reason(
+        "jev", "TypeError: JevForDecision.forward() missing 3 required positional arguments: 'marks', "
+        "'num_options', and 'question_type_ids'")
     why = hs.unbuilt_reason("cohere_compass", "KeyError: 'full_attention'")
     assert why.startswith("the default config does not build either") and "KeyError" in why
     assert hs._default_error("llama") is None
