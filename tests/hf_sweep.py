@@ -568,6 +568,11 @@ def inputs(kind, model, cfg, name=None) -> dict:
         # random patch masking (vit_mae) draws on the model's device: the noise is given instead
         size, patch = batch["pixel_values"].shape[-1], _sub(cfg, "patch_size") or PATCH
         batch["noise"] = torch.rand(BATCH, (size // patch) ** 2, generator=g)
+    canvas = _sub(cfg, "canvas_length")
+    if isinstance(canvas, int) and "decoder_input_ids" in inspect.signature(model.forward).parameters:
+        # a diffusion decoder's canvas, which forward draws with randint on the model's device when
+        # none is given (diffusion_gemma): tpu's generator is not CPU's, so it is given
+        batch["decoder_input_ids"] = torch.randint(0, min(vocab, VOCAB), (BATCH, canvas), generator=g)
     if kind in ("causal", "masked") and "input_ids" in batch:
         batch["labels"] = batch["input_ids"].clone()
     elif kind in ("seq2seq", "speech2seq"):
