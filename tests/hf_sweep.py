@@ -48,6 +48,9 @@ BATCH, SEQ, NEW_TOKENS = 2, 8, 5
 VOCAB = 128
 HIDDEN, HEADS, HEAD_DIM, INTER, LAYERS = 32, 4, 8, 64, 2
 IMAGE, PATCH = 32, 8
+# The fallback pass's image side (``_fallback``): backbones that stride a 32-pixel image down to
+# nothing (text recognisers striding 32 in height, mobilevitv2's unfold of a 1 x 1 map).
+FALLBACK_IMAGE = 128
 # (atol, rtol), each atol scaled by max(1, the CPU tensor's largest magnitude).
 F32_TOL = (1e-4, 1e-4)
 # The OpInfo sweep's bfloat16 backward tolerance (opinfo_sweep.BACKWARD_TOL).
@@ -148,16 +151,17 @@ def _set(cfg, name, value):
         pass
 
 
-def tiny_config(cfg, depth=0):
-    """Shrink ``cfg`` (a PretrainedConfig) in place, and the configs nested in it; returns it."""
+def tiny_config(cfg, depth=0, fallback=False):
+    """Shrink ``cfg`` (a PretrainedConfig) in place, and the configs nested in it; returns it.
+    ``fallback``: the second pass (``_fallback``), for a model the first pass does not build."""
     from transformers import PretrainedConfig
-    _untimm(cfg)
+    _untimm(cfg, fallback)
     d = cfg.to_dict()
     # Nested configs first (text_config, vision_config, audio_config, encoder, decoder, ...).
     for k in list(d):
         v = _get(cfg, k)
         if isinstance(v, PretrainedConfig) and depth < 3:
-            tiny_config(v, depth + 1)
+            tiny_config(v, depth + 1, fallback)
     old_layers = {k: d[k] for k in _LAYERS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
     if isinstance(d.get("depths"), list):   # a stage count (swin's num_layers), not a layer count
         old_layers = {k: v for k, v in old_layers.items() if v != len(d["depths"])}
@@ -242,14 +246,15 @@ def tiny_config(cfg, depth=0):
                 _set(cfg, k, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(k, 2))
             elif isinstance(v, list):
                 _set(cfg, k, [x for x in v if x < vocab] or [2])
+    image = FALLBACK_IMAGE if fallback else IMAGE
     if isinstance(d.get("crop_size"), int) and d["crop_size"] > IMAGE:
         _set(cfg, "crop_size", IMAGE)       # vjepa2's clip frames
-    if isinstance(d.get("image_size"), int) and d["image_size"] > IMAGE:
-        _set(cfg, "image_size", IMAGE)
+    if isinstance(d.get("image_size"), int) and d["image_size"] > image:
+        _set(cfg, "image_size", image)
         if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
             _set(cfg, "patch_size", PATCH)
     elif isinstance(d.get("image_size"), (list, tuple)) and len(d["image_size"]) == 2:
-        _set(cfg, "image_size", [IMAGE, IMAGE])
+        _set(cfg, "image_size", [image, image])
         if isinstance(d.get("patch_size"), int) and d["patch_size"] > PATCH:
             _set(cfg, "patch_size", PATCH)
     img, patch = getattr(cfg, "image_size", None), getattr(cfg, "patch_size", None)
@@ -337,6 +342,8 @@ def tiny_config(cfg, depth=0):
             _set(cfg, "context_length", 4)
         if isinstance(d.get("label_length"), int) and d["label_length"] > 4:
             _set(cfg, "label_length", 4)    # autoformer's decoder start: the context's last steps
+    if fallback:
+        _fallback(cfg, d)
     return cfg
 
 
@@ -351,9 +358,11 @@ def _narrow(v):
     return v if v <= 8 else max(8, v // 8)
 
 
-def _untimm(cfg):
+def _untimm(cfg, fallback=False):
     """A timm backbone (detr and its family by default) becomes transformers' own ResNet backbone
-    with the same four stages out: timm needs torchvision, which the test extras do not install."""
+    with the same four stages out: timm needs torchvision, which the test extras do not install
+    (PyPI's torchvision wheel links CUDA torch). In the fallback pass, the keyword arguments the
+    model passes to timm's constructor (omdet-turbo's ``timm_kwargs``) go too."""
     from transformers import PretrainedConfig, ResNetConfig
     for k in list(_get(cfg, "sub_configs") or {}):
         v = _get(cfg, k)
@@ -362,6 +371,52 @@ def _untimm(cfg):
             _set(cfg, k, ResNetConfig(out_features=[f"stage{i}" for i in range(5 - n, 5)],
                                       num_channels=getattr(v, "num_channels", 3)))
             _set(cfg, "use_timm_backbone", False)
+            if fallback and isinstance(_get(cfg, "timm_kwargs"), dict):
+                _set(cfg, "timm_kwargs", {})
+
+
+def _fallback(cfg, d):
+    """The second pass of ``tiny_config``, for a model its first pass does not build (``check``
+    builds with it only then, so no row the first pass builds changes): ``d`` is the config's
+    default dict, ``cfg`` the config after the first pass.
+
+    - fields the default config leaves None that its model reads as sizes (esm's vocabulary and
+      padding id, diffusion_gemma's and dots1's experts and experts per token, an intermediate
+      size): the tiny values; reformer's axial position widths sum to the tiny hidden size;
+    - token ids past the text vocabulary (audio or image ids indexed after the text ones, kyutai's
+      audio padding row) keep their distance from the vocabulary's end;
+    - key/value sharing across the last layers (gemma3n) needs more layers than the tiny two: off;
+    - images: ``FALLBACK_IMAGE`` pixels a side, for a vision config without an image size too
+      (``inputs`` reads the config's)."""
+    def none(names):
+        return [k for k in names if k in d and d[k] is None]
+    for k in none(("vocab_size",)):
+        _set(cfg, k, VOCAB)
+    for k in none(_EXPERTS):
+        _set(cfg, k, 4)
+    for k in none(_INTER):
+        _set(cfg, k, INTER)
+    if none(_EXPERTS):
+        for k in none(("num_experts_per_tok", "top_k_experts", "num_experts_per_token")):
+            _set(cfg, k, 2)
+        for k in none(("n_shared_experts", "num_shared_experts")):
+            _set(cfg, k, 1)
+    for k in none(("pad_token_id",)):
+        if "vocab_size" in none(("vocab_size",)):
+            _set(cfg, k, 0)     # esm: no vocabulary and no padding id by default
+    if isinstance(d.get("axial_pos_embds_dim"), list) and sum(d["axial_pos_embds_dim"]) == d.get("hidden_size"):
+        # reformer's axial position embedding: its two widths sum to the hidden size
+        _set(cfg, "axial_pos_embds_dim", [HIDDEN // 2, HIDDEN // 2])
+    old_vocab, vocab = d.get("vocab_size"), _get(cfg, "vocab_size")
+    if isinstance(old_vocab, int) and isinstance(vocab, int) and vocab < old_vocab:
+        for k, v in d.items():
+            if k.endswith(("token_id", "token_index")) and k not in _TOKEN_IDS and isinstance(v, int) \
+                    and not isinstance(v, bool) and v >= old_vocab:
+                _set(cfg, k, v - old_vocab + vocab)
+    if isinstance(d.get("num_kv_shared_layers"), int):
+        _set(cfg, "num_kv_shared_layers", 0)
+    if isinstance(d.get("num_channels"), int) and "image_size" not in d:
+        _set(cfg, "image_size", FALLBACK_IMAGE)
 
 
 def _mrope(cfg, depth=0):
@@ -400,13 +455,16 @@ def _sources(cls, cfg, depth=0):
             yield from _sources(None, v, depth + 1)
 
 
-def build(model_type: str, dtype=None):
-    """(kind, CPU model in eval mode seeded, config) for ``model_type``."""
+def build(model_type: str, dtype=None, fallback=False):
+    """(kind, CPU model in eval mode seeded, config) for ``model_type``; ``fallback``: the tiny
+    config's second pass (``_fallback``)."""
     import torch
     import transformers
     from transformers import AutoConfig
     kind, cls_name = enumerate_archs()[model_type]
-    cfg = tiny_config(AutoConfig.for_model(model_type))
+    cfg = tiny_config(AutoConfig.for_model(model_type), fallback=fallback)
+    if fallback and kind == "causal" and _get(cfg, "is_decoder") is False:
+        _set(cfg, "is_decoder", True)   # an LM head that asserts it (reformer's default is an encoder)
     if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
         cfg.num_labels = 3
     if kind in ("seq2seq", "speech2seq") and _get(cfg, "is_encoder_decoder") and _get(cfg, "pad_token_id") is None:
@@ -510,6 +568,11 @@ def inputs(kind, model, cfg, name=None) -> dict:
         # random patch masking (vit_mae) draws on the model's device: the noise is given instead
         size, patch = batch["pixel_values"].shape[-1], _sub(cfg, "patch_size") or PATCH
         batch["noise"] = torch.rand(BATCH, (size // patch) ** 2, generator=g)
+    canvas = _sub(cfg, "canvas_length")
+    if isinstance(canvas, int) and "decoder_input_ids" in inspect.signature(model.forward).parameters:
+        # a diffusion decoder's canvas, which forward draws with randint on the model's device when
+        # none is given (diffusion_gemma): tpu's generator is not CPU's, so it is given
+        batch["decoder_input_ids"] = torch.randint(0, min(vocab, VOCAB), (BATCH, canvas), generator=g)
     if kind in ("causal", "masked") and "input_ids" in batch:
         batch["labels"] = batch["input_ids"].clone()
     elif kind in ("seq2seq", "speech2seq"):
@@ -611,7 +674,7 @@ _COMPANIONS = ("input_ids", "pixel_values", "flattened_patches", "bbox", "qforme
                "returns_to_go", "timesteps", "task_inputs", "prompt_pixel_values", "prompt_masks",
                "pixel_attention_mask", "spatial_shapes", "pixel_position_ids", "audio_mel_mask",
                "decoder_input_ids", "encoder_hidden_states", "input_values", "input_features", "is_longer",
-               "grid_thw", "image_grid_thw", "merge_sizes", "input_features_mask")
+               "grid_thw", "image_grid_thw", "merge_sizes", "input_features_mask", "latents", "lang_ids")
 # Variants tried in turn: pixel inputs as images, then as clips of frames (the config's
 # ``num_frames``, else an image pair: keypoint matchers), then as lists of one image (idefics). The
 # second variant is also where an input takes its other layout: a waveform or spectrogram with a
@@ -1032,6 +1095,15 @@ class _Made:
         f = self.frames()
         return self.randn(BATCH, 1, max(1600, 8 * self._hop())) if f is None else self.randn(BATCH, HIDDEN, SEQ)
 
+    def latents(self):
+        """A codec decoder alone (mimi's, pocket_tts's): continuous latents (batch, hidden, frames)."""
+        return self.randn(BATCH, self.sub("hidden_size") or HIDDEN, SEQ)
+
+    def lang_ids(self):
+        """A per-language adapter's choice (xmod): the first language for every sample."""
+        import torch
+        return torch.zeros(BATCH, dtype=torch.long)
+
     def input_values(self):
         if "input_values" in self.batch and self.v["frames"] is None:
             return None
@@ -1368,6 +1440,137 @@ def _first_line(e):
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
+# Why a row is not built tiny on CPU, by the kind of its failure: (text in the first error line,
+# the argument). ``unbuilt_reason`` tries these, then whether the default config builds at all.
+_TIMM = ("needs timm, whose models need torchvision: PyPI's torchvision wheel for torch 2.13 links "
+         "CUDA torch (libtorch_cuda), so it does not load beside the CPU build, and PyTorch's CPU wheel "
+         "index is not reachable from the development machine")
+_UNBUILT_RULES = (
+    ("needs vision, timm", _TIMM),
+    ("needs timm", _TIMM),
+    ("needs natten", "needs natten (neighbourhood-attention kernels), which no package index reachable from "
+                     "the development machine has"),
+    ("needs torchaudio", "needs torchaudio, which no package index reachable from the development machine "
+                         "has for torch 2.13 CPU"),
+    ("needs detectron2", "needs detectron2 (its visual backbone), which is not on PyPI: built from source "
+                         "against a matching torch"),
+    ("needs pytesseract", "needs pytesseract and the tesseract OCR binary"),
+    ("argument: 'inference_session'", "a video tracker: forward reads an `inference_session` (the frames, "
+     "prompts and memory bank its processor keeps across a video), not a batch of tensors"),
+    ("timed out after", "no error to argue: the row timed out on the shared machine (each stage compiles, "
+     "and a row shares two cores with the load); rerun it alone with a longer --timeout"),
+    ("exit -9", "no error to argue: the row's process was killed (signal 9: out of memory on the shared "
+     "machine); rerun it alone"),
+    ("_forward_unimplemented()", "the class defines no forward: it runs through `generate` or its "
+     "sub-models (bark's three stages, a VQ tokenizer's encode/decode), so there is no one forward "
+     "with a loss to compare"),
+)
+
+
+def unbuilt_reason(model_type, error):
+    """A one-line argument for why ``model_type`` is not built tiny on CPU (``error``: its first
+    error line), or None where no rule knows one: a missing package or input by ``_UNBUILT_RULES``,
+    else the default config's own failure where it does not build either (on the meta device, so
+    a full-size model costs no memory), else ``UNBUILT``'s argument for that model."""
+    import re
+    for text, why in _UNBUILT_RULES:
+        if text in error:
+            return why
+    m = re.search(r"forward\(\) missing \d+ required positional arguments?: (.*)", error)
+    if m:
+        return (f"forward requires {m.group(1)}: inputs only its own processor makes, which no rule of "
+                "`_Made` knows how to build")
+    default = _default_error(model_type)
+    if default is not None and default.split(":", 1)[0] == error.split(":", 1)[0]:
+        return f"the default config does not build either (a transformers bug): {default[:160]}"
+    return UNBUILT.get(model_type)
+
+
+def _default_error(model_type):
+    """The first error line of building ``model_type``'s class from its untouched default config
+    on the meta device, or None where it builds."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+    try:
+        cls = getattr(transformers, enumerate_archs()[model_type][1])
+        cfg = AutoConfig.for_model(model_type)
+        want = getattr(cls, "config_class", None)
+        if isinstance(want, type) and not isinstance(cfg, want):
+            cfg = next((_get(cfg, k) for k in (_get(cfg, "sub_configs") or {}) if isinstance(_get(cfg, k), want)), cfg)
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            cls._from_config(cfg)
+    except Exception as e:  # noqa: BLE001 - the default's own failure is the answer
+        return _first_line(e)
+    return None
+
+
+# Rows no rule builds, with the argument for each (checked against the row's error by the sweep:
+# a row's reason is given only while it is not built).
+UNBUILT = {
+    "bridgetower": "its vision blocks take hidden_size // 64 attention heads (hard-coded): the 32-wide tiny "
+                   "config has none, and nn.MultiheadAttention refuses 0 heads",
+    "depth_pro": "each of its three image scales (the smallest 0.25) must hold a whole 384-pixel patch "
+                 "(`patch_size`, the size its patch encoder is built for): images of 1536 px, too slow on CPU",
+    "neomme": "its value embeddings sit on the first and the last global-attention layer, and the tiny "
+              "model's two layers hold none",
+}
+
+
+def _build_and_run(model_type, row, verbose=False):
+    """(kind, model, cfg, pristine copy, batch, CPU result) of the first tiny config and input
+    layout that runs on CPU: the first pass of ``tiny_config`` with every layout of ``candidates``,
+    then, only if none runs, its fallback pass (``row["fallback"]`` says so); the error of the
+    fullest attempt (the fallback's last layout) is raised where neither runs."""
+    from transformers import AutoConfig
+    err = None
+    for fallback in (False, True):
+        if fallback and err is not None and not isinstance(err, _BuildError) and (
+                tiny_config(AutoConfig.for_model(model_type)).to_dict()
+                == tiny_config(AutoConfig.for_model(model_type), fallback=True).to_dict()):
+            break   # the fallback pass changes nothing in this config: the same model again
+        try:
+            try:
+                kind, model, cfg = build(model_type, fallback=fallback)
+            except Exception as e:  # noqa: BLE001 - the fallback pass, or reported
+                raise _BuildError(_first_line(e)) from e
+            row.update(kind=kind, cls=type(model).__name__, params=sum(p.numel() for p in model.parameters()))
+            # Every other copy is taken from this one, made before any run: each device starts from
+            # the state CPU started from, and a model that keeps its forward's tensors in plain
+            # attributes (recurrent_gemma's recurrent and convolution states, non-leaf after a
+            # forward with grad) cannot be deep-copied once it has run.
+            pristine = copy.deepcopy(model)
+            first = None
+            for batch in candidates(kind, model, cfg):
+                try:
+                    want = run_model(model, batch, "cpu")
+                    break
+                except Exception as e:  # noqa: BLE001 - the next layout; the last error is reported
+                    first = e   # (the last layout is the fullest: a first one often just lacks an input)
+                    model.zero_grad(set_to_none=True)
+                    if verbose:
+                        traceback.print_exc()
+            else:
+                raise first
+        except Exception as e:  # noqa: BLE001 - the fallback pass, or reported
+            err = e
+            if verbose:
+                traceback.print_exc()
+            continue
+        model.zero_grad(set_to_none=True)
+        _copy_placeholders(model.config, pristine.config)
+        row["built"] = True
+        if fallback:
+            row["fallback"] = True
+        return kind, model, cfg, pristine, batch, want
+    raise err.__cause__ if isinstance(err, _BuildError) and err.__cause__ is not None else err
+
+
+class _BuildError(Exception):
+    """The model's constructor failed (not a forward): the fallback pass may build it."""
+
+
 def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict:
     """One architecture: {'kind','cls','params','built','f32','bf16','gen': True/False/None, 'errors'}."""
     import torch
@@ -1376,30 +1579,12 @@ def check(model_type: str, stages=("f32", "bf16", "gen"), verbose=False) -> dict
                f32=None, bf16=None, gen=None, errors={}, fallbacks={})
     t0 = time.time()
     try:
-        kind, model, cfg = build(model_type)
-        row.update(kind=kind, cls=type(model).__name__, params=sum(p.numel() for p in model.parameters()))
-        # Every other copy is taken from this one, made before any run: each device starts from the
-        # state CPU started from, and a model that keeps its forward's tensors in plain attributes
-        # (recurrent_gemma's recurrent and convolution states, non-leaf after a forward with grad)
-        # cannot be deep-copied once it has run.
-        pristine = copy.deepcopy(model)
-        first = None
-        for batch in candidates(kind, model, cfg):
-            try:
-                want = run_model(model, batch, "cpu")
-                break
-            except Exception as e:  # noqa: BLE001 - the next layout; the last error is the one reported
-                first = e   # (the last layout is the fullest: a first one often just lacks an input)
-                model.zero_grad(set_to_none=True)
-                if verbose:
-                    traceback.print_exc()
-        else:
-            raise first
-        model.zero_grad(set_to_none=True)
-        _copy_placeholders(model.config, pristine.config)
-        row["built"] = True
+        kind, model, cfg, pristine, batch, want = _build_and_run(model_type, row, verbose)
     except Exception as e:  # noqa: BLE001 - reported: cannot be built tiny on CPU
         row["errors"]["build"] = _first_line(e)
+        why = unbuilt_reason(model_type, row["errors"]["build"])
+        if why:
+            row["reason"] = why
         if verbose:
             traceback.print_exc()
         row["seconds"] = round(time.time() - t0, 1)
@@ -1598,17 +1783,43 @@ def write_markdown(data, path):
     lines += ["", "## Most common causes", "", "| count | stage | cause |", "|---:|---|---|"]
     for (stage, cause), n in causes(rows)[:15]:
         lines.append(f"| {n} | {stage} | {cause.replace('|', '/')} |")
-    lines += ["", "## Not built tiny on CPU (or timed out / crashed)", "", "| model_type | class | reason |",
-              "|---|---|---|"]
-    for mt, r in sorted(rows.items()):
-        if not r.get("built"):
-            why = "; ".join(f"[{k}] {v}" for k, v in r["errors"].items())
-            lines.append(f"| {mt} | {r.get('cls') or data.get('classes', {}).get(mt, '')} | {why.replace('|', '/')} |")
+    unbuilt = [(mt, r) for mt, r in sorted(rows.items()) if not r.get("built")]
+    lines += ["", "## Not built tiny on CPU (or timed out / crashed)", "",
+              f"{len(unbuilt)} rows, {sum(1 for _, r in unbuilt if r.get('reason'))} with an argued reason "
+              "(`unbuilt_reason`: a missing package or input, a default config that does not build either, "
+              "or `UNBUILT`'s argument).", "", "| model_type | class | reason | first error |", "|---|---|---|---|"]
+    for mt, r in unbuilt:
+        err = "; ".join(f"[{k}] {v}" for k, v in r["errors"].items())
+        lines.append(f"| {mt} | {r.get('cls') or data.get('classes', {}).get(mt, '')} | "
+                     f"{(r.get('reason') or '').replace('|', '/')} | {err.replace('|', '/')} |")
     lines += ["", "## Passing", "", ", ".join(
         f"{mt}" + ("" if r.get("bf16") else " (f32 only)") for mt, r in sorted(rows.items())
         if r.get("built") and r.get("f32") and r.get("gen") is not False and r.get("bf16") is not False) , ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+def fill_reasons(names=None):
+    """Give every row of the json not built (of ``names``, if given) its argued reason
+    (``unbuilt_reason``, from its stored first error; no model is run) and rewrite the markdown
+    table."""
+    import fcntl
+    import transformers
+    transformers.logging.set_verbosity_error()
+    with open(_json_path() + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = load_results()
+        for mt, r in sorted(data["rows"].items()):
+            if not r.get("built") and (names is None or mt in names):
+                err = r.get("errors", {}).get("build") or next(iter(r.get("errors", {}).values()), "")
+                why = unbuilt_reason(mt, err)
+                r.pop("reason", None)
+                if why:
+                    r["reason"] = why
+        with open(_json_path() + ".tmp", "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(_json_path() + ".tmp", _json_path())
+        write_markdown(data, os.path.join(RESULTS, "hf-sweep.md"))
 
 
 def main(argv=None):
@@ -1623,6 +1834,9 @@ def main(argv=None):
     p.add_argument("--list", action="store_true")
     p.add_argument("--table", action="store_true", help="print the figures table of the json and exit")
     p.add_argument("--docs", action="store_true", help="put the figures table into docs/coverage.md and exit")
+    p.add_argument("--reasons", action="store_true",
+                   help="give every row not built its argued reason (unbuilt_reason, from its stored error; "
+                        "no model run) and rewrite the table")
     p.add_argument("-v", action="store_true")
     a = p.parse_args(argv)
     stages = tuple(a.stages.split(","))
@@ -1639,6 +1853,9 @@ def main(argv=None):
         return None
     if a.docs:
         update_docs()
+        return None
+    if a.reasons:
+        fill_reasons(a.only.split(",") if a.only else None)
         return None
     archs = enumerate_archs()
     if a.list:

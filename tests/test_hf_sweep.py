@@ -221,3 +221,44 @@ def test_processor_made_inputs_float32(model_type, tpu_mode):
     queries, a time series with its lags, an agent's trajectory, flattened patches with their grid):
     forward and backward against CPU."""
     _check(model_type, "f32")
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_fallback_pass_only_where_the_first_does_not_build():
+    """The tiny config's fallback pass (``_fallback``), used by ``check`` only for a model its first
+    pass does not build, so no row that built changes (configs only, no model run): fields the
+    default config leaves None get the tiny sizes (esm's vocabulary and padding id, dots1's experts),
+    the first pass leaves them; key/value sharing over more layers than the tiny two is off
+    (gemma3n); a token id past the text vocabulary keeps its distance from the vocabulary's end
+    (kyutai's audio padding row); a vision config without an image size gets FALLBACK_IMAGE."""
+    cfg = transformers.AutoConfig.for_model
+    assert hs.tiny_config(cfg("esm")).vocab_size is None
+    e = hs.tiny_config(cfg("esm"), fallback=True)
+    assert e.vocab_size == hs.VOCAB and e.pad_token_id == 0
+    d = hs.tiny_config(cfg("dots1"), fallback=True)
+    assert d.n_routed_experts == 4 and d.num_experts_per_tok == 2 and d.n_shared_experts == 1
+    assert hs.tiny_config(cfg("dots1")).n_routed_experts is None
+    assert hs.tiny_config(cfg("gemma3n_text"), fallback=True).num_kv_shared_layers == 0
+    old, k = cfg("kyutai_speech_to_text"), hs.tiny_config(cfg("kyutai_speech_to_text"), fallback=True)
+    assert k.audio_pad_token_id - k.vocab_size == old.audio_pad_token_id - old.vocab_size
+    assert hs._sub(hs.tiny_config(cfg("pp_ocrv5_server_rec"), fallback=True), "image_size") == hs.FALLBACK_IMAGE
+    assert hs.tiny_config(cfg("mobilevitv2"), fallback=True).image_size == hs.FALLBACK_IMAGE
+    assert hs.tiny_config(cfg("mobilevitv2")).image_size == hs.IMAGE
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_unbuilt_rows_get_an_argued_reason():
+    """A row not built gets a one-line argument: a missing package or input by the kind of its
+    error, or the default config's own failure where it does not build either (built on the meta
+    device: cohere_compass's rotary parameters lack its layer types' keys)."""
+    assert "torchvision" in hs.unbuilt_reason("timm_wrapper", "ImportError: needs vision, timm (not installed)")
+    assert "inference_session" in hs.unbuilt_reason(
+        "sam2_video", "TypeError: Sam2VideoModel.forward() missing 1 required positional argument: "
+        "'inference_session'")
+    assert hs.unbuilt_reason("kimi_linear", "timed out after 400 s").startswith("no error to argue")
+    assert "'marks'" in hs.unbuilt_reason(
+        "jev", "TypeError: JevForDecision.forward() missing 3 required positional arguments: 'marks', "
+        "'num_options', and 'question_type_ids'")
+    why = hs.unbuilt_reason("cohere_compass", "KeyError: 'full_attention'")
+    assert why.startswith("the default config does not build either") and "KeyError" in why
+    assert hs._default_error("llama") is None
