@@ -37,16 +37,27 @@ def _trace_state():
             [(n.key.khash, n.wiring, tuple(n.scalars), n.s0) for n in t.nodes], list(t.scalars))
 
 
-def _run(handover):
-    EXT.install_record_capi(_fastpath.record_capi if handover else None)
-    torch.manual_seed(3)
-    cx, cy, cb = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4, 4)
-    states, results, hits = [], [], []
-    for _ in range(3):
+def _inputs(seed):
+    """Three CPU tensors and, per round, their tpu copies and an out= tensor, made between two
+    syncs: outside the trace each round records."""
+    torch.manual_seed(seed)
+    cpu = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4, 4)
+
+    def upload():
         deferfuse.sync()
-        x, y, b = cx.to("tpu"), cy.to("tpu"), cb.to("tpu")
+        x, y, b = (t.to("tpu") for t in cpu)
         o = torch.empty(5, 4, device="tpu")
         deferfuse.sync()
+        return x, y, o, b
+    return cpu, upload
+
+
+def _run(handover):
+    EXT.install_record_capi(_fastpath.record_capi if handover else None)
+    _, upload = _inputs(3)
+    states, results, hits = [], [], []
+    for _ in range(3):
+        x, y, o, b = upload()
         h = _hits()
         got = _steps(x, y, o, b)
         hits.append(_hits() - h)
@@ -63,8 +74,7 @@ def test_handover_records_the_trace_the_python_call_records_and_equals_cpu():
         with_call = _run(False)
     finally:
         EXT.install_record_capi(_fastpath.record_capi)
-    torch.manual_seed(3)
-    cx, cy, cb = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4, 4)
+    (cx, cy, cb), _ = _inputs(3)
     want = _steps(cx.clone(), cy.clone(), torch.empty(5, 4), cb.clone())
     for states, results, hits in (with_c, with_call):
         for got in results:
@@ -88,15 +98,11 @@ def test_install_record_capi_refuses_another_capsule():
 def _record_once(c_record):
     """The trace _steps records, with the C record path on (the kernel's hits, NOTE [rolling
     hashes in C]) or off (every op through the router into Trace.record, in Python)."""
-    torch.manual_seed(4)
-    cx, cy, cb = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4, 4)
+    (cx, cy, cb), upload = _inputs(4)
     states, hits = [], []
     with deferfuse.override(c_record=c_record):
         for _ in range(2):
-            deferfuse.sync()
-            x, y, b = cx.to("tpu"), cy.to("tpu"), cb.to("tpu")
-            o = torch.empty(5, 4, device="tpu")
-            deferfuse.sync()
+            x, y, o, b = upload()
             h = _hits()
             got = _steps(x, y, o, b)
             hits.append(_hits() - h)
@@ -136,14 +142,10 @@ def _full_state():
 def _mixed(split):
     """_steps twice into one trace: the first ``split`` ops of the pair recorded in Python
     (c_record off: the router into Trace.record), the rest by the kernel's hits."""
-    torch.manual_seed(5)
-    cx, cy, cb = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4, 4)
-    # the inputs and the out= tensor are made outside the timed part; a second round learns keys
+    (cx, cy, cb), upload = _inputs(5)
+    # a second round learns keys
     for _ in range(2):
-        deferfuse.sync()
-        x, y, b = cx.to("tpu"), cy.to("tpu"), cb.to("tpu")
-        o = torch.empty(5, 4, device="tpu")
-        deferfuse.sync()
+        x, y, o, b = upload()
         h = _hits()
         with deferfuse.override(c_record=split == 0):
             a = x + y
