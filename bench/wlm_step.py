@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import deferfuse  # noqa: E402
 import workloads as W  # noqa: E402
@@ -50,35 +49,19 @@ def build(device):
     torch.manual_seed(W.SEED)
     model = W._LSTMLM(VOCAB, D).to(device)
     data = torch.randint(0, VOCAB, (T * 40 + 1, BATCH), generator=W._gen(1)).to(device)
-    st = {"i": 0, "h": None}
+    st = {"i": 0, "h": None, "loss": float("nan")}
     phases = collections.defaultdict(float)
 
     def step():
-        t0 = time.perf_counter()
-        i = st["i"]
-        if i + T + 1 > data.shape[0]:
-            i, st["h"] = 0, None
-        x, y = data[i:i + T], data[i + 1:i + 1 + T].reshape(-1)
-        model.zero_grad()
-        h = st["h"]
-        if h is not None:
-            h = tuple(z.detach() for z in h)
-        out, h = model(x, h)
-        loss = F.nll_loss(F.log_softmax(out, dim=-1).view(-1, VOCAB), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-        t3 = time.perf_counter()
-        for p in model.parameters():
-            p.data.add_(p.grad, alpha=-20.0)
-        t4 = time.perf_counter()
-        st["h"], st["i"] = h, i + T
-        v = loss.item()
-        t5 = time.perf_counter()
-        for k, a, b in zip(PHASES, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
-            phases[k] += b - a
-        return v
+        last = time.perf_counter()
+
+        def mark(phase):
+            nonlocal last
+            now = time.perf_counter()
+            phases[phase] += now - last
+            last = now
+        W.wlm_batch(model, data, st, T, VOCAB, mark)
+        return st["loss"]
     return step, phases
 
 

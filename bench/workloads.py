@@ -597,27 +597,36 @@ def wlm_lstm(ctx, quick):
     model = _LSTMLM(vocab, d).to(ctx.device)
     data = ctx.to(torch.randint(0, vocab, (T * 40 + 1, batch), generator=_gen(1)))
     st = {"i": 0, "h": None, "loss": float("nan")}
+    return Built(step=lambda: wlm_batch(model, data, st, T, vocab), check=lambda: st["loss"],
+                 items=("tok", T * batch), info=dict(vocab=vocab, d=d, t=T, batch=batch))
 
-    def step():
-        i = st["i"]
-        if i + T + 1 > data.shape[0]:
-            i, st["h"] = 0, None
-        x, y = data[i:i + T], data[i + 1:i + 1 + T].reshape(-1)
-        model.zero_grad()
-        h = st["h"]
-        if h is not None:
-            h = tuple(z.detach() for z in h)
-        out, h = model(x, h)
-        loss = F.nll_loss(F.log_softmax(out, dim=-1).view(-1, vocab), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-        for p in model.parameters():
-            p.data.add_(p.grad, alpha=-20.0)
-        st["h"], st["i"] = h, i + T
-        st["loss"] = loss.item()
 
-    return Built(step=step, check=lambda: st["loss"], items=("tok", T * batch),
-                 info=dict(vocab=vocab, d=d, t=T, batch=batch))
+def wlm_batch(model, data, st, T, vocab, mark=None):
+    """One batch of word_language_model's training loop (``wlm_lstm``): the state ``st`` carries
+    the position, the hidden state and the loss. ``mark(phase)``, when given, is called as each
+    phase ends (``bench/wlm_step.py`` times them)."""
+    mark = mark or (lambda phase: None)
+    i = st["i"]
+    if i + T + 1 > data.shape[0]:
+        i, st["h"] = 0, None
+    x, y = data[i:i + T], data[i + 1:i + 1 + T].reshape(-1)
+    model.zero_grad()
+    h = st["h"]
+    if h is not None:
+        h = tuple(z.detach() for z in h)
+    out, h = model(x, h)
+    loss = F.nll_loss(F.log_softmax(out, dim=-1).view(-1, vocab), y)
+    mark("forward")
+    loss.backward()
+    mark("backward()")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+    mark("clip_grad_norm_")
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-20.0)
+    mark("p.data.add_")
+    st["h"], st["i"] = h, i + T
+    st["loss"] = loss.item()
+    mark("item")
 
 
 def bptt_lstm(ctx, quick):
