@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-from _thread import get_ident as _get_ident
 from weakref import ref as _weakref
 
 import torch
@@ -409,19 +408,11 @@ class Plain:
         ``route.torch_dispatch`` (NOTE [interrupt safety])."""
         if _local.ts.mode != "strict":
             return NotImplemented
-        held = engine.interrupts
-        main = _get_ident() == held.main
-        if main:
-            held.depth += 1
-        try:
-            outs = engine.run_node(entry, ins, scalars, dev)
-        except Exception:
-            return NotImplemented
-        finally:
-            if main:
-                held.depth -= 1
-                if not held.depth and held.held:
-                    held.deliver()
+        with engine.interrupts:
+            try:
+                outs = engine.run_node(entry, ins, scalars, dev)
+            except Exception:
+                return NotImplemented
         return tuple([None if m is None else Storage(v, dev, m[0], m[2])
                       for m, v in zip(entry.made, outs)])
 
