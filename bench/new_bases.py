@@ -26,45 +26,12 @@ import time
 os.environ.setdefault("DEFERFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="deferfuse-new-bases-"))
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import deferfuse  # noqa: E402
 
-
-class GPT(nn.Module):
-    """nanoGPT's shape: positions from ``arange``, pre-norm causal attention blocks, top-k
-    sampling by a boolean-mask write and ``multinomial``."""
-
-    def __init__(self, vocab=40, d=16, layers=2, block=64):
-        super().__init__()
-        self.block = block
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
-        self.ln = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
-        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
-        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        b, t = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
-        for ln, qkv, proj in zip(self.ln, self.qkv, self.proj):
-            q, k, v = qkv(ln(x)).split(x.shape[-1], dim=2)
-            q, k, v = (z.view(b, t, 2, -1).transpose(1, 2) for z in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + proj(y.transpose(1, 2).contiguous().view(b, t, -1))
-        return self.head(x)
-
-    @torch.no_grad()
-    def sample(self, idx, n, top_k=1):
-        for _ in range(n):
-            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
-            logits = self(cond)[:, [-1], :][:, -1, :]
-            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-            logits[logits < v[:, [-1]]] = -float("Inf")
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import TinyGPT, WlmLSTM  # noqa: E402
 
 
 def train(m, dev, b, steps=4):
@@ -86,25 +53,6 @@ def evaluate(m, dev, b):
     with torch.no_grad():
         x = torch.randint(0, 40, (b, 12), generator=g).to(dev)
         return [F.cross_entropy(m(x[:, :-1]).reshape(-1, 40), x[:, 1:].reshape(-1)).item()]
-
-
-class WlmLSTM(nn.Module):
-    """word_language_model's ``RNNModel`` (LSTM, dropout 0)."""
-
-    def __init__(self, ntoken=50, d=16):
-        super().__init__()
-        self.ntoken, self.d = ntoken, d
-        self.encoder, self.rnn = nn.Embedding(ntoken, d), nn.LSTM(d, d)
-        self.decoder = nn.Linear(d, ntoken)
-
-    def forward(self, x, hidden):
-        output, hidden = self.rnn(self.encoder(x), hidden)
-        decoded = self.decoder(output).view(-1, self.ntoken)
-        return F.log_softmax(decoded, dim=1), hidden
-
-    def init_hidden(self, bsz):
-        w = next(self.parameters())
-        return (w.new_zeros(1, bsz, self.d), w.new_zeros(1, bsz, self.d))
 
 
 def wlm(m, dev, b, train, bptt=35, corpus_len=None):
@@ -143,7 +91,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only the phases whose name has this")
     a = ap.parse_args()
     torch.manual_seed(0)
-    model = GPT()
+    model = TinyGPT()
     tmodel = copy.deepcopy(model).to("tpu")
     p2 = torch.randint(0, 40, (2, 3), generator=torch.Generator().manual_seed(2))
 

@@ -60,7 +60,7 @@ def _new_prompt(W, ctx, workload, quick, plen):
     import torch
     if workload == "gpt_generate_grow":
         torch.manual_seed(W.SEED)
-        model = W._GrowGPT().eval().to(ctx.device)
+        model = W.GrowGPT().eval().to(ctx.device)
         prompt = ctx.to(torch.randint(0, 96, (1, plen), generator=W._gen(1)))
         return lambda: model.generate(prompt, 50).cpu()
     model, c = W._llama(quick)

@@ -47,7 +47,7 @@ PHASES = ("forward", "backward()", "clip_grad_norm_", "p.data.add_", "item")
 def build(device):
     """``bench/workloads.py``'s ``wlm_lstm`` step, timed in phases."""
     torch.manual_seed(W.SEED)
-    model = W._LSTMLM(VOCAB, D).to(device)
+    model = W.LSTMLM(VOCAB, D).to(device)
     data = torch.randint(0, VOCAB, (T * 40 + 1, BATCH), generator=W._gen(1)).to(device)
     st = {"i": 0, "h": None, "loss": float("nan")}
     phases = collections.defaultdict(float)

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import GPT, GrowGPT, LSTMLM, TransformerLM
+
 SEED = 0
 
 
@@ -194,38 +196,9 @@ def _gpt_cfg(quick):
                   dict(vocab=1024, d=256, layers=4, heads=4, t=128, batch=8))
 
 
-class _Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class _GPT(nn.Module):
-    def __init__(self, vocab, d, layers, heads, t):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(t, d) * 0.02)
-        self.blocks = nn.Sequential(*[_Block(d, heads) for _ in range(layers)])
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, idx):
-        return self.head(self.blocks(self.emb(idx) + self.pos[: idx.shape[1]]))
-
-
 def _gpt_make(cfg):
     torch.manual_seed(SEED)
-    model = _GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["t"])
+    model = GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["t"])
     g = _gen(1)
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["t"]), generator=g)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["t"]), generator=g)
@@ -522,30 +495,6 @@ def _bptt_cfg(quick):
                   dict(vocab=1000, d=128, t=35, batch=20, tokens=40000))
 
 
-class _LSTMLM(nn.Module):
-    def __init__(self, vocab, d):
-        super().__init__()
-        self.emb, self.rnn, self.out = nn.Embedding(vocab, d), nn.LSTM(d, d), nn.Linear(d, vocab)
-
-    def forward(self, x, h):
-        y, h = self.rnn(self.emb(x), h)
-        return self.out(y), h
-
-
-class _TransformerLM(nn.Module):
-    def __init__(self, vocab, d):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.out = nn.Linear(d, vocab)
-
-    def forward(self, x, h):
-        n = x.shape[0]
-        mask = torch.triu(torch.full((n, n), float("-inf"), device=x.device), 1)
-        return self.out(self.enc(self.emb(x), mask=mask)), h
-
-
 def _bptt(ctx, quick, arch):
     """Truncated BPTT as in PyTorch's word-language-model example: one long token tensor, each
     step trains on the slices ``data[i:i+T]``, ``data[i+1:i+1+T]`` at the next offset ``i`` (the
@@ -554,7 +503,7 @@ def _bptt(ctx, quick, arch):
         raise NotApplicable(f"{ctx.system}: a training step with a carried state is not written")
     cfg = _bptt_cfg(quick)
     torch.manual_seed(SEED)
-    model = (_LSTMLM if arch == "lstm" else _TransformerLM)(cfg["vocab"], cfg["d"])
+    model = (LSTMLM if arch == "lstm" else TransformerLM)(cfg["vocab"], cfg["d"])
     data = torch.randint(0, cfg["vocab"], (cfg["tokens"] // cfg["batch"], cfg["batch"]),
                          generator=_gen(1))
     model = model.to(ctx.device)
@@ -594,7 +543,7 @@ def wlm_lstm(ctx, quick):
         raise NotApplicable(f"{ctx.system}: a training step with a carried state is not written")
     vocab, d, T, batch = 1000, 64, 35, 20
     torch.manual_seed(SEED)
-    model = _LSTMLM(vocab, d).to(ctx.device)
+    model = LSTMLM(vocab, d).to(ctx.device)
     data = ctx.to(torch.randint(0, vocab, (T * 40 + 1, batch), generator=_gen(1)))
     st = {"i": 0, "h": None, "loss": float("nan")}
     return Built(step=lambda: wlm_batch(model, data, st, T, vocab), check=lambda: st["loss"],
@@ -637,53 +586,13 @@ def bptt_transformer(ctx, quick):
     return _bptt(ctx, quick, "transformer")
 
 
-class _GrowGPT(nn.Module):
-    """nanoGPT's model and its own sampling loop: the sequence grows by one token per step with
-    ``torch.cat``, and every step runs the model on the whole sequence (no KV cache)."""
-
-    def __init__(self, vocab=96, d=64, layers=2, heads=4, block=128):
-        super().__init__()
-        self.block, self.heads = block, heads
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
-
-    @torch.no_grad()
-    def generate(self, idx, n):
-        for _ in range(n):
-            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
-            nxt = torch.argmax(self(cond)[:, -1, :], dim=-1, keepdim=True)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
-
-    @torch.no_grad()
-    def sample(self, idx, n, top_k=1):
-        """nanoGPT's sampling loop as written there: the last position by a list index, top-k by a
-        boolean-mask write, softmax, multinomial."""
-        for _ in range(n):
-            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
-            logits = self(cond)[:, [-1], :][:, -1, :]
-            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-            logits[logits < v[:, [-1]]] = -float("Inf")
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
-
-
 def nanogpt_sample(ctx, quick):
     """nanoGPT's ``generate(idx, 50, top_k=1)`` loop (list index, top-k mask write, multinomial)
     on the same GPT as ``gpt_generate_grow``, from a 1-token prompt."""
     if ctx.system in ("compile", "torchax_jit"):
         raise NotApplicable(f"{ctx.system}: a Python loop of growing shapes is not written")
     torch.manual_seed(SEED)
-    model = _GrowGPT().eval().to(ctx.device)
+    model = GrowGPT().eval().to(ctx.device)
     n = 50
     prompt = ctx.to(torch.zeros((1, 1), dtype=torch.long))
     out = [None]
@@ -701,7 +610,7 @@ def gpt_generate_grow(ctx, quick):
     if ctx.system in ("compile", "torchax_jit"):
         raise NotApplicable(f"{ctx.system}: a Python loop of growing shapes is not written")
     torch.manual_seed(SEED)
-    model = _GrowGPT().eval().to(ctx.device)
+    model = GrowGPT().eval().to(ctx.device)
     n = 50
     prompt = ctx.to(torch.randint(0, 96, (1, 8), generator=_gen(1)))
     out = [None]

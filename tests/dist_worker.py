@@ -20,38 +20,17 @@ import torch.nn.functional as F
 
 import deferfuse
 from deferfuse.tensor import is_tpu
+from util import bench_module
+
+M = bench_module("models")
 
 VOCAB, T, STEPS = 64, 16, 20
 
 
 # --------------------------------------------------------------------------- the small GPT
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, d=32, layers=2, heads=4):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, d)
-        self.pos = nn.Parameter(torch.randn(T, d) * 0.02)
-        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
-        self.head = nn.Linear(d, VOCAB)
-
-    def forward(self, idx):
-        return self.head(self.blocks(self.emb(idx) + self.pos[: idx.shape[1]]))
+def GPT(d=32, layers=2, heads=4):
+    """bench/models.py's GPT at this file's vocabulary and length."""
+    return M.GPT(VOCAB, d, layers, heads, T)
 
 
 def loss_of(model, x, y):

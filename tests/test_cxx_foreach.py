@@ -5,8 +5,6 @@ foreach ops returning a tensor list, lists of Python numbers as runtime inputs,
 ``linear_backward`` with a None output and ``nll_loss_forward`` (several fresh out= tensors,
 NOTE [fresh outs] in deferfuse/plain.py). Every result equals CPU eager (dtypes, shapes, values);
 the counts say what the kernel took and what the router ran."""
-import os
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch.nn.functional as F
 
 import deferfuse
 from deferfuse import plain
-from util import assert_same
+from util import assert_same, bench_module
 
 if not plain.KERNEL:
     pytest.skip("the C++ recording kernel is off (DEFERFUSE_CXX_KERNEL=0)", allow_module_level=True)
@@ -195,11 +193,7 @@ def test_list_outputs_none_outputs_and_several_fresh_outs_equal_cpu(tpu_mode):
 def _workload_counts(name, steps=4):
     """Per steady step of the paired bench's quick ``name`` workload (defer): the kernel's and
     the router's counts, and the final loss beside CPU eager's after the same steps."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    try:
-        import workloads as W
-    finally:
-        sys.path.pop(0)
+    W = bench_module("workloads")
     b = getattr(W, name)(W.Ctx("defer"), True)
     e = getattr(W, name)(W.Ctx("eager"), True)
     for _ in range(steps):

@@ -6,7 +6,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import deferfuse
-from util import assert_same
+from util import assert_same, bench_module
+
+M = bench_module("models")
 
 
 def _compiles():
@@ -115,30 +117,6 @@ def test_views_at_moving_offsets_keep_autograd():
 V, T, B = 20, 6, 3
 
 
-class _LSTMLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.rnn, self.out = nn.Embedding(V, 8), nn.LSTM(8, 8), nn.Linear(8, V)
-
-    def forward(self, x, h):
-        y, h = self.rnn(self.emb(x), h)
-        return self.out(y), h
-
-
-class _TransformerLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, 16)
-        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
-        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-        self.out = nn.Linear(16, V)
-
-    def forward(self, x, h):
-        n = x.shape[0]
-        mask = torch.triu(torch.full((n, n), float("-inf"), device=x.device), 1)
-        return self.out(self.enc(self.emb(x), mask=mask)), h
-
-
 def _bptt(model, data, dev, steps):
     """The classic truncated-BPTT loop: batches are slices of one long token tensor."""
     model = model.to(dev)
@@ -164,7 +142,7 @@ def _bptt(model, data, dev, steps):
 @pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_bptt_over_slices_of_one_tensor_compiles_once(arch):
     torch.manual_seed(0)
-    model = _LSTMLM() if arch == "lstm" else _TransformerLM()
+    model = M.LSTMLM(V, 8) if arch == "lstm" else M.TransformerLM(V, 16, heads=2, ff=32, layers=1)
     data = torch.randint(0, V, (8 * T + 1, B))
     import copy
     want, _ = _bptt(copy.deepcopy(model), data, "cpu", 8)
@@ -831,57 +809,10 @@ def test_a_bad_index_along_a_growing_dim_raises_cpus_error(case, bad):
     assert m["bucketed_runs"] + m["bucketed_ops"] > runs or case == "topk"
 
 
-class _TinyGPT(nn.Module):
-    """nanoGPT's shape: token and position embeddings, pre-norm blocks, causal attention."""
-
-    def __init__(self, vocab=40, d=16, layers=2, block=64):
-        super().__init__()
-        self.block = block
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
-        self.ln1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
-        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
-        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        b, t = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
-        for ln, qkv, proj in zip(self.ln1, self.qkv, self.proj):
-            q, k, v = qkv(ln(x)).split(x.shape[-1], dim=2)
-            q, k, v = (z.view(b, t, 2, -1).transpose(1, 2) for z in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + proj(y.transpose(1, 2).contiguous().view(b, t, -1))
-        return self.head(x)
-
-    @torch.no_grad()
-    def generate(self, idx, n):
-        for _ in range(n):
-            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
-            nxt = self(cond)[:, -1, :].argmax(-1, keepdim=True)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
-
-    @torch.no_grad()
-    def sample(self, idx, n, top_k=1, temperature=1.0):
-        """nanoGPT's sampling loop: the last position by a list index, top-k by a boolean-mask
-        write, softmax and multinomial (top_k=1: one token has all the probability). Without a
-        ``temperature`` the mask write goes through a view of the model's output."""
-        for _ in range(n):
-            cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
-            logits = self(cond)[:, [-1], :][:, -1, :]
-            if temperature is not None:
-                logits = logits / temperature
-            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-            logits[logits < v[:, [-1]]] = -float("Inf")
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
-
-
 @pytest.mark.modes("defer")
 def test_growing_generate_compiles_per_bucket_and_learns_in_one_call():
     torch.manual_seed(0)
-    model = _TinyGPT().eval()
+    model = M.TinyGPT().eval()
     prompt = {p: torch.randint(0, 40, (1, p), generator=torch.Generator().manual_seed(p))
               for p in (6, 9)}
     want = {p: model.generate(x, 30) for p, x in prompt.items()}
@@ -913,7 +844,7 @@ def test_nanogpt_sampling_runs_in_buckets(temperature):
     of the model's output (``view_write``) once refused buckets and split every token into three
     regions, one of them a single ``cat`` (14 programs)."""
     torch.manual_seed(0)
-    model = _TinyGPT().eval()
+    model = M.TinyGPT().eval()
     x = torch.zeros((1, 1), dtype=torch.long)
     want = model.sample(x, 30, temperature=temperature)
     model.to("tpu")
@@ -944,7 +875,7 @@ def test_a_learnt_sampling_loop_met_with_another_batch_relearns_its_buckets():
     alike]; two before it, a plan through the two bases and then one along the new base's
     length; one per length before NOTE [new bases]). Tokens equal CPU's."""
     torch.manual_seed(0)
-    model = _TinyGPT(layers=1).eval()
+    model = M.TinyGPT(layers=1).eval()
     x1, x2 = torch.zeros((1, 1), dtype=torch.long), torch.randint(0, 40, (2, 3))
     want1, want2 = model.sample(x1, 20), model.sample(x2, 20)
     model.to("tpu")
@@ -990,7 +921,7 @@ def test_a_model_trained_at_one_batch_runs_other_batches_in_buckets():
     new batch size of a phase costs at most its regions' programs once, the third size none."""
     import copy
     torch.manual_seed(0)
-    model = _TinyGPT()
+    model = M.TinyGPT()
     tmodel = copy.deepcopy(model).to("tpu")
     want, _ = _gpt_phases(model, "cpu")
     deferfuse.clear_caches()
@@ -1204,24 +1135,13 @@ def test_word_language_model_transformer_ragged_last_chunk_over_two_epochs():
     deferfuse.clear_caches()
 
 
-class _WlmLSTM(nn.Module):
-    """pytorch/examples' word_language_model ``RNNModel`` with its LSTM: the decoder's output
-    flattened with ``decoded.view(-1, ntoken)``, merging the batch into the time dim."""
+class _WlmLSTM(M.WlmLSTM):
+    """pytorch/examples' word_language_model ``RNNModel`` with its LSTM (bench/models.py): the
+    decoder's output flattened with ``decoded.view(-1, ntoken)``, merging the batch into the time
+    dim; 30 tokens, 8 wide."""
 
     def __init__(self, ntoken=30, d=8):
-        super().__init__()
-        self.ntoken, self.d = ntoken, d
-        self.encoder, self.rnn = nn.Embedding(ntoken, d), nn.LSTM(d, d)
-        self.decoder = nn.Linear(d, ntoken)
-
-    def forward(self, x, hidden):
-        output, hidden = self.rnn(self.encoder(x), hidden)
-        decoded = self.decoder(output).view(-1, self.ntoken)
-        return F.log_softmax(decoded, dim=1), hidden
-
-    def init_hidden(self, bsz):
-        w = next(self.parameters())
-        return (w.new_zeros(1, bsz, self.d), w.new_zeros(1, bsz, self.d))
+        super().__init__(ntoken, d)
 
 
 def _wlm_step(model, x, y, h, train):

@@ -1,6 +1,9 @@
 """Comparison helpers: tpu results against CPU eager, dtype and shape before values; a free port
-pair for multi-process tests."""
+pair for multi-process tests; the bench's modules (its shared models and workloads)."""
+import importlib
+import os
 import socket
+import sys
 
 import torch
 
@@ -52,3 +55,13 @@ def free_port() -> int:
         except OSError:
             continue
     raise RuntimeError("no free port pair")
+
+
+def bench_module(name: str):
+    """``bench/NAME.py`` imported (``models``: the small models the benches and the tests share;
+    ``workloads``: the paired bench's workloads), with ``bench/`` on the path while it imports."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
