@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import sys
@@ -45,21 +44,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import deferfuse  # noqa: E402
-
-
-def _load_engine():
-    name = "opinfo_sweep"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "opinfo_sweep.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ow = _load_engine()       # the OpInfo sweep: comparison, snapshots, timeouts, worker isolation
+import opinfo_sweep as ow  # noqa: E402  (the OpInfo sweep: comparison, snapshots, timeouts, worker isolation)
 
 DEFAULT_OUT = os.path.join("bench", "results", "moduleinfo.json")
 DTYPES = ow.DTYPES
@@ -395,24 +380,6 @@ def sweep(mods: dict, modes, dtypes, directions=("forward", "backward"), limit=N
     return results
 
 
-def _worker(jobfile: str) -> int:
-    with open(jobfile) as f:
-        job = json.load(f)
-    warnings.simplefilter("ignore")
-    allm = load_modules()
-    mods = {n: allm[n] for n in job["ops"]}
-
-    def emit(kind, payload):
-        print(f"@@{kind} {json.dumps(payload, default=str)}", flush=True)
-
-    sweep(mods, job["modes"], [DTYPES[d] for d in job["dtypes"]], tuple(job["directions"]),
-          job["limit"], job["timeout"], progress=print, emit=emit,
-          skip_cells={tuple(c) for c in job["skip_cells"]}, index0=job["index0"],
-          total=job["total"], elapsed0=job["elapsed"])
-    print("@@end null", flush=True)
-    return 0
-
-
 def _broken_json() -> dict:
     return {n: {DTYPE_NAMES[d]: why for d, why in per.items()} for n, per in CPU_BROKEN.items()}
 
@@ -491,7 +458,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return _worker(a.worker)
+        return ow.run_worker(a.worker, load_modules, sweep)
     if a.merge:
         docs = [json.load(open(p)) for p in a.merge.split(",") if p]
         results, modes, dnames, dirs = ow.merge_results(docs)

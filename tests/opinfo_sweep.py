@@ -1003,20 +1003,23 @@ def sweep(ops: dict, modes, dtypes, directions=("forward",), limit=None, timeout
 # segfault) or hangs where the alarm cannot reach (inside native code) costs one cell, recorded
 # as 'crash' or 'timeout', and a new worker resumes after it.
 
-def _worker(jobfile: str) -> int:
+def run_worker(jobfile: str, load, sweep_fn) -> int:
+    """A worker process of ``sweep_isolated``: the job file's items (from ``load()``, a dict by
+    name) through ``sweep_fn`` (this file's ``sweep`` or the ModuleInfo sweep's), each cell
+    reported on stdout as an ``@@kind json`` line."""
     with open(jobfile) as f:
         job = json.load(f)
     warnings.simplefilter("ignore")
-    all_ops = load_ops()
-    ops = {n: all_ops[n] for n in job["ops"]}
+    every = load()
+    items = {n: every[n] for n in job["ops"]}
 
     def emit(kind, payload):
         print(f"@@{kind} {json.dumps(payload, default=str)}", flush=True)
 
     skip = {tuple(c) for c in job["skip_cells"]}
-    sweep(ops, job["modes"], [DTYPES[d] for d in job["dtypes"]], tuple(job["directions"]),
-          job["limit"], job["timeout"], progress=print, emit=emit, skip_cells=skip,
-          index0=job["index0"], total=job["total"], elapsed0=job["elapsed"])
+    sweep_fn(items, job["modes"], [DTYPES[d] for d in job["dtypes"]], tuple(job["directions"]),
+             job["limit"], job["timeout"], progress=print, emit=emit, skip_cells=skip,
+             index0=job["index0"], total=job["total"], elapsed0=job["elapsed"])
     print("@@end null", flush=True)
     return 0
 
@@ -1383,7 +1386,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return _worker(a.worker)
+        return run_worker(a.worker, load_ops, sweep)
     if a.merge:
         return merge_main([p for p in a.merge.split(",") if p], a.out or DEFAULT_OUT, a.md)
     directions = (("backward",) if a.backward_only else

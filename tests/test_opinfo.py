@@ -12,27 +12,11 @@ Ops known to fail are listed in ``KNOWN_FAIL`` with a reason and run as ``xfail(
 fix shows up as an unexpected pass (then move the op back to plain ``SUBSET``).
 """
 import functools
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
-
-def _load_engine():
-    name = "opinfo_sweep"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "opinfo_sweep.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sweep = _load_engine()
+import opinfo_sweep as sweep  # the sweep's comparison and its tables
 
 LIMIT = 3          # samples per op (the full sweep: python tests/opinfo_sweep.py)
 TIMEOUT = 90.0     # seconds per op and mode
