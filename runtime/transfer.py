@@ -102,6 +102,25 @@ def materialize_empty(v: Value, device: int) -> None:
         v.bind(jax.device_put(jnp.zeros(v.shape, v.dtype), devices()[device]))
 
 
+# The dtypes whose numpy scalar's ``item()`` is the Python number torch's ``item()`` gives (bool,
+# int, float of the same value, complex); bfloat16, float8 and the wide unsigned types are not.
+_NUMBER_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                            torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
+                            torch.complex128))
+
+
+def to_number(arr, dtype: torch.dtype):
+    """The Python number of the one-element array ``arr`` of torch dtype ``dtype``, as
+    ``Tensor.item()`` gives it, without making a CPU tensor (a read-back of a stopping criterion
+    or a loss); None for a dtype numpy does not give as torch does."""
+    if dtype not in _NUMBER_DTYPES:
+        return None
+    a = np.asarray(arr)
+    if a.size != 1 or a.dtype != to_np_dtype(dtype):
+        return None
+    return a.reshape(-1)[0].item()
+
+
 def to_torch(arr, dtype: torch.dtype) -> torch.Tensor:
     # np.asarray waits for the array and copies it to the host once (jax.device_get does the
     # same through a pytree map, ~8 µs more a read); numpy_to_torch copies it again, so the CPU
