@@ -70,8 +70,8 @@ def read(t: TpuTensor, reason: str = Sync.CPU):
     return execute.read_view(arr, t._chain, t._dyn)
 
 
-def to_cpu(t: TpuTensor, reason: str = Sync.CPU) -> torch.Tensor:
-    """A CPU copy of ``t`` (a sync point in defer mode)."""
+def read_host(t: TpuTensor, reason: str = Sync.CPU):
+    """The concrete JAX array of ``t`` for a read by the host (a sync point in defer mode)."""
     v = t._s.val
     trace = _local.ts.trace
     if v.node is not None and v.node.trace is trace:
@@ -80,7 +80,12 @@ def to_cpu(t: TpuTensor, reason: str = Sync.CPU) -> torch.Tensor:
         # NOTE [backward cut]: the value was computed before the pending trace (a loss whose
         # forward pass ran at backward()): dispatch the trace, wait for none of it.
         engine.sync(reason, later=True)
-    arr = read(t, reason)
+    return read(t, reason)
+
+
+def to_cpu(t: TpuTensor, reason: str = Sync.CPU) -> torch.Tensor:
+    """A CPU copy of ``t`` (a sync point in defer mode)."""
+    arr = read_host(t, reason)
     out = transfer.to_torch(arr, t.dtype)
     return out.reshape(t.shape) if out.shape != t.shape else out
 

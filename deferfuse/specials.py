@@ -8,7 +8,7 @@ import torch
 from torch._prims_common import suggest_memory_format
 
 from .device_info import check
-from .dispatch import Fallback, _contig, _run, copy_into, new_tensor, read, to_cpu
+from .dispatch import Fallback, _contig, _run, copy_into, new_tensor, read, read_host, to_cpu
 from .engine import engine
 from .opinfo import decompose, op_info
 from .runtime.lowering import LOWERINGS
@@ -151,7 +151,10 @@ def _h_to_copy(func, args, kwargs):
 
 
 def _h_item(func, args, kwargs):
-    return to_cpu(args[0], Sync.ITEM).item()
+    t = args[0]
+    arr = read_host(t, Sync.ITEM)
+    x = transfer.to_number(arr, t.dtype)
+    return transfer.to_torch(arr, t.dtype).item() if x is None else x
 
 
 def rebind(self, new) -> None:

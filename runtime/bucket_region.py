@@ -11,6 +11,7 @@ from .bucket_fit import Fit, Refused, at
 from .bucket_fn import NodeFn
 from .bucket_node import plan_node
 from .dtypes import x64
+from .transfer import put_on
 
 
 def _at(plan, ints, stats):
@@ -120,8 +121,7 @@ def pad(array, shape, moves):
     host = np.asarray(array)
     out = np.zeros(shape, host.dtype)
     out[tuple(slice(0, n) for n in host.shape)] = host
-    with x64(True):
-        return jax.device_put(out, dev)
+    return put_on(out, dev)
 
 
 def cut(array, shape, moves):
@@ -132,8 +132,7 @@ def cut(array, shape, moves):
     if dev.platform != "cpu":
         return _moved(moves, ("cut", tuple(array.shape), tuple(shape)), array)
     host = np.asarray(array)[tuple(slice(0, n) for n in shape)]
-    with x64(True):
-        return jax.device_put(np.ascontiguousarray(host), dev)
+    return put_on(np.ascontiguousarray(host), dev)
 
 
 def pad_edge(array, length: int, moves):
@@ -148,8 +147,7 @@ def pad_edge(array, length: int, moves):
     if dev.platform != "cpu":
         return _moved(moves, ("edge", (n,), (length,)), array)
     host = np.asarray(array)
-    with x64(True):
-        return jax.device_put(np.concatenate([host, np.repeat(host[-1:], length - n)]), dev)
+    return put_on(np.concatenate([host, np.repeat(host[-1:], length - n)]), dev)
 
 
 def _moved(moves, key, array):

@@ -38,16 +38,21 @@ def put(a: np.ndarray, device: int):
     and device_put's Python costs ~30 µs a call; JAX's own C++ transfer under it
     (``batched_device_put``) costs ~3. It is JAX-internal, so it is checked against device_put
     once, and any failure falls back to device_put for good."""
+    return put_on(a, devices()[device])
+
+
+def put_on(a: np.ndarray, d):
+    """``put`` onto the JAX device ``d`` (a ``jax.Device``)."""
     f = _put[0]
     if f is None:
         f = _put[0] = _direct_put()
     if f:
         try:
-            return f(a, device)
+            return f(a, d)
         except Exception:
             _put[0] = False
     with x64(True):
-        return jax.device_put(a, devices()[device])
+        return jax.device_put(a, d)
 
 
 def _direct_put():
@@ -57,18 +62,18 @@ def _direct_put():
         from jax._src.sharding_impls import SingleDeviceSharding
         bdp = xc.batched_device_put
 
-        def f(a, device):
-            d = devices()[device]
-            s = _shardings.get(device)
+        def f(a, d):
+            s = _shardings.get(d)       # one per device
             if s is None:
-                s = _shardings[device] = SingleDeviceSharding(d)
+                s = _shardings[d] = SingleDeviceSharding(d)
             with x64(True):     # else ShapedArray makes an int64 array's type int32
                 return bdp(ShapedArray(a.shape, a.dtype), s, [a], [d], True, True)
 
         probe = np.arange(6, dtype=np.int64).reshape(2, 3)
+        d0 = devices()[0]
         with x64(True):
-            want = jax.device_put(probe, devices()[0])
-        got = f(probe, 0)
+            want = jax.device_put(probe, d0)
+        got = f(probe, d0)
         if (got.shape != want.shape or got.dtype != want.dtype or got.devices() != want.devices()
                 or not got.committed or not np.array_equal(np.asarray(got), probe)):
             return False
@@ -95,6 +100,25 @@ def empty_value(shape, dtype: torch.dtype) -> Value:
 def materialize_empty(v: Value, device: int) -> None:
     with x64(True):
         v.bind(jax.device_put(jnp.zeros(v.shape, v.dtype), devices()[device]))
+
+
+# The dtypes whose numpy scalar's ``item()`` is the Python number torch's ``item()`` gives (bool,
+# int, float of the same value, complex); bfloat16, float8 and the wide unsigned types are not.
+_NUMBER_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                            torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
+                            torch.complex128))
+
+
+def to_number(arr, dtype: torch.dtype):
+    """The Python number of the one-element array ``arr`` of torch dtype ``dtype``, as
+    ``Tensor.item()`` gives it, without making a CPU tensor (a read-back of a stopping criterion
+    or a loss); None for a dtype numpy does not give as torch does."""
+    if dtype not in _NUMBER_DTYPES:
+        return None
+    a = np.asarray(arr)
+    if a.size != 1 or a.dtype != to_np_dtype(dtype):
+        return None
+    return a.reshape(-1)[0].item()
 
 
 def to_torch(arr, dtype: torch.dtype) -> torch.Tensor:

@@ -865,3 +865,25 @@ def test_max_regions_drops_compiled_programs_and_stays_correct():
             got = (x.to("tpu") * 2 + 1).sum()
             assert_same(got, (x * 2 + 1).sum())
     assert deferfuse.metrics()["region_evictions"] >= 1
+
+
+_ITEM_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
+                torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.bool,
+                torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", _ITEM_DTYPES, ids=str)
+def test_item_is_cpus_number(dtype):
+    """``.item()`` reads the number without a CPU tensor for the dtypes numpy gives as torch does
+    (transfer.to_number) and through one for the others: the same Python type and value as CPU's,
+    -0.0, nan and inf included, of a base, of a view and of a computed value."""
+    for v in (3.25, -0.0, float("nan"), float("inf"), 7, -5, 300, True):
+        c = torch.tensor(v).to(dtype)
+        got = [c.to("tpu").item(), c.to("tpu").reshape(1, 1)[0, 0].item()]
+        want = [c.item(), c.reshape(1, 1)[0, 0].item()]
+        if not dtype.is_complex:
+            got.append((c.to("tpu").reshape(1) * 1)[0].item())
+            want.append((c.reshape(1) * 1)[0].item())
+        for g, w in zip(got, want):
+            assert type(g) is type(w), (v, g, w)
+            assert repr(g) == repr(w), (v, g, w)    # nan == nan, -0.0 != 0.0 as text
