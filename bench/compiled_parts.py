@@ -25,7 +25,8 @@ over the steps:
   part of the program before it returns); ``wait``: reading the index-check flags, which waits
   for the program; ``sync -> step end``: the loss read back and the rest.
 
-With them: regions (programs) run a step, graph calls, ops recorded, and the hand-written
+With them: regions (programs) run a step, graph calls, ops recorded; the compiled step's program
+and the hand-written ``jax.jit`` step's alone (``programs_alone``); and the hand-written
 ``jax.jit`` step and the defer step timed in the same process, rounds alternated.
 Run: ``python bench/compiled_parts.py [--workloads mlp_train,gpt_train --steps 20 --rounds 6]``.
 The machine's load (``os.getloadavg``) is printed with the figures: it is shared and noisy.
@@ -41,6 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax  # noqa: E402
 import torch  # noqa: E402
 
 import deferfuse  # noqa: E402
@@ -205,6 +207,40 @@ def measure(w: str, steps: int, rounds: int) -> dict:
                 load=(min(loads), max(loads)))
 
 
+def programs_alone(w: str, calls: int) -> tuple:
+    """(ours, jax's) ms: the compiled step's program (its executable called on copies of a
+    step's inputs, as ``bench/wlm_step.py`` calls a region's) and the hand-written ``jax.jit``
+    step (its ``train_step``, the loss waited for), each call timed with its wait, alternated;
+    medians."""
+    from wlm_step import call
+    captured = []
+    run_region = execute.run_region
+
+    def capture(compiled, don, keep, scalars, device=0, debug=False):
+        captured[:] = [(compiled, [jax.numpy.copy(a) for a in don],
+                        [jax.numpy.copy(a) for a in keep], list(scalars))]
+        return run_region(compiled, don, keep, scalars, device, debug)
+    jb = getattr(W, w + "_jax")(True)
+    with deferfuse.mode("defer"):
+        cb = getattr(W, w)(W.Ctx("compiled"), True)
+        for _ in range(3):
+            cb.step()
+            jb.step()
+        execute.run_region = capture
+        try:
+            cb.step()
+        finally:
+            execute.run_region = run_region
+    assert len(captured) == 1, "a compiled step ran more than one program"
+    ours, theirs = [], []
+    for _ in range(calls):
+        ours.append(call(captured[0]))
+        t0 = time.perf_counter()
+        jax.block_until_ready(jb.train_step())
+        theirs.append(time.perf_counter() - t0)
+    return statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+
+
 def compiled_counts(w: str, steps: int) -> dict:
     """Programs, graph calls and ops recorded a compiled step, counted alone."""
     with deferfuse.mode("defer"):
@@ -228,6 +264,7 @@ def main():
     a = p.parse_args()
     for w in a.workloads.split(","):
         counts = compiled_counts(w, a.steps)
+        progs = programs_alone(w, a.steps * a.rounds)
         r = measure(w, a.steps, a.rounds)
         lo, hi = r["load"]
         print(f"\n## {w} (quick sizes; load {lo:.1f}-{hi:.1f} on {os.cpu_count()} CPUs)\n")
@@ -238,7 +275,9 @@ def main():
               f"graph calls, {counts['ops_recorded']:g} ops recorded, "
               f"{counts['needed_first_splits']:g} needed-first splits; after warm-up "
               f"{r['compiles_after_warmup']} compiles, {r['graph_compiles_after_warmup']} graph "
-              "compiles\n")
+              "compiles")
+        print(f"programs alone (executable and wait, alternated): the compiled step's "
+              f"{progs[0]:.2f} ms, the jax.jit step's {progs[1]:.2f} ms\n")
         print("| part of a compiled step | ms (median) |")
         print("|---|---:|")
         tot = 0.0
