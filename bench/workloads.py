@@ -697,12 +697,15 @@ def _jax_train(params, loss_fn, flops, info):
     st = [params, init(params)]
     last = [float("nan")]
 
-    def step():
+    def train_step():
         st[0], st[1], loss = train(st[0], st[1])
-        last[0] = float(loss)
+        return loss
+
+    def step():
+        last[0] = float(train_step())
 
     return Built(step=step, check=lambda: last[0], flops=flops, info=info,
-                 compiles=lambda: train._cache_size())
+                 compiles=lambda: train._cache_size(), train_step=train_step)
 
 
 def mlp_train_jax(quick):

@@ -37,8 +37,6 @@ from .runtime.graph import ARRAY, FLOAT, INT, OBJ, SCALAR, SIZES, GraphPlan, fil
 from .scheduler.policy import GRAPH_STEP_OPS, Sync
 from .tensor import Storage
 
-_empty = torch._C._acc.create_empty_tensor
-
 S = stats.S
 _getitem = operator.getitem
 _local = engine.local
@@ -431,18 +429,24 @@ class CompiledGraph:
         return e
 
 
-def output_inner(v, dtype, device: int = 0):
-    """A dataless plain tensor carrying the value ``v`` (a graph's output, pending or ready) in a
-    Storage of its own, kept among the storages the pending trace reads back (the backward pass
-    may read it after a sync): ``PlainGraph`` makes the caller's tensor over that Storage."""
-    i = _empty(v.shape, dtype)
+class _Out:
+    """A graph's device output as ``CompiledGraph.__call__`` hands it to ``PlainGraph``: the value
+    in a Storage of its own, with its shape and dtype. ``PlainGraph`` makes the caller's tensor
+    over that Storage (no torch tensor is made to carry it)."""
+    __slots__ = ("_s", "shape", "dtype")
+
+
+def output_inner(v, dtype, device: int = 0) -> _Out:
+    """The value ``v`` (a graph's output, pending or ready) in a Storage of its own, kept among
+    the storages the pending trace reads back (the backward pass may read it after a sync)."""
     st = Storage(v, device, dtype)
     if v.node is not None:
         v.node.trace.track(st)
-    i._s = st
-    i._chain = ()
-    i._out = True
-    return i
+    o = _Out()
+    o._s = st
+    o.shape = v.shape
+    o.dtype = dtype
+    return o
 
 
 def _dense_stride(val):
@@ -498,14 +502,15 @@ class PlainGraph(CompiledGraph):
                  and is_plain(a) else a for a in args]
         res = super().__call__(wargs)
         make_base = self._ext.make_base
+        strides = self._strides
         for j, o in enumerate(res):
-            if isinstance(o, torch.Tensor) and "_out" in o.__dict__:
+            if o.__class__ is _Out:
                 st = o._s
-                stride = self._strides[j]
+                shape = tuple(o.shape)
+                stride = strides[j]
                 if stride is not None:
                     st.stride = stride
-                res[j] = make_base(tuple(o.shape), stride or _contig(o.shape), o.dtype,
-                                   st.device, st)
+                res[j] = make_base(shape, stride or _contig(shape), o.dtype, st.device, st)
         return res
 
     def _input(self, p) -> _Input:
