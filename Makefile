@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py deferfuse/_fastpath.c deferfuse/_tpu_hooks.cpp
 	$(BIN)/python tools/install_torch.py
 	$(BIN)/python -m pip install -q -c constraints.txt "setuptools>=77" wheel
 	$(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e ".[test]"
-	$(BIN)/python -c "from deferfuse import plain; e, why = plain.extension(); raise SystemExit(why)"
+	$(BIN)/python -c "from deferfuse import cxxext; e, why = cxxext.load(); raise SystemExit(why)"
 	touch $(STAMP)
 
 demo: $(STAMP)

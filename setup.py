@@ -11,7 +11,7 @@ imports the torch of the environment being installed into (found as the hooks fi
 `pip install .` works after torch, and `pip install --no-build-isolation .` (what the Makefile
 does) builds against that torch directly. No torch, a missing compiler or a failed build stops the
 install with a message saying what to do. The library is tied to torch's exact version: it records
-the version it was built for (`deferfuse-built-for-torch:` in the .so), which deferfuse/plain.py
+the version it was built for (`deferfuse-built-for-torch:` in the .so), which deferfuse/cxxext.py
 reads before loading it."""
 import os
 import re

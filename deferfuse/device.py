@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from . import device_info, plain
+from . import cxxext, device_info, plain
 from .config import config
 from .engine import engine, user_error
 from .runtime import platform
@@ -428,7 +428,7 @@ def register() -> None:
     global _lib
     import deferfuse_autoload
     from . import distributed
-    plain.require()             # NOTE [tensor representation]: before anything registers
+    cxxext.require()            # NOTE [tensor representation]: before anything registers
     distributed.register()      # before the first device lookup (NOTE [distributed start])
 
     # PrivateUse1 renamed, torch.tpu, hooks and guard: done by the autoload entry point at

@@ -16,7 +16,6 @@ replace kernel by kernel (docs/cxx-plan.md, STATUS), not the destination.
 """
 from __future__ import annotations
 
-import copy
 import os
 from weakref import ref as _weakref
 
@@ -88,7 +87,7 @@ class Plain:
         self.out_names = {}             # op -> its one keyword-only output's name or None
         self.multi = {}                 # op -> (its keyword-only outputs, functional op) or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
-        self.attn_lib = None            # the torch_attn PrivateUse1 kernels (_packed_kernels)
+        self.attn_lib = None            # the torch_attn PrivateUse1 kernels (plain_torch.packed_kernels)
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
         self.sigs = {}
@@ -784,68 +783,21 @@ def _nonfunctional_composite(n: str) -> bool:
             and "RegisterMeta" not in torch._C._dispatch_dump(n))
 
 
-_MARK = b"deferfuse-built-for-torch:"
-
-
-def built_for(path: str) -> str | None:
-    """The torch version the library at ``path`` was built for (NOTE [extension build] in setup.py),
-    read from the file without loading it; None when it records none (built before the mark)."""
-    import mmap
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        i = m.find(_MARK)
-        if i < 0:
-            return None
-        j = m.find(b"\0", i)
-        return m[i + len(_MARK):j].decode()
-
-
-REBUILD = ("rebuild it against this torch: in a clone, `make` (or `python setup.py build_ext "
-           "--inplace`); an installed deferfuse, `pip install --no-build-isolation "
-           "--force-reinstall --no-deps <deferfuse source>`")
-
-
-def extension():
-    """The C++ extension, or None (with the reason and the fix) when it is not built for this
-    torch. The version it was built for is read from the file first: a library built for another
-    torch (another C++ ABI) is never loaded."""
-    import importlib.util
-    spec = importlib.util.find_spec(f"{__package__}._tpu_tensor")
-    if spec is None or not spec.origin:
-        return None, ("deferfuse's C++ extension deferfuse._tpu_tensor is not built; build it: "
-                      "in a clone, `make` (or `python setup.py build_ext --inplace`); an installed "
-                      "deferfuse, reinstall it with a C++ compiler present (docs/architecture.md)")
-    built = built_for(spec.origin)
-    if built != torch.__version__:
-        return None, (f"deferfuse's C++ extension {spec.origin} was built for torch "
-                      f"{built or 'of an older deferfuse'}, this is torch {torch.__version__}: "
-                      + REBUILD)
-    from . import _tpu_tensor
-    return _tpu_tensor, None
-
-
-def require():
-    """The C++ extension, or ImportError naming the fix (NOTE [tensor representation])."""
-    ext, why = extension()
-    if ext is None:
-        raise ImportError(f"the tpu tensor needs the C++ extension: {why}")
-    return ext
-
-
 def install() -> Plain:
     """Register the C++ kernels, allocator and fallback (device.register, the plain tensor)."""
     global PLAIN
-    ext = require()
-    from . import route, specials
+    from . import cxxext, plain_torch, route, specials
+    ext = cxxext.require()
     # The op path's entry as a TpuTensor op reaches it: the C record path first (NOTE [C record
     # path] in _fastpath.c), which hands what it does not take to ``dispatch``'s Python path.
     raw = TpuTensor.__dict__["__torch_dispatch__"].__func__
     types = (TpuTensor,)
 
-    fake_mode, real = torch._C._get_dispatch_mode, _real_ops
+    fake_mode, real = torch._C._get_dispatch_mode, plain_torch.real_ops
     FAKE = torch._C._TorchDispatchModeKey.FAKE
 
     def c_dispatch(func, args, kwargs):
-        if fake_mode(FAKE) is not None:     # NOTE [real ops under a fake mode]
+        if fake_mode(FAKE) is not None:     # NOTE [real ops under a fake mode] (plain_torch.py)
             return real(raw, func, types, args, kwargs)
         return raw(TpuTensor, func, types, tuple(args), kwargs)
     PLAIN = Plain(ext, c_dispatch)
@@ -895,142 +847,13 @@ def install() -> Plain:
     lib = deferfuse_autoload.LOADER.hooks_lib
     if lib is not None:     # the C++ hooks: untyped_storage().resize_ (FSDP2)
         lib.deferfuse_set_storage_resize(ctypes.c_void_p(ext.storage_resize_address()))
-    _serialization()
-    _sparse_refusals()
-    _host_reads()
-    PLAIN.attn_lib = _packed_kernels(PLAIN.route)
+    plain_torch.serialization()
+    plain_torch.sparse_refusals()
+    plain_torch.host_reads(PLAIN.is_plain)
+    PLAIN.attn_lib = plain_torch.packed_kernels(PLAIN.route)
     from .distributed import group
     group.plain_collectives()
     return PLAIN
-
-
-def _packed_kernels(route):
-    """NOTE [packed boundaries] (packed.py) on plain tensors: varlen attention's custom ops are
-    ``custom_op``s with no device types, whose Python body is a CompositeExplicitAutograd kernel
-    that a backend without a kernel of its own runs, so a plain tensor reached the op path only
-    as the body's ``aten._flash_attention_forward`` (the boundaries unpadded: a program per
-    number of sequences). A PrivateUse1 kernel for each routes the custom op itself, as the
-    wrapper's ``__torch_dispatch__`` sees it. Registered before ``torch.nn.attention.varlen`` is
-    imported (the dispatcher keeps a kernel for an op defined later), so importing deferfuse never
-    imports that module (it imports Dynamo). Returns the ``Library`` (kept by its owner)."""
-    lib = torch.library.Library("torch_attn", "IMPL")
-    for name in ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward"):
-        def kernel(*args, _name=name, **kwargs):
-            return route(getattr(torch.ops.torch_attn, _name).default, args, kwargs)
-        lib.impl(name, kernel, "PrivateUse1")
-    return lib
-
-
-def _real_ops(raw, func, types, args, kwargs):
-    """NOTE [real ops under a fake mode]: an op on real plain tensors can reach the fallback
-    while Dynamo's FakeTensorMode is active: ``torch.tensor(data, device="tpu")`` in traced code
-    moves its CPU data to the device with the Python key excluded, and FakeTensorMode runs ops
-    on small real constants for real ("constant propagation"). Plain tensors reaching the router
-    are always real, and the op path's records hold real values, so the op runs with the fake mode
-    unset, as it would outside the trace."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily():
-        return raw(TpuTensor, func, types, tuple(args), kwargs)
-
-
-# sparse tensors PyTorch builds on tpu (``sparse_cpu.to("tpu")``'s _to_copy), by layout key
-_SPARSE = (("_sparse_coo_tensor_with_dims_and_tensors", "SparsePrivateUse1", torch.sparse_coo),
-           ("_sparse_compressed_tensor_unsafe", "SparseCsrPrivateUse1", None))
-_sparse_lib = None
-
-
-def _sparse_refusals() -> None:
-    """A sparse tensor moved to tpu raises the op path's refusal (fallback.py: tpu tensors are
-    dense), as a ``TpuTensor`` argument made it raise; with plain arguments PyTorch dispatched the
-    sparse constructor to the SparsePrivateUse1 key, which has no kernel ("Could not run")."""
-    global _sparse_lib
-    if _sparse_lib is not None:
-        return
-    _sparse_lib = torch.library.Library("aten", "IMPL")
-    for name, key, layout in _SPARSE:
-        op = getattr(aten, name).default
-
-        def refuse(*args, _op=op, _layout=layout, **kwargs):
-            lay = _layout or kwargs.get("layout")
-            raise NotImplementedError(
-                f"{_op} gives a {lay} tensor; tpu tensors are dense (strided) only. Keep sparse "
-                "and other layouts on CPU, and move dense tensors to tpu")
-        _sparse_lib.impl(name, refuse, key)
-
-
-def _serialization() -> None:
-    """``copy.deepcopy`` and ``torch.save`` of plain tpu tensors as PyTorch treats a PrivateUse1
-    tensor without storage (a clone; a CPU copy rebuilt on the device, NOTE [tpu checkpoints]
-    in serialization.py): their storage holds no host memory to copy or pickle."""
-    from .tensor import is_tpu
-    T = torch.Tensor
-    deepcopy, reduce = T.__deepcopy__, T._reduce_ex_internal
-
-    def __deepcopy__(self, memo):
-        if (not self.is_leaf or type(self) is not T or self.device.type != "tpu"
-                or not is_tpu(self) or torch.overrides.has_torch_function_unary(self)):
-            return deepcopy(self, memo)
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            new = self.clone()
-            if self.requires_grad:
-                new.requires_grad_()
-            if self.grad is not None:
-                new.grad = self.grad.__deepcopy__(memo)
-            self._clear_non_serializable_cached_data()
-            new.__dict__ = copy.deepcopy(self.__dict__, memo)
-        memo[id(self)] = new
-        return new
-
-    def _reduce_ex_internal(self, proto):
-        if self.device.type != "tpu" or not is_tpu(self):
-            return reduce(self, proto)
-        if torch.serialization._serialization_tls.skip_data:
-            raise RuntimeError("Cannot serialize tensors on backends with no storage under "
-                               "skip_data context manager")
-        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
-    T.__deepcopy__ = __deepcopy__
-    T._reduce_ex_internal = _reduce_ex_internal
-
-
-def _host_reads() -> None:
-    """NOTE [plain host reads]: ``repr`` and ``tolist`` of a plain tpu tensor read its values in
-    one copy to the host, synced with the reason the wrapper subclass gives (``print``,
-    ``tolist``: ``deferfuse.metrics()["syncs"]``, the report's sync sites), instead of
-    PyTorch's own printing, which runs ops on the device and reads their results one ``item`` at
-    a time. ``repr`` keeps PyTorch's own frame (``device=``, ``dtype=``, ``grad_fn=``, a
-    Parameter's header): only the values' text is formatted from the host copy, as PyTorch
-    formats a CPU tensor's."""
-    from . import dispatch
-    from .tensor import as_tpu
-    T = torch.Tensor
-    repr_, tolist = T.__repr__, T.tolist
-    tensor_str = torch._tensor_str._tensor_str
-    has_tf = torch.overrides.has_torch_function_unary
-
-    def ours(t):
-        return (t.device.type == "tpu" and PLAIN is not None and PLAIN.is_plain(t)
-                and t.layout == torch.strided and not has_tf(t))
-
-    def __repr__(self, *, tensor_contents=None):
-        if tensor_contents is None and ours(self):
-            try:
-                cpu = dispatch.to_cpu(as_tpu(self.detach()), "print")
-            except Exception as e:
-                raise dispatch.user_error(e)    # NOTE [user frames] (engine.py)
-            if cpu.numel():
-                # the indent of "tensor(", the prefix PyTorch's _str_intern prints
-                tensor_contents = tensor_str(cpu, len("tensor("))
-        return repr_(self, tensor_contents=tensor_contents)
-
-    def tolist_(self):
-        if ours(self):
-            return dispatch._tolist(as_tpu(self.detach()))
-        return tolist(self)
-    T.__repr__ = __repr__
-    T.tolist = tolist_
 
 
 def is_tpu(t) -> bool:

@@ -211,7 +211,7 @@ def test_reduce_overhead_mode_on_tpu_tensors_matches_cpu():
 
 def test_tensors_made_from_data_in_a_graph_with_backward_match_cpu():
     """``torch.tensor(data, device="tpu")`` in traced code moves its data to the device while
-    Dynamo's fake mode is active (NOTE [real ops under a fake mode] in plain.py): empty,
+    Dynamo's fake mode is active (NOTE [real ops under a fake mode] in plain_torch.py): empty,
     one-element and longer constants, forward and backward."""
     def f(x, dev):
         empty = torch.tensor([], dtype=x.dtype, device=dev)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from deferfuse import plain
+from deferfuse import cxxext
 
 pytestmark = pytest.mark.modes("strict")
 
@@ -23,7 +23,7 @@ def test_an_extension_built_for_another_torch_is_refused_unloaded(monkeypatch):
     built = torch.__version__
     loaded = "deferfuse._tpu_tensor" in sys.modules
     monkeypatch.setattr(torch, "__version__", "2.15.0+cpu")
-    ext, why = plain.extension()
+    ext, why = cxxext.load()
     assert ext is None
     assert f"was built for torch {built}, this is torch 2.15.0+cpu" in why, why
     assert "rebuild it against this torch" in why and "make" in why and "--no-build-isolation" in why
@@ -33,8 +33,8 @@ def test_an_extension_built_for_another_torch_is_refused_unloaded(monkeypatch):
 
 
 def test_the_extension_is_built_for_this_torch():
-    assert plain.built_for(_origin()) == torch.__version__
-    ext, why = plain.extension()
+    assert cxxext.built_for(_origin()) == torch.__version__
+    ext, why = cxxext.load()
     assert why is None and ext is not None
     assert ext.TORCH_VERSION == torch.__version__      # the module's own record agrees with the file
 
@@ -42,6 +42,6 @@ def test_the_extension_is_built_for_this_torch():
 def test_the_mark_is_read_from_the_file(tmp_path):
     lib = tmp_path / "_tpu_tensor.so"
     lib.write_bytes(b"\x7fELF" + b"\0" * 4096 + b"deferfuse-built-for-torch:2.11.0+cpu\0" + b"x" * 100)
-    assert plain.built_for(str(lib)) == "2.11.0+cpu"
+    assert cxxext.built_for(str(lib)) == "2.11.0+cpu"
     lib.write_bytes(b"\x7fELF" + b"\0" * 4096)     # built before the mark: no version
-    assert plain.built_for(str(lib)) is None
+    assert cxxext.built_for(str(lib)) is None

@@ -61,8 +61,8 @@ def test_wheel_installs_and_imports(tmp_path):
             "assert y.device.type == 'tpu' and y.is_tpu, y.device\n"
             "assert y.dtype == want.dtype and y.shape == want.shape, (y.dtype, y.shape)\n"
             "assert torch.equal(y.cpu(), want), (y.cpu(), want)\n"
-            "from deferfuse import plain, _fastpath\n"
-            "ext, why = plain.extension()\n"
+            "from deferfuse import cxxext, _fastpath\n"
+            "ext, why = cxxext.load()\n"
             "assert ext is not None, why\n"
             "assert ext.__file__.startswith(deferfuse.__path__[0]), (ext.__file__, deferfuse.__path__)\n"
             "assert _fastpath.__file__.startswith(deferfuse.__path__[0]), _fastpath.__file__\n"
@@ -96,12 +96,12 @@ def test_make_installs_cpu_torch_into_a_clean_venv(tmp_path):
     assert extras == ["True", "True"]
     # the install built the C++ extension against this venv's torch: a tpu tensor is plain
     code = ("import torch, deferfuse\n"
-            "from deferfuse import plain\n"
-            "ext, why = plain.extension()\n"
+            "from deferfuse import cxxext\n"
+            "ext, why = cxxext.load()\n"
             "assert ext is not None, why\n"
             "x = torch.ones(3, device='tpu')\n"
             "assert type(x) is torch.Tensor and x.is_tpu and ext.is_plain(x), type(x)\n"
-            "print(plain.built_for(ext.__file__) == torch.__version__, (x + 1).sum().item())\n")
+            "print(cxxext.built_for(ext.__file__) == torch.__version__, (x + 1).sum().item())\n")
     out = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

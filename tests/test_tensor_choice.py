@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from deferfuse import plain
+from deferfuse import cxxext, plain
 from deferfuse.config import _removed_tensor_choice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,9 +87,9 @@ def test_the_removed_setting(monkeypatch):
 @pytest.mark.modes("strict")
 def test_require_names_the_fix(monkeypatch):
     # built for another torch: the version the library records (read from the file) is named
-    monkeypatch.setattr(plain, "built_for", lambda path: "0.0.1")
+    monkeypatch.setattr(cxxext, "built_for", lambda path: "0.0.1")
     with pytest.raises(ImportError, match=r"built for torch 0\.0\.1, this is torch .*rebuild it"):
-        plain.require()
+        cxxext.require()
     monkeypatch.undo()
     # not built
     import importlib.util
@@ -97,5 +97,5 @@ def test_require_names_the_fix(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "deferfuse._tpu_tensor" else find(name, *a))
     with pytest.raises(ImportError, match=r"is not built.*setup.py build_ext --inplace") as e:
-        plain.require()
+        cxxext.require()
     assert "DEFERFUSE_TENSOR" not in str(e.value)
