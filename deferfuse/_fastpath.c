@@ -146,6 +146,25 @@ static const char *const TS_SLOTS[] = {"mode", "trace"};
 static const char *const ENTRY_SLOTS[] = {"fast", "res_avals", "khash", "ohash"};
 
 /* ------------------------------------------------------------------ the objects from setup */
+/* NOTE [source-line memo]: the user's source line of an op called from a user frame, by the
+   frame's code object and instruction offset: what SourceLines.site returns for that frame
+   (f"{co_filename}:{f_lineno}", fixed for a code object and an offset). A direct-mapped table of
+   SRC_MEMO entries, each holding its code object (so its address is never reused while here) and
+   the line. Each entry also names the young generation of engine.sources.codes that was current
+   when it was made: a turnover or a clear of that Cache makes every entry a miss, as it drops the
+   Cache's own entries (the name is compared, never followed). A hit is a few loads and compares;
+   the lookup it replaces (two attribute gets, two ints made, two dict lookups) was ~165 ns an op
+   (bench/results/cxx-hit-parts-1207.md). Only a frame that is itself the user's is memoised: a
+   line found by walking out of torch's or deferfuse's frames depends on the frames outside, not
+   on the code object alone. Python 3.11 and later (PyFrame_GetLasti); counted in stats(). */
+#define SRC_MEMO 512
+typedef struct {
+    PyObject *code;     /* owned */
+    int lasti;
+    PyObject *young;    /* compared only, never dereferenced */
+    PyObject *src;      /* owned */
+} SrcMemo;
+
 typedef struct {
     PyObject *tpu_type;     /* TpuTensor */
     PyObject *py_dispatch;  /* route.torch_dispatch(cls, func, types, args, kwargs) */
@@ -185,11 +204,15 @@ typedef struct {
     PyObject *one, *zero;
     PyObject *loop_boundary;  /* "loop boundary" */
     PyObject *ts_pairs[64]; /* (TS, i) for i < 64 */
+    PyObject *source_codes; /* engine.sources.codes (a Cache): its young dict read at its slot */
+    SrcMemo src_memo[SRC_MEMO];     /* NOTE [source-line memo] */
     int ready;
-    unsigned long long hits, misses;
+    unsigned long long hits, misses, src_memo_hits, src_memo_misses;
 } FastState;
 
 static FastState S;
+static Layout L_cache;
+static const char *const CACHE_SLOTS[] = {"young"};
 
 /* interned attribute names */
 static PyObject *A_s, *A_device, *A_val, *A_sig, *A_dyn, *A_chain, *A_low, *A_static, *A_rng,
@@ -450,6 +473,22 @@ static PyObject *source_line(void) {
     PyFrameObject *f = PyEval_GetFrame();      /* the caller of the op: no frame of ours between */
     if (f == NULL)      /* a thread with no Python caller (autograd's device thread) */
         return PyObject_CallMethodOneArg(S.sources, A_site, Py_None);
+    /* NOTE [source-line memo] */
+    PyObject *young0 = *(PyObject **)((char *)S.source_codes + L_cache.off[0]);
+    PyCodeObject *code0 = PyFrame_GetCode(f);
+#if PY_VERSION_HEX >= 0x030B0000
+    int lasti0 = PyFrame_GetLasti(f);
+#else
+    int lasti0 = -1;    /* no memo */
+#endif
+    SrcMemo *m = &S.src_memo[(((size_t)code0 >> 4) ^ ((size_t)lasti0 * 2654435761u)) % SRC_MEMO];
+    if (young0 != NULL && m->code == (PyObject *)code0 && m->lasti == lasti0 && m->young == young0) {
+        Py_DECREF(code0);
+        S.src_memo_hits++;
+        Py_INCREF(m->src);
+        return m->src;
+    }
+    S.src_memo_misses++;
     PyObject *codes = GET(S.sources, A_codes);
     if (codes == NULL) return NULL;
     PyObject *young = GET(codes, A_young);
@@ -483,8 +522,21 @@ static PyObject *source_line(void) {
             Py_XINCREF(src);
             Py_DECREF(lasti);
         }
+        if (depth == 0 && lasti0 >= 0 && src != NULL && young == young0 && PyUnicode_CheckExact(src)) {
+            /* the op's caller is the user's frame: memoised (NOTE [source-line memo]) */
+            PyObject *old_code = m->code, *old_src = m->src;
+            Py_INCREF(code0);
+            Py_INCREF(src);
+            m->code = (PyObject *)code0;
+            m->lasti = lasti0;
+            m->young = young0;
+            m->src = src;
+            Py_XDECREF(old_code);
+            Py_XDECREF(old_src);
+        }
         break;
     }
+    Py_DECREF(code0);
     Py_DECREF(young);
     if (src == NULL && !PyErr_Occurred())
         src = PyObject_CallMethodOneArg(S.sources, A_site, (PyObject *)f);
@@ -1946,6 +1998,11 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
             slot_offsets(&L_ts, S.ts_type, TS_SLOTS, 2) < 0 ||
             slot_offsets(&L_entry, S.entry_type, ENTRY_SLOTS, 4) < 0)
         return NULL;
+    /* NOTE [source-line memo]: engine.sources.codes, whose young generation names the entries */
+    Py_XSETREF(S.source_codes, PyObject_GetAttr(S.sources, A_codes));
+    if (S.source_codes == NULL ||
+            slot_offsets(&L_cache, (PyObject *)Py_TYPE(S.source_codes), CACHE_SLOTS, 1) < 0)
+        return NULL;
     Py_XSETREF(S.config_dict, PyObject_GetAttrString(S.config, "__dict__"));
     if (S.config_dict == NULL) return NULL;
     if (!PyDict_CheckExact(S.config_dict)) {
@@ -1958,11 +2015,12 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
 }
 
 static PyObject *stats(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{sKsK}", "hits", S.hits, "misses", S.misses);
+    return Py_BuildValue("{sKsKsKsK}", "hits", S.hits, "misses", S.misses,
+                         "source_memo_hits", S.src_memo_hits, "source_memo_misses", S.src_memo_misses);
 }
 
 static PyObject *reset_stats(PyObject *self, PyObject *unused) {
-    S.hits = S.misses = 0;
+    S.hits = S.misses = S.src_memo_hits = S.src_memo_misses = 0;
     Py_RETURN_NONE;
 }
 

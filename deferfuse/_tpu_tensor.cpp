@@ -19,6 +19,7 @@
 // and a boxed fallback that hands every other op to one Python router (deferfuse/plain.py), with a
 // cache of output metadata for the floor measurement (`set_floor`).
 #include <torch/extension.h>
+#include <structmember.h>  // PyMemberDef types (Storage.val at its slot)
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ExpandUtils.h>
@@ -29,6 +30,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -1198,6 +1200,9 @@ struct Kernel {
   PyObject* (*record_c)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*) = nullptr;
   PyObject* record_capi = nullptr;  // the capsule, owned: keeps _fastpath's table alive
   PyObject* val_str = nullptr;    // "val"
+  // Storage.val read at its slot (val_slot's note): the Storage class and the slot's offset
+  PyTypeObject* val_type = nullptr;
+  Py_ssize_t val_off = -1;
   PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
   PyObject* strict_fn = nullptr;  // Plain.run_hit(entry, ins, scalars, dev), NOTE [C++ strict hits]
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
@@ -1224,16 +1229,18 @@ void kernel_clear() {
   K.entries.clear();
 }
 
-// One call's key and what a hit needs of it.
+// One call's key and what a hit needs of it. Small vectors: a hit's few inputs, scalars and fresh
+// outputs allocate nothing (bench/results/cxx-hit-parts-1207.md: the key and its vectors were
+// ~10% of a hit).
 struct Call {
   Key key;
-  std::vector<at::Tensor> tensors;  // tensor inputs, in dispatch.op_key's order
-  std::vector<IValue> scalars;      // runtime numbers (double or int), in its order
+  c10::SmallVector<at::Tensor, 4> tensors;  // tensor inputs, in dispatch.op_key's order
+  c10::SmallVector<IValue, 4> scalars;      // runtime numbers (double or int), in its order
   std::vector<int64_t> offs;        // moving windows' starts, in tensor order (NOTE [C++ moving windows])
   std::vector<std::pair<size_t, size_t>> moving;  // (tensor input, how many starts): empty, so
                                                   // allocating nothing, for calls without windows
   int64_t dev = -1;
-  std::vector<at::Tensor> fresh;    // the fresh out= tensors (NOTE [fresh out], [fresh outs]), or none
+  c10::SmallVector<at::Tensor, 2> fresh;  // the fresh out= tensors (NOTE [fresh out], [fresh outs]), or none
 };
 
 bool special_double(double d) { return d == 0 || d == 1 || d == -1 || d == 2 || d == 0.5; }
@@ -1482,6 +1489,32 @@ bool foreach_overlaps(const torch::jit::Stack& stack, size_t n) {
   throw std::move(err);
 }
 
+// A Storage's `val` (a new reference), or null with the error set. Storage is a slotted class
+// (deferfuse/tensor.py): its `val` slot is read at its offset, found once from the class's member
+// descriptor, when the object's class is exactly that one; anything else is a generic getattr
+// (which also raises the AttributeError of an unset slot). A generic getattr walks the class's MRO
+// for the descriptor first: ~45 ns an input of a hit.
+PyObject* storage_val(PyObject* st) {
+  auto& K = kernel();
+  if (K.val_type == nullptr) {
+    PyTypeObject* type = Py_TYPE(st);
+    PyObject* d = _PyType_Lookup(type, K.val_str);  // borrowed
+    if (d != nullptr && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+      PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+      if (m->type == T_OBJECT_EX && !(m->flags & READ_RESTRICTED)) {
+        Py_INCREF(type);  // held for the process's life, as the kernel's other Python objects
+        K.val_type = type;
+        K.val_off = m->offset;
+      }
+    }
+  }
+  if (Py_IS_TYPE(st, K.val_type)) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(st) + K.val_off);
+    if (v != nullptr) return Py_NewRef(v);
+  }
+  return PyObject_GetAttr(st, K.val_str);
+}
+
 // The hit: true when the op was recorded and its outputs are on the stack; false (nothing
 // changed) when the router must take it. Holds the GIL.
 bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
@@ -1517,7 +1550,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
         return false;
       }
     }
-    PyObject* v = PyObject_GetAttr(ctx->storage, K.val_str);
+    PyObject* v = storage_val(ctx->storage);
     if (v == nullptr) rethrow_python();
     PyList_SET_ITEM(ins.ptr(), i, v);
   }
