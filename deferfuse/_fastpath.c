@@ -20,6 +20,46 @@ as long as the interpreter (the engine is a process singleton).
 #include <pythread.h>
 #include <structmember.h>
 
+/* NOTE [hit timing]: with -DDEFERFUSE_HIT_TIMING (a debug build made by bench/cxx_hit_parts.py in
+   /tmp, never the shipped one: without the macro the marks compile to nothing), rdtsc marks
+   between the sections of record_storages_checked and record(): each mark adds the ticks since the
+   last one to its section, one row per recorded hit, read (and cleared) by hit_timing(). The C++
+   kernel's sections around it are in _tpu_tensor.cpp (the same NOTE). */
+#ifdef DEFERFUSE_HIT_TIMING
+#include <x86intrin.h>
+enum { R_ENTRY, R_HELD, R_TS, R_LOCK, R_TRACE, R_CHECKS, R_WIRING, R_VALUES, R_SRC, R_NODE,
+       R_HASH, R_KNOWN, R_STORAGES, R_DONE, R_UNLOCK, R_EXIT, R_N };
+static const char *const R_NAMES[R_N] = {
+    "entry: config.c_record, Entry.fast", "interrupt depth in", "engine.local.ts, ts.mode",
+    "engine lock acquire", "ts.trace", "record: trace checks, trace_limit", "record: wiring",
+    "record: output Values", "record: source-line flag", "record: s0/pos, Node, Value.node, append",
+    "record: rolling hashes", "record: known bodies", "record: Storages + weakrefs",
+    "record: decrefs", "engine lock release", "decrefs, interrupt depth out"};
+#define HT_ROWS (1 << 17)
+static unsigned long long ht_last;
+static unsigned int ht_cur[R_N];
+static unsigned int (*ht_rows)[R_N];
+static Py_ssize_t ht_n;
+static void ht_mark(int i) {
+    unsigned long long now = __rdtsc();
+    ht_cur[i] += (unsigned int)(now - ht_last);
+    ht_last = now;
+}
+static void ht_start(void) { memset(ht_cur, 0, sizeof ht_cur); ht_last = __rdtsc(); }
+static void ht_row(int keep) {
+    if (keep && ht_rows == NULL) ht_rows = calloc(HT_ROWS, sizeof *ht_rows);
+    if (keep && ht_rows != NULL && ht_n < HT_ROWS) memcpy(ht_rows[ht_n++], ht_cur, sizeof ht_cur);
+    memset(ht_cur, 0, sizeof ht_cur);
+}
+#define HT_MARK(i) ht_mark(i)
+#define HT_START() ht_start()
+#define HT_ROW(keep) ht_row(keep)
+#else
+#define HT_MARK(i) ((void)0)
+#define HT_START() ((void)0)
+#define HT_ROW(keep) ((void)0)
+#endif
+
 /* The records the C path makes without running their Python __init__: each slot written at its
    member offset (checked against the class's __slots__ at setup, so a class that changes makes
    setup fail, not a record with a slot missing). */
@@ -106,6 +146,25 @@ static const char *const TS_SLOTS[] = {"mode", "trace"};
 static const char *const ENTRY_SLOTS[] = {"fast", "res_avals", "khash", "ohash"};
 
 /* ------------------------------------------------------------------ the objects from setup */
+/* NOTE [source-line memo]: the user's source line of an op called from a user frame, by the
+   frame's code object and instruction offset: what SourceLines.site returns for that frame
+   (f"{co_filename}:{f_lineno}", fixed for a code object and an offset). A direct-mapped table of
+   SRC_MEMO entries, each holding its code object (so its address is never reused while here) and
+   the line. Each entry also names the young generation of engine.sources.codes that was current
+   when it was made: a turnover or a clear of that Cache makes every entry a miss, as it drops the
+   Cache's own entries (the name is compared, never followed). A hit is a few loads and compares;
+   the lookup it replaces (two attribute gets, two ints made, two dict lookups) was ~165 ns an op
+   (bench/results/cxx-hit-parts-1207.md). Only a frame that is itself the user's is memoised: a
+   line found by walking out of torch's or deferfuse's frames depends on the frames outside, not
+   on the code object alone. Python 3.11 and later (PyFrame_GetLasti); counted in stats(). */
+#define SRC_MEMO 512
+typedef struct {
+    PyObject *code;     /* owned */
+    int lasti;
+    PyObject *young;    /* compared only, never dereferenced */
+    PyObject *src;      /* owned */
+} SrcMemo;
+
 typedef struct {
     PyObject *tpu_type;     /* TpuTensor */
     PyObject *py_dispatch;  /* route.torch_dispatch(cls, func, types, args, kwargs) */
@@ -145,11 +204,15 @@ typedef struct {
     PyObject *one, *zero;
     PyObject *loop_boundary;  /* "loop boundary" */
     PyObject *ts_pairs[64]; /* (TS, i) for i < 64 */
+    PyObject *source_codes; /* engine.sources.codes (a Cache): its young dict read at its slot */
+    SrcMemo src_memo[SRC_MEMO];     /* NOTE [source-line memo] */
     int ready;
-    unsigned long long hits, misses;
+    unsigned long long hits, misses, src_memo_hits, src_memo_misses;
 } FastState;
 
 static FastState S;
+static Layout L_cache;
+static const char *const CACHE_SLOTS[] = {"young"};
 
 /* interned attribute names */
 static PyObject *A_s, *A_device, *A_val, *A_sig, *A_dyn, *A_chain, *A_low, *A_static, *A_rng,
@@ -410,6 +473,22 @@ static PyObject *source_line(void) {
     PyFrameObject *f = PyEval_GetFrame();      /* the caller of the op: no frame of ours between */
     if (f == NULL)      /* a thread with no Python caller (autograd's device thread) */
         return PyObject_CallMethodOneArg(S.sources, A_site, Py_None);
+    /* NOTE [source-line memo] */
+    PyObject *young0 = *(PyObject **)((char *)S.source_codes + L_cache.off[0]);
+    PyCodeObject *code0 = PyFrame_GetCode(f);
+#if PY_VERSION_HEX >= 0x030B0000
+    int lasti0 = PyFrame_GetLasti(f);
+#else
+    int lasti0 = -1;    /* no memo */
+#endif
+    SrcMemo *m = &S.src_memo[(((size_t)code0 >> 4) ^ ((size_t)lasti0 * 2654435761u)) % SRC_MEMO];
+    if (young0 != NULL && m->code == (PyObject *)code0 && m->lasti == lasti0 && m->young == young0) {
+        Py_DECREF(code0);
+        S.src_memo_hits++;
+        Py_INCREF(m->src);
+        return m->src;
+    }
+    S.src_memo_misses++;
     PyObject *codes = GET(S.sources, A_codes);
     if (codes == NULL) return NULL;
     PyObject *young = GET(codes, A_young);
@@ -443,8 +522,21 @@ static PyObject *source_line(void) {
             Py_XINCREF(src);
             Py_DECREF(lasti);
         }
+        if (depth == 0 && lasti0 >= 0 && src != NULL && young == young0 && PyUnicode_CheckExact(src)) {
+            /* the op's caller is the user's frame: memoised (NOTE [source-line memo]) */
+            PyObject *old_code = m->code, *old_src = m->src;
+            Py_INCREF(code0);
+            Py_INCREF(src);
+            m->code = (PyObject *)code0;
+            m->lasti = lasti0;
+            m->young = young0;
+            m->src = src;
+            Py_XDECREF(old_code);
+            Py_XDECREF(old_src);
+        }
         break;
     }
+    Py_DECREF(code0);
     Py_DECREF(young);
     if (src == NULL && !PyErr_Occurred())
         src = PyObject_CallMethodOneArg(S.sources, A_site, (PyObject *)f);
@@ -897,6 +989,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
     }
     dev_obj = PyLong_FromLong(dev);
     if (dev_obj == NULL) goto done;
+    HT_MARK(R_CHECKS);
 
     /* wiring: per input, (pos, idx) of a node of this trace, or an external input's index.
        A first pass decides (an input pending in another trace, or failed, donated or empty, goes
@@ -949,6 +1042,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         PyTuple_SET_ITEM(wiring, i, w);
     }
 
+    HT_MARK(R_WIRING);
     /* output Values */
     res = slot_get(&L_entry, 1, entry, A_res_avals);
     if (res == NULL) goto done;
@@ -973,6 +1067,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         PyTuple_SET_ITEM(outs, k, o);
     }
 
+    HT_MARK(R_VALUES);
     /* the user's source line (NOTE [record depth] in record.py) */
     PyObject *lines_o = config_get(A_source_lines);
     int lines = lines_o == NULL ? -1 : PyObject_IsTrue(lines_o);
@@ -984,6 +1079,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         src = Py_None; Py_INCREF(src);
     }
 
+    HT_MARK(R_SRC);
     s0 = PyLong_FromSsize_t(PyList_GET_SIZE(tscalars));
     pos_obj = PyLong_FromSsize_t(pos);
     if (s0 == NULL || pos_obj == NULL) goto done;
@@ -1006,6 +1102,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
                                 scalars) < 0)
         goto done;
 
+    HT_MARK(R_NODE);
     /* the rolling hashes: h over structure and wiring, hops over structure without sizes */
     khash = slot_get(&L_entry, 2, entry, A_khash);
     ohash = slot_get(&L_entry, 3, entry, A_ohash);
@@ -1042,6 +1139,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         T->h = hv;
         T->hops = hopv;
     }
+    HT_MARK(R_HASH);
     /* a known loop body ends here: cut before the next op */
     if (T->known != NULL && T->known != Py_None && PySet_GET_SIZE(T->known) > 0) {
         PyObject *p1 = PyLong_FromSsize_t(pos + 1), *ho = PyLong_FromSsize_t(T->hops);
@@ -1057,6 +1155,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         if (in < 0) goto done;
     }
 
+    HT_MARK(R_KNOWN);
     if (fast == Py_None) {
         /* an op that writes its inputs (dispatch._bind): each written storage takes its new
            value (Trace.track_mut first), and the op returns the arguments it names */
@@ -1168,6 +1267,7 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         PyTuple_SET_ITEM(made, k, t);
     }
     if (storages_only) {
+        HT_MARK(R_STORAGES);
         result = made;
         Py_INCREF(made);
     } else if (one) {
@@ -1187,6 +1287,7 @@ done:
     Py_XDECREF(node); Py_XDECREF(tscalars); Py_XDECREF(khash); Py_XDECREF(ohash);
     Py_XDECREF(dev_obj); Py_XDECREF(s0); Py_XDECREF(pos_obj); Py_XDECREF(storages);
     Py_XDECREF(made);
+    HT_MARK(R_DONE);
     return result;
 }
 
@@ -1809,6 +1910,7 @@ static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize
    checks, node, hashes and Storages. */
 static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObject *scalars,
                                          long dev, PyObject *writes, PyObject *mut) {
+    HT_START();
     if (!S.ready) Py_RETURN_NOTIMPLEMENTED;
     PyObject *on_o = config_get(A_c_record);
     int on = on_o == NULL ? -1 : PyObject_IsTrue(on_o);
@@ -1822,7 +1924,9 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
         Py_RETURN_NOTIMPLEMENTED;
     }
     int main;
+    HT_MARK(R_ENTRY);
     if (held_enter(&main) < 0) { Py_DECREF(fast); return NULL; }
+    HT_MARK(R_HELD);
     PyObject *result = NULL, *ts = NULL, *tmode = NULL, *trace = NULL;
     ts = GET(S.local, A_ts);
     if (ts == NULL) goto done;
@@ -1831,10 +1935,13 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
     int defer = PyObject_RichCompareBool(tmode, S.defer_str, Py_EQ);
     if (defer < 0) goto done;
     if (!defer) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
+    HT_MARK(R_TS);
     PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
     if (r == NULL) goto done;
     Py_DECREF(r);
+    HT_MARK(R_LOCK);
     trace = slot_get(&L_ts, 1, ts, A_trace);
+    HT_MARK(R_TRACE);
     if (trace != NULL)
         result = record(trace, entry, fast, ins, scalars, dev, writes, mut, NULL, NULL, NULL, 1);
     PyObject *exc_type, *exc_val, *exc_tb;
@@ -1844,11 +1951,14 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
                      Py_XDECREF(exc_val); Py_XDECREF(exc_tb); goto done; }
     Py_DECREF(r);
     PyErr_Restore(exc_type, exc_val, exc_tb);
+    HT_MARK(R_UNLOCK);
 done:
     Py_DECREF(fast); Py_XDECREF(ts); Py_XDECREF(tmode); Py_XDECREF(trace);
     int taken = result != NULL && result != Py_NotImplemented;
     if (taken) S.hits++;
     if (held_exit(main, taken) < 0) { Py_XDECREF(result); return NULL; }
+    HT_MARK(R_EXIT);
+    HT_ROW(taken);
     return result;
 }
 
@@ -1888,6 +1998,11 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
             slot_offsets(&L_ts, S.ts_type, TS_SLOTS, 2) < 0 ||
             slot_offsets(&L_entry, S.entry_type, ENTRY_SLOTS, 4) < 0)
         return NULL;
+    /* NOTE [source-line memo]: engine.sources.codes, whose young generation names the entries */
+    Py_XSETREF(S.source_codes, PyObject_GetAttr(S.sources, A_codes));
+    if (S.source_codes == NULL ||
+            slot_offsets(&L_cache, (PyObject *)Py_TYPE(S.source_codes), CACHE_SLOTS, 1) < 0)
+        return NULL;
     Py_XSETREF(S.config_dict, PyObject_GetAttrString(S.config, "__dict__"));
     if (S.config_dict == NULL) return NULL;
     if (!PyDict_CheckExact(S.config_dict)) {
@@ -1900,13 +2015,33 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
 }
 
 static PyObject *stats(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{sKsK}", "hits", S.hits, "misses", S.misses);
+    return Py_BuildValue("{sKsKsKsK}", "hits", S.hits, "misses", S.misses,
+                         "source_memo_hits", S.src_memo_hits, "source_memo_misses", S.src_memo_misses);
 }
 
 static PyObject *reset_stats(PyObject *self, PyObject *unused) {
-    S.hits = S.misses = 0;
+    S.hits = S.misses = S.src_memo_hits = S.src_memo_misses = 0;
     Py_RETURN_NONE;
 }
+
+#ifdef DEFERFUSE_HIT_TIMING
+/* NOTE [hit timing]: (section names, rows as bytes of uint32 ticks, one row per hit); clears */
+static PyObject *hit_timing(PyObject *self, PyObject *unused) {
+    PyObject *names = PyTuple_New(R_N);
+    if (names == NULL) return NULL;
+    for (int i = 0; i < R_N; i++) {
+        PyObject *s = PyUnicode_FromString(R_NAMES[i]);
+        if (s == NULL) { Py_DECREF(names); return NULL; }
+        PyTuple_SET_ITEM(names, i, s);
+    }
+    PyObject *b = PyBytes_FromStringAndSize(ht_rows ? (const char *)ht_rows : "",
+                                            ht_rows ? ht_n * (Py_ssize_t)sizeof *ht_rows : 0);
+    ht_n = 0;
+    PyObject *r = b ? PyTuple_Pack(2, names, b) : NULL;
+    Py_DECREF(names); Py_XDECREF(b);
+    return r;
+}
+#endif
 
 static PyMethodDef methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
@@ -1918,6 +2053,9 @@ static PyMethodDef methods[] = {
      "NOTE [rolling hashes in C]: hash the trace's tuples from their items (on) or pack them."},
     {"stats", stats, METH_NOARGS, "Calls taken by the fast case (hits) and passed on (misses)."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
+#ifdef DEFERFUSE_HIT_TIMING
+    {"hit_timing", hit_timing, METH_NOARGS, "NOTE [hit timing]: (names, rows of ticks); clears."},
+#endif
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpath",

@@ -19,6 +19,7 @@
 // and a boxed fallback that hands every other op to one Python router (deferfuse/plain.py), with a
 // cache of output metadata for the floor measurement (`set_floor`).
 #include <torch/extension.h>
+#include <structmember.h>  // PyMemberDef types (Storage.val at its slot)
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ExpandUtils.h>
@@ -29,6 +30,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -37,6 +39,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#ifdef DEFERFUSE_HIT_TIMING
+#include <x86intrin.h>
+#endif
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -51,6 +57,62 @@ namespace {
 using c10::IValue;
 using IntVec = std::vector<int64_t>;
 
+// NOTE [hit timing] in _fastpath.c: with -DDEFERFUSE_HIT_TIMING (a debug build in /tmp, made by
+// bench/cxx_hit_parts.py; without the macro the marks compile to nothing), rdtsc marks between the
+// sections of a kernel hit and around it: the gap from the last fallback's exit to this op's
+// `empty_strided` (PyTorch's return to Python, the caller's loop, the next call's argument
+// parsing, autograd, the structured op's meta function), the output's release (free_ctx), the
+// output TensorImpl (`empty_strided`), the dispatch from there to the fallback (the `.out`
+// call, boxing), then the fallback's own sections. One row of ticks per hit, read by hit_timing().
+#ifdef DEFERFUSE_HIT_TIMING
+enum { H_RET, H_FREE, H_CALL, H_EMPTY, H_OUT, H_FLOOR, H_GIL, H_KEY, H_FIND, H_FRESH, H_INS,
+       H_SCALARS, H_FAKE, H_RECORD, H_OUTS, H_STACK, H_LOCALS, H_GIL_OUT, H_N };
+const char* const H_NAMES[H_N] = {
+    "gap: fallback exit to free_ctx (return to Python, wrap, the loop)", "free_ctx (the last output released)",
+    "gap: to empty_strided (arg parsing, autograd, meta)", "empty_strided (the output TensorImpl)",
+    "gap: empty_strided to the fallback (add.out dispatch, boxing)", "fallback entry, floor check",
+    "GIL acquire", "plan lookup + build_key", "entries.find", "kernel_hit: fresh out checks",
+    "ins: Storage.val per input", "scalars list", "fake-mode check, dev int", "record_c (_fastpath)",
+    "outputs: tuple check, ctx->storage", "stack drop/push", "locals freed (Call, lists)", "GIL release"};
+struct HitTiming {
+  unsigned long long last = 0;
+  uint32_t cur[H_N] = {};
+  std::vector<std::array<uint32_t, H_N>> rows;
+};
+HitTiming& ht() {
+  static HitTiming* h = new HitTiming();
+  return *h;
+}
+inline void hit_mark(int i) {
+  auto& h = ht();
+  unsigned long long now = __rdtsc();
+  h.cur[i] += static_cast<uint32_t>(now - h.last);
+  h.last = now;
+}
+void hit_row(bool keep) {
+  auto& h = ht();
+  if (keep && h.rows.size() < (1u << 17)) {
+    std::array<uint32_t, H_N> r;
+    std::copy(std::begin(h.cur), std::end(h.cur), r.begin());
+    h.rows.push_back(r);
+  }
+  std::fill(std::begin(h.cur), std::end(h.cur), 0);
+}
+struct HitExit {
+  bool hit = false;
+  ~HitExit() {
+    hit_mark(H_GIL_OUT);
+    hit_row(hit);
+  }
+};
+struct HitLocals {
+  ~HitLocals() { hit_mark(H_LOCALS); }
+};
+#define HIT_MARK(i) hit_mark(i)
+#else
+#define HIT_MARK(i) ((void)0)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // storage: the engine value
 
@@ -64,12 +126,14 @@ struct StorageCtx {
 };
 
 void free_ctx(void* p) {
+  HIT_MARK(H_RET);
   auto* ctx = static_cast<StorageCtx*>(p);
   if (ctx->storage != nullptr && Py_IsInitialized()) {
     py::gil_scoped_acquire gil;
     Py_DECREF(ctx->storage);
   }
   delete ctx;
+  HIT_MARK(H_FREE);
 }
 
 // NOTE [plain device guard]: PrivateUse1's device guard in C++. PyTorch's guard for a Python
@@ -290,20 +354,24 @@ struct DeviceScope {
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype, std::optional<c10::Layout>,
                          std::optional<c10::Device> device, std::optional<bool>) {
+  HIT_MARK(H_CALL);
   DeviceScope g(device);
   at::Tensor t = at::detail::empty_strided_generic(size, stride, &allocator(), tpu_keys(),
                                              dtype.value_or(c10::get_default_dtype_as_scalartype()));
   remember_base(t);
+  HIT_MARK(H_EMPTY);
   return t;
 }
 
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
                                std::optional<c10::Layout>, std::optional<c10::Device> device,
                                std::optional<bool>, std::optional<c10::MemoryFormat> mf) {
+  HIT_MARK(H_CALL);
   DeviceScope g(device);
   at::Tensor t = at::detail::empty_generic(size, &allocator(), tpu_keys(),
                                      dtype.value_or(c10::get_default_dtype_as_scalartype()), mf);
   remember_base(t);
+  HIT_MARK(H_EMPTY);
   return t;
 }
 
@@ -1132,6 +1200,9 @@ struct Kernel {
   PyObject* (*record_c)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*) = nullptr;
   PyObject* record_capi = nullptr;  // the capsule, owned: keeps _fastpath's table alive
   PyObject* val_str = nullptr;    // "val"
+  // Storage.val read at its slot (val_slot's note): the Storage class and the slot's offset
+  PyTypeObject* val_type = nullptr;
+  Py_ssize_t val_off = -1;
   PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
   PyObject* strict_fn = nullptr;  // Plain.run_hit(entry, ins, scalars, dev), NOTE [C++ strict hits]
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
@@ -1158,16 +1229,18 @@ void kernel_clear() {
   K.entries.clear();
 }
 
-// One call's key and what a hit needs of it.
+// One call's key and what a hit needs of it. Small vectors: a hit's few inputs, scalars and fresh
+// outputs allocate nothing (bench/results/cxx-hit-parts-1207.md: the key and its vectors were
+// ~10% of a hit).
 struct Call {
   Key key;
-  std::vector<at::Tensor> tensors;  // tensor inputs, in dispatch.op_key's order
-  std::vector<IValue> scalars;      // runtime numbers (double or int), in its order
+  c10::SmallVector<at::Tensor, 4> tensors;  // tensor inputs, in dispatch.op_key's order
+  c10::SmallVector<IValue, 4> scalars;      // runtime numbers (double or int), in its order
   std::vector<int64_t> offs;        // moving windows' starts, in tensor order (NOTE [C++ moving windows])
   std::vector<std::pair<size_t, size_t>> moving;  // (tensor input, how many starts): empty, so
                                                   // allocating nothing, for calls without windows
   int64_t dev = -1;
-  std::vector<at::Tensor> fresh;    // the fresh out= tensors (NOTE [fresh out], [fresh outs]), or none
+  c10::SmallVector<at::Tensor, 2> fresh;  // the fresh out= tensors (NOTE [fresh out], [fresh outs]), or none
 };
 
 bool special_double(double d) { return d == 0 || d == 1 || d == -1 || d == 2 || d == 0.5; }
@@ -1416,6 +1489,32 @@ bool foreach_overlaps(const torch::jit::Stack& stack, size_t n) {
   throw std::move(err);
 }
 
+// A Storage's `val` (a new reference), or null with the error set. Storage is a slotted class
+// (deferfuse/tensor.py): its `val` slot is read at its offset, found once from the class's member
+// descriptor, when the object's class is exactly that one; anything else is a generic getattr
+// (which also raises the AttributeError of an unset slot). A generic getattr walks the class's MRO
+// for the descriptor first: ~45 ns an input of a hit.
+PyObject* storage_val(PyObject* st) {
+  auto& K = kernel();
+  if (K.val_type == nullptr) {
+    PyTypeObject* type = Py_TYPE(st);
+    PyObject* d = _PyType_Lookup(type, K.val_str);  // borrowed
+    if (d != nullptr && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+      PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+      if (m->type == T_OBJECT_EX && !(m->flags & READ_RESTRICTED)) {
+        Py_INCREF(type);  // held for the process's life, as the kernel's other Python objects
+        K.val_type = type;
+        K.val_off = m->offset;
+      }
+    }
+  }
+  if (Py_IS_TYPE(st, K.val_type)) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(st) + K.val_off);
+    if (v != nullptr) return Py_NewRef(v);
+  }
+  return PyObject_GetAttr(st, K.val_str);
+}
+
 // The hit: true when the op was recorded and its outputs are on the stack; false (nothing
 // changed) when the router must take it. Holds the GIL.
 bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
@@ -1433,6 +1532,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
       return false;
     }
   }
+  HIT_MARK(H_FRESH);
   py::list ins(c.tensors.size());
   for (size_t i = 0; i < c.tensors.size(); ++i) {
     auto* ctx = static_cast<StorageCtx*>(c.tensors[i].storage().data_ptr().get_context());
@@ -1450,10 +1550,11 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
         return false;
       }
     }
-    PyObject* v = PyObject_GetAttr(ctx->storage, K.val_str);
+    PyObject* v = storage_val(ctx->storage);
     if (v == nullptr) rethrow_python();
     PyList_SET_ITEM(ins.ptr(), i, v);
   }
+  HIT_MARK(H_INS);
   py::list scalars(c.scalars.size());
   for (size_t i = 0; i < c.scalars.size(); ++i) {
     const auto& s = c.scalars[i];
@@ -1467,6 +1568,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     if (o == nullptr || PyList_Append(scalars.ptr(), o) < 0) rethrow_python();
     Py_DECREF(o);
   }
+  HIT_MARK(H_SCALARS);
   if (K.record_c != nullptr &&
       c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value()) {
     // record_storages' fake mode check, made here (NOTE [C++ node hand-over])
@@ -1508,9 +1610,11 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     return true;
   }
   PyObject* argv[4] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr()};
+  HIT_MARK(H_FAKE);
   PyObject* r = K.record_c != nullptr
       ? K.record_c(e.entry, ins.ptr(), scalars.ptr(), static_cast<long>(c.dev), nullptr, nullptr)
       : PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
+  HIT_MARK(H_RECORD);
   if (r == nullptr) rethrow_python();
   py::object res = py::reinterpret_steal<py::object>(r);
   if (r == Py_NotImplemented && K.strict_fn != nullptr) {
@@ -1551,6 +1655,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     Py_XSETREF(ctx->storage, st);
     outs.emplace_back(std::move(t));
   }
+  HIT_MARK(H_OUTS);
   torch::jit::drop(*stack, n);
   if (e.list_out) {  // one Tensor[] (_foreach_sqrt)
     c10::List<at::Tensor> l;
@@ -1560,6 +1665,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     return true;
   }
   for (auto& o : outs) stack->push_back(std::move(o));
+  HIT_MARK(H_STACK);
   return true;
 }
 
@@ -1730,10 +1836,19 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   const auto& schema = op.schema();
   const auto& arguments = schema.arguments();
   const size_t n = arguments.size(), nret = schema.returns().size();
+#ifdef DEFERFUSE_HIT_TIMING
+  HIT_MARK(H_OUT);
+  HitExit hit_exit;
+#endif
   FloorKey key;
   auto& fc = floor_cache();
   if (fc.on && floor_hit(op, stack, key)) return;
+  HIT_MARK(H_FLOOR);
   py::gil_scoped_acquire gil;
+  HIT_MARK(H_GIL);
+#ifdef DEFERFUSE_HIT_TIMING
+  HitLocals hit_locals;
+#endif
   // NOTE [C++ recording kernel]
   auto& K = kernel();
   const bool kernel_on = K.on && K.learn_fn != nullptr && !fc.on;
@@ -1745,8 +1860,10 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     if (pit != K.plans.end()) {
       plan = &pit->second;
       if (plan->ok && build_key(op, *plan, *stack, n, call)) {
+        HIT_MARK(H_KEY);
         const bool overlaps = plan->foreach && foreach_overlaps(*stack, n);
         auto it = overlaps ? K.entries.end() : K.entries.find(call.key);
+        HIT_MARK(H_FIND);
         if (overlaps) {
           ++K.overlaps;  // NOTE [C++ foreach]: the router, one element at a time; nothing learnt
         } else if (it == K.entries.end()) {
@@ -1754,6 +1871,9 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
           learn = true;
         } else if (it->second.entry != nullptr && kernel_hit(it->second, call, stack, n)) {
           ++K.hits;
+#ifdef DEFERFUSE_HIT_TIMING
+          hit_exit.hit = true;
+#endif
           return;
         } else {
           ++K.passed;
@@ -1946,7 +2066,7 @@ bool is_plain(const at::Tensor& t) { return is_plain_tensor(t); }
 
 }  // namespace
 
-// NOTE [extension build] in setup.py: the torch this library is built for, which deferfuse/plain.py
+// NOTE [extension build] in setup.py: the torch this library is built for, which deferfuse/cxxext.py
 // reads from the file before loading it, so a library built for another torch (another C++ ABI) is
 // refused with the fix, never loaded.
 extern "C" __attribute__((visibility("default"), used))
@@ -1955,6 +2075,26 @@ const char deferfuse_built_for_torch[] = "deferfuse-built-for-torch:" DEFERFUSE_
 PYBIND11_MODULE(_tpu_tensor, m) {
   m.doc() = "deferfuse's plain PrivateUse1 tpu tensor (NOTE [plain tensor] in _tpu_tensor.cpp)";
   m.def("install", &install, "register the kernels, the allocator and the fallback (once)");
+#ifdef DEFERFUSE_HIT_TIMING
+  m.def("hit_timing", []() {
+    // NOTE [hit timing]: (section names, rows as bytes of uint32 ticks, one row per hit); clears
+    auto& h = ht();
+    py::tuple names(static_cast<size_t>(H_N));
+    for (int i = 0; i < H_N; ++i) names[i] = py::str(H_NAMES[i]);
+    py::bytes b(reinterpret_cast<const char*>(h.rows.data()), h.rows.size() * sizeof(h.rows[0]));
+    h.rows.clear();
+    return py::make_tuple(names, b);
+  });
+  m.def("ticks", []() { return __rdtsc(); }, "NOTE [hit timing]: the time stamp counter");
+  m.def("gil_pair_ticks", [](int n) {
+    // NOTE [hit timing]: one release and re-acquire of the GIL, uncontended, as a hit pays it
+    unsigned long long t0 = __rdtsc();
+    for (int i = 0; i < n; ++i) {
+      py::gil_scoped_release r;
+    }
+    return static_cast<double>(__rdtsc() - t0) / n;
+  });
+#endif
   m.def("storage", &storage);
   m.def("set_storage", &set_storage);
   m.def("base", &base);

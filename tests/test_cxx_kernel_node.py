@@ -268,3 +268,49 @@ def test_rolling_hashes_from_any_start_equal_python(start):
                 assert_same(z, cx + cy)
     assert got[True][2] == 1 and got[False][2] == 0, got
     assert got[True][:2] == got[False][:2]
+
+
+def _lines(x, y):
+    """Kernel hits called from this frame and from inside torch's (F.relu's frame calls the op:
+    its user line is found by walking out, from two lines of this frame); the lines of each call,
+    in order."""
+    import inspect
+    import torch.nn.functional as F
+    here = inspect.currentframe().f_lineno
+    a = x + y           # here + 1
+    b = F.relu(a)       # here + 2: the op called from torch's frame
+    c = F.relu(y)       # here + 3: the same torch frame and offset, another user line
+    d = a * y           # here + 4
+    return [a, b, c, d], [f"{__file__}:{here + k}" for k in (1, 2, 3, 4)]
+
+
+@pytest.mark.modes("defer")
+def test_source_lines_of_kernel_hits_memoised_per_user_frame():
+    """NOTE [source-line memo] in _fastpath.c: the kernel's hits carry the user's source line,
+    memoised by code object and offset only where the op's caller is the user's frame; the ops
+    called from torch's frame still walk out to the line that called it; a clear of the source
+    line cache drops the memo's entries; values equal CPU eager's."""
+    torch.manual_seed(5)
+    cx, cy = torch.randn(4, 3), torch.randn(4, 3)
+    want, _ = _lines(cx, cy)
+    memo = []
+    for r in range(6):
+        # rounds 0-1: each op's plan, then its key, learnt (the router records those)
+        if r in (2, 5):
+            engine.sources.codes.clear()
+        deferfuse.sync()
+        x, y = cx.to("tpu"), cy.to("tpu")
+        deferfuse.sync()
+        h, st = _hits(), _fastpath.stats()
+        got, lines = _lines(x, y)
+        assert _hits() - h == 4 or r < 2, (r, _hits() - h)
+        memo.append(_fastpath.stats()["source_memo_hits"] - st["source_memo_hits"])
+        srcs = [n.src for n in engine.local.ts.trace.nodes[-4:]]
+        assert srcs == lines, (r, srcs)
+        deferfuse.sync()
+        for g, w in zip(got, want):
+            assert_same(g, w)
+    # after a clear of the source line cache, round 2 fills it, round 3 fills the memo for x + y
+    # and a * y (their caller is this file's frame), round 4 hits it for both; the relu calls
+    # never use it; the clear before round 5 empties it
+    assert memo[2:] == [0, 0, 2, 0], memo
