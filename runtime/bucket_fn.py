@@ -48,11 +48,14 @@ def _padded_index(ix, forms, mask, wrap, exc, msg, t):
     """An index tensor of a gather or scatter at bucket length: its padded entries read or write
     position 0 (``mask``), and indices checked against the exact extent ``wrap`` (``exc(msg)`` as
     CPU raises it) and kept inside it."""
+    valid = None
     if mask:
         ix = _mask_dims(ix, range(ix.ndim), forms, jnp.zeros((), ix.dtype), t)
+        valid = _mask_dims(jnp.ones(ix.shape, bool), range(ix.ndim), forms, False, t)
     if wrap is not None:
         ext = jnp.asarray(wrap[0] * t + wrap[1])
-        check_index_sized(ix, ext, exc, msg, allow_negative=False)
+        # the padding's 0 is out of range of an empty dim: only the exact entries are checked
+        check_index_sized(ix, ext, exc, msg, allow_negative=False, valid=valid)
         ix = _zero_outside(ix, ext)
     return ix
 
@@ -97,14 +100,16 @@ class NodeFn:
                                  jnp.zeros((), vals[i].dtype), t)
         elif rule == "advanced":
             masks, wraps = p.extra
+            valid = {}
             for i, dims in masks:
                 vals[i] = _mask_dims(vals[i], dims, p.in_forms[i], jnp.zeros((), vals[i].dtype), t)
+                valid[i] = _mask_dims(jnp.ones(vals[i].shape, bool), dims, p.in_forms[i], False, t)
             for i, (a, b), k in wraps:
                 ext = jnp.asarray(a * t + b)
                 ix = vals[i]
                 check_index_sized(ix, ext, IndexError,
                                   f"index {{index}} is out of bounds for dimension {k} with size "
-                                  "{size}")
+                                  "{size}", valid=valid.get(i))
                 ix = jnp.where(ix < 0, ix + ext.astype(ix.dtype), ix)
                 vals[i] = _zero_outside(ix, ext)
         elif rule == "along":

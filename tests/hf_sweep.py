@@ -191,6 +191,15 @@ def tiny_config(cfg, depth=0, fallback=False):
             _set(cfg, k, [min(2 ** i, 8) for i in range(len(d[k]))])
     for k in ints(_KV_HEADS):
         _set(cfg, k, HEADS if old_heads is None or d[k] >= old_heads else 2)
+    # Widths the default config makes equal to the transformer's (oneformer's pixel decoder
+    # conv_dim and mask_dim = hidden_dim) stay equal to it: where they differ, oneformer projects
+    # each feature level with a Conv2d kept in a plain Python list, not registered, so
+    # ``model.to(device)`` leaves it on CPU (a transformers bug; any device, CUDA too, then
+    # refuses the mixed conv2d). Equal, that projection is the identity, as in the default model.
+    if isinstance(d.get("hidden_dim"), int):
+        for k in ints(("conv_dim", "mask_dim")):
+            if d[k] == d["hidden_dim"]:
+                _set(cfg, k, cfg.hidden_dim)
     for k in ints(_HEAD_DIM):
         _set(cfg, k, HEAD_DIM)
     for k in ints(_EXPERTS):

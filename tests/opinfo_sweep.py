@@ -161,7 +161,8 @@ def ties_view(name: str, s, inp, out):
     sel = sel if keep else sel.squeeze(dim)
     if k is None:
         return sel
-    return type(out)(*[sel if i == k else o for i, o in enumerate(out)])
+    # (a structseq such as torch.return_types.sort takes one sequence, not its fields as arguments)
+    return type(out)([sel if i == k else o for i, o in enumerate(out)])
 
 
 # Why the known failures fail, {op: (group, cause)} (for the table; the sweep does not use it).

@@ -168,6 +168,15 @@ def test_batch_norm_scales_initialised_near_zero_are_set_to_one():
 
 
 @pytest.mark.modes("strict")     # no device work: once
+def test_oneformer_pixel_decoder_width_follows_its_hidden_width():
+    """oneformer's default config has conv_dim = mask_dim = hidden_dim; where the tiny config
+    made them differ, its transformer module projected each level with a Conv2d held in a plain
+    list, which ``model.to("tpu")`` leaves on CPU (the row's "tpu:0 and cpu" error). Config only."""
+    c = hs.tiny_config(transformers.AutoConfig.for_model("oneformer"))
+    assert c.conv_dim == c.mask_dim == c.hidden_dim < 256
+
+
+@pytest.mark.modes("strict")     # no device work: once
 def test_build_rules_for_widths_and_inputs():
     """The rules of the second pass over the "not built" list (configs only, no model built): a
     backbone's out_indices scaled to the tiny depth (lw_detr_vit's stage 12 of 12 is stage 2 of 2),

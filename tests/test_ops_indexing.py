@@ -314,3 +314,33 @@ def test_masked_scatter_gradients(mask_shape):
     for a, b in zip(run("tpu"), want):
         assert_same(a, b)
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_indexing_an_empty_dim_after_other_sizes_as_cpu(mode):
+    # The sizes change from call to call, so the ops run padded in buckets (NOTE [buckets]):
+    # an index's padding reads position 0, which is out of range of a dim of length 0; only the
+    # index's exact entries are checked (sort's indices of an empty row, then take_along_dim:
+    # the OpInfo sweep's sort and argsort ties view).
+    torch.manual_seed(0)
+    with deferfuse.mode(mode):
+        for n in (5, 3, 0, 4, 0):
+            x = torch.randn(n)
+            check(lambda v: torch.take_along_dim(v, torch.argsort(v), -1), x)
+            check(lambda v: torch.sort(v, descending=True).values, x)
+            check(lambda v: torch.gather(v, 0, torch.argsort(v)), x)
+            check(lambda v: v.index_select(0, torch.argsort(v)), x)
+            check(lambda v: v[torch.argsort(v)], x)
+            m = torch.randn(n, 3)
+            check(lambda v: torch.take_along_dim(v, v.argsort(0), 0), m)
+    # an index that is out of range still raises as on CPU once the dim is empty
+    with deferfuse.mode("strict"):
+        for n in (5, 3, 0):
+            x, i = torch.randn(n), torch.zeros(2, dtype=torch.long)
+            if n:
+                check(lambda v, j: torch.gather(v, 0, j), x, i)
+                continue
+            with pytest.raises(RuntimeError, match="index 0 is out of bounds for dimension 0 with size 0"):
+                torch.gather(x, 0, i)
+            with pytest.raises(RuntimeError, match="index 0 is out of bounds for dimension 0 with size 0"):
+                torch.gather(x.to(T), 0, i.to(T)).cpu()

@@ -82,15 +82,18 @@ def _first_bad(index, bad):
 
 
 def check_index_sized(index, size, exc=IndexError, message: str = "",
-                      allow_negative: bool = True):
+                      allow_negative: bool = True, valid=None):
     """``check_index`` against a size known only when the program runs (a padded dim's exact
     length, NOTE [buckets]): ``message`` names ``{index}`` and ``{size}``; the flag carries both,
-    as ``code * 2**32 + size`` (``flag_message``)."""
+    as ``code * 2**32 + size`` (``flag_message``). ``valid``: the entries to check (a padded
+    index's exact ones; its padding indexes nothing, even where the dim it reads is empty)."""
     import jax.numpy as jnp
     if index.size == 0:
         return
     size = jnp.asarray(size).astype(jnp.int64)
     bad = ((index < -size) if allow_negative else (index < 0)) | (index >= size)
+    if valid is not None:
+        bad = bad & valid
     code = _first_bad(index, bad)
     _traced.flags.append((jnp.where(jnp.any(bad), code * (2 ** 32) + size, 0), exc, message))
 
