@@ -151,17 +151,20 @@ def _set(cfg, name, value):
         pass
 
 
-def tiny_config(cfg, depth=0, fallback=False):
+def tiny_config(cfg, depth=0, fallback=False, widths=None):
     """Shrink ``cfg`` (a PretrainedConfig) in place, and the configs nested in it; returns it.
-    ``fallback``: the second pass (``_fallback``), for a model the first pass does not build."""
+    ``fallback``: the second pass (``_fallback``), for a model the first pass does not build;
+    ``widths``: the default hidden widths of the whole config tree (the fallback reads them)."""
     from transformers import PretrainedConfig
     _untimm(cfg, fallback)
     d = cfg.to_dict()
+    if widths is None:
+        widths = _tree_widths(d)
     # Nested configs first (text_config, vision_config, audio_config, encoder, decoder, ...).
     for k in list(d):
         v = _get(cfg, k)
         if isinstance(v, PretrainedConfig) and depth < 3:
-            tiny_config(v, depth + 1, fallback)
+            tiny_config(v, depth + 1, fallback, widths)
     old_layers = {k: d[k] for k in _LAYERS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
     if isinstance(d.get("depths"), list):   # a stage count (swin's num_layers), not a layer count
         old_layers = {k: v for k, v in old_layers.items() if v != len(d["depths"])}
@@ -343,8 +346,44 @@ def tiny_config(cfg, depth=0, fallback=False):
         if isinstance(d.get("label_length"), int) and d["label_length"] > 4:
             _set(cfg, "label_length", 4)    # autoformer's decoder start: the context's last steps
     if fallback:
-        _fallback(cfg, d)
+        _fallback(cfg, d, widths, fallback)
     return cfg
+
+
+def _tree_widths(d, depth=0):
+    """{hidden width: head width} of a config's default dict and of the dicts nested in it: the
+    widths ``_HIDDEN`` names, each with its attention heads' width (hidden // heads) where the
+    same config has a head count; under "image", the largest default image side above
+    ``FALLBACK_IMAGE``; under "patch", where some config of the tree has fixed ``*feature_sizes``,
+    the smallest default patch size of the tree."""
+    out = {}
+    heads = next((d[k] for k in _HEADS if isinstance(d.get(k), int) and d[k] > 0), None)
+    for k in _HIDDEN:
+        v = d.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > HIDDEN:
+            out.setdefault(v, v // heads if heads and v % heads == 0 else None)
+    img = d.get("image_size")
+    img = img[0] if isinstance(img, (list, tuple)) and img else img
+    if isinstance(img, int) and not isinstance(img, bool) and img > FALLBACK_IMAGE:
+        out["image"] = max(out.get("image") or 0, img)
+    if any(isinstance(k, str) and k.endswith("feature_sizes") for k in d):
+        out["patch"] = 0    # the smallest default patch of the tree, filled below
+    for v in d.values():
+        if isinstance(v, dict) and depth < 3:
+            for w, h in _tree_widths(v, depth + 1).items():
+                out[w] = max(out.get(w) or 0, h) if w == "image" else out.get(w, h)
+    if depth == 0 and "patch" in out:
+        out["patch"] = min(_patches(d)) if _patches(d) else None
+    return out
+
+
+def _patches(d, depth=0):
+    """The default patch sizes (ints up to 16) of a config dict and of the dicts nested in it."""
+    out = [d["patch_size"]] if isinstance(d.get("patch_size"), int) and 0 < d["patch_size"] <= 16 else []
+    for v in d.values():
+        if isinstance(v, dict) and depth < 3:
+            out += _patches(v, depth + 1)
+    return out
 
 
 def _CHANNELS(name):
@@ -375,7 +414,7 @@ def _untimm(cfg, fallback=False):
                 _set(cfg, "timm_kwargs", {})
 
 
-def _fallback(cfg, d):
+def _fallback(cfg, d, widths=None, level=1):
     """The second pass of ``tiny_config``, for a model its first pass does not build (``check``
     builds with it only then, so no row the first pass builds changes): ``d`` is the config's
     default dict, ``cfg`` the config after the first pass.
@@ -387,7 +426,26 @@ def _fallback(cfg, d):
       audio padding row) keep their distance from the vocabulary's end;
     - key/value sharing across the last layers (gemma3n) needs more layers than the tiny two: off;
     - images: ``FALLBACK_IMAGE`` pixels a side, for a vision config without an image size too
-      (``inputs`` reads the config's)."""
+      (``inputs`` reads the config's);
+    - widths a model computes from other fields or reads from another tower under a name of its own
+      (``widths``: the default hidden widths of the whole tree): a width field whose default is one
+      of those hidden widths gets the tiny one (SAM's 256-wide neck and mask decoder beside its
+      768-wide encoder, superpoint's descriptors read by superglue and lightglue), one whose default
+      is half of one gets half the tiny one (SAM's positional features); a width that is a head's
+      width (bros's box projection, hidden // heads) gets ``HEAD_DIM``; grids of patches computed
+      once from the default image (SAM's prompt encoder: image size // patch size) are recomputed;
+    - per-stage width lists that run from a hidden width up (sam2's hiera ``embed_dim_per_stage``
+      and its neck's ``backbone_channel_list``): the same multiples of the tiny width; a stem's
+      width that feeds the first stage (textnet's ``stem_out_channels``): the first stage's new
+      width; ``*feature_sizes`` fixed in the config (sam2's, sam3's necks): the same multiples of
+      the fallback image's grid of patches, whose patch sizes keep their defaults;
+    - head and layer counts under prefixed names (moonshine's ``encoder_num_key_value_heads``,
+      dia's ``cross_num_attention_heads``): as the plain ones; a ``_HIDDEN`` name whose default is
+      a count of at most 8 (grounding-dino's ``query_dim``, a box's 4 numbers) keeps it.
+
+    ``level`` 2, tried only where level 1 builds nothing that runs either: every patch size up to
+    16 keeps its default (on the 128-pixel fallback image: a stem whose strides are fixed in code,
+    levit's 16; depth_anything's neck reading its dinov2 backbone's 14-pixel grid)."""
     def none(names):
         return [k for k in names if k in d and d[k] is None]
     for k in none(("vocab_size",)):
@@ -417,6 +475,81 @@ def _fallback(cfg, d):
         _set(cfg, "num_kv_shared_layers", 0)
     if isinstance(d.get("num_channels"), int) and "image_size" not in d:
         _set(cfg, "image_size", FALLBACK_IMAGE)
+    widths = widths or {}
+    heads = {h for w, h in widths.items() if h and isinstance(w, int)}
+    for k in _HIDDEN:
+        if isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 < d[k] <= 8:
+            _set(cfg, k, d[k])  # a count, not a width (grounding-dino's ``query_dim``: a box's 4 numbers)
+    shrunk = {k for k in d if _get(cfg, k) != d[k]}
+    for k, v in d.items():
+        if not isinstance(v, int) or isinstance(v, bool) or k in shrunk:
+            continue
+        if v > HIDDEN and (k.endswith(("_dim", "_channels", "_size", "_feats")) or k.startswith("dim_")) \
+                and not k.startswith(("max_", "image_")) and k not in _POSITIONS:
+            if v in widths:
+                _set(cfg, k, HIDDEN)
+            elif 2 * v in widths and k.endswith("_feats"):
+                _set(cfg, k, HIDDEN // 2)
+            elif v in heads:
+                _set(cfg, k, HEAD_DIM)
+        elif k.endswith("_num_key_value_heads"):
+            _set(cfg, k, min(v, HEADS))
+        elif k.endswith("_num_attention_heads"):
+            _set(cfg, k, HEADS)
+        elif k.endswith("_num_hidden_layers"):
+            _set(cfg, k, min(v, LAYERS))
+    for k, v in d.items():
+        if _CHANNELS(k) and isinstance(v, list) and v and all(isinstance(x, int) and x > 0 for x in v):
+            w = next((x for x in sorted(v) if x in widths), None)
+            if w is not None and all(x % w == 0 for x in v):
+                # per-stage widths from the hidden width up (sam2's hiera stages and the neck's
+                # list of them): the same multiples of the tiny width
+                _set(cfg, k, [x // w * HIDDEN for x in v])
+        elif k.endswith("feature_sizes") and isinstance(v, list) and v and all(
+                isinstance(x, list) and len(x) == 2 and v[-1][0] and x[0] % v[-1][0] == 0 for x in v) \
+                and widths.get("patch"):
+            # feature map sizes computed once from the default image (sam2's and sam3's necks):
+            # the same multiples of the fallback image's grid of patches
+            grid = FALLBACK_IMAGE // widths["patch"]
+            _set(cfg, k, [[x[0] // v[-1][0] * grid] * 2 for x in v])
+    if (widths.get("patch") or level == 2) and isinstance(d.get("patch_size"), int) and d["patch_size"] <= 16:
+        # the default patches, so that every tower's grid is the fallback image's: where a neck reads
+        # feature sizes fixed in the config (above: sam2's prompt encoder beside hiera's stride of
+        # 16), and in the second level everywhere (a stem whose strides are fixed in code: levit's
+        # 16, depth_anything's neck reading its dinov2 backbone's 14-pixel patches)
+        _set(cfg, "patch_size", d["patch_size"])
+    for k, v in d.items():
+        if _CHANNELS(k) and isinstance(v, list) and v and isinstance(v[0], int) and \
+                isinstance(_get(cfg, k), list) and _get(cfg, k) and _get(cfg, k)[0] != v[0]:
+            # a stem's width that feeds the first stage (textnet's ``stem_out_channels``, the
+            # first of ``hidden_sizes``): the first stage's new width
+            for s, w in d.items():
+                if s != k and s.endswith("_channels") and w == v[0] and _get(cfg, s) == w:
+                    _set(cfg, s, _get(cfg, k)[0])
+    img, patch = _get(cfg, "image_size"), _get(cfg, "patch_size")
+    if isinstance(d.get("image_embedding_size"), int) and isinstance(img, int) and isinstance(patch, int) \
+            and d["image_embedding_size"] == d.get("image_size", 0) // max(d.get("patch_size") or 1, 1):
+        _set(cfg, "image_embedding_size", img // patch)
+
+
+def _sixths(d):
+    """Width fields of a config dict that are a sixth of its hidden width (layoutlmv3's
+    ``coordinate_size`` and ``shape_size``)."""
+    hidden = d.get("hidden_size")
+    return [k for k, v in d.items() if isinstance(hidden, int) and isinstance(v, int) and
+            not isinstance(v, bool) and k.endswith("_size") and 6 * v == hidden]
+
+
+def _six(cfg, d):
+    """A layout model's box embeddings (four coordinates and two shape widths, each a sixth of the
+    hidden width: layoutlmv3's sizes, lilt's ``hidden_size // 6``) concatenate to its hidden
+    width, which the tiny 32 does not divide into: the fallback's hidden width is 48, each of them
+    8 wide (``d``: the default config's dict)."""
+    for k in _HIDDEN:
+        if _get(cfg, k) == HIDDEN:
+            _set(cfg, k, 48)
+    for k in _sixths(d):
+        _set(cfg, k, 8)
 
 
 def _mrope(cfg, depth=0):
@@ -455,14 +588,27 @@ def _sources(cls, cfg, depth=0):
             yield from _sources(None, v, depth + 1)
 
 
+def _tiny(model_type, fallback=False):
+    """The tiny config ``build`` starts from: ``tiny_config``'s, and in the fallback pass a layout
+    model's hidden width in sixths (``_six``)."""
+    import transformers
+    from transformers import AutoConfig
+    cfg = tiny_config(AutoConfig.for_model(model_type), fallback=fallback)
+    if fallback:
+        d = AutoConfig.for_model(model_type).to_dict()
+        cls = getattr(transformers, enumerate_archs()[model_type][1])
+        if _sixths(d) or any("hidden_size // 6" in src for src in _sources(cls, None)):
+            _six(cfg, d)
+    return cfg
+
+
 def build(model_type: str, dtype=None, fallback=False):
     """(kind, CPU model in eval mode seeded, config) for ``model_type``; ``fallback``: the tiny
     config's second pass (``_fallback``)."""
     import torch
     import transformers
-    from transformers import AutoConfig
     kind, cls_name = enumerate_archs()[model_type]
-    cfg = tiny_config(AutoConfig.for_model(model_type), fallback=fallback)
+    cfg = _tiny(model_type, fallback)
     if fallback and kind == "causal" and _get(cfg, "is_decoder") is False:
         _set(cfg, "is_decoder", True)   # an LM head that asserts it (reformer's default is an encoder)
     if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
@@ -1521,15 +1667,15 @@ UNBUILT = {
 def _build_and_run(model_type, row, verbose=False):
     """(kind, model, cfg, pristine copy, batch, CPU result) of the first tiny config and input
     layout that runs on CPU: the first pass of ``tiny_config`` with every layout of ``candidates``,
-    then, only if none runs, its fallback pass (``row["fallback"]`` says so); the error of the
-    fullest attempt (the fallback's last layout) is raised where neither runs."""
-    from transformers import AutoConfig
+    then, only if none runs, its fallback pass, then only if that runs neither, the fallback's
+    second level (``row["fallback"]``: true or 2 says which built it); the error of the fullest
+    attempt (the last pass's last layout) is raised where none runs."""
     err = None
-    for fallback in (False, True):
+    for fallback in (False, True, 2):
         if fallback and err is not None and not isinstance(err, _BuildError) and (
-                tiny_config(AutoConfig.for_model(model_type)).to_dict()
-                == tiny_config(AutoConfig.for_model(model_type), fallback=True).to_dict()):
-            break   # the fallback pass changes nothing in this config: the same model again
+                _tiny(model_type, fallback - 1 if fallback == 2 else False).to_dict()
+                == _tiny(model_type, fallback).to_dict()):
+            continue    # this pass changes nothing in the config: the same model again
         try:
             try:
                 kind, model, cfg = build(model_type, fallback=fallback)
@@ -1562,7 +1708,7 @@ def _build_and_run(model_type, row, verbose=False):
         _copy_placeholders(model.config, pristine.config)
         row["built"] = True
         if fallback:
-            row["fallback"] = True
+            row["fallback"] = fallback
         return kind, model, cfg, pristine, batch, want
     raise err.__cause__ if isinstance(err, _BuildError) and err.__cause__ is not None else err
 
