@@ -441,7 +441,12 @@ def _fallback(cfg, d, widths=None, level=1):
       the fallback image's grid of patches, whose patch sizes keep their defaults;
     - head and layer counts under prefixed names (moonshine's ``encoder_num_key_value_heads``,
       dia's ``cross_num_attention_heads``): as the plain ones; a ``_HIDDEN`` name whose default is
-      a count of at most 8 (grounding-dino's ``query_dim``, a box's 4 numbers) keeps it.
+      a count of at most 8 (grounding-dino's ``query_dim``, a box's 4 numbers) keeps it, and so
+      does an expert count below the tiny 4 (vitpose's one expert);
+    - an image size under another name (tvp's ``max_img_size``): the fallback image, a prompt
+      border inside it (``*prompt_size``) scaled alike;
+    - per-layer kinds (``layer_types``) whose first tiny layers miss a kind: one layer of each, in
+      the default order; per-layer head counts above the tiny heads: at most ``HEADS``.
 
     ``level`` 2, tried only where level 1 builds nothing that runs either: every patch size up to
     16 keeps its default (on the 128-pixel fallback image: a stem whose strides are fixed in code,
@@ -480,6 +485,34 @@ def _fallback(cfg, d, widths=None, level=1):
     for k in _HIDDEN:
         if isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 < d[k] <= 8:
             _set(cfg, k, d[k])  # a count, not a width (grounding-dino's ``query_dim``: a box's 4 numbers)
+    for k, v in d.items():
+        now = _get(cfg, k)
+        if k.endswith("layer_types") and isinstance(v, list) and isinstance(now, list) and \
+                set(v) - set(now) and all(isinstance(x, str) for x in v):
+            # per-layer kinds whose first tiny layers hold only some of them (granitemoehybrid's
+            # linear-attention layers first, its attention layers later): one layer of each kind,
+            # in the default order
+            kinds = list(dict.fromkeys(v))
+            _set(cfg, k, kinds)
+            for n in ("num_hidden_layers", "num_layers"):
+                if isinstance(_get(cfg, n), int) and _get(cfg, n) == len(now):
+                    _set(cfg, n, len(kinds))
+        elif "heads" in k and isinstance(v, list) and isinstance(now, list) and now and \
+                all(isinstance(x, int) and not isinstance(x, bool) for x in now) and max(now) > HEADS:
+            _set(cfg, k, [min(x, HEADS) for x in now])   # per-layer head counts (sapiens2's kv heads)
+    for k in _EXPERTS:
+        if isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 < d[k] < 4:
+            _set(cfg, k, d[k])  # fewer experts than the tiny 4 (vitpose's one: no expert split)
+    for k, v in d.items():
+        if k.endswith("img_size") and isinstance(v, int) and v > FALLBACK_IMAGE:
+            # an image size under another name (tvp's ``max_img_size``), with the prompt border
+            # drawn inside it scaled alike; ``inputs`` reads ``image_size``
+            _set(cfg, k, FALLBACK_IMAGE)
+            for b, w in d.items():
+                if b.endswith("prompt_size") and isinstance(w, int) and w < v:
+                    _set(cfg, b, w * FALLBACK_IMAGE // v)
+            if "image_size" not in d:
+                _set(cfg, "image_size", FALLBACK_IMAGE)
     shrunk = {k for k in d if _get(cfg, k) != d[k]}
     for k, v in d.items():
         if not isinstance(v, int) or isinstance(v, bool) or k in shrunk:
@@ -888,7 +921,8 @@ class _Made:
         return min(v, VOCAB) if isinstance(v, int) and v > 4 else VOCAB
 
     def image_size(self):
-        s = self.sub("image_size") or IMAGE
+        # (deeper where no config a level down has one: pi0's vision tower inside its vlm_config)
+        s = self.sub("image_size") or self._deep("image_size") or IMAGE
         return s if isinstance(s, int) else s[0]
 
     def randn(self, *shape):
@@ -1198,6 +1232,10 @@ class _Made:
     def pixel_attention_mask(self):
         import torch
         pv = self.batch.get("pixel_values")
+        if pv is not None and pv.dim() == 5 and "action_embeds" in self.params:
+            # an agent's camera views (pi0: (batch, cameras, channels, height, width)): every
+            # camera present
+            return torch.ones(pv.shape[:2], dtype=torch.bool)
         if pv is None or pv.dim() != 3:
             return None
         return torch.ones(pv.shape[:2], dtype=torch.long)
