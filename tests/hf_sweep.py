@@ -446,7 +446,8 @@ def _fallback(cfg, d, widths=None, level=1):
     - an image size under another name (tvp's ``max_img_size``): the fallback image, a prompt
       border inside it (``*prompt_size``) scaled alike;
     - per-layer kinds (``layer_types``) whose first tiny layers miss a kind: one layer of each, in
-      the default order; per-layer head counts above the tiny heads: at most ``HEADS``.
+      the default order; per-layer head counts above the tiny heads: at most ``HEADS``; a mixer's
+      width that is heads x head width (falcon_h1's ``mamba_d_ssm``) stays their product.
 
     ``level`` 2, tried only where level 1 builds nothing that runs either: every patch size up to
     16 keeps its default (on the 128-pixel fallback image: a stem whose strides are fixed in code,
@@ -486,7 +487,9 @@ def _fallback(cfg, d, widths=None, level=1):
         if isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 < d[k] <= 8:
             _set(cfg, k, d[k])  # a count, not a width (grounding-dino's ``query_dim``: a box's 4 numbers)
     for k, v in d.items():
-        now = _get(cfg, k)
+        now = _get(cfg, k) if isinstance(k, str) else None
+        if now is None:
+            continue
         if k.endswith("layer_types") and isinstance(v, list) and isinstance(now, list) and \
                 set(v) - set(now) and all(isinstance(x, str) for x in v):
             # per-layer kinds whose first tiny layers hold only some of them (granitemoehybrid's
@@ -500,6 +503,13 @@ def _fallback(cfg, d, widths=None, level=1):
         elif "heads" in k and isinstance(v, list) and isinstance(now, list) and now and \
                 all(isinstance(x, int) and not isinstance(x, bool) for x in now) and max(now) > HEADS:
             _set(cfg, k, [min(x, HEADS) for x in now])   # per-layer head counts (sapiens2's kv heads)
+    for nh, hd in (("mamba_n_heads", "mamba_d_head"), ("num_heads", "head_dim")):
+        if all(isinstance(d.get(n), int) for n in (nh, hd)) and \
+                all(isinstance(_get(cfg, n), int) for n in (nh, hd)):
+            for k, v in d.items():
+                if isinstance(k, str) and k.endswith("_ssm") and v == d[nh] * d[hd]:
+                    # a mixer's width as heads x head width (falcon_h1's ``mamba_d_ssm``)
+                    _set(cfg, k, _get(cfg, nh) * _get(cfg, hd))
     for k in _EXPERTS:
         if isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 < d[k] < 4:
             _set(cfg, k, d[k])  # fewer experts than the tiny 4 (vitpose's one: no expert split)
@@ -517,7 +527,7 @@ def _fallback(cfg, d, widths=None, level=1):
     for k, v in d.items():
         if not isinstance(v, int) or isinstance(v, bool) or k in shrunk:
             continue
-        if v > HIDDEN and (k.endswith(("_dim", "_channels", "_size", "_feats")) or k.startswith("dim_")) \
+        if v > HIDDEN and (k.endswith(("_dim", "_channels", "_size", "_feats", "_dimension")) or k.startswith("dim_")) \
                 and not k.startswith(("max_", "image_")) and k not in _POSITIONS:
             if v in widths:
                 _set(cfg, k, HIDDEN)
