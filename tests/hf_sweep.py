@@ -1709,6 +1709,94 @@ UNBUILT = {
                  "(`patch_size`, the size its patch encoder is built for): images of 1536 px, too slow on CPU",
     "neomme": "its value embeddings sit on the first and the last global-attention layer, and the tiny "
               "model's two layers hold none",
+    "align": "its EfficientNet tower's stem (32) and head (1280) widths are constants in its code, "
+             "scaled by `width_coefficient` and rounded to `depth_divisor`, while its stage widths "
+             "come from the config: narrowed stages no longer meet the stem (a 16-group depthwise "
+             "convolution fed 64 channels), and the default stages with the 3.1x depth multiplier are "
+             "no tiny model",
+    "blt": "a byte-level model of four configs (patcher, local encoder and decoder, global model) "
+           "whose widths meet through fields the rules do not pair: after shrinking, a 64-wide "
+           "RMSNorm meets a 32-wide state",
+    "clap": "its audio Swin's last stage is `patch_embeds_hidden_size` x 2^(stages - 1) wide (96 x 8 "
+            "= 768, computed in code), which its projection reads as `hidden_size`: the tiny 32-wide "
+            "projection meets 768",
+    "clvp": "forward needs the mel features its processor makes, and with them the conditioning "
+            "encoder's rotary embedding (built for another config's width) meets the 8-wide tiny "
+            "heads (8 vs 32 at the rotary step)",
+    "dia": "its decoder predicts `num_channels` (9) codebooks per step with a delay pattern: labels "
+           "are (batch x channels, steps) as its processor lays them out, which no plain labels "
+           "layout gives (18 vs 16 rows)",
+    "doge": "transformers' doge forward tests `isinstance(mask, BlockMask)`, a name it imports only "
+            "where flex attention is available (not in torch 2.13's CPU build here): a NameError in "
+            "any config, a transformers bug",
+    "dory": "its layer kinds (`layer_types`: sliding attention, mlp, full attention) are laid out by "
+            "`n_input_layers`/`n_recurrent_layers`/`n_output_layers` and read by kind from "
+            "`rope_parameters`, which has no entry for its `mlp` layers once the tiny layout keeps "
+            "one (KeyError 'mlp')",
+    "efficientloftr": "its matcher's 2-D rotary embedding is sized by the coarse feature map its backbone "
+                      "computes from the image and a fixed stride, against `hidden_size`: the tiny width meets "
+                      "16 where 8 is expected",
+    "efficientnet": "its stem (32) and head (1280) widths are constants in its code, scaled by "
+                    "`width_coefficient` and rounded to `depth_divisor`, while its stage widths come from the "
+                    "config: narrowed stages no longer meet the stem (a 16-group depthwise convolution fed 64 "
+                    "channels), and the default stages with the 3.1x depth multiplier are no tiny model",
+    "ernie4_5_vl_moe": "its vision patches, image grid and placeholder tokens (a merged 2 x 2 grid per image, "
+                       "counted in the text by its processor) disagree under every layout the rules make (2 "
+                       "placeholder tokens for 8 features)",
+    "gemma4_unified_assistant": "a draft model for speculative decoding: forward reads its target model's "
+                                "`shared_kv_states` and embeddings, made by running the target, not by a processor",
+    "granitemoehybrid": "every layer of its default config is linear attention (mamba), and its forward asks the "
+                        "cache for an attention layer's length (`get_seq_length`): no layout of those layers has "
+                        "one, a transformers bug",
+    "kyutai_speech_to_text": "its audio codes are ids past the text vocabulary, in `num_codebooks` streams beside the "
+                             "text, padded with an audio padding row the tiny vocabulary must keep: the ids and codes "
+                             "its processor interleaves (8 vs 33 streams) no rule makes",
+    "lw_detr": "the default config leaves its projector's `projector_scale_factors` and "
+               "`projector_in_channels` empty (a checkpoint fills them): no feature map reaches the "
+               "projector (an empty torch.cat), whatever the size",
+    "mimi": "its quantizer compares encoder outputs with codebooks in "
+            "`vector_quantization_hidden_dimension`; the tiny one meets a 256-wide projection its "
+            "split quantizer computes from another field",
+    "minicpm_ocr_vision": "a vision tower alone whose forward needs `target_sizes` (each image's patch grid, made "
+                          "by its processor's slicing of the image, which sets its nearest position ids) and no "
+                          "rule knows that slicing",
+    "minicpmv4_7_vision": "a vision tower alone whose forward needs `target_sizes` (each image's patch grid, made "
+                          "by its processor's slicing of the image, which sets its nearest position ids) and no "
+                          "rule knows that slicing",
+    "muse_glimmer_assistant": "a draft model for speculative decoding: forward reads its target model's hidden states "
+                              "at `target_layer_ids`, concatenated (64 wide for the two tiny layers), made by running "
+                              "the target, not by a processor",
+    "pp_doclayout_v2": "its post-processing in forward reads `class_thresholds`, one per class, which the "
+                       "default config leaves None (a checkpoint fills it): None in any size",
+    "pp_ocrv5_mobile_rec": "a text-line recogniser whose backbone strides the height by 32 and then pools 3 x 2: "
+                           "images at least 96 px high and wider than they are high, the lines its processor crops; "
+                           "square images of 32 or 128 px reach a 1 x 1 map",
+    "pp_ocrv6_small_det": "its neck's input widths are the backbone's stage widths scaled by a factor fixed in code "
+                          "(PP-LCNetV4's `scale`), so narrowed stages meet 384 channels where 12 are expected",
+    "qwen2_5_omni_thinker": "a thinker over text, images, video and audio: forward needs the audio feature lengths "
+                            "and position ids its processor computes beside the interleaved placeholders, which no "
+                            "rule of `_Made` makes",
+    "qwen3_omni_moe_thinker": "a thinker over text, images, video and audio: forward needs the audio feature lengths "
+                              "and position ids its processor computes beside the interleaved placeholders, which no "
+                              "rule of `_Made` makes",
+    "shieldgemma2": "an image classifier that scores the yes/no tokens of a policy prompt: its labels are "
+                    "over the prompt's token positions its processor builds around the image placeholders, "
+                    "not one class per image",
+    "step3p7": "its image placeholders are laid out by the processor per image crop and patch (the "
+               "features outnumber any placeholder count the config names: 2 tokens for 32 features)",
+    "tvp": "its visual prompt pads frames to `max_img_size` and its grid position embeddings read "
+           "the backbone's feature grid at a stride fixed in code; with the fallback image the grid "
+           "rows and columns disagree",
+    "uvdoc": "its bridge convolutions read the backbone's last stage widths fixed in code (768) beside "
+             "the config's `bridge_connector`: narrowed stages meet 768 where 128 are given",
+    "voxtral_realtime": "its audio encoder's frames are added to the text embeddings position by position, so the "
+                        "audio features must be exactly as long as the text its processor aligns (8 tokens vs 4 "
+                        "audio frames)",
+    "wavtokenizer_encoder": "a codec's encoder half: forward returns only the integer codes (no floating tensor to "
+                            "take a loss of), so there is nothing to compare by gradients",
+    "xcodec": "its quantizer compares the acoustic and semantic towers' concatenated outputs (twice the "
+              "width: 64) with a codebook of the tiny width (32); the widths are summed in code, not in "
+              "the config",
 }
 
 
