@@ -1754,9 +1754,6 @@ UNBUILT = {
     "lw_detr": "the default config leaves its projector's `projector_scale_factors` and "
                "`projector_in_channels` empty (a checkpoint fills them): no feature map reaches the "
                "projector (an empty torch.cat), whatever the size",
-    "mimi": "its quantizer compares encoder outputs with codebooks in "
-            "`vector_quantization_hidden_dimension`; the tiny one meets a 256-wide projection its "
-            "split quantizer computes from another field",
     "minicpm_ocr_vision": "a vision tower alone whose forward needs `target_sizes` (each image's patch grid, made "
                           "by its processor's slicing of the image, which sets its nearest position ids) and no "
                           "rule knows that slicing",
