@@ -431,8 +431,9 @@ def _fallback(cfg, d, widths=None, level=1):
       (``widths``: the default hidden widths of the whole tree): a width field whose default is one
       of those hidden widths gets the tiny one (SAM's 256-wide neck and mask decoder beside its
       768-wide encoder, superpoint's descriptors read by superglue and lightglue), one whose default
-      is half of one gets half the tiny one (SAM's positional features); a width that is a head's
-      width (bros's box projection, hidden // heads) gets ``HEAD_DIM``; grids of patches computed
+      is half of one and names features gets half the tiny one (SAM's positional features,
+      pp_doclayout_v3's ``x4_feat_dim``); a width that is a head's width (bros's box projection,
+      hidden // heads) gets ``HEAD_DIM``; grids of patches computed
       once from the default image (SAM's prompt encoder: image size // patch size) are recomputed;
     - per-stage width lists that run from a hidden width up (sam2's hiera ``embed_dim_per_stage``
       and its neck's ``backbone_channel_list``): the same multiples of the tiny width; a stem's
@@ -531,7 +532,7 @@ def _fallback(cfg, d, widths=None, level=1):
                 and not k.startswith(("max_", "image_")) and k not in _POSITIONS:
             if v in widths:
                 _set(cfg, k, HIDDEN)
-            elif 2 * v in widths and k.endswith("_feats"):
+            elif 2 * v in widths and "feat" in k:
                 _set(cfg, k, HIDDEN // 2)
             elif v in heads:
                 _set(cfg, k, HEAD_DIM)
