@@ -690,7 +690,20 @@ def build(model_type: str, dtype=None, fallback=False):
         # it): with every code zero, every input maps to code 0 and the decoder sees a constant
         # signal, whose group norm (rstd = 1/sqrt(eps), 1000) turns float32 rounding into the
         # result: CPU's own float32 gradients were then 2.5% from the float64 ones (wavtokenizer).
+        # A codebook whose ``embed`` is a property over buffers (mimi's ``embed_sum / cluster_usage``,
+        # cached in a plain attribute that ``model.to()`` does not move): the buffer it is computed
+        # from is filled, and the property is never read here, so no CPU cache is left behind.
         for m in model.modules():
+            own = dict(m.named_buffers(recurse=False))
+            if type(m).__name__.endswith("Codebook") and "embed" not in own and \
+                    isinstance(own.get("embed_sum"), torch.Tensor) and not bool(own["embed_sum"].any()):
+                own["embed_sum"].copy_(torch.randn(own["embed_sum"].shape, generator=g))
+                if getattr(m, "_embed", None) is not None:
+                    m._embed = None
+        for m in model.modules():
+            if type(m).__name__.endswith("Codebook") and "embed" not in dict(m.named_buffers(recurse=False)) \
+                    and "embed_sum" in dict(m.named_buffers(recurse=False)):
+                continue
             emb = getattr(m, "embed", None)
             if type(m).__name__.endswith("Codebook") and isinstance(emb, torch.Tensor) and \
                     emb.is_floating_point() and emb.numel() and not bool(emb.any()):
