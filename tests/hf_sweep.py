@@ -151,17 +151,20 @@ def _set(cfg, name, value):
         pass
 
 
-def tiny_config(cfg, depth=0, fallback=False):
+def tiny_config(cfg, depth=0, fallback=False, widths=None):
     """Shrink ``cfg`` (a PretrainedConfig) in place, and the configs nested in it; returns it.
-    ``fallback``: the second pass (``_fallback``), for a model the first pass does not build."""
+    ``fallback``: the second pass (``_fallback``), for a model the first pass does not build;
+    ``widths``: the default hidden widths of the whole config tree (the fallback reads them)."""
     from transformers import PretrainedConfig
     _untimm(cfg, fallback)
     d = cfg.to_dict()
+    if widths is None:
+        widths = _tree_widths(d)
     # Nested configs first (text_config, vision_config, audio_config, encoder, decoder, ...).
     for k in list(d):
         v = _get(cfg, k)
         if isinstance(v, PretrainedConfig) and depth < 3:
-            tiny_config(v, depth + 1, fallback)
+            tiny_config(v, depth + 1, fallback, widths)
     old_layers = {k: d[k] for k in _LAYERS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
     if isinstance(d.get("depths"), list):   # a stage count (swin's num_layers), not a layer count
         old_layers = {k: v for k, v in old_layers.items() if v != len(d["depths"])}
@@ -352,8 +355,44 @@ def tiny_config(cfg, depth=0, fallback=False):
         if isinstance(d.get("label_length"), int) and d["label_length"] > 4:
             _set(cfg, "label_length", 4)    # autoformer's decoder start: the context's last steps
     if fallback:
-        _fallback(cfg, d)
+        _fallback(cfg, d, widths, fallback)
     return cfg
+
+
+def _tree_widths(d, depth=0):
+    """{hidden width: head width} of a config's default dict and of the dicts nested in it: the
+    widths ``_HIDDEN`` names, each with its attention heads' width (hidden // heads) where the
+    same config has a head count; under "image", the largest default image side above
+    ``FALLBACK_IMAGE``; under "patch", where some config of the tree has fixed ``*feature_sizes``,
+    the smallest default patch size of the tree."""
+    out = {}
+    heads = next((d[k] for k in _HEADS if isinstance(d.get(k), int) and d[k] > 0), None)
+    for k in _HIDDEN:
+        v = d.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > HIDDEN:
+            out.setdefault(v, v // heads if heads and v % heads == 0 else None)
+    img = d.get("image_size")
+    img = img[0] if isinstance(img, (list, tuple)) and img else img
+    if isinstance(img, int) and not isinstance(img, bool) and img > FALLBACK_IMAGE:
+        out["image"] = max(out.get("image") or 0, img)
+    if any(isinstance(k, str) and k.endswith("feature_sizes") for k in d):
+        out["patch"] = 0    # the smallest default patch of the tree, filled below
+    for v in d.values():
+        if isinstance(v, dict) and depth < 3:
+            for w, h in _tree_widths(v, depth + 1).items():
+                out[w] = max(out.get(w) or 0, h) if w == "image" else out.get(w, h)
+    if depth == 0 and "patch" in out:
+        out["patch"] = min(_patches(d)) if _patches(d) else None
+    return out
+
+
+def _patches(d, depth=0):
+    """The default patch sizes (ints up to 16) of a config dict and of the dicts nested in it."""
+    out = [d["patch_size"]] if isinstance(d.get("patch_size"), int) and 0 < d["patch_size"] <= 16 else []
+    for v in d.values():
+        if isinstance(v, dict) and depth < 3:
+            out += _patches(v, depth + 1)
+    return out
 
 
 def _CHANNELS(name):
@@ -384,7 +423,7 @@ def _untimm(cfg, fallback=False):
                 _set(cfg, "timm_kwargs", {})
 
 
-def _fallback(cfg, d):
+def _fallback(cfg, d, widths=None, level=1):
     """The second pass of ``tiny_config``, for a model its first pass does not build (``check``
     builds with it only then, so no row the first pass builds changes): ``d`` is the config's
     default dict, ``cfg`` the config after the first pass.
@@ -396,7 +435,33 @@ def _fallback(cfg, d):
       audio padding row) keep their distance from the vocabulary's end;
     - key/value sharing across the last layers (gemma3n) needs more layers than the tiny two: off;
     - images: ``FALLBACK_IMAGE`` pixels a side, for a vision config without an image size too
-      (``inputs`` reads the config's)."""
+      (``inputs`` reads the config's);
+    - widths a model computes from other fields or reads from another tower under a name of its own
+      (``widths``: the default hidden widths of the whole tree): a width field whose default is one
+      of those hidden widths gets the tiny one (SAM's 256-wide neck and mask decoder beside its
+      768-wide encoder, superpoint's descriptors read by superglue and lightglue), one whose default
+      is half of one and names features gets half the tiny one (SAM's positional features,
+      pp_doclayout_v3's ``x4_feat_dim``); a width that is a head's width (bros's box projection,
+      hidden // heads) gets ``HEAD_DIM``; grids of patches computed
+      once from the default image (SAM's prompt encoder: image size // patch size) are recomputed;
+    - per-stage width lists that run from a hidden width up (sam2's hiera ``embed_dim_per_stage``
+      and its neck's ``backbone_channel_list``): the same multiples of the tiny width; a stem's
+      width that feeds the first stage (textnet's ``stem_out_channels``): the first stage's new
+      width; ``*feature_sizes`` fixed in the config (sam2's, sam3's necks): the same multiples of
+      the fallback image's grid of patches, whose patch sizes keep their defaults;
+    - head and layer counts under prefixed names (moonshine's ``encoder_num_key_value_heads``,
+      dia's ``cross_num_attention_heads``): as the plain ones; a ``_HIDDEN`` name whose default is
+      a count of at most 8 (grounding-dino's ``query_dim``, a box's 4 numbers) keeps it, and so
+      does an expert count below the tiny 4 (vitpose's one expert);
+    - an image size under another name (tvp's ``max_img_size``): the fallback image, a prompt
+      border inside it (``*prompt_size``) scaled alike;
+    - per-layer kinds (``layer_types``) whose first tiny layers miss a kind: one layer of each, in
+      the default order; per-layer head counts above the tiny heads: at most ``HEADS``; a mixer's
+      width that is heads x head width (falcon_h1's ``mamba_d_ssm``) stays their product.
+
+    ``level`` 2, tried only where level 1 builds nothing that runs either: every patch size up to
+    16 keeps its default (on the 128-pixel fallback image: a stem whose strides are fixed in code,
+    levit's 16; depth_anything's neck reading its dinov2 backbone's 14-pixel grid)."""
     def none(names):
         return [k for k in names if k in d and d[k] is None]
     for k in none(("vocab_size",)):
@@ -426,6 +491,118 @@ def _fallback(cfg, d):
         _set(cfg, "num_kv_shared_layers", 0)
     if isinstance(d.get("num_channels"), int) and "image_size" not in d:
         _set(cfg, "image_size", FALLBACK_IMAGE)
+    widths = widths or {}
+    heads = {h for w, h in widths.items() if h and isinstance(w, int)}
+    for k in _HIDDEN:
+        if isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 < d[k] <= 8:
+            _set(cfg, k, d[k])  # a count, not a width (grounding-dino's ``query_dim``: a box's 4 numbers)
+    for k, v in d.items():
+        now = _get(cfg, k) if isinstance(k, str) else None
+        if now is None:
+            continue
+        if k.endswith("layer_types") and isinstance(v, list) and isinstance(now, list) and \
+                set(v) - set(now) and all(isinstance(x, str) for x in v):
+            # per-layer kinds whose first tiny layers hold only some of them (granitemoehybrid's
+            # linear-attention layers first, its attention layers later): one layer of each kind,
+            # in the default order
+            kinds = list(dict.fromkeys(v))
+            _set(cfg, k, kinds)
+            for n in ("num_hidden_layers", "num_layers"):
+                if isinstance(_get(cfg, n), int) and _get(cfg, n) == len(now):
+                    _set(cfg, n, len(kinds))
+        elif "heads" in k and isinstance(v, list) and isinstance(now, list) and now and \
+                all(isinstance(x, int) and not isinstance(x, bool) for x in now) and max(now) > HEADS:
+            _set(cfg, k, [min(x, HEADS) for x in now])   # per-layer head counts (sapiens2's kv heads)
+    for nh, hd in (("mamba_n_heads", "mamba_d_head"), ("num_heads", "head_dim")):
+        if all(isinstance(d.get(n), int) for n in (nh, hd)) and \
+                all(isinstance(_get(cfg, n), int) for n in (nh, hd)):
+            for k, v in d.items():
+                if isinstance(k, str) and k.endswith("_ssm") and v == d[nh] * d[hd]:
+                    # a mixer's width as heads x head width (falcon_h1's ``mamba_d_ssm``)
+                    _set(cfg, k, _get(cfg, nh) * _get(cfg, hd))
+    for k in _EXPERTS:
+        if isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 < d[k] < 4:
+            _set(cfg, k, d[k])  # fewer experts than the tiny 4 (vitpose's one: no expert split)
+    for k, v in d.items():
+        if k.endswith("img_size") and isinstance(v, int) and v > FALLBACK_IMAGE:
+            # an image size under another name (tvp's ``max_img_size``), with the prompt border
+            # drawn inside it scaled alike; ``inputs`` reads ``image_size``
+            _set(cfg, k, FALLBACK_IMAGE)
+            for b, w in d.items():
+                if b.endswith("prompt_size") and isinstance(w, int) and w < v:
+                    _set(cfg, b, w * FALLBACK_IMAGE // v)
+            if "image_size" not in d:
+                _set(cfg, "image_size", FALLBACK_IMAGE)
+    shrunk = {k for k in d if _get(cfg, k) != d[k]}
+    for k, v in d.items():
+        if not isinstance(v, int) or isinstance(v, bool) or k in shrunk:
+            continue
+        if v > HIDDEN and (k.endswith(("_dim", "_channels", "_size", "_feats", "_dimension")) or k.startswith("dim_")) \
+                and not k.startswith(("max_", "image_")) and k not in _POSITIONS:
+            if v in widths:
+                _set(cfg, k, HIDDEN)
+            elif 2 * v in widths and "feat" in k:
+                _set(cfg, k, HIDDEN // 2)
+            elif v in heads:
+                _set(cfg, k, HEAD_DIM)
+        elif k.endswith("_num_key_value_heads"):
+            _set(cfg, k, min(v, HEADS))
+        elif k.endswith("_num_attention_heads"):
+            _set(cfg, k, HEADS)
+        elif k.endswith("_num_hidden_layers"):
+            _set(cfg, k, min(v, LAYERS))
+    for k, v in d.items():
+        if _CHANNELS(k) and isinstance(v, list) and v and all(isinstance(x, int) and x > 0 for x in v):
+            w = next((x for x in sorted(v) if x in widths), None)
+            if w is not None and all(x % w == 0 for x in v):
+                # per-stage widths from the hidden width up (sam2's hiera stages and the neck's
+                # list of them): the same multiples of the tiny width
+                _set(cfg, k, [x // w * HIDDEN for x in v])
+        elif k.endswith("feature_sizes") and isinstance(v, list) and v and all(
+                isinstance(x, list) and len(x) == 2 and v[-1][0] and x[0] % v[-1][0] == 0 for x in v) \
+                and widths.get("patch"):
+            # feature map sizes computed once from the default image (sam2's and sam3's necks):
+            # the same multiples of the fallback image's grid of patches
+            grid = FALLBACK_IMAGE // widths["patch"]
+            _set(cfg, k, [[x[0] // v[-1][0] * grid] * 2 for x in v])
+    if (widths.get("patch") or level == 2) and isinstance(d.get("patch_size"), int) and d["patch_size"] <= 16:
+        # the default patches, so that every tower's grid is the fallback image's: where a neck reads
+        # feature sizes fixed in the config (above: sam2's prompt encoder beside hiera's stride of
+        # 16), and in the second level everywhere (a stem whose strides are fixed in code: levit's
+        # 16, depth_anything's neck reading its dinov2 backbone's 14-pixel patches)
+        _set(cfg, "patch_size", d["patch_size"])
+    for k, v in d.items():
+        if _CHANNELS(k) and isinstance(v, list) and v and isinstance(v[0], int) and \
+                isinstance(_get(cfg, k), list) and _get(cfg, k) and _get(cfg, k)[0] != v[0]:
+            # a stem's width that feeds the first stage (textnet's ``stem_out_channels``, the
+            # first of ``hidden_sizes``): the first stage's new width
+            for s, w in d.items():
+                if s != k and s.endswith("_channels") and w == v[0] and _get(cfg, s) == w:
+                    _set(cfg, s, _get(cfg, k)[0])
+    img, patch = _get(cfg, "image_size"), _get(cfg, "patch_size")
+    if isinstance(d.get("image_embedding_size"), int) and isinstance(img, int) and isinstance(patch, int) \
+            and d["image_embedding_size"] == d.get("image_size", 0) // max(d.get("patch_size") or 1, 1):
+        _set(cfg, "image_embedding_size", img // patch)
+
+
+def _sixths(d):
+    """Width fields of a config dict that are a sixth of its hidden width (layoutlmv3's
+    ``coordinate_size`` and ``shape_size``)."""
+    hidden = d.get("hidden_size")
+    return [k for k, v in d.items() if isinstance(hidden, int) and isinstance(v, int) and
+            not isinstance(v, bool) and k.endswith("_size") and 6 * v == hidden]
+
+
+def _six(cfg, d):
+    """A layout model's box embeddings (four coordinates and two shape widths, each a sixth of the
+    hidden width: layoutlmv3's sizes, lilt's ``hidden_size // 6``) concatenate to its hidden
+    width, which the tiny 32 does not divide into: the fallback's hidden width is 48, each of them
+    8 wide (``d``: the default config's dict)."""
+    for k in _HIDDEN:
+        if _get(cfg, k) == HIDDEN:
+            _set(cfg, k, 48)
+    for k in _sixths(d):
+        _set(cfg, k, 8)
 
 
 def _mrope(cfg, depth=0):
@@ -464,14 +641,27 @@ def _sources(cls, cfg, depth=0):
             yield from _sources(None, v, depth + 1)
 
 
+def _tiny(model_type, fallback=False):
+    """The tiny config ``build`` starts from: ``tiny_config``'s, and in the fallback pass a layout
+    model's hidden width in sixths (``_six``)."""
+    import transformers
+    from transformers import AutoConfig
+    cfg = tiny_config(AutoConfig.for_model(model_type), fallback=fallback)
+    if fallback:
+        d = AutoConfig.for_model(model_type).to_dict()
+        cls = getattr(transformers, enumerate_archs()[model_type][1])
+        if _sixths(d) or any("hidden_size // 6" in src for src in _sources(cls, None)):
+            _six(cfg, d)
+    return cfg
+
+
 def build(model_type: str, dtype=None, fallback=False):
     """(kind, CPU model in eval mode seeded, config) for ``model_type``; ``fallback``: the tiny
     config's second pass (``_fallback``)."""
     import torch
     import transformers
-    from transformers import AutoConfig
     kind, cls_name = enumerate_archs()[model_type]
-    cfg = tiny_config(AutoConfig.for_model(model_type), fallback=fallback)
+    cfg = _tiny(model_type, fallback)
     if fallback and kind == "causal" and _get(cfg, "is_decoder") is False:
         _set(cfg, "is_decoder", True)   # an LM head that asserts it (reformer's default is an encoder)
     if hasattr(cfg, "num_labels") and kind in ("seqcls", "imgcls"):
@@ -509,7 +699,20 @@ def build(model_type: str, dtype=None, fallback=False):
         # it): with every code zero, every input maps to code 0 and the decoder sees a constant
         # signal, whose group norm (rstd = 1/sqrt(eps), 1000) turns float32 rounding into the
         # result: CPU's own float32 gradients were then 2.5% from the float64 ones (wavtokenizer).
+        # A codebook whose ``embed`` is a property over buffers (mimi's ``embed_sum / cluster_usage``,
+        # cached in a plain attribute that ``model.to()`` does not move): the buffer it is computed
+        # from is filled, and the property is never read here, so no CPU cache is left behind.
         for m in model.modules():
+            own = dict(m.named_buffers(recurse=False))
+            if type(m).__name__.endswith("Codebook") and "embed" not in own and \
+                    isinstance(own.get("embed_sum"), torch.Tensor) and not bool(own["embed_sum"].any()):
+                own["embed_sum"].copy_(torch.randn(own["embed_sum"].shape, generator=g))
+                if getattr(m, "_embed", None) is not None:
+                    m._embed = None
+        for m in model.modules():
+            if type(m).__name__.endswith("Codebook") and "embed" not in dict(m.named_buffers(recurse=False)) \
+                    and "embed_sum" in dict(m.named_buffers(recurse=False)):
+                continue
             emb = getattr(m, "embed", None)
             if type(m).__name__.endswith("Codebook") and isinstance(emb, torch.Tensor) and \
                     emb.is_floating_point() and emb.numel() and not bool(emb.any()):
@@ -751,7 +954,8 @@ class _Made:
         return min(v, VOCAB) if isinstance(v, int) and v > 4 else VOCAB
 
     def image_size(self):
-        s = self.sub("image_size") or IMAGE
+        # (deeper where no config a level down has one: pi0's vision tower inside its vlm_config)
+        s = self.sub("image_size") or self._deep("image_size") or IMAGE
         return s if isinstance(s, int) else s[0]
 
     def randn(self, *shape):
@@ -1061,6 +1265,10 @@ class _Made:
     def pixel_attention_mask(self):
         import torch
         pv = self.batch.get("pixel_values")
+        if pv is not None and pv.dim() == 5 and "action_embeds" in self.params:
+            # an agent's camera views (pi0: (batch, cameras, channels, height, width)): every
+            # camera present
+            return torch.ones(pv.shape[:2], dtype=torch.bool)
         if pv is None or pv.dim() != 3:
             return None
         return torch.ones(pv.shape[:2], dtype=torch.long)
@@ -1524,21 +1732,106 @@ UNBUILT = {
                  "(`patch_size`, the size its patch encoder is built for): images of 1536 px, too slow on CPU",
     "neomme": "its value embeddings sit on the first and the last global-attention layer, and the tiny "
               "model's two layers hold none",
+    "align": "its EfficientNet tower's stem (32) and head (1280) widths are constants in its code, "
+             "scaled by `width_coefficient` and rounded to `depth_divisor`, while its stage widths "
+             "come from the config: narrowed stages no longer meet the stem (a 16-group depthwise "
+             "convolution fed 64 channels), and the default stages with the 3.1x depth multiplier are "
+             "no tiny model",
+    "blt": "a byte-level model of four configs (patcher, local encoder and decoder, global model) "
+           "whose widths meet through fields the rules do not pair: after shrinking, a 64-wide "
+           "RMSNorm meets a 32-wide state",
+    "clap": "its audio Swin's last stage is `patch_embeds_hidden_size` x 2^(stages - 1) wide (96 x 8 "
+            "= 768, computed in code), which its projection reads as `hidden_size`: the tiny 32-wide "
+            "projection meets 768",
+    "clvp": "forward needs the mel features its processor makes, and with them the conditioning "
+            "encoder's rotary embedding (built for another config's width) meets the 8-wide tiny "
+            "heads (8 vs 32 at the rotary step)",
+    "dia": "its decoder predicts `num_channels` (9) codebooks per step with a delay pattern: labels "
+           "are (batch x channels, steps) as its processor lays them out, which no plain labels "
+           "layout gives (18 vs 16 rows)",
+    "doge": "transformers' doge forward tests `isinstance(mask, BlockMask)`, a name it imports only "
+            "where flex attention is available (not in torch 2.13's CPU build here): a NameError in "
+            "any config, a transformers bug",
+    "dory": "its layer kinds (`layer_types`: sliding attention, mlp, full attention) are laid out by "
+            "`n_input_layers`/`n_recurrent_layers`/`n_output_layers` and read by kind from "
+            "`rope_parameters`, which has no entry for its `mlp` layers once the tiny layout keeps "
+            "one (KeyError 'mlp')",
+    "efficientloftr": "its matcher's 2-D rotary embedding is sized by the coarse feature map its backbone "
+                      "computes from the image and a fixed stride, against `hidden_size`: the tiny width meets "
+                      "16 where 8 is expected",
+    "efficientnet": "its stem (32) and head (1280) widths are constants in its code, scaled by "
+                    "`width_coefficient` and rounded to `depth_divisor`, while its stage widths come from the "
+                    "config: narrowed stages no longer meet the stem (a 16-group depthwise convolution fed 64 "
+                    "channels), and the default stages with the 3.1x depth multiplier are no tiny model",
+    "ernie4_5_vl_moe": "its vision patches, image grid and placeholder tokens (a merged 2 x 2 grid per image, "
+                       "counted in the text by its processor) disagree under every layout the rules make (2 "
+                       "placeholder tokens for 8 features)",
+    "gemma4_unified_assistant": "a draft model for speculative decoding: forward reads its target model's "
+                                "`shared_kv_states` and embeddings, made by running the target, not by a processor",
+    "granitemoehybrid": "every layer of its default config is linear attention (mamba), and its forward asks the "
+                        "cache for an attention layer's length (`get_seq_length`): no layout of those layers has "
+                        "one, a transformers bug",
+    "kyutai_speech_to_text": "its audio codes are ids past the text vocabulary, in `num_codebooks` streams beside the "
+                             "text, padded with an audio padding row the tiny vocabulary must keep: the ids and codes "
+                             "its processor interleaves (8 vs 33 streams) no rule makes",
+    "lw_detr": "the default config leaves its projector's `projector_scale_factors` and "
+               "`projector_in_channels` empty (a checkpoint fills them): no feature map reaches the "
+               "projector (an empty torch.cat), whatever the size",
+    "minicpm_ocr_vision": "a vision tower alone whose forward needs `target_sizes` (each image's patch grid, made "
+                          "by its processor's slicing of the image, which sets its nearest position ids) and no "
+                          "rule knows that slicing",
+    "minicpmv4_7_vision": "a vision tower alone whose forward needs `target_sizes` (each image's patch grid, made "
+                          "by its processor's slicing of the image, which sets its nearest position ids) and no "
+                          "rule knows that slicing",
+    "muse_glimmer_assistant": "a draft model for speculative decoding: forward reads its target model's hidden states "
+                              "at `target_layer_ids`, concatenated (64 wide for the two tiny layers), made by running "
+                              "the target, not by a processor",
+    "pp_doclayout_v2": "its post-processing in forward reads `class_thresholds`, one per class, which the "
+                       "default config leaves None (a checkpoint fills it): None in any size",
+    "pp_ocrv5_mobile_rec": "a text-line recogniser whose backbone strides the height by 32 and then pools 3 x 2: "
+                           "images at least 96 px high and wider than they are high, the lines its processor crops; "
+                           "square images of 32 or 128 px reach a 1 x 1 map",
+    "pp_ocrv6_small_det": "its neck's input widths are the backbone's stage widths scaled by a factor fixed in code "
+                          "(PP-LCNetV4's `scale`), so narrowed stages meet 384 channels where 12 are expected",
+    "qwen2_5_omni_thinker": "a thinker over text, images, video and audio: forward needs the audio feature lengths "
+                            "and position ids its processor computes beside the interleaved placeholders, which no "
+                            "rule of `_Made` makes",
+    "qwen3_omni_moe_thinker": "a thinker over text, images, video and audio: forward needs the audio feature lengths "
+                              "and position ids its processor computes beside the interleaved placeholders, which no "
+                              "rule of `_Made` makes",
+    "shieldgemma2": "an image classifier that scores the yes/no tokens of a policy prompt: its labels are "
+                    "over the prompt's token positions its processor builds around the image placeholders, "
+                    "not one class per image",
+    "step3p7": "its image placeholders are laid out by the processor per image crop and patch (the "
+               "features outnumber any placeholder count the config names: 2 tokens for 32 features)",
+    "tvp": "its visual prompt pads frames to `max_img_size` and its grid position embeddings read "
+           "the backbone's feature grid at a stride fixed in code; with the fallback image the grid "
+           "rows and columns disagree",
+    "uvdoc": "its bridge convolutions read the backbone's last stage widths fixed in code (768) beside "
+             "the config's `bridge_connector`: narrowed stages meet 768 where 128 are given",
+    "voxtral_realtime": "its audio encoder's frames are added to the text embeddings position by position, so the "
+                        "audio features must be exactly as long as the text its processor aligns (8 tokens vs 4 "
+                        "audio frames)",
+    "wavtokenizer_encoder": "a codec's encoder half: forward returns only the integer codes (no floating tensor to "
+                            "take a loss of), so there is nothing to compare by gradients",
+    "xcodec": "its quantizer compares the acoustic and semantic towers' concatenated outputs (twice the "
+              "width: 64) with a codebook of the tiny width (32); the widths are summed in code, not in "
+              "the config",
 }
 
 
 def _build_and_run(model_type, row, verbose=False):
     """(kind, model, cfg, pristine copy, batch, CPU result) of the first tiny config and input
     layout that runs on CPU: the first pass of ``tiny_config`` with every layout of ``candidates``,
-    then, only if none runs, its fallback pass (``row["fallback"]`` says so); the error of the
-    fullest attempt (the fallback's last layout) is raised where neither runs."""
-    from transformers import AutoConfig
+    then, only if none runs, its fallback pass, then only if that runs neither, the fallback's
+    second level (``row["fallback"]``: true or 2 says which built it); the error of the fullest
+    attempt (the last pass's last layout) is raised where none runs."""
     err = None
-    for fallback in (False, True):
+    for fallback in (False, True, 2):
         if fallback and err is not None and not isinstance(err, _BuildError) and (
-                tiny_config(AutoConfig.for_model(model_type)).to_dict()
-                == tiny_config(AutoConfig.for_model(model_type), fallback=True).to_dict()):
-            break   # the fallback pass changes nothing in this config: the same model again
+                _tiny(model_type, fallback - 1 if fallback == 2 else False).to_dict()
+                == _tiny(model_type, fallback).to_dict()):
+            continue    # this pass changes nothing in the config: the same model again
         try:
             try:
                 kind, model, cfg = build(model_type, fallback=fallback)
@@ -1571,7 +1864,7 @@ def _build_and_run(model_type, row, verbose=False):
         _copy_placeholders(model.config, pristine.config)
         row["built"] = True
         if fallback:
-            row["fallback"] = True
+            row["fallback"] = fallback
         return kind, model, cfg, pristine, batch, want
     raise err.__cause__ if isinstance(err, _BuildError) and err.__cause__ is not None else err
 

@@ -256,6 +256,40 @@ def test_fallback_pass_only_where_the_first_does_not_build():
 
 
 @pytest.mark.modes("strict")     # no device work: once
+def test_fallback_widths_a_model_computes():
+    """The fallback pass's width rules (configs only, no model run), none of which the first pass
+    applies: a width field whose default is a hidden width of the config tree gets the tiny one
+    (SAM's neck and mask decoder, superpoint's descriptors), half of one for positional features;
+    a head's width gets HEAD_DIM (bros); per-stage widths from the hidden width up keep their
+    multiples and fixed feature sizes follow the fallback image's grid (sam2); a stem feeds the
+    first stage (textnet); a layout model's hidden width is 48 in sixths (layoutlmv3); a count
+    under a hidden name keeps its default (grounding-dino's query_dim); per-layer kinds keep one of
+    each (granitemoehybrid's defaults are all linear: unchanged); the second level keeps patches."""
+    sam = hs._tiny("sam", True)
+    assert sam.vision_config.output_channels == hs.HIDDEN == sam.mask_decoder_config.iou_head_hidden_dim
+    assert sam.vision_config.num_pos_feats == hs.HIDDEN // 2
+    assert hs._tiny("sam").vision_config.output_channels == 256        # the first pass leaves it
+    assert hs._tiny("superglue", True).keypoint_detector_config.descriptor_decoder_dim == hs.HIDDEN
+    assert hs._tiny("bros", True).dim_bbox_projection == hs.HEAD_DIM
+    s2 = hs._tiny("sam2", True).vision_config
+    assert s2.backbone_config.embed_dim_per_stage == [32, 64, 128, 256]
+    assert s2.backbone_channel_list == [256, 128, 64, 32]
+    grid = hs.FALLBACK_IMAGE // 16      # the prompt encoder's default 16-pixel patches
+    assert s2.backbone_feature_sizes == [[4 * grid] * 2, [2 * grid] * 2, [grid] * 2]
+    t = hs._tiny("textnet", True)
+    assert t.stem_out_channels == t.hidden_sizes[0]
+    lv3 = hs._tiny("layoutlmv3", True)
+    assert lv3.hidden_size == 48 and 4 * lv3.coordinate_size + 2 * lv3.shape_size == 48
+    assert hs._tiny("layoutlmv3").hidden_size == hs.HIDDEN
+    assert hs._tiny("grounding-dino", True).query_dim == 4
+    assert hs._tiny("grounding-dino").query_dim == hs.HIDDEN
+    f = hs._tiny("falcon_h1", True)
+    assert f.mamba_d_ssm == f.mamba_n_heads * f.mamba_d_head
+    assert hs._tiny("vitpose", True).backbone_config.num_experts == 1
+    assert hs._tiny("levit", True).patch_size == hs.PATCH and hs._tiny("levit", 2).patch_size == 16
+
+
+@pytest.mark.modes("strict")     # no device work: once
 def test_unbuilt_rows_get_an_argued_reason():
     """A row not built gets a one-line argument: a missing package or input by the kind of its
     error, or the default config's own failure where it does not build either (built on the meta
