@@ -84,6 +84,16 @@ class Timeline:
         if self.on and name not in self.ev:
             self.ev[name] = time.perf_counter()
 
+    def stamped(self, fn, tag):
+        """``fn`` with ``tag<`` stamped on entry and ``tag>`` on exit."""
+        def wrapped(*a, **k):
+            self.mark(tag + "<")
+            try:
+                return fn(*a, **k)
+            finally:
+                self.mark(tag + ">")
+        return wrapped
+
     def install(self):
         tl = self
         kind_ev = {"forward": "fwd", "backward": "bwd", "inference": "inf"}
@@ -97,30 +107,14 @@ class Timeline:
             finally:
                 tl.mark(k + ">")
         C.PlainGraph.__call__ = call
-        eng = torch.autograd._engine_run_backward
-
-        def engine_run(*a, **k):
-            tl.mark("eng<")
-            try:
-                return eng(*a, **k)
-            finally:
-                tl.mark("eng>")
-        torch.autograd._engine_run_backward = engine_run
+        torch.autograd._engine_run_backward = tl.stamped(torch.autograd._engine_run_backward, "eng")
         sync = engine.sync
 
         def sync_(*a, **k):
             tl.mark("sync<")
             return sync(*a, **k)
         engine.sync = sync_
-        run_region = execute.run_region
-
-        def run_(*a, **k):
-            tl.mark("run<")
-            try:
-                return run_region(*a, **k)
-            finally:
-                tl.mark("run>")
-        execute.run_region = run_
+        execute.run_region = tl.stamped(execute.run_region, "run")
         check = CH.CheckList.check
 
         def check_(self_, rec):
