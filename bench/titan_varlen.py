@@ -55,10 +55,10 @@ def worker(mode: str, steps: int, batch: int, seq: int) -> None:
     import torch.distributed as dist
     import deferfuse
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
-    from torchtitan.tools import utils
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import titan_worker
 
     cfg = llama3_debugmodel()
     cfg.model_spec = model_registry("debugmodel", attn_backend="varlen")
@@ -70,28 +70,7 @@ def worker(mode: str, steps: int, batch: int, seq: int) -> None:
     if mode == "compiled":
         cfg.compile.enable = True
         cfg.compile.backend = "tpu"
-    device = utils.get_local_device()
-    torch.tpu.set_device(device)
-    world = dist_utils.init_distributed(cfg.comm)
-    dims = ParallelDims.from_config(cfg.parallelism, world)
-    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
-    dist_utils.set_determinism(dims, device, cfg.debug, distinct_seed_mesh_dims=["pp"])
-    spec = cfg.model_spec
-    spec.model.update_from_config(config=cfg)
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training,
-                                parallelism=cfg.parallelism, compile_config=cfg.compile,
-                                ac_config=cfg.activation_checkpoint, dump_folder="/tmp")
-    model.to_empty(device="tpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    loss_fn = cfg.loss.build(compile_config=cfg.compile)
-    loss_fn.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
-    opt = cfg.optimizer.build(model_parts=[model])
-    sched = cfg.lr_scheduler.build(optimizers=opt, training_steps=steps)
+    device, _, model, loss_fn, opt, sched = titan_worker.build(cfg)
     deferfuse.reset_metrics()
     losses, secs, docs = [], [], []
     for tokens, labels, positions in batches(steps, batch, seq):

@@ -34,14 +34,48 @@ def plain(key: str) -> str:
                     if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
+def build(cfg):
+    """TorchTitan's trainer's set-up from its own parts, on ``tpu``, for the config ``cfg``: the
+    local device, ``init_distributed`` (the ``tpu`` process group), ``ParallelDims``,
+    ``set_determinism``, the model built on meta and given to the model's ``parallelize_fn``,
+    ``to_empty("tpu")`` and ``init_weights`` (DTensor's random ops, its RNG tracker), the loss
+    (the lm head fused into it), the optimizer container and the schedule. Returns (device, dims,
+    model, loss_fn, opt, sched). bench/titan_varlen.py builds its runs with it too."""
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.tools import utils
+
+    device = utils.get_local_device()               # as TorchTitan's trainer: tpu:0 here
+    torch.tpu.set_device(device)
+    world = dist_utils.init_distributed(cfg.comm)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
+    dist_utils.set_determinism(dims, device, cfg.debug, distinct_seed_mesh_dims=["pp"])
+    spec = cfg.model_spec
+    spec.model.update_from_config(config=cfg)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training,
+                                parallelism=cfg.parallelism, compile_config=cfg.compile,
+                                ac_config=cfg.activation_checkpoint, dump_folder="/tmp")
+    model.to_empty(device="tpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    loss_fn = cfg.loss.build(compile_config=cfg.compile)
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    opt = cfg.optimizer.build(model_parts=[model])
+    sched = cfg.lr_scheduler.build(optimizers=opt, training_steps=cfg.training.steps)
+    return device, dims, model, loss_fn, opt, sched
+
+
 def main(shard: int, replicate: int, attn: str, backend: str, out: str) -> None:
     import deferfuse
     from torch.distributed.tensor import DTensor
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
-    from torchtitan.tools import utils
     from test_titan import STEPS, batches
 
     cfg = llama3_debugmodel()
@@ -56,36 +90,12 @@ def main(shard: int, replicate: int, attn: str, backend: str, out: str) -> None:
     if backend != "none":
         cfg.compile.enable = True
         cfg.compile.backend = backend
-    device = utils.get_local_device()               # as TorchTitan's trainer: tpu:0 here
-    torch.tpu.set_device(device)
-
-    world = dist_utils.init_distributed(cfg.comm)
+    device, dims, model, loss_fn, opt, sched = build(cfg)
     assert dist.get_backend() == "tpu", dist.get_backend()
-    dims = ParallelDims.from_config(cfg.parallelism, world)
-    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
-    dist_utils.set_determinism(dims, device, cfg.debug, distinct_seed_mesh_dims=["pp"])
-
-    spec = cfg.model_spec
-    spec.model.update_from_config(config=cfg)
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training,
-                                parallelism=cfg.parallelism, compile_config=cfg.compile,
-                                ac_config=cfg.activation_checkpoint, dump_folder="/tmp")
-    model.to_empty(device="tpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)     # DTensor's random ops, its RNG tracker
-    model.train()
     init = {plain(k): (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
             for k, v in model.state_dict().items()}
     if dist.get_rank() == 0:
         torch.save(init, out)
-
-    loss_fn = cfg.loss.build(compile_config=cfg.compile)
-    loss_fn.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
-    opt = cfg.optimizer.build(model_parts=[model])
-    sched = cfg.lr_scheduler.build(optimizers=opt, training_steps=STEPS)
     # The global batch split over the data-parallel ranks (one process: all of it).
     batch_mesh = dims.get_optional_mesh("batch")
     loss_mesh = dims.get_optional_mesh("loss")
