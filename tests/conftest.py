@@ -84,3 +84,13 @@ def no_cpu_fallbacks():
     yield
     deferfuse.sync()
     assert dict(deferfuse.metrics()["cpu_fallbacks"]) == {}
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A tpu process group of this process alone."""
+    import torch.distributed as dist
+    dist.init_process_group("tpu", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import deferfuse
+from util import train_beside
 
 
 def _same(got, want):
@@ -136,25 +137,6 @@ def test_a_bad_device_index_raises_in_the_cxx_factories():
     _same(x + 1, torch.full((2,), 2.0))
 
 
-@pytest.fixture
-def group(tmp_path):
-    import torch.distributed as dist
-    dist.init_process_group("tpu", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-def _train_beside(ref, model, steps=3):
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    x = torch.randn(5, 4)
-    for _ in range(steps):
-        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
-            loss = m(xi).square().mean()
-            o.zero_grad()
-            loss.backward()
-            o.step()
-
-
 def test_ddp_bucket_views_train_as_on_cpu(group):
     # DDP writes each gradient into a view of a flat bucket (mul.out into a slice of a fresh
     # tensor): the router took the view as a fresh out= and gave the whole bucket the gradient's
@@ -165,7 +147,7 @@ def test_ddp_bucket_views_train_as_on_cpu(group):
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     model.load_state_dict(ref.state_dict())
     model = DDP(model.to("tpu"))
-    _train_beside(ref, model)
+    train_beside(ref, model)
     got = model.module.state_dict()
     for k, v in ref.state_dict().items():
         _same(got[k], v)
@@ -182,7 +164,7 @@ def test_fsdp2_streams_and_storage_resize_train_as_on_cpu(group):
     model = model.to("tpu")
     fully_shard(model[0])
     fully_shard(model)
-    _train_beside(ref, model)
+    train_beside(ref, model)
     got = {k: v.full_tensor() for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():
         _same(got[k], v)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import deferfuse
-from util import free_port
+from util import free_port, train_beside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_worker.py")
@@ -505,15 +505,6 @@ def test_torchrun(tmp_path):
 
 
 # --------------------------------------------------------------------------- one process
-@pytest.fixture
-def group(tmp_path):
-    """A tpu process group of this process alone."""
-    dist.init_process_group("tpu", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_one_process_group(group, tpu_mode):
     """A group of one: every collective is the identity (or its reduction of one value)."""
     x = torch.arange(6.).reshape(2, 3)
@@ -601,18 +592,6 @@ def test_one_process_compiled_graph_donates_what_it_overwrites(group, tpu_mode):
         assert deferfuse.metrics()["donated_bytes"] == before
 
 
-def _train_beside(ref, model, steps=3):
-    """``steps`` SGD steps of a CPU model ``ref`` and its tpu copy ``model`` on the same data."""
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    x = torch.randn(5, 4)
-    for _ in range(steps):
-        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
-            loss = m(xi).square().mean()
-            o.zero_grad()
-            loss.backward()
-            o.step()
-
-
 @pytest.mark.slow_params("strict")   # long: defer only in the default run
 def test_one_process_fsdp2(group, tpu_mode):
     """fully_shard on a group of one: frees and reallocates parameter storage (resize_), uses
@@ -625,7 +604,7 @@ def test_one_process_fsdp2(group, tpu_mode):
     model = model.to("tpu")
     fully_shard(model[0])
     fully_shard(model)
-    _train_beside(ref, model)
+    train_beside(ref, model)
     got = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v)
@@ -659,7 +638,7 @@ def test_one_process_ddp_stages_its_map_in_pinned_memory(group, tpu_mode, how):
     model = Net()
     model.load_state_dict(ref.state_dict())
     model = DDP(model.to("tpu"), **{how: True})
-    _train_beside(ref, model)
+    train_beside(ref, model)
     got = model.module.state_dict()
     for k, v in ref.state_dict().items():
         assert got[k].device.type == "tpu"

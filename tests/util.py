@@ -42,6 +42,18 @@ def to_tpu(x):
     return x
 
 
+def train_beside(ref, model, steps=3):
+    """``steps`` SGD steps of a CPU model ``ref`` and its tpu copy ``model`` on the same data."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    x = torch.randn(5, 4)
+    for _ in range(steps):
+        for m, o, xi in ((ref, opts[0], x), (model, opts[1], x.to("tpu"))):
+            loss = m(xi).square().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+
+
 def free_port() -> int:
     """A port p with p + 1 free too (JAX's coordinator listens on MASTER_PORT + 1)."""
     for _ in range(100):
