@@ -15,7 +15,8 @@ from ..scheduler.policy import Sync
 from ..engine import engine
 from ..dispatch import read
 from ..specials import register as register_specials
-from .group import ProcessGroupTPU, _wrap
+from .arrays import wrap_array
+from .group import ProcessGroupTPU
 
 _f = torch.ops._c10d_functional
 
@@ -33,7 +34,7 @@ def _fresh(x):
     """A new tensor holding ``x``'s current value (no copy: JAX arrays never change)."""
     if engine.state.trace.nodes:
         engine.sync(Sync.COLLECTIVE, op="functional collective")
-    return _wrap(read(x), x._s.device, x.dtype)
+    return wrap_array(read(x), x._s.device, x.dtype)
 
 
 def _empty(shape, like):
@@ -169,7 +170,7 @@ def _irecv(func, args, kwargs):
 
 
 def _batch_p2p(func, args, kwargs):
-    # Every request is posted before any is waited on (NOTE [p2p matching] in group.py).
+    # Every request is posted before any is waited on (NOTE [p2p matching] in p2p.py).
     ops, peers, tags, tensors, name = args
     pg = _group(name)
     works = [(pg.send if o == "isend" else pg.recv)([x], p, t)

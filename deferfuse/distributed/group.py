@@ -7,24 +7,11 @@ point (the pending trace is dispatched, reason ``collective``, cut at the same o
 the ranks agree on it (NOTE [collective check] in coord.py); the inputs' JAX arrays go to one XLA
 program over the group's devices; its results become the values of the output tensors; and, unless
 ``DEFERFUSE_DIST_WAIT=async``, the caller waits for them, so a rank that fails meanwhile is named
-in a ``DistributedError`` here rather than in an XLA error at some later read.
-
-NOTE [p2p matching]: a ``send`` and its ``recv`` run as one XLA program between the two processes,
-so both must call it at once, in the same order as every other program they share. gloo and NCCL
-let ranks post sends and receives in any order (both ranks ``isend`` first, then ``irecv``; a
-``batch_isend_irecv`` ring), so a send or recv on tpu tensors is only posted (a send keeps its
-value: JAX arrays never change) and runs when this rank waits on one of its requests
-(``dist.send``/``recv`` wait at once). Waiting takes rounds: for each pair of ranks this rank has
-posted to, in increasing order of the pair (so no two ranks wait on each other in a cycle), both
-ranks publish what they posted to the other in the coordination service; each direction's sends
-and receives are matched in posting order (shapes and dtypes must agree) and the matched messages
-run, lower rank's first. Rounds repeat until the awaited request has run. Two ranks that each wait
-on a request the other cannot match (both blocking ``send`` first) raise a ``DistributedError``
-instead of hanging, as does a request no round completes within the timeout.
+in a ``DistributedError`` here rather than in an XLA error at some later read. ``send`` and
+``recv`` are ``PointToPoint``'s (p2p.py: NOTE [p2p matching]).
 """
 from __future__ import annotations
 
-import json
 import functools
 import time
 from datetime import timedelta
@@ -36,14 +23,15 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGl
 from ..scheduler.policy import Sync
 from ..engine import engine
 from ..config import config
-from ..dispatch import _contig, copy_into, new_tensor, read, user_frame
+from ..dispatch import user_frame
 from ..runtime import collectives as xc
 from ..runtime import stats
 from ..runtime.cluster import CLUSTER
 from ..runtime.dtypes import to_np_dtype
-from ..scheduler.records import Value
 from ..tensor import TpuTensor, as_tpu
+from .arrays import describe, read_array, write_array
 from .coord import COORD
+from .p2p import PointToPoint
 
 S = stats.S
 _DEFAULT_TIMEOUT = timedelta(minutes=30)    # torch's default_pg_timeout: not a choice the user made
@@ -96,74 +84,7 @@ class _Work(Work):
         return f
 
 
-class _P2P:
-    """A posted send or recv on a tpu tensor, waiting for its peer (NOTE [p2p matching])."""
-    __slots__ = ("kind", "peer", "tensor", "array", "desc", "line", "done")
-
-    def __init__(self, kind, peer, tensor, array, line):
-        self.kind, self.peer, self.tensor, self.array, self.line = kind, peer, tensor, array, line
-        self.desc = _desc(tensor)
-        self.done = False
-
-
-class _P2PWork(Work):
-    """The request of a posted send or recv: waiting on it runs the rounds that complete it."""
-
-    def __init__(self, group, ops, source=-1):
-        super().__init__()
-        self._group, self._ops, self._source = group, ops, source
-
-    def wait(self, timeout=None):
-        for op in self._ops:
-            self._group._p2p_complete(op)
-        return True
-
-    def is_completed(self):
-        # Completing takes the peer's part: a poll waits for it (a loop polling a request that
-        # never ran would spin forever).
-        return self.wait()
-
-    def is_success(self):
-        return True
-
-    def result(self):
-        return [op.tensor for op in self._ops]
-
-    def source_rank(self):
-        return self._source
-
-    def get_future(self):
-        self.wait()
-        f = torch.futures.Future()
-        f.set_result(self.result())
-        return f
-
-
-def _arr(t):
-    """The concrete JAX array of a tpu tensor (its view applied)."""
-    return read(t)
-
-
-def _write(t, arr) -> None:
-    """Make ``arr`` (a JAX array of ``t``'s shape and dtype) the value of ``t``."""
-    st = t._s
-    if not t._chain and tuple(t.shape) == tuple(st.val.shape) and st.dtype == t.dtype:
-        st.val = Value(tuple(arr.shape), arr.dtype, arr.nbytes, array=arr)
-        return
-    copy_into(t, _wrap(arr, t._s.device, t.dtype))
-
-
-def _wrap(arr, device: int, dtype) -> TpuTensor:
-    shape = tuple(arr.shape)
-    return new_tensor(Value(shape, arr.dtype, arr.nbytes, array=arr), device, dtype, shape,
-                      _contig(shape))
-
-
-def _desc(t) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
-
-
-class ProcessGroupTPU(ProcessGroup):
+class ProcessGroupTPU(PointToPoint, ProcessGroup):
     """A process group of ``tpu`` tensors on JAX's distributed runtime (see the module's doc)."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, name: str,
@@ -240,7 +161,7 @@ class ProcessGroupTPU(ProcessGroup):
         what = f"{kind} (collective #{seq} of group {self._gname})"
         if check and len(ranks) > 1 and COORD.client is not None and (
                 config.dist_check or kind == "barrier"):
-            desc = (f"{kind}({detail}) " + (shapes or " ".join(_desc(t) for t in tensors))
+            desc = (f"{kind}({detail}) " + (shapes or " ".join(describe(t) for t in tensors))
                     + f" tpu:{dev}")
             t1 = time.perf_counter()
             COORD.exchange(scope, seq, me, ranks, desc, user_frame() + trace, what,
@@ -281,9 +202,9 @@ class ProcessGroupTPU(ProcessGroup):
             xc.check_op(op, to_np_dtype(t.dtype))
 
         def run(devices):
-            outs = [xc.all_reduce(_arr(t), devices, op, factor) for t in tensors]
+            outs = [xc.all_reduce(read_array(t), devices, op, factor) for t in tensors]
             for t, a in zip(tensors, outs):
-                _write(t, a)
+                write_array(t, a)
             return outs
         self._collective("all_reduce", op, tensors, run)
         return _Work(tensors)
@@ -299,9 +220,9 @@ class ProcessGroupTPU(ProcessGroup):
         src = opts.rootRank
 
         def run(devices):
-            outs = [xc.broadcast(_arr(t), devices, src) for t in tensors]
+            outs = [xc.broadcast(read_array(t), devices, src) for t in tensors]
             for t, a in zip(tensors, outs):
-                _write(t, a)
+                write_array(t, a)
             return outs
         self._collective("broadcast", f"src={src}", tensors, run)
         return _Work(tensors)
@@ -315,10 +236,10 @@ class ProcessGroupTPU(ProcessGroup):
             xc.check_op(op, to_np_dtype(t.dtype))
 
         def run(devices):
-            outs = [xc.all_reduce(_arr(t), devices, op, factor) for t in tensors]
+            outs = [xc.all_reduce(read_array(t), devices, op, factor) for t in tensors]
             if self.rank() == dst:
                 for t, a in zip(tensors, outs):
-                    _write(t, a)
+                    write_array(t, a)
             return outs
         self._collective("reduce", f"{op},dst={dst}", tensors, run)
         return _Work(tensors)
@@ -327,14 +248,14 @@ class ProcessGroupTPU(ProcessGroup):
     def _gather_into(self, output, input, kind="all_gather_into_tensor"):
         n = self.size()
         if output.numel() != n * input.numel() or output.dtype != input.dtype:
-            raise ValueError(f"all_gather_into_tensor: the output ({_desc(output)}) must hold "
-                             f"{n} inputs ({_desc(input)}) of the same dtype")
+            raise ValueError(f"all_gather_into_tensor: the output ({describe(output)}) must hold "
+                             f"{n} inputs ({describe(input)}) of the same dtype")
 
         def run(devices):
-            a = _arr(input)
+            a = read_array(input)
             g = xc.all_gather(a.reshape(-1) if a.ndim != 1 else a, devices)
             g = g.reshape(tuple(output.shape))
-            _write(output, g)
+            write_array(output, g)
             return [g]
         self._collective(kind, "", [input], run)
 
@@ -369,13 +290,13 @@ class ProcessGroupTPU(ProcessGroup):
         def run(devices):
             res = []
             for outs, t in zip(output_lists, inputs):
-                g = xc.all_gather(_arr(t), devices)
+                g = xc.all_gather(read_array(t), devices)
                 res.append(g)
                 for i, o in enumerate(outs):
                     if tuple(o.shape) != tuple(t.shape):
-                        raise ValueError(f"all_gather: output {i} is {_desc(o)}, the input is "
-                                         f"{_desc(t)}")
-                    _write(o, g[i])
+                        raise ValueError(f"all_gather: output {i} is {describe(o)}, the input is "
+                                         f"{describe(t)}")
+                    write_array(o, g[i])
             return res
         self._collective("all_gather", "", list(inputs), run)
         return _Work(output_lists)
@@ -392,11 +313,11 @@ class ProcessGroupTPU(ProcessGroup):
         def run(devices):
             res = []
             for k, t in enumerate(inputs):
-                g = xc.all_gather(_arr(t), devices)
+                g = xc.all_gather(read_array(t), devices)
                 res.append(g)
                 if self.rank() == dst:
                     for i, o in enumerate(output_lists[k]):
-                        _write(o, g[i])
+                        write_array(o, g[i])
             return res
         self._collective("gather", f"dst={dst}", list(inputs), run)
         return _Work(output_lists)
@@ -405,14 +326,14 @@ class ProcessGroupTPU(ProcessGroup):
     def _scatter_from(self, output, input, op, factor, kind="reduce_scatter_tensor"):
         n = self.size()
         if input.numel() != n * output.numel() or output.dtype != input.dtype:
-            raise ValueError(f"reduce_scatter_tensor: the input ({_desc(input)}) must hold "
-                             f"{n} outputs ({_desc(output)}) of the same dtype")
+            raise ValueError(f"reduce_scatter_tensor: the input ({describe(input)}) must hold "
+                             f"{n} outputs ({describe(output)}) of the same dtype")
         xc.check_op(op, to_np_dtype(output.dtype))
 
         def run(devices):
-            r = xc.reduce_scatter(_arr(input).reshape(-1), devices, op, factor)
+            r = xc.reduce_scatter(read_array(input).reshape(-1), devices, op, factor)
             r = r.reshape(tuple(output.shape))
-            _write(output, r)
+            write_array(output, r)
             return [r]
         self._collective(kind, op, [input], run)
 
@@ -445,7 +366,7 @@ class ProcessGroupTPU(ProcessGroup):
         for o, ins in zip(outputs, input_lists):
             if any(tuple(i.shape) != tuple(o.shape) for i in ins):
                 raise ValueError("reduce_scatter: every input must have the output's shape "
-                                 f"({_desc(o)})")
+                                 f"({describe(o)})")
             for t in ins:
                 xc.check_op(op, to_np_dtype(t.dtype))
 
@@ -453,9 +374,9 @@ class ProcessGroupTPU(ProcessGroup):
             import jax.numpy as jnp
             res = []
             for o, ins in zip(outputs, input_lists):
-                flat_in = jnp.concatenate([_arr(i).reshape(-1) for i in ins])
+                flat_in = jnp.concatenate([read_array(i).reshape(-1) for i in ins])
                 r = xc.reduce_scatter(flat_in, devices, op, factor).reshape(tuple(o.shape))
-                _write(o, r)
+                write_array(o, r)
                 res.append(r)
             return res
         self._collective("reduce_scatter", op, list(outputs), run)
@@ -473,11 +394,11 @@ class ProcessGroupTPU(ProcessGroup):
             res = []
             for k, o in enumerate(outputs):
                 if self.rank() == src:
-                    x = jnp.concatenate([_arr(i).reshape(-1) for i in input_lists[k]])
+                    x = jnp.concatenate([read_array(i).reshape(-1) for i in input_lists[k]])
                 else:
                     x = jnp.zeros((n * o.numel(),), to_np_dtype(o.dtype), device=devices[self.rank()])
                 r = xc.scatter(x, devices, src).reshape(tuple(o.shape))
-                _write(o, r)
+                write_array(o, r)
                 res.append(r)
             return res
         self._collective("scatter", f"src={src}", list(outputs), run)
@@ -490,13 +411,13 @@ class ProcessGroupTPU(ProcessGroup):
         n = self.size()
         if not output_split_sizes and not input_split_sizes:
             if input.numel() % n or output.numel() != input.numel():
-                raise ValueError(f"all_to_all_single: {_desc(input)} does not split evenly into "
-                                 f"{n} ranks' blocks, or the output {_desc(output)} differs")
+                raise ValueError(f"all_to_all_single: {describe(input)} does not split evenly into "
+                                 f"{n} ranks' blocks, or the output {describe(output)} differs")
 
             def run(devices):
-                a = _arr(input)
+                a = read_array(input)
                 r = xc.all_to_all(a, devices).reshape(tuple(output.shape))
-                _write(output, r)
+                write_array(output, r)
                 return [r]
             self._collective("all_to_all_single", "", [input], run)
             return _Work([output])
@@ -519,7 +440,7 @@ class ProcessGroupTPU(ProcessGroup):
         m = int(m.item())
 
         def run(devices):
-            a = _arr(input).reshape(input.shape[0], row)
+            a = read_array(input).reshape(input.shape[0], row)
             blocks, at = [], 0
             for s in in_splits:
                 b = a[at:at + s]
@@ -528,11 +449,11 @@ class ProcessGroupTPU(ProcessGroup):
             r = xc.all_to_all(jnp.concatenate(blocks), devices)
             r = jnp.concatenate([r[j * m:j * m + s] for j, s in enumerate(out_splits)])
             r = r.reshape(tuple(output.shape))
-            _write(output, r)
+            write_array(output, r)
             return [r]
         # What reaches XLA is the padded exchange: the same on every rank.
         self._collective("all_to_all_single", "uneven", [input], run,
-                         shapes=f"{_desc(input).split('[')[0]}[{n * m}, {row}]")
+                         shapes=f"{describe(input).split('[')[0]}[{n * m}, {row}]")
 
     def alltoall(self, outputs, inputs, opts=None):
         if self._split(list(outputs) + list(inputs)) == "cpu":
@@ -549,124 +470,7 @@ class ProcessGroupTPU(ProcessGroup):
             at += t.numel()
         return _Work(outputs)
 
-    # --- point to point (NOTE [p2p matching]), barrier ---------------------------------------
-    def _post(self, kind: str, tensors, peer: int):
-        if not 0 <= peer < self.size() or peer == self.rank():
-            raise ValueError(f"{kind}: invalid peer rank {peer} for a group of {self.size()} "
-                             f"processes (this process is rank {self.rank()})")
-        if engine.state.trace.nodes:
-            engine.sync(Sync.COLLECTIVE, op=kind)
-        line = user_frame()
-        ops = [_P2P(kind, self._ranks[peer], t, _arr(t) if kind == "send" else None, line)
-               for t in tensors]
-        self._p2p_pending.extend(ops)
-        return ops
-
-    def _p2p_complete(self, op) -> None:
-        """Run rounds until ``op`` has run (NOTE [p2p matching])."""
-        last_progress = time.monotonic()
-        while not op.done:
-            if not self._p2p_pending:
-                raise RuntimeError("internal error: a p2p request is neither done nor posted")
-            me = CLUSTER.rank
-            progress = False
-            for peer in sorted({o.peer for o in self._p2p_pending}):
-                progress |= self._p2p_round(me, peer, op)
-            now = time.monotonic()
-            if progress:
-                last_progress = now
-            elif now - last_progress > self._timeout:
-                raise COORD.fail(
-                    f"{op.kind} of {op.desc} {'to' if op.kind == 'send' else 'from'} rank "
-                    f"{op.peer} (at {op.line}) did not complete within {self._timeout:.0f} s "
-                    "(the timeout): its peer never posted the matching request")
-
-    def _p2p_round(self, me: int, peer: int, waited) -> bool:
-        """One round with ``peer`` (a global rank): exchange what each posted to the other, run
-        the matched messages; returns whether any ran."""
-        lo, hi = min(me, peer), max(me, peer)
-        mine = [o for o in self._p2p_pending if o.peer == peer]
-        sends = [o for o in mine if o.kind == "send"]
-        recvs = [o for o in mine if o.kind == "recv"]
-        waiting = waited in mine
-        scope = f"{self._gname}/p2p/{lo}-{hi}"
-        seq = self._p2p_seq.get(scope, 0)
-        self._p2p_seq[scope] = seq + 1
-        what = f"send/recv (round #{seq} between ranks {lo} and {hi} of group {self._gname})"
-        desc = json.dumps({"s": [o.desc for o in sends], "r": [o.desc for o in recvs],
-                           "w": f"{waited.kind} {waited.desc}" if waiting else "",
-                           "at": [o.line for o in mine]})
-        if COORD.client is None:
-            raise RuntimeError("send/recv on tpu tensors needs JAX's distributed runtime (a "
-                               "group of several processes)")
-        t1 = time.perf_counter()
-        got = COORD.gather(scope, seq, me, [lo, hi], desc, waited.line if waiting else "", what,
-                           self._timeout)
-        S["collective_check_seconds"] += time.perf_counter() - t1
-        theirs = json.loads(got[peer][0])
-        out = list(zip(sends, theirs["r"]))      # me -> peer, matched in posting order
-        into = list(zip(recvs, theirs["s"]))     # peer -> me
-        bad = [(o, d) for o, d in out + into if o.desc != d]
-        if bad or (not out and not into and waiting and theirs["w"]):
-            def posted(r, info):
-                ops = [f"send {d} to {hi if r == lo else lo}" for d in info["s"]] + \
-                      [f"recv {d} from {hi if r == lo else lo}" for d in info["r"]]
-                w = f", waiting on its {info['w']}" if info["w"] else ""
-                return (f"  rank {r}: posted {', '.join(ops) or 'nothing'}{w} (at "
-                        f"{', '.join(dict.fromkeys(info['at']))})")
-            both = "\n".join(posted(r, json.loads(got[r][0])) for r in (lo, hi))
-            why = ("a send and its recv differ in shape or dtype" if bad else
-                   "each waits on a request the other has not matched, and neither can post more")
-            raise COORD.fail(f"ranks disagree on {what}: {why}; a send's recv must be posted "
-                             f"with the same shape and dtype, in the same order:\n{both}")
-        if not out and not into:
-            return False
-        lo_first = (out + into) if me == lo else (into + out)
-        for o, _ in lo_first:
-            self._p2p_run(o, me, lo, hi, what)
-        done = {id(o) for o, _ in lo_first}
-        self._p2p_pending = [o for o in self._p2p_pending if id(o) not in done]
-        return True
-
-    def _p2p_run(self, o, me, lo, hi, what) -> None:
-        """One message of a round: a permute between ``lo`` and ``hi`` (global ranks)."""
-        src_is_lo = (o.kind == "send") == (me == lo)
-        pair = ((0, 1),) if src_is_lo else ((1, 0),)
-
-        def run(devices):
-            if o.kind == "send":
-                x = o.array
-            else:
-                import jax.numpy as jnp
-                x = jnp.zeros(tuple(o.tensor.shape), to_np_dtype(o.tensor.dtype),
-                              device=devices[0 if me == lo else 1])
-            a = xc.permute(x, devices, pair)
-            if o.kind == "recv":
-                _write(o.tensor, a)
-            return [a]
-        t0 = time.perf_counter()
-        self._execute("send/recv", [o.tensor], run, self._devices(o.tensor._s.device, (lo, hi)),
-                      [o.peer], what)
-        o.done, o.array = True, None
-        S["collective_seconds"] += time.perf_counter() - t0
-
-    def send(self, tensors, dstRank, tag=0):
-        if self._split(tensors) == "cpu":
-            return self._gloo.send(tensors, dstRank, tag)
-        return _P2PWork(self, self._post("send", tensors, dstRank))
-
-    def recv(self, tensors, srcRank, tag=0):
-        if self._split(tensors) == "cpu":
-            return self._gloo.recv(tensors, srcRank, tag)
-        return _P2PWork(self, self._post("recv", tensors, srcRank), source=srcRank)
-
-    def recv_anysource(self, tensors, tag=0):
-        if self._split(tensors) == "cpu":
-            return self._gloo.recv_anysource(tensors, tag)
-        raise RuntimeError("recv without a source rank is not supported for tpu tensors (each "
-                           "send and its recv run as one XLA program between two processes): "
-                           "give src=")
-
+    # --- barrier --------------------------------------------------------------------------------
     def barrier(self, opts=None):
         self._collective("barrier", "", [], lambda devices: [])
         return _Work()
@@ -695,7 +499,7 @@ def plain_collectives() -> None:
                  "all_gather_single_coalesced", "allgather", "allgather_coalesced", "gather",
                  "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter",
                  "scatter", "alltoall_base", "alltoall", "send", "recv", "recv_anysource"):
-        m = ProcessGroupTPU.__dict__[name]
+        m = getattr(ProcessGroupTPU, name)     # send/recv: PointToPoint's
         if not hasattr(m, "__wrapped__"):
             setattr(ProcessGroupTPU, name, _taking_plain(m))
 
