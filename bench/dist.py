@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -145,17 +144,13 @@ def replay(strategy: str, model, dev: str, n: int, iters: int = 5) -> float:
 
 # --------------------------------------------------------------------------- the launcher
 def _port() -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))     # JAX's coordinator takes MASTER_PORT + 1
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+    """tests/util.py's ``free_port``: a port p with p + 1 free too (JAX's coordinator)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    try:
+        from util import free_port
+    finally:
+        sys.path.pop(0)
+    return free_port()
 
 
 def run_ranks(n: int, script: str, args: list, extra_env: dict, what: str) -> list:

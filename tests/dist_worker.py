@@ -49,18 +49,28 @@ def sgd(params, **kw):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9, **kw)
 
 
+def train(model, opt, data, rows=slice(None), read=lambda loss: loss.item(), device=None):
+    """One optimizer step of ``model`` per batch of ``data`` (the ``rows`` of each batch, moved to
+    ``device`` unless it is None); returns each step's loss as ``read`` gives it."""
+    losses = []
+    for x, y in data:
+        x, y = x[rows], y[rows]
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        loss = loss_of(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(read(loss))
+    return losses
+
+
 def cpu_reference(data):
     """Single-process CPU training on the global batches: (losses, final state dict)."""
     torch.manual_seed(0)
     model = GPT()
     opt = sgd(model.parameters())
-    losses = []
-    for x, y in data:
-        loss = loss_of(model, x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train(model, opt, data)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -291,13 +301,7 @@ def scenario_ddp(mode, arg):
                 static_graph=(arg == "static_graph"),
                 find_unused_parameters=(arg == "find_unused"))
     opt = sgd(model.parameters())
-    losses = []
-    for x, y in data:
-        loss = loss_of(model, x[r * 4:(r + 1) * 4].to("tpu"), y[r * 4:(r + 1) * 4].to("tpu"))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(mean_loss(loss))
+    losses = train(model, opt, data, slice(r * 4, (r + 1) * 4), mean_loss, "tpu")
     out = compare_training(losses, full_state(model.module), data)
     out["syncs"] = deferfuse.metrics()["syncs"]
     return out
@@ -317,13 +321,7 @@ def scenario_fsdp(mode, arg):
         fully_shard(b, **kw)
     fully_shard(model, **kw)
     opt = sgd(model.parameters())
-    losses = []
-    for x, y in data:
-        loss = loss_of(model, x[r * 4:(r + 1) * 4].to("tpu"), y[r * 4:(r + 1) * 4].to("tpu"))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(mean_loss(loss))
+    losses = train(model, opt, data, slice(r * 4, (r + 1) * 4), mean_loss, "tpu")
     local = next(iter(model.parameters())).to_local()
     # a tpu tensor of either representation (tensor.is_tpu), not a CPU or meta local shard
     assert is_tpu(local) and local.shape[0] < VOCAB, "not sharded on tpu"
@@ -358,13 +356,7 @@ def scenario_tp(mode, arg):
         parallelize_module(b.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     # foreach=False: the replicated parameters are plain tensors, the MLP's DTensors
     opt = sgd(model.parameters(), foreach=False)
-    losses = []
-    for x, y in data:
-        loss = loss_of(model, x.to("tpu"), y.to("tpu"))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train(model, opt, data, device="tpu")
     return compare_training(losses, full_state(model), data)
 
 
