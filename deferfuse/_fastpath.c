@@ -2043,6 +2043,48 @@ static PyObject *hit_timing(PyObject *self, PyObject *unused) {
 }
 #endif
 
+/* NOTE [region hits] (runtime/flush.py): whether a flushed trace's nodes have the structure a
+   region hit stands for: node i's op entry equals entries[i] and its wiring equals wirings[i],
+   what [n.key for n in nodes] == entries and [n.wiring for n in nodes] == wirings say, without
+   making the two lists (NOTE [verified hits]). */
+static PyObject *same_structure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static PyObject *key_s, *wiring_s;
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "same_structure(nodes, entries, wirings) takes three lists");
+        return NULL;
+    }
+    if (key_s == NULL && (key_s = PyUnicode_InternFromString("key")) == NULL) return NULL;
+    if (wiring_s == NULL && (wiring_s = PyUnicode_InternFromString("wiring")) == NULL) return NULL;
+    PyObject *nodes = args[0], *entries = args[1], *wirings = args[2];
+    if (PyList_GET_SIZE(entries) != PyList_GET_SIZE(nodes) ||
+        PyList_GET_SIZE(wirings) != PyList_GET_SIZE(nodes))
+        Py_RETURN_FALSE;
+    /* sizes read again at every step: an __eq__ may change a list (as list's own compare does) */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(nodes) && i < PyList_GET_SIZE(entries) &&
+                           i < PyList_GET_SIZE(wirings); i++) {
+        PyObject *nd = PyList_GET_ITEM(nodes, i);
+        Py_INCREF(nd);
+        for (int k = 0; k < 2; k++) {
+            PyObject *mine = slot_get(&L_node, k ? 2 : 0, nd, k ? wiring_s : key_s);
+            if (mine == NULL) { Py_DECREF(nd); return NULL; }
+            PyObject *want = PyList_GET_ITEM(k ? wirings : entries, i);
+            Py_INCREF(want);
+            int same = PyObject_RichCompareBool(mine, want, Py_EQ);
+            Py_DECREF(mine); Py_DECREF(want);
+            if (same != 1) {
+                Py_DECREF(nd);
+                if (same < 0) return NULL;
+                Py_RETURN_FALSE;
+            }
+        }
+        Py_DECREF(nd);
+    }
+    if (PyList_GET_SIZE(entries) != PyList_GET_SIZE(nodes) ||
+        PyList_GET_SIZE(wirings) != PyList_GET_SIZE(nodes))
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "TpuTensor.__torch_dispatch__: the C record path's fast case, else the Python path."},
@@ -2052,6 +2094,8 @@ static PyMethodDef methods[] = {
     {"set_own_hash", set_own_hash, METH_O,
      "NOTE [rolling hashes in C]: hash the trace's tuples from their items (on) or pack them."},
     {"stats", stats, METH_NOARGS, "Calls taken by the fast case (hits) and passed on (misses)."},
+    {"same_structure", (PyCFunction)(void (*)(void))same_structure, METH_FASTCALL,
+     "NOTE [region hits]: whether nodes' op entries and wirings equal entries and wirings."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
 #ifdef DEFERFUSE_HIT_TIMING
     {"hit_timing", hit_timing, METH_NOARGS, "NOTE [hit timing]: (names, rows of ticks); clears."},

@@ -15,7 +15,7 @@ import sys
 import threading
 import weakref
 
-from . import opinfo
+from . import _fastpath, opinfo
 from .config import config
 from .entries import EntryStore
 from .generator import Rng
@@ -73,6 +73,7 @@ class Engine:
         self.interrupts.install()
         # Per-op programs and view reads are dropped with the regions (NOTE [JIT mappings]).
         self.runner.also_evict = (self.ops.clear, execute.view_jits.clear)
+        self.runner.same_structure = _fastpath.same_structure      # NOTE [region hits]
         self.bodies = Bodies()
         self.sources = SourceLines()
         self.rng = Rng()

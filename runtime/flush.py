@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from . import execute, replay, stats
 from .memory import COUNTERS as memory_stats, LARGE
@@ -92,8 +93,58 @@ class _Ctx:
     reason: str
     src: str
     cfg: Settings
-    done: set = field(default_factory=set)      # trace positions whose program ran
+    done: set | range = field(default_factory=set)  # trace positions whose program ran
     errors: list = field(default_factory=list)  # errors to raise once every region has run
+    whole: Run | None = None    # the whole trace as one run (NOTE [region hits])
+    single: tuple | None = None     # (Region, MemoryPlan): ``whole`` ran as that one region
+
+
+# NOTE [region hits]: a sync whose trace was seen before (a training step's forward pass, its
+# backward pass, a chain of small ops) most often runs as one compiled region, and every decision
+# on the way there (the structure record, setup first, the loop and needed-first splits, the
+# memory plan, the region key and its lookup) is a function of the trace's structure, the
+# outputs' signature, which inputs something outside the trace holds (the donation pattern), the
+# value the sync reads, whether it is within an outer loop's body, its device and the settings.
+# ``HitKey`` is those; the first flush that ran its whole trace as one compiled ``Region`` leaves
+# a ``_Hit`` (the region, its structure, what it donates) under it, and a flush with the same key
+# goes straight to the executable: it compares the structure (NOTE [verified hits]: the hash is a
+# bucket, the comparison decides), checks that no input failed, then calls, donates and binds
+# exactly as ``_region`` does, with the same counters. Anything else (a new key, another
+# structure under it, a failed input, debug level 2 and up, cross-checks) takes the full path. The
+# hits are dropped with the regions (``evict``, ``clear``).
+@dataclass(frozen=True, slots=True)
+class HitKey:
+    """What a whole-trace region run is a function of (NOTE [region hits])."""
+    h: int                      # the trace's structure hash (Trace.h)
+    n: int                      # its ops
+    held: tuple                 # per external input: something outside the trace holds it
+    out_sig: tuple              # (node, output) of each value that leaves it
+    want: tuple | None          # the positions its sync reads (NOTE [needed first])
+    whole: bool                 # within an outer loop's body
+    device: int
+    cfg: Settings
+
+
+class _Hit:
+    """What a region hit needs (NOTE [region hits]): the region, the structure it runs (compared
+    on every hit) and its memory plan."""
+    __slots__ = ("reg", "entries", "wirings", "donate", "donates", "donated_bytes")
+
+    def __init__(self, reg, entries, wirings, mplan):
+        self.reg, self.entries, self.wirings = reg, entries, wirings
+        self.donate = mplan.donate
+        self.donates = any(mplan.donate)
+        self.donated_bytes = mplan.donated_bytes
+
+
+_key_of = attrgetter("key")
+_wiring_of = attrgetter("wiring")
+
+
+def same_structure(nodes: list, entries: list, wirings: list) -> bool:
+    """Whether ``nodes``' op entries and wirings are ``entries`` and ``wirings`` (NOTE [verified
+    hits]); the engine gives the runner the C one (deferfuse/_fastpath.c), which makes no lists."""
+    return list(map(_key_of, nodes)) == entries and list(map(_wiring_of, nodes)) == wirings
 
 
 class _Struct:
@@ -120,6 +171,8 @@ class Runner:
 
     def __init__(self, max_regions: int = 4096):
         self.structs = Cache("trace structures", 8192)
+        self.hits = Cache("region hits", 4096)         # HitKey -> _Hit (NOTE [region hits])
+        self.same_structure = same_structure    # the owner's C one, when it has it
         # Past max_regions every region is dropped at once, with JAX's caches (evict): the
         # cache itself never rotates before that.
         self.regions = Cache("regions", 2 * max_regions + 2)
@@ -137,7 +190,7 @@ class Runner:
         self.interrupts = Interrupts()      # NOTE [interrupt safety] (interrupts.py)
 
     def caches(self) -> list:
-        return [self.structs, self.regions, self.churn, self.once, self.ahead,
+        return [self.structs, self.hits, self.regions, self.churn, self.once, self.ahead,
                 *self.buckets.caches()]
 
     def clear(self) -> None:
@@ -179,17 +232,28 @@ class Runner:
         # Who else holds each input value: its holders are the ext list, the node inputs reading
         # it and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
         getrc = sys.getrefcount
-        held = [getrc(ext[i]) - 2 - fl.ext_uses[i] > 0 for i in range(len(ext))]
-        entries = [n.key for n in nodes]
-        wirings = [n.wiring for n in nodes]
+        held = tuple([getrc(ext[i]) - 2 - fl.ext_uses[i] > 0 for i in range(len(ext))])
+        out_sig = tuple([(v.node.pos, v.idx) for v in fl.outs])
+        hkey = None
+        if cfg.debug < 2 and not cfg.cross_check:
+            hkey = HitKey(fl.h, len(nodes), held, out_sig, fl.want, fl.whole, fl.device, cfg)
+            hit = self.hits.get(hkey)
+            if hit is not None:
+                if self._hit(ctx, hit, held, out_sig, later):
+                    return
+            else:
+                S["region_hit_path"]["new key"] += 1
+        else:
+            S["region_hit_path"]["bypassed (debug 2+ or cross-check)"] += 1
+        entries = list(map(_key_of, nodes))
+        wirings = list(map(_wiring_of, nodes))
         skey = (fl.h, len(nodes))
         st = self.structs.get(skey)
         if st is None or not (st.entries == entries and st.wirings == wirings):
             st = _Struct(entries, wirings)
             self.structs[skey] = st
-        out_sig = tuple((v.node.pos, v.idx) for v in fl.outs)
-        whole = Run(nodes, entries, wirings, range(len(nodes)), ext, held, fl.scalars, fl.h,
-                    fl.outs, out_sig, later)
+        whole = ctx.whole = Run(nodes, entries, wirings, range(len(nodes)), ext, held, fl.scalars,
+                                fl.h, fl.outs, out_sig, later)
         if Policy.setup_split(len(nodes), bool(nodes) and cut.is_setup(entries[0].name),
                               cfg.setup_first):
             k = cut.setup_first(entries, wirings, out_sig)
@@ -205,6 +269,60 @@ class Runner:
                     rest.nodes.release()
                 return
         self._trace(ctx, st, whole, fl.want, fl.whole)
+        if ctx.single is not None and hkey is not None and not ctx.errors:
+            reg, mplan = ctx.single
+            self.hits[hkey] = _Hit(reg, entries, wirings, mplan)
+
+    def _hit(self, ctx, hit: _Hit, held: tuple, out_sig: tuple, later: bool) -> bool:
+        """Run the flushed trace as the region ``hit`` names (NOTE [region hits]); False, having
+        done nothing, when the full path must run it."""
+        fl = ctx.fl
+        nodes, ext = fl.nodes, fl.ext
+        entries, wirings = hit.entries, hit.wirings
+        if not self.same_structure(nodes, entries, wirings):    # NOTE [verified hits]
+            S["region_hit_path"]["another structure"] += 1
+            return False
+        for v in ext:
+            if v.array is None and v.err is not None:
+                S["region_hit_path"]["a failed input"] += 1
+                return False
+        S["region_hit_path"]["hits"] += 1
+        reg = hit.reg
+        S["cache_hits"] += 1
+        if hit.donates:
+            donate = hit.donate
+            don = [v.array for v, d in zip(ext, donate) if d]
+            keep = [v.array for v, d in zip(ext, donate) if not d]
+        else:
+            don, keep = [], [v.array for v in ext]
+        memory_stats.transient(reg.transient)
+        outs = fl.outs
+        with self.interrupts:
+            try:
+                res, flags = execute.run_region(reg.compiled, don, keep, fl.scalars, fl.device)
+            except Exception as e:
+                raise_oom(e, reg, memory_stats)
+                self._around(ctx, Run(nodes, entries, wirings, range(len(nodes)), ext, held,
+                                      fl.scalars, fl.h, outs, out_sig, later), None, e)
+                return True
+            reg.runs += 1
+            S["donated_bytes"] += hit.donated_bytes
+            S["elided_bytes"] += reg.elided
+            if hit.donates:
+                # As in _region: NOTE [donation safety].
+                gone = Donated(reg.summary)
+                for v, d in zip(ext, hit.donate):
+                    if d and v.array is not None:
+                        v.fail(gone)
+            _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
+            ctx.done = range(len(nodes))     # every position: one region ran them all
+        if flags or self.checks.pending:
+            self.checks.add(flags, reg.msgs, nodes, wirings, outs, out_sig, ext,
+                            later or is_async(ctx.reason))
+        if memory_stats.peak > self.peak_seen:
+            self.peak_seen = memory_stats.peak
+            S["peak_region"] = reg.summary
+        return True
 
     def _trace(self, ctx, st, whole: Run, want, inside: bool) -> None:
         """Run ``whole`` (a trace, or what is left of one after its setup ops: NOTE [setup first])
@@ -464,6 +582,8 @@ class Runner:
             bound = outs if reg.order is None else [outs[j] for j in reg.order]
             _bind_all(bound, res)
             ctx.done.update(run.pos)
+        if run is ctx.whole:
+            ctx.single = (reg, mplan)   # NOTE [region hits]
         if flags or self.checks.pending:
             self.checks.add(flags, reg.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
                             run.later or is_async(ctx.reason))

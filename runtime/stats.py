@@ -13,6 +13,8 @@ def fresh() -> dict:
         "op_compiles": 0,           # ... of which per-op programs (strict/debug)
         "region_compiles": 0,       # ... of which fused regions
         "cache_hits": 0,            # in-process region cache hits
+        "region_hit_path": Counter(),   # flushes run straight from a region hit, and why the
+                                        # others took the full path (NOTE [region hits])
         "disk_cache_hits": 0,       # compiles answered by an on-disk cache (not in "compiles")
         "program_disk_hits": 0,     # ... of which whole programs loaded from deferfuse's store
         "jax_disk_hits": 0,         # ... of which XLA compiles answered by JAX's cache

@@ -1,0 +1,171 @@
+"""NOTE [region hits] (runtime/flush.py): a sync whose trace was seen before goes straight to its
+compiled region. Values are CPU eager's, compiles and region counts are those of the full path, and
+what the hit stands for (the structure, a failed input, the caches it reads) sends a flush back
+to the full path."""
+import re
+import threading
+
+import pytest
+import torch
+
+import deferfuse
+from deferfuse.engine import engine
+from deferfuse.scheduler.policy import Cut
+from util import assert_same
+
+pytestmark = pytest.mark.modes("defer")
+
+
+def _path():
+    return dict(deferfuse.metrics()["region_hit_path"])
+
+
+def _step(w, x):
+    """An in-place update (the old ``w`` is donated) and a read of one value."""
+    w.mul_(0.9).add_(x * 0.1)
+    return (w.tanh() * 2.0 + 1.0).sum().item()
+
+
+def _run(dev, steps):
+    torch.manual_seed(0)
+    w, x = torch.randn(16).to(dev), torch.randn(16).to(dev)
+    return [_step(w, x) for _ in range(steps)], w
+
+
+def test_a_repeated_step_runs_from_its_region_hit():
+    want, w_cpu = _run("cpu", 6)
+    deferfuse.reset_metrics()
+    torch.manual_seed(0)
+    w, x = torch.randn(16).to("tpu"), torch.randn(16).to("tpu")
+    deferfuse.sync()
+    got, counts = [], []
+    for _ in range(6):
+        got.append(_step(w, x))
+        m = deferfuse.metrics()
+        counts.append((m["compiles"], m["regions_run"], m["cache_hits"],
+                       m["region_hit_path"]["hits"]))
+    assert got == pytest.approx(want, rel=1e-6)
+    assert_same(w, w_cpu)
+    # One region a step; from the third step on nothing compiles and every step is a hit that
+    # counts as a region cache hit, as on the full path.
+    for a, b in zip(counts[2:], counts[3:]):
+        assert b[0] == a[0] and b[1] == a[1] + 1 and b[2] == a[2] + 1 and b[3] == a[3] + 1, counts
+    assert deferfuse.metrics()["donated_bytes"] > 0      # the old w went to the program
+
+
+def test_a_hit_compares_its_structure():
+    torch.manual_seed(0)
+    w, x = torch.randn(16).to("tpu"), torch.randn(16).to("tpu")
+    w_cpu, x_cpu = w.cpu(), x.cpu()
+    for _ in range(3):
+        _step(w, x)
+        _step(w_cpu, x_cpu)
+    # Another structure under the same key (what a hash collision would be): each hit's recorded
+    # ops are made to differ, so the comparison must send the flush to the full path.
+    hits = engine.runner.hits
+    assert len(hits) > 0
+    for _, h in hits.items():
+        h.entries = list(reversed(h.entries))
+    before = _path()
+    compiles = deferfuse.metrics()["compiles"]
+    assert _step(w, x) == pytest.approx(_step(w_cpu, x_cpu), rel=1e-6)
+    after = _path()
+    assert after.get("another structure", 0) == before.get("another structure", 0) + 1
+    assert after.get("hits", 0) == before.get("hits", 0)
+    assert deferfuse.metrics()["compiles"] == compiles     # the full path found the region
+    # The full path left a hit with the right structure again.
+    assert _step(w, x) == pytest.approx(_step(w_cpu, x_cpu), rel=1e-6)
+    assert _path()["hits"] == after.get("hits", 0) + 1
+    assert_same(w, w_cpu)
+
+
+def test_an_input_failed_after_it_was_recorded_takes_the_full_path():
+    """An input whose index check fails between the op that reads it being recorded and the sync
+    (another thread read the checks): the hit must not hand its buffer to the program."""
+    emb_cpu = torch.randn(10, 4)
+    emb = emb_cpu.to("tpu")
+    good, bad = torch.tensor([1, 2]), torch.tensor([1, 30])
+    with pytest.raises(IndexError) as cpu_error:
+        emb_cpu[bad]
+    said = re.escape(str(cpu_error.value))     # CPU's message, which the tpu error starts with
+
+    def two_traces(idx):
+        e = emb[idx.to("tpu")]
+        engine.sync(Cut.BACKWARD)       # runs; its index check is read at the next real sync
+        return e, (e * 2.0 + 1.0).sum()
+
+    for _ in range(3):      # the second trace's structure becomes a hit
+        e, y = two_traces(good)
+        assert y.item() == pytest.approx((emb_cpu[good] * 2.0 + 1.0).sum().item(), rel=1e-6)
+    e, y = two_traces(bad)
+    raised = []
+
+    def other_thread():
+        try:
+            deferfuse.sync()            # reads every pending check: e fails
+        except IndexError as err:
+            raised.append(err)
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(raised) == 1 and re.match(said, str(raised[0]))
+    before = _path().get("a failed input", 0)
+    with pytest.raises(IndexError, match=said):
+        y.item()
+    assert _path().get("a failed input", 0) == before + 1
+
+
+def test_hits_go_with_the_regions():
+    torch.manual_seed(0)
+    w, x = torch.randn(16).to("tpu"), torch.randn(16).to("tpu")
+    w_cpu, x_cpu = w.cpu(), x.cpu()
+    for _ in range(3):
+        _step(w, x)
+        _step(w_cpu, x_cpu)
+    assert len(engine.runner.hits) > 0
+    engine.runner.evict()
+    assert len(engine.runner.hits) == 0
+    before = _path().get("hits", 0)
+    compiles = deferfuse.metrics()["compiles"] + deferfuse.metrics()["disk_cache_hits"]
+    assert _step(w, x) == pytest.approx(_step(w_cpu, x_cpu), rel=1e-6)
+    m = deferfuse.metrics()
+    assert m["compiles"] + m["disk_cache_hits"] == compiles + 1    # found again, not a stale hit
+    assert _path().get("hits", 0) == before
+    assert_same(w, w_cpu)
+
+
+def test_debug_level_two_takes_the_full_path(monkeypatch, capsys):
+    torch.manual_seed(0)
+    w, x = torch.randn(16).to("tpu"), torch.randn(16).to("tpu")
+    w_cpu, x_cpu = w.cpu(), x.cpu()
+    for _ in range(3):
+        _step(w, x)
+        _step(w_cpu, x_cpu)
+    monkeypatch.setattr(deferfuse.config, "debug", 2)
+    before = _path()
+    assert _step(w, x) == pytest.approx(_step(w_cpu, x_cpu), rel=1e-6)
+    after = _path()
+    assert after.get("hits", 0) == before.get("hits", 0)
+    assert "region hit" in capsys.readouterr().err      # the level-2 line of a region hit
+
+
+def test_the_c_structure_comparison_is_pythons():
+    """deferfuse/_fastpath.c's same_structure says what the runner's Python one says."""
+    from deferfuse import _fastpath
+    from deferfuse.runtime import flush
+    x = torch.randn(4).to("tpu")
+    deferfuse.sync()
+    y = (x * 2.0 + 1.0).tanh()
+    nodes = list(engine.local.ts.trace.nodes)
+    entries, wirings = [n.key for n in nodes], [n.wiring for n in nodes]
+    other = [(0, 0) if w == (0,) else (0,) for w in wirings]
+    cases = [(entries, wirings), (list(entries), [tuple(w) for w in wirings]),
+             (list(reversed(entries)), wirings), (entries, other), (entries[:-1], wirings[:-1]),
+             (entries + entries[:1], wirings + wirings[:1]), ([], [])]
+    for es, ws in cases:
+        assert _fastpath.same_structure(nodes, es, ws) is flush.same_structure(nodes, es, ws)
+    assert _fastpath.same_structure(nodes, entries, wirings) is True
+    assert _fastpath.same_structure(nodes, entries, other) is False
+    with pytest.raises(TypeError):
+        _fastpath.same_structure(nodes, tuple(entries), wirings)
+    assert_same(y, (x.cpu() * 2.0 + 1.0).tanh())
