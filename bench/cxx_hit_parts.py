@@ -5,7 +5,8 @@ sections of the hit and around it (NOTE [hit timing] in deferfuse/_fastpath.c an
 The marks exist only in a debug build (``-DDEFERFUSE_HIT_TIMING``), which this script makes in a
 folder of /tmp (``--build``: the two extensions, a few minutes) and loads instead of the shipped
 ``.so`` files (an import hook for ``deferfuse._fastpath`` and ``deferfuse._tpu_tensor``); the
-shipped build compiles the marks to nothing. One row of ticks per hit; a row whose total is over
+shipped build compiles the marks to nothing (``DEFERFUSE_HIT_TIMING_DIR`` names another folder, so
+two builds can be alternated). One row of ticks per hit; a row whose total is over
 three times the median (the first hit after a sync, a preemption) is dropped; the table gives each
 section's mean over the rows kept, in ns (ticks at the rate calibrated here against
 ``time.perf_counter``), and its share of the whole. ``wall`` is the mean time per op of the same
@@ -27,7 +28,7 @@ import sysconfig
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBUG = "/tmp/deferfuse-hit-timing"
+DEBUG = os.environ.get("DEFERFUSE_HIT_TIMING_DIR", "/tmp/deferfuse-hit-timing")  # a build per worktree
 
 
 def build():
