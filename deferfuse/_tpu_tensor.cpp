@@ -1013,8 +1013,10 @@ int64_t intern_sig(Key&& d) {
   return id;
 }
 
-// An int, None, bool or int list (a view step's argument); false for anything else.
-bool key_static(Key& k, const IValue& v) {
+// An int, None, bool or int list (a view step's argument); false for anything else. K: a Key or a
+// call's CallKey.
+template <class K>
+bool key_static(K& k, const IValue& v) {
   if (v.isNone()) {
     k.push_back(-101);
   } else if (v.isInt()) {
@@ -1034,7 +1036,8 @@ bool key_static(Key& k, const IValue& v) {
   return true;
 }
 
-void key_geom(Key& k, c10::ScalarType dtype, c10::IntArrayRef size, c10::IntArrayRef stride) {
+template <class K>
+void key_geom(K& k, c10::ScalarType dtype, c10::IntArrayRef size, c10::IntArrayRef stride) {
   k.push_back(static_cast<int64_t>(dtype));
   k.push_back(static_cast<int64_t>(size.size()));
   k.insert(k.end(), size.begin(), size.end());
@@ -1168,6 +1171,7 @@ int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_
 // clears it too (plain.install).
 struct Plan {
   bool ok = false;
+  size_t h0 = 0;             // the key's hash after its first word, the op (NOTE [call keys])
   int out = -1;              // the stack index of a written `out` (a fresh one is taken), or -1
   std::vector<char> scalar;  // per argument: a Python number there is a runtime input
   // NOTE [C++ foreach]: an in-place foreach op (route._foreach): each call is checked for
@@ -1176,6 +1180,46 @@ struct Plan {
   // NOTE [fresh outs] in plain.py: the stack indexes of a structured op's several out= tensors
   // (nll_loss_forward.output), taken as fresh when every one is
   std::vector<int> outs;
+};
+
+// NOTE [call keys]: a call's key is built per call in a small vector on the stack (CallKey: no
+// allocation for keys of up to 32 words; a Key is made of it only when the table learns it), and
+// hashed once, in one pass from its op's precomputed start (Plan::h0), where the table would
+// hash it again; the table finds it by that hash and compares the words (a hash is a bucket,
+// equality decides). The stack, not one scratch key per Kernel: a hit's record and a miss's
+// router run Python, which may call another op (a finaliser, a hook) through this kernel.
+using CallKey = c10::SmallVector<int64_t, 32>;
+
+constexpr size_t kKeySeed = 0x243f6a8885a308d3ULL;
+inline size_t key_mix(size_t h, int64_t v) {
+  h ^= static_cast<size_t>(v);
+  h *= 0x9e3779b97f4a7c15ULL;
+  return h ^ (h >> 29);
+}
+inline size_t key_hash(const int64_t* p, size_t n, size_t h = kKeySeed) {
+  for (size_t i = 0; i < n; ++i) h = key_mix(h, p[i]);
+  return h;
+}
+
+struct KeyView {
+  const int64_t* p;
+  size_t n, h;
+};
+
+struct CallKeyHash {
+  using is_transparent = void;
+  size_t operator()(const Key& k) const { return key_hash(k.data(), k.size()); }
+  size_t operator()(const KeyView& k) const { return k.h; }
+};
+
+struct CallKeyEq {
+  using is_transparent = void;
+  static bool same(const int64_t* a, size_t na, const int64_t* b, size_t nb) {
+    return na == nb && std::equal(a, a + na, b);
+  }
+  bool operator()(const Key& a, const Key& b) const { return a == b; }
+  bool operator()(const KeyView& a, const Key& b) const { return same(a.p, a.n, b.data(), b.size()); }
+  bool operator()(const Key& a, const KeyView& b) const { return same(a.data(), a.size(), b.p, b.n); }
 };
 
 struct KEntry {
@@ -1206,7 +1250,7 @@ struct Kernel {
   PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
   PyObject* strict_fn = nullptr;  // Plain.run_hit(entry, ins, scalars, dev), NOTE [C++ strict hits]
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
-  std::unordered_map<Key, KEntry, FloorKeyHash> entries;
+  std::unordered_map<Key, KEntry, CallKeyHash, CallKeyEq> entries;  // NOTE [call keys]
   size_t limit = 1 << 16;
   int64_t hits = 0, misses = 0, learned = 0, refused = 0, passed = 0, unkeyed = 0, clears = 0;
   int64_t why[3] = {0, 0, 0};
@@ -1233,7 +1277,10 @@ void kernel_clear() {
 // outputs allocate nothing (bench/results/cxx-hit-parts-1207.md: the key and its vectors were
 // ~10% of a hit).
 struct Call {
-  Key key;
+  CallKey key;                      // NOTE [call keys]
+  size_t hash = 0;                  // its hash, set by build_key
+  KeyView view() const { return {key.data(), key.size(), hash}; }
+  Key owned() const { return Key(key.begin(), key.end()); }
   c10::SmallVector<at::Tensor, 4> tensors;  // tensor inputs, in dispatch.op_key's order
   c10::SmallVector<IValue, 4> scalars;      // runtime numbers (double or int), in its order
   std::vector<int64_t> offs;        // moving windows' starts, in tensor order (NOTE [C++ moving windows])
@@ -1396,7 +1443,6 @@ bool is_fresh(const at::Tensor& o) {
 
 bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit::Stack& stack,
                size_t n, Call& c, bool fresh = false) {
-  c.key.reserve(32);
   c.key.push_back(reinterpret_cast<int64_t>(&op.schema()));
   const size_t first = stack.size() - n;
   // NOTE [fresh outs] in plain.py: several out= tensors are fresh when every one is
@@ -1433,6 +1479,7 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
   }
   if (c.dev < 0) return false;  // no tensor input and no device=: the thread's device (the router)
   c.key.push_back(c.dev);
+  c.hash = key_hash(c.key.data() + 1, c.key.size() - 1, plan.h0);  // NOTE [call keys]
   return true;
 }
 
@@ -1682,7 +1729,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
       if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
                              << op.schema().overload_name() << ": its key changed in the router\n";
       ++K.refused;
-      K.entries.emplace(std::move(c.key), KEntry());
+      K.entries.emplace(c.owned(), KEntry());
       return;
     }
   }
@@ -1773,7 +1820,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
                            << op.schema().overload_name() << ": " << (got.is_none() ? "Plain.learn said no" : "the learnt entry does not fit the call") << "\n";
   }
-  K.entries.emplace(std::move(c.key), std::move(e));
+  K.entries.emplace(c.owned(), std::move(e));
 }
 
 void kernel_plan(const c10::OperatorHandle& op, py::handle func) {
@@ -1794,6 +1841,7 @@ void kernel_plan(const c10::OperatorHandle& op, py::handle func) {
       }
     }
   }
+  p.h0 = key_mix(kKeySeed, reinterpret_cast<int64_t>(&op.schema()));
   K.plans.emplace(&op.schema(), std::move(p));
 }
 
@@ -1862,7 +1910,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       if (plan->ok && build_key(op, *plan, *stack, n, call)) {
         HIT_MARK(H_KEY);
         const bool overlaps = plan->foreach && foreach_overlaps(*stack, n);
-        auto it = overlaps ? K.entries.end() : K.entries.find(call.key);
+        auto it = overlaps ? K.entries.end() : K.entries.find(call.view());
         HIT_MARK(H_FIND);
         if (overlaps) {
           ++K.overlaps;  // NOTE [C++ foreach]: the router, one element at a time; nothing learnt
