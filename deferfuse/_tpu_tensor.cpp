@@ -116,9 +116,13 @@ struct HitLocals {
 // ---------------------------------------------------------------------------------------------
 // storage: the engine value
 
+// A storage's base sizes or strides: small vectors, so a new storage allocates its StorageCtx only
+// (two heap vectors more per output were most of `empty_strided`'s own time).
+using BaseInts = c10::SmallVector<int64_t, 5>;
+
 struct StorageCtx {
   PyObject* storage = nullptr;  // deferfuse.tensor.Storage (owned), or null until Python reads it
-  IntVec size, stride;          // the base tensor the storage was made for
+  BaseInts size, stride;        // the base tensor the storage was made for
   c10::ScalarType dtype = c10::ScalarType::Float;
   bool known = false;           // size/stride/dtype set (by empty*, or by make_base)
   int64_t sig = -1;             // the base tensor's signature id (NOTE [C++ signatures]), or -1
@@ -314,8 +318,8 @@ int64_t wrap_dim(int64_t d, int64_t n) { return c10::maybe_wrap_dim(d, n); }
 
 void remember_base(const at::Tensor& t) {
   auto* ctx = ctx_of(t);
-  ctx->size = t.sizes().vec();
-  ctx->stride = t.strides().vec();
+  ctx->size.assign(t.sizes().begin(), t.sizes().end());
+  ctx->stride.assign(t.strides().begin(), t.strides().end());
   ctx->dtype = t.scalar_type();
   ctx->known = true;
   ctx->sig = -1;
@@ -397,7 +401,7 @@ at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArr
   TORCH_CHECK(empty || (extent + 1) * item <= have, "setStorage: sizes ", size, ", strides ", stride,
               ", storage offset ", off, ", and itemsize ", item, " requiring a storage size of ",
               (extent + 1) * item, " are out of bounds for storage of size ", have);
-  IntVec base_size = ctx->size, base_stride = ctx->stride;
+  IntVec base_size(ctx->size.begin(), ctx->size.end()), base_stride(ctx->stride.begin(), ctx->stride.end());
   Step s{AS_STRIDED, {IValue(size.vec()), IValue(stride.vec()), IValue(off), IValue(base_size),
                       IValue(base_stride)}};
   return make_view(self, size, stride, off, std::move(s));
@@ -626,8 +630,8 @@ py::object call_hook(PyObject* fn, py::object a, py::object b) {
 void replace_storage(const c10::Storage& storage, StorageCtx* old, py::object st, int64_t n, size_t bytes) {
   c10::DataPtr dp = allocator().allocate(bytes);
   auto* ctx = static_cast<StorageCtx*>(dp.get_context());
-  ctx->size = {n};
-  ctx->stride = {1};
+  ctx->size.assign({n});
+  ctx->stride.assign({1});
   ctx->dtype = old->dtype;
   ctx->known = true;
   ctx->storage = st.release().ptr();
@@ -641,15 +645,16 @@ void replace_storage(const c10::Storage& storage, StorageCtx* old, py::object st
 void set_strided_meta(const at::Tensor& self, const StorageCtx* ctx) {
   auto* impl = self.unsafeGetTensorImpl();
   int64_t off = self.storage_offset();
-  bool base = ctx->known && off == 0 && self.sizes().vec() == ctx->size &&
-              self.strides().vec() == ctx->stride;
+  bool base = ctx->known && off == 0 && self.sizes() == c10::IntArrayRef(ctx->size) &&
+              self.strides() == c10::IntArrayRef(ctx->stride);
   if (base) {
     impl->set_backend_meta(c10::intrusive_ptr<c10::BackendMeta>());
     return;
   }
   auto m = c10::make_intrusive<ViewMeta>();
   m->steps.push_back(Step{AS_STRIDED, {IValue(self.sizes().vec()), IValue(self.strides().vec()),
-                                       IValue(off), IValue(ctx->size), IValue(ctx->stride)}});
+                                       IValue(off), IValue(c10::IntArrayRef(ctx->size).vec()),
+                                       IValue(c10::IntArrayRef(ctx->stride).vec())}});
   impl->set_backend_meta(m);
 }
 
@@ -719,8 +724,8 @@ at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
 at::Tensor& set_empty(at::Tensor& self) {
   c10::Storage st(c10::Storage::use_byte_size_t(), 0, allocator().allocate(0), &allocator(), true);
   auto* ctx = static_cast<StorageCtx*>(st.data_ptr().get_context());
-  ctx->size = {0};
-  ctx->stride = {1};
+  ctx->size.assign({0});
+  ctx->stride.assign({1});
   ctx->dtype = self.scalar_type();
   ctx->known = true;
   auto* impl = self.unsafeGetTensorImpl();
@@ -2049,7 +2054,8 @@ void set_storage(const at::Tensor& t, py::object st) {
 py::object base(const at::Tensor& t) {
   auto* ctx = ctx_of(t);
   if (!ctx->known) return py::none();
-  return py::make_tuple(py::tuple(py::cast(ctx->size)), py::tuple(py::cast(ctx->stride)),
+  return py::make_tuple(py::tuple(py::cast(c10::IntArrayRef(ctx->size).vec())),
+                        py::tuple(py::cast(c10::IntArrayRef(ctx->stride).vec())),
                         py::reinterpret_borrow<py::object>(
                             reinterpret_cast<PyObject*>(torch::getTHPDtype(ctx->dtype))));
 }
