@@ -5,7 +5,8 @@ sections of the hit and around it (NOTE [hit timing] in deferfuse/_fastpath.c an
 The marks exist only in a debug build (``-DDEFERFUSE_HIT_TIMING``), which this script makes in a
 folder of /tmp (``--build``: the two extensions, a few minutes) and loads instead of the shipped
 ``.so`` files (an import hook for ``deferfuse._fastpath`` and ``deferfuse._tpu_tensor``); the
-shipped build compiles the marks to nothing. One row of ticks per hit; a row whose total is over
+shipped build compiles the marks to nothing (``DEFERFUSE_HIT_TIMING_DIR`` names another folder, so
+two builds can be alternated). One row of ticks per hit; a row whose total is over
 three times the median (the first hit after a sync, a preemption) is dropped; the table gives each
 section's mean over the rows kept, in ns (ticks at the rate calibrated here against
 ``time.perf_counter``), and its share of the whole. ``wall`` is the mean time per op of the same
@@ -27,7 +28,7 @@ import sysconfig
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBUG = "/tmp/deferfuse-hit-timing"
+DEBUG = os.environ.get("DEFERFUSE_HIT_TIMING_DIR", "/tmp/deferfuse-hit-timing")  # a build per worktree
 
 
 def build():
@@ -52,7 +53,7 @@ class DebugBuild(importlib.abc.MetaPathFinder):
             name, got[0], loader=importlib.machinery.ExtensionFileLoader(name, got[0]))
 
 
-def table(names, raw, ns_per_tick, title):
+def table(names, raw, ns_per_tick, title, stat="mean"):
     import array
     n = len(names)
     a = array.array("I")
@@ -61,9 +62,12 @@ def table(names, raw, ns_per_tick, title):
     totals = [sum(r) for r in rows]
     cut = 3 * statistics.median(totals)
     kept = [r for r, t in zip(rows, totals) if t <= cut]
-    means = [sum(r[i] for r in kept) / len(kept) for i in range(n)]
+    if stat == "median":    # robust to a loaded machine's slow rows; the sections need not add up
+        means = [statistics.median(r[i] for r in kept) for i in range(n)]
+    else:
+        means = [sum(r[i] for r in kept) / len(kept) for i in range(n)]
     whole = sum(means)
-    print(f"\n{title}: {len(kept)} hits kept of {len(rows)}; total {whole * ns_per_tick:.0f} ns "
+    print(f"\n{title}: {len(kept)} hits kept of {len(rows)}; total of the {stat}s {whole * ns_per_tick:.0f} ns "
           f"a hit (median row {statistics.median(totals) * ns_per_tick:.0f} ns)")
     print("| section | ns | share |")
     print("|---|---:|---:|")
@@ -77,6 +81,8 @@ def main():
     p.add_argument("--build", action="store_true", help="make the debug build in " + DEBUG)
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--ops", type=int, default=200)
+    p.add_argument("--stat", choices=("mean", "median"), default="mean",
+                   help="each section's mean over the rows kept, or its median")
     a = p.parse_args()
     if a.build:
         build()
@@ -135,9 +141,9 @@ def main():
           f"load average before {load0[0]:.1f}, after {load[0]:.1f}; wall per op (Python loop): "
           f"median of blocks {statistics.median(walls):.0f} ns, min {min(walls):.0f} ns")
     names, raw = ext.hit_timing()
-    table(names, raw, ns_per_tick, "the C++ side (from the last hit's fallback exit)")
+    table(names, raw, ns_per_tick, "the C++ side (from the last hit's fallback exit)", a.stat)
     names, raw = _fastpath.hit_timing()
-    table(names, raw, ns_per_tick, "record_c (_fastpath.record_storages_checked) by section")
+    table(names, raw, ns_per_tick, "record_c (_fastpath.record_storages_checked) by section", a.stat)
     n_ops = a.rounds * a.ops
     print("\ngarbage collections in the timed blocks, per generation: "
           + ", ".join(f"gen{g} {count[g]} ({spent[g] * 1e9 / n_ops:.0f} ns an op)" for g in spent))

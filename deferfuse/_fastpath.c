@@ -165,6 +165,38 @@ typedef struct {
     PyObject *src;      /* owned */
 } SrcMemo;
 
+/* NOTE [thread state memo]: engine.local.ts (a threading.local get, ~75 ns) per op, memoised by
+   the calling thread's PyThreadState id (PyThreadState_GetID: unique for the interpreter's life,
+   never reused as an address can be, so a new thread never matches a dead thread's entry). Each
+   entry holds a weak reference to the ThreadState, never the object itself: a thread's state
+   dies with its threading.local slot at the thread's exit, and a dead reference is a miss. The
+   entry also names the epoch it was made in: Python bumps it whenever it sets engine.local.ts
+   (engine._Local.__setattr__ calls ts_changed()), and setup bumps it, so a replaced state is
+   never read from the memo. TS_MEMO entries, direct-mapped by id; counted in stats(). */
+#define TS_MEMO 16
+typedef struct {
+    unsigned long long id, epoch;
+    PyObject *wr;           /* owned weak reference to the ThreadState, or NULL */
+} TsMemo;
+
+/* NOTE [engine lock in C]: engine.lock is a threading.RLock, whose acquire and release as Python
+   calls were ~105 ns a recorded op. Where its C layout is CPython's _thread.RLock (checked by
+   setup against the lock's behaviour: owner and count after a Python acquire and release, and
+   the type's size), record_storages_checked and try_fast do what its methods do, under the GIL
+   as they do: the owner's re-entry counts up, a free lock is taken without blocking; a lock
+   another thread holds is waited for through the Python acquire (which releases the GIL and
+   handles signals as before, counted in stats()' lock_waits); a release that would fail calls
+   the Python release, which raises. Any other layout: the Python calls. */
+#if PY_VERSION_HEX < 0x030D0000
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock rlock_lock;
+    unsigned long rlock_owner;
+    unsigned long rlock_count;
+    PyObject *in_weakreflist;
+} RLockLayout;      /* CPython 3.11/3.12 Modules/_threadmodule.c's rlockobject */
+#endif
+
 typedef struct {
     PyObject *tpu_type;     /* TpuTensor */
     PyObject *py_dispatch;  /* route.torch_dispatch(cls, func, types, args, kwargs) */
@@ -206,8 +238,13 @@ typedef struct {
     PyObject *ts_pairs[64]; /* (TS, i) for i < 64 */
     PyObject *source_codes; /* engine.sources.codes (a Cache): its young dict read at its slot */
     SrcMemo src_memo[SRC_MEMO];     /* NOTE [source-line memo] */
+    TsMemo ts_memo[TS_MEMO];        /* NOTE [thread state memo] */
+    unsigned long long ts_epoch;    /* bumped by ts_changed() and setup */
+    PyObject *lock;                 /* engine.lock (NOTE [engine lock in C]) */
+    int lock_c;                     /* its layout checked: taken and released here */
     int ready;
     unsigned long long hits, misses, src_memo_hits, src_memo_misses;
+    unsigned long long ts_memo_hits, ts_memo_misses, lock_waits;
 } FastState;
 
 static FastState S;
@@ -1292,6 +1329,123 @@ done:
 }
 
 /* ------------------------------------------------------------------ interrupts (depth) */
+/* engine.local.ts, a new reference (NOTE [thread state memo]), or NULL with the error set. */
+static PyObject *thread_ts(void) {
+    unsigned long long id = PyThreadState_GetID(PyThreadState_Get());
+    TsMemo *m = &S.ts_memo[id % TS_MEMO];
+    if (m->wr != NULL && m->id == id && m->epoch == S.ts_epoch) {
+        PyObject *ts = PyWeakref_GET_OBJECT(m->wr);
+        if (ts != Py_None) {
+            S.ts_memo_hits++;
+            return Py_NewRef(ts);
+        }
+    }
+    PyObject *ts = GET(S.local, A_ts);
+    if (ts == NULL) return NULL;
+    /* after the get: a thread's first get runs _Local.__init__, which sets ts (a bump) to this */
+    unsigned long long epoch = S.ts_epoch;
+    S.ts_memo_misses++;
+    if (Py_IS_TYPE(ts, (PyTypeObject *)S.ts_type)) {
+        PyObject *wr = PyWeakref_NewRef(ts, NULL);
+        if (wr == NULL) { Py_DECREF(ts); return NULL; }
+        Py_XSETREF(m->wr, wr);
+        m->id = id;
+        m->epoch = epoch;
+    }
+    return ts;
+}
+
+/* engine.lock.acquire() (NOTE [engine lock in C]); -1 with the error set. */
+static int lock_take(void) {
+#if PY_VERSION_HEX < 0x030D0000
+    if (S.lock_c) {
+        RLockLayout *l = (RLockLayout *)S.lock;
+        unsigned long tid = PyThread_get_thread_ident();
+        if (l->rlock_count > 0 && l->rlock_owner == tid) {
+            if (l->rlock_count + 1 > l->rlock_count) {
+                l->rlock_count++;
+                return 0;
+            }
+        } else if (PyThread_acquire_lock_timed(l->rlock_lock, 0, 0) == PY_LOCK_ACQUIRED) {
+            l->rlock_owner = tid;
+            l->rlock_count = 1;
+            return 0;
+        } else {
+            S.lock_waits++;
+        }
+    }
+#endif
+    PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* engine.lock.release(); -1 with the error set. Keeps an error already set (a failed record). */
+static int lock_drop(void) {
+#if PY_VERSION_HEX < 0x030D0000
+    if (S.lock_c) {
+        RLockLayout *l = (RLockLayout *)S.lock;
+        if (l->rlock_count > 0 && l->rlock_owner == PyThread_get_thread_ident()) {
+            if (--l->rlock_count == 0) {
+                l->rlock_owner = 0;
+                PyThread_release_lock(l->rlock_lock);
+            }
+            return 0;
+        }
+    }
+#endif
+    PyObject *exc_type, *exc_val, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
+    PyObject *r = PyObject_CallNoArgs(S.lock_release);
+    if (r == NULL) {
+        Py_XDECREF(exc_type); Py_XDECREF(exc_val); Py_XDECREF(exc_tb);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(exc_type, exc_val, exc_tb);
+    return 0;
+}
+
+/* Whether engine.lock's C layout is _thread.RLock's (NOTE [engine lock in C]): its acquire and
+   release methods are bound to it, its type has that size and name, and a Python acquire and
+   release move the owner and count fields as expected. 0 (the Python calls) otherwise; -1 on
+   an error. */
+static int lock_layout_ok(void) {
+#if PY_VERSION_HEX < 0x030D0000
+    if (!PyCFunction_Check(S.lock_acquire) || !PyCFunction_Check(S.lock_release)) return 0;
+    PyObject *lock = PyCFunction_GET_SELF(S.lock_acquire);
+    if (lock == NULL || lock != PyCFunction_GET_SELF(S.lock_release)) return 0;
+    PyTypeObject *t = Py_TYPE(lock);
+    if (t->tp_basicsize != (Py_ssize_t)sizeof(RLockLayout) || strcmp(t->tp_name, "_thread.RLock") != 0)
+        return 0;
+    Py_XSETREF(S.lock, Py_NewRef(lock));
+    RLockLayout *l = (RLockLayout *)lock;
+    unsigned long tid = PyThread_get_thread_ident(), c0 = l->rlock_count;
+    int ok = 1;
+    for (int i = 1; i <= 2; i++) {
+        PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        ok = ok && l->rlock_owner == tid && l->rlock_count == c0 + i;
+    }
+    for (int i = 1; i <= 2; i++) {
+        PyObject *r = PyObject_CallNoArgs(S.lock_release);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return ok && l->rlock_count == c0 && (c0 > 0 || l->rlock_owner == 0);
+#else
+    return 0;
+#endif
+}
+
+/* ts_changed(): engine.local.ts was set (NOTE [thread state memo]) */
+static PyObject *ts_changed(PyObject *self, PyObject *unused) {
+    S.ts_epoch++;
+    Py_RETURN_NONE;
+}
+
 static int held_enter(int *main) {
     /* Interrupts.main and .depth at their slots (the layout setup checked for engine.interrupts) */
     PyObject **slot = (PyObject **)((char *)S.held + L_held.off[0]);
@@ -1818,7 +1972,7 @@ static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
             }
         }
     }
-    ts = GET(S.local, A_ts);
+    ts = thread_ts();
     if (ts == NULL) goto done;
     tmode = GET(ts, A_mode);
     if (tmode == NULL) goto done;
@@ -1826,19 +1980,11 @@ static PyObject *try_fast(PyObject *func, PyObject *args, PyObject *kwargs) {
     if (defer < 0) goto done;
     if (!defer) goto not_fast;
 
-    PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
-    if (r == NULL) goto done;
-    Py_DECREF(r);
+    if (lock_take() < 0) goto done;
     trace = GET(ts, A_trace);
     if (trace != NULL)
         result = record(trace, entry, fast, ins, scalars, dev, tensors, mut, info, args, kwargs, 0);
-    PyObject *exc_type, *exc_val, *exc_tb;
-    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
-    r = PyObject_CallNoArgs(S.lock_release);
-    if (r == NULL) { Py_XDECREF(result); result = NULL; Py_XDECREF(exc_type);
-                     Py_XDECREF(exc_val); Py_XDECREF(exc_tb); goto done; }
-    Py_DECREF(r);
-    PyErr_Restore(exc_type, exc_val, exc_tb);
+    if (lock_drop() < 0) { Py_XDECREF(result); result = NULL; }
     goto done;
 not_fast:
     result = Py_NotImplemented;
@@ -1928,7 +2074,7 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
     if (held_enter(&main) < 0) { Py_DECREF(fast); return NULL; }
     HT_MARK(R_HELD);
     PyObject *result = NULL, *ts = NULL, *tmode = NULL, *trace = NULL;
-    ts = GET(S.local, A_ts);
+    ts = thread_ts();
     if (ts == NULL) goto done;
     tmode = slot_get(&L_ts, 0, ts, A_mode);
     if (tmode == NULL) goto done;
@@ -1936,21 +2082,13 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
     if (defer < 0) goto done;
     if (!defer) { result = Py_NotImplemented; Py_INCREF(result); goto done; }
     HT_MARK(R_TS);
-    PyObject *r = PyObject_CallNoArgs(S.lock_acquire);
-    if (r == NULL) goto done;
-    Py_DECREF(r);
+    if (lock_take() < 0) goto done;
     HT_MARK(R_LOCK);
     trace = slot_get(&L_ts, 1, ts, A_trace);
     HT_MARK(R_TRACE);
     if (trace != NULL)
         result = record(trace, entry, fast, ins, scalars, dev, writes, mut, NULL, NULL, NULL, 1);
-    PyObject *exc_type, *exc_val, *exc_tb;
-    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
-    r = PyObject_CallNoArgs(S.lock_release);
-    if (r == NULL) { Py_XDECREF(result); result = NULL; Py_XDECREF(exc_type);
-                     Py_XDECREF(exc_val); Py_XDECREF(exc_tb); goto done; }
-    Py_DECREF(r);
-    PyErr_Restore(exc_type, exc_val, exc_tb);
+    if (lock_drop() < 0) { Py_XDECREF(result); result = NULL; goto done; }
     HT_MARK(R_UNLOCK);
 done:
     Py_DECREF(fast); Py_XDECREF(ts); Py_XDECREF(tmode); Py_XDECREF(trace);
@@ -2010,17 +2148,25 @@ static PyObject *setup(PyObject *self, PyObject *kw) {
         return NULL;
     }
     if (check_own_hash() < 0) return NULL;      /* NOTE [rolling hashes in C] */
+    S.ts_epoch++;                               /* NOTE [thread state memo]: another engine.local */
+    S.lock_c = 0;
+    int lock_ok = lock_layout_ok();             /* NOTE [engine lock in C] */
+    if (lock_ok < 0) return NULL;
+    S.lock_c = lock_ok;
     S.ready = 1;
     Py_RETURN_NONE;
 }
 
 static PyObject *stats(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsK}", "hits", S.hits, "misses", S.misses,
-                         "source_memo_hits", S.src_memo_hits, "source_memo_misses", S.src_memo_misses);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsi}", "hits", S.hits, "misses", S.misses,
+                         "source_memo_hits", S.src_memo_hits, "source_memo_misses", S.src_memo_misses,
+                         "ts_memo_hits", S.ts_memo_hits, "ts_memo_misses", S.ts_memo_misses,
+                         "lock_waits", S.lock_waits, "lock_in_c", S.lock_c);
 }
 
 static PyObject *reset_stats(PyObject *self, PyObject *unused) {
     S.hits = S.misses = S.src_memo_hits = S.src_memo_misses = 0;
+    S.ts_memo_hits = S.ts_memo_misses = S.lock_waits = 0;
     Py_RETURN_NONE;
 }
 
@@ -2097,6 +2243,7 @@ static PyMethodDef methods[] = {
     {"same_structure", (PyCFunction)(void (*)(void))same_structure, METH_FASTCALL,
      "NOTE [region hits]: whether nodes' op entries and wirings equal entries and wirings."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
+    {"ts_changed", ts_changed, METH_NOARGS, "NOTE [thread state memo]: engine.local.ts was set."},
 #ifdef DEFERFUSE_HIT_TIMING
     {"hit_timing", hit_timing, METH_NOARGS, "NOTE [hit timing]: (names, rows of ticks); clears."},
 #endif

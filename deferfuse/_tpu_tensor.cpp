@@ -116,9 +116,13 @@ struct HitLocals {
 // ---------------------------------------------------------------------------------------------
 // storage: the engine value
 
+// A storage's base sizes or strides: small vectors, so a new storage allocates its StorageCtx only
+// (two heap vectors more per output were most of `empty_strided`'s own time).
+using BaseInts = c10::SmallVector<int64_t, 5>;
+
 struct StorageCtx {
   PyObject* storage = nullptr;  // deferfuse.tensor.Storage (owned), or null until Python reads it
-  IntVec size, stride;          // the base tensor the storage was made for
+  BaseInts size, stride;        // the base tensor the storage was made for
   c10::ScalarType dtype = c10::ScalarType::Float;
   bool known = false;           // size/stride/dtype set (by empty*, or by make_base)
   int64_t sig = -1;             // the base tensor's signature id (NOTE [C++ signatures]), or -1
@@ -314,8 +318,8 @@ int64_t wrap_dim(int64_t d, int64_t n) { return c10::maybe_wrap_dim(d, n); }
 
 void remember_base(const at::Tensor& t) {
   auto* ctx = ctx_of(t);
-  ctx->size = t.sizes().vec();
-  ctx->stride = t.strides().vec();
+  ctx->size.assign(t.sizes().begin(), t.sizes().end());
+  ctx->stride.assign(t.strides().begin(), t.strides().end());
   ctx->dtype = t.scalar_type();
   ctx->known = true;
   ctx->sig = -1;
@@ -397,7 +401,7 @@ at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArr
   TORCH_CHECK(empty || (extent + 1) * item <= have, "setStorage: sizes ", size, ", strides ", stride,
               ", storage offset ", off, ", and itemsize ", item, " requiring a storage size of ",
               (extent + 1) * item, " are out of bounds for storage of size ", have);
-  IntVec base_size = ctx->size, base_stride = ctx->stride;
+  IntVec base_size(ctx->size.begin(), ctx->size.end()), base_stride(ctx->stride.begin(), ctx->stride.end());
   Step s{AS_STRIDED, {IValue(size.vec()), IValue(stride.vec()), IValue(off), IValue(base_size),
                       IValue(base_stride)}};
   return make_view(self, size, stride, off, std::move(s));
@@ -626,8 +630,8 @@ py::object call_hook(PyObject* fn, py::object a, py::object b) {
 void replace_storage(const c10::Storage& storage, StorageCtx* old, py::object st, int64_t n, size_t bytes) {
   c10::DataPtr dp = allocator().allocate(bytes);
   auto* ctx = static_cast<StorageCtx*>(dp.get_context());
-  ctx->size = {n};
-  ctx->stride = {1};
+  ctx->size.assign({n});
+  ctx->stride.assign({1});
   ctx->dtype = old->dtype;
   ctx->known = true;
   ctx->storage = st.release().ptr();
@@ -641,15 +645,16 @@ void replace_storage(const c10::Storage& storage, StorageCtx* old, py::object st
 void set_strided_meta(const at::Tensor& self, const StorageCtx* ctx) {
   auto* impl = self.unsafeGetTensorImpl();
   int64_t off = self.storage_offset();
-  bool base = ctx->known && off == 0 && self.sizes().vec() == ctx->size &&
-              self.strides().vec() == ctx->stride;
+  bool base = ctx->known && off == 0 && self.sizes() == c10::IntArrayRef(ctx->size) &&
+              self.strides() == c10::IntArrayRef(ctx->stride);
   if (base) {
     impl->set_backend_meta(c10::intrusive_ptr<c10::BackendMeta>());
     return;
   }
   auto m = c10::make_intrusive<ViewMeta>();
   m->steps.push_back(Step{AS_STRIDED, {IValue(self.sizes().vec()), IValue(self.strides().vec()),
-                                       IValue(off), IValue(ctx->size), IValue(ctx->stride)}});
+                                       IValue(off), IValue(c10::IntArrayRef(ctx->size).vec()),
+                                       IValue(c10::IntArrayRef(ctx->stride).vec())}});
   impl->set_backend_meta(m);
 }
 
@@ -719,8 +724,8 @@ at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& src) {
 at::Tensor& set_empty(at::Tensor& self) {
   c10::Storage st(c10::Storage::use_byte_size_t(), 0, allocator().allocate(0), &allocator(), true);
   auto* ctx = static_cast<StorageCtx*>(st.data_ptr().get_context());
-  ctx->size = {0};
-  ctx->stride = {1};
+  ctx->size.assign({0});
+  ctx->stride.assign({1});
   ctx->dtype = self.scalar_type();
   ctx->known = true;
   auto* impl = self.unsafeGetTensorImpl();
@@ -1013,8 +1018,10 @@ int64_t intern_sig(Key&& d) {
   return id;
 }
 
-// An int, None, bool or int list (a view step's argument); false for anything else.
-bool key_static(Key& k, const IValue& v) {
+// An int, None, bool or int list (a view step's argument); false for anything else. K: a Key or a
+// call's CallKey.
+template <class K>
+bool key_static(K& k, const IValue& v) {
   if (v.isNone()) {
     k.push_back(-101);
   } else if (v.isInt()) {
@@ -1034,7 +1041,8 @@ bool key_static(Key& k, const IValue& v) {
   return true;
 }
 
-void key_geom(Key& k, c10::ScalarType dtype, c10::IntArrayRef size, c10::IntArrayRef stride) {
+template <class K>
+void key_geom(K& k, c10::ScalarType dtype, c10::IntArrayRef size, c10::IntArrayRef stride) {
   k.push_back(static_cast<int64_t>(dtype));
   k.push_back(static_cast<int64_t>(size.size()));
   k.insert(k.end(), size.begin(), size.end());
@@ -1168,6 +1176,7 @@ int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_
 // clears it too (plain.install).
 struct Plan {
   bool ok = false;
+  size_t h0 = 0;             // the key's hash after its first word, the op (NOTE [call keys])
   int out = -1;              // the stack index of a written `out` (a fresh one is taken), or -1
   std::vector<char> scalar;  // per argument: a Python number there is a runtime input
   // NOTE [C++ foreach]: an in-place foreach op (route._foreach): each call is checked for
@@ -1176,6 +1185,46 @@ struct Plan {
   // NOTE [fresh outs] in plain.py: the stack indexes of a structured op's several out= tensors
   // (nll_loss_forward.output), taken as fresh when every one is
   std::vector<int> outs;
+};
+
+// NOTE [call keys]: a call's key is built per call in a small vector on the stack (CallKey: no
+// allocation for keys of up to 32 words; a Key is made of it only when the table learns it), and
+// hashed once, in one pass from its op's precomputed start (Plan::h0), where the table would
+// hash it again; the table finds it by that hash and compares the words (a hash is a bucket,
+// equality decides). The stack, not one scratch key per Kernel: a hit's record and a miss's
+// router run Python, which may call another op (a finaliser, a hook) through this kernel.
+using CallKey = c10::SmallVector<int64_t, 32>;
+
+constexpr size_t kKeySeed = 0x243f6a8885a308d3ULL;
+inline size_t key_mix(size_t h, int64_t v) {
+  h ^= static_cast<size_t>(v);
+  h *= 0x9e3779b97f4a7c15ULL;
+  return h ^ (h >> 29);
+}
+inline size_t key_hash(const int64_t* p, size_t n, size_t h = kKeySeed) {
+  for (size_t i = 0; i < n; ++i) h = key_mix(h, p[i]);
+  return h;
+}
+
+struct KeyView {
+  const int64_t* p;
+  size_t n, h;
+};
+
+struct CallKeyHash {
+  using is_transparent = void;
+  size_t operator()(const Key& k) const { return key_hash(k.data(), k.size()); }
+  size_t operator()(const KeyView& k) const { return k.h; }
+};
+
+struct CallKeyEq {
+  using is_transparent = void;
+  static bool same(const int64_t* a, size_t na, const int64_t* b, size_t nb) {
+    return na == nb && std::equal(a, a + na, b);
+  }
+  bool operator()(const Key& a, const Key& b) const { return a == b; }
+  bool operator()(const KeyView& a, const Key& b) const { return same(a.p, a.n, b.data(), b.size()); }
+  bool operator()(const Key& a, const KeyView& b) const { return same(a.data(), a.size(), b.p, b.n); }
 };
 
 struct KEntry {
@@ -1206,7 +1255,7 @@ struct Kernel {
   PyObject* storage_fn = nullptr; // Plain.storage(p): an `empty` tensor's Storage, made on first use
   PyObject* strict_fn = nullptr;  // Plain.run_hit(entry, ins, scalars, dev), NOTE [C++ strict hits]
   std::unordered_map<const void*, Plan> plans;  // bounded by the op set
-  std::unordered_map<Key, KEntry, FloorKeyHash> entries;
+  std::unordered_map<Key, KEntry, CallKeyHash, CallKeyEq> entries;  // NOTE [call keys]
   size_t limit = 1 << 16;
   int64_t hits = 0, misses = 0, learned = 0, refused = 0, passed = 0, unkeyed = 0, clears = 0;
   int64_t why[3] = {0, 0, 0};
@@ -1233,7 +1282,10 @@ void kernel_clear() {
 // outputs allocate nothing (bench/results/cxx-hit-parts-1207.md: the key and its vectors were
 // ~10% of a hit).
 struct Call {
-  Key key;
+  CallKey key;                      // NOTE [call keys]
+  size_t hash = 0;                  // its hash, set by build_key
+  KeyView view() const { return {key.data(), key.size(), hash}; }
+  Key owned() const { return Key(key.begin(), key.end()); }
   c10::SmallVector<at::Tensor, 4> tensors;  // tensor inputs, in dispatch.op_key's order
   c10::SmallVector<IValue, 4> scalars;      // runtime numbers (double or int), in its order
   std::vector<int64_t> offs;        // moving windows' starts, in tensor order (NOTE [C++ moving windows])
@@ -1396,7 +1448,6 @@ bool is_fresh(const at::Tensor& o) {
 
 bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit::Stack& stack,
                size_t n, Call& c, bool fresh = false) {
-  c.key.reserve(32);
   c.key.push_back(reinterpret_cast<int64_t>(&op.schema()));
   const size_t first = stack.size() - n;
   // NOTE [fresh outs] in plain.py: several out= tensors are fresh when every one is
@@ -1433,6 +1484,7 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
   }
   if (c.dev < 0) return false;  // no tensor input and no device=: the thread's device (the router)
   c.key.push_back(c.dev);
+  c.hash = key_hash(c.key.data() + 1, c.key.size() - 1, plan.h0);  // NOTE [call keys]
   return true;
 }
 
@@ -1682,7 +1734,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
       if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
                              << op.schema().overload_name() << ": its key changed in the router\n";
       ++K.refused;
-      K.entries.emplace(std::move(c.key), KEntry());
+      K.entries.emplace(c.owned(), KEntry());
       return;
     }
   }
@@ -1773,7 +1825,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
                            << op.schema().overload_name() << ": " << (got.is_none() ? "Plain.learn said no" : "the learnt entry does not fit the call") << "\n";
   }
-  K.entries.emplace(std::move(c.key), std::move(e));
+  K.entries.emplace(c.owned(), std::move(e));
 }
 
 void kernel_plan(const c10::OperatorHandle& op, py::handle func) {
@@ -1794,6 +1846,7 @@ void kernel_plan(const c10::OperatorHandle& op, py::handle func) {
       }
     }
   }
+  p.h0 = key_mix(kKeySeed, reinterpret_cast<int64_t>(&op.schema()));
   K.plans.emplace(&op.schema(), std::move(p));
 }
 
@@ -1862,7 +1915,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       if (plan->ok && build_key(op, *plan, *stack, n, call)) {
         HIT_MARK(H_KEY);
         const bool overlaps = plan->foreach && foreach_overlaps(*stack, n);
-        auto it = overlaps ? K.entries.end() : K.entries.find(call.key);
+        auto it = overlaps ? K.entries.end() : K.entries.find(call.view());
         HIT_MARK(H_FIND);
         if (overlaps) {
           ++K.overlaps;  // NOTE [C++ foreach]: the router, one element at a time; nothing learnt
@@ -2001,7 +2054,8 @@ void set_storage(const at::Tensor& t, py::object st) {
 py::object base(const at::Tensor& t) {
   auto* ctx = ctx_of(t);
   if (!ctx->known) return py::none();
-  return py::make_tuple(py::tuple(py::cast(ctx->size)), py::tuple(py::cast(ctx->stride)),
+  return py::make_tuple(py::tuple(py::cast(c10::IntArrayRef(ctx->size).vec())),
+                        py::tuple(py::cast(c10::IntArrayRef(ctx->stride).vec())),
                         py::reinterpret_borrow<py::object>(
                             reinterpret_cast<PyObject*>(torch::getTHPDtype(ctx->dtype))));
 }

@@ -20,6 +20,7 @@ from .config import config
 from .entries import EntryStore
 from .generator import Rng
 from .meta import sizes as meta_sizes
+from ._fastpath import ts_changed
 from .record import Bodies, SourceLines, Trace
 from .runtime import execute, stats
 from .runtime.flush import Runner, Settings
@@ -52,6 +53,18 @@ class _Local(threading.local):
         ts.device = 0
         ts.backward_errors = []
         engine.traces.add(ts.trace)
+
+    # NOTE [thread state memo] in _fastpath.c: the C record path keeps each thread's ts by its
+    # thread's id; setting (or deleting) it here tells it to look it up again
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "ts":
+            ts_changed()
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        if name == "ts":
+            ts_changed()
 
 
 class Engine:
