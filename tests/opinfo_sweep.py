@@ -121,6 +121,19 @@ CPU_ARGS = {"tensor_split": "the indices_or_sections tensor must be a CPU tensor
 # abs() of the vectors, or the singular values) before comparing.
 GAUGE = {"svd", "linalg.svd", "linalg.eig", "linalg.eigh"}
 
+
+def gauge_view(name: str, s, out):
+    """A GAUGE op's result as compared. svd's samples each pick one view (|U|, S, S and |Vh|, or
+    U @ Vh and S, in turn), so a sample compared only part of the result: every view is taken
+    here, as OpInfo's ``uniformize`` makes them (the first k = len(S) singular vectors)."""
+    if name not in ("svd", "linalg.svd"):
+        return s.output_process_fn_grad(out)
+    S = out[1]
+    k = S.shape[-1]
+    U = out[0][..., :k]
+    Vh = (out[2] if name == "linalg.svd" else out[2].mH)[..., :k, :]
+    return U.abs(), S, Vh.abs(), U @ Vh
+
 # Ops whose indices output is unspecified among equal values (CPU's unstable sort, topk and
 # kthvalue pick any of the tied elements): the indices are compared through the input values they
 # select (``ties_view``), so a different choice among ties is no mismatch. {op: (index of the
@@ -729,7 +742,7 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
                 torch.manual_seed(1234)
             out = _call(o, s, t_in, t_args, t_kw)
             if gauge:
-                out = s.output_process_fn_grad(out)
+                out = gauge_view(name, s, out)
             if name in TIES:
                 ties_err = ties_indices_error(name, s, t_in, out)
                 out = ties_view(name, s, t_in, out)
@@ -747,7 +760,7 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
             c_out = _cpu_call(name, o, s, c_in, c_args, c_kw)
             stage = "the sweep's view of the result"
             if gauge:
-                c_out = s.output_process_fn_grad(c_out)
+                c_out = gauge_view(name, s, c_out)
             if name in TIES:
                 c_out = ties_view(name, s, c_in, c_out)
     except SweepTimeout:
@@ -901,7 +914,7 @@ def _checked(name: str, backward: bool, check, exact=None):
 # running one op
 
 # Further samples tried, past ``--limit-samples``, for an op whose first ones compared nothing.
-HOLLOW_MORE = 20
+HOLLOW_MORE = 100
 
 
 def gen_samples(o, dtype, requires_grad: bool, limit):
@@ -975,16 +988,17 @@ def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limi
                     failures.append((i, r[0], r[1], s))
                 return not hollow
 
-            compared = False
+            compared = 0
             for i, s in enumerate(samples):
-                compared |= run(i, s)
-            if limit and not compared and not failures and len(samples) >= limit:
-                # The first ``limit`` samples compared nothing (errors, empty results): go on
-                # through up to HOLLOW_MORE further samples until one compares something.
+                compared += run(i, s)
+            if limit and compared < limit and not failures and len(samples) >= limit:
+                # Some of the first ``limit`` samples compared nothing (errors, empty results): go
+                # on through up to HOLLOW_MORE further samples until ``limit`` compared something.
                 more = gen_samples(o, dtype, direction == "backward", limit + HOLLOW_MORE)
                 for i, s in enumerate(more[len(samples):], len(samples)):
                     rec["extra_samples"] = rec.get("extra_samples", 0) + 1
-                    if run(i, s) or failures:
+                    compared += run(i, s)
+                    if compared >= limit or failures:
                         break
     except SweepTimeout:
         _reset_defer()
