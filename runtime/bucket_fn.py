@@ -8,6 +8,7 @@ from jax import lax
 from . import bucket_reshape
 from .bucket_fit import at
 from .bucket_node import NodePlan
+from .dtypes import cast
 from .lowering import check, check_index_sized
 from .node import _fill, _rounded
 from .viewchain import DYNAMIC, apply_chain, apply_step
@@ -196,7 +197,7 @@ class NodeFn:
                         for r, a in zip(res, self.out_avals)]
             if rule == "reduce" and p.extra[1] == "mean":
                 res = [self._mean(vals[0], res[0], t)]
-        return [r if r is None or d is None or r.dtype == d else r.astype(d)
+        return [r if r is None or d is None or r.dtype == d else cast(r, d)
                 for r, d in zip(res, self.dtypes)]
 
     def _chain(self, a, i, chain, dyn, t):

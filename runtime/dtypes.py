@@ -6,7 +6,10 @@ configuration.
 """
 from __future__ import annotations
 
+import platform
+
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import torch
@@ -84,3 +87,33 @@ def numpy_to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         bits = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
         return torch.from_numpy(a.view(bits).copy()).view(dtype)
     return torch.from_numpy(a.copy())
+
+
+# NOTE [float to int casts]: XLA's convert saturates a float out of the integer type's range (and
+# makes NaN 0); PyTorch's CPU kernels do the C cast, which on x86 is the cvtt instruction: a value
+# out of the range of the 32- or 64-bit integer it converts to (NaN and infinities included)
+# becomes that integer's minimum, and a narrower type keeps the low bits. Measured on CPU for
+# float64, float32, bfloat16 and float16 sources, contiguous, strided and long (vectorized)
+# tensors alike: int8 and int16 go through int32, uint8 through int64, int32 and int64 directly
+# (so 400.0 -> uint8 is 144, -1.0 -> 255, 1e10 -> int32 is -2**31, nan -> int64 is -2**63).
+# Elsewhere (an ARM CPU saturates, as XLA does) the cast is XLA's.
+_CVTT = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_CVTT_VIA = {np.dtype(np.int8): np.int32, np.dtype(np.int16): np.int32,
+             np.dtype(np.int32): np.int32, np.dtype(np.uint8): np.int64,
+             np.dtype(np.int64): np.int64}
+
+
+def cast(x, dt):
+    """``x`` as dtype ``dt`` the way PyTorch's CPU ``.to(dt)`` makes it (NOTE [float to int
+    casts])."""
+    x = jnp.asarray(x)
+    dt = np.dtype(dt)
+    via = _CVTT_VIA.get(dt)
+    if via is None or not _CVTT or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dt:
+        return x.astype(dt)
+    w = x if x.dtype.itemsize >= 4 else x.astype(np.float32)
+    t = jnp.trunc(w)
+    bound = 2.0 ** (np.iinfo(via).bits - 1)
+    ok = (t >= -bound) & (t < bound)            # False for NaN
+    i = jnp.where(ok, jnp.where(ok, t, 0).astype(via), np.iinfo(via).min)
+    return i.astype(dt)                          # an int -> int convert keeps the low bits

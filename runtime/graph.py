@@ -21,7 +21,7 @@ import numpy as np
 
 from . import collectives as xc
 from . import prng
-from .dtypes import to_np_dtype, torch_to_numpy
+from .dtypes import cast, to_np_dtype, torch_to_numpy
 from .errors import LoweringError
 from .lowering import LOWERINGS
 from .viewchain import apply_chain, n_dynamic, scatter_chain
@@ -272,12 +272,12 @@ class GraphPlan:
                 kwargs["_avals"] = avals
             res = low.fn(*args, **kwargs)
             if isinstance(res, (tuple, list)):
-                res = tuple(r if r is None or a is None or r.dtype == a[1] else r.astype(a[1])
+                res = tuple(r if r is None or a is None or r.dtype == a[1] else cast(r, a[1])
                             for r, a in zip(res, avals))
             elif res is not None and avals[0] is not None and (
                     not hasattr(res, "dtype") or res.dtype != avals[0][1]):
                 # (a Python number: ``_to_copy`` of a literal, as vmapped flex attention traces)
-                res = jnp.asarray(res).astype(avals[0][1])
+                res = cast(jnp.asarray(res), avals[0][1])
             env[n] = res
 
 
@@ -378,10 +378,10 @@ def _rng_hop(n, hop: int, args, kwargs, key, j: int, sizes=None):
     res = low.fn(*rest, **kw)
     if isinstance(res, (tuple, list)):
         avals = tuple(avals) + (None,) * (len(res) - len(avals))
-        res = tuple(r if r is None or a is None or r.dtype == a[1] else r.astype(a[1])
+        res = tuple(r if r is None or a is None or r.dtype == a[1] else cast(r, a[1])
                     for r, a in zip(res, avals))
     elif avals[0] is not None and res.dtype != avals[0][1]:
-        res = res.astype(avals[0][1])
+        res = cast(res, avals[0][1])
     if hop == 1:
         return res
     st_node = next((u for u in n.users if u.args[1] == 0), None)

@@ -10,6 +10,7 @@ import math
 import jax.numpy as jnp
 
 from . import prng
+from .dtypes import cast
 from .lowering.precision import HALF, round_to
 from .viewchain import apply_chain, n_dynamic, scatter_chain
 
@@ -50,7 +51,7 @@ def _rounded(r, dt):
     (NOTE [half outputs])."""
     if dt in HALF:
         return round_to(r.astype(jnp.float32), dt).astype(dt)
-    return r if r.dtype == dt else r.astype(dt)
+    return r if r.dtype == dt else cast(r, dt)    # NOTE [float to int casts] (dtypes.py)
 
 
 def _fill(x, vals, scalars):
@@ -120,7 +121,7 @@ def build(low, targs, tkwargs, chains, bases, mut, self_mut, out_avals):
                     r = _rounded(jnp.asarray(r), bases[m][1])   # NOTE [half outputs]
                 if base is None:   # overwritten whole without being read
                     shape, dt = bases[m]
-                    outs.append(jnp.broadcast_to(jnp.asarray(r), shape).astype(dt))
+                    outs.append(cast(jnp.broadcast_to(jnp.asarray(r), shape), dt))
                 else:
                     outs.append(scatter_chain(base, chains[m], r, dyns[m]))
         else:

@@ -4,10 +4,14 @@ For every OpInfo, mode (``strict``, ``defer``) and dtype its CPU kernels support
 is moved to tpu (tensors only, recursively, aliasing kept), the op runs on tpu and on CPU, and the
 results are compared: type/structure, then device, dtype and shape, then values (per-op
 tolerances, ``TOL``); inputs are compared afterwards too (in-place writes). If the CPU call raises,
-the tpu call must raise the same exception type. Random ops (``RANDOM``) are compared by shape and
+the tpu call must raise the same exception: its type, and its message with device names made one
+word (``error_message``); an error in the sweep's own view of CPU's result (``ties_view``, a gauge
+view) is the harness's, a failure. A sample that passes by raising, or whose result is empty,
+compared nothing: an op all of whose samples are such is ``hollow``, counted apart. Random ops (``RANDOM``) are compared by shape and
 dtype, and must give the same values again under the same ``torch.manual_seed``; indices that may
 pick any of several equal values (``TIES``: sort, topk...) are compared through the values they
-select. With ``--backward``, floating-point samples of autograd ops (``BACKWARD_DTYPES``: float32,
+select, and sort/argsort's must be a permutation, topk's distinct (``ties_indices_error``).
+With ``--backward``, floating-point samples of autograd ops (``BACKWARD_DTYPES``: float32,
 float64, bfloat16, float16) also compare the gradients of a fixed random-weighted sum of the float
 outputs with respect to the float inputs (for ``TIES`` ops, summed over tied inputs). Where an
 OpInfo declares a looser half-precision tolerance for comparing a device with CPU (TestConsistency's
@@ -22,6 +26,7 @@ Each (op, mode, dtype, direction) is classified:
   fallback  every sample matches, but some aten op ran on CPU (``deferfuse.metrics()['cpu_fallbacks']``)
   fail      some sample failed; the first failure's cause is its group (``GROUPS``)
   skip      named in ``SKIP`` (one reason each) or no sample inputs for the dtype
+  hollow    every sample compared nothing (both sides raised the same exception, or an empty result)
 Ops whose CPU dtypes lack the dtype are not counted for it.
 
 Run from the repository root::
@@ -50,6 +55,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import time
@@ -75,7 +81,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # Failure groups, in the order the report lists them.
 GROUPS = ("dtype mismatch", "shape mismatch", "value mismatch", "structure mismatch",
-          "wrong device", "error not raised", "wrong exception type", "not reproducible",
+          "wrong device", "error not raised", "wrong exception type", "wrong exception message",
+          "not reproducible",
           "lowering error",
           "timeout", "crash", "other")
 
@@ -113,6 +120,19 @@ CPU_ARGS = {"tensor_split": "the indices_or_sections tensor must be a CPU tensor
 # results go through the sample's own ``output_process_fn_grad`` (OpInfo's gauge-invariant view:
 # abs() of the vectors, or the singular values) before comparing.
 GAUGE = {"svd", "linalg.svd", "linalg.eig", "linalg.eigh"}
+
+
+def gauge_view(name: str, s, out):
+    """A GAUGE op's result as compared. svd's samples each pick one view (|U|, S, S and |Vh|, or
+    U @ Vh and S, in turn), so a sample compared only part of the result: every view is taken
+    here, as OpInfo's ``uniformize`` makes them (the first k = len(S) singular vectors)."""
+    if name not in ("svd", "linalg.svd"):
+        return s.output_process_fn_grad(out)
+    S = out[1]
+    k = S.shape[-1]
+    U = out[0][..., :k]
+    Vh = (out[2] if name == "linalg.svd" else out[2].mH)[..., :k, :]
+    return U.abs(), S, Vh.abs(), U @ Vh
 
 # Ops whose indices output is unspecified among equal values (CPU's unstable sort, topk and
 # kthvalue pick any of the tied elements): the indices are compared through the input values they
@@ -621,6 +641,61 @@ def _same_error_type(t: BaseException, c: BaseException) -> bool:
     return isinstance(t, RegionError) and type(c) is RuntimeError
 
 
+_DEVICE_WORDS = re.compile(r"\b(tpu|cpu|privateuseone|meta)(:\d+)?\b", re.IGNORECASE)
+
+
+def error_message(e: BaseException) -> str:
+    """An exception's message as compared with CPU's: a fused region's RegionError by the kernel
+    error it wraps, device names (tpu, cpu, privateuseone, with an index) made one word."""
+    if isinstance(e, RegionError) and e.__cause__ is not None:
+        e = e.__cause__
+    return _DEVICE_WORDS.sub("<device>", str(e).strip())
+
+
+def _same_error(t: BaseException, c: BaseException):
+    """None when tpu's exception ``t`` is CPU's ``c`` (type, and message modulo device names),
+    else (group, message)."""
+    if not _same_error_type(t, c):
+        return "wrong exception type", f"CPU raised {_err_text(c)}; tpu raised {_err_text(t)}"
+    if error_message(t) != error_message(c):
+        return "wrong exception message", f"CPU raised {_err_text(c)}; tpu raised {_err_text(t)}"
+    return None
+
+
+def ties_indices_error(name: str, s, inp, out):
+    """Why a ``TIES`` op's indices (on tpu) are no valid answer, or None: ``ties_view`` compares
+    them only through the values they select, which would let a repeated index pass where the
+    input has equal values; sort and argsort must give a permutation along ``dim``, topk ``k``
+    distinct indices."""
+    k = TIES[name][0]
+    dim = _ties_dim(name, s, inp)
+    idx = out if k is None else out[k]
+    if dim is None or not isinstance(idx, torch.Tensor) or name not in ("sort", "argsort", "topk"):
+        return None
+    idx = idx.detach().cpu()
+    if idx.numel() == 0:
+        return None
+    st = idx.sort(dim).values
+    if name == "topk":
+        if st.size(dim) > 1 and bool((st.narrow(dim, 1, st.size(dim) - 1) ==
+                                      st.narrow(dim, 0, st.size(dim) - 1)).any()):
+            return f"{name}: indices repeat along dim {dim}"
+        return None
+    n = st.size(dim)
+    shape = [1] * st.dim()
+    shape[dim] = n
+    if not bool((st == torch.arange(n).view(shape)).all()):
+        return f"{name}: indices are not a permutation along dim {dim}"
+    return None
+
+
+def _empty(x) -> bool:
+    """True when a result has nothing to compare: only tensors, every one of them empty."""
+    leaves = []
+    _map(x, lambda t: leaves.append(t))
+    return bool(leaves) and all(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves)
+
+
 def describe_sample(s) -> str:
     def d(x):
         if isinstance(x, torch.Tensor):
@@ -659,7 +734,7 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
     c_in, c_args, c_kw = clone_cpu((s.input, s.args, s.kwargs), cmemo)
     t_in, t_args, t_kw = place(name, s, tmemo)
     # tpu first (on copies), then CPU on the clones: in-place ops mutate their inputs.
-    t_err = t_out = t_after = None
+    t_err = t_out = t_after = ties_err = None
     reseed = random and name not in UNINITIALIZED
     try:
         with deferfuse.mode(mode):
@@ -667,8 +742,9 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
                 torch.manual_seed(1234)
             out = _call(o, s, t_in, t_args, t_kw)
             if gauge:
-                out = s.output_process_fn_grad(out)
+                out = gauge_view(name, s, out)
             if name in TIES:
+                ties_err = ties_indices_error(name, s, t_in, out)
                 out = ties_view(name, s, t_in, out)
             t_out = snapshot(out)          # .cpu(): in defer mode this runs the trace
             t_after = [Snap(t) for t in _tensors((t_in, t_args, t_kw), [])]
@@ -678,11 +754,13 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
     except Exception as e:
         t_err = e
     c_err = c_out = None
+    stage = "op"
     try:
         with torch.random.fork_rng(devices=[]):
             c_out = _cpu_call(name, o, s, c_in, c_args, c_kw)
+            stage = "the sweep's view of the result"
             if gauge:
-                c_out = s.output_process_fn_grad(c_out)
+                c_out = gauge_view(name, s, c_out)
             if name in TIES:
                 c_out = ties_view(name, s, c_in, c_out)
     except SweepTimeout:
@@ -690,14 +768,16 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
     except Exception as e:
         c_err = e
     if c_err is not None:
+        if stage != "op":
+            # Not the op's error: a harness bug (ties_view once raised on both sides, a "pass").
+            return "other", f"sweep: {stage} raised on CPU: {_err_text(c_err)}"
         if t_err is None:
             return "error not raised", f"CPU raised {_err_text(c_err)}; tpu did not"
-        if not _same_error_type(t_err, c_err):
-            return ("wrong exception type",
-                    f"CPU raised {_err_text(c_err)}; tpu raised {_err_text(t_err)}")
-        return None
+        return _same_error(t_err, c_err) or "raised"
     if t_err is not None:
         return _classify_error(t_err), _err_text(t_err)
+    if ties_err is not None:
+        return "value mismatch", ties_err
     if reseed:
         # Reproducibility: the same seed gives the same values (on fresh copies of the inputs).
         try:
@@ -722,7 +802,8 @@ def run_forward_sample(o, name: str, s, mode: str, random: bool):
         got, want, ref = [], _tensors(c_out, []), _tensors(r_out, [])
         _map(t_out, lambda x: got.append(x) if isinstance(x, Snap) else None)
         return no_less_accurate(got, want, ref, tol_of)
-    return _checked(name, False, check, None if random else exact)
+    r = _checked(name, False, check, None if random else exact)
+    return "empty" if r is None and _empty(c_out) else r
 
 
 def _diff_outputs(out):
@@ -832,6 +913,10 @@ def _checked(name: str, backward: bool, check, exact=None):
 # ---------------------------------------------------------------------------------------------
 # running one op
 
+# Further samples tried, past ``--limit-samples``, for an op whose first ones compared nothing.
+HOLLOW_MORE = 100
+
+
 def gen_samples(o, dtype, requires_grad: bool, limit):
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -872,7 +957,10 @@ def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limi
             if samples is None:
                 samples = gen_samples(o, dtype, direction == "backward", limit)
             n_counted = 0
-            for i, s in enumerate(samples):
+
+            def run(i, s):
+                """One sample: True when it compared something (passed or failed)."""
+                nonlocal n_counted
                 rnd = random or (name in RANDOM_SAMPLES and RANDOM_SAMPLES[name](s))
                 if direction == "forward":
                     r = run_forward_sample(o, name, s, mode, rnd)
@@ -882,9 +970,13 @@ def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limi
                     else:
                         r = run_backward_sample(o, name, s, mode, seed=i)
                 if r == "n/a":
-                    continue
+                    return False
                 n_counted += 1
-                if r == "own":
+                hollow = r in ("raised", "empty")
+                if hollow:
+                    rec[r] = rec.get(r, 0) + 1
+                    r = None
+                elif r == "own":
                     rec["own_tolerance"] = rec.get("own_tolerance", 0) + 1
                     r = None
                 elif r == "exact":
@@ -894,6 +986,20 @@ def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limi
                     rec["passed"] += 1
                 else:
                     failures.append((i, r[0], r[1], s))
+                return not hollow
+
+            compared = 0
+            for i, s in enumerate(samples):
+                compared += run(i, s)
+            if limit and compared < limit and not failures and len(samples) >= limit:
+                # Some of the first ``limit`` samples compared nothing (errors, empty results): go
+                # on through up to HOLLOW_MORE further samples until ``limit`` compared something.
+                more = gen_samples(o, dtype, direction == "backward", limit + HOLLOW_MORE)
+                for i, s in enumerate(more[len(samples):], len(samples)):
+                    rec["extra_samples"] = rec.get("extra_samples", 0) + 1
+                    compared += run(i, s)
+                    if compared >= limit or failures:
+                        break
     except SweepTimeout:
         _reset_defer()
         failures.append((None, "timeout", f"no result within {timeout:g}s "
@@ -921,6 +1027,11 @@ def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limi
         rec.update(status="skip" if direction == "forward" else "n/a",
                    reason="no sample inputs" if direction == "forward" else
                    "no differentiable float sample")
+    elif rec.get("raised", 0) + rec.get("empty", 0) == n_counted:
+        # Every sample "passed" with nothing compared: CPU and tpu raised the same error, or the
+        # result had no elements. Counted apart from pass (HOLLOW).
+        rec.update(status="hollow", reason=f"{rec.get('raised', 0)} samples raised the same "
+                   f"error on both sides, {rec.get('empty', 0)} gave only empty results")
     elif fb:
         rec["status"] = "fallback"
     else:
@@ -931,9 +1042,10 @@ def check_op(o, mode: str, dtype, direction: str = "forward", samples=None, limi
 # ---------------------------------------------------------------------------------------------
 # the sweep
 
-STATUSES = ("pass", "fail", "fallback", "skip")
+STATUSES = ("pass", "fail", "fallback", "skip", "hollow")
 _DIR = {"forward": "fwd", "backward": "bwd"}
-_ABBR = {"pass": "ok", "fail": "FAIL", "fallback": "fb", "skip": "skip", "n/a": "-"}
+_ABBR = {"pass": "ok", "fail": "FAIL", "fallback": "fb", "skip": "skip", "n/a": "-",
+         "hollow": "hollow"}
 
 
 def sweep(ops: dict, modes, dtypes, directions=("forward",), limit=None, timeout: float = 120.0,
@@ -1140,7 +1252,7 @@ def summarize(results: dict, modes, dtypes, directions=("forward",)) -> dict:
                     st = rec["status"]
                     c["ops"] += 1
                     c[st] += 1
-                    if st != "skip":
+                    if st not in ("skip", "hollow"):
                         c["tested"] += 1
                     if st == "fail":
                         g[rec["group"]].append(name)
@@ -1158,13 +1270,14 @@ def render(results: dict, summ: dict, modes, dtypes, directions=("forward",),
            top_fallbacks: int = 30) -> str:
     lines = []
     hdr = f"{'mode':7s} {'dtype':9s} {'dir':4s} {'ops':>5s} {'tested':>6s} {'pass':>5s} {'fail':>5s} " \
-          f"{'fallback':>8s} {'skip':>5s}"
+          f"{'fallback':>8s} {'skip':>5s} {'hollow':>6s}"
     lines += ["", hdr, "-" * len(hdr)]
     for m, per in summ["summary"].items():
         for dname, perd in per.items():
             for d, c in perd.items():
                 lines.append(f"{m:7s} {dname:9s} {_DIR[d]:4s} {c['ops']:5d} {c['tested']:6d} "
-                             f"{c['pass']:5d} {c['fail']:5d} {c['fallback']:8d} {c['skip']:5d}")
+                             f"{c['pass']:5d} {c['fail']:5d} {c['fallback']:8d} {c['skip']:5d} "
+                             f"{c.get('hollow', 0):6d}")
     # Failure groups, merged over modes: an op failing in only some modes says which.
     for dt in dtypes:
         dname = DTYPE_NAMES[dt]
@@ -1228,22 +1341,25 @@ def render_md(results: dict, summ: dict, runs: list) -> str:
          "Generated by `tests/opinfo_sweep.py` (see its docstring); data in `opinfo.json`. "
          "`pass`: every sample matches CPU (dtype, shape, values) and nothing ran on CPU; "
          "`fallback`: matches, but some aten op ran on CPU; `fail`: a sample differs or raises; "
-         "`skip`: a named skip (one reason each) or no samples. Random ops (shape and dtype only) "
+         "`skip`: a named skip (one reason each) or no samples; `hollow`: every sample compared "
+         "nothing (CPU and tpu raised the same exception, type and message modulo device names, "
+         "or the result was empty), so the op is untested by these samples: not in `tested` nor "
+         "in the rates. Random ops (shape and dtype only) "
          "are excluded from the `non-random pass` rate; `correct` counts pass + fallback.", "",
          "Runs:", ""]
     L += [f"- `{r['command']}` ({r['date']}, {r['seconds'] / 60:.0f} min, limit "
           f"{r.get('limit_samples') or 'all'} samples/op)" for r in runs]
-    L += ["", "| mode | dtype | dir | ops | tested | pass | fail | fallback | skip | "
-          "non-random pass | correct |", "|" + "---|" * 11]
+    L += ["", "| mode | dtype | dir | ops | tested | pass | fail | fallback | skip | hollow | "
+          "non-random pass | correct |", "|" + "---|" * 12]
     for m, per in summ["summary"].items():
         for dname, perd in per.items():
             for d, c in perd.items():
                 nr = [r.get(m, {}).get(dname, {}).get(d) for n, r in results.items()
                       if n not in RANDOM]
-                nr = [x for x in nr if x and x["status"] not in ("n/a", "skip")]
+                nr = [x for x in nr if x and x["status"] not in ("n/a", "skip", "hollow")]
                 npass = sum(x["status"] == "pass" for x in nr)
                 L.append(f"| {m} | {dname} | {_DIR[d]} | {c['ops']} | {c['tested']} | {c['pass']} | "
-                         f"{c['fail']} | {c['fallback']} | {c['skip']} | "
+                         f"{c['fail']} | {c['fallback']} | {c['skip']} | {c.get('hollow', 0)} | "
                          f"{_rate(npass, len(nr))} ({npass}/{len(nr)}) | "
                          f"{_rate(c['pass'] + c['fallback'], c['tested'])} |")
     L += ["", "## Failures by cause", "",
@@ -1275,6 +1391,21 @@ def render_md(results: dict, summ: dict, runs: list) -> str:
         L += ["Passing only with the OpInfo's own half-precision tolerance (its TestConsistency "
               "toleranceOverride for comparing a device with CPU, looser than assert_close's "
               "default; `tolerances.opinfo_own` in the JSON): " + ", ".join(own) + ".", ""]
+    cells = [(n, dn, d, rec) for n, r in results.items() for per in r.values()
+             for dn, perd in per.items() for d, rec in perd.items()]
+    hollow = sorted({f"{n} [{dn} {_DIR[d]}]" for n, dn, d, rec in cells
+                     if rec["status"] == "hollow"})
+    if hollow:
+        L += ["Hollow (every sample raised the same exception on both sides or gave an empty "
+              "result; not counted as tested): " + ", ".join(hollow) + ".", ""]
+    raised = collections.Counter()
+    for n, dn, d, rec in cells:
+        if rec.get("raised") and rec["status"] != "hollow":
+            raised[n] = max(raised[n], rec["raised"])
+    if raised:
+        L += ["Passing ops with samples that pass by raising CPU's exception (type and message), "
+              "most samples per cell: " + ", ".join(f"{n} ({k})" for n, k in sorted(
+                  raised.items())) + ".", ""]
     broken = [f"{n} ({', '.join(DTYPE_NAMES[d] for d in t)}): {next(iter(t.values()))}"
               for n, t in CPU_BROKEN.items()]
     L += ["Compared against CPU in float32, rounded (`CPU_BROKEN`): " + "; ".join(broken) + ".",
@@ -1297,6 +1428,8 @@ STATUS_TEXT = {"pass": "every sample matches CPU, no CPU fallback",
                "fallback": "every sample matches CPU, some aten op ran on CPU",
                "fail": "a sample failed (group: the first failure's cause)",
                "skip": "named skip set or no sample inputs",
+               "hollow": "every sample raised CPU's exception on both sides or had an empty "
+                         "result: nothing compared (not counted as tested)",
                "n/a": "the dtype/direction does not apply (not counted)"}
 
 

@@ -389,3 +389,27 @@ def test_default_dtype_changes_are_followed():
                 assert a.dtype == b.dtype
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+# Out-of-range float -> integer casts (NOTE [float to int casts] in runtime/lowering/creation.py):
+# CPU's C cast, not XLA's saturation; NaN, infinities and values past 2**31 and 2**63 included.
+_OUT_OF_RANGE = [-1e19, -1e10, -2.0 ** 31 - 1, -70000.5, -40000.0, -300.7, -257.0, -129.0, -1.5,
+                 -0.5, 0.7, 127.9, 128.0, 200.0, 255.9, 256.0, 300.0, 65535.0, 70000.0,
+                 2.0 ** 31 - 1, 2.0 ** 31 + 256, 2.0 ** 32 + 5, 1e10, 1e19, 1e30, float("inf"),
+                 float("-inf"), float("nan")]
+
+
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
+def test_float_to_int_casts_out_of_range():
+    deferfuse.reset_metrics()
+    for src in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        x = torch.tensor(_OUT_OF_RANGE, dtype=torch.float64).to(src)
+        for dst in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+            assert_same(x.to(T).to(dst), x.to(dst), msg=f"{src} -> {dst}")
+            # inside a computation, and written into an integer tensor by copy_
+            assert_same((x.to(T) * 2).to(dst), (x * 2).to(dst), msg=f"{src} * 2 -> {dst}")
+            assert_same(torch.zeros(len(_OUT_OF_RANGE), dtype=dst, device=T).copy_(x.to(T)),
+                        torch.zeros(len(_OUT_OF_RANGE), dtype=dst).copy_(x), msg=f"copy_ {dst}")
+    x = torch.tensor([200.0], dtype=torch.float64)
+    assert_same((x.to(T) * 2).to(torch.uint8), (x * 2).to(torch.uint8))   # 144, not 255
+    assert not fallbacks()

@@ -555,3 +555,33 @@ def test_sgn_backward_makes_a_zero_tensor():
         assert_same(grads[1], grads[0])
     assert_same(torch.ops.aten._efficientzerotensor([2, 3], dtype=torch.bfloat16, device="tpu"),
                 torch.zeros(2, 3, dtype=torch.bfloat16))
+
+
+# NOTE [complex products] (runtime/lowering/pointwise.py): CPU multiplies complex numbers component
+# by component, a real operand promoted to c + 0i, and add/sub scale their second operand by alpha
+# with that product even when alpha is 1, so an infinite component gives NaNs XLA's folded
+# arithmetic did not ((inf + 0i) * 1 is inf + nan i on CPU). Division and reciprocal are
+# c10::complex's.
+_CVALS = [complex(INF, 0), complex(0, INF), complex(-INF, 1), complex(INF, INF), complex(NAN, 0),
+          complex(1, NAN), complex(1, 2), complex(0, 0), complex(-0.0, 0.0), complex(-3, 0.5),
+          complex(2, -1), complex(0.25, 4)]
+
+
+def _complex_ops(a, b):
+    return (a * b, b * a, a + b, b + a, a - b, b - a, a / b, torch.add(a, b, alpha=2),
+            torch.rsub(a, b), a + b * 1j)
+
+
+@DEFER
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])
+def test_complex_arithmetic_with_real_scalars(dtype):
+    x = torch.tensor(_CVALS * 2, dtype=dtype).reshape(2, 12)
+    scalars = (1, 0, -1, 2.5, INF, NAN)
+    for s in scalars:            # a Python number (a constant XLA may fold), a 0-d tensor
+        assert check(lambda a: (a * s, s * a, a + s, a - s, s - a, a / s, s / a), x)
+        assert check(_complex_ops, x, torch.tensor(float(s)))
+    assert check(_complex_ops, x, vec(scalars, torch.float64))
+    assert check(_complex_ops, x, x.flip(-1))
+    assert check(torch.reciprocal, x)
+    # CPU's pow takes products and quotients for these exponents (3 and -2 arrive traced)
+    assert check(lambda a: (a ** 0, a ** 1, a ** 2, a ** 3, a ** -1, a ** -2), x)

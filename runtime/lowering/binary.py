@@ -15,8 +15,8 @@ from jax import lax
 
 from . import LOWERINGS, Lowering, op
 from .padding import Pointwise, Refuse
-from .pointwise import (_BOOL, _I64, _bc, _cast, _common, _integral_only, _iscomplex, _isfloat,
-                        _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
+from .pointwise import (_BOOL, _I64, _bc, _cast, _cdiv, _cmul, _common, _integral_only, _iscomplex,
+                        _isfloat, _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
                         _zeta, frexp)
 from .precision import round_to
 from .unary_int import abs_, bitwise_not, conj_physical, isfinite, neg, round_, sign, signbit
@@ -27,23 +27,34 @@ PAD = Refuse("not tagged pointwise by PyTorch (a prims op, a Scalar overload)")
 # --------------------------------------------------------------------------------------------
 # binary arithmetic
 
+def _cscale(y, alpha):
+    """``alpha * y`` as add and sub scale their second operand: a complex product even by 1."""
+    if _iscomplex(np.dtype(y.dtype)):
+        return _cmul(_cast(1 if alpha is None else alpha, y.dtype), y)
+    return _scale(y, alpha)
+
+
 @op("add.Tensor", "add.Scalar")
 def add(x, y, alpha=1):
     ct, (x, y) = _common(x, y)
     if ct == _BOOL:
         return jnp.logical_or(x, jnp.logical_and(y, _nz(alpha)))
-    return x + _scale(y, alpha)
+    return x + _cscale(y, alpha)
 
 
 @op("sub.Tensor", "sub.Scalar")
 def sub(x, y, alpha=1):
     ct, (x, y) = _common(x, y)
+    if _iscomplex(ct):      # CPU's sub is add with -alpha (NOTE [complex products])
+        return x + _cscale(y, -(1 if alpha is None else alpha))
     return x - _scale(y, alpha)
 
 
 @op("rsub.Tensor", "rsub.Scalar", pad=Pointwise())
 def rsub(x, y, alpha=1):
     ct, (x, y) = _common(x, y)
+    if _iscomplex(ct):
+        return y + _cscale(x, -(1 if alpha is None else alpha))
     return y - _scale(x, alpha)
 
 
@@ -52,12 +63,16 @@ def mul(x, y):
     ct, (x, y) = _common(x, y)
     if ct == _BOOL:
         return jnp.logical_and(x, y)
+    if _iscomplex(ct):
+        return _cmul(x, y)
     return x * y
 
 
 @op("div.Tensor", "div.Scalar", "true_divide.Tensor", "true_divide.Scalar")
 def div(x, y):
     ct, (x, y) = _common(x, y, float_=True)
+    if _iscomplex(ct):
+        return _cdiv(x, y)
     shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y))
     if jnp.shape(y) != shape and _isfloat(np.dtype(x.dtype)) and _exact_division():
         # NOTE [broadcast division]
@@ -176,14 +191,15 @@ def pow_(x, y):
     if _py(y) and not _py(x):
         if ct in _HALF_POW:
             return _half_pow_scalar(xc, y, ct)
-        special = _POW_SPECIAL.get(y)
+        special = (_CPOW_SPECIAL if _iscomplex(cd) else _POW_SPECIAL).get(y)
         return special(xc) if special is not None else jnp.power(xc, yc)
     if not _py(x) and _weak(y) and ct in _HALF_POW:
         return _half_pow_scalar(xc, y, ct)
-    if not _py(x) and _weak(y) and not _iscomplex(cd):
+    if not _py(x) and _weak(y):
         # A traced scalar exponent: PyTorch's CPU kernel special-cases these exponents (they differ
         # from pow at -0 and -inf); pick the branch at run time.
-        branches = [lambda b: jnp.power(b, yc)] + [_POW_SPECIAL[k] for k in _POW_KEYS]
+        sp = _CPOW_SPECIAL if _iscomplex(cd) else _POW_SPECIAL
+        branches = [lambda b: jnp.power(b, yc)] + [sp[k] for k in _POW_KEYS]
         idx = sum(jnp.where(yc == k, i + 1, 0) for i, k in enumerate(_POW_KEYS))
         return lax.switch(idx, branches, xc)
     return jnp.power(xc, yc)
@@ -192,6 +208,11 @@ def pow_(x, y):
 _POW_SPECIAL = {0: lambda b: jnp.ones_like(b), 1: lambda b: b, 2: lambda b: b * b,
                 3: lambda b: b * b * b, -2: lambda b: 1 / (b * b), 0.5: jnp.sqrt, -0.5: lax.rsqrt,
                 -1: lambda b: 1 / b}
+# A complex tensor to these Python exponents: CPU's kernel takes products and quotients, each as
+# its complex arithmetic computes them (NOTE [complex products]).
+_CPOW_SPECIAL = {0: lambda b: jnp.ones_like(b), 1: lambda b: b, 2: lambda b: _cmul(b, b),
+                 3: lambda b: _cmul(_cmul(b, b), b), -2: lambda b: _cdiv(1, _cmul(b, b)),
+                 0.5: jnp.sqrt, -0.5: lambda b: _cdiv(1, jnp.sqrt(b)), -1: lambda b: _cdiv(1, b)}
 _POW_KEYS = (3, -2, -0.5)     # traced exponents worth a branch (the others arrive as Python numbers)
 _HALF_POW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

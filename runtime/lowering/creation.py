@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from ..dtypes import cast, to_np_dtype
 from . import LOWERINGS, Lowering, op
 from .padding import Factory, Refuse
 
@@ -18,6 +19,8 @@ PAD = Refuse("values that depend on the whole size (linspace, eye) or a copy int
 
 @op("copy_.default")
 def copy_(self, src, non_blocking=False):
+    if self is not None and hasattr(self, "dtype") and hasattr(src, "dtype"):
+        return cast(src, self.dtype)
     return src
 
 
@@ -25,7 +28,7 @@ def copy_(self, src, non_blocking=False):
 def copy(self, src, non_blocking=False):
     """The functional copy (AOTAutograd's graphs have it where eager code wrote ``copy_``): ``src``
     cast to ``self``'s dtype and broadcast to its shape."""
-    return jnp.broadcast_to(jnp.asarray(src).astype(self.dtype), self.shape)
+    return jnp.broadcast_to(cast(src, self.dtype), self.shape)
 
 
 @op("fill_.Scalar", "fill_.Tensor")
@@ -44,6 +47,8 @@ def zero_(self):
     pad={"_to_copy.default": Factory(), "clone.default": Factory()})
 def to_copy(x, *, dtype=None, memory_format=None, layout=None, device=None, pin_memory=None,
             non_blocking=False):
+    if dtype is not None and hasattr(x, "dtype"):
+        return cast(x, to_np_dtype(dtype))
     return x
 
 
@@ -51,7 +56,8 @@ def to_copy(x, *, dtype=None, memory_format=None, layout=None, device=None, pin_
 # casts the result to the dtype meta inference gives.
 _CONVERT = getattr(getattr(torch.ops.prims, "convert_element_type", None), "default", None)
 if _CONVERT is not None:
-    LOWERINGS[_CONVERT] = Lowering(lambda x, dtype: x)
+    LOWERINGS[_CONVERT] = Lowering(
+        lambda x, dtype: cast(x, to_np_dtype(dtype)) if hasattr(x, "dtype") else x)
 
 
 def _integral(dt) -> bool:

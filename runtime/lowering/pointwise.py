@@ -184,6 +184,39 @@ def _bc(*xs):
     return jnp.broadcast_arrays(*xs)
 
 
+# NOTE [complex products]: PyTorch's CPU kernels multiply complex numbers component by component,
+# (a + bi)(c + di) = (ac - bd) + (ad + bc)i, a real operand promoted to c + 0i first, and add and
+# sub compute ``x + alpha * y`` with that product even when alpha is 1: an infinite component
+# times a zero one is NaN, so (inf + 0i) * 1 is inf + nan i and (1 + 1i) + (inf + 0i) is
+# inf + nan i on CPU (measured, every size: the vectorized and the scalar loops agree). XLA
+# folds a product by the constant 1 away and adds without the product: ``_cmul`` spells the
+# product out in real arithmetic, which XLA keeps (it does not fold a float times 0).
+
+def _cmul(x, y):
+    """The complex product as CPU computes it (NOTE [complex products])."""
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    a, b, c, d = jnp.real(x), jnp.imag(x), jnp.real(y), jnp.imag(y)
+    return lax.complex(*_bc(a * c - b * d, a * d + b * c))
+
+
+def _cdiv(x, y):
+    """The complex quotient as CPU computes it: c10::complex's division (numpy's scaled one, a real
+    divisor promoted to c + 0i), so (inf + 0i) / 2 is inf + nan i and a division by zero divides
+    each component by zero (NOTE [complex products])."""
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    a, b, c, d = _bc(jnp.real(x), jnp.imag(x), jnp.real(y), jnp.imag(y))
+    ac, ad = jnp.abs(c), jnp.abs(d)
+    rat1 = d / c
+    scl1 = 1 / (c + d * rat1)
+    rat2 = c / d
+    scl2 = 1 / (d + c * rat2)
+    zero = (ac == 0) & (ad == 0)
+    first = ac >= ad                 # False when either is NaN, as in C++
+    re = jnp.where(first, jnp.where(zero, a / ac, (a + b * rat1) * scl1), (a * rat2 + b) * scl2)
+    im = jnp.where(first, jnp.where(zero, b / ad, (b - a * rat1) * scl1), (b * rat2 - a) * scl2)
+    return lax.complex(re, im)
+
+
 def _rem(x, y):
     """C fmod / truncated remainder."""
     return lax.rem(*_bc(x, y))
@@ -241,6 +274,8 @@ for _name, _fn in _SIMPLE_UNARY.items():
 
 @_unary("reciprocal.default")
 def reciprocal(x):
+    if _iscomplex(np.dtype(x.dtype)):
+        return _cdiv(1, x)          # c10::complex's 1 / x (NOTE [complex products])
     return 1 / x
 
 
