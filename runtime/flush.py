@@ -64,6 +64,7 @@ class Settings:
     buckets: bool = True
     setup_first: bool = True
     buckets_ahead: bool = True
+    dispatch: bool = False      # regions nobody waits for run on the dispatch thread
 
 
 @dataclass(slots=True)
@@ -135,6 +136,8 @@ class Runner:
         self.maps = MapGuard()              # NOTE [JIT mappings] (jitmaps.py)
         self.also_evict: tuple = ()         # the owner's caches of compiled programs (the engine's)
         self.interrupts = Interrupts()      # NOTE [interrupt safety] (interrupts.py)
+        self.dispatcher = None      # the owner's execute.Dispatcher (NOTE [in flight])
+        self.checks.settle = self.settle
 
     def caches(self) -> list:
         return [self.structs, self.regions, self.churn, self.once, self.ahead,
@@ -230,9 +233,13 @@ class Runner:
                     self._pieces(ctx, st, whole, cuts[0], None, lf, cuts[1])
                     return
                 continue
-            split = st.splits.get(want, 0)
+            # (with the dispatch thread, a rest of a few ops is worth a program of its own: it
+            # runs while the host records, NOTE [in flight] in execute.py)
+            split = st.splits.get((want, cfg.dispatch), 0)
             if split == 0:
-                split = st.splits[want] = cut.needed_first(wirings, want)
+                split = st.splits[(want, cfg.dispatch)] = cut.needed_first(
+                    wirings, want, cut.NEEDED_FIRST_MIN_OPS_DISPATCH if cfg.dispatch else
+                    cut.NEEDED_FIRST_MIN_OPS)
             if split is not None:
                 # NOTE [needed first]: a sync that reads one value (``loss.item()`` after a
                 # training step) needs only the ops that value depends on: the forward pass, not
@@ -403,6 +410,8 @@ class Runner:
     def _region(self, ctx, run: Run) -> None:
         """Run one region: find it (or compile it), check its inputs, execute, bind."""
         cfg = ctx.cfg
+        if self.dispatcher is not None and self.dispatcher.job is not None:
+            self.settle()       # its outputs may be this region's inputs (NOTE [in flight])
         failed = [i for i, v in enumerate(run.ext) if v.array is None and v.err is not None]
         if failed:
             # An input failed (NOTE [value states]): what reads it fails too; the rest runs.
@@ -442,6 +451,10 @@ class Runner:
             for j, n in enumerate(run.nodes):
                 print(f"    {j:5d} {n.name} {run.wirings[j]} at {n.src}", file=sys.stderr)
         memory_stats.transient(reg.transient)
+        if (cfg.dispatch and (run.later or is_async(ctx.reason)) and not cfg.cross_check
+                and self.dispatcher is not None):
+            self._dispatch(ctx, run, reg, mplan, don, keep)
+            return
         outs = run.outs
         with self.interrupts:
             try:
@@ -472,6 +485,36 @@ class Runner:
             S["peak_region"] = reg.summary
         if cfg.cross_check:
             replay.cross_check(run, self.programs)
+
+    def _dispatch(self, ctx, run: Run, reg, mplan, don, keep) -> None:
+        """Call ``reg`` on the dispatch thread (NOTE [in flight] in execute.py): its outputs are
+        in flight until ``settle`` binds them, as ``_region`` binds a call made here."""
+        # What finishing needs after this flush released its nodes: the nodes themselves (names,
+        # source lines, scalars: checks and a replay), the inputs (a replay, donation).
+        nodes = run.nodes
+        run = Run([nodes[j] for j in range(len(run.entries))], run.entries, run.wirings, run.pos,
+                  run.ext, run.held, run.scalars, run.h, run.outs, run.out_sig, run.later)
+        later = run.later or is_async(ctx.reason)
+        fin = _Finish(self, _Ctx(ctx.fl, ctx.reason, ctx.src, ctx.cfg), run, reg, mplan, later)
+        with self.interrupts:
+            job = execute.dispatch(self.dispatcher, reg.compiled, don, keep, run.scalars,
+                                   ctx.fl.device, fin)
+            for v in run.outs:
+                v.node = job
+            ctx.done.update(run.pos)
+            if reg.msgs or self.checks.pending:
+                fin.rec = self.checks.add([None] * len(reg.msgs), reg.msgs, run.nodes, run.wirings,
+                                          run.outs, run.out_sig, run.ext, later, job)
+
+    def settle(self) -> None:
+        """Bind the outputs of the region call in flight, once it returned (NOTE [in flight])."""
+        d = self.dispatcher
+        if d is None or d.job is None:
+            return
+        with self.interrupts:
+            job = d.take()
+            fin, job.finish = job.finish, None
+            fin(job)
 
     def _compile(self, ctx, run: Run, key, mplan, don, keep):
         """Compile ``run`` as a region (or split it, or run it op by op); None when it ran here."""
@@ -671,6 +714,64 @@ class Runner:
                 if r is not None:
                     v.bind(r)
         ctx.done.update(run.pos)
+
+
+class _Finish:
+    """What binds a dispatched region's results on the host (``Runner._dispatch``)."""
+    __slots__ = ("runner", "ctx", "run", "reg", "mplan", "later", "rec")
+
+    def __init__(self, runner, ctx, run, reg, mplan, later):
+        self.runner, self.ctx, self.run, self.reg, self.mplan, self.later = (
+            runner, ctx, run, reg, mplan, later)
+        self.rec = None     # its index checks' record, its flags filled in here
+
+    def __call__(self, job) -> None:
+        runner, run, reg, rec = self.runner, self.run, self.reg, self.rec
+        outs = run.outs
+        try:
+            if job.exc is not None:
+                self._failed(job.exc)
+                return
+            res, flags = job.res
+            reg.runs += 1
+            S["donated_bytes"] += self.mplan.donated_bytes
+            S["elided_bytes"] += reg.elided
+            donate = self.mplan.donate
+            if any(donate):
+                gone = Donated(reg.summary)     # (NOTE [donation safety])
+                for v, d in zip(run.ext, donate):
+                    if d and v.array is not None:
+                        v.fail(gone)
+            _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
+            if rec is not None:
+                rec.flags[:] = flags
+            if memory_stats.peak > runner.peak_seen:
+                runner.peak_seen = memory_stats.peak
+                S["peak_region"] = reg.summary
+        finally:
+            if rec is not None:
+                rec.job = None
+            for v in outs:
+                if v.node is job:   # neither bound nor failed: never read as zeros
+                    v.fail(RuntimeError(f"deferfuse internal error: a result of {reg.summary} "
+                                        "was not bound"))
+            self.run = self.rec = None
+
+    def _failed(self, e) -> None:
+        """The call raised: an out-of-memory error fails every output; any other error is found
+        op by op, as ``_region`` does; the errors are raised at the next sync."""
+        runner, run, ctx = self.runner, self.run, self.ctx
+        if self.rec is not None:
+            self.rec.flags[:] = [False] * len(self.rec.flags)
+        try:
+            raise_oom(e, self.reg, memory_stats)
+        except Exception as oom:
+            for v in run.outs:
+                v.fail(oom)
+            runner.checks.errors.append(oom)
+            return
+        runner._around(ctx, run, None, e)
+        runner.checks.errors.extend(ctx.errors)
 
 
 def _bind_all(values, arrays) -> None:
