@@ -10,8 +10,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from . import execute, replay, stats
-from .memory import COUNTERS as memory_stats, LARGE
+from . import execute, inflight, replay, stats
+from .memory import COUNTERS as memory_stats
+from .inflight import bind_all as _bind_all
 from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
@@ -487,24 +488,11 @@ class Runner:
             replay.cross_check(run, self.programs)
 
     def _dispatch(self, ctx, run: Run, reg, mplan, don, keep) -> None:
-        """Call ``reg`` on the dispatch thread (NOTE [in flight] in execute.py): its outputs are
-        in flight until ``settle`` binds them, as ``_region`` binds a call made here."""
-        # What finishing needs after this flush released its nodes: the nodes themselves (names,
-        # source lines, scalars: checks and a replay), the inputs (a replay, donation).
-        nodes = run.nodes
-        run = Run([nodes[j] for j in range(len(run.entries))], run.entries, run.wirings, run.pos,
-                  run.ext, run.held, run.scalars, run.h, run.outs, run.out_sig, run.later)
-        later = run.later or is_async(ctx.reason)
-        fin = _Finish(self, _Ctx(ctx.fl, ctx.reason, ctx.src, ctx.cfg), run, reg, mplan, later)
+        """Call ``reg`` on the dispatch thread (NOTE [in flight] in execute.py); ``settle`` binds
+        its outputs as ``_region`` binds a call made here."""
         with self.interrupts:
-            job = execute.dispatch(self.dispatcher, reg.compiled, don, keep, run.scalars,
-                                   ctx.fl.device, fin)
-            for v in run.outs:
-                v.node = job
-            ctx.done.update(run.pos)
-            if reg.msgs or self.checks.pending:
-                fin.rec = self.checks.add([None] * len(reg.msgs), reg.msgs, run.nodes, run.wirings,
-                                          run.outs, run.out_sig, run.ext, later, job)
+            inflight.dispatch(self, ctx, run, reg, mplan, don, keep,
+                              run.later or is_async(ctx.reason))
 
     def settle(self) -> None:
         """Bind the outputs of the region call in flight, once it returned (NOTE [in flight])."""
@@ -714,79 +702,6 @@ class Runner:
                 if r is not None:
                     v.bind(r)
         ctx.done.update(run.pos)
-
-
-class _Finish:
-    """What binds a dispatched region's results on the host (``Runner._dispatch``)."""
-    __slots__ = ("runner", "ctx", "run", "reg", "mplan", "later", "rec")
-
-    def __init__(self, runner, ctx, run, reg, mplan, later):
-        self.runner, self.ctx, self.run, self.reg, self.mplan, self.later = (
-            runner, ctx, run, reg, mplan, later)
-        self.rec = None     # its index checks' record, its flags filled in here
-
-    def __call__(self, job) -> None:
-        runner, run, reg, rec = self.runner, self.run, self.reg, self.rec
-        outs = run.outs
-        try:
-            if job.exc is not None:
-                self._failed(job.exc)
-                return
-            res, flags = job.res
-            reg.runs += 1
-            S["donated_bytes"] += self.mplan.donated_bytes
-            S["elided_bytes"] += reg.elided
-            donate = self.mplan.donate
-            if any(donate):
-                gone = Donated(reg.summary)     # (NOTE [donation safety])
-                for v, d in zip(run.ext, donate):
-                    if d and v.array is not None:
-                        v.fail(gone)
-            _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
-            if rec is not None:
-                rec.flags[:] = flags
-            if memory_stats.peak > runner.peak_seen:
-                runner.peak_seen = memory_stats.peak
-                S["peak_region"] = reg.summary
-        finally:
-            if rec is not None:
-                rec.job = None
-            for v in outs:
-                if v.node is job:   # neither bound nor failed: never read as zeros
-                    v.fail(RuntimeError(f"deferfuse internal error: a result of {reg.summary} "
-                                        "was not bound"))
-            self.run = self.rec = None
-
-    def _failed(self, e) -> None:
-        """The call raised: an out-of-memory error fails every output; any other error is found
-        op by op, as ``_region`` does; the errors are raised at the next sync."""
-        runner, run, ctx = self.runner, self.run, self.ctx
-        if self.rec is not None:
-            self.rec.flags[:] = [False] * len(self.rec.flags)
-        try:
-            raise_oom(e, self.reg, memory_stats)
-        except Exception as oom:
-            for v in run.outs:
-                v.fail(oom)
-            runner.checks.errors.append(oom)
-            return
-        runner._around(ctx, run, None, e)
-        runner.checks.errors.extend(ctx.errors)
-
-
-def _bind_all(values, arrays) -> None:
-    """Value.bind for each value, with one count of the buffers for all."""
-    n = k = big = nbig = 0
-    for v, r in zip(values, arrays):
-        v.array = r
-        v.node = None
-        b = v.nbytes
-        n += b
-        k += 1
-        if b > LARGE:
-            big += b
-            nbig += 1
-    memory_stats.add(n, k, big, nbig)
 
 
 def _alias_order(outs, ext, donate, partner):
