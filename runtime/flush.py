@@ -234,13 +234,9 @@ class Runner:
                     self._pieces(ctx, st, whole, cuts[0], None, lf, cuts[1])
                     return
                 continue
-            # (with the dispatch thread, a rest of a few ops is worth a program of its own: it
-            # runs while the host records, NOTE [in flight] in execute.py)
-            split = st.splits.get((want, cfg.dispatch), 0)
+            split = st.splits.get(want, 0)
             if split == 0:
-                split = st.splits[(want, cfg.dispatch)] = cut.needed_first(
-                    wirings, want, cut.NEEDED_FIRST_MIN_OPS_DISPATCH if cfg.dispatch else
-                    cut.NEEDED_FIRST_MIN_OPS)
+                split = st.splits[want] = cut.needed_first(wirings, want)
             if split is not None:
                 # NOTE [needed first]: a sync that reads one value (``loss.item()`` after a
                 # training step) needs only the ops that value depends on: the forward pass, not

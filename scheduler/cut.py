@@ -43,9 +43,6 @@ def churn_cuts(first: list, keys: list, vary: set) -> tuple | None:
 # step whose loss is read, not the few bookkeeping ops after a generate step's logits.
 NEEDED_FIRST_MIN_SHARE = 0.25
 NEEDED_FIRST_MIN_OPS = 8
-# With a dispatch thread the rest runs while the host records the next step: a compiled training
-# step's backward and optimizer graphs (2-3 ops after the forward graph) are worth it.
-NEEDED_FIRST_MIN_OPS_DISPATCH = 2
 
 
 def needed_first(wiring: list, want, min_ops: int = NEEDED_FIRST_MIN_OPS) -> tuple | None:
