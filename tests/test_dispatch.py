@@ -162,6 +162,7 @@ def test_an_index_error_in_a_region_in_flight(opt_name):
             "sgd_momentum" if opt_name == "sgd" else opt_name)
 
 
+@pytest.mark.slow       # a training process of its own, ~10 s
 def test_timed_keyboard_interrupts_lose_nothing(monkeypatch):
     import test_interrupts as I
     monkeypatch.setenv("DEFERFUSE_DISPATCH_THREAD", "1")
