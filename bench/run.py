@@ -37,7 +37,8 @@ SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "compiled", "defer_no
 DEFER_VARIANTS = {"defer_noplan": {"DEFERFUSE_NO_MEMORY_PLANNER": "1"},      # memory planner off
                   "defer_onepiece": {"DEFERFUSE_NEEDED_FIRST": "0"},         # no needed-first split
                   "defer_nocut": {"DEFERFUSE_BACKWARD_CUT": "0"},            # no backward cut
-                  "defer_py": {"DEFERFUSE_C_RECORD": "0"}}                   # Python record path only
+                  "defer_py": {"DEFERFUSE_C_RECORD": "0"},                   # Python record path only
+                  "defer_dispatch": {"DEFERFUSE_DISPATCH_THREAD": "1"}}      # regions off the host's path
 # compiled: torch.compile(step, backend="tpu") (deferfuse's compiled mode), the rest in defer
 DEFERFUSE = ("strict", "debug", "defer", "compiled") + tuple(DEFER_VARIANTS)
 RATIO_TO = ["strict", "eager", "compile", "torchax", "torchax_jit", "jax"]

@@ -98,6 +98,10 @@ SETTINGS = {s.name: s for s in [
     Setting("needed_first", "DEFERFUSE_NEEDED_FIRST", True, _bool,
             "at a sync that reads one value (.item(), .cpu()), run the ops it needs first and the "
             "rest as a second region the host does not wait for"),
+    Setting("dispatch_thread", "DEFERFUSE_DISPATCH_THREAD", False, _bool,
+            "call the regions the host does not wait for (the rest of a step after its loss, a "
+            "cut at backward()) on a dispatch thread, so the host records the next ops meanwhile "
+            "(NOTE [in flight] in runtime/execute.py)"),
     Setting("setup_first", "DEFERFUSE_SETUP_FIRST", True, _bool,
             "run a trace's leading factories whose tensors are kept (a mask made before a call) as "
             "a region of their own, so the rest compiles as the next call records it"),

@@ -9,6 +9,7 @@ counted (``metrics()['caches']``).
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import sys
@@ -82,6 +83,9 @@ class Engine:
         self.aliases = Cache("aliases", 1 << 15)
         self.routes: dict = {}      # id(OpOverload) -> route: one per op, bounded by the op set
         self.runner = Runner(config.max_regions)
+        # The one thread calling programs nobody waits for (NOTE [in flight] in execute.py).
+        self.dispatcher = self.runner.dispatcher = execute.Dispatcher()
+        atexit.register(self.dispatcher.stop)
         self.interrupts = self.runner.interrupts     # NOTE [interrupt safety]
         self.interrupts.install()
         # Per-op programs and view reads are dropped with the regions (NOTE [JIT mappings]).
@@ -140,6 +144,8 @@ class Engine:
                     # The trace is gone: collect what Python's own threshold would have by now
                     # (cyclic garbage holding device buffers must not wait for the raised one).
                     gc.collect(0)
+            if want is None and not later and not is_async(reason):
+                self.runner.settle()    # a sync of everything (NOTE [in flight] in execute.py)
             if not is_async(reason):
                 # Values are read now: report an index check that failed in what ran (in what the
                 # read waited for, when it read one value: NOTE [unchecked values]).
@@ -156,6 +162,9 @@ class Engine:
         the error is raised once everything ran. An interrupt (Ctrl-C) stops the flush: what did
         not run is recorded again, so the next sync runs it."""
         with self.interrupts, self.lock:
+            # A region call in flight first: its outputs may be this trace's inputs, and who
+            # holds them decides what is donated (NOTE [in flight] in execute.py).
+            self.runner.settle()
             fl = trace.take(reason, want)
             if fl is None:
                 return
@@ -163,14 +172,15 @@ class Engine:
                 src = self.sources.site(sys._getframe(1))
             cfg = Settings(config.debug, config.cross_check, config.memory_planner,
                            config.shape_recompile_limit, config.memory_budget, config.step_detection,
-                           config.buckets, config.setup_first, config.buckets_ahead)
+                           config.buckets, config.setup_first, config.buckets_ahead,
+                           config.dispatch_thread)
             ctx = self.runner.start(fl, reason, src, cfg, config.max_regions)
             try:
                 self.runner.run(ctx, later or is_async(reason))
             except Exception as e:
                 ctx.errors.insert(0, e)
                 for v in fl.outs:
-                    if v.array is None and v.err is None:
+                    if v.array is None and v.err is None and v.node.__class__ is not execute.Job:
                         v.fail(e)
             except BaseException:
                 trace.requeue(fl, ctx.done)
@@ -189,6 +199,10 @@ class Engine:
     def resolve(self, v: Value, reader=None) -> None:
         """Make ``v``, pending in another thread's trace, ready (or failed): run that trace."""
         n = v.node
+        if n.__class__ is execute.Job:      # its call is in flight (NOTE [in flight])
+            with self.interrupts, self.lock:
+                self.runner.settle()
+            return
         tr = n.trace
         if tr is None or tr is reader or tr.nodes[n.pos:n.pos + 1] != [n]:
             raise RuntimeError(f"deferfuse internal error: a value of {n.name} recorded at {n.src} "

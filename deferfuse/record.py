@@ -162,6 +162,9 @@ class Trace(TraceState):
             n = v.node
             if n is not None:
                 p = n.pos
+                if p < 0:   # its region's call is in flight: an input, read when this runs
+                    wiring.append(self.ext_index(v))    # (NOTE [in flight] in execute.py)
+                    continue
                 if p < pos and nodes[p] is n:
                     wiring.append((p, v.idx))
                     continue
@@ -303,7 +306,7 @@ class Trace(TraceState):
 
     def _external(self, v) -> int:
         """The external-input index of the concrete value ``v``."""
-        if v.array is None:
+        if v.array is None and v.node is None:     # (not in flight: NOTE [in flight])
             materialize_empty(v, self.device or 0)
         return self.ext_index(v)
 

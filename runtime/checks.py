@@ -62,7 +62,7 @@ class Checks:
     values it read (``ups``: (external input index, their record, their position in its
     ``outs``)), and what is needed to fail the right outputs."""
     __slots__ = ("flags", "msgs", "names", "srcs", "wirings", "outs", "at", "out_sig", "ups",
-                 "done", "later", "failed", "err")
+                 "done", "later", "failed", "err", "job")
 
     def __init__(self, flags, msgs, nodes, wirings, outs, out_sig, ups, later):
         self.flags = flags
@@ -78,6 +78,7 @@ class Checks:
         self.later = later          # read at the next sync, not the one that ran it
         self.failed = None          # once read: the positions in ``outs`` that failed
         self.err = None             # and their error
+        self.job = None             # its program's call in flight (NOTE [in flight] in execute.py)
 
 
 class CheckList:
@@ -86,10 +87,12 @@ class CheckList:
     def __init__(self):
         self.pending: list = []
         self.errors: list = []
+        self.settle = None      # the runner's: binds the job in flight (NOTE [in flight])
 
-    def add(self, flags, msgs, nodes, wirings, outs, out_sig, ext, later) -> None:
+    def add(self, flags, msgs, nodes, wirings, outs, out_sig, ext, later, job=None):
         """Record a program run that returned ``flags`` or read unchecked values of ``ext``;
-        its outputs become unchecked."""
+        its outputs become unchecked. ``job``: the run's call is in flight, and ``flags`` are
+        filled in when it is settled. Returns the record, or None."""
         ups = None
         if self.pending:
             for i, v in enumerate(ext):
@@ -99,17 +102,21 @@ class CheckList:
                         ups = []
                     ups.append((i, c, c.at[id(v)]))
         if not flags and ups is None:
-            return
+            return None
         rec = Checks(flags, msgs, nodes, wirings, outs, out_sig, ups, later)
+        rec.job = job
         for v in outs:
             v.chk = rec
         self.pending.append(rec)
+        return rec
 
     def check(self, rec: Checks) -> None:
         """Read ``rec`` (its ``ups`` first; its own flags wait for its program): fail the values
         that depend on a failed check, and keep a new error for the sync."""
         if rec.done:
             return
+        if rec.job is not None:
+            self.settle()       # its flags come back with its call (NOTE [in flight])
         rec.done = True
         try:
             self.pending.remove(rec)

@@ -5,6 +5,8 @@ Every call into JAX happens inside ``x64(True)`` so 64-bit dtypes are PyTorch's 
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
 import warnings
 
@@ -271,3 +273,145 @@ def run_region(compiled, don, keep, scalars, device: int = 0, debug: bool = Fals
     S["execute_seconds"] += time.perf_counter() - t0
     S["regions_run"] += 1
     return res
+
+
+# NOTE [in flight]: XLA's CPU client decides per call whether a program runs inline, on the calling
+# thread, before the call returns: a program whose cost analysis counts under 1000 flops
+# ("cheap"), or any program when asynchronous dispatch is off, runs inline when its inputs are
+# ready; any other is enqueued on the client's thread pool (``ExecuteOptions.execution_mode``
+# overrides the choice, but jaxlib's Python API does not expose it). Even enqueued, the call
+# costs the host its argument handling and, on a machine whose cores the program's threads fill,
+# the wait for a core back. With ``config.dispatch_thread``, a region nobody waits for (the
+# second piece of a needed-first split, a cut the host does not wait for) is called on the
+# engine's one dispatch thread instead: the host hands it over and records the next ops while
+# the call (and the program) runs. Its outputs are "in flight": ``Value.node`` is the ``Job``
+# (``pos`` -1, a ``trace`` that is no trace), so the recorder takes them as external inputs
+# without waiting, and every reader of an array (the next region's input binding, ``.item()``,
+# ``.cpu()``, strict mode's ops, another thread, ``synchronize``) settles the job first:
+# ``Runner.settle`` waits for the call's return and binds its outputs, exactly as the call on
+# the host would have (donated inputs, index checks, an error replayed op by op). One job is in
+# flight at a time, so programs still run in the order they were recorded.
+
+
+class _NoTrace:
+    """The ``trace`` of an in-flight job's ``node``: no trace holds it (NOTE [in flight])."""
+    __slots__ = ()
+    nodes = ()
+
+    def track(self, storage):
+        pass
+
+    def track_mut(self, storage, v):
+        pass
+
+
+NO_TRACE = _NoTrace()
+
+
+class Job:
+    """One region call handed to the dispatch thread; its outputs' ``node`` while in flight."""
+    __slots__ = ("compiled", "don", "keep", "packed", "device", "res", "exc", "done", "started",
+                 "finish", "__weakref__")
+    pos = -1
+    idx = 0
+    trace = NO_TRACE
+    name = "a region in flight"
+    src = None
+
+    def __init__(self, compiled, don, keep, packed, device, finish):
+        self.compiled, self.don, self.keep, self.packed = compiled, don, keep, packed
+        self.device = device
+        self.finish = finish        # called on the host with this job once its call returned
+        self.res = self.exc = None
+        self.done = threading.Event()
+        self.started = threading.Event()
+
+
+class Dispatcher:
+    """The engine's one dispatch thread (NOTE [in flight]): calls region executables handed over
+    by ``submit``; ``take`` returns the job in flight once its call returned."""
+
+    def __init__(self):
+        self.job = None
+        self._thread = None
+        self._pid = 0
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: list = []
+        self.calls = 0
+
+    def _ensure(self) -> None:
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            # (a forked child inherits the object, not the thread)
+            self._cv = threading.Condition(threading.Lock())
+            self._queue = []
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, args=(self._cv, self._queue),
+                                             name="deferfuse-dispatch", daemon=True)
+            self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Hand ``job`` over; return once the thread holds it (so the call starts now, not when
+        Python's switch interval hands the thread the GIL). The caller settled the last job."""
+        assert self.job is None
+        self._ensure()
+        self.job = job
+        self.calls += 1
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify()
+        job.started.wait()
+
+    @staticmethod
+    def _loop(cv, queue) -> None:
+        while True:
+            with cv:
+                while not queue:
+                    cv.wait()
+                job = queue.pop(0)
+            if job is None:
+                return
+            job.started.set()
+            try:
+                with x64(True):
+                    job.res = job.compiled(job.don, job.keep, job.packed)
+            except BaseException as e:     # raised on the host when the job is settled
+                job.exc = e
+            job.don = job.keep = job.packed = None
+            job.done.set()
+            job = None      # hold nothing while idle: who holds a value decides its donation
+
+    def take(self):
+        """The job in flight once its call returned (waiting for it), or None."""
+        job = self.job
+        if job is None:
+            return None
+        if not job.done.is_set():
+            t0 = time.perf_counter()
+            job.done.wait()
+            S["dispatch_wait_seconds"] += time.perf_counter() - t0
+        self.job = None
+        if job.exc is None:
+            _last[job.device] = job.res[0]
+        return job
+
+    def stop(self) -> None:
+        """End the thread (at exit), after the job in flight."""
+        t = self._thread
+        if t is not None and t.is_alive() and self._pid == os.getpid():
+            with self._cv:
+                self._queue.append(None)
+                self._cv.notify()
+            t.join(timeout=60)
+        self._thread = None
+
+
+def dispatch(dispatcher: Dispatcher, compiled, don, keep, scalars, device: int, finish) -> Job:
+    """``run_region`` on the dispatch thread: the call is handed over; ``finish(job)`` binds its
+    results when the host settles it (NOTE [in flight])."""
+    t0 = time.perf_counter()
+    job = Job(compiled, don, keep, pack_scalars(scalars), device, finish)
+    dispatcher.submit(job)
+    S["execute_seconds"] += time.perf_counter() - t0
+    S["regions_run"] += 1
+    S["regions_dispatched"] += 1
+    return job

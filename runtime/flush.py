@@ -11,8 +11,9 @@ import sys
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from . import execute, replay, stats
-from .memory import COUNTERS as memory_stats, LARGE
+from . import execute, inflight, replay, stats
+from .memory import COUNTERS as memory_stats
+from .inflight import bind_all as _bind_all
 from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
@@ -65,6 +66,7 @@ class Settings:
     buckets: bool = True
     setup_first: bool = True
     buckets_ahead: bool = True
+    dispatch: bool = False      # regions nobody waits for run on the dispatch thread
 
 
 @dataclass(slots=True)
@@ -188,6 +190,8 @@ class Runner:
         self.maps = MapGuard()              # NOTE [JIT mappings] (jitmaps.py)
         self.also_evict: tuple = ()         # the owner's caches of compiled programs (the engine's)
         self.interrupts = Interrupts()      # NOTE [interrupt safety] (interrupts.py)
+        self.dispatcher = None      # the owner's execute.Dispatcher (NOTE [in flight])
+        self.checks.settle = self.settle
 
     def caches(self) -> list:
         return [self.structs, self.hits, self.regions, self.churn, self.once, self.ahead,
@@ -521,6 +525,8 @@ class Runner:
     def _region(self, ctx, run: Run) -> None:
         """Run one region: find it (or compile it), check its inputs, execute, bind."""
         cfg = ctx.cfg
+        if self.dispatcher is not None and self.dispatcher.job is not None:
+            self.settle()       # its outputs may be this region's inputs (NOTE [in flight])
         failed = [i for i, v in enumerate(run.ext) if v.array is None and v.err is not None]
         if failed:
             # An input failed (NOTE [value states]): what reads it fails too; the rest runs.
@@ -560,6 +566,10 @@ class Runner:
             for j, n in enumerate(run.nodes):
                 print(f"    {j:5d} {n.name} {run.wirings[j]} at {n.src}", file=sys.stderr)
         memory_stats.transient(reg.transient)
+        if (cfg.dispatch and (run.later or is_async(ctx.reason)) and not cfg.cross_check
+                and self.dispatcher is not None):
+            self._dispatch(ctx, run, reg, mplan, don, keep)
+            return
         outs = run.outs
         with self.interrupts:
             try:
@@ -592,6 +602,23 @@ class Runner:
             S["peak_region"] = reg.summary
         if cfg.cross_check:
             replay.cross_check(run, self.programs)
+
+    def _dispatch(self, ctx, run: Run, reg, mplan, don, keep) -> None:
+        """Call ``reg`` on the dispatch thread (NOTE [in flight] in execute.py); ``settle`` binds
+        its outputs as ``_region`` binds a call made here."""
+        with self.interrupts:
+            inflight.dispatch(self, ctx, run, reg, mplan, don, keep,
+                              run.later or is_async(ctx.reason))
+
+    def settle(self) -> None:
+        """Bind the outputs of the region call in flight, once it returned (NOTE [in flight])."""
+        d = self.dispatcher
+        if d is None or d.job is None:
+            return
+        with self.interrupts:
+            job = d.take()
+            fin, job.finish = job.finish, None
+            fin(job)
 
     def _compile(self, ctx, run: Run, key, mplan, don, keep):
         """Compile ``run`` as a region (or split it, or run it op by op); None when it ran here."""
@@ -791,21 +818,6 @@ class Runner:
                 if r is not None:
                     v.bind(r)
         ctx.done.update(run.pos)
-
-
-def _bind_all(values, arrays) -> None:
-    """Value.bind for each value, with one count of the buffers for all."""
-    n = k = big = nbig = 0
-    for v, r in zip(values, arrays):
-        v.array = r
-        v.node = None
-        b = v.nbytes
-        n += b
-        k += 1
-        if b > LARGE:
-            big += b
-            nbig += 1
-    memory_stats.add(n, k, big, nbig)
 
 
 def _alias_order(outs, ext, donate, partner):

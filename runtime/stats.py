@@ -21,6 +21,8 @@ def fresh() -> dict:
         "recompiles": 0,            # region structures compiled again with new shapes
         "compile_seconds": 0.0,
         "execute_seconds": 0.0,
+        "regions_dispatched": 0,    # ... of which called on the dispatch thread (NOTE [in flight])
+        "dispatch_wait_seconds": 0.0,  # host time waiting for a dispatched call to return
         "syncs": Counter(),         # reason -> count
         "sync_sites": Counter(),    # (reason, 'file:line') -> count
         "cpu_fallbacks": Counter(),  # op name -> count

@@ -45,10 +45,10 @@ NEEDED_FIRST_MIN_SHARE = 0.25
 NEEDED_FIRST_MIN_OPS = 8
 
 
-def needed_first(wiring: list, want) -> tuple | None:
+def needed_first(wiring: list, want, min_ops: int = NEEDED_FIRST_MIN_OPS) -> tuple | None:
     """A topological order that puts the ops ``want`` (node positions) depend on first, each part
     in trace order, and the length of that first part; None when the rest is too small to be worth
-    a program of its own."""
+    a program of its own (fewer than ``min_ops`` ops, or under a quarter of the trace)."""
     n = len(wiring)
     need = [False] * n
     stack = list(want)
@@ -61,7 +61,7 @@ def needed_first(wiring: list, want) -> tuple | None:
                 stack.append(w[0])
     first = [i for i in range(n) if need[i]]
     rest = n - len(first)
-    if rest < NEEDED_FIRST_MIN_OPS or rest < NEEDED_FIRST_MIN_SHARE * n:
+    if rest < min_ops or rest < NEEDED_FIRST_MIN_SHARE * n:
         return None
     return tuple(first + [i for i in range(n) if not need[i]]), len(first)
 
