@@ -27,6 +27,7 @@ import torch
 from .opinfo import clear
 from .runtime.dtypes import TORCH_TO_NP, NP_TO_TORCH, numpy_to_torch, torch_to_numpy, x64
 from .runtime.lowering import LOWERINGS, Lowering
+from .runtime.lowering.padding import Refuse
 
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
 
@@ -96,8 +97,11 @@ def jax_op(name: str, *, static=(), backward=None):
         def fn_out_dtype(t, s):
             return out_spec(t, s).dtype
 
-        LOWERINGS[op] = Lowering(lowered, static=True)
-        LOWERINGS[vjp_op] = Lowering(vjp_lowered, static=True)
+        # NOTE [padding rules]: what padding would do to a user's function is unknown, so a
+        # region where it touches a padded dim runs exactly.
+        pad = Refuse("a user's JAX function (deferfuse.jax_op): what padding does to it is unknown")
+        LOWERINGS[op] = Lowering(lowered, static=True, pad=pad)
+        LOWERINGS[vjp_op] = Lowering(vjp_lowered, static=True, pad=pad)
 
         def fake(*a, **kw):
             t, s = split(a, kw)
