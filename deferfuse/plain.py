@@ -21,6 +21,7 @@ from weakref import ref as _weakref
 
 import torch
 
+from .config import config
 from .engine import engine, user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
@@ -849,7 +850,6 @@ def functional_direct() -> list:
     CompositeExplicitAutogradNonFunctional one), looked up defensively: an overload another torch
     lacks or changed is left to its structured path. Empty when ``config.functional_direct`` is
     off."""
-    from .config import config
     if not config.functional_direct:
         return []
     has = torch._C._dispatch_has_kernel_for_dispatch_key
