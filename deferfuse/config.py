@@ -89,6 +89,10 @@ SETTINGS = {s.name: s for s in [
             "run every fused region also op by op and raise at the first op that differs"),
     Setting("c_record", "DEFERFUSE_C_RECORD", True, _bool,
             "record the common ops through the C record path (deferfuse/_fastpath.c); 0: Python only"),
+    Setting("functional_direct", "DEFERFUSE_FUNCTIONAL_DIRECT", True, _bool,
+            "the functional overloads of the common structured ops (add.Tensor, mm, sum.dim_IntList "
+            "...) reach the C++ fallback whole, not as PyTorch's meta function, an empty output and "
+            "the .out op (NOTE [functional direct] in deferfuse/plain.py); read at import"),
     Setting("source_lines", "DEFERFUSE_SOURCE_LINES", True, _bool,
             "remember the user's source line of every recorded op (for error messages)"),
     Setting("cpu_fallback", "DEFERFUSE_CPU_FALLBACK", True, _bool,

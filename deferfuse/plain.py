@@ -21,6 +21,7 @@ from weakref import ref as _weakref
 
 import torch
 
+from .config import config
 from .engine import engine, user_error
 from .runtime import transfer
 from .runtime.viewchain import DSELECT, DSLICE, DSTRIDED
@@ -59,6 +60,40 @@ _DEVICE_WHOLE_IDS = frozenset(id(getattr(aten, n).default) for n in _DEVICE_WHOL
 # tensor was unkeyed (DynamicCache's first ``cat`` of its empty ``keys`` was routed)
 _CXX_VIEWS = frozenset(("split.Tensor", "split_with_sizes.default", "unbind.int", "lift_fresh.default"))
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+_NONFUNCTIONAL = torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional
+# NOTE [functional direct]: a structured op's functional overload (``add.Tensor``, ``mm``,
+# ``sum.dim_IntList``) reaches a backend without a kernel of its own through PyTorch's
+# CompositeExplicitAutogradNonFunctional kernel: its C++ meta function, an ``empty_strided`` on
+# the device, then the ``.out`` op through the boxed fallback (NOTE [fresh out]). These overloads
+# are registered on PrivateUse1 to the fallback itself (``route_whole``), so the op arrives whole:
+# the kernel's hit builds its outputs from the cached metadata, as for ``relu``, and a miss
+# reaches the router as the functional op, whose op path infers the metadata and raises
+# PyTorch's errors (broadcasting, promotion, devices) itself, as it did for the wrapper
+# subclass. The list: every structured functional overload whose ``.out`` form mlp_train,
+# gpt_train, small_ops and hf_generate routed (28 of their 29), with the binary, matmul, comparison,
+# softmax and activation overloads of the same families a training step meets. The in-place
+# and out= overloads stay structured, and so does an overload whose meta function checks a
+# Python number's value (``pow.Tensor_Scalar``: an integer tensor to a negative integer power
+# raises), which a kernel hit cannot check (numbers are runtime inputs, never in its key; their
+# types are, so the checks of a number's type, ``add``'s alpha, hold), or a check its Python
+# reference lacks beyond what the router adds (``maximum``/``minimum`` of complex tensors). Off:
+# ``DEFERFUSE_FUNCTIONAL_DIRECT=0`` (config).
+FUNCTIONAL_DIRECT = (
+    # routed as .out by the four workloads
+    "add.Tensor", "sub.Tensor", "mul.Tensor", "mean.dim", "sum.dim_IntList", "cat",
+    "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
+    "gelu", "gelu_backward", "silu", "tanh", "threshold_backward", "neg", "rsqrt", "sin", "cos",
+    "cumsum", "argmax", "all", "any", "eq.Scalar", "lt.Scalar",
+    "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_not",
+    # the same families
+    "div.Tensor", "div.Tensor_mode", "mm", "addmm", "bmm", "_softmax", "_softmax_backward_data",
+    "eq.Tensor", "ne.Tensor", "ne.Scalar", "lt.Tensor", "le.Tensor", "le.Scalar", "gt.Tensor",
+    "gt.Scalar", "ge.Tensor", "ge.Scalar", "sigmoid", "sigmoid_backward", "tanh_backward",
+    "exp", "log", "sqrt", "pow.Tensor_Tensor",
+)
+# the functional overloads whose alpha= the C++ meta function checks and PyTorch's Python
+# reference (the op path's metadata) does not: a bool alpha for a non-bool result
+_ALPHA_IDS = frozenset((id(aten.add.Tensor), id(aten.sub.Tensor)))
 
 
 def _contig(size) -> tuple:
@@ -87,6 +122,7 @@ class Plain:
         self.out_names = {}             # op -> its one keyword-only output's name or None
         self.multi = {}                 # op -> (its keyword-only outputs, functional op) or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
+        self.direct = frozenset()       # ids of the NOTE [functional direct] overloads registered
         self.attn_lib = None            # the torch_attn PrivateUse1 kernels (plain_torch.packed_kernels)
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
@@ -116,6 +152,8 @@ class Plain:
             if id(func) in _DEVICE_WHOLE_IDS and not self.is_plain(args[0]):
                 # NOTE [plain _to_copy]: a CPU input to a tpu device: PyTorch's composite
                 return func._op_dk(_COMPOSITE, *args, **kwargs)
+            if kwargs and id(func) in _ALPHA_IDS:
+                _alpha_check(args, kwargs)
             name = self.out_name(func) if kwargs else None
             if kwargs and name is None:
                 fresh = self._fresh_outs(func, args, kwargs)
@@ -142,6 +180,8 @@ class Plain:
                 self.current = outer
             return self._out(out, ins, stores)
         except Exception as e:
+            if id(func) in self.direct:
+                e = _structured_error(func, args, kwargs, e)
             # NOTE [user frames] (engine.py): the error ends in the user's frames, not the
             # router's (one deferfuse frame, this one, as on the wrapper subclass)
             raise user_error(e)
@@ -703,6 +743,29 @@ class Plain:
         return ext.make_view(of, size, stride, off, chain)
 
 
+def _structured_error(func, args, kwargs, e: Exception) -> Exception:
+    """NOTE [functional direct]: the error of a functional overload that reached the router whole
+    and failed in the op path, as PyTorch's structured path gives it: that path (its C++ meta
+    function, then the ``.out`` op through the router, as with the setting off) runs on the same
+    arguments, so a check the meta function makes raises with its type and message, where the op
+    path's Python reference raised another (``nll_loss``'s AssertionError for a weight of the
+    wrong size). ``e`` when that path raises nothing (its ``.out`` op ran: no meta check fired)."""
+    try:
+        with torch.no_grad():
+            func._op_dk(_NONFUNCTIONAL, *args, **kwargs)
+    except Exception as s:
+        return s
+    return e
+
+
+def _alpha_check(args, kwargs) -> None:
+    """NOTE [functional direct]: ``add``/``sub``'s alpha check that their C++ meta function makes
+    (``alpha_check``) and their Python reference does not: a bool alpha needs a bool result."""
+    alpha = kwargs.get("alpha")
+    if type(alpha) is bool and torch.result_type(args[0], args[1]) is not torch.bool:
+        raise RuntimeError("Boolean alpha only supported for Boolean results.")
+
+
 def _kernel_route(f):
     """``route._routes``' entry for ``f`` (made on first use), as the C++ kernel sees it: a
     ``copy_`` between two tpu tensors of one device (the only ``copy_`` the kernel keys: a CPU
@@ -768,9 +831,39 @@ def route_whole(composites=()) -> int:
     # its composite's empty + copy_ (an in-place write, which refuses buckets); a CPU input
     # reaching it (``_to_copy(cpu, device="tpu")``) runs the composite (Plain.route)
     names.extend(_DEVICE_WHOLE)
+    direct = functional_direct()
+    PLAIN.direct = frozenset(id(_overload(n)) for n in direct)
+    names.extend(direct)
     names = [n for n in names if n not in _CXX_VIEWS and n + ".default" not in _CXX_VIEWS]
     PLAIN.ext.route_whole(names)
     return len(names)
+
+
+def _overload(name: str):
+    op, _, ov = name.partition(".")
+    return getattr(getattr(aten, op), ov or "default")
+
+
+def functional_direct() -> list:
+    """NOTE [functional direct]: the names of ``FUNCTIONAL_DIRECT`` that are still structured
+    functional overloads without a PrivateUse1 kernel (a C++ Meta kernel and PyTorch's
+    CompositeExplicitAutogradNonFunctional one), looked up defensively: an overload another torch
+    lacks or changed is left to its structured path. Empty when ``config.functional_direct`` is
+    off."""
+    if not config.functional_direct:
+        return []
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    out = []
+    for n in FUNCTIONAL_DIRECT:
+        q = "aten::" + n
+        try:
+            if (has(q, "PrivateUse1") or not has(q, "CompositeExplicitAutogradNonFunctional")
+                    or "RegisterMeta" not in torch._C._dispatch_dump(q)):
+                continue
+        except RuntimeError:
+            continue
+        out.append(n)
+    return out
 
 
 def _nonfunctional_composite(n: str) -> bool:
