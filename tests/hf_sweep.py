@@ -224,11 +224,12 @@ def tiny_config(cfg, depth=0, fallback=False, widths=None):
     for k in ints(("first_k_dense_replace",)):
         _set(cfg, k, min(d[k], 1))
     # The scale of noise a model draws at run time on its own device (vits: randn_like of its
-    # latents; the detectors' denoising queries in training: rand_like boxes and labels):
-    # tpu's generator is not CPU's, so the draws differ; at 0 both compute the same deterministic
-    # function, which is what the comparison can check.
+    # latents; the detectors' denoising queries in training: rand_like boxes and labels; a sigma-VAE's
+    # latent noise, ``vae_std`` x randn: the vibevoice tokenizers): tpu's generator is not CPU's,
+    # so the draws differ; at 0 both compute the same deterministic function, which is what the
+    # comparison can check.
     for k in d:
-        if (k.endswith("noise_scale") or k.endswith("noise_ratio")) and type(d[k]) is float:
+        if k.endswith(("noise_scale", "noise_ratio", "vae_std")) and type(d[k]) is float:
             _set(cfg, k, 0.0)
     # State-space mixers (mamba2, bamba): heads x head dim = expand x hidden size.
     for heads, dim, expand in (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand")):
@@ -579,6 +580,28 @@ def _fallback(cfg, d, widths=None, level=1):
             for s, w in d.items():
                 if s != k and s.endswith("_channels") and w == v[0] and _get(cfg, s) == w:
                     _set(cfg, s, _get(cfg, k)[0])
+    depths, hid = d.get("depths"), d.get("hidden_size")
+    if isinstance(depths, list) and depths and isinstance(hid, int) and isinstance(_get(cfg, "hidden_size"), int):
+        # a Swin tower whose stages double a patch-embedding width in code (clap's audio tower:
+        # ``patch_embeds_hidden_size`` x 2^(stages - 1) = ``hidden_size``, read by its projection):
+        # the embedding width whose last stage is the tiny hidden width
+        n = 2 ** (len(depths) - 1)
+        for k, v in d.items():
+            if k.endswith("embeds_hidden_size") and isinstance(v, int) and v * n == hid and \
+                    _get(cfg, "hidden_size") % n == 0:
+                _set(cfg, k, _get(cfg, "hidden_size") // n)
+    wc = d.get("width_coefficient")
+    if isinstance(wc, float) and wc > 0 and isinstance(d.get("in_channels"), list) and d["in_channels"] and \
+            isinstance(_get(cfg, "in_channels"), list):
+        # widths a multiplier scales in code (efficientnet's and align's stem of 32 and head of 1280
+        # channels, ``round_filters``) beside stage widths from the config: multipliers of 1, the
+        # first stage fed the stem's default width, the head's width the default's at 1x
+        _set(cfg, "width_coefficient", 1.0)
+        if isinstance(d.get("depth_coefficient"), float):
+            _set(cfg, "depth_coefficient", 1.0)
+        _set(cfg, "in_channels", [d["in_channels"][0]] + list(_get(cfg, "in_channels"))[1:])
+        if isinstance(d.get("hidden_dim"), int):
+            _set(cfg, "hidden_dim", int(d["hidden_dim"] / wc))
     img, patch = _get(cfg, "image_size"), _get(cfg, "patch_size")
     if isinstance(d.get("image_embedding_size"), int) and isinstance(img, int) and isinstance(patch, int) \
             and d["image_embedding_size"] == d.get("image_size", 0) // max(d.get("patch_size") or 1, 1):
@@ -774,6 +797,12 @@ def inputs(kind, model, cfg, name=None) -> dict:
         ctx = _sub(cfg, "context_length") or 32
         ch = _sub(cfg, "num_input_channels")
         batch = dict(past_values=torch.randn(BATCH, ctx, *([ch] if isinstance(ch, int) else []), generator=g))
+    elif name.endswith("_embeds"):
+        # embeddings its caller computes (a speculative draft model's ``noise_embeds``: its block of
+        # mask-token embeddings, ``block_size`` long): (batch, block, hidden)
+        block = _sub(cfg, "block_size")
+        n = block if isinstance(block, int) and not isinstance(block, bool) and 0 < block <= 64 else SEQ
+        batch = {name: torch.randn(BATCH, n, _sub(cfg, "hidden_size") or HIDDEN, generator=g)}
     else:
         raise NotImplementedError(f"main_input_name {name!r}: no dummy input for it")
     if name == "pixel_values" and "noise" in inspect.signature(model.forward).parameters:
@@ -1424,6 +1453,13 @@ def _required(model, cfg, batch):
     if "query_embeds" in params and params["query_embeds"].default is inspect.Parameter.empty:
         width = _sub(cfg, "hidden_size") or HIDDEN       # blip-2's Q-Former alone: its query tokens
         add["query_embeds"] = torch.randn(BATCH, _sub(cfg, "num_query_tokens") or 8, width, generator=g)
+    for n, p in params.items():
+        if n.endswith("context_hidden_states") and p.default is inspect.Parameter.empty and n not in batch:
+            # a draft model's context: its target's hidden states at ``target_layer_ids``,
+            # concatenated on the last dim (muse_glimmer_assistant), as running the target gives them
+            layers = _sub(cfg, "target_layer_ids")
+            width = (_sub(cfg, "hidden_size") or HIDDEN) * (len(layers) if isinstance(layers, list) and layers else 1)
+            add[n] = torch.randn(BATCH, SEQ, width, generator=g)
     if "decoder_input_ids" in params and "decoder_input_ids" not in batch and "labels" not in batch and (
             "input_features" in batch or "input_values" in batch):
         # a transducer's prediction network reads the previous tokens (parakeet_rnnt, parakeet_tdt)

@@ -290,6 +290,33 @@ def test_fallback_widths_a_model_computes():
 
 
 @pytest.mark.modes("strict")     # no device work: once
+def test_fallback_widths_scaled_in_code_and_draft_inputs():
+    """Widths a model computes in code from constants or other fields (configs and dummy inputs
+    only, no model run), none of which the first pass applies: clap's audio Swin doubles
+    ``patch_embeds_hidden_size`` per stage up to its hidden width; efficientnet scales its stem of
+    32 and head of 1280 channels by ``width_coefficient`` (multipliers of 1, the first stage fed
+    32, the head 1280 wide); a sigma-VAE's latent noise scale is 0 (the noise is drawn on the model's
+    device); a draft model's context is its target's states at ``target_layer_ids`` concatenated."""
+    import inspect
+
+    import transformers
+    a = hs._tiny("clap", True).audio_config
+    assert a.patch_embeds_hidden_size * 2 ** (len(a.depths) - 1) == a.hidden_size == hs.HIDDEN
+    assert hs._tiny("clap").audio_config.patch_embeds_hidden_size == 96   # the first pass leaves it
+    e, e1 = hs._tiny("efficientnet", True), hs._tiny("efficientnet")
+    assert (e.width_coefficient, e.depth_coefficient, e.in_channels[0], e.hidden_dim) == (1.0, 1.0, 32, 1280)
+    assert e.in_channels[1:] == e1.in_channels[1:] and e1.width_coefficient == 2.0
+    assert hs._tiny("vibevoice_acoustic_tokenizer").vae_std == 0.0
+    cfg = hs._tiny("muse_glimmer_assistant")
+    model = transformers.MuseGlimmerAssistantModel(cfg)
+    batch = next(hs.candidates("base", model, cfg))
+    full = hs._required(model, cfg, batch)
+    assert batch["noise_embeds"].shape == (hs.BATCH, cfg.block_size, cfg.hidden_size)
+    assert full["context_hidden_states"].shape == (hs.BATCH, hs.SEQ, len(cfg.target_layer_ids) * cfg.hidden_size)
+    assert "context_hidden_states" in inspect.signature(model.forward).parameters
+
+
+@pytest.mark.modes("strict")     # no device work: once
 def test_unbuilt_rows_get_an_argued_reason():
     """A row not built gets a one-line argument: a missing package or input by the kind of its
     error, or the default config's own failure where it does not build either (built on the meta
