@@ -97,6 +97,31 @@ def test_docs_show_the_latest_sweep():
 
 
 @pytest.mark.modes("strict")     # no device work: once
+def test_float32_rule_reads_a_float64_result():
+    """The float32 stage's "no less accurate" clause: a gradient outside F32_TOL of CPU's passes
+    when, element by element, it is no farther from the float64 result than CPU's float32 result
+    (pp_doclayout_v3's box head: tpu 0.0021963, CPU 0.0023232, float64 0.0021779), and fails when
+    it is farther; ``_float64_result`` runs the model in float64 on CPU (CPU tensors stand in)."""
+    import torch
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 4)
+    batch = {"input": torch.randn(8, 16)}
+    ref = hs._float64_result(lin, batch)
+    assert ref[1]["weight"].dtype == torch.float64 and ref[1]["bias"].dtype == torch.float64
+    want = ([torch.tensor(1.0)], {"w": torch.tensor([0.0023232, 0.5])})
+    f64 = ([torch.tensor(1.0, dtype=torch.float64)],
+           {"w": torch.tensor([0.0021779, 0.5], dtype=torch.float64)})
+    closer = ([torch.tensor(1.0)], {"w": torch.tensor([0.0021963, 0.5])})
+    with pytest.raises(AssertionError, match="grad w: 1/2 elements differ"):
+        hs.compare(closer, want, hs.F32_TOL)
+    hs.compare(closer, want, hs.F32_TOL, f64)
+    farther = ([torch.tensor(1.0)], {"w": torch.tensor([0.0025, 0.5])})
+    with pytest.raises(AssertionError, match="grad w"):
+        hs.compare(farther, want, hs.F32_TOL, f64)
+
+
+@pytest.mark.modes("strict")     # no device work: once
 def test_model_rules():
     """A tensor failing the OpInfo rule passes the dynamo rule (torch._dynamo.utils.same) when it is
     no more than 3x as far from the float64 result as CPU's bfloat16 is; else check's bf16 stage
