@@ -2122,7 +2122,8 @@ def write_markdown(data, path):
              "speech seq2seq, sequence/image classification, else base model), a tiny config derived from "
              "the default one (tests/hf_sweep.py `tiny_config`), random weights, batch "
              f"{BATCH} x {SEQ}; each in its own process with a timeout; defer mode.",
-             "- f32: loss, logits and every gradient against CPU (atol 1e-4 x max(1, |CPU|max), rtol 1e-4); "
+             "- f32: loss, logits and every gradient against CPU (atol 1e-4 x max(1, |CPU|max), rtol 1e-4, or "
+             "no farther from the float64 result than CPU's float32: rows marked \"f32 by the float64 rule\"); "
              "bf16: the model in bfloat16 against CPU bfloat16 (the OpInfo rule: atol 1e-3 x scale, rtol 1.6e-2, or "
              "no farther from the float32 result than CPU's bfloat16; the scale rule: within 1.6e-2 x scale, "
              "scale = max(1, |CPU|max), for tensors that fail the OpInfo rule; the dynamo rule: PyTorch's accuracy "
@@ -2152,7 +2153,8 @@ def write_markdown(data, path):
         lines.append(f"| {mt} | {r.get('cls') or data.get('classes', {}).get(mt, '')} | "
                      f"{(r.get('reason') or '').replace('|', '/')} | {err.replace('|', '/')} |")
     lines += ["", "## Passing", "", ", ".join(
-        f"{mt}" + ("" if r.get("bf16") else " (f32 only)") for mt, r in sorted(rows.items())
+        f"{mt}" + ("" if r.get("bf16") else " (f32 only)")
+        + (" (f32 by the float64 rule)" if r.get("f32_f64_rule") else "") for mt, r in sorted(rows.items())
         if r.get("built") and r.get("f32") and r.get("gen") is not False and r.get("bf16") is not False) , ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -2253,10 +2255,11 @@ def _store(mt, row, archs, stages=ALL_STAGES):
     if stages != ALL_STAGES and old and old.get("built") and row.get("built"):
         # a rerun of some stages: the others' results stay
         keep = {k: v for k, v in old.items() if k not in (*stages, "errors", "seconds", "fallbacks")
-                and not (k.startswith("bf16_") and "bf16" in stages)}
+                and not (k.startswith("bf16_") and "bf16" in stages)
+                and not (k.startswith("f32_") and "f32" in stages)}
         errors = {k: v for k, v in old.get("errors", {}).items() if k not in stages}
         row = {**keep, **{k: row[k] for k in (*stages, "seconds", "fallbacks") if k in row},
-               **{k: v for k, v in row.items() if k.startswith("bf16_")},
+               **{k: v for k, v in row.items() if k.startswith(("bf16_", "f32_"))},
                "errors": {**errors, **row.get("errors", {})}}
     data["rows"][mt] = row
     data.update(enumerated=len(archs), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
