@@ -1780,9 +1780,6 @@ UNBUILT = {
     "blt": "a byte-level model of four configs (patcher, local encoder and decoder, global model) "
            "whose widths meet through fields the rules do not pair: after shrinking, a 64-wide "
            "RMSNorm meets a 32-wide state",
-    "clap": "its audio Swin's last stage is `patch_embeds_hidden_size` x 2^(stages - 1) wide (96 x 8 "
-            "= 768, computed in code), which its projection reads as `hidden_size`: the tiny 32-wide "
-            "projection meets 768",
     "clvp": "forward needs the mel features its processor makes, and with them the conditioning "
             "encoder's rotary embedding (built for another config's width) meets the 8-wide tiny "
             "heads (8 vs 32 at the rotary step)",
@@ -1799,10 +1796,6 @@ UNBUILT = {
     "efficientloftr": "its matcher's 2-D rotary embedding is sized by the coarse feature map its backbone "
                       "computes from the image and a fixed stride, against `hidden_size`: the tiny width meets "
                       "16 where 8 is expected",
-    "efficientnet": "its stem (32) and head (1280) widths are constants in its code, scaled by "
-                    "`width_coefficient` and rounded to `depth_divisor`, while its stage widths come from the "
-                    "config: narrowed stages no longer meet the stem (a 16-group depthwise convolution fed 64 "
-                    "channels), and the default stages with the 3.1x depth multiplier are no tiny model",
     "ernie4_5_vl_moe": "its vision patches, image grid and placeholder tokens (a merged 2 x 2 grid per image, "
                        "counted in the text by its processor) disagree under every layout the rules make (2 "
                        "placeholder tokens for 8 features)",
@@ -1823,9 +1816,6 @@ UNBUILT = {
     "minicpmv4_7_vision": "a vision tower alone whose forward needs `target_sizes` (each image's patch grid, made "
                           "by its processor's slicing of the image, which sets its nearest position ids) and no "
                           "rule knows that slicing",
-    "muse_glimmer_assistant": "a draft model for speculative decoding: forward reads its target model's hidden states "
-                              "at `target_layer_ids`, concatenated (64 wide for the two tiny layers), made by running "
-                              "the target, not by a processor",
     "pp_doclayout_v2": "its post-processing in forward reads `class_thresholds`, one per class, which the "
                        "default config leaves None (a checkpoint fills it): None in any size",
     "pp_ocrv5_mobile_rec": "a text-line recogniser whose backbone strides the height by 32 and then pools 3 x 2: "
