@@ -461,7 +461,7 @@ def geqrf(a):
     f = getattr(lax.linalg, "geqrf", None)
     if f is None:
         from jax._src.lax.linalg import geqrf as f
-    return f(a)
+    return _per_matrix(f, a, core=(2,))
 
 
 @op("linalg_eig.default")
@@ -497,7 +497,7 @@ def linalg_eigvals(a):
 
 @op("linalg_householder_product.default")
 def householder_product(a, tau):
-    return lax.linalg.householder_product(a, tau)
+    return _per_matrix(lax.linalg.householder_product, a, tau, core=(2, 1))
 
 
 @op("ormqr.default")
@@ -506,7 +506,7 @@ def ormqr(a, tau, other, left=True, transpose=False):
     m, k = a.shape[-2], tau.shape[-1]
     a = a[..., :, :k]
     pad = [(0, 0)] * (a.ndim - 1) + [(0, m - k)]
-    q = lax.linalg.householder_product(jnp.pad(a, pad), jnp.pad(tau, pad[1:]))
+    q = householder_product(jnp.pad(a, pad), jnp.pad(tau, pad[1:]))
     if transpose:
         q = _mH(q)
     return jnp.matmul(q, other) if left else jnp.matmul(other, q)
