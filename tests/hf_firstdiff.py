@@ -142,13 +142,9 @@ def against_f64(mod, call, got, want):
 def compare_model(model_type, verbose=True, f64=False):
     import torch
     import deferfuse
-    kind, model, cfg = hf_sweep.build(model_type)
-    for batch in hf_sweep.candidates(kind, model, cfg):
-        try:
-            hf_sweep.run_model(model, batch, "cpu")
-            break
-        except Exception:  # noqa: BLE001 - the next layout, as the sweep does
-            model.zero_grad(set_to_none=True)
+    # the sweep's own build: its tiny config's passes (the fallback where the first builds nothing
+    # that runs) and the first input layout that runs on CPU
+    kind, model, cfg, _, batch, _ = hf_sweep._build_and_run(model_type, {})
     cm = copy.deepcopy(model).to(torch.bfloat16)
     cm.zero_grad(set_to_none=True)
     calls = record(cm, batch)

@@ -97,6 +97,31 @@ def test_docs_show_the_latest_sweep():
 
 
 @pytest.mark.modes("strict")     # no device work: once
+def test_float32_rule_reads_a_float64_result():
+    """The float32 stage's "no less accurate" clause: a gradient outside F32_TOL of CPU's passes
+    when, element by element, it is no farther from the float64 result than CPU's float32 result
+    (pp_doclayout_v3's box head: tpu 0.0021963, CPU 0.0023232, float64 0.0021779), and fails when
+    it is farther; ``_float64_result`` runs the model in float64 on CPU (CPU tensors stand in)."""
+    import torch
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 4)
+    batch = {"input": torch.randn(8, 16)}
+    ref = hs._float64_result(lin, batch)
+    assert ref[1]["weight"].dtype == torch.float64 and ref[1]["bias"].dtype == torch.float64
+    want = ([torch.tensor(1.0)], {"w": torch.tensor([0.0023232, 0.5])})
+    f64 = ([torch.tensor(1.0, dtype=torch.float64)],
+           {"w": torch.tensor([0.0021779, 0.5], dtype=torch.float64)})
+    closer = ([torch.tensor(1.0)], {"w": torch.tensor([0.0021963, 0.5])})
+    with pytest.raises(AssertionError, match="grad w: 1/2 elements differ"):
+        hs.compare(closer, want, hs.F32_TOL)
+    hs.compare(closer, want, hs.F32_TOL, f64)
+    farther = ([torch.tensor(1.0)], {"w": torch.tensor([0.0025, 0.5])})
+    with pytest.raises(AssertionError, match="grad w"):
+        hs.compare(farther, want, hs.F32_TOL, f64)
+
+
+@pytest.mark.modes("strict")     # no device work: once
 def test_model_rules():
     """A tensor failing the OpInfo rule passes the dynamo rule (torch._dynamo.utils.same) when it is
     no more than 3x as far from the float64 result as CPU's bfloat16 is; else check's bf16 stage
@@ -287,6 +312,33 @@ def test_fallback_widths_a_model_computes():
     assert f.mamba_d_ssm == f.mamba_n_heads * f.mamba_d_head
     assert hs._tiny("vitpose", True).backbone_config.num_experts == 1
     assert hs._tiny("levit", True).patch_size == hs.PATCH and hs._tiny("levit", 2).patch_size == 16
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_fallback_widths_scaled_in_code_and_draft_inputs():
+    """Widths a model computes in code from constants or other fields (configs and dummy inputs
+    only, no model run), none of which the first pass applies: clap's audio Swin doubles
+    ``patch_embeds_hidden_size`` per stage up to its hidden width; efficientnet scales its stem of
+    32 and head of 1280 channels by ``width_coefficient`` (multipliers of 1, the first stage fed
+    32, the head 1280 wide); a sigma-VAE's latent noise scale is 0 (the noise is drawn on the model's
+    device); a draft model's context is its target's states at ``target_layer_ids`` concatenated."""
+    import inspect
+
+    import transformers
+    a = hs._tiny("clap", True).audio_config
+    assert a.patch_embeds_hidden_size * 2 ** (len(a.depths) - 1) == a.hidden_size == hs.HIDDEN
+    assert hs._tiny("clap").audio_config.patch_embeds_hidden_size == 96   # the first pass leaves it
+    e, e1 = hs._tiny("efficientnet", True), hs._tiny("efficientnet")
+    assert (e.width_coefficient, e.depth_coefficient, e.in_channels[0], e.hidden_dim) == (1.0, 1.0, 32, 1280)
+    assert e.in_channels[1:] == e1.in_channels[1:] and e1.width_coefficient == 2.0
+    assert hs._tiny("vibevoice_acoustic_tokenizer").vae_std == 0.0
+    cfg = hs._tiny("muse_glimmer_assistant")
+    model = transformers.MuseGlimmerAssistantModel(cfg)
+    batch = next(hs.candidates("base", model, cfg))
+    full = hs._required(model, cfg, batch)
+    assert batch["noise_embeds"].shape == (hs.BATCH, cfg.block_size, cfg.hidden_size)
+    assert full["context_hidden_states"].shape == (hs.BATCH, hs.SEQ, len(cfg.target_layer_ids) * cfg.hidden_size)
+    assert "context_hidden_states" in inspect.signature(model.forward).parameters
 
 
 @pytest.mark.modes("strict")     # no device work: once

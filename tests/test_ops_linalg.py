@@ -358,3 +358,41 @@ def test_eig_general_matrices(dtype):
     a = torch.randn(2, 4, 4, generator=g, dtype=dtype)
     check(torch.linalg.eig, a, tol=(1e-4, 1e-4))
     check(torch.linalg.eigvals, a[0], tol=(1e-4, 1e-4))
+
+
+@pytest.mark.modes("defer")
+def test_batched_solves_independent_in_one_program():
+    """A gated delta net's chunked UT transform (qwen3_5's and minicpm_ocr's linear attention): two
+    unitriangular solves of one batch of systems, with no data between them, in one program,
+    forward and backward. jaxlib's batched CPU LAPACK kernels deadlocked when XLA ran two such
+    solves at once on a 2-core machine (NOTE [LAPACK batches on CPU]): the values against CPU, and
+    on the CPU platform every LAPACK call of the lowered program takes single matrices."""
+    import re
+
+    import jax
+    from deferfuse.runtime import platform
+    from deferfuse.runtime.lowering import factorizations as fz
+
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    A = (0.1 * torch.randn(2, 4, 3, n, n, generator=g)).tril(-1) + torch.eye(n)
+    V = torch.randn(2, 4, 3, n, 16, generator=g)
+    K = torch.randn(2, 4, 3, n, 16, generator=g)
+
+    def f(A, V, K):
+        A, V, K = (t.clone().requires_grad_() for t in (A, V, K))
+        x = torch.linalg.solve_triangular(A, V, upper=False, unitriangular=True)
+        y = torch.linalg.solve_triangular(A, K, upper=False, unitriangular=True)
+        loss = (x * x).sum() + (y.sin()).sum()
+        loss.backward()
+        return loss.detach(), x.detach(), y.detach(), A.grad, V.grad, K.grad
+
+    check(f, A, V, K, tol=(1e-3, 1e-4))
+    if platform.name() == "cpu":
+        text = jax.jit(lambda a, b: fz._solve_tri(a, b, left_side=True, lower=True,
+                                                  unit_diagonal=True)).lower(
+            A.numpy(), V.numpy()).as_text()
+        calls = re.findall(r"custom_call @(lapack_\w+)\((.*?)\) :? ?.*?\((tensor<[^)]*)\)", text)
+        assert calls, text
+        for name, _, types in calls:
+            assert all(t.count("x") <= 2 for t in re.findall(r"tensor<([^>]*)>", types)), (name, types)

@@ -7,6 +7,9 @@ LU/pivots outputs match what the backward formulas expect.
 """
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -20,7 +23,35 @@ from .precision import HALF, dot_inputs, round_to
 # Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
 PAD = Refuse("a factorization or transform mixes every position of its input")
 
-_solve_tri = lax.linalg.triangular_solve
+
+def _per_matrix(f, *xs, core):
+    """``f(*xs)`` over matrices whose batch dims (``core[i]`` trailing dims of ``xs[i]`` are one
+    matrix; the batch dims are alike) run one matrix at a time on the CPU platform.
+
+    NOTE [LAPACK batches on CPU]: jaxlib 0.10's CPU LAPACK kernels (trsm, getrf, potrf, syevd,
+    gesdd, geqrf, ...) split a large enough batch into chunks scheduled on XLA's intra-op thread
+    pool, and the calling thread, itself a worker of that pool, blocks until they are done
+    (``ParallelBatchMap`` -> ``BlockingCounter::Wait``). XLA's thunk executor runs independent
+    operations of one program at once, so two batched solves with no data between them (a gated
+    delta net's two ``solve_triangular`` on one system: minicpm_ocr, qwen3_5) can occupy both
+    workers of a 2-core machine, each waiting for chunks that no free worker will run: the program
+    never finishes and its reader waits forever. A batch of one runs inline (no chunk is
+    scheduled), so on CPU a batch loops (``lax.map``) over single matrices; other platforms have
+    no such kernels and keep the batched call."""
+    from .. import platform
+    batch = xs[0].shape[:xs[0].ndim - core[0]]
+    n = math.prod(batch)
+    if n <= 1 or platform.name() != "cpu":
+        return f(*xs)
+    flat = [x.reshape((n,) + x.shape[x.ndim - c:]) for x, c in zip(xs, core)]
+    out = lax.map(lambda args: f(*args), flat)
+    return jax.tree_util.tree_map(lambda o: o.reshape(batch + o.shape[1:]), out)
+
+
+def _solve_tri(a, b, **kw):
+    """``lax.linalg.triangular_solve`` of matrices with alike batch dims (NOTE [LAPACK batches on
+    CPU])."""
+    return _per_matrix(lambda a, b: lax.linalg.triangular_solve(a, b, **kw), a, b, core=(2, 2))
 
 
 
@@ -63,7 +94,7 @@ _NOT_PD = "the input is not positive-definite"
 
 def _lu(a):
     """(packed LU, 0-based pivots, permutation) with A[..., perm, :] = L @ U."""
-    return lax.linalg.lu(a)
+    return _per_matrix(lax.linalg.lu, a, core=(2,))
 
 
 def _bcast(*xs, core):
@@ -211,7 +242,7 @@ def _chol_info(a):
 @op("linalg_cholesky_ex.default")
 def linalg_cholesky_ex(a, *, upper=False, check_errors=False):
     src = _mH(a) if upper else a            # upper reads A's upper triangle = lower of A^H
-    L = lax.linalg.cholesky(src, symmetrize_input=False)
+    L = _per_matrix(lambda m: lax.linalg.cholesky(m, symmetrize_input=False), src, core=(2,))
     failed = ~jnp.all(jnp.isfinite(L), axis=(-2, -1))
     if a.shape[-1] == 0:
         info = jnp.zeros(a.shape[:-2], jnp.int32)
@@ -262,23 +293,24 @@ def linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
 
 @op("_linalg_eigh.default", meta=True)
 def linalg_eigh(a, UPLO="L", compute_v=True, *, _avals):
-    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    w, v = _per_matrix(lambda m: jnp.linalg.eigh(m, UPLO=UPLO, symmetrize_input=False), a, core=(2,))
     return w, (v if compute_v else _empty(_avals, 1))
 
 
 @op("linalg_qr.default", meta=True)
 def linalg_qr(a, mode="reduced", *, _avals):
     if mode == "r":
-        return _empty(_avals, 0), jnp.linalg.qr(a, mode="r")
-    return jnp.linalg.qr(a, mode=mode)
+        return _empty(_avals, 0), _per_matrix(lambda m: jnp.linalg.qr(m, mode="r"), a, core=(2,))
+    return _per_matrix(lambda m: jnp.linalg.qr(m, mode=mode), a, core=(2,))
 
 
 @op("_linalg_svd.default", meta=True)
 def linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None, _avals):
     if not compute_uv:
-        s = jnp.linalg.svd(a, full_matrices=False, compute_uv=False)
+        s = _per_matrix(lambda m: jnp.linalg.svd(m, full_matrices=False, compute_uv=False), a,
+                        core=(2,))
         return _empty(_avals, 0), s, _empty(_avals, 2)
-    return jnp.linalg.svd(a, full_matrices=full_matrices)
+    return _per_matrix(lambda m: jnp.linalg.svd(m, full_matrices=full_matrices), a, core=(2,))
 
 
 @op("linalg_matrix_exp.default")
@@ -286,7 +318,9 @@ def linalg_matrix_exp(a):
     from jax.scipy.linalg import expm
     if not a.shape[-1]:
         return a
-    return expm(a.astype(jnp.float32)).astype(a.dtype) if a.dtype in _LOWP else expm(a)
+    if a.dtype in _LOWP:
+        return _per_matrix(expm, a.astype(jnp.float32), core=(2,)).astype(a.dtype)
+    return _per_matrix(expm, a, core=(2,))
 
 
 @op("linalg_pinv.atol_rtol_tensor", meta=True)
@@ -301,12 +335,12 @@ def linalg_pinv(a, atol=None, rtol=None, hermitian=False, *, _avals):
     atol = 0 if atol is None else atol
     atol, rtol = (jnp.asarray(t, real)[..., None] for t in (atol, rtol))
     if hermitian:
-        s, u = jnp.linalg.eigh(a, symmetrize_input=False)
+        s, u = _per_matrix(lambda m: jnp.linalg.eigh(m, symmetrize_input=False), a, core=(2,))
         sa = jnp.abs(s)
         tol = jnp.maximum(atol, rtol * jnp.max(sa, axis=-1, keepdims=True))
         inv = jnp.where(sa > tol, 1 / s, 0).astype(a.dtype)
         return jnp.matmul(u * inv[..., None, :], _mH(u))
-    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    u, s, vh = _per_matrix(lambda m: jnp.linalg.svd(m, full_matrices=False), a, core=(2,))
     tol = jnp.maximum(atol, rtol * s[..., :1])
     inv = jnp.where(s > tol, 1 / s, 0).astype(a.dtype)
     return jnp.matmul(_mH(vh) * inv[..., None, :], _mH(u))
@@ -427,7 +461,7 @@ def geqrf(a):
     f = getattr(lax.linalg, "geqrf", None)
     if f is None:
         from jax._src.lax.linalg import geqrf as f
-    return f(a)
+    return _per_matrix(f, a, core=(2,))
 
 
 @op("linalg_eig.default")
@@ -442,7 +476,7 @@ def linalg_eig(a):
     ct = jnp.complex128 if a.dtype in (jnp.float64, jnp.complex128) else jnp.complex64
     if not a.size:
         return (jnp.zeros(a.shape[:-1], ct), jnp.zeros(a.shape, ct))
-    w, v = lax.linalg.eig(a, compute_left_eigenvectors=False)
+    w, v = _per_matrix(lambda m: lax.linalg.eig(m, compute_left_eigenvectors=False), a, core=(2,))
     return w.astype(ct), v.astype(ct)
 
 
@@ -456,13 +490,14 @@ def linalg_eigvals(a):
     ct = jnp.complex128 if a.dtype in (jnp.float64, jnp.complex128) else jnp.complex64
     if not a.size:
         return jnp.zeros(a.shape[:-1], ct)
-    return lax.linalg.eig(a, compute_left_eigenvectors=False,
-                          compute_right_eigenvectors=False)[0].astype(ct)
+    return _per_matrix(lambda m: lax.linalg.eig(m, compute_left_eigenvectors=False,
+                                                compute_right_eigenvectors=False)[0], a,
+                       core=(2,)).astype(ct)
 
 
 @op("linalg_householder_product.default")
 def householder_product(a, tau):
-    return lax.linalg.householder_product(a, tau)
+    return _per_matrix(lax.linalg.householder_product, a, tau, core=(2, 1))
 
 
 @op("ormqr.default")
@@ -471,7 +506,7 @@ def ormqr(a, tau, other, left=True, transpose=False):
     m, k = a.shape[-2], tau.shape[-1]
     a = a[..., :, :k]
     pad = [(0, 0)] * (a.ndim - 1) + [(0, m - k)]
-    q = lax.linalg.householder_product(jnp.pad(a, pad), jnp.pad(tau, pad[1:]))
+    q = householder_product(jnp.pad(a, pad), jnp.pad(tau, pad[1:]))
     if transpose:
         q = _mH(q)
     return jnp.matmul(q, other) if left else jnp.matmul(other, q)
