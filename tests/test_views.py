@@ -14,7 +14,8 @@ WRITES = {
     "t_mul_": lambda x: x.t().mul_(3),
     "view_flat_setitem": lambda x: x.view(-1).__setitem__(3, 0.0),
     "diagonal_zero_": lambda x: x.diagonal().zero_(),
-    "unsqueeze_copy_": lambda x: x[2:4, ::2].unsqueeze(0).copy_(torch.full((1, 2, 3), 7.0)),
+    "unsqueeze_copy_": lambda x: x[2:4, ::2].unsqueeze(0).copy_(
+        torch.full((1, 2, 3), 7.0, device=x.device)),
     "split_neg_": lambda x: x.split(2, dim=1)[1].neg_(),
     "unbind_add_": lambda x: x.unbind(0)[3].add_(100),
     "narrow_fill_": lambda x: x.narrow(1, 2, 3).fill_(-5),
@@ -22,11 +23,12 @@ WRITES = {
     "select_neg_idx": lambda x: x[-1, -2:].sub_(9),
     "chunk_clamp_": lambda x: x.chunk(2, 0)[0].clamp_(0, 10),
     "permute_view": lambda x: x.view(2, 2, 6).permute(2, 0, 1)[1].add_(1),
-    "index_put": lambda x: x.__setitem__((torch.tensor([0, 2]), torch.tensor([1, 3])), -3.0),
+    "index_put": lambda x: x.__setitem__((torch.tensor([0, 2], device=x.device),
+                                         torch.tensor([1, 3], device=x.device)), -3.0),
     "masked_fill_": lambda x: x.masked_fill_(x > 10, 0.0),
     "unfold_mul_": lambda x: x[0].unfold(0, 2, 2).mul_(10),
     "as_strided": lambda x: x.as_strided((2, 2), (6, 1), 1).add_(0.5),
-    "transpose_copy_": lambda x: x.transpose(0, 1)[1:3].copy_(torch.zeros(2, 4)),
+    "transpose_copy_": lambda x: x.transpose(0, 1)[1:3].copy_(torch.zeros(2, 4, device=x.device)),
     "expand_read": lambda x: x[1:].add_(x[0:1].clone().expand(3, 6)),
     "squeeze_write": lambda x: x[1:2].squeeze(0).add_(4),
 }
@@ -36,18 +38,7 @@ def _on(dev, write):
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(dev)
     other = x[1]                      # a view taken before the write
     t = x.t()
-    write_dev = write
-
-    def move(a):
-        return a.to(dev) if isinstance(a, torch.Tensor) else a
-    orig_full, orig_zeros, orig_tensor = torch.full, torch.zeros, torch.tensor
-    try:
-        torch.full = lambda *a, **k: orig_full(*a, **{**k, "device": dev})
-        torch.zeros = lambda *a, **k: orig_zeros(*a, **{**k, "device": dev})
-        torch.tensor = lambda *a, **k: orig_tensor(*a, **{**k, "device": dev})
-        write_dev(x)
-    finally:
-        torch.full, torch.zeros, torch.tensor = orig_full, orig_zeros, orig_tensor
+    write(x)
     return x, other, t, other * 1
 
 
