@@ -53,13 +53,19 @@ def test_a_repeated_step_runs_from_its_region_hit():
     assert deferfuse.metrics()["donated_bytes"] > 0      # the old w went to the program
 
 
-def test_a_hit_compares_its_structure():
+def _warmed():
+    """A tpu (w, x) and CPU copies after three steps each: the tpu step's structure is a hit."""
     torch.manual_seed(0)
     w, x = torch.randn(16).to("tpu"), torch.randn(16).to("tpu")
     w_cpu, x_cpu = w.cpu(), x.cpu()
     for _ in range(3):
         _step(w, x)
         _step(w_cpu, x_cpu)
+    return w, x, w_cpu, x_cpu
+
+
+def test_a_hit_compares_its_structure():
+    w, x, w_cpu, x_cpu = _warmed()
     # Another structure under the same key (what a hash collision would be): each hit's recorded
     # ops are made to differ, so the comparison must send the flush to the full path.
     hits = engine.runner.hits
@@ -116,12 +122,7 @@ def test_an_input_failed_after_it_was_recorded_takes_the_full_path():
 
 
 def test_hits_go_with_the_regions():
-    torch.manual_seed(0)
-    w, x = torch.randn(16).to("tpu"), torch.randn(16).to("tpu")
-    w_cpu, x_cpu = w.cpu(), x.cpu()
-    for _ in range(3):
-        _step(w, x)
-        _step(w_cpu, x_cpu)
+    w, x, w_cpu, x_cpu = _warmed()
     assert len(engine.runner.hits) > 0
     engine.runner.evict()
     assert len(engine.runner.hits) == 0
@@ -135,12 +136,7 @@ def test_hits_go_with_the_regions():
 
 
 def test_debug_level_two_takes_the_full_path(monkeypatch, capsys):
-    torch.manual_seed(0)
-    w, x = torch.randn(16).to("tpu"), torch.randn(16).to("tpu")
-    w_cpu, x_cpu = w.cpu(), x.cpu()
-    for _ in range(3):
-        _step(w, x)
-        _step(w_cpu, x_cpu)
+    w, x, w_cpu, x_cpu = _warmed()
     monkeypatch.setattr(deferfuse.config, "debug", 2)
     before = _path()
     assert _step(w, x) == pytest.approx(_step(w_cpu, x_cpu), rel=1e-6)
