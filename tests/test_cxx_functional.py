@@ -179,7 +179,7 @@ def _check(fn, args):
     assert_same(list(got), list(want), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow_params("debug")     # debug mode in make test-full
+@pytest.mark.slow_params("debug", "strict")     # defer mode only in the default run
 @pytest.mark.modes(*MODES)
 @pytest.mark.parametrize("fn,args", [c[1:] for c in VALUES], ids=[c[0] for c in VALUES])
 def test_values_dtypes_shapes_equal_cpu(fn, args):
@@ -187,7 +187,7 @@ def test_values_dtypes_shapes_equal_cpu(fn, args):
         _check(fn, args)
 
 
-@pytest.mark.slow_params("debug")     # debug mode in make test-full
+@pytest.mark.slow_params("debug", "strict")     # defer mode only in the default run
 @pytest.mark.modes(*MODES)
 @pytest.mark.parametrize("fn,args", [c[1:] for c in ERRORS], ids=[c[0] for c in ERRORS])
 def test_errors_equal_cpu(fn, args):
@@ -311,7 +311,7 @@ def test_a_python_number_checked_by_value_still_raises_after_hits():
 
 @pytest.mark.skipif(not ON, reason="the child process of the switch-on run")
 @pytest.mark.modes("strict")
-@pytest.mark.slow_params("all")
+@pytest.mark.slow     # a child process over the cases with the switch off: make test-full
 @pytest.mark.parametrize("which", ["strict", "all"])
 def test_switch_off_every_case_holds_on_the_structured_path(which):
     """``DEFERFUSE_FUNCTIONAL_DIRECT=0``: this module again in a child process (the setting is

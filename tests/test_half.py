@@ -21,7 +21,9 @@ HALF = [torch.bfloat16, torch.float16]
 # assert_close's defaults, the OpInfo sweep's forward tolerances
 TOL = {torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2), torch.float16: dict(atol=1e-5, rtol=1e-3),
        torch.float32: dict(atol=1e-5, rtol=1.3e-6)}
-pytestmark = pytest.mark.parametrize("dt", HALF, ids=["bf16", "fp16"])
+# float16 (a GPU dtype: TPUs compute in bfloat16) runs in make test-full only.
+pytestmark = [pytest.mark.parametrize("dt", HALF, ids=["bf16", "fp16"]),
+              pytest.mark.slow_params("fp16")]
 
 
 def _rand(*shape, dt, scale=1.0, shift=0.0, seed=0):
@@ -485,7 +487,7 @@ print("ok")
 
 
 @pytest.mark.modes("strict")     # the subprocess runs in its own default mode
-@pytest.mark.slow_params("fp16")   # long: bf16 only in the default run (the same scan)
+@pytest.mark.slow   # long (a subprocess); test_recurrent_layers_as_cpu keeps bf16's LSTM
 def test_onednn_lstm_as_cpu_in_a_subprocess(dt):
     """Where CPU's aten::lstm runs oneDNN in half precision, tpu runs the lowering of oneDNN's
     LSTM layer: outputs and gradients as CPU's (NOTE [oneDNN in a subprocess])."""
@@ -537,7 +539,7 @@ def test_lstm_without_autograd_as_cpu(dt):
 
 @pytest.mark.modes("defer")
 @pytest.mark.usefixtures("no_onednn")
-@pytest.mark.slow_params("fp16")
+@pytest.mark.slow   # long; test_ops_nn's packed sequences through an LSTM stay in the default run
 def test_packed_sequences_as_cpu(dt):
     x = _rand(6, 3, 3, dt=dt, scale=3)
     lengths = torch.tensor([6, 4, 1])

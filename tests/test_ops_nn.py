@@ -229,7 +229,7 @@ def test_max_pool_indices():
     ((32, 40), dict(size=(8, 10), align_corners=True)),
     ((64, 64), dict(size=(5, 3))),
 ])
-@pytest.mark.slow_params("strict")   # long: defer only in the default run
+@pytest.mark.slow_params("strict", "hw3", "hw4", "hw5")   # long: defer, three shapes by default
 def test_interpolate_antialias(mode, hw, kw):
     """interpolate(..., antialias=True) (torchvision's Resize on tensors): lowered, forward and
     gradient as CPU's, in float32 and float64."""
@@ -849,7 +849,7 @@ def _check_grid_sample(x, grid, mode, padding, align):
 
 
 # Strict mode runs the same lowerings op by op (its compiles make it the slow half): slow.
-@pytest.mark.slow_params("strict")
+@pytest.mark.slow_params("strict", "reflection")     # reflection's two cases in make test-full
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 @pytest.mark.parametrize("padding,align", [("zeros", False), ("border", True), ("reflection", False),
                                            ("reflection", True)])
