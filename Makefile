@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full test-dist test-cxx docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-titan-quick test-ray test-torchao wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-procs test-full test-dist test-cxx docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-titan-quick test-ray test-torchao wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -29,6 +29,11 @@ demo: $(STAMP)
 # Two worker processes (pytest-xdist), each test file in one of them (its caches stay warm).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
+
+# The short multi-process tests (2-process DDP, collectives, a killed rank, torchrun, signals): out
+# of the default run, run by CI after it.
+test-procs: $(STAMP)
+	$(BIN)/python -m pytest -q tests -m "procs and not slow"
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"

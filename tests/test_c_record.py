@@ -261,6 +261,7 @@ def test_views_made_by_the_c_path_alias_their_base(tpu_mode):
     assert res[3:5] == want[3:5]
 
 
+@pytest.mark.modes("strict")     # a build in a child process: the mode plays no part
 def test_a_missing_compiler_is_a_clear_install_error(tmp_path):
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), LDSHARED=str(tmp_path / "no-such-cc"))
     out = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),

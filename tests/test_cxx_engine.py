@@ -126,6 +126,7 @@ def test_an_error_through_the_router_ends_in_the_users_frames():
     assert len([f for f in frames if os.sep + "deferfuse" + os.sep in f.filename]) <= 1, frames
 
 
+@pytest.mark.modes("strict")     # the child process runs both modes itself
 def test_to_and_copy_between_tpu_devices_match_cpu():
     """``x.to("tpu:0")`` of a plain tensor on tpu:1 is an empty tensor on tpu:0 and a copy_
     between devices, which moves the value over (it raised "two devices"); in a fresh process with

@@ -227,6 +227,7 @@ def test_errors_raise_at_the_call_in_defer_mode():
 
 
 @pytest.mark.modes(*MODES)
+@pytest.mark.slow_params("strict")
 def test_backward_through_the_functional_overloads_equals_cpu():
     """Autograd records these overloads: a small network's gradients through add, sub, mul, div,
     mm, addmm, bmm, sum, mean, activations, softmaxes and a loss, against CPU eager."""

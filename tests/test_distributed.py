@@ -1,8 +1,9 @@
 """torch.distributed on tpu: the ``tpu`` process group, DDP, DTensor, FSDP2, DCP and failures.
 
 Multi-process tests start 2 or 4 processes of tests/dist_worker.py on loopback, with the
-variables torchrun sets and one CPU JAX device each; a few run by default, the rest with
-``-m slow`` (``make test-dist`` runs them all). The in-process tests use a group of one process.
+variables torchrun sets and one CPU JAX device each. They carry the ``procs`` mark: ``make
+test-procs`` runs the short ones (CI runs it after ``make test``), ``make test-dist`` all of them;
+the default run leaves them out. The in-process tests use a group of one process.
 """
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ from util import free_port, train_beside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_worker.py")
-# The pytest process does nothing on tpu in the multi-process tests: run them once.
-once = pytest.mark.modes("strict")
+
+
+def once(test):
+    """A multi-process test: the pytest process does nothing on tpu, so it runs in one mode; it is
+    kept out of the default run (``procs``: ``make test-procs``)."""
+    return pytest.mark.procs(pytest.mark.modes("strict")(test))
 
 
 

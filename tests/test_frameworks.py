@@ -365,6 +365,7 @@ def _varlen_lse_ref(q, k, cu=CU):
 
 
 @pytest.mark.modes("defer", "strict")
+@pytest.mark.slow_params("strict")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_varlen_attention_out(compiled):
     """``varlen_attn_out`` (``torch_attn::_varlen_attn_out``: CUDA's

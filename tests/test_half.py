@@ -643,6 +643,7 @@ def test_layer_norm_input_gradient_as_cpu(dt, affine):
             dy, x, [n], mean, rstd, w, b, [True, False, False])[0], dy, x, mean, rstd, w, b, dt=dt, **tol)
 
 
+@pytest.mark.slow_params("strict")
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 def test_layer_norm_forward_as_cpu(dt, affine):
     """NOTE [bf16 layer norm]: CPU's bfloat16 layer norm takes its statistics by Welford's

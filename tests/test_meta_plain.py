@@ -144,6 +144,7 @@ print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo", tuple(h.shape
 """
 
 
+@pytest.mark.modes("strict")     # the child process runs in defer mode (TORCHTPU_MODE)
 def test_a_gpts_ops_never_import_dynamo(tmp_path):
     env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path), TORCHTPU_MODE="defer")
     env.pop("DEFERFUSE_CROSS_CHECK", None)  # cross-checking runs every kernel (and imports Dynamo)

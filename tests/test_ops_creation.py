@@ -271,6 +271,7 @@ def test_optimizer_default_is_foreach():
     assert _has_foreach_support(grads, torch.device(T))
 
 
+@pytest.mark.slow_params("strict")
 def test_optimizer_foreach_runs_on_jax():
     deferfuse.reset_metrics()
     model = _model()

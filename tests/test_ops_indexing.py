@@ -316,6 +316,7 @@ def test_masked_scatter_gradients(mask_shape):
     assert deferfuse.metrics()["cpu_fallbacks"] == {}
 
 
+@pytest.mark.modes("strict")     # the test sets each mode itself
 @pytest.mark.parametrize("mode", ["strict", "defer"])
 def test_indexing_an_empty_dim_after_other_sizes_as_cpu(mode):
     # The sizes change from call to call, so the ops run padded in buckets (NOTE [buckets]):
