@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-procs test-full test-dist test-cxx docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-titan-quick test-ray test-torchao wheel-test test-vllm bench-vllm clean
+.PHONY: demo test test-procs test-hf-sample test-full test-dist test-cxx docs bench bench-quick bench-paired bench-dist bench-vary sweep module-sweep sweep-hf bench-diffusers test-diffusers test-torchrec test-titan test-titan-quick test-ray test-torchao wheel-test test-vllm bench-vllm clean
 
 # torch first, as its CPU build (tools/install_torch.py: a local wheel where pip has one, else
 # PyTorch's CPU wheel index, TORCH_CPU_INDEX), never PyPI's default CUDA build.
@@ -34,6 +34,12 @@ test: $(STAMP)
 # of the default run, run by CI after it.
 test-procs: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "procs and not slow"
+
+# The Hugging Face sample (tests/test_hf_sweep.py): 20 architectures' forward and backward in
+# float32 and bfloat16 and 3 greedy generates against CPU (the default run keeps 2 of them); CI
+# runs it.
+test-hf-sample: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_hf_sweep.py -m "slow or not slow" -k "forward_backward or greedy"
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_distributed.py -m "slow or not slow"

@@ -3,7 +3,8 @@
 tiny config derived from its default one, forward and backward of its loss on tpu in defer mode
 against CPU (loss, logits and every gradient), in float32 and bfloat16, and greedy generation for a
 few generative ones. The default run takes float32 for two of them (an image classifier and a
-masked LM; gpt2 and llama are in test_hf_models.py); the rest are marked slow."""
+masked LM; gpt2 and llama are in test_hf_models.py); the rest are marked slow, and ``make
+test-hf-sample`` (run by CI) runs the whole sample."""
 import copy
 import os
 
