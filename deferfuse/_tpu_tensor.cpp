@@ -843,7 +843,32 @@ struct OutMeta {
   int input = -1;  // the output is this stack argument (out=, in-place), or -1: a new tensor
   IntVec size, stride;
   c10::ScalarType dtype;
+  size_t nbytes = 0;  // the kernel's outputs (NOTE [hit outputs]): the storage's bytes
 };
+
+// NOTE [hit outputs]: a kernel hit's new output, made from its Entry's cached metadata as
+// `empty_strided` would make it (a StorageCtx through the allocator's DataPtr, a StorageImpl, a
+// TensorImpl on the PrivateUse1 key), without what the generic path redoes per call for
+// metadata learnt once: the byte count's overflow checks, the sizes' sign check, the device
+// scope, remember_base's storage checks and copies from the new tensor; the StorageCtx is filled
+// from the metadata, with the output's Storage (`st`, a new reference taken) already in it.
+at::Tensor new_output(const OutMeta& m, c10::DeviceIndex dev, PyObject* st) {
+  auto* ctx = new StorageCtx();
+  ctx->cap = m.nbytes;
+  ctx->size.assign(m.size.begin(), m.size.end());
+  ctx->stride.assign(m.stride.begin(), m.stride.end());
+  ctx->dtype = m.dtype;
+  ctx->known = true;
+  ctx->storage = Py_NewRef(st);
+  const c10::Device d(c10::DeviceType::PrivateUse1, dev);
+  auto storage = c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), m.nbytes, c10::DataPtr(ctx, ctx, &free_ctx, d),
+      &allocator(), /*resizable=*/true);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(std::move(storage)), tpu_keys(),
+                                                   c10::scalarTypeToTypeMeta(m.dtype));
+  impl->set_sizes_and_strides(m.size, m.stride);
+  return at::Tensor(std::move(impl));
+}
 
 using FloorKey = std::vector<int64_t>;
 
@@ -1685,27 +1710,22 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   }
   TORCH_INTERNAL_ASSERT(PyTuple_CheckExact(r) && static_cast<size_t>(PyTuple_GET_SIZE(r)) == e.outs.size(),
                         "deferfuse: record_storages returned ", py::repr(res).cast<std::string>());
-  std::vector<IValue> outs;
-  outs.reserve(e.outs.size());
+  c10::SmallVector<IValue, 4> outs;
   for (size_t k = 0; k < e.outs.size(); ++k) {
     PyObject* st = PyTuple_GET_ITEM(r, k);
-    at::Tensor t;
     if (e.undefined[k]) {  // a None output (an output_mask False): an undefined tensor
-      outs.emplace_back(std::move(t));
+      outs.emplace_back(at::Tensor());
       continue;
     }
     if (!c.fresh.empty()) {
-      t = c.fresh[k];
+      const at::Tensor& t = c.fresh[k];
+      auto* ctx = ctx_of(t);
+      Py_INCREF(st);
+      Py_XSETREF(ctx->storage, st);
+      outs.emplace_back(t);
     } else {
-      const auto& m = e.outs[k];
-      DeviceScope g(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(c.dev)));
-      t = at::detail::empty_strided_generic(m.size, m.stride, &allocator(), tpu_keys(), m.dtype);
-      remember_base(t);
+      outs.emplace_back(new_output(e.outs[k], static_cast<c10::DeviceIndex>(c.dev), st));
     }
-    auto* ctx = ctx_of(t);
-    Py_INCREF(st);
-    Py_XSETREF(ctx->storage, st);
-    outs.emplace_back(std::move(t));
   }
   HIT_MARK(H_OUTS);
   torch::jit::drop(*stack, n);
@@ -1812,6 +1832,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
         m.size = t.sizes().vec();
         m.stride = t.strides().vec();
         m.dtype = t.scalar_type();
+        m.nbytes = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.element_size());
       }
       e.outs.push_back(std::move(m));
       e.undefined.push_back(none ? 1 : 0);
