@@ -233,3 +233,30 @@ def test_hit_outputs_have_cpu_eager_layout_and_storage(case):
         assert_same(got.reshape(-1)[:2], (want * 3 if got.dtype.is_floating_point else want).reshape(-1)[:2])
         deferfuse.sync()
 
+
+def test_hits_on_tensors_only_the_call_holds_equal_cpu():
+    """NOTE [call tensors]: a Call keeps the addresses of its tensors in the call's stack, no
+    reference of its own: tensors only the call holds (temporaries, a list built in the call,
+    foreach lists of temporaries), on their key's first call (learnt after the router dropped
+    the stack) and on hits, with a collection between rounds, give CPU eager's values."""
+    import gc
+    torch.manual_seed(9)
+    cx, cy = torch.randn(4, 3), torch.randn(4, 3)
+
+    def ops(x, y):
+        return [(x + y) * (y - x), torch.cat([x * 2, y + 1, x - y]),
+                torch.stack([x.t() * 0.5, y.t()]),
+                torch._foreach_mul([x + 1, y * 3], [y - 2, x + 4]),
+                torch.where(x > y, x * y, y + 2)]
+
+    want = ops(cx, cy)
+    x, y = cx.to("tpu"), cy.to("tpu")
+    for r in range(5):
+        h = _hits()
+        got = ops(x, y)
+        if r >= 2:
+            assert _hits() - h >= 12, (r, _hits() - h)
+        gc.collect()
+        deferfuse.sync()
+        for g, w in zip(got, want):
+            assert_same(g, w)
