@@ -843,7 +843,32 @@ struct OutMeta {
   int input = -1;  // the output is this stack argument (out=, in-place), or -1: a new tensor
   IntVec size, stride;
   c10::ScalarType dtype;
+  size_t nbytes = 0;  // the kernel's outputs (NOTE [hit outputs]): the storage's bytes
 };
+
+// NOTE [hit outputs]: a kernel hit's new output, made from its Entry's cached metadata as
+// `empty_strided` would make it (a StorageCtx through the allocator's DataPtr, a StorageImpl, a
+// TensorImpl on the PrivateUse1 key), without what the generic path redoes per call for
+// metadata learnt once: the byte count's overflow checks, the sizes' sign check, the device
+// scope, remember_base's storage checks and copies from the new tensor; the StorageCtx is filled
+// from the metadata, with the output's Storage (`st`, a new reference taken) already in it.
+at::Tensor new_output(const OutMeta& m, c10::DeviceIndex dev, PyObject* st) {
+  auto* ctx = new StorageCtx();
+  ctx->cap = m.nbytes;
+  ctx->size.assign(m.size.begin(), m.size.end());
+  ctx->stride.assign(m.stride.begin(), m.stride.end());
+  ctx->dtype = m.dtype;
+  ctx->known = true;
+  ctx->storage = Py_NewRef(st);
+  const c10::Device d(c10::DeviceType::PrivateUse1, dev);
+  auto storage = c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), m.nbytes, c10::DataPtr(ctx, ctx, &free_ctx, d),
+      &allocator(), /*resizable=*/true);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(std::move(storage)), tpu_keys(),
+                                                   c10::scalarTypeToTypeMeta(m.dtype));
+  impl->set_sizes_and_strides(m.size, m.stride);
+  return at::Tensor(std::move(impl));
+}
 
 using FloorKey = std::vector<int64_t>;
 
@@ -1049,11 +1074,10 @@ void key_geom(K& k, c10::ScalarType dtype, c10::IntArrayRef size, c10::IntArrayR
   k.insert(k.end(), stride.begin(), stride.end());
 }
 
-// The signature id of a plain tensor, or -1 (the caller checked is_plain).
-int64_t sig_of(const at::Tensor& t) {
-  auto* ctx = static_cast<StorageCtx*>(t.storage().data_ptr().get_context());
+// The signature id of a plain tensor, or -1, from its StorageCtx and ViewMeta (the caller checked
+// is_plain and read both).
+int64_t sig_of(const at::Tensor& t, StorageCtx* ctx, const ViewMeta* m) {
   if (!ctx->known) return -1;
-  const ViewMeta* m = meta_of(t);
   if (m == nullptr) {
     if (t.storage_offset() != 0 || t.scalar_type() != ctx->dtype ||
         t.sizes() != c10::IntArrayRef(ctx->size) || t.strides() != c10::IntArrayRef(ctx->stride))
@@ -1083,6 +1107,11 @@ int64_t sig_of(const at::Tensor& t) {
   return intern_sig(std::move(d));
 }
 
+// The signature id of a plain tensor, or -1 (the caller checked is_plain).
+int64_t sig_of(const at::Tensor& t) {
+  return sig_of(t, static_cast<StorageCtx*>(t.storage().data_ptr().get_context()), meta_of(t));
+}
+
 // NOTE [C++ moving windows]: a view whose chain moves a window over its input (a slice that is
 // not the whole dimension, a select of a dimension longer than 1, an as_strided with its storage
 // offset: the op path's DSLICE / DSELECT / DSTRIDED rule, views._moving_view, which
@@ -1094,8 +1123,8 @@ int64_t sig_of(const at::Tensor& t) {
 // (NOTE [dynamic offsets] in runtime/viewchain.py). `Plain.learn` returns the op path's `_dyn` of
 // each input, which must equal these starts, or the key is refused. -1 (nothing appended): no
 // step moves, or a step cannot be keyed.
-int64_t window_sig_of(const at::Tensor& t, const ViewMeta& m, std::vector<int64_t>& offs) {
-  auto* ctx = static_cast<StorageCtx*>(t.storage().data_ptr().get_context());
+int64_t window_sig_of(const at::Tensor& t, const StorageCtx* ctx, const ViewMeta& m,
+                      std::vector<int64_t>& offs) {
   if (!ctx->known || m.py_chain != nullptr) return -1;
   const size_t n0 = offs.size();
   Key d;
@@ -1286,25 +1315,36 @@ struct Call {
   size_t hash = 0;                  // its hash, set by build_key
   KeyView view() const { return {key.data(), key.size(), hash}; }
   Key owned() const { return Key(key.begin(), key.end()); }
-  c10::SmallVector<at::Tensor, 4> tensors;  // tensor inputs, in dispatch.op_key's order
+  // NOTE [call tensors]: the tensor inputs, in dispatch.op_key's order, and the fresh out=
+  // tensors, as addresses of the tensors in the call's stack (or in a list there): no reference
+  // count taken and dropped per tensor. They are valid until the stack's arguments are dropped:
+  // a hit reads them before it drops them; a miss's router drops them, so the learn reads its
+  // own Call built over the copied arguments (kernel_learn), and of this one its key only.
+  c10::SmallVector<const at::Tensor*, 4> tensors;
   c10::SmallVector<IValue, 4> scalars;      // runtime numbers (double or int), in its order
   std::vector<int64_t> offs;        // moving windows' starts, in tensor order (NOTE [C++ moving windows])
   std::vector<std::pair<size_t, size_t>> moving;  // (tensor input, how many starts): empty, so
                                                   // allocating nothing, for calls without windows
   int64_t dev = -1;
-  c10::SmallVector<at::Tensor, 2> fresh;  // the fresh out= tensors (NOTE [fresh out], [fresh outs]), or none
+  c10::SmallVector<const at::Tensor*, 2> fresh;  // the fresh out= tensors (NOTE [fresh out], [fresh outs]), or none
 };
 
 bool special_double(double d) { return d == 0 || d == 1 || d == -1 || d == 2 || d == 0.5; }
 bool special_int(int64_t i) { return i == 0 || i == 1 || i == -1 || i == 2; }
 
+// `t` is a tensor of the call's stack (or of a list there): the Call keeps its address (NOTE
+// [call tensors]). Its storage and StorageCtx are read once, for the plain check and the signature.
 bool key_tensor_sig(Call& c, const at::Tensor& t) {
-  if (!is_plain_tensor(t)) return false;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->device_type() != c10::DeviceType::PrivateUse1 || !impl->has_storage()) return false;
+  const c10::DataPtr& dp = impl->unsafe_storage().data_ptr();
+  if (dp.get_deleter() != &free_ctx) return false;
+  auto* ctx = static_cast<StorageCtx*>(dp.get_context());
   const ViewMeta* m = meta_of(t);
   const size_t n0 = c.offs.size();
-  int64_t s = m == nullptr ? -1 : window_sig_of(t, *m, c.offs);
+  int64_t s = m == nullptr ? -1 : window_sig_of(t, ctx, *m, c.offs);
   const bool moves = s >= 0;
-  if (!moves) s = sig_of(t);
+  if (!moves) s = sig_of(t, ctx, m);
   if (s < 0) return false;
   int64_t d = t.device().index();
   if (c.dev < 0) c.dev = d;
@@ -1312,7 +1352,7 @@ bool key_tensor_sig(Call& c, const at::Tensor& t) {
   c.key.push_back(moves ? -2 : -1);
   c.key.push_back(s);
   if (moves) c.moving.emplace_back(c.tensors.size(), c.offs.size() - n0);
-  c.tensors.push_back(t);
+  c.tensors.push_back(&t);
   return true;
 }
 
@@ -1417,11 +1457,13 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
     return true;
   }
   if (v.isTensorList()) {
-    auto l = v.toTensorList();
+    // the list's own IValues: their tensors live as long as the stack's list (a List's get()
+    // returns a copy, whose address the Call must not keep)
+    auto l = v.toListRef();
     k.push_back(-8);
     k.push_back(static_cast<int64_t>(l.size()));
-    for (size_t i = 0; i < l.size(); ++i)
-      if (!key_tensor_sig(c, l.get(i))) return false;
+    for (const IValue& x : l)
+      if (!key_tensor_sig(c, x.toTensor())) return false;
     return true;
   }
   if (v.isString()) {
@@ -1460,7 +1502,7 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
   for (size_t i = 0; i < n; ++i) {
     const IValue& v = stack[first + i];
     if (all_fresh && std::find(plan.outs.begin(), plan.outs.end(), static_cast<int>(i)) != plan.outs.end()) {
-      c.fresh.push_back(v.toTensor());
+      c.fresh.push_back(&v.toTensor());
       c.key.push_back(-20);
       continue;
     }
@@ -1470,7 +1512,7 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
       const at::Tensor& o = v.toTensor();
       if (!o.defined() || !is_plain_tensor(o)) return false;
       if (fresh || is_fresh(o)) {
-        c.fresh.push_back(o);
+        c.fresh.push_back(&o);
         c.key.push_back(-20);
         continue;
       }
@@ -1572,7 +1614,7 @@ PyObject* storage_val(PyObject* st) {
 bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   auto& K = kernel();
   for (size_t k = 0; k < c.fresh.size(); ++k) {
-    const at::Tensor& o = c.fresh[k];
+    const at::Tensor& o = *c.fresh[k];
     if (k >= e.outs.size() || e.undefined[k]) {
       ++K.why[0];
       return false;
@@ -1587,11 +1629,11 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   HIT_MARK(H_FRESH);
   py::list ins(c.tensors.size());
   for (size_t i = 0; i < c.tensors.size(); ++i) {
-    auto* ctx = static_cast<StorageCtx*>(c.tensors[i].storage().data_ptr().get_context());
+    auto* ctx = static_cast<StorageCtx*>(c.tensors[i]->storage().data_ptr().get_context());
     if (ctx->storage == nullptr) {
       // never read by Python (an `empty` tensor): its Storage, an empty value, as the router
       // makes it (Plain.storage)
-      PyObject* w = THPVariable_Wrap(c.tensors[i]);
+      PyObject* w = THPVariable_Wrap(*c.tensors[i]);
       if (w == nullptr) rethrow_python();
       PyObject* r = PyObject_CallOneArg(K.storage_fn, w);
       Py_DECREF(w);
@@ -1632,7 +1674,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     // an op writing its inputs (dispatch._bind): each written storage takes its new value
     py::list writes(e.mut_idx.size());
     for (size_t k = 0; k < e.mut_idx.size(); ++k) {
-      const at::Tensor& t = c.tensors[e.mut_idx[k]];
+      const at::Tensor& t = *c.tensors[e.mut_idx[k]];
       PyObject* st = static_cast<StorageCtx*>(t.storage().data_ptr().get_context())->storage;
       Py_INCREF(st);
       PyList_SET_ITEM(writes.ptr(), k, st);
@@ -1685,27 +1727,22 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   }
   TORCH_INTERNAL_ASSERT(PyTuple_CheckExact(r) && static_cast<size_t>(PyTuple_GET_SIZE(r)) == e.outs.size(),
                         "deferfuse: record_storages returned ", py::repr(res).cast<std::string>());
-  std::vector<IValue> outs;
-  outs.reserve(e.outs.size());
+  c10::SmallVector<IValue, 4> outs;
   for (size_t k = 0; k < e.outs.size(); ++k) {
     PyObject* st = PyTuple_GET_ITEM(r, k);
-    at::Tensor t;
     if (e.undefined[k]) {  // a None output (an output_mask False): an undefined tensor
-      outs.emplace_back(std::move(t));
+      outs.emplace_back(at::Tensor());
       continue;
     }
     if (!c.fresh.empty()) {
-      t = c.fresh[k];
+      const at::Tensor& t = *c.fresh[k];
+      auto* ctx = ctx_of(t);
+      Py_INCREF(st);
+      Py_XSETREF(ctx->storage, st);
+      outs.emplace_back(t);
     } else {
-      const auto& m = e.outs[k];
-      DeviceScope g(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(c.dev)));
-      t = at::detail::empty_strided_generic(m.size, m.stride, &allocator(), tpu_keys(), m.dtype);
-      remember_base(t);
+      outs.emplace_back(new_output(e.outs[k], static_cast<c10::DeviceIndex>(c.dev), st));
     }
-    auto* ctx = ctx_of(t);
-    Py_INCREF(st);
-    Py_XSETREF(ctx->storage, st);
-    outs.emplace_back(std::move(t));
   }
   HIT_MARK(H_OUTS);
   torch::jit::drop(*stack, n);
@@ -1726,17 +1763,16 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
                   const py::tuple& positional, const py::dict& kwargs, const py::object& result,
                   const std::vector<IValue>& args, const torch::jit::Stack& stack, size_t nret) {
   auto& K = kernel();
-  {
-    // the arguments' key after the router ran: an out= tensor it resized has another signature
-    // now, and the Entry Python finds is that one's, not the call's
-    Call after;
-    if (!build_key(op, plan, args, args.size(), after, !c.fresh.empty()) || after.key != c.key) {
-      if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
-                             << op.schema().overload_name() << ": its key changed in the router\n";
-      ++K.refused;
-      K.entries.emplace(c.owned(), KEntry());
-      return;
-    }
+  // the arguments' key after the router ran: an out= tensor it resized has another signature
+  // now, and the Entry Python finds is that one's, not the call's. The router dropped the stack
+  // `c`'s tensors point into (NOTE [call tensors]): from here, tensors are `after`'s, over `args`.
+  Call after;
+  if (!build_key(op, plan, args, args.size(), after, !c.fresh.empty()) || after.key != c.key) {
+    if (K.debug) std::cerr << "[deferfuse kernel] refused " << op.schema().name() << "."
+                           << op.schema().overload_name() << ": its key changed in the router\n";
+    ++K.refused;
+    K.entries.emplace(c.owned(), KEntry());
+    return;
   }
   if (K.entries.size() >= K.limit) {
     kernel_clear();
@@ -1744,18 +1780,18 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
   }
   KEntry e;
   py::object got = py::reinterpret_borrow<py::object>(K.learn_fn)(
-      func, positional, kwargs, py::bool_(!c.fresh.empty()), result);
+      func, positional, kwargs, py::bool_(!after.fresh.empty()), result);
   bool ok = !got.is_none();
   py::tuple g;
   if (ok) {
     g = got.cast<py::tuple>();
     e.n_tensors = g[1].cast<size_t>();
     e.n_scalars = g[2].cast<size_t>();
-    ok = e.n_tensors == c.tensors.size() && e.n_scalars == c.scalars.size() &&
-         (c.fresh.empty() || nret == c.fresh.size());
+    ok = e.n_tensors == after.tensors.size() && e.n_scalars == c.scalars.size() &&
+         (after.fresh.empty() || nret == after.fresh.size());
     // NOTE [C++ moving windows]: the op path's `_dyn` of each input, the starts the key left out
     py::tuple dyn = g[g.size() - 1].cast<py::tuple>();
-    ok = ok && dyn.size() == c.tensors.size();
+    ok = ok && dyn.size() == after.tensors.size();
     size_t k = 0, w = 0;
     for (size_t i = 0; ok && i < dyn.size(); ++i) {
       py::tuple di = dyn[i].cast<py::tuple>();
@@ -1768,10 +1804,10 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
   if (ok && g.size() == 7) {
     // an op writing its inputs: (Entry, tensors, scalars, Entry.out[1], overwrites, returned
     // or -1: it returns nothing, as the in-place foreach ops)
-    ok = nret <= 1 && c.fresh.empty();
+    ok = nret <= 1 && after.fresh.empty();
     for (auto m : g[3]) {
       int mi = m.cast<int>();
-      ok = ok && mi >= 0 && static_cast<size_t>(mi) < c.tensors.size();
+      ok = ok && mi >= 0 && static_cast<size_t>(mi) < after.tensors.size();
       e.mut_idx.push_back(mi);
     }
     e.overwrites = g[4].cast<bool>();
@@ -1793,7 +1829,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
     const auto& rets = op.schema().returns();
     e.list_out = nret == 1 && rets[0].type()->kind() == c10::TypeKind::ListType;
     if (e.list_out) {
-      ok = stack.back().isTensorList() && c.fresh.empty();
+      ok = stack.back().isTensorList() && after.fresh.empty();
       if (ok)
         for (const at::Tensor& t : stack.back().toTensorList()) vals.emplace_back(t);
     } else {
@@ -1804,7 +1840,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
       OutMeta m;
       // an undefined tensor is a None output (Plain.learn checked that the Entry has None there)
       const bool none = v.isNone() || (v.isTensor() && !v.toTensor().defined());
-      ok = none ? (r >= c.fresh.size())
+      ok = none ? (r >= after.fresh.size())
                 : v.isTensor() && is_plain_tensor(v.toTensor());
       if (!ok) break;
       if (!none) {
@@ -1812,6 +1848,7 @@ void kernel_learn(const c10::OperatorHandle& op, const Plan& plan, Call& c, py::
         m.size = t.sizes().vec();
         m.stride = t.strides().vec();
         m.dtype = t.scalar_type();
+        m.nbytes = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.element_size());
       }
       e.outs.push_back(std::move(m));
       e.undefined.push_back(none ? 1 : 0);

@@ -1,7 +1,8 @@
-"""A kernel hit's own costs (docs/cxx-plan.md, Session 9 (cxx20)): the thread's state memoised per
-thread (NOTE [thread state memo] in deferfuse/_fastpath.c), the engine lock taken in C (NOTE
-[engine lock in C]); each hit records into the calling thread's own trace, a thread's state dies
-with its thread, and the results equal CPU eager's."""
+"""A kernel hit's own costs (docs/cxx-plan.md, Session 9 (cxx20), Session 10 (cxx21)): the thread's
+state memoised per thread (NOTE [thread state memo] in deferfuse/_fastpath.c), the engine lock
+taken in C (NOTE [engine lock in C]); each hit records into the calling thread's own trace, a
+thread's state dies with its thread, and the results equal CPU eager's; a hit's outputs made from
+cached metadata (NOTE [hit outputs] in deferfuse/_tpu_tensor.cpp) have CPU eager's layout."""
 import gc
 import sys
 import threading
@@ -183,6 +184,79 @@ def test_hits_on_bases_of_any_rank_and_their_views_equal_cpu(shape):
         got = ops(x, y)
         if r >= 2:
             assert _hits() - h >= 4, (r, _hits() - h)
+        deferfuse.sync()
+        for g, w in zip(got, want):
+            assert_same(g, w)
+
+
+def _layout(t):
+    return (tuple(t.shape), t.stride(), t.dtype, t.storage_offset(), t.is_contiguous(),
+            t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last),
+            t.untyped_storage().nbytes())
+
+
+_LAYOUTS = {
+    "contiguous": (lambda a, b: a + b, (5, 3), None),
+    "transposed": (lambda a, b: a.t() + b.t(), (5, 3), None),
+    "channels_last": (lambda a, b: a * b, (2, 3, 4, 5), torch.channels_last),
+    "0d": (lambda a, b: (a - b).sum() * 2.5, (4,), None),
+    "empty": (lambda a, b: a[:0] * b[:0], (4, 2), None),
+    "int": (lambda a, b: (a > b).int() + 3, (4,), None),
+    "bool": (lambda a, b: a > b, (4, 6), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LAYOUTS))
+def test_hit_outputs_have_cpu_eager_layout_and_storage(case):
+    """NOTE [hit outputs]: a hit's new output is made from the Entry's cached metadata, not by
+    `empty_strided`: its sizes, strides, dtype, offset, contiguity flags (channels-last included)
+    and storage bytes equal CPU eager's on every hit, and so do its values, and an in-place op
+    on it (through its storage) and a view of it."""
+    f, shape, fmt = _LAYOUTS[case]
+    torch.manual_seed(5)
+    ca, cb = torch.randn(shape), torch.randn(shape)
+    if fmt is not None:
+        ca, cb = ca.to(memory_format=fmt), cb.to(memory_format=fmt)
+    a, b = ca.to("tpu"), cb.to("tpu")
+    want = f(ca, cb)
+    for r in range(4):
+        h = _hits()
+        got = f(a, b)
+        if r >= 2:
+            assert _hits() - h >= 1, (case, r)
+        assert _layout(got) == _layout(want), (case, r)
+        if got.dtype.is_floating_point:
+            got.mul_(3)
+            assert_same(got, want * 3)
+        else:
+            assert_same(got, want)
+        assert_same(got.reshape(-1)[:2], (want * 3 if got.dtype.is_floating_point else want).reshape(-1)[:2])
+        deferfuse.sync()
+
+
+def test_hits_on_tensors_only_the_call_holds_equal_cpu():
+    """NOTE [call tensors]: a Call keeps the addresses of its tensors in the call's stack, no
+    reference of its own: tensors only the call holds (temporaries, a list built in the call,
+    foreach lists of temporaries), on their key's first call (learnt after the router dropped
+    the stack) and on hits, with a collection between rounds, give CPU eager's values."""
+    import gc
+    torch.manual_seed(9)
+    cx, cy = torch.randn(4, 3), torch.randn(4, 3)
+
+    def ops(x, y):
+        return [(x + y) * (y - x), torch.cat([x * 2, y + 1, x - y]),
+                torch.stack([x.t() * 0.5, y.t()]),
+                torch._foreach_mul([x + 1, y * 3], [y - 2, x + 4]),
+                torch.where(x > y, x * y, y + 2)]
+
+    want = ops(cx, cy)
+    x, y = cx.to("tpu"), cy.to("tpu")
+    for r in range(5):
+        h = _hits()
+        got = ops(x, y)
+        if r >= 2:
+            assert _hits() - h >= 12, (r, _hits() - h)
+        gc.collect()
         deferfuse.sync()
         for g, w in zip(got, want):
             assert_same(g, w)
