@@ -85,6 +85,11 @@ class _Host:
                 need.add(n)
                 stack.extend(n.all_input_nodes)
         self.order = [n for n in gm.graph.nodes if n in need and n.op == "call_function"]
+        # (node, source node, index) for an item of a node's list (the host's ``_foreach_add``
+        # makes one per step count): no walk of its arguments; else (node, None, None)
+        self.steps = [(n, n.args[0], n.args[1]) if n.target is _getitem and not n.kwargs and
+                      isinstance(n.args[0], torch.fx.Node) and type(n.args[1]) is int else
+                      (n, None, None) for n in self.order]
 
     def _ok(self, n) -> bool:
         if not isinstance(n, torch.fx.Node):
@@ -107,7 +112,10 @@ class _Host:
     def run(self, phs, args) -> dict:
         env = dict(zip(phs, args))
         with torch.no_grad():
-            for n in self.order:
+            for n, src, k in self.steps:
+                if src is not None:
+                    env[n] = env[src][k]
+                    continue
                 a = fill(n.args, env)
                 size = SIZES.get(n.target)
                 env[n] = size(*a) if size is not None else n.target(*a, **fill(n.kwargs, env))
@@ -312,6 +320,7 @@ class CompiledGraph:
                     res.append(None)
                 else:
                     res.append(act[1])
+            dsts, srcs = [], []
             for what, i, x in write_acts:
                 if what == DEV:
                     v = outs[x]
@@ -319,9 +328,16 @@ class CompiledGraph:
                     trace.track_mut(st, v)
                     st.val = v
                 elif what == HOST:
-                    args[i].copy_(env[x])
+                    dsts.append(args[i])
+                    srcs.append(env[x])
                 else:
                     reads.append((None, outs[x], args[i]))
+            if dsts:
+                # (an optimizer's step counts, one per parameter: one call for them all)
+                if len(dsts) == 1:
+                    dsts[0].copy_(srcs[0])
+                else:
+                    torch._foreach_copy_(dsts, srcs)
             del outs
             if ts.mode == "debug":
                 engine.sync(Sync.COMPILED_GRAPH)
@@ -489,28 +505,35 @@ class PlainGraph(CompiledGraph):
         # per output: its strides when they are a dense non-contiguous layout
         self._strides = [_dense_stride(val) if what in (DEV, PASS) else None
                          for what, _, val in self.outs]
+        self._contig: dict = {}     # an output's shape -> its contiguous strides
 
     def __call__(self, *args):
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
         if self.spmd is not None and not self.spmd.agree(args):
             return _interpret(self.plan.gm, args)
-        is_plain = self._is_plain
-        # (collectives take the inputs as tensors: TpuTensors; else a record)
+        is_plain, T = self._is_plain, torch.Tensor
+        # (collectives take the inputs as tensors: TpuTensors; else a record. A plain tensor is
+        # on the tpu device: ``is_plain`` checks it.)
         wrapper = self._wrapper if self.spmd is not None else self._input
-        wargs = [wrapper(a) if isinstance(a, torch.Tensor) and a.device.type == "tpu"
-                 and is_plain(a) else a for a in args]
+        wargs = [wrapper(a) if isinstance(a, T) and is_plain(a) else a for a in args]
         res = super().__call__(wargs)
         make_base = self._ext.make_base
-        strides = self._strides
+        strides, contig = self._strides, self._contig
         for j, o in enumerate(res):
             if o.__class__ is _Out:
                 st = o._s
-                shape = tuple(o.shape)
+                shape = o.shape
                 stride = strides[j]
                 if stride is not None:
                     st.stride = stride
-                res[j] = make_base(shape, stride or _contig(shape), o.dtype, st.device, st)
+                else:
+                    stride = contig.get(shape)
+                    if stride is None:
+                        if len(contig) >= 64:
+                            contig.clear()      # bounded: a graph with churning sizes
+                        stride = contig[shape] = _contig(tuple(shape))
+                res[j] = make_base(shape, stride, o.dtype, st.device, st)
         return res
 
     def _input(self, p) -> _Input:
@@ -518,20 +541,23 @@ class PlainGraph(CompiledGraph):
         and shape), without making the ``TpuTensor``."""
         pl = self._plain
         st, raw, base = pl.ext.state(p)
-        st = pl.storage(p, st)
+        if st is None:
+            st = pl.storage(p, st)
         x = _Input()
         x._s = st
         x._chain = () if base else pl.chain(p, st, raw, base)
-        x.dtype = p.dtype
-        x.shape = p.shape
+        x._p = p
         return x
 
 
 class _Input:
     """A plain tensor as ``CompiledGraph.__call__`` reads an input: ``_s``, ``_chain``, ``_dyn``
-    (always empty: NOTE [plain router]'s views are static), ``dtype``, and ``shape`` (all the
-    host slice reads of a tpu input: ``SIZES`` in runtime/graph.py)."""
+    (always empty: NOTE [plain router]'s views are static), and the tensor's ``dtype`` and
+    ``shape`` (all the host slice reads of a tpu input: ``SIZES`` in runtime/graph.py), read from
+    the tensor ``_p`` only when asked (most calls never ask)."""
     _dyn = ()
+    dtype = property(lambda self: self._p.dtype)
+    shape = property(lambda self: self._p.shape)
 
 
 def graph_kinds(nodes) -> tuple:
