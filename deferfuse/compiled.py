@@ -316,7 +316,7 @@ class CompiledGraph:
                 elif what == HOST:
                     res.append(env[act[1]])
                 elif what == READ:
-                    reads.append((len(res), outs[act[1]], act[2]))
+                    reads.append((len(res), _held(outs[act[1]], dev), act[2]))
                     res.append(None)
                 else:
                     res.append(act[1])
@@ -331,7 +331,7 @@ class CompiledGraph:
                     dsts.append(args[i])
                     srcs.append(env[x])
                 else:
-                    reads.append((None, outs[x], args[i]))
+                    reads.append((None, _held(outs[x], dev), args[i]))
             if dsts:
                 # (an optimizer's step counts, one per parameter: one call for them all)
                 if len(dsts) == 1:
@@ -343,9 +343,9 @@ class CompiledGraph:
                 engine.sync(Sync.COMPILED_GRAPH)
             elif ts.mode != "defer":
                 engine.flush(trace, Sync.COMPILED_GRAPH, later=True)
-            for j, v, val in reads:
+            for j, st, val in reads:
                 # A CPU tensor or a number computed on the device: a sync, as .item() is.
-                arr = engine.ready(v, dev, Sync.COMPILED_GRAPH)
+                arr = engine.ready(st.val, dev, Sync.COMPILED_GRAPH)
                 if j is None:
                     with torch.no_grad():
                         val.copy_(transfer.to_torch(arr, val.dtype).reshape(val.shape))
@@ -450,6 +450,19 @@ class _Out:
     in a Storage of its own, with its shape and dtype. ``PlainGraph`` makes the caller's tensor
     over that Storage (no torch tensor is made to carry it)."""
     __slots__ = ("_s", "shape", "dtype")
+
+
+def _held(v, device: int) -> Storage:
+    """NOTE [read-back outputs]: a graph output the host reads back (a CPU tensor or a number
+    computed from device values: READ) in a Storage of its own that the pending trace reads back,
+    until it is read. A flush makes outputs only of the values live storages hold: a bare value
+    was left out of the program (strict mode flushes before the read; defer mode's read of it
+    alone ran without it), and the read gave zeros, so a compiled AdamW step that made a
+    parameter's state beside another's left its new CPU step count at 0."""
+    st = Storage(v, device, None)
+    if v.node is not None:
+        v.node.trace.track(st)
+    return st
 
 
 def output_inner(v, dtype, device: int = 0) -> _Out:

@@ -342,6 +342,11 @@ class Trace(TraceState):
                 outs.append(v)
                 if st.prev:
                     partner[id(v)] = st.prev
+        # The value the sync reads is an output even when no storage holds it (a bare value read
+        # back: NOTE [read-back outputs] in compiled.py), or the read would find it never made.
+        if (want is not None and want.node is not None and want.node.trace is self
+                and id(want) not in seen):
+            outs.append(want)
         # In the order of the trace, not of the storages: which storage registered first changes
         # from call to call (a loop's tensors are freed and made again), and the order of the
         # outputs is part of a program's key (NOTE [outputs in trace order]).
