@@ -415,16 +415,16 @@ def test_inplace_and_out_overloads_stay_structured():
 def test_a_python_number_checked_by_value_still_raises_after_hits():
     """NOTE [C++ value checks]: ``pow.Tensor_Scalar``'s meta function checks the exponent's
     value, which a key cannot carry (numbers are runtime inputs): the kernel checks it per call.
-    After hits of one key (``** 3``, ``** 4``, ``** 5``), ``** -1`` on an integer tensor raises as
-    on CPU and is never a hit; the key's next call is a hit again, and a float base takes a
-    negative exponent."""
+    After hits of one key (``** 3``, ``** 4``, ``** 5``), ``** -3`` on an integer tensor (the same
+    key: -1 would be a constant, another key) raises as on CPU and is never a hit; the key's next
+    call is a hit again, and a float base takes a negative exponent."""
     a = T(4, dtype=torch.int64)
     t = a.to("tpu")
     for e in (3, 4, 5):     # the router's call, the kernel's learn, a kernel hit
         assert_same(t ** e, a ** e)
     k0 = EXT.kernel_stats()
     with pytest.raises(RuntimeError, match="^Integers to negative integer powers are not allowed.$"):
-        t ** -1
+        t ** -3
         deferfuse.sync()
     k1 = EXT.kernel_stats()
     assert_same(t ** 6, a ** 6)
@@ -433,7 +433,7 @@ def test_a_python_number_checked_by_value_still_raises_after_hits():
         assert k1["value_refused"] - k0["value_refused"] == 1, (k0, k1)
         assert k1["hits"] == k0["hits"], (k0, k1)
         assert k2["hits"] - k1["hits"] == 1, (k1, k2)
-    assert_same(t.float() ** -1, a.float() ** -1)
+    assert_same(t.float() ** -3, a.float() ** -3)
     b = T(4, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="^Integers to negative integer powers are not allowed.$"):
         b.to("tpu") ** -3
