@@ -487,11 +487,14 @@ def test_the_new_overloads_are_kernel_hits_from_the_third_call():
     m0 = deferfuse.metrics()["compiles"]
     got = []
     for i in range(1, 6):
-        h = EXT.kernel_stats()["hits"]
+        h, r0 = EXT.kernel_stats()["hits"], EXT.route_stats()
         got = calls(i)
         if i >= 2:
-            # and the abs of log1p's input, the abs and add of addcdiv's
-            assert EXT.kernel_stats()["hits"] - h == n + 3
+            assert EXT.route_stats() == r0         # nothing through the router
+            # and the abs of log1p's input, the abs and add of addcdiv's; off, PyTorch's
+            # structured path may split an op into several hits
+            h = EXT.kernel_stats()["hits"] - h
+            assert h == n + 3 if ON else h >= n + 3, h
         deferfuse.sync()
         if i == 2:
             m0 = deferfuse.metrics()["compiles"]
