@@ -1214,7 +1214,35 @@ struct Plan {
   // NOTE [fresh outs] in plain.py: the stack indexes of a structured op's several out= tensors
   // (nll_loss_forward.output), taken as fresh when every one is
   std::vector<int> outs;
+  // NOTE [C++ value checks]: a meta check of a runtime number's value, made per call
+  int check = 0, check_a = -1, check_b = -1;
 };
+
+// NOTE [C++ value checks]: a structured op's C++ meta function may check a Python number's value,
+// and numbers at scalar positions are runtime inputs (their type in the key, never their value),
+// so a hit learnt with one value would record another unchecked. `Plain.plan` names such a check
+// (plain._VALUE_CHECKS) and the kernel makes it on every call, before the key: a call it refuses
+// goes to the router, which raises PyTorch's error. 1: pow.Tensor_Scalar's "Integers to negative
+// integer powers" (an integral base, `check_a` the exponent); 2: the in-place backward of
+// leaky_relu/elu with a negative slope (`check_a` the number, `check_b` the bool that says the
+// saved tensor is the result).
+bool value_refused(const Plan& p, const torch::jit::Stack& stack, size_t n) {
+  const size_t first = stack.size() - n;
+  if (p.check == 1) {
+    const IValue& b = stack[first];
+    const IValue& e = stack[first + p.check_a];
+    return b.isTensor() && b.toTensor().defined() &&
+           c10::isIntegralType(b.toTensor().scalar_type(), /*includeBool=*/true) && e.isInt() &&
+           e.toInt() < 0;
+  }
+  if (p.check == 2) {
+    const IValue& v = stack[first + p.check_a];
+    const IValue& f = stack[first + p.check_b];
+    const double d = v.isDouble() ? v.toDouble() : v.isInt() ? static_cast<double>(v.toInt()) : 0.0;
+    return f.isBool() && f.toBool() && d < 0.0;
+  }
+  return false;
+}
 
 // NOTE [call keys]: a call's key is built per call in a small vector on the stack (CallKey: no
 // allocation for keys of up to 32 words; a Key is made of it only when the table learns it), and
@@ -1290,6 +1318,7 @@ struct Kernel {
   int64_t why[3] = {0, 0, 0};
   int64_t overlaps = 0;           // foreach calls routed for a written storage read elsewhere
   int64_t strict_hits = 0;        // hits run now, in strict mode (NOTE [C++ strict hits]), of `hits`
+  int64_t value_refused = 0;      // calls routed by NOTE [C++ value checks], of `unkeyed`
   bool debug = std::getenv("DEFERFUSE_KERNEL_DEBUG") != nullptr;  // refusals to stderr  // passed because: out= geometry, no Storage, the C record path said no
 };
 
@@ -1882,6 +1911,15 @@ void kernel_plan(const c10::OperatorHandle& op, py::handle func) {
         p.outs.push_back(k);
       }
     }
+    if (g.size() >= 5 && !g[4].is_none()) {  // NOTE [C++ value checks]
+      py::tuple c = g[4].cast<py::tuple>();
+      p.check = c[0].cast<int>();
+      p.check_a = c[1].cast<int>();
+      p.check_b = c[2].cast<int>();
+      const int m = static_cast<int>(p.scalar.size());
+      p.ok = p.ok && (p.check == 1 || p.check == 2) && p.check_a >= 0 && p.check_a < m &&
+             p.check_b < m && (p.check == 1 || p.check_b >= 0);
+    }
   }
   p.h0 = key_mix(kKeySeed, reinterpret_cast<int64_t>(&op.schema()));
   K.plans.emplace(&op.schema(), std::move(p));
@@ -1949,7 +1987,9 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     auto pit = K.plans.find(&schema);
     if (pit != K.plans.end()) {
       plan = &pit->second;
-      if (plan->ok && build_key(op, *plan, *stack, n, call)) {
+      const bool refused = plan->check != 0 && value_refused(*plan, *stack, n);
+      if (refused) ++K.value_refused;  // NOTE [C++ value checks]
+      if (plan->ok && !refused && build_key(op, *plan, *stack, n, call)) {
         HIT_MARK(H_KEY);
         const bool overlaps = plan->foreach && foreach_overlaps(*stack, n);
         auto it = overlaps ? K.entries.end() : K.entries.find(call.view());
@@ -2274,6 +2314,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     d["passed_record_refused"] = K.why[2];
     d["passed_overlap"] = K.overlaps;
     d["strict_hits"] = K.strict_hits;
+    d["value_refused"] = K.value_refused;
     return d;
   });
   m.def("reset_kernel_stats", []() {
@@ -2282,6 +2323,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     K.why[0] = K.why[1] = K.why[2] = 0;
     K.overlaps = 0;
     K.strict_hits = 0;
+    K.value_refused = 0;
   });
   m.def("route_stats", []() {
     py::dict d;

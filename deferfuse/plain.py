@@ -71,13 +71,18 @@ _NONFUNCTIONAL = torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional
 # PyTorch's errors (broadcasting, promotion, devices) itself, as it did for the wrapper
 # subclass. The list: every structured functional overload whose ``.out`` form mlp_train,
 # gpt_train, small_ops and hf_generate routed (28 of their 29), with the binary, matmul, comparison,
-# softmax and activation overloads of the same families a training step meets. The in-place
-# and out= overloads stay structured, and so does an overload whose meta function checks a
-# Python number's value (``pow.Tensor_Scalar``: an integer tensor to a negative integer power
-# raises), which a kernel hit cannot check (numbers are runtime inputs, never in its key; their
-# types are, so the checks of a number's type, ``add``'s alpha, hold), or a check its Python
-# reference lacks beyond what the router adds (``maximum``/``minimum`` of complex tensors). Off:
-# ``DEFERFUSE_FUNCTIONAL_DIRECT=0`` (config).
+# softmax and activation overloads of the same families a training step meets; then what
+# hf_generate and wlm_lstm still ran through a meta function (``pow.Tensor_Scalar``, RMSNorm's
+# ``x.pow(2)``; ``clip_grad_norm_``'s ``linalg_vector_norm``, ``clamp``, ``reciprocal``) and
+# the unary, activation, reduction and pointwise families beside them. The in-place and out=
+# overloads stay structured. An overload whose meta function checks a Python number's *value*
+# (``pow.Tensor_Scalar``: an integer tensor to a negative integer power raises) joins only with
+# that check made per call (``_VALUE_CHECKS``, NOTE [C++ value checks] in _tpu_tensor.cpp, and
+# ``_meta_check`` on the router): numbers are runtime inputs, never in a key; their types are,
+# so the checks of a number's type (``add``'s alpha) hold. A dtype the meta function refuses and
+# the Python reference computes is checked on the router (``_DTYPE_CHECKS``: a dtype is in every
+# key, so the router sees such a call first); ``maximum``/``minimum``, whose complex refusal is
+# not checked there, stay structured. Off: ``DEFERFUSE_FUNCTIONAL_DIRECT=0`` (config).
 FUNCTIONAL_DIRECT = (
     # routed as .out by the four workloads
     "add.Tensor", "sub.Tensor", "mul.Tensor", "mean.dim", "sum.dim_IntList", "cat",
@@ -90,7 +95,32 @@ FUNCTIONAL_DIRECT = (
     "eq.Tensor", "ne.Tensor", "ne.Scalar", "lt.Tensor", "le.Tensor", "le.Scalar", "gt.Tensor",
     "gt.Scalar", "ge.Tensor", "ge.Scalar", "sigmoid", "sigmoid_backward", "tanh_backward",
     "exp", "log", "sqrt", "pow.Tensor_Tensor",
+    # through a meta function on hf_generate (pow) and wlm_lstm (clip_grad_norm_), and their
+    # families
+    "pow.Tensor_Scalar", "linalg_vector_norm", "clamp", "clamp.Tensor", "clamp_min", "clamp_max",
+    "reciprocal", "erf", "log1p", "expm1", "leaky_relu", "leaky_relu_backward", "elu",
+    "elu_backward", "softplus", "softplus_backward", "amax", "amin", "max.dim", "min.dim", "topk",
+    "baddbmm", "addcmul", "addcdiv", "lerp.Scalar", "lerp.Tensor",
 )
+# NOTE [C++ value checks] (_tpu_tensor.cpp): the meta checks of a Python number's value, as
+# ``(kind, argument index, argument index or -1)``: 1, an integral base to a negative integer
+# power; 2, the in-place backward of leaky_relu / elu (the bool at the second index) with a
+# negative slope (the number at the first)
+_VALUE_CHECKS = {
+    "pow.Tensor_Scalar": (1, 1, -1),
+    "leaky_relu_backward": (2, 2, 3),
+    "elu_backward": (2, 1, 4),
+}
+# the dtypes whose refusal by the C++ meta function these overloads' Python references lack
+# (found by tests/test_cxx_functional.py): a tensor argument of one of them makes the router run
+# PyTorch's structured path, which raises. A dtype is in every key, so the router sees each such
+# call (a miss), and the check costs nothing on a hit.
+_COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
+_DTYPE_CHECKS = {
+    "clamp": _COMPLEX, "clamp.Tensor": _COMPLEX, "clamp_min": _COMPLEX, "clamp_max": _COMPLEX,
+    "max.dim": _COMPLEX, "min.dim": _COMPLEX, "topk": _COMPLEX | {torch.bool},
+    "addcdiv": frozenset((torch.bool,)),
+}
 # the functional overloads whose alpha= the C++ meta function checks and PyTorch's Python
 # reference (the op path's metadata) does not: a bool alpha for a non-bool result
 _ALPHA_IDS = frozenset((id(aten.add.Tensor), id(aten.sub.Tensor)))
@@ -123,6 +153,8 @@ class Plain:
         self.multi = {}                 # op -> (its keyword-only outputs, functional op) or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
         self.direct = frozenset()       # ids of the NOTE [functional direct] overloads registered
+        self.checks = {}                # id of such an overload -> its NOTE [C++ value checks]
+        self.guards = {}                # id -> (its value check or None, dtypes refused or ())
         self.attn_lib = None            # the torch_attn PrivateUse1 kernels (plain_torch.packed_kernels)
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
@@ -154,6 +186,9 @@ class Plain:
                 return func._op_dk(_COMPOSITE, *args, **kwargs)
             if kwargs and id(func) in _ALPHA_IDS:
                 _alpha_check(args, kwargs)
+            check = self.guards.get(id(func))
+            if check is not None:
+                _meta_check(func, check, args, kwargs)
             name = self.out_name(func) if kwargs else None
             if kwargs and name is None:
                 fresh = self._fresh_outs(func, args, kwargs)
@@ -326,9 +361,9 @@ class Plain:
         foreach op's, it draws no random numbers, and a ``.out`` op's out= is its last argument),
         as ``(index of out or -1, [a Python number at this argument is a runtime input],
         whether each call is checked as NOTE [C++ foreach] says, the indexes of several out=
-        tensors (NOTE [fresh outs]) or ())``, or None. Called once per op, after its first call
-        through the router. Fresh out= tensors are keyed as the functional op's call (NOTE
-        [fresh out]), any other as the op's own."""
+        tensors (NOTE [fresh outs]) or (), its NOTE [C++ value checks] entry or None)``, or
+        None. Called once per op, after its first call through the router. Fresh out= tensors are
+        keyed as the functional op's call (NOTE [fresh out]), any other as the op's own."""
         from . import dispatch, route
         args = func._schema.arguments
         out, f, outs = -1, func, ()
@@ -355,10 +390,11 @@ class Plain:
         info = r[1]
         if info.low.rng:
             return None
+        check = self.checks.get(id(func))      # NOTE [C++ value checks]
         if info.low.static:
-            return out, [False] * len(args), foreach, outs
+            return out, [False] * len(args), foreach, outs, check
         return out, [(a.name in info.scalar_kw) if a.kwarg_only else (i in info.scalar_pos)
-                     for i, a in enumerate(args)], foreach, outs
+                     for i, a in enumerate(args)], foreach, outs, check
 
     def learn(self, func, args, kwargs, fresh, result):
         """The op cache's Entry the op path used for this call (the router ran it just now), as
@@ -758,6 +794,31 @@ def _structured_error(func, args, kwargs, e: Exception) -> Exception:
     return e
 
 
+def _meta_check(func, check, args, kwargs) -> None:
+    """NOTE [functional direct]: the checks of a direct overload's C++ meta function that the op
+    path's Python reference lacks: the router's side of the kernel's per-call check of a number's
+    value (NOTE [C++ value checks]), and the dtypes the meta function refuses (``_DTYPE_CHECKS``).
+    A call that fails one raises as PyTorch's structured path raises it (its C++ meta function,
+    run by ``_structured_error``)."""
+    value, dtypes = check
+    bad = False
+    if value is not None and len(args) > max(value[1], value[2]):
+        kind, i, j = value
+        v = args[i]
+        if kind == 1:
+            base = args[0]
+            bad = (isinstance(base, torch.Tensor) and not base.dtype.is_floating_point
+                   and not base.dtype.is_complex and type(v) is int and v < 0)
+        else:
+            bad = args[j] is True and type(v) in (int, float) and v < 0
+    if not bad and dtypes:
+        bad = any(isinstance(a, torch.Tensor) and a.dtype in dtypes for a in args)
+    if bad:
+        e = _structured_error(func, args, kwargs, None)
+        if e is not None:
+            raise e
+
+
 def _alpha_check(args, kwargs) -> None:
     """NOTE [functional direct]: ``add``/``sub``'s alpha check that their C++ meta function makes
     (``alpha_check``) and their Python reference does not: a bool alpha needs a bool result."""
@@ -833,6 +894,9 @@ def route_whole(composites=()) -> int:
     names.extend(_DEVICE_WHOLE)
     direct = functional_direct()
     PLAIN.direct = frozenset(id(_overload(n)) for n in direct)
+    PLAIN.checks = {id(_overload(n)): _VALUE_CHECKS[n] for n in direct if n in _VALUE_CHECKS}
+    PLAIN.guards = {id(_overload(n)): (_VALUE_CHECKS.get(n), _DTYPE_CHECKS.get(n, ()))
+                    for n in direct if n in _VALUE_CHECKS or n in _DTYPE_CHECKS}
     names.extend(direct)
     names = [n for n in names if n not in _CXX_VIEWS and n + ".default" not in _CXX_VIEWS]
     PLAIN.ext.route_whole(names)
