@@ -572,6 +572,29 @@ def _complex_ops(a, b):
             torch.rsub(a, b), a + b * 1j)
 
 
+def _zero_addends(a):
+    return (a + 0, a + 0.0, 0 + a, a - (-0.0), a.add(0, alpha=2), a.sub(0.0, alpha=-1),
+            torch.rsub(a, 0), -0.0 - a, a.clone().add_(0), torch._foreach_add([a], 0)[0],
+            torch._foreach_sub([a], -0.0)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64],
+                         ids=["f32", "bf16", "c64"])
+def test_python_zero_addend_sign(dtype):
+    """-0.0 + 0 is +0.0 on CPU; XLA folded the baked Python 0 away and kept -0.0
+    (NOTE [signed zero addends]). Values and the sign of every zero (real and imaginary parts)."""
+    x = vec([-0.0, 0.0, 1.0, -2.5, INF, -INF], torch.float32)
+    x = torch.complex(x, x.flip(-1)) if dtype.is_complex else x.to(dtype)
+    want, got = _zero_addends(x), _zero_addends(tpu(x))
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = g.cpu()
+        assert g.dtype == w.dtype, i
+        torch.testing.assert_close(g, w, equal_nan=True, atol=0, rtol=0, msg=f"result {i}")
+        for gp, wp in ((g.real, w.real), (g.imag, w.imag)) if w.is_complex() else ((g, w),):
+            sign = lambda t: torch.signbit(t) & ~t.isnan()    # noqa: E731  (a NaN's sign is not CPU's contract)
+            assert torch.equal(sign(gp), sign(wp)), f"result {i}: {gp.tolist()} vs {wp.tolist()}"
+
+
 @DEFER
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])
 def test_complex_arithmetic_with_real_scalars(dtype):

@@ -16,8 +16,8 @@ from jax import lax
 from . import LOWERINGS, Lowering, op
 from .padding import Pointwise, Refuse
 from .pointwise import (_BOOL, _I64, _bc, _cast, _cdiv, _cmul, _common, _integral_only, _iscomplex,
-                        _isfloat, _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
-                        _zeta, frexp)
+                        _isfloat, _isinexact, _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv,
+                        _uf, _weak, _zeta, frexp)
 from .precision import round_to
 from .unary_int import abs_, bitwise_not, conj_physical, isfinite, neg, round_, sign, signbit
 
@@ -34,28 +34,62 @@ def _cscale(y, alpha):
     return _scale(y, alpha)
 
 
+# NOTE [signed zero addends]: XLA's simplifier folds ``A + 0`` and ``A - 0`` into ``A`` when the
+# zero is a constant of the program, whatever its sign, and a Python number baked into the program
+# (``0``, ``0.0``: NOTE [typed constants]) is one. IEEE addition is not the identity there:
+# -0.0 + 0.0 is +0.0 (and so is -0.0 - (-0.0)), which CPU computes, while the folded program
+# returns -0.0. A baked addend goes through an optimization barrier, which the simplifier cannot
+# see through, so the addition is computed. A complex addition of a constant is folded even behind
+# a barrier (measured), so a complex sum with a baked operand is computed on its real and imaginary
+# parts, each constant part behind a barrier. The barriers are on 0-d constants: they cost nothing,
+# and a traced operand is never behind one.
+
+def _baked(orig, v) -> bool:
+    return _py(orig) and not isinstance(orig, bool) and _isinexact(np.dtype(v.dtype))
+
+
+def _plus(x, x0, y, y0, neg=False):
+    """``x + y`` (``x - y`` with ``neg``) of compute-dtype values made from ``x0``, ``y0``: a baked
+    Python-number operand is not folded away (NOTE [signed zero addends])."""
+    bx, by = _baked(x0, x), _baked(y0, y)
+    if not (bx or by):
+        return x - y if neg else x + y
+    opq = lax.optimization_barrier
+    if _iscomplex(np.dtype(x.dtype)) or _iscomplex(np.dtype(y.dtype)):
+        xs = [jnp.real(x), jnp.imag(x)]
+        ys = [jnp.real(y), jnp.imag(y)]
+        xs = [opq(p) if bx else p for p in xs]
+        ys = [opq(p) if by else p for p in ys]
+        return lax.complex(*_bc(*[a - b if neg else a + b for a, b in zip(xs, ys)]))
+    x, y = (opq(x) if bx else x), (opq(y) if by else y)
+    return x - y if neg else x + y
+
+
 @op("add.Tensor", "add.Scalar")
 def add(x, y, alpha=1):
+    x0, y0 = x, y
     ct, (x, y) = _common(x, y)
     if ct == _BOOL:
         return jnp.logical_or(x, jnp.logical_and(y, _nz(alpha)))
-    return x + _cscale(y, alpha)
+    return _plus(x, x0, _cscale(y, alpha), y0)
 
 
 @op("sub.Tensor", "sub.Scalar")
 def sub(x, y, alpha=1):
+    x0, y0 = x, y
     ct, (x, y) = _common(x, y)
     if _iscomplex(ct):      # CPU's sub is add with -alpha (NOTE [complex products])
-        return x + _cscale(y, -(1 if alpha is None else alpha))
-    return x - _scale(y, alpha)
+        return _plus(x, x0, _cscale(y, -(1 if alpha is None else alpha)), y0)
+    return _plus(x, x0, _scale(y, alpha), y0, neg=True)
 
 
 @op("rsub.Tensor", "rsub.Scalar", pad=Pointwise())
 def rsub(x, y, alpha=1):
+    x0, y0 = x, y
     ct, (x, y) = _common(x, y)
     if _iscomplex(ct):
-        return y + _cscale(x, -(1 if alpha is None else alpha))
-    return y - _scale(x, alpha)
+        return _plus(y, y0, _cscale(x, -(1 if alpha is None else alpha)), x0)
+    return _plus(y, y0, _scale(x, alpha), x0, neg=True)
 
 
 @op("mul.Tensor", "mul.Scalar")
