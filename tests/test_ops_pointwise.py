@@ -597,6 +597,30 @@ def test_python_zero_addend_sign(dtype):
 
 @DEFER
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])
+def test_complex_pow_at_zeros_and_infinities(dtype):
+    """Complex pow by exponents CPU does not special-case (a Python number, a 0-d or a full tensor,
+    a scalar base) is glibc's cpow, cexp(y * clog(x)) with C99's rules (NOTE [complex pow]): 0 **
+    2.5 is 0 - 0i, inf ** 2.5 inf + nan i, pow(1, x) 1. Values, NaN/inf pattern and zero signs."""
+    x = torch.tensor([complex(INF, 0), complex(0, INF), complex(-INF, 1), complex(INF, INF),
+                      complex(NAN, 0), complex(1, NAN), complex(1, 2), complex(0, 0),
+                      complex(-0.0, 0.0), complex(0.5, -3)], dtype=dtype)
+
+    def fns(a):
+        out = [a ** a.flip(0), torch.pow(1, a), torch.pow(0, a), torch.pow(2.5, a)]
+        for e in (2.5, INF, NAN, -0.7, 2, 0):
+            full = torch.full(a.shape, e, dtype=torch.float64, device=a.device)
+            out += [a ** e, a ** full[0], a ** full]
+        return out
+    for i, (g, w) in enumerate(zip(fns(tpu(x)), fns(x))):
+        g = torch.view_as_real(g.cpu())
+        w = torch.view_as_real(w)
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-6, msg=f"result {i}")
+        zero = w == 0
+        assert torch.equal(g[zero].signbit(), w[zero].signbit()), f"result {i}: zero signs"
+
+
+@DEFER
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])
 def test_complex_arithmetic_with_real_scalars(dtype):
     x = torch.tensor(_CVALS * 2, dtype=dtype).reshape(2, 12)
     scalars = (1, 0, -1, 2.5, INF, NAN)
