@@ -1,7 +1,8 @@
 """The ModuleInfo sweep: PyTorch's ``module_db`` on the ``tpu`` device against CPU eager PyTorch.
 
 For every ModuleInfo, mode (``strict``, ``defer``) and dtype (``float32``, ``bfloat16`` by default),
-each of its module inputs (``module_inputs_func``, training mode) builds the module on CPU under a
+each of its module inputs (``module_inputs_func``, training mode; forward, also the error inputs of
+``module_error_inputs_func`` that raise in the forward pass: ``error_inputs``) builds the module on CPU under a
 fixed seed, converts it to the dtype, and deep-copies it to tpu; then, on both devices:
 
   forward   the module's outputs, and afterwards its buffers (BatchNorm's running statistics and
@@ -288,6 +289,19 @@ def _scaled_tol(tol_of, want):
     return tol
 
 
+def error_inputs(mi, dtype, direction) -> list:
+    """module_db's error inputs that raise in the forward pass (``module_error_inputs_func``,
+    ``ModuleErrorEnum.FORWARD_ERROR``: a wrong input shape, an out-of-range class index...), as
+    module inputs: CPU raises, and tpu must raise the same exception, type and message. Inputs
+    that fail at construction raise before any tpu tensor exists: not swept."""
+    fn = getattr(mi, "module_error_inputs_func", None)
+    if fn is None or direction != "forward":
+        return []
+    from torch.testing._internal.common_modules import ModuleErrorEnum
+    errs = fn(mi, device="cpu", dtype=dtype, requires_grad=True, training=True)
+    return [e.module_error_input for e in errs if e.error_on == ModuleErrorEnum.FORWARD_ERROR]
+
+
 def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0) -> dict:
     name = mi.name
     rec = {"status": None, "samples": 0, "passed": 0}
@@ -307,6 +321,7 @@ def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0
                                                     requires_grad=True, training=True))
             if limit:
                 inputs = inputs[:limit]
+            inputs += error_inputs(mi, dtype, direction)
             for i, inp in enumerate(inputs):
                 deferfuse.reset_metrics()
                 r = run_sample(mi, name, inp, dtype, mode, direction)
