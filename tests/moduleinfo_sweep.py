@@ -1,7 +1,8 @@
 """The ModuleInfo sweep: PyTorch's ``module_db`` on the ``tpu`` device against CPU eager PyTorch.
 
 For every ModuleInfo, mode (``strict``, ``defer``) and dtype (``float32``, ``bfloat16`` by default),
-each of its module inputs (``module_inputs_func``, training mode) builds the module on CPU under a
+each of its module inputs (``module_inputs_func``, training mode; forward, also the error inputs of
+``module_error_inputs_func`` that raise in the forward pass: ``error_inputs``) builds the module on CPU under a
 fixed seed, converts it to the dtype, and deep-copies it to tpu; then, on both devices:
 
   forward   the module's outputs, and afterwards its buffers (BatchNorm's running statistics and
@@ -14,8 +15,10 @@ copied. Modules whose training-mode output is random (``RANDOM``, dropout with p
 by shape and dtype only, and not differentiated. ``CPU_BROKEN`` modules (CPU sums a gradient in
 bfloat16 one term at a time) are compared backward with CPU's float32 gradients, rounded. Tolerances are the OpInfo sweep's
 (``opinfo_sweep.DEFAULT_TOL`` / ``BACKWARD_TOL``), the contraction tolerance for modules built on
-products (``CONTRACTION``). Classification per (module, mode, dtype, direction) as in the OpInfo
-sweep: pass / fallback / fail (first failure's group) / skip; dtypes the module cannot be built or
+products (``CONTRACTION``). Where CPU raises, tpu must raise the same exception, type and message
+(``opinfo_sweep._same_error``). Classification per (module, mode, dtype, direction) as in the
+OpInfo sweep: pass / fallback / fail (first failure's group) / skip / hollow (every module input
+raised CPU's exception on both sides); dtypes the module cannot be built or
 run in on CPU are not counted.
 
 Run from the repository root (or ``make module-sweep ARGS=...``)::
@@ -141,7 +144,8 @@ def _diff_outputs(out):
 
 
 def run_sample(mi, name, inp, dtype, mode, direction):
-    """None when the sample matches, "n/a" when it does not apply, else (group, message)."""
+    """None when the sample matches, "n/a" when it does not apply, "raised" when both sides
+    raised the same exception (type and message), else (group, message)."""
     if inp.forward_input is None:
         return "n/a"
     try:
@@ -213,10 +217,8 @@ def run_sample(mi, name, inp, dtype, mode, direction):
             return "n/a"        # CPU has no kernel for this dtype (bfloat16 avg_pool3d): not counted
         if t_err is None:
             return "error not raised", f"CPU raised {ow._err_text(c_err)}; tpu did not"
-        if not ow._same_error_type(t_err, c_err):
-            return ("wrong exception type",
-                    f"CPU raised {ow._err_text(c_err)}; tpu raised {ow._err_text(t_err)}")
-        return None
+        # The OpInfo sweep's rule: CPU's exception type and message (device names one word).
+        return ow._same_error(t_err, c_err) or "raised"
     if t_err is not None:
         return ow._classify_error(t_err), ow._err_text(t_err)
     try:
@@ -287,6 +289,19 @@ def _scaled_tol(tol_of, want):
     return tol
 
 
+def error_inputs(mi, dtype, direction) -> list:
+    """module_db's error inputs that raise in the forward pass (``module_error_inputs_func``,
+    ``ModuleErrorEnum.FORWARD_ERROR``: a wrong input shape, an out-of-range class index...), as
+    module inputs: CPU raises, and tpu must raise the same exception, type and message. Inputs
+    that fail at construction raise before any tpu tensor exists: not swept."""
+    fn = getattr(mi, "module_error_inputs_func", None)
+    if fn is None or direction != "forward":
+        return []
+    from torch.testing._internal.common_modules import ModuleErrorEnum
+    errs = fn(mi, device="cpu", dtype=dtype, requires_grad=True, training=True)
+    return [e.module_error_input for e in errs if e.error_on == ModuleErrorEnum.FORWARD_ERROR]
+
+
 def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0) -> dict:
     name = mi.name
     rec = {"status": None, "samples": 0, "passed": 0}
@@ -306,6 +321,7 @@ def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0
                                                     requires_grad=True, training=True))
             if limit:
                 inputs = inputs[:limit]
+            inputs += error_inputs(mi, dtype, direction)
             for i, inp in enumerate(inputs):
                 deferfuse.reset_metrics()
                 r = run_sample(mi, name, inp, dtype, mode, direction)
@@ -316,6 +332,9 @@ def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0
                 n += 1
                 if r == "scaled":
                     rec["scaled_tolerance"] = rec.get("scaled_tolerance", 0) + 1
+                    r = None
+                elif r == "raised":
+                    rec["raised"] = rec.get("raised", 0) + 1
                     r = None
                 if r is None:
                     rec["passed"] += 1
@@ -340,6 +359,10 @@ def check_module(mi, mode, dtype, direction="forward", limit=None, timeout=120.0
             rec["sample"] = f"#{i} {desc}".strip()
     elif n == 0:
         rec.update(status="n/a", reason=f"no module input runs on CPU in {dtype} ({direction})")
+    elif rec.get("raised", 0) == n:
+        # Every input raised CPU's exception on both sides: nothing compared (the OpInfo sweep's
+        # ``hollow``), counted apart from pass.
+        rec.update(status="hollow", reason=f"{n} module inputs raised the same error on both sides")
     elif fb:
         rec["status"] = "fallback"
     else:
@@ -390,23 +413,26 @@ def render_md(results: dict, summ: dict, runs: list) -> str:
          "Training mode; `fwd`: outputs and buffers (running statistics) after the forward pass; "
          "`bwd`: gradients of the inputs and of every parameter. `pass`: every module input "
          "matches CPU and nothing ran on CPU; `fallback`: matches, but some aten op ran on CPU; "
-         "`fail`: a module input differs or raises. Random modules (shape and dtype only) are "
+         "`fail`: a module input differs or raises (where CPU raises, tpu must raise CPU's "
+         "exception, type and message, device names made one word); `hollow`: every module "
+         "input raised CPU's exception on both sides (nothing compared; not counted as tested). "
+         "Random modules (shape and dtype only) are "
          "excluded from the `non-random pass` rate.", "", "Runs:", ""]
     L += [f"- `{r['command']}` ({r['date']}, {r['seconds'] / 60:.0f} min, limit "
           f"{r.get('limit_samples') or 'all'} module inputs)" for r in runs]
-    L += ["", "| mode | dtype | dir | modules | tested | pass | fail | fallback | skip | "
-          "non-random pass | of which at the OpInfo tolerance | correct |", "|" + "---|" * 12]
+    L += ["", "| mode | dtype | dir | modules | tested | pass | fail | fallback | skip | hollow | "
+          "non-random pass | of which at the OpInfo tolerance | correct |", "|" + "---|" * 13]
     for m, per in summ["summary"].items():
         for dname, perd in per.items():
             for d, c in perd.items():
                 nr = [r.get(m, {}).get(dname, {}).get(d) for n, r in results.items()
                       if n not in RANDOM]
-                nr = [x for x in nr if x and x["status"] not in ("n/a", "skip")]
+                nr = [x for x in nr if x and x["status"] not in ("n/a", "skip", "hollow")]
                 npass = sum(x["status"] == "pass" for x in nr)
                 strict = sum(x["status"] == "pass" and not x.get("scaled_tolerance") for x in nr)
                 L.append(f"| {m} | {dname} | {ow._DIR[d]} | {c['ops']} | {c['tested']} | "
                          f"{c['pass']} | {c['fail']} | {c['fallback']} | {c['skip']} | "
-                         f"{ow._rate(npass, len(nr))} ({npass}/{len(nr)}) | "
+                         f"{c.get('hollow', 0)} | {ow._rate(npass, len(nr))} ({npass}/{len(nr)}) | "
                          f"{ow._rate(strict, len(nr))} ({strict}/{len(nr)}) | "
                          f"{ow._rate(c['pass'] + c['fallback'], c['tested'])} |")
     scaled = sorted({f"{n} [{dn}]" for n, r in results.items() for per in r.values()
@@ -429,13 +455,14 @@ def render_md(results: dict, summ: dict, runs: list) -> str:
           "module_db has no half-precision tolerance override for `TestModule` on CPU or CUDA "
           "for the modules above: no looser tolerance of PyTorch's own applies to these cells."]
     L += ["", "## Causes", ""] + [f"- {n}: {c}" for n, c in CAUSES.items()]
-    L += ["", "## Failures and fallbacks", ""]
+    L += ["", "## Failures, fallbacks and hollow cells", ""]
     for n, r in results.items():
         for m, per in r.items():
             for dname, perd in per.items():
                 for d, rec in perd.items():
-                    if rec["status"] in ("fail", "fallback"):
-                        what = rec.get("error") or f"CPU fallbacks: {rec.get('fallbacks')}"
+                    if rec["status"] in ("fail", "fallback", "hollow"):
+                        what = (rec.get("error") or rec.get("reason") if rec["status"] != "fallback"
+                                else f"CPU fallbacks: {rec.get('fallbacks')}")
                         L.append(f"- {n} [{m} {dname} {ow._DIR[d]}] {rec['status']}"
                                  f"{' (' + rec['group'] + ')' if rec.get('group') else ''}: "
                                  f"{what[:300]} {rec.get('sample', '')}")

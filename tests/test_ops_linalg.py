@@ -150,6 +150,40 @@ def _align(vecs, ref):
 
 
 @pytest.mark.modes("defer")
+@pytest.mark.parametrize("shape", [(6, 5), (2, 5, 7)], ids=str)
+def test_svd_pca_lowrank_of_a_rank_three_matrix(shape):
+    """svd_lowrank/pca_lowrank draw a random projection (tpu's generator is not CPU's), so their
+    factors are not CPU's; on a matrix of rank q their singular values are exact: they must equal
+    CPU's (and CPU's svdvals'), and U diag(S) V^T must rebuild the matrix (centred for pca)."""
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(*shape[:-1], 3, generator=g) @ torch.randn(*shape[:-2], 3, shape[-1], generator=g)
+    for fn, ref in ((torch.svd_lowrank, A), (torch.pca_lowrank, A - A.mean(-2, keepdim=True))):
+        torch.manual_seed(0)
+        U, S, V = fn(A, q=3)
+        U_t, S_t, V_t = fn(A.to("tpu"), q=3)
+        assert U_t.device.type == "tpu" and U_t.shape == U.shape and V_t.shape == V.shape
+        assert S_t.dtype == S.dtype and S_t.shape == S.shape
+        assert_same(S_t, S, atol=1e-4, rtol=1e-4)
+        assert_same(S_t, torch.linalg.svdvals(ref)[..., :3], atol=1e-4, rtol=1e-4)
+        assert_same((U_t * S_t[..., None, :]) @ V_t.mT, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_split_indices_on_tpu_raise_as_on_cuda():
+    """tensor_split takes its indices tensor on CPU only; on tpu it raises PyTorch's own error (the
+    message CUDA and meta tensors get), never splits at wrong places."""
+    x = torch.arange(10.0)
+    for idx in (torch.tensor([2, 5]), torch.tensor(3)):
+        with pytest.raises(RuntimeError, match="tensor_split expected tensor_indices_or_sections "
+                           "to be on cpu, but it's on tpu:0"):
+            torch.tensor_split(x.to("tpu"), idx.to("tpu"))
+        got = torch.tensor_split(x.to("tpu"), idx)        # CPU indices: CPU's split
+        want = torch.tensor_split(x, idx)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same(g, w, atol=0, rtol=0)
+
+
+@pytest.mark.modes("defer")
 @pytest.mark.parametrize("shape", [(5, 3), (3, 5), (2, 4, 4)], ids=str)
 def test_svd_eigh_up_to_sign(shape):
     A = torch.randn(shape)

@@ -572,6 +572,53 @@ def _complex_ops(a, b):
             torch.rsub(a, b), a + b * 1j)
 
 
+def _zero_addends(a):
+    return (a + 0, a + 0.0, 0 + a, a - (-0.0), a.add(0, alpha=2), a.sub(0.0, alpha=-1),
+            torch.rsub(a, 0), -0.0 - a, a.clone().add_(0), torch._foreach_add([a], 0)[0],
+            torch._foreach_sub([a], -0.0)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64],
+                         ids=["f32", "bf16", "c64"])
+def test_python_zero_addend_sign(dtype):
+    """-0.0 + 0 is +0.0 on CPU; XLA folded the baked Python 0 away and kept -0.0
+    (NOTE [signed zero addends]). Values and the sign of every zero (real and imaginary parts)."""
+    x = vec([-0.0, 0.0, 1.0, -2.5, INF, -INF], torch.float32)
+    x = torch.complex(x, x.flip(-1)) if dtype.is_complex else x.to(dtype)
+    want, got = _zero_addends(x), _zero_addends(tpu(x))
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = g.cpu()
+        assert g.dtype == w.dtype, i
+        torch.testing.assert_close(g, w, equal_nan=True, atol=0, rtol=0, msg=f"result {i}")
+        for gp, wp in ((g.real, w.real), (g.imag, w.imag)) if w.is_complex() else ((g, w),):
+            sign = lambda t: torch.signbit(t) & ~t.isnan()    # noqa: E731  (a NaN's sign is not CPU's contract)
+            assert torch.equal(sign(gp), sign(wp)), f"result {i}: {gp.tolist()} vs {wp.tolist()}"
+
+
+@DEFER
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])
+def test_complex_pow_at_zeros_and_infinities(dtype):
+    """Complex pow by exponents CPU does not special-case (a Python number, a 0-d or a full tensor,
+    a scalar base) is glibc's cpow, cexp(y * clog(x)) with C99's rules (NOTE [complex pow]): 0 **
+    2.5 is 0 - 0i, inf ** 2.5 inf + nan i, pow(1, x) 1. Values, NaN/inf pattern and zero signs."""
+    x = torch.tensor([complex(INF, 0), complex(0, INF), complex(-INF, 1), complex(INF, INF),
+                      complex(NAN, 0), complex(1, NAN), complex(1, 2), complex(0, 0),
+                      complex(-0.0, 0.0), complex(0.5, -3)], dtype=dtype)
+
+    def fns(a):
+        out = [a ** a.flip(0), torch.pow(1, a), torch.pow(0, a), torch.pow(2.5, a)]
+        for e in (2.5, INF, NAN, -0.7, 2, 0):
+            full = torch.full(a.shape, e, dtype=torch.float64, device=a.device)
+            out += [a ** e, a ** full[0], a ** full]
+        return out
+    for i, (g, w) in enumerate(zip(fns(tpu(x)), fns(x))):
+        g = torch.view_as_real(g.cpu())
+        w = torch.view_as_real(w)
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-6, msg=f"result {i}")
+        zero = w == 0
+        assert torch.equal(g[zero].signbit(), w[zero].signbit()), f"result {i}: zero signs"
+
+
 @DEFER
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])
 def test_complex_arithmetic_with_real_scalars(dtype):

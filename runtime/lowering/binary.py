@@ -16,8 +16,8 @@ from jax import lax
 from . import LOWERINGS, Lowering, op
 from .padding import Pointwise, Refuse
 from .pointwise import (_BOOL, _I64, _bc, _cast, _cdiv, _cmul, _common, _integral_only, _iscomplex,
-                        _isfloat, _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv, _uf, _weak,
-                        _zeta, frexp)
+                        _isfloat, _isinexact, _isint, _nz, _opmath, _py, _rem, _rt, _scale, _tdiv,
+                        _uf, _weak, _zeta, frexp)
 from .precision import round_to
 from .unary_int import abs_, bitwise_not, conj_physical, isfinite, neg, round_, sign, signbit
 
@@ -34,28 +34,62 @@ def _cscale(y, alpha):
     return _scale(y, alpha)
 
 
+# NOTE [signed zero addends]: XLA's simplifier folds ``A + 0`` and ``A - 0`` into ``A`` when the
+# zero is a constant of the program, whatever its sign, and a Python number baked into the program
+# (``0``, ``0.0``: NOTE [typed constants]) is one. IEEE addition is not the identity there:
+# -0.0 + 0.0 is +0.0 (and so is -0.0 - (-0.0)), which CPU computes, while the folded program
+# returns -0.0. A baked addend goes through an optimization barrier, which the simplifier cannot
+# see through, so the addition is computed. A complex addition of a constant is folded even behind
+# a barrier (measured), so a complex sum with a baked operand is computed on its real and imaginary
+# parts, each constant part behind a barrier. The barriers are on 0-d constants: they cost nothing,
+# and a traced operand is never behind one.
+
+def _baked(orig, v) -> bool:
+    return _py(orig) and not isinstance(orig, bool) and _isinexact(np.dtype(v.dtype))
+
+
+def _plus(x, x0, y, y0, neg=False):
+    """``x + y`` (``x - y`` with ``neg``) of compute-dtype values made from ``x0``, ``y0``: a baked
+    Python-number operand is not folded away (NOTE [signed zero addends])."""
+    bx, by = _baked(x0, x), _baked(y0, y)
+    if not (bx or by):
+        return x - y if neg else x + y
+    opq = lax.optimization_barrier
+    if _iscomplex(np.dtype(x.dtype)) or _iscomplex(np.dtype(y.dtype)):
+        xs = [jnp.real(x), jnp.imag(x)]
+        ys = [jnp.real(y), jnp.imag(y)]
+        xs = [opq(p) if bx else p for p in xs]
+        ys = [opq(p) if by else p for p in ys]
+        return lax.complex(*_bc(*[a - b if neg else a + b for a, b in zip(xs, ys)]))
+    x, y = (opq(x) if bx else x), (opq(y) if by else y)
+    return x - y if neg else x + y
+
+
 @op("add.Tensor", "add.Scalar")
 def add(x, y, alpha=1):
+    x0, y0 = x, y
     ct, (x, y) = _common(x, y)
     if ct == _BOOL:
         return jnp.logical_or(x, jnp.logical_and(y, _nz(alpha)))
-    return x + _cscale(y, alpha)
+    return _plus(x, x0, _cscale(y, alpha), y0)
 
 
 @op("sub.Tensor", "sub.Scalar")
 def sub(x, y, alpha=1):
+    x0, y0 = x, y
     ct, (x, y) = _common(x, y)
     if _iscomplex(ct):      # CPU's sub is add with -alpha (NOTE [complex products])
-        return x + _cscale(y, -(1 if alpha is None else alpha))
-    return x - _scale(y, alpha)
+        return _plus(x, x0, _cscale(y, -(1 if alpha is None else alpha)), y0)
+    return _plus(x, x0, _scale(y, alpha), y0, neg=True)
 
 
 @op("rsub.Tensor", "rsub.Scalar", pad=Pointwise())
 def rsub(x, y, alpha=1):
+    x0, y0 = x, y
     ct, (x, y) = _common(x, y)
     if _iscomplex(ct):
-        return y + _cscale(x, -(1 if alpha is None else alpha))
-    return y - _scale(x, alpha)
+        return _plus(y, y0, _cscale(x, -(1 if alpha is None else alpha)), x0)
+    return _plus(y, y0, _scale(x, alpha), x0, neg=True)
 
 
 @op("mul.Tensor", "mul.Scalar")
@@ -184,6 +218,8 @@ def pow_(x, y):
         return _ipow(xc, _cast(y, cd))
     cd = _opmath(ct)
     xc, yc = _cast(x, cd), _cast(y, cd)
+    if _iscomplex(cd) and _py(x) and x == 1:
+        return jnp.ones_like(yc)        # CPU's pow(1, exponent) fills ones, whatever the exponent
     if ct in _HALF_POW and _weak(x) and not _weak(y):
         # A scalar base: CPU's pow has no scalar case (mul and add keep a scalar's float value):
         # the base is a tensor of the result's dtype first (10000 ** x is 9984 ** x in bfloat16).
@@ -192,17 +228,91 @@ def pow_(x, y):
         if ct in _HALF_POW:
             return _half_pow_scalar(xc, y, ct)
         special = (_CPOW_SPECIAL if _iscomplex(cd) else _POW_SPECIAL).get(y)
-        return special(xc) if special is not None else jnp.power(xc, yc)
+        return special(xc) if special is not None else _power(xc, yc)
     if not _py(x) and _weak(y) and ct in _HALF_POW:
         return _half_pow_scalar(xc, y, ct)
     if not _py(x) and _weak(y):
         # A traced scalar exponent: PyTorch's CPU kernel special-cases these exponents (they differ
         # from pow at -0 and -inf); pick the branch at run time.
         sp = _CPOW_SPECIAL if _iscomplex(cd) else _POW_SPECIAL
-        branches = [lambda b: jnp.power(b, yc)] + [sp[k] for k in _POW_KEYS]
+        branches = [lambda b: _power(b, yc)] + [sp[k] for k in _POW_KEYS]
         idx = sum(jnp.where(yc == k, i + 1, 0) for i, k in enumerate(_POW_KEYS))
         return lax.switch(idx, branches, xc)
-    return jnp.power(xc, yc)
+    return _power(xc, yc)
+
+
+def _power(x, y):
+    return _cpow(x, y) if _iscomplex(np.dtype(x.dtype)) else jnp.power(x, y)
+
+
+# NOTE [complex pow]: CPU's complex pow (other than the exponents above) is libstdc++'s std::pow,
+# glibc's cpow: cexp(y * clog(x)), the product spelled out (NOTE [complex products]) and clog and
+# cexp with C99's Annex G rules at zeros, infinities and NaNs: 0 ** 2.5 is 0 - 0i (clog(0) is
+# -inf, the product -inf + nan i, cexp of which is a zero), inf ** 2.5 is inf + nan i, 0 ** 0 with
+# a tensor exponent is nan + nan i. XLA's complex pow gives nan + nan i or inf + 0i there.
+
+def _clog(x):
+    """C99 clog: log|x| + i arg(x) (clog(-0 + 0i) is -inf + pi i; |x| is inf when a part is)."""
+    re, im = jnp.real(x), jnp.imag(x)
+    ar, ai = jnp.abs(re), jnp.abs(im)
+    big, small = jnp.maximum(ar, ai), jnp.minimum(ar, ai)
+    safe = jnp.where(big == 0, 1, big)
+    mag = big * jnp.sqrt(1 + (small / safe) ** 2)
+    mag = jnp.where(jnp.isinf(ar) | jnp.isinf(ai), jnp.inf, jnp.where(big == 0, 0, mag))
+    return lax.complex(jnp.log(mag), jnp.arctan2(im, re))
+
+
+def _cexp(z):
+    """C99 cexp: e^a (cos b + i sin b) with Annex G's rules when a or b is not finite."""
+    a, b = jnp.real(z), jnp.imag(z)
+    fin_b = jnp.isfinite(b)
+    ea = jnp.exp(jnp.where(jnp.isinf(a) & (a > 0), 0, a))   # e^a, and 1 for a = +inf (a sign)
+    c, s = jnp.cos(jnp.where(fin_b, b, 0)), jnp.sin(jnp.where(fin_b, b, 0))
+    re, im = ea * c, ea * s
+    nan = jnp.full_like(a, jnp.nan)
+    inf = jnp.full_like(a, jnp.inf)
+    zero = jnp.zeros_like(a)
+    # a = +inf: b = 0 -> inf + b i; b finite -> inf cis(b); b inf or nan -> inf + nan i
+    pinf = jnp.isinf(a) & (a > 0)
+    re = jnp.where(pinf, jnp.where(fin_b, jnp.where(b == 0, inf, inf * c), inf), re)
+    im = jnp.where(pinf, jnp.where(fin_b, jnp.where(b == 0, b, inf * s), nan), im)
+    # a = -inf: b finite -> +0 cis(b); b inf or nan -> 0 + (0 with b's sign) i
+    ninf = jnp.isinf(a) & (a < 0)
+    re = jnp.where(ninf, jnp.where(fin_b, zero * c, zero), re)
+    im = jnp.where(ninf, jnp.where(fin_b, zero * s, jnp.copysign(zero, b)), im)
+    # a nan: b = 0 -> nan + b i, else nan + nan i; a finite, b inf or nan -> nan + nan i
+    an = jnp.isnan(a)
+    re = jnp.where(an | (jnp.isfinite(a) & ~fin_b), nan, re)
+    im = jnp.where(an, jnp.where(b == 0, b, nan), jnp.where(jnp.isfinite(a) & ~fin_b, nan, im))
+    return lax.complex(re, im)
+
+
+def _cmul_c99(x, y):
+    """C's complex product (GCC's __mulsc3, C99 Annex G): the product spelled out, and where both
+    parts are NaN but an operand is infinite, the infinity recovered."""
+    a, b, c, d = _bc(jnp.real(x), jnp.imag(x), jnp.real(y), jnp.imag(y))
+    re, im = a * c - b * d, a * d + b * c
+    one = jnp.ones_like(a)
+    zero = jnp.zeros_like(a)
+    box = lambda v: jnp.copysign(jnp.where(jnp.isinf(v), one, zero), v)    # noqa: E731
+    unnan = lambda v: jnp.where(jnp.isnan(v), jnp.copysign(zero, v), v)     # noqa: E731
+    inf_ab, inf_cd = jnp.isinf(a) | jnp.isinf(b), jnp.isinf(c) | jnp.isinf(d)
+    a2, b2 = jnp.where(inf_ab, box(a), a), jnp.where(inf_ab, box(b), b)
+    c2, d2 = jnp.where(inf_ab, unnan(c), c), jnp.where(inf_ab, unnan(d), d)
+    c2, d2 = jnp.where(inf_cd, box(c2), c2), jnp.where(inf_cd, box(d2), d2)
+    a2, b2 = jnp.where(inf_cd, unnan(a2), a2), jnp.where(inf_cd, unnan(b2), b2)
+    over = ~(inf_ab | inf_cd) & (jnp.isinf(a * c) | jnp.isinf(b * d) | jnp.isinf(a * d)
+                                 | jnp.isinf(b * c))
+    a2, b2, c2, d2 = (jnp.where(over, unnan(v), v) for v in (a2, b2, c2, d2))
+    redo = jnp.isnan(re) & jnp.isnan(im) & (inf_ab | inf_cd | over)
+    re = jnp.where(redo, jnp.inf * (a2 * c2 - b2 * d2), re)
+    im = jnp.where(redo, jnp.inf * (a2 * d2 + b2 * c2), im)
+    return lax.complex(re, im)
+
+
+def _cpow(x, y):
+    """CPU's complex pow (NOTE [complex pow]), in the input's precision as glibc's cpowf/cpow."""
+    return _cexp(_cmul_c99(y, _clog(x)))
 
 
 _POW_SPECIAL = {0: lambda b: jnp.ones_like(b), 1: lambda b: b, 2: lambda b: b * b,

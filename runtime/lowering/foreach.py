@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import op
+from .binary import _plus
 from .padding import Refuse
 
 # Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
@@ -89,11 +90,22 @@ def _foreach_zero_(xs):
 def _add(x, y, alpha=1):
     if x.dtype == jnp.bool_ and jnp.asarray(y).dtype == jnp.bool_ and _is_one(alpha):
         return jnp.logical_or(x, y)
+    if _is_one(alpha) and _number(x, y):     # NOTE [signed zero addends] (binary.py)
+        return _plus(_up(x), x, jnp.asarray(y, _up(x).dtype), y)
     return _up(x) + (_up(y) if _is_one(alpha) else alpha * _up(y))
 
 
 def _sub(x, y, alpha=1):
+    if _is_one(alpha) and _number(x, y):
+        return _plus(_up(x), x, jnp.asarray(y, _up(x).dtype), y, neg=True)
     return _up(x) - (_up(y) if _is_one(alpha) else alpha * _up(y))
+
+
+def _number(x, y) -> bool:
+    """``y`` is a Python number added to a floating or complex ``x``."""
+    return (isinstance(y, (int, float, complex)) and not isinstance(y, bool)
+            and jnp.issubdtype(x.dtype, jnp.complexfloating if isinstance(y, complex)
+                               else jnp.inexact))
 
 
 def _mul(x, y):
