@@ -21,6 +21,11 @@ with a timeout:
   scale rule (``BF16_SCALE``) and PyTorch's own accuracy rule for its Hugging Face benchmark
   (``torch._dynamo.utils.same`` as benchmarks/dynamo/huggingface.py calls it for training:
   ``DYNAMO_TOL``, against the same model computed in float64).
+- In both stages, where CPU's own result depends on the order of equal values its ``topk`` or
+  ``sort`` select (an order PyTorch leaves unspecified: a detector's top-k query selection over
+  scores that tie in bfloat16, a router's top-1), tpu is compared with CPU computing the same model
+  with those ties in index order, the order ``sort(stable=True)`` defines (``_stable_ties``; the row
+  records ``bf16_stable_ties`` / ``f32_stable_ties``). The tolerances are unchanged.
 - gen: one greedy ``generate(max_new_tokens=5)`` for generative models, tokens equal to CPU's.
 
 Results accumulate in ``bench/results/hf-sweep.json`` (one entry per model_type, a run updates the
@@ -2193,6 +2198,12 @@ def summary_table(data) -> list:
             f"({_pct(s['gen'], s['gen_run'])}) |"]
 
 
+def _tie_rows(rows, stage):
+    """'N rows passing (names)' compared with CPU's ties in index order in ``stage``."""
+    names = sorted(mt for mt, r in rows.items() if r.get("built") and r.get(stage) and r.get(f"{stage}_stable_ties"))
+    return f"{len(names)} rows passing" + (f" ({', '.join(names)})" if names else "")
+
+
 def write_markdown(data, path):
     rows = data["rows"]
     mark = {True: "ok", False: "**FAIL**", None: "–"}
@@ -2210,7 +2221,12 @@ def write_markdown(data, path):
              "check of its Hugging Face benchmark in training, torch._dynamo.utils.same(CPU, tpu, fp64_ref, tol=1e-2): "
              "allclose at 1e-2, or tpu's RMSE from the float64 result at most 3x CPU bfloat16's + 1e-3, for the "
              "tensors that fail the OpInfo rule; rows run before the dynamo rule count as failing it); "
-             "gen: greedy generate(max_new_tokens=5) tokens equal to CPU's.", "",
+             "gen: greedy generate(max_new_tokens=5) tokens equal to CPU's.",
+             "- ties: where CPU's own result depends on the order of equal values its topk/sort select "
+             "(PyTorch leaves it unspecified; CPU's is libstdc++'s nth_element/partial_sort order), tpu is "
+             "compared with CPU computing the same model with ties in index order, sort(stable=True)'s "
+             "(rows marked \"ties in index order\"; tolerances unchanged): "
+             f"{_tie_rows(rows, 'bf16')} in bf16, {_tie_rows(rows, 'f32')} in f32.", "",
              *summary_table(data), "",
              "## Failures (built, a stage fails)", "",
              "| model_type | class | f32 | bf16 | gen | first error |", "|---|---|---|---|---|---|"]
@@ -2234,7 +2250,9 @@ def write_markdown(data, path):
                      f"{(r.get('reason') or '').replace('|', '/')} | {err.replace('|', '/')} |")
     lines += ["", "## Passing", "", ", ".join(
         f"{mt}" + ("" if r.get("bf16") else " (f32 only)")
-        + (" (f32 by the float64 rule)" if r.get("f32_f64_rule") else "") for mt, r in sorted(rows.items())
+        + (" (f32 by the float64 rule)" if r.get("f32_f64_rule") else "")
+        + (" (ties in index order)" if r.get("bf16_stable_ties") or r.get("f32_stable_ties") else "")
+        for mt, r in sorted(rows.items())
         if r.get("built") and r.get("f32") and r.get("gen") is not False and r.get("bf16") is not False) , ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
