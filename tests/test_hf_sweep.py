@@ -156,6 +156,118 @@ def test_model_rules():
     assert row["bf16_dynamo_ok"] is False and row["bf16_scale_ok"] is True
 
 
+def _select_model(tie):
+    """A detector's query selection in small: scores from the features, the top 3 of 21 positions,
+    then each selected position's own anchor (so which of equal scores is taken changes the
+    result, as rt_detr's proposals do); ``tie``: 20 of the positions have equal features."""
+    import torch
+
+    class Select(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.score = torch.nn.Linear(4, 1)
+            self.head = torch.nn.Linear(4, 3)
+            self.anchor = torch.nn.Parameter(torch.randn(21, 4))
+
+        def forward(self, x):
+            s = self.score(x).squeeze(-1)
+            top, idx = torch.topk(s, 3, dim=1)
+            sel = torch.gather(x + self.anchor, 1, idx[..., None].expand(-1, -1, 4))
+            return (self.head(sel), top)
+
+    torch.manual_seed(0)
+    model, x = Select(), torch.randn(2, 21, 4)
+    if tie:
+        x[:, :] = x[:, :1].clone()
+        x[:, 5] += 1
+    return model, {"x": x}
+
+
+def _bf16_stage(model, batch, tpu_result=True):
+    """The pieces ``check``'s bfloat16 stage gives ``compare_bf16``: (the model in bfloat16, CPU's
+    bfloat16 result, the float32 run of the same weights, its inputs, tpu's result)."""
+    import torch
+    cm = model.to(torch.bfloat16)
+    ref_batch = {k: v.to(torch.bfloat16).float() for k, v in batch.items()}
+    ref = hs.run_model(copy.deepcopy(cm).float(), ref_batch, "cpu")
+    cw = hs.run_model(copy.deepcopy(cm), batch, "cpu")
+    got = hs.run_model(copy.deepcopy(cm).to("tpu"), batch, "tpu") if tpu_result else None
+    return cm, cw, ref, ref_batch, got
+
+
+@pytest.mark.modes("strict")     # no device work: once
+def test_stable_ties_reference_is_the_defined_order():
+    """``_stable_ties``: CPU's topk, sort and argsort give equal values in index order (what
+    ``sort(stable=True)`` defines and tpu gives), where CPU's own kernels give libstdc++'s order;
+    the values and gradients are topk's."""
+    import torch
+    z = torch.zeros(21)
+    assert torch.topk(z, 8).indices.tolist() != list(range(8))       # CPU: [16, 11, 12, ...]
+    with hs._stable_ties():
+        assert torch.topk(z, 8).indices.tolist() == list(range(8))
+        assert z.topk(3, largest=False).indices.tolist() == [0, 1, 2]
+        assert torch.sort(z, descending=True).indices[:8].tolist() == list(range(8))
+        assert z.argsort(dim=0, descending=True)[:8].tolist() == list(range(8))
+        x = torch.tensor([1.0, float("nan"), 3.0, 3.0, 2.0], requires_grad=True)
+        v, i = torch.topk(x, 3)
+        (v[1:] * torch.tensor([2.0, 3.0])).sum().backward()
+    assert i.tolist() == [1, 2, 3] and x.grad.tolist() == [0.0, 0.0, 2.0, 3.0, 0.0]
+    y = torch.tensor([1.0, 5.0, 3.0, 4.0])
+    with hs._stable_ties():
+        assert torch.topk(y, 2).indices.tolist() == [1, 3]      # no tie: topk's own result
+
+
+@pytest.mark.modes("defer")
+def test_bf16_tie_reference_only_where_a_tie_decides(tpu_mode):
+    """A top-k over 20 equal bfloat16 scores: CPU's result depends on libstdc++'s tie order, so tpu
+    (index order) fails against it and passes against CPU in the defined order, recorded as
+    ``bf16_stable_ties``; without a tie the plain reference decides and nothing is recorded. What
+    tpu computes is still checked: other indices among the ties (the last first) and a wrong sign
+    on a gradient fail, and an element 8 bfloat16 units off is no pass by the OpInfo rule (CPU
+    tensors stand in for the mutants: the rules read values only)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    model, batch = _select_model(tie=True)
+    cm, cw, ref, ref_batch, got = _bf16_stage(model, batch)
+    with pytest.raises(AssertionError):
+        hs.compare(got, cw, hs.BF16_TOL, ref)       # CPU's tie order is not tpu's
+    row = {}
+    hs.compare_bf16(row, got, cm, batch, cw, ref, ref_batch)
+    assert row == {"bf16_stable_ties": True}        # the OpInfo rule, no model-level rule
+
+    class LastFirst(TorchFunctionMode):     # a lowering that breaks ties the other way
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.topk:
+                x, k = args[0], args[1]
+                r = torch.topk(x.flip(-1), k, **(kwargs or {}))
+                return torch.return_types.topk((r.values, x.shape[-1] - 1 - r.indices))
+            return func(*args, **(kwargs or {}))
+    with hs._stable_ties(), LastFirst():
+        other = hs.run_model(copy.deepcopy(cm), batch, "cpu")
+    outs, grads = got
+    sign = (outs, {**grads, "head.weight": -grads["head.weight"]})
+    for mutant in (other, sign):
+        with pytest.raises(AssertionError, match="fails the OpInfo, scale and dynamo rules"):
+            hs.compare_bf16({}, mutant, cm, batch, cw, ref, ref_batch)
+    w = grads["head.weight"].clone()
+    i = int(w.abs().argmax())
+    w.view(-1)[i] *= 1 + 8 * 2 ** -8        # its largest element 8 bfloat16 units off
+    row = {}
+    try:
+        hs.compare_bf16(row, (outs, {**grads, "head.weight": w}), cm, batch, cw, ref, ref_batch)
+    except AssertionError:
+        pass
+    assert row.get("bf16_scale_rule") == ["head.weight"]      # not a pass by the OpInfo rule
+
+    model, batch = _select_model(tie=False)
+    cm, cw, ref, ref_batch, got = _bf16_stage(model, batch)
+    row = {}
+    hs.compare_bf16(row, got, cm, batch, cw, ref, ref_batch)
+    assert row == {}
+    assert hs._tie_reference(lambda: hs.run_model(copy.deepcopy(cm), batch, "cpu"), cw) is None
+
+
 @pytest.mark.modes("strict")     # no device work: once
 def test_build_rules_for_default_configs_that_do_not_build():
     """The rules that took rows off the "not built" list (no model run): a default config's None
