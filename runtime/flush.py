@@ -309,24 +309,33 @@ class Runner:
                 self._around(ctx, Run(nodes, entries, wirings, range(len(nodes)), ext, held,
                                       fl.scalars, fl.h, outs, out_sig, later), None, e)
                 return True
-            reg.runs += 1
-            S["donated_bytes"] += hit.donated_bytes
-            S["elided_bytes"] += reg.elided
-            if hit.donates:
-                # As in _region: NOTE [donation safety].
-                gone = Donated(reg.summary)
-                for v, d in zip(ext, hit.donate):
-                    if d and v.array is not None:
-                        v.fail(gone)
-            _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
+            self.bind(reg, ext, hit.donate if hit.donates else None, hit.donated_bytes, outs,
+                      res)
             ctx.done = range(len(nodes))     # every position: one region ran them all
         if flags or self.checks.pending:
             self.checks.add(flags, reg.msgs, nodes, wirings, outs, out_sig, ext,
                             later or is_async(ctx.reason))
+        return True
+
+    def bind(self, reg, ext, donate, donated_bytes: int, outs, res) -> None:
+        """The step after ``reg``'s program returned ``res`` (on the full path, a region hit, or
+        settled from the dispatch thread): count the run, fail the inputs it was given
+        (``donate``: a flag per input, None when it was given none; NOTE [donation safety]), bind
+        ``outs`` in its output order (NOTE [alias order]), note the peak."""
+        reg.runs += 1
+        S["donated_bytes"] += donated_bytes
+        S["elided_bytes"] += reg.elided
+        if donate is not None:
+            # Donated buffers now belong to the outputs (no storage holds those values: NOTE
+            # [donation safety]): stop counting them before the outputs are counted.
+            gone = Donated(reg.summary)
+            for v, d in zip(ext, donate):
+                if d and v.array is not None:
+                    v.fail(gone)
+        _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
         if memory_stats.peak > self.peak_seen:
             self.peak_seen = memory_stats.peak
             S["peak_region"] = reg.summary
-        return True
 
     def _trace(self, ctx, st, whole: Run, want, inside: bool) -> None:
         """Run ``whole`` (a trace, or what is left of one after its setup ops: NOTE [setup first])
@@ -579,27 +588,13 @@ class Runner:
                 raise_oom(e, reg, memory_stats)
                 self._around(ctx, run, None, e)
                 return
-            reg.runs += 1
-            S["donated_bytes"] += mplan.donated_bytes
-            S["elided_bytes"] += reg.elided
-            if don:
-                # Donated buffers now belong to the outputs (no storage holds those values: see
-                # NOTE [donation safety]): stop counting them before the outputs are counted.
-                gone = Donated(reg.summary)
-                for v, d in zip(run.ext, donate):
-                    if d and v.array is not None:
-                        v.fail(gone)
-            bound = outs if reg.order is None else [outs[j] for j in reg.order]
-            _bind_all(bound, res)
+            self.bind(reg, run.ext, donate if don else None, mplan.donated_bytes, outs, res)
             ctx.done.update(run.pos)
         if run is ctx.whole:
             ctx.single = (reg, mplan)   # NOTE [region hits]
         if flags or self.checks.pending:
             self.checks.add(flags, reg.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
                             run.later or is_async(ctx.reason))
-        if memory_stats.peak > self.peak_seen:
-            self.peak_seen = memory_stats.peak
-            S["peak_region"] = reg.summary
         if cfg.cross_check:
             replay.cross_check(run, self.programs)
 
