@@ -2,25 +2,26 @@
 in the compile cache (or compile it), execute, bind.
 
 ``Flush`` is what a trace hands over at a sync; ``Run`` is one region to run (the whole trace, or a
-piece of it); ``Runner`` owns the caches and runs them. A cache hit costs O(inputs + outputs) plus
+piece of it; both records are in runs.py); ``Runner`` owns the caches and runs them; a trace seen
+before runs from its region hit (hits.py). A cache hit costs O(inputs + outputs) plus
 one comparison of the structure (NOTE [verified hits]), never a compile.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
-from operator import attrgetter
 
-from . import execute, inflight, replay, stats
+from . import execute, hits, inflight, replay, stats
 from .memory import COUNTERS as memory_stats
 from .inflight import bind_all as _bind_all
 from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
 from .errors import RegionError
+from .hits import HitKey, key_of as _key_of, same_structure, wiring_of as _wiring_of
 from .interrupts import Interrupts
 from .jitmaps import MapGuard
 from .regions import Region, explain_miss, raise_oom
+from .runs import Ctx, Flush, Run, Settings
 from ..scheduler import cut, memory, pieces, policy, steps
 from ..scheduler.cache import Cache
 from ..scheduler.records import Donated
@@ -33,120 +34,6 @@ _SHAPES_KEPT = 16
 # runs and recording goes on. Their index checks are read at the next real sync (NOTE [unchecked
 # values] in checks.py).
 is_async = policy.is_async
-
-
-@dataclass(slots=True)
-class Flush:
-    """A consumed trace (see deferfuse/record.py): its nodes, external inputs and how often nodes
-    read each, scalars, structural hash, the values that leave it (held by live storages), each
-    output's storage's previous value (NOTE [alias order]), the positions a sync reads (NOTE
-    [needed first]), its device, and the storages it tracked."""
-    nodes: list
-    ext: list
-    ext_uses: list
-    scalars: list
-    h: int
-    outs: list
-    partner: dict
-    want: tuple | None
-    device: int
-    storages: list
-    whole: bool = False     # within an outer loop's body: never split at an inner loop
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The settings a flush runs under (deferfuse's config, read once per flush)."""
-    debug: int = 0
-    cross_check: bool = False
-    planner: bool = True
-    shape_limit: int = 2
-    budget: int = 0
-    loop_split: bool = True
-    buckets: bool = True
-    setup_first: bool = True
-    buckets_ahead: bool = True
-    dispatch: bool = False      # regions nobody waits for run on the dispatch thread
-
-
-@dataclass(slots=True)
-class Run:
-    """One region to run: the whole trace or a piece. ``nodes[j]`` has its name, source line and
-    scalars; ``entries[j]`` and ``wirings[j]`` are its structure in this run (a piece's wiring is
-    renumbered); ``pos[j]`` its position in the trace; ``held[i]``: external input i is read after
-    this run (never donated); ``out_sig``: (node, output) of each value in ``outs``."""
-    nodes: object
-    entries: list
-    wirings: list
-    pos: object
-    ext: list
-    held: list
-    scalars: list
-    h: int
-    outs: list
-    out_sig: tuple
-    later: bool
-
-
-@dataclass(slots=True)
-class _Ctx:
-    """One flush in progress."""
-    fl: Flush
-    reason: str
-    src: str
-    cfg: Settings
-    done: set | range = field(default_factory=set)  # trace positions whose program ran
-    errors: list = field(default_factory=list)  # errors to raise once every region has run
-    whole: Run | None = None    # the whole trace as one run (NOTE [region hits])
-    single: tuple | None = None     # (Region, MemoryPlan): ``whole`` ran as that one region
-
-
-# NOTE [region hits]: a sync whose trace was seen before (a training step's forward pass, its
-# backward pass, a chain of small ops) most often runs as one compiled region, and every decision
-# on the way there (the structure record, setup first, the loop and needed-first splits, the
-# memory plan, the region key and its lookup) is a function of the trace's structure, the
-# outputs' signature, which inputs something outside the trace holds (the donation pattern), the
-# value the sync reads, whether it is within an outer loop's body, its device and the settings.
-# ``HitKey`` is those; the first flush that ran its whole trace as one compiled ``Region`` leaves
-# a ``_Hit`` (the region, its structure, what it donates) under it, and a flush with the same key
-# goes straight to the executable: it compares the structure (NOTE [verified hits]: the hash is a
-# bucket, the comparison decides), checks that no input failed, then calls, donates and binds
-# exactly as ``_region`` does, with the same counters. Anything else (a new key, another
-# structure under it, a failed input, debug level 2 and up, cross-checks) takes the full path. The
-# hits are dropped with the regions (``evict``, ``clear``).
-@dataclass(frozen=True, slots=True)
-class HitKey:
-    """What a whole-trace region run is a function of (NOTE [region hits])."""
-    h: int                      # the trace's structure hash (Trace.h)
-    n: int                      # its ops
-    held: tuple                 # per external input: something outside the trace holds it
-    out_sig: tuple              # (node, output) of each value that leaves it
-    want: tuple | None          # the positions its sync reads (NOTE [needed first])
-    whole: bool                 # within an outer loop's body
-    device: int
-    cfg: Settings
-
-
-class _Hit:
-    """What a region hit needs (NOTE [region hits]): the region, the structure it runs (compared
-    on every hit) and its memory plan."""
-    __slots__ = ("reg", "entries", "wirings", "donate", "donates", "donated_bytes")
-
-    def __init__(self, reg, entries, wirings, mplan):
-        self.reg, self.entries, self.wirings = reg, entries, wirings
-        self.donate = mplan.donate
-        self.donates = any(mplan.donate)
-        self.donated_bytes = mplan.donated_bytes
-
-
-_key_of = attrgetter("key")
-_wiring_of = attrgetter("wiring")
-
-
-def same_structure(nodes: list, entries: list, wirings: list) -> bool:
-    """Whether ``nodes``' op entries and wirings are ``entries`` and ``wirings`` (NOTE [verified
-    hits]); the engine gives the runner the C one (deferfuse/_fastpath.c), which makes no lists."""
-    return list(map(_key_of, nodes)) == entries and list(map(_wiring_of, nodes)) == wirings
 
 
 class _Struct:
@@ -173,7 +60,7 @@ class Runner:
 
     def __init__(self, max_regions: int = 4096):
         self.structs = Cache("trace structures", 8192)
-        self.hits = Cache("region hits", 4096)         # HitKey -> _Hit (NOTE [region hits])
+        self.hits = Cache("region hits", 4096)         # HitKey -> hits.Hit (NOTE [region hits])
         self.same_structure = same_structure    # the owner's C one, when it has it
         # Past max_regions every region is dropped at once, with JAX's caches (evict): the
         # cache itself never rotates before that.
@@ -221,13 +108,13 @@ class Runner:
             self.evict()
 
     # -----------------------------------------------------------------------------------------
-    def start(self, fl: Flush, reason: str, src: str, cfg: Settings, max_regions: int) -> _Ctx:
+    def start(self, fl: Flush, reason: str, src: str, cfg: Settings, max_regions: int) -> Ctx:
         if max_regions != self.max_regions:
             self.max_regions = max_regions
             self.regions.capacity = 2 * max_regions + 2
-        return _Ctx(fl, reason, src, cfg)
+        return Ctx(fl, reason, src, cfg)
 
-    def run(self, ctx: _Ctx, later: bool) -> None:
+    def run(self, ctx: Ctx, later: bool) -> None:
         """Run a flushed trace. ``ctx`` records which positions ran (``done``) and the errors to
         raise (values that depend on them are failed already)."""
         fl, cfg = ctx.fl, ctx.cfg
@@ -243,7 +130,7 @@ class Runner:
             hkey = HitKey(fl.h, len(nodes), held, out_sig, fl.want, fl.whole, fl.device, cfg)
             hit = self.hits.get(hkey)
             if hit is not None:
-                if self._hit(ctx, hit, held, out_sig, later):
+                if hits.run(self, ctx, hit, held, out_sig, later):
                     return
             else:
                 S["region_hit_path"]["new key"] += 1
@@ -275,47 +162,7 @@ class Runner:
         self._trace(ctx, st, whole, fl.want, fl.whole)
         if ctx.single is not None and hkey is not None and not ctx.errors:
             reg, mplan = ctx.single
-            self.hits[hkey] = _Hit(reg, entries, wirings, mplan)
-
-    def _hit(self, ctx, hit: _Hit, held: tuple, out_sig: tuple, later: bool) -> bool:
-        """Run the flushed trace as the region ``hit`` names (NOTE [region hits]); False, having
-        done nothing, when the full path must run it."""
-        fl = ctx.fl
-        nodes, ext = fl.nodes, fl.ext
-        entries, wirings = hit.entries, hit.wirings
-        if not self.same_structure(nodes, entries, wirings):    # NOTE [verified hits]
-            S["region_hit_path"]["another structure"] += 1
-            return False
-        for v in ext:
-            if v.array is None and v.err is not None:
-                S["region_hit_path"]["a failed input"] += 1
-                return False
-        S["region_hit_path"]["hits"] += 1
-        reg = hit.reg
-        S["cache_hits"] += 1
-        if hit.donates:
-            donate = hit.donate
-            don = [v.array for v, d in zip(ext, donate) if d]
-            keep = [v.array for v, d in zip(ext, donate) if not d]
-        else:
-            don, keep = [], [v.array for v in ext]
-        memory_stats.transient(reg.transient)
-        outs = fl.outs
-        with self.interrupts:
-            try:
-                res, flags = execute.run_region(reg.compiled, don, keep, fl.scalars, fl.device)
-            except Exception as e:
-                raise_oom(e, reg, memory_stats)
-                self._around(ctx, Run(nodes, entries, wirings, range(len(nodes)), ext, held,
-                                      fl.scalars, fl.h, outs, out_sig, later), None, e)
-                return True
-            self.bind(reg, ext, hit.donate if hit.donates else None, hit.donated_bytes, outs,
-                      res)
-            ctx.done = range(len(nodes))     # every position: one region ran them all
-        if flags or self.checks.pending:
-            self.checks.add(flags, reg.msgs, nodes, wirings, outs, out_sig, ext,
-                            later or is_async(ctx.reason))
-        return True
+            self.hits[hkey] = hits.Hit(reg, entries, wirings, mplan)
 
     def bind(self, reg, ext, donate, donated_bytes: int, outs, res) -> None:
         """The step after ``reg``'s program returned ``res`` (on the full path, a region hit, or
