@@ -129,11 +129,18 @@ class Runner:
         if cfg.debug < 2 and not cfg.cross_check:
             hkey = HitKey(fl.h, len(nodes), held, out_sig, fl.want, fl.whole, fl.device, cfg)
             hit = self.hits.get(hkey)
-            if hit is not None:
+            if hit is None:
+                S["region_hit_path"]["new key"] += 1
+            elif hit is hits.SEEN:      # NOTE [piece hits]
+                S["region_hit_path"]["seen once"] += 1
+                hits.record(ctx)
+            elif hit.__class__ is hits.Hit:
                 if hits.run(self, ctx, hit, held, out_sig, later):
                     return
             else:
-                S["region_hit_path"]["new key"] += 1
+                if hits.run_pieces(self, ctx, hit, later):
+                    return
+                hits.record(ctx)
         else:
             S["region_hit_path"]["bypassed (debug 2+ or cross-check)"] += 1
         entries = list(map(_key_of, nodes))
@@ -158,11 +165,25 @@ class Runner:
                     self._trace(ctx, st, rest, want, fl.whole)
                 finally:
                     rest.nodes.release()
+                self._keep(ctx, hkey, entries, wirings)
                 return
         self._trace(ctx, st, whole, fl.want, fl.whole)
-        if ctx.single is not None and hkey is not None and not ctx.errors:
+        self._keep(ctx, hkey, entries, wirings)
+
+    def _keep(self, ctx, hkey, entries, wirings) -> None:
+        """Leave the hit of what the full path ran under ``hkey`` (NOTE [region hits], NOTE
+        [piece hits] in hits.py)."""
+        if hkey is None or ctx.errors:
+            return
+        if ctx.single is not None:
             reg, mplan = ctx.single
             self.hits[hkey] = hits.Hit(reg, entries, wirings, mplan)
+        elif ctx.rec is not None:
+            hit = hits.pieces_of(ctx, entries, wirings, self.last[3])
+            if hit is not None:
+                self.hits[hkey] = hit
+        elif hkey not in self.hits:
+            self.hits[hkey] = hits.SEEN
 
     def bind(self, reg, ext, donate, donated_bytes: int, outs, res) -> None:
         """The step after ``reg``'s program returned ``res`` (on the full path, a region hit, or
@@ -404,6 +425,7 @@ class Runner:
                 return
             reg = None
         if reg.__class__ is tuple:      # split for the memory budget on an earlier run
+            ctx.rec = None
             st = _Struct(run.entries, run.wirings)
             self._pieces(ctx, st, run, reg, None, 0 if run.later else None)
             return
@@ -437,6 +459,8 @@ class Runner:
                 return
             self.bind(reg, run.ext, donate if don else None, mplan.donated_bytes, outs, res)
             ctx.done.update(run.pos)
+            if ctx.rec is not None:
+                ctx.rec.append((run, reg, mplan))
         if run is ctx.whole:
             ctx.single = (reg, mplan)   # NOTE [region hits]
         if flags or self.checks.pending:
@@ -448,6 +472,7 @@ class Runner:
     def _dispatch(self, ctx, run: Run, reg, mplan, don, keep) -> None:
         """Call ``reg`` on the dispatch thread (NOTE [in flight] in execute.py); ``settle`` binds
         its outputs as ``_region`` binds a call made here."""
+        ctx.rec = None      # not a hit (NOTE [piece hits])
         with self.interrupts:
             inflight.dispatch(self, ctx, run, reg, mplan, don, keep,
                               run.later or is_async(ctx.reason))
@@ -502,6 +527,7 @@ class Runner:
                 self.once[key] = memo
             if sp.how is policy.Shapes.SPLIT:
                 S["shape_splits"] += 1
+                ctx.rec = None
                 self._pieces(ctx, _Struct(run.entries, run.wirings), run, sp.cuts, None,
                              0 if run.later else None)
                 return None
@@ -550,6 +576,7 @@ class Runner:
                                        for n in run.nodes],
                                       [v.nbytes for v in run.ext], run.held, set(run.out_sig))
                 if len(cuts) > 1:
+                    ctx.rec = None
                     self.regions[key] = cuts
                     S["budget_splits"] += 1
                     if cfg.debug >= 2:
@@ -595,6 +622,7 @@ class Runner:
                                         self.programs, cfg.debug, S, why)
         except Exception as e:     # a case the rules did not foresee: run it exactly
             self.buckets.refuse(hit.plan, e, S)
+            self.hits.clear()       # a piece hit may hold one of its programs (NOTE [piece hits])
             for k, v in self.regions.items():
                 if v.__class__ is BucketHit and v.plan is hit.plan:
                     self.regions.pop(k)
@@ -603,12 +631,15 @@ class Runner:
         outs = run.outs
         with self.interrupts:
             try:
-                res, flags = self.buckets.execute(prog, hit, run, ctx.fl.device)
+                res, flags = self.buckets.execute(prog, hit, run.ext, run.scalars, outs,
+                                                  ctx.fl.device)
             except Exception as e:
                 self._around(ctx, run, None, e)
                 return
             _bind_all(outs, res)
             ctx.done.update(run.pos)
+            if ctx.rec is not None:
+                ctx.rec.append((run, hit, prog))
         S["bucketed_runs"] += 1
         if cfg.debug >= 2:
             print(f"[deferfuse] region in bucket {prog.P} (at {hit.t}): {prog.summary}",
@@ -622,6 +653,7 @@ class Runner:
         (``failed_ext``: index -> its error), or the op whose lowering or execution failed (``err``;
         found by running op by op). Their outputs, and what depends on them, become failed; every
         other output is computed. With neither (shape churn), simply op by op."""
+        ctx.rec = None      # not a hit (NOTE [piece hits])
         bad = set()
         first = None
         if failed_ext:

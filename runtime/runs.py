@@ -72,3 +72,5 @@ class Ctx:
     errors: list = field(default_factory=list)  # errors to raise once every region has run
     whole: Run | None = None    # the whole trace as one run (NOTE [region hits])
     single: tuple | None = None     # (Region, MemoryPlan): ``whole`` ran as that one region
+    rec: list | None = None     # what ran, region by region (NOTE [piece hits] in hits.py)
+    counts0: tuple = ()         # the split counters when recording began
