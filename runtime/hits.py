@@ -1,7 +1,7 @@
 """The region hit path (NOTE [region hits]): a sync whose trace was seen before goes straight to the
-executable that ran it, with the key it is found by (``HitKey``), what it holds (``Hit``: one region;
-``Pieces``: several, or a bucket's program) and the sync it runs (``run``, ``run_pieces``). The cache of hits is the runner's (``Runner.hits``), dropped with its
-regions.
+executables that ran it, with the key it is found by (``HitKey``), what it holds (``Hit``: one
+region; ``Pieces``: several, or a bucket's program) and the sync it runs (``run``,
+``run_pieces``). The cache of hits is the runner's (``Runner.hits``), dropped with its regions.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .inflight import bind_all
 from .memory import COUNTERS as memory_stats
 from .regions import raise_oom
 from .runs import Run, Settings
-from ..scheduler.pieces import PieceNodes
+from ..scheduler.pieces import Piece, PieceNodes
 from ..scheduler.policy import is_async
 
 S = stats.S
@@ -70,8 +70,8 @@ def same_structure(nodes: list, entries: list, wirings: list) -> bool:
 
 
 def run(runner, ctx, hit: Hit, held: tuple, out_sig: tuple, later: bool) -> bool:
-    """Run ``runner``'s flushed trace as the region ``hit`` names (NOTE [region hits]); False, having
-    done nothing, when the full path must run it."""
+    """Run ``runner``'s flushed trace as the region ``hit`` names (NOTE [region hits]); False,
+    having done nothing, when the full path must run it."""
     fl = ctx.fl
     nodes, ext = fl.nodes, fl.ext
     entries, wirings = hit.entries, hit.wirings
@@ -121,20 +121,20 @@ def run(runner, ctx, hit: Hit, held: tuple, out_sig: tuple, later: bool) -> bool
 # exactly as ``_region`` or ``_run_bucket`` would (the same counters, the split counters the full
 # path bumps included). A key seen once leaves only a mark (``SEEN``), so a trace whose keys never
 # come back pays nothing for the record. Not recorded (the full path runs every time): a flush in
-# which anything ran op by op or failed, a region was handed to the dispatch thread, a region was
-# split for churn or the memory budget, or a piece was split again; a later run's split pieces
-# (whose own later flags the record cannot tell). A call that raises in a step runs that step op
+# which anything ran op by op or failed, a region was handed to the dispatch thread, or a region
+# was split for churn or the memory budget; a later run's split pieces (whose own later flags the
+# record cannot tell). A call that raises in a step runs that step op
 # by op and the remaining steps through ``_region``, as the full path would.
 SEEN = True
 COUNTED = ("setup_splits", "needed_first_splits", "loop_splits")
 
 
 class Step:
-    """One region of a ``Pieces`` hit (NOTE [piece hits]). ``pc``: its piece plan (None: the whole
-    trace); ``src``: per input, an external input's index or (pos, idx) of a node's output;
-    ``outs``: per output, an index into the flush's outputs or (pos, idx); ``spos``: the positions
-    whose scalars it reads; then its ``Run`` fields, and ``reg`` (with ``donate``, None when
-    nothing is donated) or ``bucket`` and ``prog``."""
+    """One region of a ``Pieces`` hit (NOTE [piece hits]). ``pc``: its trace positions and wiring
+    as a ``Piece`` (None: the whole trace); ``src``: per input, an external input's index or
+    (pos, idx) of a node's output; ``outs``: per output, an index into the flush's outputs or
+    (pos, idx); ``spos``: the positions whose scalars it reads; then its ``Run`` fields, and
+    ``reg`` (with ``donate``, None when nothing is donated) or ``bucket`` and ``prog``."""
     __slots__ = ("pc", "pos", "src", "outs", "spos", "entries", "wirings", "held", "h",
                  "out_sig", "later", "reg", "donate", "donated_bytes", "bucket", "prog")
 
@@ -177,10 +177,12 @@ def pieces_of(ctx, entries, wirings, last) -> Pieces | None:
             st.pos = range(n)
             st.later = False
         else:
-            sub = run.nodes
-            if sub.__class__ is not PieceNodes or sub.orig is not nodes or whole.later:
+            if whole.later:
                 return None
-            st.pc = sub.pc
+            # Its nodes as a piece of the trace itself (a piece of a piece, too: ``run.pos`` are
+            # always trace positions), for index checks and a replay.
+            st.pc = pc = Piece()
+            pc.pos, pc.wiring = list(run.pos), run.wirings
             src, outs = [], []
             for v in run.ext:
                 w = at_ext.get(id(v))
