@@ -123,8 +123,8 @@ def run(runner, ctx, hit: Hit, held: tuple, out_sig: tuple, later: bool) -> bool
 # come back pays nothing for the record. Not recorded (the full path runs every time): a flush in
 # which anything ran op by op or failed, a region was handed to the dispatch thread, or a region
 # was split for churn or the memory budget; a later run's split pieces (whose own later flags the
-# record cannot tell). A call that raises in a step runs that step op
-# by op and the remaining steps through ``_region``, as the full path would.
+# record cannot tell). A call that raises in a step runs that step op by op and the remaining
+# steps through ``_region``, as the full path would.
 SEEN = True
 COUNTED = ("setup_splits", "needed_first_splits", "loop_splits")
 
