@@ -194,12 +194,13 @@ _COUNTED = ("compiles", "regions_run", "cache_hits", "needed_first_splits", "buc
             "donated_bytes")
 
 
-def _split_steps(steps):
-    """(losses, CPU's losses, each step's counters, each step's piece hits), the model checked."""
+def _split_steps(steps, dispatch=False):
+    """(losses, CPU's losses, each step's counters, each step's piece hits), the model checked.
+    ``dispatch``: the dispatch thread on (NOTE [in flight])."""
     model, ref, opts, (xt, yt), (x, y) = _mlp_pair()
     deferfuse.sync()
     got, want, counts, hits = [], [], [], []
-    with deferfuse.override(backward_cut=False):
+    with deferfuse.override(backward_cut=False, dispatch_thread=dispatch):
         for _ in range(steps):
             m0, p0 = deferfuse.metrics(), _path().get("piece hits", 0)
             got.append(_train(model, opts[0], xt, yt))
@@ -226,9 +227,18 @@ def test_a_split_step_runs_from_its_piece_hit(monkeypatch):
     assert counts[-1][:4] == (0, 2, 2, 1) and counts[-1][5] > 0, counts    # donated, as before
 
 
+def test_a_split_step_with_the_dispatch_thread_stays_on_the_full_path():
+    """Its second piece is handed to the dispatch thread: never recorded (NOTE [piece hits])."""
+    before = deferfuse.metrics()["regions_dispatched"]
+    got, want, counts, hits = _split_steps(5, dispatch=True)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert not any(hits) and deferfuse.metrics()["regions_dispatched"] >= before + 5
+    assert counts[-1][:4] == (0, 2, 2, 1), counts
+
+
 def test_a_piece_hit_compares_its_structure():
     model, ref, opts, (xt, yt), (x, y) = _mlp_pair()
-    with deferfuse.override(backward_cut=False):
+    with deferfuse.override(backward_cut=False, dispatch_thread=False):
         for _ in range(4):
             assert _train(model, opts[0], xt, yt) == pytest.approx(
                 _train(ref, opts[1], x, y), rel=1e-5, abs=1e-6)
@@ -248,7 +258,8 @@ def test_a_piece_hit_compares_its_structure():
         assert _path()["piece hits"] == after.get("piece hits", 0) + 1
 
 
-def test_an_input_failed_after_it_was_recorded_takes_the_full_path_from_a_piece_hit():
+def test_an_input_failed_after_it_was_recorded_takes_the_full_path_from_a_piece_hit(
+        monkeypatch):
     """As for a region hit: a failed input of a split trace is never handed to a piece."""
     emb_cpu = torch.randn(10, 4)
     emb = emb_cpu.to("tpu")
@@ -268,6 +279,7 @@ def test_an_input_failed_after_it_was_recorded_takes_the_full_path_from_a_piece_
             other = (other * 0.5).exp()
         return e, (e * 2.0 + 1.0).sum(), other
 
+    monkeypatch.setattr(deferfuse.config, "dispatch_thread", False)    # (as the test before)
     for _ in range(4):
         e, y, other = two_traces(good)
         assert y.item() == pytest.approx((emb_cpu[good] * 2.0 + 1.0).sum().item(), rel=1e-6)
