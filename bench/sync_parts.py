@@ -78,9 +78,10 @@ def main() -> None:
                 b.step()
                 ts.append(time.perf_counter() - t0)
             m = df.metrics()
-            hits = m["region_hit_path"].get("hits", 0) if "region_hit_path" in m else "-"
+            path = m.get("region_hit_path", {})
+            hits = f"{path.get('hits', 0)}+{path.get('piece hits', 0)}" if path else "-"
         print(f"{w}: step {statistics.median(ts) * 1e3:.3f} ms; syncs a step "
-              f"{len(acc['sync']) / args.steps:.0f}; region hits {hits}; "
+              f"{len(acc['sync']) / args.steps:.0f}; region+piece hits {hits}; "
               + "; ".join(f"{k} {statistics.median(v) * 1e6:.1f}" for k, v in acc.items()))
 
 

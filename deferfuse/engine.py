@@ -24,7 +24,8 @@ from .meta import sizes as meta_sizes
 from ._fastpath import ts_changed
 from .record import Bodies, SourceLines, Trace
 from .runtime import execute, stats
-from .runtime.flush import Runner, Settings
+from .runtime.flush import Runner
+from .runtime.runs import Settings
 from .runtime.transfer import materialize_empty
 from .scheduler.cache import Cache
 from .scheduler.policy import Sync, is_async

@@ -12,7 +12,7 @@ import sys
 from ._fastpath import TraceState
 from .config import SKIP_PREFIXES, config
 from .runtime import stats
-from .runtime.flush import Flush
+from .runtime.runs import Flush
 from .runtime.transfer import materialize_empty
 from .scheduler import policy, steps
 from .scheduler.cache import Cache

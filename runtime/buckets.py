@@ -382,17 +382,18 @@ class Buckets:
         plan.programs[pk] = prog
         return prog
 
-    def execute(self, prog, hit, run, device):
-        """Run a bucket program for ``run`` (length ``hit.t``): pad, run, cut; (results, flags)."""
+    def execute(self, prog, hit, ext, scalars, outs, device):
+        """Run a bucket program for a region's inputs ``ext``, its scalars and the values ``outs``
+        it leaves (length ``hit.t``): pad, run, cut; (results, flags)."""
         from .execute import run_region
         plan, P = hit.plan, prog.P
         keep = [pad(v.array, at(plan.ext_forms[i], P), self.moves) if i in plan.ext_forms
-                else v.array for i, v in enumerate(run.ext)]
-        res, flags = run_region(prog.compiled, [], keep, list(run.scalars) + [hit.t], device)
+                else v.array for i, v in enumerate(ext)]
+        res, flags = run_region(prog.compiled, [], keep, list(scalars) + [hit.t], device)
         prog.runs += 1
         if prog.pick is not None:
             res = [res[j] for j in prog.pick]
-        return [cut(r, v.shape, self.moves) for r, v in zip(res, run.outs)], flags
+        return [cut(r, v.shape, self.moves) for r, v in zip(res, outs)], flags
 
 
     def refuse(self, plan, err, stats) -> None:
@@ -489,7 +490,7 @@ class Buckets:
         def call(arrays, scalars_):
             stats["bucketed_ops"] += 1
             r = _OpRun(entry, [None if a is None else _Arr(a) for a in arrays], scalars_, wiring)
-            res, flags = buckets.execute(prog, hit, r, entry.dev)
+            res, flags = buckets.execute(prog, hit, r.ext, r.scalars, r.outs, entry.dev)
             if len(res) != len(avals):
                 # outputs an output mask leaves out (linear_backward's bias gradient): the
                 # program has none; the op's results hold None there, as its own program's do

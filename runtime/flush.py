@@ -2,25 +2,26 @@
 in the compile cache (or compile it), execute, bind.
 
 ``Flush`` is what a trace hands over at a sync; ``Run`` is one region to run (the whole trace, or a
-piece of it); ``Runner`` owns the caches and runs them. A cache hit costs O(inputs + outputs) plus
+piece of it; both records are in runs.py); ``Runner`` owns the caches and runs them; a trace seen
+before runs from its region hit (hits.py). A cache hit costs O(inputs + outputs) plus
 one comparison of the structure (NOTE [verified hits]), never a compile.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
-from operator import attrgetter
 
-from . import execute, inflight, replay, stats
+from . import execute, hits, inflight, replay, stats
 from .memory import COUNTERS as memory_stats
 from .inflight import bind_all as _bind_all
 from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
 from .diskcache import ProgramStore, region_key
 from .errors import RegionError
+from .hits import HitKey, key_of as _key_of, same_structure, wiring_of as _wiring_of
 from .interrupts import Interrupts
 from .jitmaps import MapGuard
 from .regions import Region, explain_miss, raise_oom
+from .runs import Ctx, Flush, Run, Settings
 from ..scheduler import cut, memory, pieces, policy, steps
 from ..scheduler.cache import Cache
 from ..scheduler.records import Donated
@@ -33,120 +34,6 @@ _SHAPES_KEPT = 16
 # runs and recording goes on. Their index checks are read at the next real sync (NOTE [unchecked
 # values] in checks.py).
 is_async = policy.is_async
-
-
-@dataclass(slots=True)
-class Flush:
-    """A consumed trace (see deferfuse/record.py): its nodes, external inputs and how often nodes
-    read each, scalars, structural hash, the values that leave it (held by live storages), each
-    output's storage's previous value (NOTE [alias order]), the positions a sync reads (NOTE
-    [needed first]), its device, and the storages it tracked."""
-    nodes: list
-    ext: list
-    ext_uses: list
-    scalars: list
-    h: int
-    outs: list
-    partner: dict
-    want: tuple | None
-    device: int
-    storages: list
-    whole: bool = False     # within an outer loop's body: never split at an inner loop
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The settings a flush runs under (deferfuse's config, read once per flush)."""
-    debug: int = 0
-    cross_check: bool = False
-    planner: bool = True
-    shape_limit: int = 2
-    budget: int = 0
-    loop_split: bool = True
-    buckets: bool = True
-    setup_first: bool = True
-    buckets_ahead: bool = True
-    dispatch: bool = False      # regions nobody waits for run on the dispatch thread
-
-
-@dataclass(slots=True)
-class Run:
-    """One region to run: the whole trace or a piece. ``nodes[j]`` has its name, source line and
-    scalars; ``entries[j]`` and ``wirings[j]`` are its structure in this run (a piece's wiring is
-    renumbered); ``pos[j]`` its position in the trace; ``held[i]``: external input i is read after
-    this run (never donated); ``out_sig``: (node, output) of each value in ``outs``."""
-    nodes: object
-    entries: list
-    wirings: list
-    pos: object
-    ext: list
-    held: list
-    scalars: list
-    h: int
-    outs: list
-    out_sig: tuple
-    later: bool
-
-
-@dataclass(slots=True)
-class _Ctx:
-    """One flush in progress."""
-    fl: Flush
-    reason: str
-    src: str
-    cfg: Settings
-    done: set | range = field(default_factory=set)  # trace positions whose program ran
-    errors: list = field(default_factory=list)  # errors to raise once every region has run
-    whole: Run | None = None    # the whole trace as one run (NOTE [region hits])
-    single: tuple | None = None     # (Region, MemoryPlan): ``whole`` ran as that one region
-
-
-# NOTE [region hits]: a sync whose trace was seen before (a training step's forward pass, its
-# backward pass, a chain of small ops) most often runs as one compiled region, and every decision
-# on the way there (the structure record, setup first, the loop and needed-first splits, the
-# memory plan, the region key and its lookup) is a function of the trace's structure, the
-# outputs' signature, which inputs something outside the trace holds (the donation pattern), the
-# value the sync reads, whether it is within an outer loop's body, its device and the settings.
-# ``HitKey`` is those; the first flush that ran its whole trace as one compiled ``Region`` leaves
-# a ``_Hit`` (the region, its structure, what it donates) under it, and a flush with the same key
-# goes straight to the executable: it compares the structure (NOTE [verified hits]: the hash is a
-# bucket, the comparison decides), checks that no input failed, then calls, donates and binds
-# exactly as ``_region`` does, with the same counters. Anything else (a new key, another
-# structure under it, a failed input, debug level 2 and up, cross-checks) takes the full path. The
-# hits are dropped with the regions (``evict``, ``clear``).
-@dataclass(frozen=True, slots=True)
-class HitKey:
-    """What a whole-trace region run is a function of (NOTE [region hits])."""
-    h: int                      # the trace's structure hash (Trace.h)
-    n: int                      # its ops
-    held: tuple                 # per external input: something outside the trace holds it
-    out_sig: tuple              # (node, output) of each value that leaves it
-    want: tuple | None          # the positions its sync reads (NOTE [needed first])
-    whole: bool                 # within an outer loop's body
-    device: int
-    cfg: Settings
-
-
-class _Hit:
-    """What a region hit needs (NOTE [region hits]): the region, the structure it runs (compared
-    on every hit) and its memory plan."""
-    __slots__ = ("reg", "entries", "wirings", "donate", "donates", "donated_bytes")
-
-    def __init__(self, reg, entries, wirings, mplan):
-        self.reg, self.entries, self.wirings = reg, entries, wirings
-        self.donate = mplan.donate
-        self.donates = any(mplan.donate)
-        self.donated_bytes = mplan.donated_bytes
-
-
-_key_of = attrgetter("key")
-_wiring_of = attrgetter("wiring")
-
-
-def same_structure(nodes: list, entries: list, wirings: list) -> bool:
-    """Whether ``nodes``' op entries and wirings are ``entries`` and ``wirings`` (NOTE [verified
-    hits]); the engine gives the runner the C one (deferfuse/_fastpath.c), which makes no lists."""
-    return list(map(_key_of, nodes)) == entries and list(map(_wiring_of, nodes)) == wirings
 
 
 class _Struct:
@@ -173,7 +60,7 @@ class Runner:
 
     def __init__(self, max_regions: int = 4096):
         self.structs = Cache("trace structures", 8192)
-        self.hits = Cache("region hits", 4096)         # HitKey -> _Hit (NOTE [region hits])
+        self.hits = Cache("region hits", 4096)         # HitKey -> hits.Hit (NOTE [region hits])
         self.same_structure = same_structure    # the owner's C one, when it has it
         # Past max_regions every region is dropped at once, with JAX's caches (evict): the
         # cache itself never rotates before that.
@@ -221,13 +108,13 @@ class Runner:
             self.evict()
 
     # -----------------------------------------------------------------------------------------
-    def start(self, fl: Flush, reason: str, src: str, cfg: Settings, max_regions: int) -> _Ctx:
+    def start(self, fl: Flush, reason: str, src: str, cfg: Settings, max_regions: int) -> Ctx:
         if max_regions != self.max_regions:
             self.max_regions = max_regions
             self.regions.capacity = 2 * max_regions + 2
-        return _Ctx(fl, reason, src, cfg)
+        return Ctx(fl, reason, src, cfg)
 
-    def run(self, ctx: _Ctx, later: bool) -> None:
+    def run(self, ctx: Ctx, later: bool) -> None:
         """Run a flushed trace. ``ctx`` records which positions ran (``done``) and the errors to
         raise (values that depend on them are failed already)."""
         fl, cfg = ctx.fl, ctx.cfg
@@ -242,11 +129,18 @@ class Runner:
         if cfg.debug < 2 and not cfg.cross_check:
             hkey = HitKey(fl.h, len(nodes), held, out_sig, fl.want, fl.whole, fl.device, cfg)
             hit = self.hits.get(hkey)
-            if hit is not None:
-                if self._hit(ctx, hit, held, out_sig, later):
+            if hit is None:
+                S["region_hit_path"]["new key"] += 1
+            elif hit is hits.SEEN:      # NOTE [piece hits]
+                S["region_hit_path"]["seen once"] += 1
+                hits.record(ctx)
+            elif hit.__class__ is hits.Hit:
+                if hits.run(self, ctx, hit, held, out_sig, later):
                     return
             else:
-                S["region_hit_path"]["new key"] += 1
+                if hits.run_pieces(self, ctx, hit, later):
+                    return
+                hits.record(ctx)
         else:
             S["region_hit_path"]["bypassed (debug 2+ or cross-check)"] += 1
         entries = list(map(_key_of, nodes))
@@ -271,62 +165,45 @@ class Runner:
                     self._trace(ctx, st, rest, want, fl.whole)
                 finally:
                     rest.nodes.release()
+                self._keep(ctx, hkey, entries, wirings)
                 return
         self._trace(ctx, st, whole, fl.want, fl.whole)
-        if ctx.single is not None and hkey is not None and not ctx.errors:
-            reg, mplan = ctx.single
-            self.hits[hkey] = _Hit(reg, entries, wirings, mplan)
+        self._keep(ctx, hkey, entries, wirings)
 
-    def _hit(self, ctx, hit: _Hit, held: tuple, out_sig: tuple, later: bool) -> bool:
-        """Run the flushed trace as the region ``hit`` names (NOTE [region hits]); False, having
-        done nothing, when the full path must run it."""
-        fl = ctx.fl
-        nodes, ext = fl.nodes, fl.ext
-        entries, wirings = hit.entries, hit.wirings
-        if not self.same_structure(nodes, entries, wirings):    # NOTE [verified hits]
-            S["region_hit_path"]["another structure"] += 1
-            return False
-        for v in ext:
-            if v.array is None and v.err is not None:
-                S["region_hit_path"]["a failed input"] += 1
-                return False
-        S["region_hit_path"]["hits"] += 1
-        reg = hit.reg
-        S["cache_hits"] += 1
-        if hit.donates:
-            donate = hit.donate
-            don = [v.array for v, d in zip(ext, donate) if d]
-            keep = [v.array for v, d in zip(ext, donate) if not d]
-        else:
-            don, keep = [], [v.array for v in ext]
-        memory_stats.transient(reg.transient)
-        outs = fl.outs
-        with self.interrupts:
-            try:
-                res, flags = execute.run_region(reg.compiled, don, keep, fl.scalars, fl.device)
-            except Exception as e:
-                raise_oom(e, reg, memory_stats)
-                self._around(ctx, Run(nodes, entries, wirings, range(len(nodes)), ext, held,
-                                      fl.scalars, fl.h, outs, out_sig, later), None, e)
-                return True
-            reg.runs += 1
-            S["donated_bytes"] += hit.donated_bytes
-            S["elided_bytes"] += reg.elided
-            if hit.donates:
-                # As in _region: NOTE [donation safety].
-                gone = Donated(reg.summary)
-                for v, d in zip(ext, hit.donate):
-                    if d and v.array is not None:
-                        v.fail(gone)
-            _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
-            ctx.done = range(len(nodes))     # every position: one region ran them all
-        if flags or self.checks.pending:
-            self.checks.add(flags, reg.msgs, nodes, wirings, outs, out_sig, ext,
-                            later or is_async(ctx.reason))
+    def _keep(self, ctx, hkey, entries, wirings) -> None:
+        """Leave the hit of what the full path ran under ``hkey`` (NOTE [region hits], NOTE
+        [piece hits] in hits.py)."""
+        if hkey is None or ctx.errors:
+            return
+        if ctx.single is not None:
+            reg, mplan = ctx.single
+            self.hits[hkey] = hits.Hit(reg, entries, wirings, mplan)
+        elif ctx.rec is not None:
+            hit = hits.pieces_of(ctx, entries, wirings, self.last[3])
+            if hit is not None:
+                self.hits[hkey] = hit
+        elif hkey not in self.hits:
+            self.hits[hkey] = hits.SEEN
+
+    def bind(self, reg, ext, donate, donated_bytes: int, outs, res) -> None:
+        """The step after ``reg``'s program returned ``res`` (on the full path, a region hit, or
+        settled from the dispatch thread): count the run, fail the inputs it was given
+        (``donate``: a flag per input, None when it was given none; NOTE [donation safety]), bind
+        ``outs`` in its output order (NOTE [alias order]), note the peak."""
+        reg.runs += 1
+        S["donated_bytes"] += donated_bytes
+        S["elided_bytes"] += reg.elided
+        if donate is not None:
+            # Donated buffers now belong to the outputs (no storage holds those values: NOTE
+            # [donation safety]): stop counting them before the outputs are counted.
+            gone = Donated(reg.summary)
+            for v, d in zip(ext, donate):
+                if d and v.array is not None:
+                    v.fail(gone)
+        _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
         if memory_stats.peak > self.peak_seen:
             self.peak_seen = memory_stats.peak
             S["peak_region"] = reg.summary
-        return True
 
     def _trace(self, ctx, st, whole: Run, want, inside: bool) -> None:
         """Run ``whole`` (a trace, or what is left of one after its setup ops: NOTE [setup first])
@@ -548,6 +425,7 @@ class Runner:
                 return
             reg = None
         if reg.__class__ is tuple:      # split for the memory budget on an earlier run
+            ctx.rec = None
             st = _Struct(run.entries, run.wirings)
             self._pieces(ctx, st, run, reg, None, 0 if run.later else None)
             return
@@ -579,33 +457,22 @@ class Runner:
                 raise_oom(e, reg, memory_stats)
                 self._around(ctx, run, None, e)
                 return
-            reg.runs += 1
-            S["donated_bytes"] += mplan.donated_bytes
-            S["elided_bytes"] += reg.elided
-            if don:
-                # Donated buffers now belong to the outputs (no storage holds those values: see
-                # NOTE [donation safety]): stop counting them before the outputs are counted.
-                gone = Donated(reg.summary)
-                for v, d in zip(run.ext, donate):
-                    if d and v.array is not None:
-                        v.fail(gone)
-            bound = outs if reg.order is None else [outs[j] for j in reg.order]
-            _bind_all(bound, res)
+            self.bind(reg, run.ext, donate if don else None, mplan.donated_bytes, outs, res)
             ctx.done.update(run.pos)
+            if ctx.rec is not None:
+                ctx.rec.append((run, reg, mplan))
         if run is ctx.whole:
             ctx.single = (reg, mplan)   # NOTE [region hits]
         if flags or self.checks.pending:
             self.checks.add(flags, reg.msgs, run.nodes, run.wirings, outs, run.out_sig, run.ext,
                             run.later or is_async(ctx.reason))
-        if memory_stats.peak > self.peak_seen:
-            self.peak_seen = memory_stats.peak
-            S["peak_region"] = reg.summary
         if cfg.cross_check:
             replay.cross_check(run, self.programs)
 
     def _dispatch(self, ctx, run: Run, reg, mplan, don, keep) -> None:
         """Call ``reg`` on the dispatch thread (NOTE [in flight] in execute.py); ``settle`` binds
         its outputs as ``_region`` binds a call made here."""
+        ctx.rec = None      # not a hit (NOTE [piece hits])
         with self.interrupts:
             inflight.dispatch(self, ctx, run, reg, mplan, don, keep,
                               run.later or is_async(ctx.reason))
@@ -660,6 +527,7 @@ class Runner:
                 self.once[key] = memo
             if sp.how is policy.Shapes.SPLIT:
                 S["shape_splits"] += 1
+                ctx.rec = None
                 self._pieces(ctx, _Struct(run.entries, run.wirings), run, sp.cuts, None,
                              0 if run.later else None)
                 return None
@@ -708,6 +576,7 @@ class Runner:
                                        for n in run.nodes],
                                       [v.nbytes for v in run.ext], run.held, set(run.out_sig))
                 if len(cuts) > 1:
+                    ctx.rec = None
                     self.regions[key] = cuts
                     S["budget_splits"] += 1
                     if cfg.debug >= 2:
@@ -753,6 +622,7 @@ class Runner:
                                         self.programs, cfg.debug, S, why)
         except Exception as e:     # a case the rules did not foresee: run it exactly
             self.buckets.refuse(hit.plan, e, S)
+            self.hits.clear()       # a piece hit may hold one of its programs (NOTE [piece hits])
             for k, v in self.regions.items():
                 if v.__class__ is BucketHit and v.plan is hit.plan:
                     self.regions.pop(k)
@@ -761,12 +631,15 @@ class Runner:
         outs = run.outs
         with self.interrupts:
             try:
-                res, flags = self.buckets.execute(prog, hit, run, ctx.fl.device)
+                res, flags = self.buckets.execute(prog, hit, run.ext, run.scalars, outs,
+                                                  ctx.fl.device)
             except Exception as e:
                 self._around(ctx, run, None, e)
                 return
             _bind_all(outs, res)
             ctx.done.update(run.pos)
+            if ctx.rec is not None:
+                ctx.rec.append((run, hit, prog))
         S["bucketed_runs"] += 1
         if cfg.debug >= 2:
             print(f"[deferfuse] region in bucket {prog.P} (at {hit.t}): {prog.summary}",
@@ -780,6 +653,7 @@ class Runner:
         (``failed_ext``: index -> its error), or the op whose lowering or execution failed (``err``;
         found by running op by op). Their outputs, and what depends on them, become failed; every
         other output is computed. With neither (shape churn), simply op by op."""
+        ctx.rec = None      # not a hit (NOTE [piece hits])
         bad = set()
         first = None
         if failed_ext:

@@ -10,7 +10,6 @@ import dataclasses
 from . import execute, stats
 from .memory import COUNTERS as memory_stats, LARGE
 from .regions import raise_oom
-from ..scheduler.records import Donated
 
 S = stats.S
 
@@ -50,21 +49,11 @@ class Finish:
                 self._failed(job.exc)
                 return
             res, flags = job.res
-            reg.runs += 1
-            S["donated_bytes"] += self.mplan.donated_bytes
-            S["elided_bytes"] += reg.elided
             donate = self.mplan.donate
-            if any(donate):
-                gone = Donated(reg.summary)     # (NOTE [donation safety] in flush.py)
-                for v, d in zip(run.ext, donate):
-                    if d and v.array is not None:
-                        v.fail(gone)
-            bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
+            runner.bind(reg, run.ext, donate if any(donate) else None, self.mplan.donated_bytes,
+                        outs, res)
             if rec is not None:
                 rec.flags[:] = flags
-            if memory_stats.peak > runner.peak_seen:
-                runner.peak_seen = memory_stats.peak
-                S["peak_region"] = reg.summary
         finally:
             if rec is not None:
                 rec.job = None

@@ -2,16 +2,20 @@
 compiled region. Values are CPU eager's, compiles and region counts are those of the full path, and
 what the hit stands for (the structure, a failed input, the caches it reads) sends a flush back
 to the full path."""
+import copy
 import re
 import threading
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import deferfuse
 from deferfuse.engine import engine
+from deferfuse.runtime import hits as hits_mod
 from deferfuse.scheduler.policy import Cut
-from util import assert_same
+from util import assert_same, bench_module
 
 pytestmark = pytest.mark.modes("defer")
 
@@ -68,9 +72,9 @@ def test_a_hit_compares_its_structure():
     w, x, w_cpu, x_cpu = _warmed()
     # Another structure under the same key (what a hash collision would be): each hit's recorded
     # ops are made to differ, so the comparison must send the flush to the full path.
-    hits = engine.runner.hits
-    assert len(hits) > 0
-    for _, h in hits.items():
+    hits = [h for _, h in engine.runner.hits.items() if h.__class__ is hits_mod.Hit]
+    assert hits
+    for h in hits:
         h.entries = list(reversed(h.entries))
     before = _path()
     compiles = deferfuse.metrics()["compiles"]
@@ -165,3 +169,158 @@ def test_the_c_structure_comparison_is_pythons():
     with pytest.raises(TypeError):
         _fastpath.same_structure(nodes, tuple(entries), wirings)
     assert_same(y, (x.cpu() * 2.0 + 1.0).tanh())
+
+
+# NOTE [piece hits] (runtime/hits.py): a sync that runs as several regions or in a bucket.
+def _mlp_pair():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model = copy.deepcopy(ref).to("tpu")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    return model, ref, opts, (x.to("tpu"), y.to("tpu")), (x, y)
+
+
+def _train(model, opt, x, y):
+    """A training step whose ``.item()`` runs as a needed-first split (NOTE [needed first])."""
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+_COUNTED = ("compiles", "regions_run", "cache_hits", "needed_first_splits", "bucketed_runs",
+            "donated_bytes")
+
+
+def _split_steps(steps, dispatch=False):
+    """(losses, CPU's losses, each step's counters, each step's piece hits), the model checked.
+    ``dispatch``: the dispatch thread on (NOTE [in flight])."""
+    model, ref, opts, (xt, yt), (x, y) = _mlp_pair()
+    deferfuse.sync()
+    got, want, counts, hits = [], [], [], []
+    with deferfuse.override(backward_cut=False, dispatch_thread=dispatch):
+        for _ in range(steps):
+            m0, p0 = deferfuse.metrics(), _path().get("piece hits", 0)
+            got.append(_train(model, opts[0], xt, yt))
+            want.append(_train(ref, opts[1], x, y))
+            m = deferfuse.metrics()
+            counts.append(tuple(m[k] - m0[k] for k in _COUNTED))
+            hits.append(_path().get("piece hits", 0) - p0)
+    deferfuse.sync()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), atol=1e-5, rtol=1e-4)
+    return got, want, counts, hits
+
+
+def test_a_split_step_runs_from_its_piece_hit(monkeypatch):
+    got, want, counts, hits = _split_steps(7)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert hits[-3:] == [1, 1, 1], hits
+    # The same step on the full path every time (no piece hit is ever left): the same counts.
+    monkeypatch.setattr(hits_mod, "pieces_of", lambda *a: None)
+    engine.runner.hits.clear()
+    got2, _, counts2, hits2 = _split_steps(7)
+    assert got2 == got and not any(hits2)
+    assert counts[-3:] == counts2[-3:], (counts, counts2)
+    assert counts[-1][:4] == (0, 2, 2, 1) and counts[-1][5] > 0, counts    # donated, as before
+
+
+def test_a_split_step_with_the_dispatch_thread_stays_on_the_full_path():
+    """Its second piece is handed to the dispatch thread: never recorded (NOTE [piece hits])."""
+    before = deferfuse.metrics()["regions_dispatched"]
+    got, want, counts, hits = _split_steps(5, dispatch=True)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert not any(hits) and deferfuse.metrics()["regions_dispatched"] >= before + 5
+    assert counts[-1][:4] == (0, 2, 2, 1), counts
+
+
+def test_a_piece_hit_compares_its_structure():
+    model, ref, opts, (xt, yt), (x, y) = _mlp_pair()
+    with deferfuse.override(backward_cut=False, dispatch_thread=False):
+        for _ in range(4):
+            assert _train(model, opts[0], xt, yt) == pytest.approx(
+                _train(ref, opts[1], x, y), rel=1e-5, abs=1e-6)
+        pieces = [h for _, h in engine.runner.hits.items() if h.__class__ is hits_mod.Pieces]
+        assert pieces
+        for h in pieces:
+            h.entries = list(reversed(h.entries))
+        before = _path()
+        assert _train(model, opts[0], xt, yt) == pytest.approx(
+            _train(ref, opts[1], x, y), rel=1e-5, abs=1e-6)
+        after = _path()
+        assert after.get("another structure", 0) == before.get("another structure", 0) + 1
+        assert after.get("piece hits", 0) == before.get("piece hits", 0)
+        # The full path left a piece hit with the right structure again.
+        assert _train(model, opts[0], xt, yt) == pytest.approx(
+            _train(ref, opts[1], x, y), rel=1e-5, abs=1e-6)
+        assert _path()["piece hits"] == after.get("piece hits", 0) + 1
+
+
+def test_an_input_failed_after_it_was_recorded_takes_the_full_path_from_a_piece_hit(
+        monkeypatch):
+    """As for a region hit: a failed input of a split trace is never handed to a piece."""
+    emb_cpu = torch.randn(10, 4)
+    emb = emb_cpu.to("tpu")
+    good, bad = torch.tensor([1, 2]), torch.tensor([1, 30])
+    with pytest.raises(IndexError) as cpu_error:
+        emb_cpu[bad]
+    said = re.escape(str(cpu_error.value))
+    other_cpu = emb_cpu
+    for _ in range(10):
+        other_cpu = (other_cpu * 0.5).exp()
+
+    def two_traces(idx):
+        e = emb[idx.to("tpu")]
+        engine.sync(Cut.BACKWARD)
+        other = emb
+        for _ in range(10):             # not what the read needs: the second piece
+            other = (other * 0.5).exp()
+        return e, (e * 2.0 + 1.0).sum(), other
+
+    monkeypatch.setattr(deferfuse.config, "dispatch_thread", False)    # (as the test before)
+    for _ in range(4):
+        e, y, other = two_traces(good)
+        assert y.item() == pytest.approx((emb_cpu[good] * 2.0 + 1.0).sum().item(), rel=1e-6)
+        assert_same(other, other_cpu)
+    assert _path().get("piece hits", 0) >= 1
+    e, y, other = two_traces(bad)
+    raised = []
+
+    def other_thread():
+        try:
+            deferfuse.sync()
+        except IndexError as err:
+            raised.append(err)
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(raised) == 1 and re.match(said, str(raised[0]))
+    before = _path().get("a failed input", 0)
+    with pytest.raises(IndexError, match=said):
+        y.item()
+    assert _path().get("a failed input", 0) == before + 1
+    assert_same(other, other_cpu)
+
+
+def test_a_sampling_loop_runs_its_buckets_from_piece_hits():
+    """nanoGPT's sampling: a region per token, each in a bucket's program; from the third call on,
+    each token's sync is a piece hit, with CPU's tokens and the full path's counts."""
+    M = bench_module("models")
+    torch.manual_seed(0)
+    model = M.TinyGPT(layers=1).eval()
+    x = torch.zeros((1, 1), dtype=torch.long)
+    torch.manual_seed(1)
+    want = model.sample(x, 30)
+    model.to("tpu")
+    counts = []
+    for _ in range(4):
+        m0, p0 = deferfuse.metrics(), _path().get("piece hits", 0)
+        torch.manual_seed(1)
+        assert_same(model.sample(x.to("tpu"), 30), want)
+        m = deferfuse.metrics()
+        counts.append(tuple(m[k] - m0[k] for k in _COUNTED) + (_path().get("piece hits", 0) - p0,))
+    assert counts[-1][0] == 0 and counts[-1][4] > 0, counts     # no compile; bucketed
+    assert counts[-1][6] >= counts[-1][4], counts               # every bucket run a hit
+    assert counts[-1][:6] == counts[-2][:6], counts
