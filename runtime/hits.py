@@ -69,19 +69,27 @@ def same_structure(nodes: list, entries: list, wirings: list) -> bool:
     return list(map(key_of, nodes)) == entries and list(map(wiring_of, nodes)) == wirings
 
 
+def _usable(runner, fl, entries, wirings) -> bool:
+    """A hit may run the flushed trace ``fl``: the same structure (NOTE [verified hits]) and no
+    input that failed after it was recorded; else the miss's reason is counted."""
+    if not runner.same_structure(fl.nodes, entries, wirings):
+        S["region_hit_path"]["another structure"] += 1
+        return False
+    for v in fl.ext:
+        if v.array is None and v.err is not None:
+            S["region_hit_path"]["a failed input"] += 1
+            return False
+    return True
+
+
 def run(runner, ctx, hit: Hit, held: tuple, out_sig: tuple, later: bool) -> bool:
     """Run ``runner``'s flushed trace as the region ``hit`` names (NOTE [region hits]); False,
     having done nothing, when the full path must run it."""
     fl = ctx.fl
     nodes, ext = fl.nodes, fl.ext
     entries, wirings = hit.entries, hit.wirings
-    if not runner.same_structure(nodes, entries, wirings):    # NOTE [verified hits]
-        S["region_hit_path"]["another structure"] += 1
+    if not _usable(runner, fl, entries, wirings):
         return False
-    for v in ext:
-        if v.array is None and v.err is not None:
-            S["region_hit_path"]["a failed input"] += 1
-            return False
     S["region_hit_path"]["hits"] += 1
     reg = hit.reg
     S["cache_hits"] += 1
@@ -229,13 +237,8 @@ def run_pieces(runner, ctx, hit: Pieces, later: bool) -> bool:
     having done nothing, when the full path must run it."""
     fl = ctx.fl
     nodes, ext = fl.nodes, fl.ext
-    if not runner.same_structure(nodes, hit.entries, hit.wirings):    # NOTE [verified hits]
-        S["region_hit_path"]["another structure"] += 1
+    if not _usable(runner, fl, hit.entries, hit.wirings):
         return False
-    for v in ext:
-        if v.array is None and v.err is not None:
-            S["region_hit_path"]["a failed input"] += 1
-            return False
     S["region_hit_path"]["piece hits"] += 1
     all_outs, device, checks = fl.outs, fl.device, runner.checks
     broken = False      # a step's call raised: the rest runs as _pieces runs it
