@@ -452,14 +452,14 @@ class _Out:
     __slots__ = ("_s", "shape", "dtype")
 
 
-def _held(v, device: int) -> Storage:
+def _held(v, device: int, dtype=None) -> Storage:
     """NOTE [read-back outputs]: a graph output the host reads back (a CPU tensor or a number
     computed from device values: READ) in a Storage of its own that the pending trace reads back,
     until it is read. A flush makes outputs only of the values live storages hold: a bare value
     was left out of the program (strict mode flushes before the read; defer mode's read of it
     alone ran without it), and the read gave zeros, so a compiled AdamW step that made a
     parameter's state beside another's left its new CPU step count at 0."""
-    st = Storage(v, device, None)
+    st = Storage(v, device, dtype)
     if v.node is not None:
         v.node.trace.track(st)
     return st
@@ -468,9 +468,7 @@ def _held(v, device: int) -> Storage:
 def output_inner(v, dtype, device: int = 0) -> _Out:
     """The value ``v`` (a graph's output, pending or ready) in a Storage of its own, kept among
     the storages the pending trace reads back (the backward pass may read it after a sync)."""
-    st = Storage(v, device, dtype)
-    if v.node is not None:
-        v.node.trace.track(st)
+    st = _held(v, device, dtype)
     o = _Out()
     o._s = st
     o.shape = v.shape

@@ -153,8 +153,9 @@ class Plain:
         self.multi = {}                 # op -> (its keyword-only outputs, functional op) or None
         self.current = None             # the running route's {id(TpuTensor): (it, plain tensor)}
         self.direct = frozenset()       # ids of the NOTE [functional direct] overloads registered
-        self.checks = {}                # id of such an overload -> its NOTE [C++ value checks]
-        self.guards = {}                # id -> (its value check or None, dtypes refused or ())
+        # id of a direct overload with checks -> (its NOTE [C++ value checks] entry or None,
+        # the dtypes its meta function refuses or ())
+        self.guards = {}
         self.attn_lib = None            # the torch_attn PrivateUse1 kernels (plain_torch.packed_kernels)
         # C++ signature id -> the op path's _sig (NOTE [C++ signatures]): one dict lookup per
         # argument instead of hashing its description; bounded (cleared when full, counted)
@@ -390,7 +391,8 @@ class Plain:
         info = r[1]
         if info.low.rng:
             return None
-        check = self.checks.get(id(func))      # NOTE [C++ value checks]
+        guard = self.guards.get(id(func))
+        check = guard[0] if guard is not None else None     # NOTE [C++ value checks]
         if info.low.static:
             return out, [False] * len(args), foreach, outs, check
         return out, [(a.name in info.scalar_kw) if a.kwarg_only else (i in info.scalar_pos)
@@ -894,7 +896,6 @@ def route_whole(composites=()) -> int:
     names.extend(_DEVICE_WHOLE)
     direct = functional_direct()
     PLAIN.direct = frozenset(id(_overload(n)) for n in direct)
-    PLAIN.checks = {id(_overload(n)): _VALUE_CHECKS[n] for n in direct if n in _VALUE_CHECKS}
     PLAIN.guards = {id(_overload(n)): (_VALUE_CHECKS.get(n), _DTYPE_CHECKS.get(n, ()))
                     for n in direct if n in _VALUE_CHECKS or n in _DTYPE_CHECKS}
     names.extend(direct)

@@ -164,6 +164,20 @@ def record(ctx) -> None:
     ctx.counts0 = tuple([S[k] for k in COUNTED])
 
 
+def _places(values, first: dict, nodes: dict) -> list | None:
+    """Each value's place: its index in ``first`` (the flush's inputs or outputs, by id), else its
+    (trace position, output) in ``nodes``; None when one has neither."""
+    places = []
+    for v in values:
+        w = first.get(id(v))
+        if w is None:
+            w = nodes.get(id(v))
+            if w is None:
+                return None
+        places.append(w)
+    return places
+
+
 def pieces_of(ctx, entries, wirings, last) -> Pieces | None:
     """The ``Pieces`` hit of what ``ctx``'s flush ran (``ctx.rec``: (run, Region, memory plan)
     or (run, BucketHit, program) per region, in order), or None when it cannot be one."""
@@ -191,21 +205,9 @@ def pieces_of(ctx, entries, wirings, last) -> Pieces | None:
             # always trace positions), for index checks and a replay.
             st.pc = pc = Piece()
             pc.pos, pc.wiring = list(run.pos), run.wirings
-            src, outs = [], []
-            for v in run.ext:
-                w = at_ext.get(id(v))
-                if w is None:
-                    w = at_node.get(id(v))
-                    if w is None:
-                        return None
-                src.append(w)
-            for v in run.outs:
-                j = at_out.get(id(v))
-                if j is None:
-                    j = at_node.get(id(v))
-                    if j is None:
-                        return None
-                outs.append(j)
+            src, outs = _places(run.ext, at_ext, at_node), _places(run.outs, at_out, at_node)
+            if src is None or outs is None:
+                return None
             spos = [p for p in run.pos if nodes[p].scalars]
             sc = [x for p in spos for x in nodes[p].scalars]
             if len(sc) != len(run.scalars) or any(x is not y for x, y in zip(sc, run.scalars)):
