@@ -229,6 +229,15 @@ class Engine:
         if v.array is None:
             if v.err is not None:
                 self.raise_failed(v)
+            if v.node is not None:
+                # NOTE [value states]: only an empty value (no producer) reads as zeros; a value
+                # whose op was recorded but that the sync did not compute was elided by mistake,
+                # and reading it as zeros would be a silent wrong answer.
+                n = v.node
+                raise RuntimeError(f"deferfuse internal error: a value of {getattr(n, 'name', n)} "
+                                   f"recorded at {getattr(n, 'src', '?')} was not computed by the "
+                                   "sync that read it; please report this with DEFERFUSE_DEBUG=3 "
+                                   "output")
             materialize_empty(v, device)
         return v.array
 

@@ -57,6 +57,9 @@ class Value:
       is an internal error naming that program;
     - empty: none of these (``torch.empty``): read as zeros, as uninitialised memory may be.
 
+    A pending value that the sync reading it did not compute (its op recorded, but elided as no
+    output) is none of these: ``Engine.ready`` raises an internal error for it, never zeros.
+
     ``chk``: the index checks of the program that computed it, not yet read by the host (see NOTE
     [unchecked values] in runtime/flush.py), or None."""
 

@@ -214,6 +214,25 @@ def test_a_donated_buffer_is_never_read_as_zeros(monkeypatch):
 
 
 @pytest.mark.modes("defer")
+def test_an_elided_value_is_never_read_as_zeros():
+    """NOTE [value states]: only an empty value (``torch.empty``: no producer) reads as zeros. A
+    value whose op was recorded, held by no storage when its trace ran, was not computed: reading
+    it is an internal error, never zeros (the silent wrong answer NOTE [read-back outputs] in
+    compiled.py fixed had this shape)."""
+    a = torch.randn(4)
+    x = a.to("tpu")
+    v = storage_of(x * 3).val          # the product's tensor dies here: only v holds the value
+    keep = x + 1
+    deferfuse.sync()                   # runs the trace; the product is no output of it
+    assert v.array is None and v.node is not None
+    with pytest.raises(RuntimeError, match="internal error.*mul.*not computed"):
+        engine.ready(v)
+    assert_same(keep, a + 1)
+    e = torch.empty(3, device="tpu")   # an empty value still reads (as uninitialised memory may)
+    assert e.cpu().shape == (3,)
+
+
+@pytest.mark.modes("defer")
 def test_an_earlier_async_error_keeps_the_work_recorded_since():
     torch.manual_seed(0)
     lin = nn.Linear(4, 2)
