@@ -7,9 +7,10 @@ raises, saying what to do instead.
 
 NOTE [storage resize]: a tpu storage holds one value, the whole base tensor (NOTE [storage model]
 in tensor.py). ``resize_(0)`` drops that value, so its device buffer is freed: the storage then
-holds a value of the same shape with no buffer and ``nbytes`` 0 (its size). ``resize_(n)`` back to
-the base's full size makes it an uninitialised value again (read before written: zeros, as any
-``torch.empty``). Other sizes would change what the base tensor is, and raise.
+holds a value of the same shape with no buffer and ``nbytes`` 0 (its size); reading it raises
+(CPU would read freed memory). ``resize_(n)`` back to the base's full size makes it an
+uninitialised value again (read before written: zeros, as any ``torch.empty``). Other sizes would
+change what the base tensor is, and raise.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Host <-> device copies, and the one place torch tensors become JAX arrays and back."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +100,13 @@ def empty_value(shape, dtype: torch.dtype) -> Value:
 
 
 def materialize_empty(v: Value, device: int) -> None:
+    """Bind the empty value ``v`` (NOTE [value states]) to zeros: uninitialised memory read. A
+    value with elements but no bytes is a storage freed by ``resize_(0)`` (NOTE [storage resize]
+    in deferfuse/storage.py): reading it raises (CPU reads freed memory) instead of giving zeros."""
+    if v.nbytes == 0 and v.dtype.itemsize and math.prod(v.shape):
+        raise RuntimeError(f"a tpu tensor of shape {list(v.shape)} was read after its storage was "
+                           "freed (untyped_storage().resize_(0)); resize the storage back to its "
+                           "full size before reading it")
     with x64(True):
         v.bind(jax.device_put(jnp.zeros(v.shape, v.dtype), devices()[device]))
 

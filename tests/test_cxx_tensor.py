@@ -484,6 +484,28 @@ def test_untyped_storage_resize_frees_and_restores_as_fsdp2_does():
         x.untyped_storage().resize_(5)
 
 
+@pytest.mark.parametrize("shape", [(3, 4), ()])
+def test_reading_a_freed_storage_raises_and_loses_nothing_else(shape):
+    """NOTE [storage resize]: CPU reads freed memory (it may crash); a tpu tensor whose storage was
+    resized to 0 raises when read (an op on it, a copy to CPU), never reads as zeros, and nothing
+    recorded beside it is lost; resized back and written, it reads CPU's values."""
+    c = torch.randn(shape)
+    x = c.to("tpu")
+    other = torch.randn(5)
+    before = other.to("tpu") * 2
+    x.untyped_storage().resize_(0)
+    for read in (lambda: (x + 1).cpu(), lambda: x.cpu(), lambda: x.sum().item()):
+        with pytest.raises(RuntimeError, match="storage was freed"):
+            read()
+    after = before + 1
+    torch.testing.assert_close(after.cpu(), other * 2 + 1, rtol=0, atol=0)
+    x.untyped_storage().resize_(c.untyped_storage().nbytes())
+    new = torch.randn(shape)
+    with torch.no_grad():
+        x.copy_(new.to("tpu"))
+    torch.testing.assert_close(x.cpu(), new, rtol=0, atol=0)
+
+
 def test_deepcopy_equals_cpu_and_is_independent():
     import copy
     c = torch.randn(3, requires_grad=True)

@@ -544,6 +544,7 @@ def test_one_process_compiled_graph_with_collectives(group, tpu_mode):
     def f(x):
         y = fc.wait_tensor(fc.all_reduce(x * 2, "sum", group))
         return y.relu(), fc.wait_tensor(fc.all_gather_tensor(x, 0, group)).sum(0)
+    torch._dynamo.reset()               # (the other mode's run compiled this function already)
     cf = torch.compile(f, backend="tpu")
     for _ in range(2):
         x = torch.randn(3, 4)
