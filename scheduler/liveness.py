@@ -1,25 +1,12 @@
 """Liveness over a trace and budget-aware cuts: pure Python over (wiring, bytes) records.
 
-The trace is a DAG (networkx): nodes are ops in recording order, edges carry values. A value is
+The trace is a DAG: nodes are ops in recording order, edges carry values. A value is
 live from the op that produces it to its last reader, or to the end when a live tensor holds it.
 ``simulate`` walks the ops in order and reports live bytes after each; the runtime cuts a region
 over its memory budget where the fewest bytes are live (scheduler/cut.py). Runs on a compile-cache
 miss only; decisions depend on sizes and order, never on time.
 """
 from __future__ import annotations
-
-import networkx as nx
-
-
-def graph(wiring: list[tuple]) -> nx.DiGraph:
-    """The dependency graph: an edge (p, q) when op q reads an output of op p."""
-    g = nx.DiGraph()
-    g.add_nodes_from(range(len(wiring)))
-    for q, ws in enumerate(wiring):
-        for w in ws:
-            if isinstance(w, tuple):
-                g.add_edge(w[0], q)
-    return g
 
 
 def simulate(wiring, out_bytes, ext_bytes, ext_held, live_outs) -> list[int]:
@@ -29,7 +16,8 @@ def simulate(wiring, out_bytes, ext_bytes, ext_held, live_outs) -> list[int]:
     throughout (a live tensor holds it); ``live_outs``: set of (pos, idx) that leave the region.
     """
     n = len(wiring)
-    assert nx.is_directed_acyclic_graph(graph(wiring))   # recording order is a topological order
+    # recording order is a topological order: every op reads outputs of earlier ops only
+    assert all(w[0] < q for q, ws in enumerate(wiring) for w in ws if isinstance(w, tuple))
     dies: list[list[int]] = [[] for _ in range(n)]        # bytes freed after op q
     last, ext_last = {}, [-1] * len(ext_bytes)
     for q, ws in enumerate(wiring):
