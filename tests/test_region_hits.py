@@ -386,3 +386,34 @@ def test_the_c_trace_outputs_are_pythons():
     with pytest.raises(TypeError):
         _fastpath.trace_outputs(tuple(refs), mine, None)
 
+
+def _floats(x, k):
+    return (x * (0.5 + k) + 0.25).tanh().sum().item()
+
+
+def _mixed(x, k):
+    return ((x * (3 + k)).add(0.25) * 2.5).sum().item()
+
+
+def test_a_hit_packs_its_scalars_as_the_full_path_does():
+    """A region hit of all-float scalars packs them as one float64 array (execute.pack_floats);
+    one with int and float scalars as the full path does: both run from the hit, compile nothing
+    after their first steps, and give CPU's values."""
+    from deferfuse.runtime import execute
+
+    def steps(dev, fn):
+        torch.manual_seed(0)
+        x = torch.randn(8).to(dev)
+        return [fn(x, k) for k in range(6)]
+
+    for fn, pack in ((_floats, execute.pack_floats), (_mixed, execute.pack_scalars)):
+        engine.runner.hits.clear()
+        m0, p0 = deferfuse.metrics(), _path().get("hits", 0)
+        got = steps("tpu", fn)
+        m = deferfuse.metrics()
+        assert got == pytest.approx(steps("cpu", fn), rel=1e-6)
+        assert _path().get("hits", 0) - p0 >= 3
+        assert m["compiles"] - m0["compiles"] <= 2
+        assert m["regions_run"] - m0["regions_run"] == 6
+        assert {h.pack for h in engine.runner.hits.values() if h.__class__ is hits_mod.Hit} \
+            == {pack}
