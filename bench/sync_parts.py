@@ -6,6 +6,8 @@ from each sync's phases the time spent inside ``execute.run_region`` (the execut
 its scalar packing) is subtracted, so what is left is the host's own work, which a loaded machine
 disturbs far less than the call (JAX's asynchronous dispatch wakes a worker thread). Medians per
 call. Compare two trees by running this script under each, alternated, in separate processes.
+``--clock cpu`` times the calling thread's CPU time (``time.thread_time``), which a loaded machine
+disturbs less again (a step's CPU time is printed beside its wall time).
 
     .venv/bin/python bench/sync_parts.py --workloads small_ops,bptt_lstm,wlm_lstm --steps 300
 """
@@ -32,35 +34,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="small_ops,bptt_lstm,wlm_lstm")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter; cpu: the calling thread's time.thread_time")
     args = ap.parse_args()
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     inside = [0.0]      # seconds inside run_region so far
     acc = collections.defaultdict(list)
     run_region = X.run_region
 
     def timed_run_region(*a, **k):
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return run_region(*a, **k)
         finally:
-            inside[0] += time.perf_counter() - t0
+            inside[0] += clock() - t0
     X.run_region = timed_run_region
 
     def wrap(owner, name, label, less_call):
         f = getattr(owner, name)
 
         def g(*a, **k):
-            c0, t0 = inside[0], time.perf_counter()
+            c0, t0 = inside[0], clock()
             try:
                 return f(*a, **k)
             finally:
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 acc[label].append(dt - (inside[0] - c0) if less_call else dt)
         setattr(owner, name, g)
     wrap(E.Engine, "sync", "sync", True)
     wrap(E.Engine, "flush", "flush", True)
     wrap(R.Trace, "take", "take", False)
     wrap(F.Runner, "run", "runner.run", True)
-    print(f"deferfuse {df.__file__}; load {os.getloadavg()[0]:.1f}; "
+    print(f"deferfuse {df.__file__}; load {os.getloadavg()[0]:.1f}; clock {args.clock}; "
           "median us a call, the XLA call (run_region) taken out")
     for w in args.workloads.split(","):
         ctx = W.Ctx("defer")
@@ -72,15 +77,17 @@ def main() -> None:
             acc.clear()
             df.reset_metrics()
             inside[0] = 0.0
-            ts = []
+            ts, cs = [], []
             for _ in range(args.steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 b.step()
                 ts.append(time.perf_counter() - t0)
+                cs.append(time.thread_time() - c0)
             m = df.metrics()
             path = m.get("region_hit_path", {})
             hits = f"{path.get('hits', 0)}+{path.get('piece hits', 0)}" if path else "-"
-        print(f"{w}: step {statistics.median(ts) * 1e3:.3f} ms; syncs a step "
+        print(f"{w}: step {statistics.median(ts) * 1e3:.3f} ms (CPU "
+              f"{statistics.median(cs) * 1e3:.3f}); syncs a step "
               f"{len(acc['sync']) / args.steps:.0f}; region+piece hits {hits}; "
               + "; ".join(f"{k} {statistics.median(v) * 1e6:.1f}" for k, v in acc.items()))
 

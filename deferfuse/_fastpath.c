@@ -2231,6 +2231,116 @@ static PyObject *same_structure(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_TRUE;
 }
 
+/* NOTE [trace outputs] (deferfuse/record.py, Trace.take): the pending values of trace that a live
+   storage of storages (weak references) holds, each once, in trace order (by node position, then
+   output index: NOTE [outputs in trace order]), and partner: id(value) -> the storage's prev for
+   the first storage (in storages' order) holding each, where prev is not 0; want (or None): the
+   value the sync reads, an output too when it is pending in trace. What record.trace_outputs
+   does in Python, one storage at a time without Python frames: most of a hit sync's take. */
+typedef struct { Py_ssize_t pos, idx, order; PyObject *v, *prev; } OutRow;
+
+static int out_cmp(const void *a, const void *b) {
+    const OutRow *x = a, *y = b;
+    if (x->pos != y->pos) return x->pos < y->pos ? -1 : 1;
+    if (x->idx != y->idx) return x->idx < y->idx ? -1 : 1;
+    return x->order < y->order ? -1 : x->order > y->order;
+}
+
+/* v's (pos, idx) when it is pending in trace: 1; 0 when not; -1 with an error set */
+static int pending_in(PyObject *v, PyObject *trace, Py_ssize_t *pos, Py_ssize_t *idx) {
+    static PyObject *node_s, *trace_s, *pos_s, *idx_s;
+    if (node_s == NULL && ((node_s = PyUnicode_InternFromString("node")) == NULL ||
+            (trace_s = PyUnicode_InternFromString("trace")) == NULL ||
+            (pos_s = PyUnicode_InternFromString("pos")) == NULL ||
+            (idx_s = PyUnicode_InternFromString("idx")) == NULL))
+        return -1;
+    PyObject *n = slot_get(&L_value, 1, v, node_s);
+    if (n == NULL) return -1;
+    if (n == Py_None) { Py_DECREF(n); return 0; }
+    PyObject *t = Py_IS_TYPE(n, L_node.type) ? slot_get(&L_node, 8, n, trace_s) : GET(n, trace_s);
+    if (t == NULL) { Py_DECREF(n); return -1; }
+    int mine = t == trace;
+    Py_DECREF(t);
+    if (mine) {
+        PyObject *p = Py_IS_TYPE(n, L_node.type) ? slot_get(&L_node, 7, n, pos_s) : GET(n, pos_s);
+        PyObject *i = p ? slot_get(&L_value, 2, v, idx_s) : NULL;
+        *pos = p ? PyLong_AsSsize_t(p) : -1;
+        *idx = i ? PyLong_AsSsize_t(i) : -1;
+        Py_XDECREF(p); Py_XDECREF(i);
+        if (PyErr_Occurred()) { Py_DECREF(n); return -1; }
+    }
+    Py_DECREF(n);
+    return mine;
+}
+
+static PyObject *trace_outputs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static PyObject *val_s, *prev_s;
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "trace_outputs(storages: list, trace, want)");
+        return NULL;
+    }
+    if (val_s == NULL && ((val_s = PyUnicode_InternFromString("val")) == NULL ||
+                          (prev_s = PyUnicode_InternFromString("prev")) == NULL))
+        return NULL;
+    PyObject *storages = args[0], *trace = args[1], *want = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(storages), k = 0;
+    OutRow *rows = PyMem_Malloc((n + 1) * sizeof *rows);
+    if (rows == NULL) return PyErr_NoMemory();
+    PyObject *outs = NULL, *partner = NULL, *result = NULL;
+    for (Py_ssize_t j = 0; j < n && j < PyList_GET_SIZE(storages); j++) {
+        PyObject *r = PyList_GET_ITEM(storages, j);
+        if (!PyWeakref_Check(r)) { PyErr_SetString(PyExc_TypeError, "trace_outputs: not a weakref"); goto done; }
+        PyObject *st = PyWeakref_GetObject(r);      /* borrowed */
+        if (st == Py_None) continue;
+        Py_INCREF(st);
+        PyObject *v = slot_get(&L_storage, 0, st, val_s);
+        if (v == NULL) { Py_DECREF(st); goto done; }
+        Py_ssize_t pos, idx;
+        int mine = pending_in(v, trace, &pos, &idx);
+        if (mine <= 0) { Py_DECREF(v); Py_DECREF(st); if (mine < 0) goto done; continue; }
+        PyObject *prev = slot_get(&L_storage, 6, st, prev_s);
+        Py_DECREF(st);
+        if (prev == NULL) { Py_DECREF(v); goto done; }
+        rows[k++] = (OutRow){pos, idx, j, v, prev};        /* owns v and prev */
+    }
+    if (want != Py_None) {
+        Py_ssize_t pos, idx;
+        int mine = pending_in(want, trace, &pos, &idx);
+        if (mine < 0) goto done;
+        if (mine) {
+            Py_INCREF(want); Py_INCREF(Py_False);
+            rows[k++] = (OutRow){pos, idx, n, want, Py_False};    /* after every storage's */
+        }
+    }
+    qsort(rows, k, sizeof *rows, out_cmp);
+    if ((outs = PyList_New(0)) == NULL || (partner = PyDict_New()) == NULL) goto done;
+    Py_ssize_t group = 0;       /* where the rows of this (pos, idx) begin in outs */
+    for (Py_ssize_t j = 0; j < k; j++) {
+        /* a value's rows share its (pos, idx), the first storage's first: keep that one */
+        if (j == 0 || rows[j].pos != rows[j - 1].pos || rows[j].idx != rows[j - 1].idx)
+            group = PyList_GET_SIZE(outs);
+        PyObject *last = rows[j].v;
+        int dup = 0;
+        for (Py_ssize_t q = group; q < PyList_GET_SIZE(outs) && !dup; q++)
+            dup = PyList_GET_ITEM(outs, q) == last;
+        if (dup) continue;
+        if (PyList_Append(outs, last) < 0) goto done;
+        int t = PyObject_IsTrue(rows[j].prev);
+        if (t < 0) goto done;
+        if (t) {
+            PyObject *key = PyLong_FromVoidPtr(last);
+            if (key == NULL || PyDict_SetItem(partner, key, rows[j].prev) < 0) { Py_XDECREF(key); goto done; }
+            Py_DECREF(key);
+        }
+    }
+    result = PyTuple_Pack(2, outs, partner);
+done:
+    for (Py_ssize_t j = 0; j < k; j++) { Py_DECREF(rows[j].v); Py_DECREF(rows[j].prev); }
+    PyMem_Free(rows);
+    Py_XDECREF(outs); Py_XDECREF(partner);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "TpuTensor.__torch_dispatch__: the C record path's fast case, else the Python path."},
@@ -2242,6 +2352,8 @@ static PyMethodDef methods[] = {
     {"stats", stats, METH_NOARGS, "Calls taken by the fast case (hits) and passed on (misses)."},
     {"same_structure", (PyCFunction)(void (*)(void))same_structure, METH_FASTCALL,
      "NOTE [region hits]: whether nodes' op entries and wirings equal entries and wirings."},
+    {"trace_outputs", (PyCFunction)(void (*)(void))trace_outputs, METH_FASTCALL,
+     "NOTE [trace outputs]: (the values a trace's live storages hold, in trace order; partner)."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
     {"ts_changed", ts_changed, METH_NOARGS, "NOTE [thread state memo]: engine.local.ts was set."},
 #ifdef DEFERFUSE_HIT_TIMING

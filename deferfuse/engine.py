@@ -95,6 +95,7 @@ class Engine:
         self.bodies = Bodies()
         self.sources = SourceLines()
         self.rng = Rng()
+        self.settings = self.settings_of = None     # the last flush's Settings, and its values
         self.young_gc = 0           # NOTE [gc threshold] (deferfuse/__init__.py)
         self.raised_gc = 0
         self.local = _Local(self)
@@ -171,10 +172,13 @@ class Engine:
                 return
             if src is None:
                 src = self.sources.site(sys._getframe(1))
-            cfg = Settings(config.debug, config.cross_check, config.memory_planner,
-                           config.shape_recompile_limit, config.memory_budget, config.step_detection,
-                           config.buckets, config.setup_first, config.buckets_ahead,
-                           config.dispatch_thread)
+            now = (config.debug, config.cross_check, config.memory_planner,
+                   config.shape_recompile_limit, config.memory_budget, config.step_detection,
+                   config.buckets, config.setup_first, config.buckets_ahead, config.dispatch_thread)
+            cfg = self.settings
+            if cfg is None or self.settings_of != now:      # the last flush's, while unchanged
+                cfg = self.settings = Settings(*now)
+                self.settings_of = now
             ctx = self.runner.start(fl, reason, src, cfg, config.max_regions)
             try:
                 self.runner.run(ctx, later or is_async(reason))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ._fastpath import TraceState
+from ._fastpath import TraceState, trace_outputs
 from .config import SKIP_PREFIXES, config
 from .runtime import stats
 from .runtime.runs import Flush
@@ -89,13 +89,12 @@ class Bodies:
         self.outer.clear()
 
 
-def _trace_order(v):
-    """NOTE [outputs in trace order]: a trace's outputs (the values live tensors still hold) are
-    listed by the op that makes them, then the output's index. Their order is part of a region's
-    key and of a bucket program's key, and the order in which storages were registered is not the
-    same from one call of a loop to the next (a sampling loop's second call compiled a bucket
-    program again for the same outputs, listed the other way round)."""
-    return (v.node.pos, v.idx)
+# NOTE [outputs in trace order]: a trace's outputs (the values live tensors still hold) are listed
+# by the op that makes them, then the output's index (``Trace.take``, through _fastpath.c's
+# ``trace_outputs``). Their order is part of a region's key and of a bucket program's key, and the
+# order in which storages were registered is not the same from one call of a loop to the next (a
+# sampling loop's second call compiled a bucket program again for the same outputs, listed the
+# other way round).
 
 
 class Trace(TraceState):
@@ -328,29 +327,14 @@ class Trace(TraceState):
         nodes = self.nodes
         if not nodes:
             return None
-        # Outputs: pending values of this trace that a live storage still holds (weak refs).
-        # partner: output -> id of the value its storage held before this trace wrote it.
-        outs, seen, partner = [], set(), {}
-        for r in self.storages:
-            st = r()
-            if st is None:
-                continue
-            v = st.val
-            n = v.node
-            if n is not None and n.trace is self and id(v) not in seen:
-                seen.add(id(v))
-                outs.append(v)
-                if st.prev:
-                    partner[id(v)] = st.prev
-        # The value the sync reads is an output even when no storage holds it (a bare value read
-        # back: NOTE [read-back outputs] in compiled.py), or the read would find it never made.
-        if (want is not None and want.node is not None and want.node.trace is self
-                and id(want) not in seen):
-            outs.append(want)
-        # In the order of the trace, not of the storages: which storage registered first changes
-        # from call to call (a loop's tensors are freed and made again), and the order of the
-        # outputs is part of a program's key (NOTE [outputs in trace order]).
-        outs.sort(key=_trace_order)
+        # Outputs: pending values of this trace that a live storage still holds (weak refs), and
+        # the value the sync reads even when no storage holds it (a bare value read back: NOTE
+        # [read-back outputs] in compiled.py), or the read would find it never made. In the order
+        # of the trace, not of the storages: which storage registered first changes from call to
+        # call (a loop's tensors are freed and made again), and the order of the outputs is part
+        # of a program's key (NOTE [outputs in trace order]). partner: output -> id of the value
+        # its storage held before this trace wrote it. NOTE [trace outputs] in _fastpath.c.
+        outs, partner = trace_outputs(self.storages, self, want)
         want = ((want.node.pos,) if want is not None and want.node is not None
                 and want.node.trace is self and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted

@@ -24,11 +24,15 @@ record keeps the positions that failed (``failed``, ``err``) and forgets its ``u
 from __future__ import annotations
 
 import weakref
+from operator import attrgetter
 
 import numpy as np
 
 from . import stats
 from .lowering import flag_message
+
+
+_chk_of = attrgetter("chk")
 
 
 def dependents(wirings, start: int) -> set:
@@ -70,8 +74,8 @@ class Checks:
         self.names = [nodes[p].name for p, _, _ in msgs] if flags else ()
         self.srcs = [nodes[p].src for p, _, _ in msgs] if flags else ()
         self.wirings = wirings
-        self.outs = [weakref.ref(v) for v in outs]
-        self.at = {id(v): k for k, v in enumerate(outs)}
+        self.outs = list(map(weakref.ref, outs))
+        self.at = dict(zip(map(id, outs), range(len(outs))))
         self.out_sig = out_sig
         self.ups = ups
         self.done = False
@@ -95,12 +99,11 @@ class CheckList:
         filled in when it is settled. Returns the record, or None."""
         ups = None
         if self.pending:
-            for i, v in enumerate(ext):
-                c = v.chk
+            for i, c in enumerate(map(_chk_of, ext)):
                 if c is not None and not c.done:
                     if ups is None:
                         ups = []
-                    ups.append((i, c, c.at[id(v)]))
+                    ups.append((i, c, c.at[id(ext[i])]))
         if not flags and ups is None:
             return None
         rec = Checks(flags, msgs, nodes, wirings, outs, out_sig, ups, later)

@@ -178,6 +178,18 @@ def pack_scalars(scalars: list):
             np.array([s for s in scalars if type(s) is not float], np.int64))
 
 
+_NO_INTS = np.empty(0, np.int64)
+_NO_INTS.flags.writeable = False
+
+
+def pack_floats(scalars: list):
+    """``pack_scalars`` of scalars known to be all floats, none missing (a region hit knows it
+    from its key: NOTE [packed scalars]): one array made, the empty int64 array shared."""
+    if _weak_cast is None:      # pragma: no cover (scalars passed one by one)
+        return scalars
+    return (np.array(scalars, np.float64), _NO_INTS)
+
+
 def _unpack_scalars(packed, is_float: tuple) -> list:
     if _weak_cast is None or not is_float:
         return packed
@@ -263,10 +275,13 @@ def compile_region(plan, out_sig, donate, don, keep, scalars, device: int = 0, s
     return compiled, lowered, dt, msgs, fresh
 
 
-def run_region(compiled, don, keep, scalars, device: int = 0, debug: bool = False):
+def run_region(compiled, don, keep, scalars, device: int = 0, debug: bool = False,
+               pack=pack_scalars):
+    """Call a region's executable; ``pack``: how its scalars are packed (``pack_floats`` when they
+    are known to be all floats)."""
     t0 = time.perf_counter()
     with x64(True):
-        res = compiled(don, keep, pack_scalars(scalars))
+        res = compiled(don, keep, pack(scalars))
         _last[device] = res[0]
         if debug:
             jax.block_until_ready(res)

@@ -177,7 +177,7 @@ class Runner:
             return
         if ctx.single is not None:
             reg, mplan = ctx.single
-            self.hits[hkey] = hits.Hit(reg, entries, wirings, mplan)
+            self.hits[hkey] = hits.Hit(reg, entries, wirings, mplan, ctx.fl.scalars)
         elif ctx.rec is not None:
             hit = hits.pieces_of(ctx, entries, wirings, self.last[3])
             if hit is not None:

@@ -50,13 +50,17 @@ class HitKey:
 class Hit:
     """What a region hit needs (NOTE [region hits]): the region, the structure it runs (compared
     on every hit) and its memory plan."""
-    __slots__ = ("reg", "entries", "wirings", "donate", "donates", "donated_bytes")
+    __slots__ = ("reg", "entries", "wirings", "donate", "donates", "donated_bytes", "pack")
 
-    def __init__(self, reg, entries, wirings, mplan):
+    def __init__(self, reg, entries, wirings, mplan, scalars):
         self.reg, self.entries, self.wirings = reg, entries, wirings
         self.donate = mplan.donate
         self.donates = any(mplan.donate)
         self.donated_bytes = mplan.donated_bytes
+        # Which scalar is a float is a function of the key (each op's entry has its scalars'
+        # types: NOTE [packed scalars]), so a hit's scalars are all floats when these are.
+        self.pack = (execute.pack_floats if scalars and all(type(s) is float for s in scalars)
+                     else execute.pack_scalars)
 
 
 key_of = attrgetter("key")
@@ -103,7 +107,8 @@ def run(runner, ctx, hit: Hit, held: tuple, out_sig: tuple, later: bool) -> bool
     outs = fl.outs
     with runner.interrupts:
         try:
-            res, flags = execute.run_region(reg.compiled, don, keep, fl.scalars, fl.device)
+            res, flags = execute.run_region(reg.compiled, don, keep, fl.scalars, fl.device,
+                                            False, hit.pack)
         except Exception as e:
             raise_oom(e, reg, memory_stats)
             runner._around(ctx, Run(nodes, entries, wirings, range(len(nodes)), ext, held,

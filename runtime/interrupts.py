@@ -53,7 +53,8 @@ class Interrupts:
     """The main thread's depth inside deferfuse, the signals held meanwhile, and the wrapped
     handlers. ``with interrupts:`` is one level (a no-op on other threads)."""
 
-    __slots__ = ("main", "depth", "held", "_prev_hook", "_getsignal", "_setsignal", "_later")
+    __slots__ = ("main", "depth", "held", "_prev_hook", "_getsignal", "_setsignal", "_later",
+                 "_seen", "_hook")
 
     def __init__(self):
         self.main = threading.main_thread().ident
@@ -62,6 +63,11 @@ class Interrupts:
         self._prev_hook = None
         self._getsignal, self._setsignal = signal.getsignal, signal.signal
         self._later = _Later(self)
+        self._seen = None       # the raw handlers when install last wrapped every one it could
+        # sys.unraisablehook's value while ours: one bound method, made once (each read of
+        # ``self._unraisable`` makes a new one, which ``is`` never matches: each install took the
+        # last one for the previous hook, and the chain called itself until RecursionError)
+        self._hook = self._unraisable
 
     def __enter__(self):
         if _thread.get_ident() == self.main:
@@ -99,6 +105,11 @@ class Interrupts:
             return
         self._hide()
         raw = _signal.getsignal
+        # Every sync calls this: handlers the same objects as when every one was last wrapped (or
+        # left as it was: not callable) have nothing to wrap.
+        seen = tuple(map(raw, _SIGNALS))
+        if seen == self._seen and sys.unraisablehook is self._hook:
+            return
         for s in _SIGNALS:
             # Every sync calls this: the raw handler first (C, no enum conversion; signal.getsignal
             # costs ~2 µs a signal), the full lookup only for a callable handler not ours.
@@ -111,9 +122,10 @@ class Interrupts:
                     self._setsignal(s, self._wrap(h))
                 except (ValueError, OSError):   # not the main interpreter
                     return
-        if sys.unraisablehook is not self._unraisable:
+        if sys.unraisablehook is not self._hook:
             self._prev_hook = sys.unraisablehook
-            sys.unraisablehook = self._unraisable
+            sys.unraisablehook = self._hook
+        self._seen = tuple(map(raw, _SIGNALS))
 
     def unwrap(self, handler):
         """The handler the user installed, for one of ours (anything else as it is)."""

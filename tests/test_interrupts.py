@@ -162,6 +162,67 @@ def test_getsignal_returns_the_users_handler_and_the_handler_is_still_held():
 
 
 @pytest.mark.modes("defer")
+def test_a_handler_set_behind_signal_signal_is_held_from_the_next_sync():
+    """A handler set without ``signal.signal``'s wrapper (the C ``_signal.signal``, as a module
+    that bound ``signal.signal`` before deferfuse was imported calls it) is held from the next
+    sync on, and so is another one set after it: the sync's install looks again whenever the
+    handlers changed since it last wrapped them (NOTE [interrupt safety])."""
+    import _signal
+    import signal
+    import torch
+    from deferfuse.engine import engine
+    held = engine.interrupts
+    x = torch.arange(6.0)
+    xt = x.to("tpu")
+
+    def first(signum, frame):
+        raise KeyboardInterrupt
+
+    def second(signum, frame):
+        raise KeyboardInterrupt
+
+    old = _signal.getsignal(signal.SIGALRM)
+    try:
+        for k, handler in enumerate((first, second, first)):
+            _signal.signal(signal.SIGALRM, handler)
+            assert _signal.getsignal(signal.SIGALRM) is handler
+            assert (xt * (k + 2.0)).sum().item() == (x * (k + 2.0)).sum().item()   # a sync
+            now = _signal.getsignal(signal.SIGALRM)
+            assert getattr(now, "__deferfuse_held__", None) is held, k
+            assert now.__wrapped__ is handler
+            assert signal.getsignal(signal.SIGALRM) is handler
+            assert (xt * 3.0).sum().item() == (x * 3.0).sum().item()     # nothing changed
+            assert _signal.getsignal(signal.SIGALRM) is now
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.modes("defer")
+def test_an_exception_in_a_finalizer_reaches_the_previous_hook_once():
+    """deferfuse's ``sys.unraisablehook`` (NOTE [interrupt safety]) hands anything but a
+    KeyboardInterrupt to the hook it replaced, once, however many syncs installed it again (each
+    sync used to take its own hook for the previous one: a RecursionError replaced the message)."""
+    import torch
+    seen = []
+    old = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        x = torch.arange(4.0)
+        xt = x.to("tpu")
+        for k in range(3):      # each sync installs
+            assert (xt * (k + 1.5)).sum().item() == (x * (k + 1.5)).sum().item()
+
+        class Finalized:
+            def __del__(self):
+                raise ValueError("raised in __del__")
+        Finalized()
+        assert [(type(u.exc_value), str(u.exc_value)) for u in seen] == \
+            [(ValueError, "raised in __del__")]
+    finally:
+        sys.unraisablehook = old
+
+
+@pytest.mark.modes("defer")
 @pytest.mark.parametrize("wait", ["sleep", "loop", "event"])
 def test_a_signal_outside_deferfuse_is_raised_promptly(wait):
     """Outside deferfuse a handler runs from a pending call (NOTE [interrupt safety]), which a

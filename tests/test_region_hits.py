@@ -316,3 +316,104 @@ def test_a_sampling_loop_runs_its_buckets_from_piece_hits():
     assert counts[-1][0] == 0 and counts[-1][4] > 0, counts     # no compile; bucketed
     assert counts[-1][6] >= counts[-1][4], counts               # every bucket run a hit
     assert counts[-1][:6] == counts[-2][:6], counts
+
+
+def _outputs_in_python(storages, trace, want):
+    """What Trace.take's outputs are (NOTE [trace outputs] in deferfuse/_fastpath.c), written out:
+    each value pending in ``trace`` that a live storage holds, once, sorted by (node position,
+    output index), storages' order among equals; partner from the first storage holding each."""
+    outs, seen, partner = [], set(), {}
+    for r in storages:
+        st = r()
+        if st is None:
+            continue
+        v = st.val
+        n = v.node
+        if n is not None and n.trace is trace and id(v) not in seen:
+            seen.add(id(v))
+            outs.append(v)
+            if st.prev:
+                partner[id(v)] = st.prev
+    if want is not None and want.node is not None and want.node.trace is trace \
+            and id(want) not in seen:
+        outs.append(want)
+    outs.sort(key=lambda v: (v.node.pos, v.idx))
+    return outs, partner
+
+
+def test_the_c_trace_outputs_are_pythons():
+    """_fastpath.trace_outputs (Trace.take's outputs) says what the Python walk says: values of
+    another trace, ready values, dead storages and in-flight values left out; a value held by two
+    storages listed once, with the first storage's partner; the value read added once; trace order,
+    storages' order among equal positions."""
+    from deferfuse import _fastpath
+    from deferfuse.runtime.execute import NO_TRACE
+    from deferfuse.scheduler.records import Node, Value
+    from deferfuse.tensor import Storage
+
+    class SubValue(Value):      # not the exact class: read through getattr
+        __slots__ = ()
+
+    class InFlight:             # an in-flight job as a node (NOTE [in flight])
+        pos, idx, trace = -1, 0, NO_TRACE
+
+    mine, other = object(), object()
+    nodes = [Node(None, [], (), 0, [], (), None, p, mine) for p in range(5)]
+    far = Node(None, [], (), 0, [], (), None, 1, other)
+
+    def val(node, idx=0, cls=Value):
+        return cls((4,), None, 16, None, node, idx)
+
+    a, b, c, d = val(nodes[3]), val(nodes[1], 1), val(nodes[1], 0), val(nodes[4], 0, SubValue)
+    e, f, g = val(far), val(None), val(InFlight())
+    read_alone, read_other = val(nodes[2]), val(far)
+    held = [(a, 0), (b, 5), (c, 0), (a, 9), (e, 3), (f, 4), (g, 2), (d, 6), (c, 8), (b, 1)]
+    sts = [Storage(v, 0, torch.float32) for v, _ in held]
+    for st, (_, prev) in zip(sts, held):
+        st.prev = prev
+    dead = Storage(val(nodes[0]), 0, torch.float32)
+    refs = [s.wr for s in sts[:4]] + [dead.wr] + [s.wr for s in sts[4:]]
+    del dead
+    for want in (None, a, b, read_alone, read_other, f, g):
+        got = _fastpath.trace_outputs(refs, mine, want)
+        ref = _outputs_in_python(refs, mine, want)
+        assert [id(v) for v in got[0]] == [id(v) for v in ref[0]], want
+        assert got[1] == ref[1]
+    outs, partner = _fastpath.trace_outputs(refs, mine, read_alone)
+    assert outs == [c, b, read_alone, a, d]     # by (pos, idx): (1,0) (1,1) (2,0) (3,0) (4,0)
+    assert partner == {id(b): 5, id(d): 6}      # a's first storage and c's have prev 0
+    assert _fastpath.trace_outputs([], mine, None) == ([], {})
+    with pytest.raises(TypeError):
+        _fastpath.trace_outputs(tuple(refs), mine, None)
+
+
+def _floats(x, k):
+    return (x * (0.5 + k) + 0.25).tanh().sum().item()
+
+
+def _mixed(x, k):
+    return ((x * (3 + k)).add(0.25) * 2.5).sum().item()
+
+
+def test_a_hit_packs_its_scalars_as_the_full_path_does():
+    """A region hit of all-float scalars packs them as one float64 array (execute.pack_floats);
+    one with int and float scalars as the full path does: both run from the hit, compile nothing
+    after their first steps, and give CPU's values."""
+    from deferfuse.runtime import execute
+
+    def steps(dev, fn):
+        torch.manual_seed(0)
+        x = torch.randn(8).to(dev)
+        return [fn(x, k) for k in range(6)]
+
+    for fn, pack in ((_floats, execute.pack_floats), (_mixed, execute.pack_scalars)):
+        engine.runner.hits.clear()
+        m0, p0 = deferfuse.metrics(), _path().get("hits", 0)
+        got = steps("tpu", fn)
+        m = deferfuse.metrics()
+        assert got == pytest.approx(steps("cpu", fn), rel=1e-6)
+        assert _path().get("hits", 0) - p0 >= 3
+        assert m["compiles"] - m0["compiles"] <= 2
+        assert m["regions_run"] - m0["regions_run"] == 6
+        assert {h.pack for h in engine.runner.hits.values() if h.__class__ is hits_mod.Hit} \
+            == {pack}
