@@ -71,10 +71,6 @@ SKIP: dict = {}
 _SUM_BF16 = ("CPU adds {what} in bfloat16 one term at a time, rounding the running sum after each "
              "term ({ex}); tpu accumulates in float32 and rounds once{cuda}")
 CPU_BROKEN = {
-    "nn.Embedding": {torch.bfloat16: _SUM_BF16.format(
-        what="the weight gradient row by row", ex="a sum of ~1000 terms near 1 stalls at 512: a "
-        "row's gradient of 1008.7 (float64) is 512 on CPU, 1008 on tpu and on CPU in float32",
-        cuda=", as CUDA does")},
     "nn.LayerNorm": {torch.bfloat16: _SUM_BF16.format(
         what="the weight and bias gradients row by row into a buffer per thread", ex="then "
         "sums the threads' buffers in float32, so its result depends on the number of threads: "
@@ -86,7 +82,7 @@ CPU_BROKEN = {
         "91.57 (float64) is 88 on CPU, 91.5 on tpu and on CPU in float32", cuda="")},
 }
 # The gradients CPU_BROKEN applies to (the others, computed without the broken sum, are CPU's own).
-BROKEN_GRADS = {"nn.Embedding": {"weight"}, "nn.LayerNorm": {"weight", "bias"},
+BROKEN_GRADS = {"nn.LayerNorm": {"weight", "bias"},
                 "nn.ReplicationPad3d": {"input[0]"}}
 
 # Why the known failures fail (for the table; the sweep does not use it).

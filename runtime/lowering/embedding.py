@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import check_index, op
 from .padding import Embedding, Refuse, ZeroPadded
 from .nn import _acc, _zeros
+from .precision import is_half, round_to
 
 # Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
 PAD = Refuse("a bag, a renorm or a backward with no padding rule")
@@ -21,6 +23,46 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0)
 
 
+# NOTE [half embedding backward]: PyTorch's CPU kernel (``embedding_dense_backward_cpu``,
+# aten/src/ATen/native/Embedding.cpp) adds each token's gradient row into its weight row in token
+# order, one ``add_`` of the weight's dtype at a time: in bfloat16 and float16 every partial sum
+# is rounded to the dtype (1000 additions of 1 stop at 256 in bfloat16), whatever the number of
+# threads (they split the weight rows, not the tokens). On XLA's CPU platform the lowering adds in
+# that order and rounds at the same points (a scan over the tokens sorted stably by row, each
+# row's chain restarting at zero), so a half-precision model's embedding gradients are CPU's bit
+# for bit. On a TPU or GPU, where a scan over every token is slow, the float32 sum rounded once
+# stays (CUDA's kernel also sums in float32); docs/dtypes.md gives both sides' error. With
+# ``scale_grad_by_freq`` the float32 sum stays too: CPU divides some rows by another row's count
+# there (docs/coverage.md), so its values are not the ones to follow.
+
+
+def _cpu_order(dtype) -> bool:
+    """NOTE [half embedding backward] applies: a half dtype on XLA's CPU platform."""
+    from ..platform import name
+    return is_half(dtype) and name() == "cpu"
+
+
+def _rows_in_order(g, idx, num_weights, dtype):
+    """Sum of the rows of ``g`` (float32, one per token) into ``num_weights`` rows by ``idx``, each
+    weight row's terms added in token order with every partial sum rounded to ``dtype`` (NOTE
+    [half embedding backward])."""
+    order = jnp.argsort(idx, stable=True)
+    s = idx[order]
+    gs = g[order]
+    start = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
+    end = jnp.concatenate([s[1:] != s[:-1], jnp.ones((1,), bool)])
+
+    def step(total, xs):
+        first, row = xs
+        total = round_to(jnp.where(first, 0.0, total) + row, dtype)
+        return total, total
+
+    zero = jnp.zeros(g.shape[1:], jnp.float32)
+    _, sums = lax.scan(step, zero, (start, gs))
+    last = jnp.where(end[:, None], sums, 0.0)
+    return jnp.zeros((num_weights, g.shape[1]), jnp.float32).at[s].add(last)
+
+
 @op("embedding_dense_backward.default",
     pad=ZeroPadded(inputs=(0, 1), unless=(4, "scale_grad_by_freq")))
 def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
@@ -31,6 +73,9 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
     if scale_grad_by_freq:
         counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
         g = g / counts[idx][:, None]
+    elif _cpu_order(grad_output.dtype) and idx.shape[0] and g.shape[1]:
+        # NOTE [half embedding backward]
+        return _rows_in_order(g, idx, num_weights, grad_output.dtype)
     return jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(g)
 
 
