@@ -95,6 +95,9 @@ class Engine:
         self.bodies = Bodies()
         self.sources = SourceLines()
         self.rng = Rng()
+        # NOTE [lazy storages] (_tpu_tensor.cpp): lazy_outputs(trace), the pending Values of a
+        # trace that plain tensors hold without a Storage yet (set by plain.install), or None
+        self.lazy_outputs = None
         self.young_gc = 0           # NOTE [gc threshold] (deferfuse/__init__.py)
         self.raised_gc = 0
         self.local = _Local(self)

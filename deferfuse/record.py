@@ -342,6 +342,14 @@ class Trace(TraceState):
                 outs.append(v)
                 if st.prev:
                     partner[id(v)] = st.prev
+        # NOTE [lazy storages] (_tpu_tensor.cpp): the pending values kernel hits' outputs hold
+        # before any reader made their Storage are outputs as those of live storages are.
+        lazy = self.engine.lazy_outputs
+        if lazy is not None:
+            for v in lazy(self):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    outs.append(v)
         # The value the sync reads is an output even when no storage holds it (a bare value read
         # back: NOTE [read-back outputs] in compiled.py), or the read would find it never made.
         if (want is not None and want.node is not None and want.node.trace is self
