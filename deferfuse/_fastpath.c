@@ -994,8 +994,8 @@ static PyObject *config_get(PyObject *name) {
 /* The fast case of Trace.record(entry, ins, scalars, dev) followed by _run's per-output Storage
    and make(). Returns the op's result, Py_NotImplemented when it is not the fast case (nothing
    was changed), NULL on error. The caller holds the engine's lock. storages_only (the plain
-   tensor's C++ kernel, record_storages): the new outputs' Storages, a tuple, no tensors made.
-   The trace's state is read and written as fields (NOTE [trace state in C]). */
+   tensor's C++ kernel, record_storages): the new outputs' Storages, a tuple, no tensors made;
+   2: the output Values, a tuple (NOTE [lazy storages] in _tpu_tensor.cpp). The trace's state is read and written as fields (NOTE [trace state in C]). */
 static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObject *ins,
                         PyObject *scalars, long dev, PyObject *tensors, PyObject *mut,
                         PyObject *info, PyObject *args, PyObject *kwargs, int storages_only) {
@@ -1261,6 +1261,14 @@ static PyObject *record(PyObject *trace, PyObject *entry, PyObject *fast, PyObje
         Py_DECREF(rets);
         if (nr == 1) { result = PyTuple_GET_ITEM(tup, 0); Py_INCREF(result); Py_DECREF(tup); }
         else result = tup;
+        goto done;
+    }
+    if (storages_only == 2) {
+        /* NOTE [lazy storages] in _tpu_tensor.cpp: the output Values themselves; each output's
+           storage context holds its Value, and its Storage is made on a reader's first ask */
+        HT_MARK(R_STORAGES);
+        result = outs;
+        Py_INCREF(outs);
         goto done;
     }
     /* the outputs: a Storage and a tensor each (_run's fast path and tensor.make) */
@@ -2023,7 +2031,7 @@ static PyObject *dispatch(PyObject *self, PyObject *const *args, Py_ssize_t narg
    and returns the outputs' new Storages, a tuple; Py_NotImplemented (nothing changed) when it is
    not that case, and the kernel hands the op to the Python router. */
 static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObject *scalars,
-                                         long dev, PyObject *writes, PyObject *mut);
+                                         long dev, PyObject *writes, PyObject *mut, int values);
 
 static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if ((nargs != 4 && nargs != 6) || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2]) ||
@@ -2044,7 +2052,7 @@ static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize
     int fake = mode != Py_None;
     Py_DECREF(mode);
     if (fake) Py_RETURN_NOTIMPLEMENTED;
-    return record_storages_checked(args[0], args[1], args[2], dev, writes, mut);
+    return record_storages_checked(args[0], args[1], args[2], dev, writes, mut, 0);
 }
 
 /* NOTE [C++ node hand-over]: record_storages without its Python call: the plain tensor's C++
@@ -2053,9 +2061,10 @@ static PyObject *record_storages(PyObject *self, PyObject *const *args, Py_ssize
    after checking itself, in C++, that no fake mode is active (c10's TorchDispatchModeTLS, which
    torch._C._get_dispatch_mode reads: the same answer without a Python call, about half a
    microsecond of record_storages' time). Everything else is record_storages' body: the same
-   checks, node, hashes and Storages. */
+   checks, node, hashes and Storages. With `values` (NOTE [lazy storages] in _tpu_tensor.cpp),
+   the output Values instead of Storages: no Storage, weak reference or `storages` entry is made. */
 static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObject *scalars,
-                                         long dev, PyObject *writes, PyObject *mut) {
+                                         long dev, PyObject *writes, PyObject *mut, int values) {
     HT_START();
     if (!S.ready) Py_RETURN_NOTIMPLEMENTED;
     PyObject *on_o = config_get(A_c_record);
@@ -2087,7 +2096,8 @@ static PyObject *record_storages_checked(PyObject *entry, PyObject *ins, PyObjec
     trace = slot_get(&L_ts, 1, ts, A_trace);
     HT_MARK(R_TRACE);
     if (trace != NULL)
-        result = record(trace, entry, fast, ins, scalars, dev, writes, mut, NULL, NULL, NULL, 1);
+        result = record(trace, entry, fast, ins, scalars, dev, writes, mut, NULL, NULL, NULL,
+                        values ? 2 : 1);
     if (lock_drop() < 0) { Py_XDECREF(result); result = NULL; goto done; }
     HT_MARK(R_UNLOCK);
 done:
@@ -2235,8 +2245,10 @@ static PyObject *same_structure(PyObject *self, PyObject *const *args, Py_ssize_
    storage of storages (weak references) holds, each once, in trace order (by node position, then
    output index: NOTE [outputs in trace order]), and partner: id(value) -> the storage's prev for
    the first storage (in storages' order) holding each, where prev is not 0; want (or None): the
-   value the sync reads, an output too when it is pending in trace. What record.trace_outputs
-   does in Python, one storage at a time without Python frames: most of a hit sync's take. */
+   value the sync reads, an output too when it is pending in trace; lazy (a list, optional): more
+   values held without a Storage (NOTE [lazy storages] in _tpu_tensor.cpp), outputs too when
+   pending in trace, with no partner. What Trace.take's walk did in Python, one storage at a time
+   without Python frames: most of a hit sync's take. */
 typedef struct { Py_ssize_t pos, idx, order; PyObject *v, *prev; } OutRow;
 
 static int out_cmp(const void *a, const void *b) {
@@ -2275,16 +2287,19 @@ static int pending_in(PyObject *v, PyObject *trace, Py_ssize_t *pos, Py_ssize_t 
 
 static PyObject *trace_outputs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     static PyObject *val_s, *prev_s;
-    if (nargs != 3 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "trace_outputs(storages: list, trace, want)");
+    if ((nargs != 3 && nargs != 4) || !PyList_Check(args[0]) ||
+            (nargs == 4 && args[3] != Py_None && !PyList_Check(args[3]))) {
+        PyErr_SetString(PyExc_TypeError, "trace_outputs(storages: list, trace, want, lazy=None)");
         return NULL;
     }
     if (val_s == NULL && ((val_s = PyUnicode_InternFromString("val")) == NULL ||
                           (prev_s = PyUnicode_InternFromString("prev")) == NULL))
         return NULL;
     PyObject *storages = args[0], *trace = args[1], *want = args[2];
+    PyObject *lazy = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
     Py_ssize_t n = PyList_GET_SIZE(storages), k = 0;
-    OutRow *rows = PyMem_Malloc((n + 1) * sizeof *rows);
+    Py_ssize_t nl = lazy ? PyList_GET_SIZE(lazy) : 0;
+    OutRow *rows = PyMem_Malloc((n + nl + 1) * sizeof *rows);
     if (rows == NULL) return PyErr_NoMemory();
     PyObject *outs = NULL, *partner = NULL, *result = NULL;
     for (Py_ssize_t j = 0; j < n && j < PyList_GET_SIZE(storages); j++) {
@@ -2303,13 +2318,23 @@ static PyObject *trace_outputs(PyObject *self, PyObject *const *args, Py_ssize_t
         if (prev == NULL) { Py_DECREF(v); goto done; }
         rows[k++] = (OutRow){pos, idx, j, v, prev};        /* owns v and prev */
     }
+    for (Py_ssize_t j = 0; j < nl && j < PyList_GET_SIZE(lazy); j++) {
+        PyObject *v = PyList_GET_ITEM(lazy, j);
+        Py_ssize_t pos, idx;
+        int mine = pending_in(v, trace, &pos, &idx);
+        if (mine < 0) goto done;
+        if (mine) {
+            Py_INCREF(v); Py_INCREF(Py_False);
+            rows[k++] = (OutRow){pos, idx, n + j, v, Py_False};   /* after every storage's */
+        }
+    }
     if (want != Py_None) {
         Py_ssize_t pos, idx;
         int mine = pending_in(want, trace, &pos, &idx);
         if (mine < 0) goto done;
         if (mine) {
             Py_INCREF(want); Py_INCREF(Py_False);
-            rows[k++] = (OutRow){pos, idx, n, want, Py_False};    /* after every storage's */
+            rows[k++] = (OutRow){pos, idx, n + nl, want, Py_False};   /* after all others */
         }
     }
     qsort(rows, k, sizeof *rows, out_cmp);
@@ -2384,11 +2409,12 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyModule_AddObject(m, "TraceState", (PyObject *)&TraceStateType) < 0) {
         Py_DECREF(&TraceStateType); Py_DECREF(m); return NULL;
     }
-    /* NOTE [C++ node hand-over]: {version, record_storages_checked} for _tpu_tensor.cpp */
+    /* NOTE [C++ node hand-over]: {version, record_storages_checked} for _tpu_tensor.cpp; version
+       2: its last argument asks for the output Values (NOTE [lazy storages]) */
     static struct {
         long version;
-        PyObject *(*record)(PyObject *, PyObject *, PyObject *, long, PyObject *, PyObject *);
-    } capi = {1, record_storages_checked};
+        PyObject *(*record)(PyObject *, PyObject *, PyObject *, long, PyObject *, PyObject *, int);
+    } capi = {2, record_storages_checked};
     PyObject *cap = PyCapsule_New(&capi, "deferfuse._fastpath.record_capi", NULL);
     if (cap == NULL || PyModule_AddObject(m, "record_capi", cap) < 0) {
         Py_XDECREF(cap); Py_DECREF(m); return NULL;

@@ -122,6 +122,12 @@ using BaseInts = c10::SmallVector<int64_t, 5>;
 
 struct StorageCtx {
   PyObject* storage = nullptr;  // deferfuse.tensor.Storage (owned), or null until Python reads it
+  // NOTE [lazy storages]: a kernel hit's output Value (owned) while no reader has asked for its
+  // Storage (then `storage` is null), and the device that Storage is made on
+  PyObject* value = nullptr;
+  StorageCtx *lazy_prev = nullptr, *lazy_next = nullptr;  // the lazy list, while `linked`
+  bool linked = false;
+  c10::DeviceIndex dev = 0;
   BaseInts size, stride;        // the base tensor the storage was made for
   c10::ScalarType dtype = c10::ScalarType::Float;
   bool known = false;           // size/stride/dtype set (by empty*, or by make_base)
@@ -129,15 +135,146 @@ struct StorageCtx {
   size_t cap = 0;               // the bytes allocated: what untyped_storage().resize_ may restore
 };
 
+// NOTE [lazy storages]: a kernel hit's new outputs are not given a Python `Storage` (and its weak
+// reference in the trace's `storages`) when they are made: most never reach Python before the
+// flush computes or drops them, and making and freeing the Storage was ~190 ns of a ~1.8 µs hit.
+// The output's StorageCtx holds the output `Value` instead, and is linked into the lazy list
+// below. Three rules keep this exactly the eager Storage's behaviour:
+//
+// - one maker: every reader of a context's Storage goes through `ctx_storage`, which makes it on
+//   first ask (`Plain.lazy_storage`: the Storage record_storages would have made, registered in
+//   the trace that holds its pending value) and turns the context into an ordinary one (unlinked,
+//   its Value now the Storage's `val`). The Python accessors `storage` and `state` (so
+//   Plain.storage, Plain.wrapper, compiled mode, checkpoints, the router), the hit's written
+//   inputs, `resize_` and `untyped_storage().resize_` all ask. Only readers of the value itself
+//   skip it: a hit's inputs read the context's Value as they would read the Storage's `val`
+//   (nothing can have written it: a write needs the Storage); `storage_key` (the foreach overlap
+//   check) and `is_fresh` need no Storage, and a lazy context is not fresh;
+// - the flush sees every live output: `Trace.take` adds the pending Values of its trace that
+//   linked contexts hold (`lazy_outputs`), as it adds those of live Storages (NOTE [read-back
+//   outputs] in compiled.py: a value no flush outputs is never computed, and read later it came
+//   back as zeros); a context stays linked while its Value may be pending (an interrupted flush
+//   records the nodes again, with the same Values) and is unlinked by the first walk that finds
+//   its Value no longer pending, by the maker, and when the storage dies;
+// - a context holds its Value as a Storage would (one reference), so the flush's donation check
+//   (who else holds an input value, NOTE [donation safety]) counts it as before.
+//
+// The list and its counts are the process's, as the allocator is, and change under the GIL only.
+struct Lazy {
+  StorageCtx* first = nullptr;
+  int64_t linked = 0;             // contexts in the list now
+  int64_t outputs = 0;            // hit outputs made lazy
+  int64_t made = 0;               // Storages made by the maker
+  PyObject* make_fn = nullptr;    // Plain.lazy_storage(value, dev, dtype, stride) -> Storage
+};
+
+Lazy& lazy() {
+  static Lazy* l = new Lazy();  // never destroyed: storages may be freed while the process exits
+  return *l;
+}
+
+void lazy_link(StorageCtx* c) {
+  auto& L = lazy();
+  c->lazy_prev = nullptr;
+  c->lazy_next = L.first;
+  if (L.first != nullptr) L.first->lazy_prev = c;
+  L.first = c;
+  c->linked = true;
+  ++L.linked;
+}
+
+void lazy_unlink(StorageCtx* c) {
+  auto& L = lazy();
+  if (c->lazy_prev != nullptr) c->lazy_prev->lazy_next = c->lazy_next;
+  else L.first = c->lazy_next;
+  if (c->lazy_next != nullptr) c->lazy_next->lazy_prev = c->lazy_prev;
+  c->lazy_prev = c->lazy_next = nullptr;
+  c->linked = false;
+  --L.linked;
+}
+
+// Drops what a context holds (its Storage or its lazy Value); the GIL held.
+void ctx_clear(StorageCtx* c) {
+  if (c->linked) lazy_unlink(c);
+  Py_CLEAR(c->value);
+  Py_CLEAR(c->storage);
+}
+
 void free_ctx(void* p) {
   HIT_MARK(H_RET);
   auto* ctx = static_cast<StorageCtx*>(p);
-  if (ctx->storage != nullptr && Py_IsInitialized()) {
-    py::gil_scoped_acquire gil;
-    Py_DECREF(ctx->storage);
+  if (ctx->storage != nullptr || ctx->value != nullptr) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      ctx_clear(ctx);
+    } else if (ctx->linked) {
+      lazy_unlink(ctx);  // the interpreter is gone: its objects are not ours to release
+    }
   }
   delete ctx;
   HIT_MARK(H_FREE);
+}
+
+// NOTE [lazy storages]: the one maker. The context's Storage (borrowed), made now from its lazy
+// Value if it has one; null when it holds none (no value yet: an `empty` tensor's), or null with
+// the Python error set. Holds the GIL.
+PyObject* ctx_storage(StorageCtx* ctx) {
+  if (ctx->value == nullptr) return ctx->storage;
+  auto& L = lazy();
+  // the Storage's stride: None for a contiguous base, as Entry.fast and Plain.storage give it
+  bool contiguous = true;
+  int64_t acc = 1;
+  for (size_t i = ctx->size.size(); i-- > 0;) {
+    if (ctx->stride[i] != acc) contiguous = false;
+    acc *= std::max<int64_t>(ctx->size[i], 1);
+  }
+  PyObject* stride = Py_None;
+  Py_INCREF(stride);
+  if (!contiguous) {
+    Py_DECREF(stride);
+    stride = PyTuple_New(static_cast<Py_ssize_t>(ctx->stride.size()));
+    if (stride == nullptr) return nullptr;
+    for (size_t i = 0; i < ctx->stride.size(); ++i) {
+      PyObject* o = PyLong_FromLongLong(ctx->stride[i]);
+      if (o == nullptr) {
+        Py_DECREF(stride);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(stride, static_cast<Py_ssize_t>(i), o);
+    }
+  }
+  PyObject* dev = PyLong_FromLong(ctx->dev);
+  if (dev == nullptr) {
+    Py_DECREF(stride);
+    return nullptr;
+  }
+  PyObject* value = Py_NewRef(ctx->value);  // the call may run other threads' Python
+  PyObject* argv[4] = {value, dev, reinterpret_cast<PyObject*>(torch::getTHPDtype(ctx->dtype)), stride};
+  PyObject* st = L.make_fn == nullptr
+      ? (PyErr_SetString(PyExc_RuntimeError, "deferfuse: the lazy storage maker is not installed"), nullptr)
+      : PyObject_Vectorcall(L.make_fn, argv, 4, nullptr);
+  Py_DECREF(value);
+  Py_DECREF(dev);
+  Py_DECREF(stride);
+  if (st == nullptr) return nullptr;
+  if (ctx->value == nullptr) {  // another thread made it while the maker ran: that one stands
+    Py_DECREF(st);
+    return ctx->storage;
+  }
+  if (ctx->linked) lazy_unlink(ctx);
+  Py_CLEAR(ctx->value);
+  Py_XSETREF(ctx->storage, st);
+  ++L.made;
+  return st;
+}
+
+// A kernel hit's output `v` (a Value) becomes the context's lazy value (NOTE [lazy storages]).
+void set_lazy(StorageCtx* ctx, PyObject* v, c10::DeviceIndex dev) {
+  ctx_clear(ctx);
+  ctx->value = Py_NewRef(v);
+  ctx->dev = dev;
+  lazy_link(ctx);
+  ++lazy().outputs;
 }
 
 // NOTE [plain device guard]: PrivateUse1's device guard in C++. PyTorch's guard for a Python
@@ -760,7 +897,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
   const int64_t item = static_cast<int64_t>(self.element_size());
   need = empty ? 0 : (need + 1) * item;
   const c10::Storage& st = self.storage();  // a reference: a copy would count as a holder
-  if (need > static_cast<int64_t>(st.nbytes()) && ctx->storage != nullptr) {
+  if (need > static_cast<int64_t>(st.nbytes()) && (ctx->storage != nullptr || ctx->value != nullptr)) {
     if (st.use_count() != 1 || ctx->dtype != self.scalar_type()) {
       impl->set_sizes_and_strides(old_size, old_stride, off);
       TORCH_CHECK(false, "cannot resize a tpu tensor to ", size, ": that needs ", need / item,
@@ -771,7 +908,13 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
     py::gil_scoped_acquire gil;
     py::object grown;
     try {
-      grown = call_hook(storage_hooks().grow, py::reinterpret_borrow<py::object>(ctx->storage),
+      PyObject* have = ctx_storage(ctx);  // NOTE [lazy storages]
+      if (have == nullptr) {
+        python_error err;
+        err.persist();
+        throw std::move(err);
+      }
+      grown = call_hook(storage_hooks().grow, py::reinterpret_borrow<py::object>(have),
                         py::int_(need / item));
     } catch (...) {
       impl->set_sizes_and_strides(old_size, old_stride, off);
@@ -802,10 +945,15 @@ void storage_resize(const c10::Storage& storage, size_t n) {
   if (n == storage.nbytes()) return;
   TORCH_CHECK(n == 0 || n == ctx->cap, "a tpu storage holds one whole tensor of ", ctx->cap,
               " bytes: it can be resized to 0 (freed) or back to ", ctx->cap, " bytes, not ", n);
-  if (ctx->storage != nullptr) {
+  if (ctx->storage != nullptr || ctx->value != nullptr) {
     py::gil_scoped_acquire gil;
-    call_hook(storage_hooks().freed, py::reinterpret_borrow<py::object>(ctx->storage),
-              py::bool_(n == 0));
+    PyObject* have = ctx_storage(ctx);  // NOTE [lazy storages]
+    if (have == nullptr) {
+      python_error err;
+      err.persist();
+      throw std::move(err);
+    }
+    call_hook(storage_hooks().freed, py::reinterpret_borrow<py::object>(have), py::bool_(n == 0));
   }
   // a freed storage's data_ptr() is 0, as CPU's and CUDA's (test_distributed's storage resize);
   // the same context stays (it holds the Storage; the DataPtr frees it)
@@ -851,15 +999,20 @@ struct OutMeta {
 // TensorImpl on the PrivateUse1 key), without what the generic path redoes per call for
 // metadata learnt once: the byte count's overflow checks, the sizes' sign check, the device
 // scope, remember_base's storage checks and copies from the new tensor; the StorageCtx is filled
-// from the metadata, with the output's Storage (`st`, a new reference taken) already in it.
-at::Tensor new_output(const OutMeta& m, c10::DeviceIndex dev, PyObject* st) {
+// from the metadata, with the output's Storage (`st`, a new reference taken) already in it, or
+// (`lazy_value`) its Value, the Storage made on first ask (NOTE [lazy storages]).
+at::Tensor new_output(const OutMeta& m, c10::DeviceIndex dev, PyObject* st, bool lazy_value) {
   auto* ctx = new StorageCtx();
   ctx->cap = m.nbytes;
   ctx->size.assign(m.size.begin(), m.size.end());
   ctx->stride.assign(m.stride.begin(), m.stride.end());
   ctx->dtype = m.dtype;
   ctx->known = true;
-  ctx->storage = Py_NewRef(st);
+  if (lazy_value) {
+    set_lazy(ctx, st, dev);  // `st` is the output's Value (NOTE [lazy storages])
+  } else {
+    ctx->storage = Py_NewRef(st);
+  }
   const c10::Device d(c10::DeviceType::PrivateUse1, dev);
   auto storage = c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), m.nbytes, c10::DataPtr(ctx, ctx, &free_ctx, d),
@@ -1303,7 +1456,7 @@ struct Kernel {
   PyObject* record_fn = nullptr;  // _fastpath.record_storages(entry, ins, scalars, dev)
   // NOTE [C++ node hand-over] in _fastpath.c: record_storages' body without its Python call, or
   // null (then record_fn)
-  PyObject* (*record_c)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*) = nullptr;
+  PyObject* (*record_c)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*, int) = nullptr;
   PyObject* record_capi = nullptr;  // the capsule, owned: keeps _fastpath's table alive
   PyObject* val_str = nullptr;    // "val"
   // Storage.val read at its slot (val_slot's note): the Storage class and the slot's offset
@@ -1513,7 +1666,8 @@ bool is_fresh(const at::Tensor& o) {
   if (!o.defined() || !is_plain_tensor(o) || meta_of(o) != nullptr || o.storage_offset() != 0)
     return false;
   const StorageCtx* ctx = ctx_of(o);
-  return ctx->storage == nullptr && ctx->known && o.sizes() == c10::IntArrayRef(ctx->size) &&
+  return ctx->storage == nullptr && ctx->value == nullptr && ctx->known &&
+         o.sizes() == c10::IntArrayRef(ctx->size) &&
          o.strides() == c10::IntArrayRef(ctx->stride);
 }
 
@@ -1567,7 +1721,8 @@ bool build_key(const c10::OperatorHandle& op, const Plan& plan, const torch::jit
 // element, so a later element reads what an earlier one wrote, and the router runs such a call
 // one element at a time. This is specials._reads_written's test (and _fastpath.c's
 // foreach_fast), made per call on the storages: the Storage a context holds, or the context
-// itself before Python made one (one context per storage, shared by its views). True: the router.
+// itself before Python made one (one context per storage, shared by its views; a lazy context,
+// NOTE [lazy storages], is a hit's new output, in no other context). True: the router.
 const void* storage_key(const at::Tensor& t) {
   const StorageCtx* ctx = ctx_of(t);
   return ctx->storage != nullptr ? static_cast<const void*>(ctx->storage) : static_cast<const void*>(ctx);
@@ -1659,6 +1814,12 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   py::list ins(c.tensors.size());
   for (size_t i = 0; i < c.tensors.size(); ++i) {
     auto* ctx = static_cast<StorageCtx*>(c.tensors[i]->storage().data_ptr().get_context());
+    if (ctx->value != nullptr) {
+      // NOTE [lazy storages]: a hit's output no reader asked for: its Value, which is what its
+      // Storage's `val` would be (a write would have made the Storage)
+      PyList_SET_ITEM(ins.ptr(), i, Py_NewRef(ctx->value));
+      continue;
+    }
     if (ctx->storage == nullptr) {
       // never read by Python (an `empty` tensor): its Storage, an empty value, as the router
       // makes it (Plain.storage)
@@ -1704,7 +1865,9 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     py::list writes(e.mut_idx.size());
     for (size_t k = 0; k < e.mut_idx.size(); ++k) {
       const at::Tensor& t = *c.tensors[e.mut_idx[k]];
-      PyObject* st = static_cast<StorageCtx*>(t.storage().data_ptr().get_context())->storage;
+      // NOTE [lazy storages]: a written storage takes its new value in its Storage
+      PyObject* st = ctx_storage(static_cast<StorageCtx*>(t.storage().data_ptr().get_context()));
+      if (st == nullptr) rethrow_python();
       Py_INCREF(st);
       PyList_SET_ITEM(writes.ptr(), k, st);
       if (e.overwrites && meta_of(t) == nullptr) {
@@ -1715,7 +1878,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     }
     PyObject* argv[6] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr(), writes.ptr(), e.mut};
     PyObject* r = K.record_c != nullptr
-        ? K.record_c(e.entry, ins.ptr(), scalars.ptr(), static_cast<long>(c.dev), writes.ptr(), e.mut)
+        ? K.record_c(e.entry, ins.ptr(), scalars.ptr(), static_cast<long>(c.dev), writes.ptr(), e.mut, 0)
         : PyObject_Vectorcall(K.record_fn, argv, 6, nullptr);
     if (r == nullptr) rethrow_python();
     py::object res = py::reinterpret_steal<py::object>(r);
@@ -1734,8 +1897,11 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
   }
   PyObject* argv[4] = {e.entry, ins.ptr(), scalars.ptr(), dev.ptr()};
   HIT_MARK(H_FAKE);
+  // NOTE [lazy storages]: the C record path returns the output Values, each held by its context
+  // until a reader asks for its Storage; record_storages' and strict mode's return Storages
+  bool values = K.record_c != nullptr && lazy().make_fn != nullptr;
   PyObject* r = K.record_c != nullptr
-      ? K.record_c(e.entry, ins.ptr(), scalars.ptr(), static_cast<long>(c.dev), nullptr, nullptr)
+      ? K.record_c(e.entry, ins.ptr(), scalars.ptr(), static_cast<long>(c.dev), nullptr, nullptr, values)
       : PyObject_Vectorcall(K.record_fn, argv, 4, nullptr);
   HIT_MARK(H_RECORD);
   if (r == nullptr) rethrow_python();
@@ -1749,6 +1915,7 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     if (r == nullptr) rethrow_python();
     res = py::reinterpret_steal<py::object>(r);
     if (r != Py_NotImplemented) ++K.strict_hits;
+    values = false;
   }
   if (r == Py_NotImplemented) {
     ++K.why[2];
@@ -1766,11 +1933,15 @@ bool kernel_hit(const KEntry& e, Call& c, torch::jit::Stack* stack, size_t n) {
     if (!c.fresh.empty()) {
       const at::Tensor& t = *c.fresh[k];
       auto* ctx = ctx_of(t);
-      Py_INCREF(st);
-      Py_XSETREF(ctx->storage, st);
+      if (values) {
+        set_lazy(ctx, st, static_cast<c10::DeviceIndex>(c.dev));
+      } else {
+        ctx_clear(ctx);
+        ctx->storage = Py_NewRef(st);
+      }
       outs.emplace_back(t);
     } else {
-      outs.emplace_back(new_output(e.outs[k], static_cast<c10::DeviceIndex>(c.dev), st));
+      outs.emplace_back(new_output(e.outs[k], static_cast<c10::DeviceIndex>(c.dev), st, values));
     }
   }
   HIT_MARK(H_OUTS);
@@ -2114,17 +2285,25 @@ void install(py::object route, py::object resolve, int devices) {
 // ---------------------------------------------------------------------------------------------
 // Python accessors (NOTE [plain tensor])
 
+// The tensor's Storage, made now if it is a lazy one (NOTE [lazy storages]), or None (no value yet).
 py::object storage(const at::Tensor& t) {
-  auto* ctx = ctx_of(t);
-  if (ctx->storage == nullptr) return py::none();
-  return py::reinterpret_borrow<py::object>(ctx->storage);
+  PyObject* st = ctx_storage(ctx_of(t));
+  if (st == nullptr) {
+    if (PyErr_Occurred()) rethrow_python();
+    return py::none();
+  }
+  return py::reinterpret_borrow<py::object>(st);
 }
 
 void set_storage(const at::Tensor& t, py::object st) {
   auto* ctx = ctx_of(t);
   PyObject* old = ctx->storage;
+  PyObject* old_value = ctx->value;  // a lazy Value the new Storage replaces (NOTE [lazy storages])
+  if (ctx->linked) lazy_unlink(ctx);
+  ctx->value = nullptr;
   ctx->storage = st.is_none() ? nullptr : st.release().ptr();
   Py_XDECREF(old);
+  Py_XDECREF(old_value);
 }
 
 // (sizes, strides, dtype) of the tensor the storage was made for, or None when unknown.
@@ -2163,9 +2342,7 @@ py::tuple state(const at::Tensor& t) {
   const ViewMeta* m = meta_of(t);
   bool base = m == nullptr && t.storage_offset() == 0 && ctx->known &&
               t.sizes() == c10::IntArrayRef(ctx->size) && t.strides() == c10::IntArrayRef(ctx->stride);
-  return py::make_tuple(ctx->storage == nullptr ? py::none()
-                                                : py::reinterpret_borrow<py::object>(ctx->storage),
-                        m == nullptr ? py::none() : chain(t), base);
+  return py::make_tuple(storage(t), m == nullptr ? py::none() : chain(t), base);
 }
 
 // A new base tensor on tpu:device whose storage holds `st` (a router output).
@@ -2194,6 +2371,41 @@ at::Tensor make_view_py(const at::Tensor& of, c10::IntArrayRef size, c10::IntArr
 }
 
 bool is_plain(const at::Tensor& t) { return is_plain_tensor(t); }
+
+// NOTE [lazy storages]: the pending Values of `trace` that linked contexts hold (Trace.take's
+// outputs beside those of live Storages). A context whose Value is no longer pending (ready,
+// failed, or never was) is unlinked; one pending in another trace, or in a region call in flight,
+// stays. The first pass only reads slots (no allocation, so no collection can free a context
+// under the walk); the list is built after it.
+py::list lazy_outputs(py::handle trace) {
+  static PyObject* node_s = PyUnicode_InternFromString("node");
+  static PyObject* trace_s = PyUnicode_InternFromString("trace");
+  std::vector<PyObject*> got;  // new references
+  auto fail = [&]() {
+    for (PyObject* v : got) Py_DECREF(v);
+    rethrow_python();
+  };
+  StorageCtx* c = lazy().first;
+  while (c != nullptr) {
+    StorageCtx* next = c->lazy_next;
+    PyObject* n = PyObject_GetAttr(c->value, node_s);
+    if (n == nullptr) fail();
+    if (n == Py_None) {
+      Py_DECREF(n);
+      lazy_unlink(c);
+    } else {
+      PyObject* tr = PyObject_GetAttr(n, trace_s);
+      Py_DECREF(n);
+      if (tr == nullptr) fail();
+      if (tr == trace.ptr()) got.push_back(Py_NewRef(c->value));
+      Py_DECREF(tr);
+    }
+    c = next;
+  }
+  py::list out(got.size());
+  for (size_t i = 0; i < got.size(); ++i) PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), got[i]);
+  return out;
+}
 
 }  // namespace
 
@@ -2285,7 +2497,7 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     auto& K = kernel();
     struct Capi {
       long version;
-      PyObject* (*record)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*);
+      PyObject* (*record)(PyObject*, PyObject*, PyObject*, long, PyObject*, PyObject*, int);
     };
     if (cap.is_none()) {
       K.record_c = nullptr;
@@ -2293,11 +2505,28 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     }
     auto* api = static_cast<Capi*>(PyCapsule_GetPointer(cap.ptr(), "deferfuse._fastpath.record_capi"));
     if (api == nullptr) rethrow_python();
-    TORCH_CHECK(api->version == 1, "deferfuse: _fastpath.record_capi version ", api->version,
-                ", expected 1: rebuild the extensions");
+    TORCH_CHECK(api->version == 2, "deferfuse: _fastpath.record_capi version ", api->version,
+                ", expected 2: rebuild the extensions");
     Py_XSETREF(K.record_capi, cap.release().ptr());
     K.record_c = api->record;
   }, "NOTE [C++ node hand-over]: _fastpath.record_capi (record_storages without a Python call), or None");
+  m.def("install_lazy", [](py::object make) {
+    auto& L = lazy();
+    Py_XSETREF(L.make_fn, make.is_none() ? nullptr : make.release().ptr());
+  }, "NOTE [lazy storages]: Plain.lazy_storage(value, dev, dtype, stride) -> Storage, or None "
+     "(hits' outputs get their Storage when made, as before)");
+  m.def("lazy_outputs", &lazy_outputs,
+        "NOTE [lazy storages]: the pending Values of a trace that lazy storage contexts hold");
+  m.def("lazy_stats", []() {
+    auto& L = lazy();
+    py::dict d;
+    d["linked"] = L.linked; d["outputs"] = L.outputs; d["made"] = L.made;
+    return d;
+  }, "NOTE [lazy storages]: contexts linked now, hit outputs made lazy, Storages made on ask");
+  m.def("lazy_state", [](const at::Tensor& t) {
+    auto* ctx = ctx_of(t);
+    return py::make_tuple(ctx->value != nullptr, ctx->linked);
+  }, "NOTE [lazy storages]: (whether the tensor's storage holds a lazy Value, whether it is linked)");
   m.def("set_kernel", [](bool on) { kernel().on = on; },
         "the C++ recording kernel on or off (off: every op through the router; the table is kept)");
   // the plans stay: they hold no Python object, are bounded by the op set, and a fallback running

@@ -96,6 +96,9 @@ class Engine:
         self.sources = SourceLines()
         self.rng = Rng()
         self.settings = self.settings_of = None     # the last flush's Settings, and its values
+        # NOTE [lazy storages] (_tpu_tensor.cpp): lazy_outputs(trace), the pending Values of a
+        # trace that plain tensors hold without a Storage yet (set by plain.install), or None
+        self.lazy_outputs = None
         self.young_gc = 0           # NOTE [gc threshold] (deferfuse/__init__.py)
         self.raised_gc = 0
         self.local = _Local(self)

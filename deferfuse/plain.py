@@ -40,6 +40,9 @@ from .tensor import Storage, TpuTensor, make
 _local = engine.local
 # the C++ recording kernel (NOTE [C++ recording kernel] in _tpu_tensor.cpp); 0: the router only
 KERNEL = os.environ.get("DEFERFUSE_CXX_KERNEL", "1") != "0"
+# a kernel hit's outputs hold their Value and get their Storage on first ask (NOTE [lazy storages]
+# in _tpu_tensor.cpp); 0: each is made at the hit
+LAZY = os.environ.get("DEFERFUSE_LAZY_STORAGES", "1") != "0"
 
 aten = torch.ops.aten
 # the view ops whose window may move (views._MOVING, and the steps unbind/split record)
@@ -626,6 +629,22 @@ class Plain:
             self.ext.set_storage(p, st)
         return st
 
+    def lazy_storage(self, v: Value, dev: int, dtype, stride) -> Storage:
+        """NOTE [lazy storages] in _tpu_tensor.cpp: the Storage of a kernel hit's output made on
+        its first reader's ask, as ``record_storages`` would have made it at the hit, and kept
+        among the storages its pending value's trace reads back (under the engine's lock: that
+        trace may be taking its outputs on another thread). A value in flight (NOTE [in flight])
+        or no longer pending needs no trace's."""
+        st = Storage(v, dev, dtype, stride)
+        if v.node is not None:
+            with engine.lock:
+                n = v.node
+                if n is not None:
+                    storages = getattr(n.trace, "storages", None)    # a Job's: no trace's
+                    if storages is not None:
+                        storages.append(st.wr)
+        return st
+
     def chain(self, p, st: Storage, raw=False, base=False) -> tuple:
         """``p``'s view chain in the Python path's form: (OpOverload, args, kwargs) steps (``raw``,
         ``base``: what ``ext.state`` read, when the caller has it)."""
@@ -987,6 +1006,9 @@ def install() -> Plain:
         # NOTE [C++ node hand-over] in _fastpath.c: the kernel calls record_storages' body in C
         ext.install_record_capi(_fastpath.record_capi)
         ext.install_strict(PLAIN.run_hit)      # NOTE [C++ strict hits] in _tpu_tensor.cpp
+        if LAZY:    # NOTE [lazy storages] in _tpu_tensor.cpp
+            ext.install_lazy(PLAIN.lazy_storage)
+            engine.lazy_outputs = ext.lazy_outputs
         engine.runner.also_evict = (*engine.runner.also_evict, ext.kernel_clear)
         # deferfuse.clear_caches() drops the op cache and the OpInfos its Entries name: the kernel's
         # Entries go with them (a hit on a stale Entry recorded ops under OpInfos no new region

@@ -327,14 +327,18 @@ class Trace(TraceState):
         nodes = self.nodes
         if not nodes:
             return None
-        # Outputs: pending values of this trace that a live storage still holds (weak refs), and
-        # the value the sync reads even when no storage holds it (a bare value read back: NOTE
-        # [read-back outputs] in compiled.py), or the read would find it never made. In the order
-        # of the trace, not of the storages: which storage registered first changes from call to
-        # call (a loop's tensors are freed and made again), and the order of the outputs is part
-        # of a program's key (NOTE [outputs in trace order]). partner: output -> id of the value
-        # its storage held before this trace wrote it. NOTE [trace outputs] in _fastpath.c.
-        outs, partner = trace_outputs(self.storages, self, want)
+        # Outputs: pending values of this trace that a live storage still holds (weak refs), the
+        # pending values kernel hits' outputs hold before any reader made their Storage (NOTE
+        # [lazy storages] in _tpu_tensor.cpp), and the value the sync reads even when no storage
+        # holds it (a bare value read back: NOTE [read-back outputs] in compiled.py), or the read
+        # would find it never made. In the order of the trace, not of the storages: which storage
+        # registered first changes from call to call (a loop's tensors are freed and made again),
+        # and the order of the outputs is part of a program's key (NOTE [outputs in trace
+        # order]). partner: output -> id of the value its storage held before this trace wrote
+        # it. NOTE [trace outputs] in _fastpath.c.
+        lazy = self.engine.lazy_outputs
+        outs, partner = trace_outputs(self.storages, self, want,
+                                      None if lazy is None else lazy(self))
         want = ((want.node.pos,) if want is not None and want.node is not None
                 and want.node.trace is self and config.needed_first else None)
         S["ops_recorded"] += len(nodes) - self.counted

@@ -132,11 +132,25 @@ def test_rolling_hashes_in_c_equal_trace_record_in_python(own_hash):
 
 # --- NOTE [trace state in C]: the trace's per-op state as the C base's fields --------------------
 
+def _live_outputs(t) -> int:
+    """How many values the flush would read back (Trace.take's outputs): pending values of ``t``
+    that live storages hold or, NOTE [lazy storages] in _tpu_tensor.cpp, that kernel hits'
+    outputs hold before a reader made their Storage (those add no ``storages`` entry)."""
+    seen = set()
+    for r in t.storages:
+        st = r()
+        if st is not None and st.val.node is not None and st.val.node.trace is t:
+            seen.add(id(st.val))
+    if engine.lazy_outputs is not None:
+        seen.update(id(v) for v in engine.lazy_outputs(t))
+    return len(seen)
+
+
 def _full_state():
     """_trace_state and the rest of the per-op state the C base holds."""
     t = engine.local.ts.trace
     return (_trace_state(), t.ext_uses, [id(v) for v in t.ext], t.device, t.cut, t.check_at,
-            len(t.storages))
+            _live_outputs(t))
 
 
 def _mixed(split):
