@@ -466,13 +466,36 @@ def output_inner(v, dtype, device: int = 0) -> Storage:
     return _held(v, device, dtype)
 
 
+class _Order(tuple):
+    """A dense layout whose strides depend on a dynamic size (a transposed output of a graph
+    traced with dynamic shapes: strides ``(1, s0)``): its dimensions from the outermost to the
+    innermost, the strides made from each call's own shape."""
+
+    def strides(self, shape) -> tuple:
+        stride, acc = [0] * len(shape), 1
+        for d in reversed(self):
+            stride[d] = acc
+            acc *= max(shape[d], 1)
+        return tuple(stride)
+
+
 def _dense_stride(val):
     """``val``'s strides when they describe a dense layout of its elements (a permutation of
-    contiguous strides: a transposed output), which a Storage's layout may be; else None
-    (contiguous)."""
+    contiguous strides: a transposed output), which a Storage's layout may be; an ``_Order``
+    when they are symbolic; else None (contiguous)."""
     if not isinstance(val, torch.Tensor):
         return None
     size, stride = tuple(val.shape), tuple(val.stride())
+    if not all(type(x) is int for x in size + stride):
+        # Symbolic: the order of the strides' example values (hints), if every one has one.
+        hints = [x if type(x) is int else getattr(x.node, "hint", None) for x in size + stride]
+        if any(h is None for h in hints):
+            return None
+        n = len(size)
+        fixed = _dense_stride(torch.empty_strided(hints[:n], hints[n:], device="meta"))
+        if fixed is None:
+            return None
+        return _Order(sorted(range(n), key=lambda d: -fixed[d]))
     if stride == _contig(size):
         return None
     acc = 1
@@ -527,6 +550,8 @@ class PlainGraph(CompiledGraph):
                 shape = o.val.shape
                 stride = strides[j]
                 if stride is not None:
+                    if stride.__class__ is _Order:      # (its strides from this shape)
+                        stride = stride.strides(shape)
                     st.stride = stride
                 else:
                     stride = contig.get(shape)

@@ -194,6 +194,25 @@ def test_new_shapes_compile_new_programs_and_stay_right():
     assert m["graph_compiles"] == 3 and m["graphs_run_eagerly"] == 0
 
 
+def test_a_transposed_output_with_a_dynamic_size_keeps_cpu_strides():
+    """A transposed output whose strides depend on a dynamic size (``(1, s0)`` once Dynamo marks
+    the batch dynamic) takes its strides from each call's shape: it raised a TypeError (a
+    symbolic stride handed to the C++ tensor) from the second batch size on."""
+    def f(a, w):
+        return (w @ a.t()).t() * 2, a.sum()
+    cf = torch.compile(f, backend="tpu")
+    w = torch.randn(6, 4)
+    for b in (3, 5, 7, 5):
+        a = torch.randn(b, 4)
+        got, want = cf(a.to("tpu"), w.to("tpu")), f(a, w)
+        assert_same(got, want, atol=1e-5)
+        assert got[0].stride() == want[0].stride() == (1, b)
+        assert_same(got[0] + 1, want[0] + 1, atol=1e-5)     # an eager op over its layout
+    m = deferfuse.metrics()
+    # batch 3 (static), then the dynamic graph: one program for 5, one for 7, reused after
+    assert m["graph_compiles"] == 3 and m["graphs_run_eagerly"] == 0
+
+
 @pytest.mark.modes("strict", "defer")     # a graph runs at once in strict mode
 def test_in_place_writes_into_inputs_and_their_views_match_cpu():
     """A graph writing its inputs: a whole tensor, a window of a bigger tensor (the write lands in
