@@ -3,9 +3,10 @@
 whole step under ``torch.compile(backend="tpu")`` as the paired bench's ``compiled`` system runs
 it (zero_grad, forward and loss, ``backward()``, AdamW's step, ``loss.item()``).
 
-A step is a timeline of events, each stamped with ``time.perf_counter`` by a wrapper around the
-function that starts or ends it; a part is the time between two events, its figure the median
-over the steps:
+A step is a timeline of events, each stamped with ``time.perf_counter`` (``--clock thread``:
+``time.thread_time``, the Python thread's CPU time, which a loaded machine moves far less) by a
+wrapper around the function that starts or ends it; a part is the time between two events, its
+figure the median over the steps:
 
 - ``to forward graph``: Dynamo's frame entry and guards, ``zero_grad``, AOTAutograd's forward
   wrappers (the autograd Function's ``apply``) until our forward graph is called;
@@ -27,8 +28,10 @@ over the steps:
 
 With them: regions (programs) run a step, graph calls, ops recorded; the compiled step's program
 and the hand-written ``jax.jit`` step's alone (``programs_alone``); and the hand-written
-``jax.jit`` step and the defer step timed in the same process, rounds alternated.
-Run: ``python bench/compiled_parts.py [--workloads mlp_train,gpt_train --steps 20 --rounds 6]``.
+``jax.jit`` step and the defer step timed in the same process, rounds alternated, each system's
+wall time, process CPU time (the host and XLA's threads) and Python thread CPU time a step.
+Run: ``python bench/compiled_parts.py [--workloads mlp_train,gpt_train --steps 20 --rounds 6
+--clock wall|thread]``.
 The machine's load (``os.getloadavg``) is printed with the figures: it is shared and noisy.
 """
 from __future__ import annotations
@@ -75,14 +78,15 @@ PARTS = [
 class Timeline:
     """Event stamps of the current step; the first stamp of each event in a step counts."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.on = False
         self.ev: dict = {}
         self.steps: list = []
 
     def mark(self, name):
         if self.on and name not in self.ev:
-            self.ev[name] = time.perf_counter()
+            self.ev[name] = self.clock()
 
     def stamped(self, fn, tag):
         """``fn`` with ``tag<`` stamped on entry and ``tag>`` on exit."""
@@ -131,12 +135,11 @@ class Timeline:
     def step(self, fn):
         self.ev = {}
         self.on = True
-        t0 = time.perf_counter()
-        self.ev["start"] = t0
+        self.ev["start"] = self.clock()
         loss = fn()
         self.mark("ret")
         loss.item()
-        self.ev["end"] = time.perf_counter()
+        self.ev["end"] = self.clock()
         self.on = False
         self.steps.append(self.ev)
 
@@ -156,8 +159,8 @@ def counters():
                                      "needed_first_splits", "graph_compiles", "compiles")}
 
 
-def measure(w: str, steps: int, rounds: int) -> dict:
-    tl = Timeline()
+def measure(w: str, steps: int, rounds: int, clock=time.perf_counter) -> dict:
+    tl = Timeline(clock)
     tl.install()
     jb = getattr(W, w + "_jax")(True)
     with deferfuse.mode("defer"):
@@ -172,12 +175,13 @@ def measure(w: str, steps: int, rounds: int) -> dict:
         torch.tpu.synchronize()
         c0 = counters()
         whole = collections.defaultdict(list)
+        cpu = collections.defaultdict(list)     # (process, thread) CPU ms a step
         loads = []
         for r in range(rounds):
             order = ("compiled", "defer", "jax") if r % 2 == 0 else ("jax", "defer", "compiled")
             loads.append(os.getloadavg()[0])
             for s in order:
-                t0 = time.perf_counter()
+                t0, p0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
                 for _ in range(steps):
                     if s == "compiled":
                         tl.step(fn)
@@ -188,6 +192,8 @@ def measure(w: str, steps: int, rounds: int) -> dict:
                 deferfuse.sync()
                 torch.tpu.synchronize()
                 whole[s].append((time.perf_counter() - t0) / steps * 1e3)
+                cpu[s].append(((time.process_time() - p0) / steps * 1e3,
+                               (time.thread_time() - h0) / steps * 1e3))
         c1 = counters()
     n = rounds * steps
     per = {k: (c1[k] - c0[k]) / n for k in c0 if k in ("regions_run", "compiled_calls",
@@ -195,6 +201,8 @@ def measure(w: str, steps: int, rounds: int) -> dict:
     # (the defer steps' regions, ops and calls are among the counters: compiled's own come from
     # a separate count below)
     return dict(parts=parts(tl.steps), whole={s: statistics.median(v) for s, v in whole.items()},
+                cpu={s: tuple(statistics.median(c[k] for c in v) for k in (0, 1))
+                     for s, v in cpu.items()},
                 ratio=statistics.median([c / j for c, j in zip(whole["compiled"], whole["jax"])]),
                 counters=per, compiles_after_warmup=c1["compiles"] - c0["compiles"],
                 graph_compiles_after_warmup=c1["graph_compiles"] - c0["graph_compiles"],
@@ -255,16 +263,21 @@ def main():
     p.add_argument("--workloads", default="mlp_train,gpt_train")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="what stamps the parts: wall time, or the Python thread's CPU time")
     a = p.parse_args()
+    clock = time.perf_counter if a.clock == "wall" else time.thread_time
     for w in a.workloads.split(","):
         counts = compiled_counts(w, a.steps)
         progs = programs_alone(w, a.steps * a.rounds)
-        r = measure(w, a.steps, a.rounds)
+        r = measure(w, a.steps, a.rounds, clock)
         lo, hi = r["load"]
         print(f"\n## {w} (quick sizes; load {lo:.1f}-{hi:.1f} on {os.cpu_count()} CPUs)\n")
         print(f"compiled {r['whole']['compiled']:.2f} ms, defer {r['whole']['defer']:.2f} ms, "
               f"jax.jit {r['whole']['jax']:.2f} ms a step (medians of {a.rounds} rounds of "
               f"{a.steps} steps, alternated); compiled / jax paired **{r['ratio']:.2f}x**")
+        print("CPU ms a step, process / Python thread: " + ", ".join(
+            f"{s} {r['cpu'][s][0]:.2f} / {r['cpu'][s][1]:.2f}" for s in ("compiled", "defer", "jax")))
         print(f"a compiled step: {counts['regions_run']:g} programs, {counts['compiled_calls']:g} "
               f"graph calls, {counts['ops_recorded']:g} ops recorded, "
               f"{counts['needed_first_splits']:g} needed-first splits; after warm-up "
@@ -272,7 +285,7 @@ def main():
               "compiles")
         print(f"programs alone (executable and wait, alternated): the compiled step's "
               f"{progs[0]:.2f} ms, the jax.jit step's {progs[1]:.2f} ms\n")
-        print("| part of a compiled step | ms (median) |")
+        print(f"| part of a compiled step | ms (median, {a.clock} clock) |")
         print("|---|---:|")
         tot = 0.0
         for name, _, _ in PARTS:

@@ -320,18 +320,18 @@ class CompiledGraph:
                     res.append(None)
                 else:
                     res.append(act[1])
-            dsts, srcs = [], []
+            dsts, srcs, sts, vals = [], [], [], []
             for what, i, x in write_acts:
                 if what == DEV:
-                    v = outs[x]
-                    st = args[i]._s
-                    trace.track_mut(st, v)
-                    st.val = v
+                    sts.append(args[i]._s)
+                    vals.append(outs[x])
                 elif what == HOST:
                     dsts.append(args[i])
                     srcs.append(env[x])
                 else:
                     reads.append((None, _held(outs[x], dev), args[i]))
+            if sts:
+                trace.write_all(sts, vals)
             if dsts:
                 # (an optimizer's step counts, one per parameter: one call for them all)
                 if len(dsts) == 1:
@@ -445,13 +445,6 @@ class CompiledGraph:
         return e
 
 
-class _Out:
-    """A graph's device output as ``CompiledGraph.__call__`` hands it to ``PlainGraph``: the value
-    in a Storage of its own, with its shape and dtype. ``PlainGraph`` makes the caller's tensor
-    over that Storage (no torch tensor is made to carry it)."""
-    __slots__ = ("_s", "shape", "dtype")
-
-
 def _held(v, device: int, dtype=None) -> Storage:
     """NOTE [read-back outputs]: a graph output the host reads back (a CPU tensor or a number
     computed from device values: READ) in a Storage of its own that the pending trace reads back,
@@ -465,24 +458,44 @@ def _held(v, device: int, dtype=None) -> Storage:
     return st
 
 
-def output_inner(v, dtype, device: int = 0) -> _Out:
+def output_inner(v, dtype, device: int = 0) -> Storage:
     """The value ``v`` (a graph's output, pending or ready) in a Storage of its own, kept among
-    the storages the pending trace reads back (the backward pass may read it after a sync)."""
-    st = _held(v, device, dtype)
-    o = _Out()
-    o._s = st
-    o.shape = v.shape
-    o.dtype = dtype
-    return o
+    the storages the pending trace reads back (the backward pass may read it after a sync), as
+    ``CompiledGraph.__call__`` hands a device output to ``PlainGraph``, which makes the caller's
+    tensor over it (the value's shape, the Storage's dtype)."""
+    return _held(v, device, dtype)
+
+
+class _Order(tuple):
+    """A dense layout whose strides depend on a dynamic size (a transposed output of a graph
+    traced with dynamic shapes: strides ``(1, s0)``): its dimensions from the outermost to the
+    innermost, the strides made from each call's own shape."""
+
+    def strides(self, shape) -> tuple:
+        stride, acc = [0] * len(shape), 1
+        for d in reversed(self):
+            stride[d] = acc
+            acc *= max(shape[d], 1)
+        return tuple(stride)
 
 
 def _dense_stride(val):
     """``val``'s strides when they describe a dense layout of its elements (a permutation of
-    contiguous strides: a transposed output), which a Storage's layout may be; else None
-    (contiguous)."""
+    contiguous strides: a transposed output), which a Storage's layout may be; an ``_Order``
+    when they are symbolic; else None (contiguous)."""
     if not isinstance(val, torch.Tensor):
         return None
     size, stride = tuple(val.shape), tuple(val.stride())
+    if not all(type(x) is int for x in size + stride):
+        # Symbolic: the order of the strides' example values (hints), if every one has one.
+        hints = [x if type(x) is int else getattr(x.node, "hint", None) for x in size + stride]
+        if any(h is None for h in hints):
+            return None
+        n = len(size)
+        fixed = _dense_stride(torch.empty_strided(hints[:n], hints[n:], device="meta"))
+        if fixed is None:
+            return None
+        return _Order(sorted(range(n), key=lambda d: -fixed[d]))
     if stride == _contig(size):
         return None
     acc = 1
@@ -532,11 +545,13 @@ class PlainGraph(CompiledGraph):
         make_base = self._ext.make_base
         strides, contig = self._strides, self._contig
         for j, o in enumerate(res):
-            if o.__class__ is _Out:
-                st = o._s
-                shape = o.shape
+            if o.__class__ is Storage:
+                st = o
+                shape = o.val.shape
                 stride = strides[j]
                 if stride is not None:
+                    if stride.__class__ is _Order:      # (its strides from this shape)
+                        stride = stride.strides(shape)
                     st.stride = stride
                 else:
                     stride = contig.get(shape)

@@ -142,6 +142,18 @@ class Trace(TraceState):
             storage.prev = id(storage.val)
             self.storages.append(storage.wr)
 
+    def write_all(self, storages, values):
+        """``track_mut`` and the write, for each Storage and the pending value an op writes into
+        it: a compiled optimizer step writes every parameter and state (84 on the GPT training
+        step), in one call instead of a call per write."""
+        ep, wrs = self.epoch, self.storages
+        for st, v in zip(storages, values):
+            if v.node is not None and st.ep != ep:
+                st.ep = ep
+                st.prev = id(st.val)
+                wrs.append(st.wr)
+            st.val = v
+
     def record(self, entry, ins, scalars, dev):
         """Append one op on device ``dev``; its output Values (pending, None for an absent output).
         The hot path of defer mode: keep it lean (DESIGN.md's hot-path budget). The caller holds

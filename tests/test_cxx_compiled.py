@@ -194,6 +194,72 @@ def test_new_shapes_compile_new_programs_and_stay_right():
     assert m["graph_compiles"] == 3 and m["graphs_run_eagerly"] == 0
 
 
+def test_backward_traced_into_the_forward_graph_and_a_compiled_adamw_step_match_cpu():
+    """docs/compiled.md's lowest host cost: with ``trace_autograd_ops`` Dynamo traces
+    ``loss.backward()`` into the graph of a function returning ``loss.detach()`` (one graph for
+    forward and backward), the AdamW step compiled on its own: two graph calls a step, losses,
+    gradients, parameters and step counts CPU's, nothing compiled after warm-up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    runs = {}
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        for dev in ("cpu", "tpu"):
+            torch._dynamo.reset()
+            m = copy.deepcopy(model).to(dev)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            xd, yd = x.to(dev), y.to(dev)
+
+            def fb():
+                loss = F.cross_entropy(m(xd), yd)
+                loss.backward()
+                return loss.detach()
+            cfb = torch.compile(fb, backend="tpu") if dev == "tpu" else fb
+            step = torch.compile(opt.step, backend="tpu") if dev == "tpu" else opt.step
+            losses, grads = [], []
+            for i in range(5):
+                if i == 3:
+                    m0 = deferfuse.metrics()
+                opt.zero_grad(set_to_none=True)
+                losses.append(cfb())
+                grads.append([p.grad.clone() for p in m.parameters()])
+                step()
+            runs[dev] = (losses, grads, list(m.parameters()),
+                         [opt.state[p]["step"] for p in m.parameters()])
+    m1 = deferfuse.metrics()
+    assert m1["compiled_calls"] - m0["compiled_calls"] == 4      # two steps, two graphs each
+    assert m1["compiles"] == m0["compiles"] and m1["graph_compiles"] == m0["graph_compiles"]
+    assert m1["graphs_run_eagerly"] == 0, m1["graph_fallback_reasons"]
+    (lc, gc, pc, sc), (lt, gt, pt, st) = runs["cpu"], runs["tpu"]
+    for a, b in zip(lt, lc):
+        assert_same(a, b, atol=1e-5)
+    for a, b in zip(gt, gc):
+        assert_same(a, b, atol=1e-5)
+    assert_same(pt, pc, atol=1e-5)
+    # the step counts stay CPU tensors, as CPU's AdamW keeps them
+    assert [(t.device.type, t.dtype, t.item()) for t in st] == \
+        [(t.device.type, t.dtype, t.item()) for t in sc] == [("cpu", torch.float32, 5.0)] * 4
+
+
+def test_a_transposed_output_with_a_dynamic_size_keeps_cpu_strides():
+    """A transposed output whose strides depend on a dynamic size (``(1, s0)`` once Dynamo marks
+    the batch dynamic) takes its strides from each call's shape: it raised a TypeError (a
+    symbolic stride handed to the C++ tensor) from the second batch size on."""
+    def f(a, w):
+        return (w @ a.t()).t() * 2, a.sum()
+    cf = torch.compile(f, backend="tpu")
+    w = torch.randn(6, 4)
+    for b in (3, 5, 7, 5):
+        a = torch.randn(b, 4)
+        got, want = cf(a.to("tpu"), w.to("tpu")), f(a, w)
+        assert_same(got, want, atol=1e-5)
+        assert got[0].stride() == want[0].stride() == (1, b)
+        assert_same(got[0] + 1, want[0] + 1, atol=1e-5)     # an eager op over its layout
+    m = deferfuse.metrics()
+    # batch 3 (static), then the dynamic graph: one program for 5, one for 7, reused after
+    assert m["graph_compiles"] == 3 and m["graphs_run_eagerly"] == 0
+
+
 @pytest.mark.modes("strict", "defer")     # a graph runs at once in strict mode
 def test_in_place_writes_into_inputs_and_their_views_match_cpu():
     """A graph writing its inputs: a whole tensor, a window of a bigger tensor (the write lands in
