@@ -187,11 +187,6 @@ def ties_view(name: str, s, inp, out):
 
 # Why the known failures fail, {op: (group, cause)} (for the table; the sweep does not use it).
 CAUSES = {
-    "matrix_exp": (
-        "value mismatch", "five 5x5 matrices of 1-norm 26-29 (results ~1e5): jax.scipy's expm "
-        "(Pade, scaling and squaring) and PyTorch's (Taylor, degree 18) each differ from the float64 "
-        "result by float32 rounding; normwise, CPU 5e-8 to 2.8e-6 relative, tpu 3e-7 to 2.4e-6, "
-        "tpu the farther on three of five: not 'no less accurate'"),
     "logcumsumexp": (
         "value mismatch", "backward of a 1e4-valued sample: CPU and tpu both ~5e-3 from float64 "
         "(tpu closer)"),
@@ -225,8 +220,8 @@ _MEXP = ("CPU's half-precision matrix_exp returns NaN or values off by 1e30 for 
          "inputs (exp of 0.1 * randn(5, 5) in bfloat16 has a -1.3e30 entry); tpu computes in "
          "float32 and rounds once")
 CPU_BROKEN = {"matrix_exp": {torch.bfloat16: _MEXP, torch.float16: _MEXP}}
-# That reference is float32 arithmetic too (CPU's expm, not XLA's): rounded to float16, the two
-# differ by up to two ulps.
+# That reference is float32 arithmetic too (CPU's MKL products where tpu's are XLA's past 10x10):
+# rounded to float16, the two may differ by up to two ulps.
 TOL_HALF_EXPM = {torch.float16: (1e-5, 2e-3)}
 
 # Half-precision contractions: CPU eager's own half-precision convolution and matmul kernels give
@@ -242,7 +237,8 @@ EXACT_REFERENCE = {"addbmm", "baddbmm", "addmm", "addmm.decomposed", "addmv", "a
                    "nn.functional.conv2d", "nn.functional.conv3d", "nn.functional.conv_transpose1d",
                    "nn.functional.conv_transpose2d", "nn.functional.conv_transpose3d"}
 # Ill-conditioned float32 results, by the same rule: matrix_exp of a norm-9 matrix (values ~1e4:
-# CPU's own float32 result is 3.5e-4 relative from float64, tpu's 2.3e-4), logcumsumexp's gradient
+# CPU's own float32 result is 3.5e-4 relative from float64; tpu follows CPU's algorithm, with
+# XLA's products past 10x10), logcumsumexp's gradient
 # of a 1e4-valued input (both ~5e-3 from float64), and multi-head attention (a softmax of sums of
 # products: XLA's dot sums in another order, a few ulps of the sum).
 EXACT_REFERENCE |= {"matrix_exp", "logcumsumexp", "nn.functional.multi_head_attention_forward"}

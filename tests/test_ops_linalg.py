@@ -430,3 +430,64 @@ def test_batched_solves_independent_in_one_program():
         assert calls, text
         for name, _, types in calls:
             assert all(t.count("x") <= 2 for t in re.findall(r"tensor<([^>]*)>", types)), (name, types)
+
+
+# matrix_exp follows PyTorch's own algorithm (NOTE [matrix_exp as CPU computes it]): per-matrix
+# degree by the 1-norm for a single matrix, degree 18 scaled and squared for a batch. Scales
+# that reach each degree of float32's bounds (1, 2, 4, 8, 12, 18 squared 0 and 4 times), and
+# float32's ill-conditioned OpInfo sample (norms 26-29, results ~1e5); up to 7x7, CPU's bits.
+_MEXP_SCALES = (1e-8, 1e-4, 0.03, 0.3, 1.0, 2.5, 40.0)
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("dtype", [torch.float32] + [
+    pytest.param(d, marks=pytest.mark.slow) for d in (torch.float64, torch.complex64,
+                                                      torch.complex128)])
+def test_matrix_exp_bits_as_cpu(dtype):
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 3), (1, 5, 5), (4, 5, 5), (2, 2, 3, 3)):
+        n = shape[-1]
+        for scale in _MEXP_SCALES:
+            a = torch.randn(shape, dtype=dtype, generator=g) * (scale / n)
+            want = torch.linalg.matrix_exp(a)
+            got = torch.linalg.matrix_exp(a.to("tpu"))
+            assert_same(got, want, atol=0, rtol=0, msg=f"{shape} {scale}")
+    a = torch.rand((5, 5, 5), dtype=dtype, generator=g) * 18 - 9
+    assert_same(torch.linalg.matrix_exp(a.to("tpu")), torch.linalg.matrix_exp(a), atol=0, rtol=0)
+
+
+@pytest.mark.modes("defer")
+def test_matrix_exp_special_values():
+    """NaN and inf as CPU's algorithm spreads them (a single matrix with a NaN norm is all NaN;
+    an infinite norm scales by 0), empty matrices and batches, 1x1 matrices (``exp``)."""
+    nan, inf = float("nan"), float("inf")
+    for a in (torch.tensor([[1., nan], [0., 1.]]), torch.tensor([[1., inf], [0., 1.]]),
+              torch.tensor([[[1., nan], [0., 1.]], [[0.5, 0.1], [0.2, 0.3]]]),
+              torch.tensor([[[1., inf], [0., 1.]], [[0.5, 0.1], [0.2, 0.3]]]),
+              torch.zeros(0, 3, 3), torch.zeros(2, 0, 0), torch.tensor([[[0.5]], [[-2.]]]),
+              torch.eye(4) * 1e30, torch.tensor([[1e38, 0.], [0., 1.]])):
+        assert_same(torch.linalg.matrix_exp(a.to("tpu")), torch.linalg.matrix_exp(a),
+                    atol=1e-6, rtol=1e-6, msg=str(a))
+
+
+@pytest.mark.modes("defer")
+@pytest.mark.parametrize("dtype", [torch.float32] + [
+    pytest.param(d, marks=pytest.mark.slow) for d in (torch.float64, torch.complex64)])
+def test_matrix_exp_backward(dtype):
+    """The gradient is the exponential of a 2n x 2n block matrix (PyTorch's formula, lowered
+    through the same lowering): single and batched, every degree's range of norms."""
+    g = torch.Generator().manual_seed(1)
+    tol = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12),
+           torch.complex64: (1e-5, 1e-5)}[dtype]
+    for shape, scale in (((4, 4), 0.3), ((4, 4), 3.0), ((3, 5, 5), 1.0), ((2, 5, 5), 27.0)):
+        a = torch.randn(shape, dtype=dtype, generator=g) * (scale / shape[-1])
+        w = torch.randn(shape, dtype=dtype, generator=g)
+
+        def grad(a):
+            a = a.clone().requires_grad_()
+            y = torch.linalg.matrix_exp(a)
+            return torch.autograd.grad((y * w.to(y.device)).abs().sum(), a)[0]
+        want = grad(a)
+        got = grad(a.to("tpu"))
+        atol, rtol = tol
+        assert_same(got, want, atol=atol * float(want.abs().max()), rtol=rtol, msg=str(shape))

@@ -169,7 +169,7 @@ def _default_pads() -> None:
 
 
 FAMILIES = ("pointwise", "unary_int", "binary", "special", "activations", "reductions", "sorting",
-            "views", "linalg", "factorizations", "linear", "creation", "nn", "norms", "embedding",
+            "views", "linalg", "factorizations", "matrix_exp", "linear", "creation", "nn", "norms", "embedding",
             "sampling", "losses", "attention", "pooling", "indexing", "rearrange", "random",
             "foreach", "optim", "rnn")
 for _f in FAMILIES:

@@ -288,10 +288,11 @@ def _cexp(z):
 
 
 def _cmul_c99(x, y):
-    """C's complex product (GCC's __mulsc3, C99 Annex G): the product spelled out, and where both
+    """C's complex product (GCC's __mulsc3, C99 Annex G): CPU's product (``_cmul``), and where both
     parts are NaN but an operand is infinite, the infinity recovered."""
+    p = _cmul(x, y)
+    re, im = jnp.real(p), jnp.imag(p)
     a, b, c, d = _bc(jnp.real(x), jnp.imag(x), jnp.real(y), jnp.imag(y))
-    re, im = a * c - b * d, a * d + b * c
     one = jnp.ones_like(a)
     zero = jnp.zeros_like(a)
     box = lambda v: jnp.copysign(jnp.where(jnp.isinf(v), one, zero), v)    # noqa: E731

@@ -313,16 +313,6 @@ def linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None, _avals):
     return _per_matrix(lambda m: jnp.linalg.svd(m, full_matrices=full_matrices), a, core=(2,))
 
 
-@op("linalg_matrix_exp.default")
-def linalg_matrix_exp(a):
-    from jax.scipy.linalg import expm
-    if not a.shape[-1]:
-        return a
-    if a.dtype in _LOWP:
-        return _per_matrix(expm, a.astype(jnp.float32), core=(2,)).astype(a.dtype)
-    return _per_matrix(expm, a, core=(2,))
-
-
 @op("linalg_pinv.atol_rtol_tensor", meta=True)
 def linalg_pinv(a, atol=None, rtol=None, hermitian=False, *, _avals):
     """Pseudo-inverse by SVD (eigh when hermitian) with PyTorch's tolerance rule."""
