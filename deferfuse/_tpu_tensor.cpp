@@ -57,6 +57,14 @@ namespace {
 using c10::IValue;
 using IntVec = std::vector<int64_t>;
 
+// The pending Python error, raised as PyTorch raises a Python error from C++ (python_error).
+[[noreturn]] void rethrow_python() {
+  python_error err;
+  err.persist();
+  throw std::move(err);
+}
+
+
 // NOTE [hit timing] in _fastpath.c: with -DDEFERFUSE_HIT_TIMING (a debug build in /tmp, made by
 // bench/cxx_hit_parts.py; without the macro the marks compile to nothing), rdtsc marks between the
 // sections of a kernel hit and around it: the gap from the last fallback's exit to this op's
@@ -337,9 +345,7 @@ struct TpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
       py::module_::import("deferfuse.streams").attr("_synchronize")();
     } catch (py::error_already_set& e) {
       e.restore();
-      python_error err;
-      err.persist();
-      throw std::move(err);
+      rethrow_python();
     }
   }
 };
@@ -473,9 +479,7 @@ void check_device(c10::DeviceIndex i) {
     py::module_::import("deferfuse.device_info").attr("check")(static_cast<int>(i));
   } catch (py::error_already_set& e) {
     e.restore();
-    python_error err;
-    err.persist();
-    throw std::move(err);
+    rethrow_python();
   }
   TORCH_CHECK(false, "tpu:", static_cast<int>(i), " does not exist");
 }
@@ -757,9 +761,7 @@ py::object call_hook(PyObject* fn, py::object a, py::object b) {
     return py::reinterpret_borrow<py::object>(fn)(a, b);
   } catch (py::error_already_set& e) {
     e.restore();
-    python_error err;
-    err.persist();
-    throw std::move(err);
+    rethrow_python();
   }
 }
 
@@ -909,11 +911,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
     py::object grown;
     try {
       PyObject* have = ctx_storage(ctx);  // NOTE [lazy storages]
-      if (have == nullptr) {
-        python_error err;
-        err.persist();
-        throw std::move(err);
-      }
+      if (have == nullptr) rethrow_python();
       grown = call_hook(storage_hooks().grow, py::reinterpret_borrow<py::object>(have),
                         py::int_(need / item));
     } catch (...) {
@@ -948,11 +946,7 @@ void storage_resize(const c10::Storage& storage, size_t n) {
   if (ctx->storage != nullptr || ctx->value != nullptr) {
     py::gil_scoped_acquire gil;
     PyObject* have = ctx_storage(ctx);  // NOTE [lazy storages]
-    if (have == nullptr) {
-      python_error err;
-      err.persist();
-      throw std::move(err);
-    }
+    if (have == nullptr) rethrow_python();
     call_hook(storage_hooks().freed, py::reinterpret_borrow<py::object>(have), py::bool_(n == 0));
   }
   // a freed storage's data_ptr() is 0, as CPU's and CUDA's (test_distributed's storage resize);
@@ -1759,12 +1753,6 @@ bool foreach_overlaps(const torch::jit::Stack& stack, size_t n) {
     }
   }
   return false;
-}
-
-[[noreturn]] void rethrow_python() {
-  python_error err;
-  err.persist();
-  throw std::move(err);
 }
 
 // A Storage's `val` (a new reference), or null with the error set. Storage is a slotted class
