@@ -2318,23 +2318,17 @@ static PyObject *trace_outputs(PyObject *self, PyObject *const *args, Py_ssize_t
         if (prev == NULL) { Py_DECREF(v); goto done; }
         rows[k++] = (OutRow){pos, idx, j, v, prev};        /* owns v and prev */
     }
-    for (Py_ssize_t j = 0; j < nl && j < PyList_GET_SIZE(lazy); j++) {
-        PyObject *v = PyList_GET_ITEM(lazy, j);
+    /* the lazy values after every storage's, then the value the sync reads: no partner */
+    for (Py_ssize_t j = 0; j <= nl; j++) {
+        PyObject *v = j < nl ? (j < PyList_GET_SIZE(lazy) ? PyList_GET_ITEM(lazy, j) : Py_None)
+                             : want;
+        if (v == Py_None) continue;
         Py_ssize_t pos, idx;
         int mine = pending_in(v, trace, &pos, &idx);
         if (mine < 0) goto done;
         if (mine) {
             Py_INCREF(v); Py_INCREF(Py_False);
-            rows[k++] = (OutRow){pos, idx, n + j, v, Py_False};   /* after every storage's */
-        }
-    }
-    if (want != Py_None) {
-        Py_ssize_t pos, idx;
-        int mine = pending_in(want, trace, &pos, &idx);
-        if (mine < 0) goto done;
-        if (mine) {
-            Py_INCREF(want); Py_INCREF(Py_False);
-            rows[k++] = (OutRow){pos, idx, n + nl, want, Py_False};   /* after all others */
+            rows[k++] = (OutRow){pos, idx, n + j, v, Py_False};
         }
     }
     qsort(rows, k, sizeof *rows, out_cmp);
