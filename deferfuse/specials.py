@@ -8,14 +8,14 @@ import torch
 from torch._prims_common import suggest_memory_format
 
 from .device_info import check
-from .dispatch import Fallback, _contig, _run, copy_into, new_tensor, read, read_host, to_cpu
+from .dispatch import Fallback, _contig, _run, copy_into, read, read_host, to_cpu
 from .engine import engine
 from .opinfo import decompose, op_info
 from .runtime.lowering import LOWERINGS
 from .runtime import transfer
 from .scheduler.policy import Sync
 from .scheduler.records import Value
-from .tensor import TpuTensor
+from .tensor import TpuTensor, new_tensor
 
 aten = torch.ops.aten
 
