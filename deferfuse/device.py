@@ -439,7 +439,8 @@ def register() -> None:
     _patch_default_dtype()
     _keep_tied_parameters()
     _wrap_autograd()
-    from . import amp, attention, compiled, datadep, flex, linear, quantized, rnn, serialization
+    from . import (amp, attention, compiled, composed, datadep, flex, linear, quantized, rnn,
+                   serialization)
     compiled.register()
     amp.register()
     serialization.register()
@@ -447,6 +448,7 @@ def register() -> None:
     flex.register()
     quantized.register()
     linear.register()
+    composed.register()
     datadep.register()
     rnn.register()
 
@@ -460,7 +462,7 @@ def register() -> None:
     dispatch = plain.install().route
     # one_hot is composite: without a backend kernel PyTorch decomposes it above Python dispatch,
     # skipping its range check on PrivateUse1. This kernel routes aten.one_hot whole
-    # (specials._h_one_hot).
+    # (composed._h_one_hot).
     _lib.impl("one_hot", lambda *a, **k: dispatch(torch.ops.aten.one_hot.default, a, k), "PrivateUse1")
     _lib.impl("ctc_loss.Tensor", held(_ctc_loss_cpu_lengths), "AutogradPrivateUse1")
     for name in WHOLE_COMPOSITES:      # NOTE [whole composites]

@@ -2,7 +2,7 @@
 process (NOTE [entries on disk]).
 
 NOTE [entries on disk]: the first time a process meets an op key (the op, its argument template,
-its inputs' signatures, the device: ``dispatch.op_key``) it makes the op's entry: its outputs'
+its inputs' signatures, the device: ``opkey.op_key``) it makes the op's entry: its outputs'
 sizes, strides and dtypes from the meta kernels (``meta.infer``, whose answers the meta memo
 already keeps on disk, but which still checks the arguments and describes them to find them),
 and, for a random op, how far its generator moves (``prng.draws``, a JAX trace). A loop whose

@@ -31,14 +31,13 @@ from __future__ import annotations
 import torch
 
 from .config import config
-from .dispatch import new_tensor
 from .engine import engine
 from .runtime import stats
 from .runtime.bucket_fit import bucket_of
 from .runtime.bucket_region import pad_edge
 from .scheduler.policy import Cut
 from .scheduler.records import Value
-from .tensor import TpuTensor
+from .tensor import TpuTensor, new_tensor
 
 _CEA = torch._C.DispatchKey.CompositeExplicitAutograd
 

@@ -14,10 +14,11 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-from .dispatch import CpuTensorArg, Fallback, ForeignSubclass, OtherDevice, ResizeOuts, _local, _run
+from .dispatch import Fallback, ResizeOuts, _local, _run
 from .engine import engine, user_error
 from .fallback import fallback
 from .opinfo import decompose, op_info
+from .opkey import CpuTensorArg, ForeignSubclass, OtherDevice
 from .fbgemm import handlers as fbgemm_handlers
 from .packed import handlers as packed_handlers
 from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials, resize
@@ -249,7 +250,7 @@ def _unsupported_view(func, info, args, kwargs):
 def c_record_objects(py_dispatch=torch_dispatch) -> dict:
     """What the C record path works on (``_fastpath.setup``'s argument): the engine's objects, and
     ``py_dispatch``, the Python path it hands every uncommon call to."""
-    from . import dispatch as d, tensor as t, views
+    from . import dispatch as d, opkey, tensor as t, views
     from .config import config
     from .engine import ThreadState
     from .runtime.node import SS, TS, const
@@ -260,7 +261,7 @@ def c_record_objects(py_dispatch=torch_dispatch) -> dict:
         TpuTensor=TpuTensor, py_dispatch=py_dispatch, routes=_routes, run=_run,
         get_mode=_mode, fake_key=FAKE, interrupts=_held, local=_local,
         lock_acquire=engine.lock.acquire, lock_release=engine.lock.release, ops=engine.ops,
-        TS=TS, SS=SS, special_scalars=d._SPECIAL_SCALARS, const=const, Value=Value, Node=Node,
+        TS=TS, SS=SS, special_scalars=opkey._SPECIAL_SCALARS, const=const, Value=Value, Node=Node,
         Storage=t.Storage, wrap=t._wrap, strided=t._STRIDED, devices=t._DEVICES, config=config,
         sources=engine.sources, dtype_type=torch.dtype, memory_format_type=torch.memory_format,
         layout_type=torch.layout, view=_view, alias=_alias, foreach=_foreach, to_copy=_to_copy,

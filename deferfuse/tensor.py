@@ -168,3 +168,12 @@ def make(storage: Storage, chain: tuple, size, stride, offset: int, dtype, sig=N
     t._sig = sig if sig is not None else sig_id(
         (storage.val.shape, storage.dtype, chain, tuple(size), tuple(t.stride()), dtype))
     return t
+
+
+def new_tensor(val: Value, device: int, dtype, size, stride, chain=(), offset=0, storage=None,
+               sig=None):
+    st = storage if storage is not None else Storage(val, device, dtype, stride)
+    t = make(st, chain, size, stride, offset, dtype, sig)
+    if storage is None and val.node is not None:
+        val.node.trace.track(st)
+    return t

@@ -186,7 +186,8 @@ def op_key(entry, arrays, scalars, device: int) -> str | None:
 # --------------------------------------------------------------------------- the store
 # The front-end modules whose code shapes a program beyond what its key spells out (how an op's
 # arguments become a lowering's, its output dtypes); the whole runtime is read too.
-_FRONT = ("dispatch.py", "meta.py", "metarules.py", "opinfo.py", "attention.py", "views.py")
+_FRONT = ("dispatch.py", "opkey.py", "meta.py", "metarules.py", "opinfo.py", "attention.py",
+          "views.py")
 
 
 def _source_digest() -> str:

@@ -101,8 +101,8 @@ def _is_number(t):
 def test_every_number_slot_of_every_lowering_is_lifted_or_keyed_by_type():
     """Schema-driven: for each lowered overload and each argument that can hold a Python number,
     the op's key differs between 2, 2.0 and True, and between 0.0 and -0.0, in that slot (the key
-    builder is the op path's own, dispatch.op_key)."""
-    from deferfuse.dispatch import op_key
+    builder is the op path's own, opkey.op_key)."""
+    from deferfuse.opkey import op_key
     from deferfuse.opinfo import op_info
     from deferfuse.runtime.lowering import LOWERINGS
     dev = as_tpu(torch.zeros(2, device="tpu"))    # op_key reads the op path's tensors

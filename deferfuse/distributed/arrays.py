@@ -2,9 +2,9 @@
 value of a tensor, wrap an array as a new tensor, and describe a tensor in an error message."""
 from __future__ import annotations
 
-from ..dispatch import _contig, copy_into, new_tensor, read
+from ..dispatch import _contig, copy_into, read
 from ..scheduler.records import Value
-from ..tensor import TpuTensor
+from ..tensor import TpuTensor, new_tensor
 
 
 def read_array(t):

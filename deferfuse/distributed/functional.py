@@ -123,7 +123,7 @@ def _reduce_scatter_coalesced(func, args, kwargs):
 
 
 def _reduce_name(op: str):
-    from .group import reduce_op
+    from .collective_ops import reduce_op
     return reduce_op(_op(op))
 
 

@@ -168,10 +168,10 @@ def _default_pads() -> None:
             LOWERINGS[o] = replace(low, pad=rule)
 
 
-FAMILIES = ("pointwise", "unary_int", "binary", "special", "activations", "reductions", "sorting",
-            "views", "linalg", "factorizations", "matrix_exp", "linear", "creation", "nn", "norms", "embedding",
-            "sampling", "losses", "attention", "pooling", "indexing", "rearrange", "random",
-            "foreach", "optim", "rnn")
+FAMILIES = ("pointwise", "unary_int", "binary", "power", "prims", "special", "activations",
+            "reductions", "sorting", "views", "linalg", "factorizations", "transforms",
+            "matrix_exp", "linear", "creation", "nn", "norms", "embedding", "sampling", "losses",
+            "attention", "pooling", "indexing", "rearrange", "random", "foreach", "optim", "rnn")
 for _f in FAMILIES:
     importlib.import_module(f"{__name__}.{_f}")
 _default_pads()

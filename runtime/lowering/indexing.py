@@ -273,7 +273,7 @@ def put(x, index, source, accumulate=False):
 
 @op("one_hot.default", static=True)
 def one_hot(x, num_classes=-1):
-    # num_classes=-1 (a shape read from the data) becomes max() + 1 first (specials._h_one_hot).
+    # num_classes=-1 (a shape read from the data) becomes max() + 1 first (composed._h_one_hot).
     check_index(x, 2 ** 62, RuntimeError, "Class values must be non-negative.", False)
     check_index(x, num_classes, RuntimeError, "Class values must be smaller than num_classes.")
     return (x[..., None] == jnp.arange(num_classes, dtype=x.dtype)).astype(jnp.int64)

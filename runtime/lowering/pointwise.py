@@ -1,7 +1,7 @@
 """Elementwise ops of one input: unary float math (sin/cos/tan and inverses: trig.py; the unary
 ops that keep integer dtypes: unary_int.py); and the dtype helpers every elementwise family shares. Binary
-arithmetic, comparisons, clamps and the ``prims.*`` mapping are in binary.py, activations in
-activations.py, special functions in special.py.
+arithmetic, comparisons and clamps are in binary.py (pow in power.py), the ``prims.*`` mapping in
+prims.py, activations in activations.py, special functions in special.py.
 
 Outputs are cast to PyTorch's dtype by the caller (runtime/node.py); what a lowering must get right
 is the dtype it COMPUTES in. ``_rt`` reproduces ``torch.result_type`` over the JAX inputs (Python
@@ -135,6 +135,10 @@ def _rt(*xs) -> np.dtype:
 def _opmath(dt) -> np.dtype:
     """The dtype PyTorch's CPU kernels compute in: float32 for float16/bfloat16."""
     return _F32 if dt in _HALF else dt
+
+
+def _int_like(ct):
+    return _I64 if ct == _BOOL else ct
 
 
 def _to_float(dt) -> np.dtype:

@@ -436,7 +436,7 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
 # NOTE [device asserts]: ``torch._assert_async`` (TorchTitan's RoPE check, ``torch.compile``'s
 # runtime asserts) checks on the device, as CUDA does: a flag (NOTE [index checks]) that the host
 # reads at the next sync, where CPU's error is raised. The tensor's element count is checked when
-# the op is recorded (deferfuse/specials.py), as CPU raises at once.
+# the op is recorded (deferfuse/composed.py), as CPU raises at once.
 @op("_assert_async.default", "_assert_async.msg", static=True)
 def assert_async(x, assert_msg="Expected Tensor with single nonzero value, but got zero"):
     check(~_nonzero_bits(x), RuntimeError, assert_msg)
