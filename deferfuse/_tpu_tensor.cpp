@@ -208,6 +208,56 @@ void ctx_clear(StorageCtx* c) {
   Py_CLEAR(c->storage);
 }
 
+// NOTE [context pool]: a kernel hit's new output allocates a StorageCtx and its release frees it
+// (one of the four heap objects an output makes, NOTE [hit outputs]). Released contexts are kept,
+// destroyed but not freed, in a bounded pool that the next hit output takes its memory from, so
+// that pair of malloc/free becomes a push and a pop. The pool is the process's (as the lazy list
+// is) and changes under the GIL only: a hit output holds it, and free_ctx returns a context to it
+// only from inside its GIL block (a context holding no Python object is freed without the GIL,
+// and deleted). Every context still starts as a new `StorageCtx()` (placement new), so no field
+// outlives its storage. `DEFERFUSE_CTX_POOL=0` sizes the pool 0 (every context new and deleted);
+// `ctx_pool_stats()` counts.
+struct CtxPool {
+  static constexpr size_t kMax = 1024;
+  size_t cap = kMax;              // 0: off (DEFERFUSE_CTX_POOL=0)
+  std::vector<void*> free;        // destroyed contexts' memory, at most `cap`
+  int64_t reused = 0, pooled = 0, deleted = 0;
+};
+
+CtxPool& ctx_pool() {
+  static CtxPool* p = [] {  // never destroyed: storages may be freed while the process exits
+    auto* q = new CtxPool();
+    const char* env = std::getenv("DEFERFUSE_CTX_POOL");
+    if (env != nullptr && std::string(env) == "0") q->cap = 0;
+    q->free.reserve(q->cap);
+    return q;
+  }();
+  return *p;
+}
+
+// A new context for a hit output, from the pool if it has one. Holds the GIL.
+StorageCtx* ctx_new_gil() {
+  auto& P = ctx_pool();
+  if (P.free.empty()) return new StorageCtx();
+  void* mem = P.free.back();
+  P.free.pop_back();
+  ++P.reused;
+  return new (mem) StorageCtx();
+}
+
+// A context with nothing left to release, back to the pool or deleted. Holds the GIL.
+void ctx_release_gil(StorageCtx* ctx) {
+  auto& P = ctx_pool();
+  if (P.free.size() >= P.cap) {
+    delete ctx;
+    ++P.deleted;
+    return;
+  }
+  ctx->~StorageCtx();
+  P.free.push_back(ctx);
+  ++P.pooled;
+}
+
 void free_ctx(void* p) {
   HIT_MARK(H_RET);
   auto* ctx = static_cast<StorageCtx*>(p);
@@ -215,6 +265,9 @@ void free_ctx(void* p) {
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       ctx_clear(ctx);
+      ctx_release_gil(ctx);  // NOTE [context pool]
+      HIT_MARK(H_FREE);
+      return;
     } else if (ctx->linked) {
       lazy_unlink(ctx);  // the interpreter is gone: its objects are not ours to release
     }
@@ -996,7 +1049,7 @@ struct OutMeta {
 // from the metadata, with the output's Storage (`st`, a new reference taken) already in it, or
 // (`lazy_value`) its Value, the Storage made on first ask (NOTE [lazy storages]).
 at::Tensor new_output(const OutMeta& m, c10::DeviceIndex dev, PyObject* st, bool lazy_value) {
-  auto* ctx = new StorageCtx();
+  auto* ctx = ctx_new_gil();  // NOTE [context pool]
   ctx->cap = m.nbytes;
   ctx->size.assign(m.size.begin(), m.size.end());
   ctx->stride.assign(m.stride.begin(), m.stride.end());
@@ -2511,6 +2564,13 @@ PYBIND11_MODULE(_tpu_tensor, m) {
     d["linked"] = L.linked; d["outputs"] = L.outputs; d["made"] = L.made;
     return d;
   }, "NOTE [lazy storages]: contexts linked now, hit outputs made lazy, Storages made on ask");
+  m.def("ctx_pool_stats", []() {
+    auto& P = ctx_pool();
+    py::dict d;
+    d["size"] = P.free.size(); d["cap"] = P.cap; d["reused"] = P.reused; d["pooled"] = P.pooled;
+    d["deleted"] = P.deleted;
+    return d;
+  }, "NOTE [context pool]: contexts pooled now, the bound, taken from and returned to the pool, deleted when full");
   m.def("lazy_state", [](const at::Tensor& t) {
     auto* ctx = ctx_of(t);
     return py::make_tuple(ctx->value != nullptr, ctx->linked);
