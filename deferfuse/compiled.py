@@ -86,10 +86,12 @@ class _Host:
                 stack.extend(n.all_input_nodes)
         self.order = [n for n in gm.graph.nodes if n in need and n.op == "call_function"]
         # (node, source node, index) for an item of a node's list (the host's ``_foreach_add``
-        # makes one per step count): no walk of its arguments; else (node, None, None)
+        # makes one per step count): no walk of its arguments; (node, None, spec) for a node
+        # whose arguments are nodes, lists of nodes and constants (``_flat``); else (node, None,
+        # None)
         self.steps = [(n, n.args[0], n.args[1]) if n.target is _getitem and not n.kwargs and
                       isinstance(n.args[0], torch.fx.Node) and type(n.args[1]) is int else
-                      (n, None, None) for n in self.order]
+                      (n, None, _flat(n)) for n in self.order]
 
     def _ok(self, n) -> bool:
         if not isinstance(n, torch.fx.Node):
@@ -116,10 +118,33 @@ class _Host:
                 if src is not None:
                     env[n] = env[src][k]
                     continue
+                if k is not None:
+                    env[n] = n.target(*[env[x] if w == 0 else [env[y] for y in x] if w == 1 else x
+                                        for w, x in k])
+                    continue
                 a = fill(n.args, env)
                 size = SIZES.get(n.target)
                 env[n] = size(*a) if size is not None else n.target(*a, **fill(n.kwargs, env))
         return env
+
+
+def _flat(n):
+    """How ``_Host.run`` fills node ``n``'s arguments without ``fill``'s walk: (0, node), (1,
+    nodes of a list) or (2, a constant) per argument, when it has no keyword arguments and no
+    other container (the host's ``_foreach_add`` over an optimizer's step counts); else None."""
+    if n.kwargs or n.target in SIZES:
+        return None
+    spec = []
+    for a in n.args:
+        if isinstance(a, torch.fx.Node):
+            spec.append((0, a))
+        elif isinstance(a, list) and a and all(isinstance(x, torch.fx.Node) for x in a):
+            spec.append((1, tuple(a)))
+        elif isinstance(a, (bool, int, float, str, type(None), torch.dtype, torch.device)):
+            spec.append((2, a))
+        else:
+            return None
+    return tuple(spec)
 
 
 class CompiledGraph:
@@ -183,6 +208,9 @@ class CompiledGraph:
             if what == HOST and not host._ok(o):
                 self.outs[j] = (READ, o, val)
         self.host_writes = [w for w in self.cpu_writes if host._ok(plan.writes[w][1])]
+        # the inputs the tpu writes go into, in write_acts' order (``_entry``: first, their
+        # values a run of the device outputs)
+        self.written = tuple(plan.writes[w][0] for w in self.tpu_writes)
         self.read_writes = [w for w in self.cpu_writes if w not in self.host_writes]
         # (an output that is a CPU input itself, as a packed sequence's lengths saved for the
         # backward pass, needs the inputs' values even when the host computes nothing)
@@ -289,16 +317,15 @@ class CompiledGraph:
         group's call), the outputs made and the writes bound."""
         trace = ts.trace
         aliases = ()
-        if len(self.tpu_writes) > 1:
+        written = [stores[i] for i in self.written]
+        if len(written) > 1 and len(set(written)) < len(written):
             # Two written inputs on one storage (a tensor and its view): the second write
             # goes into the base the first made.
             seen, al = {}, []
-            for w in self.tpu_writes:
-                st = stores[self.plan.writes[w][0]]
+            for st in written:
                 al.append(seen.get(id(st), -1))
                 seen[id(st)] = len(al) - 1
-            if any(x >= 0 for x in al):
-                aliases = tuple(al)
+            aliases = tuple(al)
         key = (tuple(ints), tuple(views), aliases, tuple(sizes))
         if self.plan.rng:
             # The graph's draws fold their node's index into this (seed, offset) key
@@ -333,18 +360,17 @@ class CompiledGraph:
                 res.append(None)
             else:
                 res.append(act[1])
-        dsts, srcs, sts, vals = [], [], [], []
-        for what, i, x in write_acts:
-            if what == DEV:
-                sts.append(stores[i])
-                vals.append(outs[x])
-            elif what == HOST:
+        m = len(written)
+        if m:
+            x = write_acts[0][2]
+            trace.write_all(written, outs[x:x + m])
+        dsts, srcs = [], []
+        for what, i, x in write_acts[m:] if m else write_acts:
+            if what == HOST:
                 dsts.append(args[i])
                 srcs.append(env[x])
             else:
                 reads.append((None, _held(outs[x], dev), args[i]))
-        if sts:
-            trace.write_all(sts, vals)
         if dsts:
             # (an optimizer's step counts, one per parameter: one call for them all)
             if len(dsts) == 1:
