@@ -267,7 +267,7 @@ class CompiledGraph:
         integers, views and dynamic inputs' sizes that key the entry, each tpu input's Storage by
         input index (None for the others), the tpu inputs themselves (a graph with collectives
         only), the device). ``args``: ``TpuTensor``s or records with their ``_s``, ``_chain``
-        and ``_dyn`` (``PlainGraph._read`` reads plain tensors straight)."""
+        and ``_dyn`` (``PlainGraph._read_plain`` reads plain tensors straight)."""
         ins, scalars, ints, views, offsets = [], [], [], [], []
         tensors = [] if self.spmd is not None else None    # (for the group's steps)
         stores = [None] * len(args)
