@@ -26,6 +26,16 @@ figure the median over the steps:
   part of the program before it returns); ``wait``: reading the index-check flags, which waits
   for the program; ``sync -> step end``: the loss read back and the rest.
 
+The system ``compiled_fb`` is the same step in docs/compiled.md's two-function form
+(``workloads._two_functions``: forward and backward one compiled function under
+``trace_autograd_ops``, the optimizer step compiled apart), with its own parts (``PARTS_FB``):
+``to forward-backward graph`` (``zero_grad``, Dynamo's frame and guards, AOTAutograd's wrappers),
+``forward-backward graph (ours)``, ``forward-backward graph -> optimizer graph`` (AOTAutograd's
+post-wrappers, the frame's return, ``Optimizer.step``'s wrappers and ``_use_grad``'s frames, the
+update's frame and guards), then the optimizer graph and the sync as above. Both of its graphs are
+AOTAutograd inference graphs (the returned loss is detached): the first a step is the
+forward-backward one.
+
 With them: regions (programs) run a step, graph calls, ops recorded; the compiled step's program
 and the hand-written ``jax.jit`` step's alone (``programs_alone``); and the hand-written
 ``jax.jit`` step and the defer step timed in the same process, rounds alternated, each system's
@@ -38,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
@@ -73,6 +84,13 @@ PARTS = [
     ("wait (index-check flags)", "wait<", "wait>"),
     ("sync -> step end", "wait>", "end"),
 ]
+SYSTEMS = ("compiled", "compiled_fb")      # the compiled forms measured
+# the two-function form (system compiled_fb): "fb" is the step's first graph call, "inf" its second
+PARTS_FB = [
+    ("to forward-backward graph", "start", "fb<"),
+    ("forward-backward graph (ours)", "fb<", "fb>"),
+    ("forward-backward graph -> optimizer graph", "fb>", "inf<"),
+] + PARTS[7:]
 
 
 class Timeline:
@@ -82,7 +100,8 @@ class Timeline:
         self.clock = clock
         self.on = False
         self.ev: dict = {}
-        self.steps: list = []
+        self.steps: dict = collections.defaultdict(list)     # system -> its steps' events
+        self.form = None
 
     def mark(self, name):
         if self.on and name not in self.ev:
@@ -105,6 +124,8 @@ class Timeline:
 
         def call(self_, *args):
             k = kind_ev.get(self_.kind, "g")
+            if tl.form == "fb":
+                k = "fb" if "fb<" not in tl.ev else "inf"
             tl.mark(k + "<")
             try:
                 return graph_call(self_, *args)
@@ -132,7 +153,8 @@ class Timeline:
         CH.CheckList.check = check_
         assert flush.execute is execute
 
-    def step(self, fn):
+    def step(self, fn, system="compiled"):
+        self.form = "fb" if system == "compiled_fb" else None
         self.ev = {}
         self.on = True
         self.ev["start"] = self.clock()
@@ -141,12 +163,12 @@ class Timeline:
         loss.item()
         self.ev["end"] = self.clock()
         self.on = False
-        self.steps.append(self.ev)
+        self.steps[system].append(self.ev)
 
 
-def parts(steps) -> dict:
+def parts(steps, table=PARTS) -> dict:
     out = {}
-    for name, a, b in PARTS:
+    for name, a, b in table:
         d = [s[b] - s[a] for s in steps if a in s and b in s]
         out[name] = statistics.median(d) * 1e3 if d else None
     out["whole step"] = statistics.median([s["end"] - s["start"] for s in steps]) * 1e3
@@ -159,16 +181,27 @@ def counters():
                                      "needed_first_splits", "graph_compiles", "compiles")}
 
 
-def measure(w: str, steps: int, rounds: int, clock=time.perf_counter) -> dict:
-    tl = Timeline(clock)
-    tl.install()
+# NOTE: every build of a workload compiles ``Optimizer.step``'s frames again for its own optimizer
+# (Dynamo guards on the instance), and ``_train_built``'s step closure is one code object for
+# every model: past Dynamo's ``cache_size_limit`` (8 a frame) a frame runs eagerly, unsaid. Each
+# measuring function starts from ``torch._dynamo.reset()``, so the builds of an earlier workload
+# or function do not count against its own.
+
+
+def measure(w: str, steps: int, rounds: int, tl: Timeline) -> dict:
+    tl.steps.clear()
+    torch._dynamo.reset()       # (see ``fresh``)
     jb = getattr(W, w + "_jax")(True)
     with deferfuse.mode("defer"):
         cb = getattr(W, w)(W.Ctx("compiled"), True)
+        with W.fb_config():
+            fbb = getattr(W, w)(W.Ctx("compiled_fb"), True)
         db = getattr(W, w)(W.Ctx("defer"), True)
-        fn = cb.train_step
+        fns = {"compiled": cb.train_step, "compiled_fb": fbb.train_step}
         for _ in range(4):
             cb.step()
+            with W.fb_config():
+                fbb.step()
             db.step()
             jb.step()
         deferfuse.sync()
@@ -178,32 +211,37 @@ def measure(w: str, steps: int, rounds: int, clock=time.perf_counter) -> dict:
         cpu = collections.defaultdict(list)     # (process, thread) CPU ms a step
         loads = []
         for r in range(rounds):
-            order = ("compiled", "defer", "jax") if r % 2 == 0 else ("jax", "defer", "compiled")
+            order = ("compiled", "compiled_fb", "defer", "jax")
             loads.append(os.getloadavg()[0])
-            for s in order:
-                t0, p0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
-                for _ in range(steps):
-                    if s == "compiled":
-                        tl.step(fn)
-                    elif s == "defer":
-                        db.step()
-                    else:
-                        jb.step()
-                deferfuse.sync()
-                torch.tpu.synchronize()
-                whole[s].append((time.perf_counter() - t0) / steps * 1e3)
-                cpu[s].append(((time.process_time() - p0) / steps * 1e3,
-                               (time.thread_time() - h0) / steps * 1e3))
+            for s in (order if r % 2 == 0 else order[::-1]):
+                scope = W.fb_config() if s == "compiled_fb" else contextlib.nullcontext()
+                with scope:
+                    t0, p0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
+                    for _ in range(steps):
+                        if s in fns:
+                            tl.step(fns[s], s)
+                        elif s == "defer":
+                            db.step()
+                        else:
+                            jb.step()
+                    deferfuse.sync()
+                    torch.tpu.synchronize()
+                    whole[s].append((time.perf_counter() - t0) / steps * 1e3)
+                    cpu[s].append(((time.process_time() - p0) / steps * 1e3,
+                                   (time.thread_time() - h0) / steps * 1e3))
         c1 = counters()
     n = rounds * steps
     per = {k: (c1[k] - c0[k]) / n for k in c0 if k in ("regions_run", "compiled_calls",
                                                        "ops_recorded", "needed_first_splits")}
     # (the defer steps' regions, ops and calls are among the counters: compiled's own come from
     # a separate count below)
-    return dict(parts=parts(tl.steps), whole={s: statistics.median(v) for s, v in whole.items()},
+    return dict(parts=parts(tl.steps["compiled"]),
+                parts_fb=parts(tl.steps["compiled_fb"], PARTS_FB),
+                whole={s: statistics.median(v) for s, v in whole.items()},
                 cpu={s: tuple(statistics.median(c[k] for c in v) for k in (0, 1))
                      for s, v in cpu.items()},
-                ratio=statistics.median([c / j for c, j in zip(whole["compiled"], whole["jax"])]),
+                ratio={s: statistics.median([c / j for c, j in zip(whole[s], whole["jax"])])
+                       for s in fns},
                 counters=per, compiles_after_warmup=c1["compiles"] - c0["compiles"],
                 graph_compiles_after_warmup=c1["graph_compiles"] - c0["graph_compiles"],
                 load=(min(loads), max(loads)))
@@ -211,17 +249,27 @@ def measure(w: str, steps: int, rounds: int, clock=time.perf_counter) -> dict:
 
 def programs_alone(w: str, calls: int) -> tuple:
     """(ours, jax's) ms: the compiled step's program (its executable called on copies of a
-    step's inputs, as ``bench/wlm_step.py`` calls a region's) and the hand-written ``jax.jit``
-    step (its ``train_step``, the loss waited for), each call timed with its wait, alternated;
-    medians."""
-    from wlm_step import call
+    step's inputs, as ``bench/wlm_step.py`` calls a region's, with the scalar packing its run
+    used) and the hand-written ``jax.jit`` step (its ``train_step``, the loss waited for), each
+    call timed with its wait, alternated; medians."""
+    torch._dynamo.reset()       # (see ``fresh``)
     captured = []
     run_region = execute.run_region
 
-    def capture(compiled, don, keep, scalars, device=0, debug=False):
+    def capture(compiled, don, keep, scalars, device=0, debug=False, pack=execute.pack_scalars):
         captured[:] = [(compiled, [jax.numpy.copy(a) for a in don],
-                        [jax.numpy.copy(a) for a in keep], list(scalars))]
-        return run_region(compiled, don, keep, scalars, device, debug)
+                        [jax.numpy.copy(a) for a in keep], list(scalars), pack)]
+        return run_region(compiled, don, keep, scalars, device, debug, pack)
+
+    def call(prog):
+        compiled, don, keep, scalars, pack = prog
+        don = [jax.numpy.copy(a) for a in don]     # donated: a fresh copy per call
+        jax.block_until_ready(don)
+        t0 = time.perf_counter()
+        with execute.x64(True):
+            res = compiled(don, keep, pack(scalars))
+        jax.block_until_ready(res)
+        return time.perf_counter() - t0
     jb = getattr(W, w + "_jax")(True)
     with deferfuse.mode("defer"):
         cb = getattr(W, w)(W.Ctx("compiled"), True)
@@ -243,10 +291,12 @@ def programs_alone(w: str, calls: int) -> tuple:
     return statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
 
 
-def compiled_counts(w: str, steps: int) -> dict:
+def compiled_counts(w: str, steps: int, system: str = "compiled") -> dict:
     """Programs, graph calls and ops recorded a compiled step, counted alone."""
-    with deferfuse.mode("defer"):
-        cb = getattr(W, w)(W.Ctx("compiled"), True)
+    torch._dynamo.reset()       # (see ``fresh``)
+    scope = W.fb_config() if system == "compiled_fb" else contextlib.nullcontext()
+    with deferfuse.mode("defer"), scope:
+        cb = getattr(W, w)(W.Ctx(system), True)
         for _ in range(3):
             cb.step()
         deferfuse.sync()
@@ -266,35 +316,38 @@ def main():
     p.add_argument("--clock", choices=("wall", "thread"), default="wall",
                    help="what stamps the parts: wall time, or the Python thread's CPU time")
     a = p.parse_args()
-    clock = time.perf_counter if a.clock == "wall" else time.thread_time
+    tl = Timeline(time.perf_counter if a.clock == "wall" else time.thread_time)
+    tl.install()
     for w in a.workloads.split(","):
-        counts = compiled_counts(w, a.steps)
+        counts = {s: compiled_counts(w, a.steps, s) for s in SYSTEMS}
         progs = programs_alone(w, a.steps * a.rounds)
-        r = measure(w, a.steps, a.rounds, clock)
+        r = measure(w, a.steps, a.rounds, tl)
         lo, hi = r["load"]
         print(f"\n## {w} (quick sizes; load {lo:.1f}-{hi:.1f} on {os.cpu_count()} CPUs)\n")
-        print(f"compiled {r['whole']['compiled']:.2f} ms, defer {r['whole']['defer']:.2f} ms, "
-              f"jax.jit {r['whole']['jax']:.2f} ms a step (medians of {a.rounds} rounds of "
-              f"{a.steps} steps, alternated); compiled / jax paired **{r['ratio']:.2f}x**")
+        print(", ".join(f"{s} {r['whole'][s]:.2f} ms" for s in SYSTEMS + ("defer", "jax"))
+              + f" a step (medians of {a.rounds} rounds of {a.steps} steps, alternated); / jax "
+              "paired: " + ", ".join(f"{s} **{r['ratio'][s]:.2f}x**" for s in SYSTEMS))
         print("CPU ms a step, process / Python thread: " + ", ".join(
-            f"{s} {r['cpu'][s][0]:.2f} / {r['cpu'][s][1]:.2f}" for s in ("compiled", "defer", "jax")))
-        print(f"a compiled step: {counts['regions_run']:g} programs, {counts['compiled_calls']:g} "
-              f"graph calls, {counts['ops_recorded']:g} ops recorded, "
-              f"{counts['needed_first_splits']:g} needed-first splits; after warm-up "
-              f"{r['compiles_after_warmup']} compiles, {r['graph_compiles_after_warmup']} graph "
-              "compiles")
+            f"{s} {r['cpu'][s][0]:.2f} / {r['cpu'][s][1]:.2f}" for s in SYSTEMS + ("defer", "jax")))
+        for s in SYSTEMS:
+            c = counts[s]
+            print(f"a {s} step: {c['regions_run']:g} programs, {c['compiled_calls']:g} graph "
+                  f"calls, {c['ops_recorded']:g} ops recorded, {c['needed_first_splits']:g} "
+                  "needed-first splits")
+        print(f"after warm-up (all systems): {r['compiles_after_warmup']} compiles, "
+              f"{r['graph_compiles_after_warmup']} graph compiles")
         print(f"programs alone (executable and wait, alternated): the compiled step's "
               f"{progs[0]:.2f} ms, the jax.jit step's {progs[1]:.2f} ms\n")
-        print(f"| part of a compiled step | ms (median, {a.clock} clock) |")
-        print("|---|---:|")
-        tot = 0.0
-        for name, _, _ in PARTS:
-            v = r["parts"][name]
-            tot += v or 0.0
-            print(f"| {name} | {'–' if v is None else f'{v:.3f}'} |")
-        print(f"| sum of the parts | {tot:.3f} |")
-        print(f"| whole step (timed alone) | {r['parts']['whole step']:.3f} |")
-
+        for s, table, key in (("compiled", PARTS, "parts"), ("compiled_fb", PARTS_FB, "parts_fb")):
+            print(f"| part of a {s} step | ms (median, {a.clock} clock) |")
+            print("|---|---:|")
+            tot = 0.0
+            for name, _, _ in table:
+                v = r[key][name]
+                tot += v or 0.0
+                print(f"| {name} | {'–' if v is None else f'{v:.3f}'} |")
+            print(f"| sum of the parts | {tot:.3f} |")
+            print(f"| whole step (timed alone) | {r[key]['whole step']:.3f} |\n")
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,7 @@ import run as R
 
 # floor: a wrapper subclass that only makes its output (overhead only); jax: the hand-written
 # jax.jit program of the same step, where a workload has one.
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "compiled", "floor", "jax"] + \
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "compiled", "compiled_fb", "floor", "jax"] + \
     list(R.DEFER_VARIANTS)
 GOAL = 1.5          # issue 3: defer at least 1.5x faster than strict eager on every workload
 
@@ -147,6 +147,14 @@ def _scope(df, s: str):
     (run.DEFER_VARIANTS, given as environment variables) the same settings as overrides."""
     if s == "compiled":
         return lambda: df.mode("defer")     # what a compiled step does not capture runs in defer
+    if s == "compiled_fb":
+        import workloads as W
+
+        @contextlib.contextmanager
+        def fb_scope():
+            with df.mode("defer"), W.fb_config():
+                yield
+        return fb_scope
     if s not in R.DEFER_VARIANTS:
         return lambda: df.mode(s)
     from deferfuse.config import SETTINGS
@@ -200,7 +208,8 @@ def render_md(meta: dict, results: dict) -> str:
          "system's final number (loss, sum) from eager's, relative (absolute below 1e-3).", "",
          "| workload | " + " | ".join(f"{s} ms" for s in meta["systems"]) + " | "
          + " | ".join(f"{s} / defer (paired)" for s in others) + f" | rounds at {GOAL}x vs strict |"
-         + " compile s in warm-up (defer, strict) | compiles after warm-up (defer, strict, compiled) |"
+         + " compile s in warm-up (defer, strict) | compiles after warm-up (defer, strict, compiled,"
+         " compiled_fb) |"
          " check |",
          "|---|" + "---:|" * (len(meta["systems"]) + len(others) + 3) + "---|"]
     ratios = []
@@ -227,7 +236,7 @@ def render_md(meta: dict, results: dict) -> str:
         wc = r.get("warmup_compiles", {})
         csec = ", ".join(f"{wc[x]['compile_s']:.1f}" if x in wc else "–" for x in ("defer", "strict"))
         ca = r.get("compiles_after_warmup")
-        after = (", ".join(str(ca.get(x, "–")) for x in ("defer", "strict", "compiled"))
+        after = (", ".join(str(ca.get(x, "–")) for x in ("defer", "strict", "compiled", "compiled_fb"))
                  if ca is not None
                  else str(r.get("deferfuse_compiles_after_warmup", "–")))
         L.append(f"| {w} | " + " | ".join(cells + pr) + f" | {share} | {csec} | {after} | {chk} |")
@@ -244,10 +253,11 @@ def render_md(meta: dict, results: dict) -> str:
     for w in meta["workloads"]:
         r = results.get(w)
         p = summarize(r)["paired"] if r and r["status"] == "ok" else {}
-        if p.get("jax") and p.get("compiled"):
-            L.append(f"- {w}: compiled / hand-written jax.jit program, paired: "
-                     f"**{p['compiled']['median'] / p['jax']['median']:.2f}x**; compiled / defer "
-                     f"{p['compiled']['median']:.2f}x")
+        for s in ("compiled", "compiled_fb"):
+            if p.get("jax") and p.get(s):
+                L.append(f"- {w}: {s} / hand-written jax.jit program, paired: "
+                         f"**{p[s]['median'] / p['jax']['median']:.2f}x**; {s} / defer "
+                         f"{p[s]['median']:.2f}x")
     for w in meta["workloads"]:
         r = results.get(w)
         for s, why in ((r or {}).get("failed") or {}).items():

@@ -31,7 +31,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "compiled", "defer_noplan",
+SYSTEMS = ["eager", "compile", "strict", "debug", "defer", "compiled", "compiled_fb", "defer_noplan",
            "defer_onepiece", "defer_nocut", "torchax", "torchax_jit", "jax"]
 # defer with one setting changed, for side-by-side comparisons: system -> environment
 DEFER_VARIANTS = {"defer_noplan": {"DEFERFUSE_NO_MEMORY_PLANNER": "1"},      # memory planner off
@@ -39,8 +39,10 @@ DEFER_VARIANTS = {"defer_noplan": {"DEFERFUSE_NO_MEMORY_PLANNER": "1"},      # m
                   "defer_nocut": {"DEFERFUSE_BACKWARD_CUT": "0"},            # no backward cut
                   "defer_py": {"DEFERFUSE_C_RECORD": "0"},                   # Python record path only
                   "defer_dispatch": {"DEFERFUSE_DISPATCH_THREAD": "1"}}      # regions off the host's path
-# compiled: torch.compile(step, backend="tpu") (deferfuse's compiled mode), the rest in defer
-DEFERFUSE = ("strict", "debug", "defer", "compiled") + tuple(DEFER_VARIANTS)
+# compiled: torch.compile(step, backend="tpu") (deferfuse's compiled mode), the rest in defer;
+# compiled_fb: a training step as forward+backward and the optimizer step compiled apart
+# (workloads._two_functions), under trace_autograd_ops (workloads.fb_config)
+DEFERFUSE = ("strict", "debug", "defer", "compiled", "compiled_fb") + tuple(DEFER_VARIANTS)
 RATIO_TO = ["strict", "eager", "compile", "torchax", "torchax_jit", "jax"]
 
 
@@ -111,7 +113,12 @@ def _measure(w: str, s: str, quick: bool, warmup: int, steps: int) -> dict:
         if s in DEFERFUSE:
             import deferfuse as df
             df.reset_metrics()
-            scope = df.mode("defer" if s in DEFER_VARIANTS or s == "compiled" else s)
+            scope = df.mode("defer" if s in DEFER_VARIANTS or s.startswith("compiled") else s)
+            if s == "compiled_fb":
+                stack = contextlib.ExitStack()
+                stack.enter_context(scope)
+                stack.enter_context(W.fb_config())
+                scope = stack
             out["deferfuse_platform"] = df.platform()
         elif ctx.tx is not None:
             scope = ctx.env

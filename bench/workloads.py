@@ -74,7 +74,7 @@ class Ctx:
         self.tx = None
         if system in ("eager", "compile"):
             self.device = "cpu"
-        elif system in ("strict", "debug", "compiled") or system.startswith("defer"):
+        elif system in ("strict", "debug", "compiled", "compiled_fb") or system.startswith("defer"):
             import deferfuse  # noqa: F401  (registers the device)
             self.device = "tpu"
         elif system in ("torchax", "torchax_jit"):
@@ -104,6 +104,9 @@ class Ctx:
             return torch.compile(fn)
         if self.system == "compiled":
             return torch.compile(fn, backend="tpu")
+        if self.system == "compiled_fb":
+            raise NotApplicable(f"compiled_fb: the two-function form is a training step's; a "
+                                f"{what} compiles as in 'compiled'")
         if self.system == "torchax_jit":
             if what != "function":
                 raise NotApplicable(f"torchax_jit: no jitted form written for a {what}")
@@ -146,13 +149,42 @@ def _train_built(ctx, model, opt, loss_fn, flops=0.0, info=None):
         opt.step()
         return loss
 
-    fn = ctx.jit(train_step, "training step")
+    if ctx.system == "compiled_fb":
+        fn = _two_functions(loss_fn, opt)
+    else:
+        fn = ctx.jit(train_step, "training step")
     last = [float("nan")]
 
     def step():
         last[0] = fn().item()
 
     return Built(step=step, check=lambda: last[0], flops=flops, info=info or {}, train_step=fn)
+
+
+def _two_functions(loss_fn, opt):
+    """System ``compiled_fb``: the training step in docs/compiled.md's two-function form: forward
+    and backward one compiled function returning ``loss.detach()`` (one Dynamo graph when
+    ``trace_autograd_ops`` is on: ``fb_config``), the optimizer step compiled apart, ``zero_grad``
+    outside both."""
+    def forward_backward():
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach()
+
+    fb = torch.compile(forward_backward, backend="tpu")
+    update = torch.compile(opt.step, backend="tpu")
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        loss = fb()
+        update()
+        return loss
+    return train_step
+
+
+def fb_config():
+    """The setting system ``compiled_fb``'s steps run under (Dynamo reads it while it traces)."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
 
 
 def _sizes(quick, small, big):
@@ -404,7 +436,7 @@ def _ov_k(quick):
 def overhead(ctx, quick):
     """µs per op of a chain of tiny multiplies, timed without the final sync: what recording costs
     in defer, what dispatching costs in strict, what a CPU op costs in eager."""
-    if ctx.system in ("compile", "compiled", "torchax_jit"):
+    if ctx.system in ("compile", "compiled", "compiled_fb", "torchax_jit"):
         raise NotApplicable(f"{ctx.system}: per-op overhead is measured op by op only")
     k = _ov_k(quick)
     x = torch.randn(16, generator=_gen(1))

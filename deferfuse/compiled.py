@@ -86,10 +86,12 @@ class _Host:
                 stack.extend(n.all_input_nodes)
         self.order = [n for n in gm.graph.nodes if n in need and n.op == "call_function"]
         # (node, source node, index) for an item of a node's list (the host's ``_foreach_add``
-        # makes one per step count): no walk of its arguments; else (node, None, None)
+        # makes one per step count): no walk of its arguments; (node, None, spec) for a node
+        # whose arguments are nodes, lists of nodes and constants (``_flat``); else (node, None,
+        # None)
         self.steps = [(n, n.args[0], n.args[1]) if n.target is _getitem and not n.kwargs and
                       isinstance(n.args[0], torch.fx.Node) and type(n.args[1]) is int else
-                      (n, None, None) for n in self.order]
+                      (n, None, _flat(n)) for n in self.order]
 
     def _ok(self, n) -> bool:
         if not isinstance(n, torch.fx.Node):
@@ -116,10 +118,33 @@ class _Host:
                 if src is not None:
                     env[n] = env[src][k]
                     continue
+                if k is not None:
+                    env[n] = n.target(*[env[x] if w == 0 else [env[y] for y in x] if w == 1 else x
+                                        for w, x in k])
+                    continue
                 a = fill(n.args, env)
                 size = SIZES.get(n.target)
                 env[n] = size(*a) if size is not None else n.target(*a, **fill(n.kwargs, env))
         return env
+
+
+def _flat(n):
+    """How ``_Host.run`` fills node ``n``'s arguments without ``fill``'s walk: (0, node), (1,
+    nodes of a list) or (2, a constant) per argument, when it has no keyword arguments and no
+    other container (the host's ``_foreach_add`` over an optimizer's step counts); else None."""
+    if n.kwargs or n.target in SIZES:
+        return None
+    spec = []
+    for a in n.args:
+        if isinstance(a, torch.fx.Node):
+            spec.append((0, a))
+        elif isinstance(a, list) and a and all(isinstance(x, torch.fx.Node) for x in a):
+            spec.append((1, tuple(a)))
+        elif isinstance(a, (bool, int, float, str, type(None), torch.dtype, torch.device)):
+            spec.append((2, a))
+        else:
+            return None
+    return tuple(spec)
 
 
 class CompiledGraph:
@@ -183,6 +208,9 @@ class CompiledGraph:
             if what == HOST and not host._ok(o):
                 self.outs[j] = (READ, o, val)
         self.host_writes = [w for w in self.cpu_writes if host._ok(plan.writes[w][1])]
+        # the inputs the tpu writes go into, in write_acts' order (``_entry``: first, their
+        # values a run of the device outputs)
+        self.written = tuple(plan.writes[w][0] for w in self.tpu_writes)
         self.read_writes = [w for w in self.cpu_writes if w not in self.host_writes]
         # (an output that is a CPU input itself, as a packed sequence's lengths saved for the
         # backward pass, needs the inputs' values even when the host computes nothing)
@@ -232,130 +260,141 @@ class CompiledGraph:
             return _interpret(self.plan.gm, args)       # uneven shards (distributed/graphs.py)
         ts = _local.ts
         with engine.lock:
-            trace = ts.trace
-            ins, scalars, ints, views, offsets = [], [], [], [], []
-            tensors = []        # (a graph with collectives: its tpu inputs, for the group's steps)
-            dev = None
-            bounds, sized, sizes, pad = self.bounds, self.sized, [], config.buckets
-            for i, (a, kind) in enumerate(zip(args, self.kinds)):
-                if kind == ARRAY:
-                    d = a.__dict__
-                    st = d.get("_s")
-                    if st is None:      # a CPU tensor
-                        v = transfer.host_value(a, dev or 0)
-                        if pad and i in bounds:     # NOTE [packed boundaries] (packed.py)
-                            v = packed.padded_value(v, dev or 0) or v
-                        if i in sized:
-                            sizes.append(v.shape)
-                        ins.append(v)
-                        continue
-                    if dev is None:
-                        dev = st.device
-                    v = st.val
+            return self._call(args, ts, *self._read(args, ts.device))
+
+    def _read(self, args, device: int) -> tuple:
+        """What a call reads of its inputs: (the program's input values, its scalars, the
+        integers, views and dynamic inputs' sizes that key the entry, each tpu input's Storage by
+        input index (None for the others), the tpu inputs themselves (a graph with collectives
+        only), the device). ``args``: ``TpuTensor``s or records with their ``_s``, ``_chain``
+        and ``_dyn`` (``PlainGraph._read_plain`` reads plain tensors straight)."""
+        ins, scalars, ints, views, offsets = [], [], [], [], []
+        tensors = [] if self.spmd is not None else None    # (for the group's steps)
+        stores = [None] * len(args)
+        dev = None
+        bounds, sized, sizes, pad = self.bounds, self.sized, [], config.buckets
+        for i, (a, kind) in enumerate(zip(args, self.kinds)):
+            if kind == ARRAY:
+                d = a.__dict__
+                st = d.get("_s")
+                if st is None:      # a CPU tensor
+                    v = transfer.host_value(a, dev or 0)
+                    if pad and i in bounds:     # NOTE [packed boundaries] (packed.py)
+                        v = packed.padded_value(v, dev or 0) or v
                     if i in sized:
-                        if pad and i in bounds and not d["_chain"]:
-                            v = packed.padded_value(v, dev) or v
                         sizes.append(v.shape)
                     ins.append(v)
+                    continue
+                if dev is None:
+                    dev = st.device
+                stores[i] = st
+                v = st.val
+                if i in sized:
+                    if pad and i in bounds and not d["_chain"]:
+                        v = packed.padded_value(v, dev) or v
+                    sizes.append(v.shape)
+                ins.append(v)
+                if tensors is not None:
                     tensors.append(a)
-                    c = d["_chain"]
-                    if c:
-                        views.append((i, c, v.shape, v.dtype))
-                        dyn = getattr(a, "_dyn", ())
-                        if dyn:     # NOTE [dynamic offsets]: a window's start is an input
-                            offsets.extend(dyn)
-                elif kind == SCALAR:
-                    scalars.append(a.item())
-                elif kind == FLOAT:
-                    scalars.append(float(a))
-                elif kind == INT:
-                    # (an integer no lowering reads, such as varlen's longest length: no key)
-                    ints.append(0 if i in self.free_ints else int(a))
-            if dev is None:
-                dev = ts.device
-            scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
-            aliases = ()
-            if len(self.tpu_writes) > 1:
-                # Two written inputs on one storage (a tensor and its view): the second write
-                # goes into the base the first made.
-                seen, al = {}, []
-                for w in self.tpu_writes:
-                    st = args[self.plan.writes[w][0]]._s
-                    al.append(seen.get(id(st), -1))
-                    seen[id(st)] = len(al) - 1
-                if any(x >= 0 for x in al):
-                    aliases = tuple(al)
-            key = (tuple(ints), tuple(views), aliases, tuple(sizes))
-            if self.plan.rng:
-                # The graph's draws fold their node's index into this (seed, offset) key
-                # (GraphPlan.run), so one step of the offset keeps calls apart.
-                scalars.extend(engine.rng.draw(None, dev, 4))
-            entry = self.entries.get(key)
-            if entry is None:
-                entry = self._entry(key, ins, scalars, dev)
-            env = self.host.run(self.phs, args) if self.host is not None else None
-            if self.spmd is None:
-                outs = trace.record(entry, ins, scalars, dev)
-            else:       # a sync point: the values are ready when the call returns
-                # ins alone holds the inputs' values (NOTE [donation in graphs over a group])
-                v = None
-                outs = self.spmd.call(self, entry, ins, scalars, dev, tensors)
-            del ins, tensors
-            self.calls += 1
-            S["compiled_calls"] += 1
-            out_acts, write_acts = entry.out
-            res = []
-            reads = []
-            for act in out_acts:
-                what = act[0]
-                if what == DEV:
-                    res.append(output_inner(outs[act[1]], act[2], dev))
-                elif what == PASS:
-                    a = args[act[1]]
-                    res.append(output_inner(a._s.val, a.dtype, dev))
-                elif what == HOST:
-                    res.append(env[act[1]])
-                elif what == READ:
-                    reads.append((len(res), _held(outs[act[1]], dev), act[2]))
-                    res.append(None)
-                else:
-                    res.append(act[1])
-            dsts, srcs, sts, vals = [], [], [], []
-            for what, i, x in write_acts:
-                if what == DEV:
-                    sts.append(args[i]._s)
-                    vals.append(outs[x])
-                elif what == HOST:
-                    dsts.append(args[i])
-                    srcs.append(env[x])
-                else:
-                    reads.append((None, _held(outs[x], dev), args[i]))
-            if sts:
-                trace.write_all(sts, vals)
-            if dsts:
-                # (an optimizer's step counts, one per parameter: one call for them all)
-                if len(dsts) == 1:
-                    dsts[0].copy_(srcs[0])
-                else:
-                    torch._foreach_copy_(dsts, srcs)
-            del outs
-            if ts.mode == "debug":
-                engine.sync(Sync.COMPILED_GRAPH)
-            elif ts.mode != "defer":
-                engine.flush(trace, Sync.COMPILED_GRAPH, later=True)
-            for j, st, val in reads:
-                # A CPU tensor or a number computed on the device: a sync, as .item() is.
-                arr = engine.ready(st.val, dev, Sync.COMPILED_GRAPH)
-                if j is None:
-                    with torch.no_grad():
-                        val.copy_(transfer.to_torch(arr, val.dtype).reshape(val.shape))
-                elif isinstance(val, torch.Tensor):
-                    res[j] = transfer.to_torch(arr, val.dtype).reshape(val.shape)
-                else:
-                    x = np.asarray(arr).item()
-                    res[j] = (bool(x) if isinstance(val, (bool, torch.SymBool)) else
-                              float(x) if isinstance(val, (float, torch.SymFloat)) else int(x))
-            return res
+                c = d["_chain"]
+                if c:
+                    views.append((i, c, v.shape, v.dtype))
+                    dyn = getattr(a, "_dyn", ())
+                    if dyn:     # NOTE [dynamic offsets]: a window's start is an input
+                        offsets.extend(dyn)
+            elif kind == SCALAR:
+                scalars.append(a.item())
+            elif kind == FLOAT:
+                scalars.append(float(a))
+            elif kind == INT:
+                # (an integer no lowering reads, such as varlen's longest length: no key)
+                ints.append(0 if i in self.free_ints else int(a))
+        scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
+        return ins, scalars, ints, views, sizes, stores, tensors, device if dev is None else dev
+
+    def _call(self, args, ts, ins, scalars, ints, views, sizes, stores, tensors, dev):
+        """The rest of a call, under the engine's lock: the entry, the node recorded (or the
+        group's call), the outputs made and the writes bound."""
+        trace = ts.trace
+        aliases = ()
+        written = [stores[i] for i in self.written]
+        if len(written) > 1 and len(set(written)) < len(written):
+            # Two written inputs on one storage (a tensor and its view): the second write
+            # goes into the base the first made.
+            seen, al = {}, []
+            for st in written:
+                al.append(seen.get(id(st), -1))
+                seen[id(st)] = len(al) - 1
+            aliases = tuple(al)
+        key = (tuple(ints), tuple(views), aliases, tuple(sizes))
+        if self.plan.rng:
+            # The graph's draws fold their node's index into this (seed, offset) key
+            # (GraphPlan.run), so one step of the offset keeps calls apart.
+            scalars.extend(engine.rng.draw(None, dev, 4))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self._entry(key, ins, scalars, dev)
+        env = self.host.run(self.phs, args) if self.host is not None else None
+        if self.spmd is None:
+            outs = trace.record(entry, ins, scalars, dev)
+        else:       # a sync point: the values are ready when the call returns
+            # ins alone holds the inputs' values (NOTE [donation in graphs over a group])
+            outs = self.spmd.call(self, entry, ins, scalars, dev, tensors)
+        del ins, tensors
+        self.calls += 1
+        S["compiled_calls"] += 1
+        out_acts, write_acts = entry.out
+        res = []
+        reads = []
+        for act in out_acts:
+            what = act[0]
+            if what == DEV:
+                res.append(output_inner(outs[act[1]], act[2], dev))
+            elif what == PASS:
+                i = act[1]
+                res.append(output_inner(stores[i].val, args[i].dtype, dev))
+            elif what == HOST:
+                res.append(env[act[1]])
+            elif what == READ:
+                reads.append((len(res), _held(outs[act[1]], dev), act[2]))
+                res.append(None)
+            else:
+                res.append(act[1])
+        m = len(written)
+        if m:
+            x = write_acts[0][2]
+            trace.write_all(written, outs[x:x + m])
+        dsts, srcs = [], []
+        for what, i, x in write_acts[m:] if m else write_acts:
+            if what == HOST:
+                dsts.append(args[i])
+                srcs.append(env[x])
+            else:
+                reads.append((None, _held(outs[x], dev), args[i]))
+        if dsts:
+            # (an optimizer's step counts, one per parameter: one call for them all)
+            if len(dsts) == 1:
+                dsts[0].copy_(srcs[0])
+            else:
+                torch._foreach_copy_(dsts, srcs)
+        del outs
+        if ts.mode == "debug":
+            engine.sync(Sync.COMPILED_GRAPH)
+        elif ts.mode != "defer":
+            engine.flush(trace, Sync.COMPILED_GRAPH, later=True)
+        for j, st, val in reads:
+            # A CPU tensor or a number computed on the device: a sync, as .item() is.
+            arr = engine.ready(st.val, dev, Sync.COMPILED_GRAPH)
+            if j is None:
+                with torch.no_grad():
+                    val.copy_(transfer.to_torch(arr, val.dtype).reshape(val.shape))
+            elif isinstance(val, torch.Tensor):
+                res[j] = transfer.to_torch(arr, val.dtype).reshape(val.shape)
+            else:
+                x = np.asarray(arr).item()
+                res[j] = (bool(x) if isinstance(val, (bool, torch.SymBool)) else
+                          float(x) if isinstance(val, (float, torch.SymFloat)) else int(x))
+        return res
 
     def _shapes(self, fn, ins, scalars):
         """``fn``'s output shapes (``jax.eval_shape``), and {output index: value} of the outputs
@@ -526,6 +565,7 @@ class PlainGraph(CompiledGraph):
         self._wrapper = plain.PLAIN.wrapper
         self._is_plain = plain.PLAIN.is_plain
         self._plain = plain.PLAIN
+        self._state = plain.PLAIN.ext.state
         # per output: its strides when they are a dense non-contiguous layout
         self._strides = [_dense_stride(val) if what in (DEV, PASS) else None
                          for what, _, val in self.outs]
@@ -534,14 +574,18 @@ class PlainGraph(CompiledGraph):
     def __call__(self, *args):
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
-        if self.spmd is not None and not self.spmd.agree(args):
-            return _interpret(self.plan.gm, args)
-        is_plain, T = self._is_plain, torch.Tensor
-        # (collectives take the inputs as tensors: TpuTensors; else a record. A plain tensor is
-        # on the tpu device: ``is_plain`` checks it.)
-        wrapper = self._wrapper if self.spmd is not None else self._input
-        wargs = [wrapper(a) if isinstance(a, T) and is_plain(a) else a for a in args]
-        res = super().__call__(wargs)
+        if self.spmd is not None:
+            if not self.spmd.agree(args):
+                return _interpret(self.plan.gm, args)
+            # (collectives take the inputs as tensors: TpuTensors. A plain tensor is on the tpu
+            # device: ``is_plain`` checks it.)
+            is_plain, T, wrapper = self._is_plain, torch.Tensor, self._wrapper
+            res = super().__call__([wrapper(a) if isinstance(a, T) and is_plain(a) else a
+                                    for a in args])
+        else:
+            ts = _local.ts
+            with engine.lock:
+                res = self._call(args, ts, *self._read_plain(args, ts.device))
         make_base = self._ext.make_base
         strides, contig = self._strides, self._contig
         for j, o in enumerate(res):
@@ -562,28 +606,61 @@ class PlainGraph(CompiledGraph):
                 res[j] = make_base(shape, stride, o.dtype, st.device, st)
         return res
 
-    def _input(self, p) -> _Input:
-        """What ``CompiledGraph.__call__`` reads of a tpu input (its Storage, view chain, dtype
-        and shape), without making the ``TpuTensor``."""
-        pl = self._plain
-        st, raw, base = pl.ext.state(p)
-        if st is None:
-            st = pl.storage(p, st)
-        x = _Input()
-        x._s = st
-        x._chain = () if base else pl.chain(p, st, raw, base)
-        x._p = p
-        return x
-
-
-class _Input:
-    """A plain tensor as ``CompiledGraph.__call__`` reads an input: ``_s``, ``_chain``, ``_dyn``
-    (always empty: NOTE [plain router]'s views are static), and the tensor's ``dtype`` and
-    ``shape`` (all the host slice reads of a tpu input: ``SIZES`` in runtime/graph.py), read from
-    the tensor ``_p`` only when asked (most calls never ask)."""
-    _dyn = ()
-    dtype = property(lambda self: self._p.dtype)
-    shape = property(lambda self: self._p.shape)
+    def _read_plain(self, args, device: int) -> tuple:
+        """``CompiledGraph._read`` for a graph without collectives, over the plain tensors
+        themselves: each tpu input's Storage and view chain read from the tensor (``ext.state``)
+        straight into the lists, no record made per input and no list of the tensors (198 tpu
+        inputs a step on gpt_train's three graphs). A plain tensor's view steps are static
+        (NOTE [plain router]): no dynamic offsets. What else is an ``ARRAY`` (a CPU tensor, a
+        ``TpuTensor``) is read as ``_read`` reads it."""
+        ins, scalars, ints, views, offsets = [], [], [], [], []
+        stores = [None] * len(args)
+        dev = None
+        bounds, sized, sizes, pad = self.bounds, self.sized, [], config.buckets
+        is_plain, state, pl = self._is_plain, self._state, self._plain
+        for i, (a, kind) in enumerate(zip(args, self.kinds)):
+            if kind == ARRAY:
+                if is_plain(a):
+                    st, raw, base = state(a)
+                    if st is None:
+                        st = pl.storage(a, st)
+                    c = () if base else pl.chain(a, st, raw, base)
+                else:
+                    st = a.__dict__.get("_s")
+                    if st is None:      # a CPU tensor
+                        v = transfer.host_value(a, dev or 0)
+                        if pad and i in bounds:     # NOTE [packed boundaries] (packed.py)
+                            v = packed.padded_value(v, dev or 0) or v
+                        if i in sized:
+                            sizes.append(v.shape)
+                        ins.append(v)
+                        continue
+                    c = a._chain
+                    if c:
+                        dyn = getattr(a, "_dyn", ())
+                        if dyn:     # NOTE [dynamic offsets]: a window's start is an input
+                            offsets.extend(dyn)
+                if dev is None:
+                    dev = st.device
+                stores[i] = st
+                v = st.val
+                if i in sized:
+                    if pad and i in bounds and not c:
+                        v = packed.padded_value(v, dev) or v
+                    sizes.append(v.shape)
+                ins.append(v)
+                if c:
+                    views.append((i, c, v.shape, v.dtype))
+            elif kind == SCALAR:
+                scalars.append(a.item())
+            elif kind == FLOAT:
+                scalars.append(float(a))
+            elif kind == INT:
+                # (an integer no lowering reads, such as varlen's longest length: no key)
+                ints.append(0 if i in self.free_ints else int(a))
+        if offsets:
+            scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
+        return ins, scalars, ints, views, sizes, stores, None, device if dev is None else dev
 
 
 def graph_kinds(nodes) -> tuple:
