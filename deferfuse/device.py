@@ -9,6 +9,7 @@ here; ``register`` then fills ``torch.tpu`` and registers the kernels.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 
@@ -371,6 +372,13 @@ def _wrap_autograd() -> None:
         orig = getattr(autograd, name)
         if not getattr(orig, "_deferfuse", False):
             setattr(autograd, name, wrap(orig, first))
+    # Dynamo finds its rule for a torch function by the object: a rule map built before these
+    # wrappers existed (a program that imported torch._dynamo before deferfuse) names the
+    # originals, so Dynamo took the wrappers for deferfuse's own code, skipped them, and broke a
+    # backward traced under trace_autograd_ops off its graph (docs/compiled.md). Rebuilt lazily.
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    if rules is not None and hasattr(rules, "clear_lru_cache"):
+        rules.clear_lru_cache()
 
 
 def _pin_memory(self, device=None):

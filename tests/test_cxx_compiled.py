@@ -485,3 +485,49 @@ def test_a_graph_writing_python_views_and_strided_outputs_matches_cpu(case):
         for g, w in ((got, want), (t, c), (view(t), view(c))):
             assert_same(g, w, atol=1e-6)
             assert g.stride() == w.stride()
+
+
+_DYNAMO_FIRST = """
+import torch._dynamo.utils                 # Dynamo's rule maps may be built before deferfuse
+import copy, json, torch, deferfuse
+import torch.nn as nn, torch.nn.functional as F
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+out = {}
+for dev in ("cpu", "tpu"):
+    m = copy.deepcopy(model).to(dev)
+    def fb(xd, yd):
+        loss = F.cross_entropy(m(xd), yd)
+        loss.backward()
+        return loss.detach()
+    f = torch.compile(fb, backend="tpu") if dev == "tpu" else fb
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        out[dev] = [f(x.to(dev), y.to(dev)).item() for _ in range(3)]
+    out[dev + "_grad"] = m[0].weight.grad.cpu().flatten()[:8].tolist()
+out["breaks"] = sum(counters["graph_break"].values())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.modes("defer")
+def test_backward_traced_into_the_graph_when_dynamo_was_imported_before_deferfuse():
+    """A program that imports ``torch._dynamo`` before deferfuse: Dynamo's rule map named the
+    original ``torch.autograd.grad``, took deferfuse's wrapper for code to skip, and broke the
+    traced backward off its graph (right values, twice the graph calls). Now the map is rebuilt
+    when the wrappers are installed: no graph break, values CPU's (gradients summed over three
+    calls)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TORCHTPU_MODE="defer")
+    r = subprocess.run([sys.executable, "-c", _DYNAMO_FIRST], cwd=root, env=env, text=True,
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["breaks"] == 0, out
+    assert out["tpu"] == pytest.approx(out["cpu"], rel=1e-5, abs=1e-6)
+    assert out["tpu_grad"] == pytest.approx(out["cpu_grad"], rel=1e-5, abs=1e-6)
