@@ -104,6 +104,9 @@ class Buckets:
         self.moves = Cache("bucket pad and cut programs", 4096)   # off CPU: NOTE on pad()
         self.bases = Cache("bucket bases learned", 4096)  # family -> relearns (NOTE [new bases])
         self.learned = LearnedStore()   # NOTE [learned on disk] (learned.py)
+        # Whether a lazily cut value was ever made here (NOTE [lazy cuts]): until then a region's
+        # input binding looks at no input for one. Set, never reset: safe from any thread.
+        self.padded = False
 
     def caches(self) -> list:
         return [self.versions, self.plans, self.ints, self.moves, self.bases]
@@ -430,6 +433,7 @@ class Buckets:
         for r, v in zip(res, outs):
             if tuple(r.shape) != tuple(v.shape):
                 S["lazy_cuts"] += 1
+                self.padded = True
                 r = Padded(r, r.nbytes, self.cut_read)
             out.append(r)
         return out, flags

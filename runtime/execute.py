@@ -71,14 +71,13 @@ def sharding(device: int):
 _shardings: dict = {}
 
 
-def arrays_of(values) -> list:
+def arrays_of(values, padded: bool = True) -> list:
     """The arrays of ready ``values`` as a program takes them: a lazily cut value (NOTE [lazy
-    cuts] in buckets.py) is cut to its exact shape here."""
-    arrays = [v.array for v in values]
-    for i, a in enumerate(arrays):
-        if a.__class__ is Padded:
-            arrays[i] = values[i].exact()
-    return arrays
+    cuts] in buckets.py) is cut to its exact shape here. ``padded``: whether any may be lazily
+    cut (``Buckets.padded``: never, in a process that made none, and then no input is looked at)."""
+    if not padded:
+        return [v.array for v in values]
+    return [a if (a := v.array).__class__ is not Padded else v.exact() for v in values]
 
 
 def run_op(entry, ins, scalars, debug: bool, store=None, buckets=None):
