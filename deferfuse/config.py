@@ -133,6 +133,9 @@ SETTINGS = {s.name: s for s in [
             "plan a growing loop's bucket from the first two repetitions its first trace holds, "
             "so its first length runs in the bucket too (NOTE [buckets ahead] in "
             "runtime/flush.py)"),
+    Setting("lazy_cuts", "DEFERFUSE_LAZY_CUTS", True, _bool,
+            "leave a bucket run's outputs at their bucket's shape, cut to their exact shape only "
+            "where something else reads them (NOTE [lazy cuts] in runtime/buckets.py)"),
     Setting("meta_plain", "DEFERFUSE_META_PLAIN", True, _bool,
             "answer elementwise and a few decomposed ops' output metadata without the Python meta "
             "kernels' Dynamo wrapper, so torch._dynamo is not imported (NOTE [meta without "

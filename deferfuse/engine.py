@@ -29,7 +29,7 @@ from .runtime.runs import Settings
 from .runtime.transfer import materialize_empty
 from .scheduler.cache import Cache
 from .scheduler.policy import Sync, is_async
-from .scheduler.records import Value, sig_id
+from .scheduler.records import Padded, Value, sig_id
 
 
 def user_error(e: BaseException) -> BaseException:
@@ -177,7 +177,8 @@ class Engine:
                 src = self.sources.site(sys._getframe(1))
             now = (config.debug, config.cross_check, config.memory_planner,
                    config.shape_recompile_limit, config.memory_budget, config.step_detection,
-                   config.buckets, config.setup_first, config.buckets_ahead, config.dispatch_thread)
+                   config.buckets, config.setup_first, config.buckets_ahead, config.dispatch_thread,
+                   config.lazy_cuts)
             cfg = self.settings
             if cfg is None or self.settings_of != now:      # the last flush's, while unchanged
                 cfg = self.settings = Settings(*now)
@@ -246,7 +247,8 @@ class Engine:
                                    "sync that read it; please report this with DEFERFUSE_DEBUG=3 "
                                    "output")
             materialize_empty(v, device)
-        return v.array
+        a = v.array
+        return a if a.__class__ is not Padded else v.exact()    # (NOTE [lazy cuts])
 
     def raise_failed(self, v: Value):
         self.runner.checks.forget(v.err)

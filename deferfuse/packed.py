@@ -56,7 +56,7 @@ def padded_value(v: Value, device: int) -> Value | None:
             return None         # a failed value: the op reading it raises its error
     if v.array is None:
         return None
-    arr = pad_edge(v.array, b, engine.runner.buckets.moves)
+    arr = pad_edge(v.exact(), b, engine.runner.buckets.moves)
     out = Value((b,), arr.dtype, arr.nbytes, array=arr)
     out.chk = v.chk
     stats.S["packed_padded"] += 1

@@ -135,6 +135,20 @@ def cut(array, shape, moves):
     return put_on(np.ascontiguousarray(host), dev)
 
 
+def repad(array, exact, shape, moves):
+    """A padded ``array`` whose data is its ``exact`` prefix (a lazily cut value: NOTE [lazy
+    cuts] in buckets.py) as ``shape``, zero-padded past ``exact``: one host copy on a CPU device
+    (the cut and the pad of an exact array were two), a cut then a pad program elsewhere."""
+    dev = next(iter(array.devices()))
+    if dev.platform != "cpu":
+        return pad(cut(array, exact, moves), shape, moves)
+    host = np.asarray(array)
+    out = np.zeros(shape, host.dtype)
+    part = tuple(slice(0, n) for n in exact)
+    out[part] = host[part]
+    return put_on(out, dev)
+
+
 def pad_edge(array, length: int, moves):
     """The 1-D ``array`` padded at its end to ``length`` with copies of its last entry (a packed
     batch's sequence boundaries: the padding adds empty sequences, NOTE [packed boundaries] in

@@ -31,9 +31,27 @@ import jax
 
 from .bucket_fit import MIN_BUCKET, Fit, Refused, at, bucket_of, fit, flatten  # noqa: F401
 from .bucket_region import (_at, BucketPlan, BucketProgram, cut, describe_plan,  # noqa: F401
-                            pad, plan_region, region_function)
+                            pad, plan_region, region_function, repad)
+from ..scheduler.records import Padded
+from .stats import S
 from .learned import LearnedStore
 
+
+# NOTE [lazy cuts]: cutting a bucket run's output to its exact shape right after the run made the
+# host wait for the program there (on a CPU device the cut is a host copy of the finished array),
+# before it could go on recording the next token. So the output is bound lazily cut: its Value's
+# ``array`` is a ``Padded`` (the bucket-shaped array, counted at its padded size: one array, no
+# second copy), a state of NOTE [value states]. A later bucket run that takes it pads straight
+# from the padded array (one host copy of its exact part into zeros: the program never reads the
+# padding, whose contents are whatever the program left there, so it is never passed on as it
+# is); every other reader takes data through ``Value.exact``, which cuts it once: ``Engine.ready``
+# (``.cpu()``, ``.item()``, printing, checkpoints, compiled mode's and collectives' inputs,
+# packed boundaries), a region's input binding (``execute.arrays_of``: the full path, a region
+# hit, a piece hit; donation donates the cut array), strict mode's ops (``run_op``), a bucket
+# program's compile and its inputs that are not padded. ``Padded`` is no array, so a reader that
+# skips the cut fails (no program or numpy takes it) instead of reading padding. The cut at a
+# read goes through the host on a CPU device (the reader waits for the array anyway): no program
+# per exact shape. ``DEFERFUSE_LAZY_CUTS=0`` cuts right after the run, as before.
 
 # NOTE [new bases]: plans per region family (each a base the family was met at) and versions kept
 # to fit a new base against; past them a family's new sizes compile as shape churn.
@@ -86,6 +104,9 @@ class Buckets:
         self.moves = Cache("bucket pad and cut programs", 4096)   # off CPU: NOTE on pad()
         self.bases = Cache("bucket bases learned", 4096)  # family -> relearns (NOTE [new bases])
         self.learned = LearnedStore()   # NOTE [learned on disk] (learned.py)
+        # Whether a lazily cut value was ever made here (NOTE [lazy cuts]): until then a region's
+        # input binding looks at no input for one. Set, never reset: safe from any thread.
+        self.padded = False
 
     def caches(self) -> list:
         return [self.versions, self.plans, self.ints, self.moves, self.bases]
@@ -352,7 +373,7 @@ class Buckets:
                                  run.out_sig, is_float)
             keep = [jax.ShapeDtypeStruct(at(plan.ext_forms[i], P), v.dtype,
                                          sharding=sharding(device)) if i in plan.ext_forms
-                    else v.array for i, v in enumerate(run.ext)]
+                    else v.exact() for i, v in enumerate(run.ext)]
             scalars = pack_scalars(list(run.scalars) + [P])
             hits = stats["jax_disk_hits"]
             with compiling(), (fresh_compiles() if key is not None else _NULL):
@@ -382,19 +403,47 @@ class Buckets:
         plan.programs[pk] = prog
         return prog
 
-    def execute(self, prog, hit, ext, scalars, outs, device):
+    def execute(self, prog, hit, ext, scalars, outs, device, lazy: bool = False):
         """Run a bucket program for a region's inputs ``ext``, its scalars and the values ``outs``
-        it leaves (length ``hit.t``): pad, run, cut; (results, flags)."""
+        it leaves (length ``hit.t``): pad, run, cut; (results, flags). ``lazy``: an output whose
+        exact shape is not its bucket's is left padded (a ``Padded``: NOTE [lazy cuts])."""
         from .execute import run_region
         plan, P = hit.plan, prog.P
-        keep = [pad(v.array, at(plan.ext_forms[i], P), self.moves) if i in plan.ext_forms
-                else v.array for i, v in enumerate(ext)]
+        forms = plan.ext_forms
+        keep = []
+        for i, v in enumerate(ext):
+            a = v.array
+            if i in forms:
+                shape = at(forms[i], P)
+                if a.__class__ is Padded and tuple(v.shape) != tuple(shape):
+                    S["lazy_cuts_padded"] += 1
+                    a = repad(a.array, v.shape, shape, self.moves)
+                else:
+                    a = pad(v.exact() if a.__class__ is Padded else a, shape, self.moves)
+            elif a.__class__ is Padded:
+                a = v.exact()
+            keep.append(a)
         res, flags = run_region(prog.compiled, [], keep, list(scalars) + [hit.t], device)
         prog.runs += 1
         if prog.pick is not None:
             res = [res[j] for j in prog.pick]
-        return [cut(r, v.shape, self.moves) for r, v in zip(res, outs)], flags
+        if not lazy:
+            return [cut(r, v.shape, self.moves) for r, v in zip(res, outs)], flags
+        out = []
+        for r, v in zip(res, outs):
+            if tuple(r.shape) != tuple(v.shape):
+                S["lazy_cuts"] += 1
+                self.padded = True
+                r = Padded(r, r.nbytes, self.cut_read)
+            out.append(r)
+        return out, flags
 
+    def cut_read(self, array, shape):
+        """NOTE [lazy cuts]: a lazily cut value read by anything but a bucket run, cut to its
+        exact ``shape`` (through the host on a CPU device, where the reader waits for the array
+        anyway: no program per exact shape)."""
+        S["lazy_cuts_read"] += 1
+        return cut(array, shape, self.moves)
 
     def refuse(self, plan, err, stats) -> None:
         """A plan whose program could not be made: never used again (its structure compiles
@@ -540,6 +589,9 @@ class _Arr:
     def __init__(self, a):
         self.array, self.dtype, self.shape = a, a.dtype, a.shape
 
+    def exact(self):
+        return self.array
+
 
 class _OpNode:
     __slots__ = ("name", "scalars")
@@ -561,6 +613,10 @@ class _OpRun:
 class _NoInput:
     array = None
     dtype = None
+
+    @staticmethod
+    def exact():
+        return None
 
 
 class _Null:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ..scheduler.cache import Cache
-from ..scheduler.records import Value
+from ..scheduler.records import Padded, Value
 from . import stats
 from .diskcache import fresh_compiles, op_key
 from .dtypes import x64
@@ -71,10 +71,19 @@ def sharding(device: int):
 _shardings: dict = {}
 
 
+def arrays_of(values, padded: bool = True) -> list:
+    """The arrays of ready ``values`` as a program takes them: a lazily cut value (NOTE [lazy
+    cuts] in buckets.py) is cut to its exact shape here. ``padded``: whether any may be lazily
+    cut (``Buckets.padded``: never, in a process that made none, and then no input is looked at)."""
+    if not padded:
+        return [v.array for v in values]
+    return [a if (a := v.array).__class__ is not Padded else v.exact() for v in values]
+
+
 def run_op(entry, ins, scalars, debug: bool, store=None, buckets=None):
     """Run one op now as its own cached program on ``entry.dev``; returns output Values.
     ``buckets``: run an op whose sizes keep changing padded in a bucket (NOTE [buckets])."""
-    arrays = [None if v is None else v.array for v in ins]
+    arrays = [None if v is None else v.exact() for v in ins]
     with x64(True):
         if entry.jit is None and buckets is not None:
             entry.jit = buckets.op_program(entry, ins, scalars, store, 0, S)

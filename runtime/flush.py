@@ -429,11 +429,8 @@ class Runner:
             st = _Struct(run.entries, run.wirings)
             self._pieces(ctx, st, run, reg, None, 0 if run.later else None)
             return
-        ext_arrays = [v.array for v in run.ext]
-        don = [a for a, d in zip(ext_arrays, donate) if d]
-        keep = [a for a, d in zip(ext_arrays, donate) if not d]
         if reg is None:
-            reg = self._compile(ctx, run, key, mplan, don, keep)
+            reg = self._compile(ctx, run, key, mplan)
             if reg is None:
                 return
         else:
@@ -443,6 +440,11 @@ class Runner:
         if cfg.debug >= 3:
             for j, n in enumerate(run.nodes):
                 print(f"    {j:5d} {n.name} {run.wirings[j]} at {n.src}", file=sys.stderr)
+        # (bound here, after the lookup: a miss that runs in a bucket pads from its padded
+        # inputs, never cut: NOTE [lazy cuts] in buckets.py)
+        ext_arrays = execute.arrays_of(run.ext, self.buckets.padded)
+        don = [a for a, d in zip(ext_arrays, donate) if d]
+        keep = [a for a, d in zip(ext_arrays, donate) if not d]
         memory_stats.transient(reg.transient)
         if (cfg.dispatch and (run.later or is_async(ctx.reason)) and not cfg.cross_check
                 and self.dispatcher is not None):
@@ -487,7 +489,7 @@ class Runner:
             fin, job.finish = job.finish, None
             fin(job)
 
-    def _compile(self, ctx, run: Run, key, mplan, don, keep):
+    def _compile(self, ctx, run: Run, key, mplan):
         """Compile ``run`` as a region (or split it, or run it op by op); None when it ran here."""
         cfg = ctx.cfg
         keys = [e.key for e in run.entries]
@@ -546,6 +548,9 @@ class Runner:
         order = _alias_order(run.outs, run.ext, mplan.donate, ctx.fl.partner)
         sig = run.out_sig if order is None else tuple([run.out_sig[j] for j in order])
         store = self.programs
+        ext_arrays = execute.arrays_of(run.ext, self.buckets.padded)
+        don = [a for a, d in zip(ext_arrays, mplan.donate) if d]
+        keep = [a for a, d in zip(ext_arrays, mplan.donate) if not d]
         skey = region_key(run.entries, run.wirings, sig, mplan.donate, don, keep,
                           tuple(type(s) is float for s in run.scalars),
                           ctx.fl.device) if store.on else None
@@ -632,7 +637,7 @@ class Runner:
         with self.interrupts:
             try:
                 res, flags = self.buckets.execute(prog, hit, run.ext, run.scalars, outs,
-                                                  ctx.fl.device)
+                                                  ctx.fl.device, cfg.lazy_cuts)
             except Exception as e:
                 self._around(ctx, run, None, e)
                 return

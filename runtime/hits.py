@@ -97,12 +97,13 @@ def run(runner, ctx, hit: Hit, held: tuple, out_sig: tuple, later: bool) -> bool
     S["region_hit_path"]["hits"] += 1
     reg = hit.reg
     S["cache_hits"] += 1
+    arrays = execute.arrays_of(ext, runner.buckets.padded)
     if hit.donates:
         donate = hit.donate
-        don = [v.array for v, d in zip(ext, donate) if d]
-        keep = [v.array for v, d in zip(ext, donate) if not d]
+        don = [a for a, d in zip(arrays, donate) if d]
+        keep = [a for a, d in zip(arrays, donate) if not d]
     else:
-        don, keep = [], [v.array for v in ext]
+        don, keep = [], arrays
     memory_stats.transient(reg.transient)
     outs = fl.outs
     with runner.interrupts:
@@ -274,16 +275,17 @@ def run_pieces(runner, ctx, hit: Pieces, later: bool) -> bool:
                 if reg is not None:
                     S["cache_hits"] += 1
                     donate = st.donate
+                    arrays = execute.arrays_of(sub_ext, runner.buckets.padded)
                     if donate is not None:
-                        don = [v.array for v, d in zip(sub_ext, donate) if d]
-                        keep = [v.array for v, d in zip(sub_ext, donate) if not d]
+                        don = [a for a, d in zip(arrays, donate) if d]
+                        keep = [a for a, d in zip(arrays, donate) if not d]
                     else:
-                        don, keep = [], [v.array for v in sub_ext]
+                        don, keep = [], arrays
                     memory_stats.transient(reg.transient)
                     res, flags = execute.run_region(reg.compiled, don, keep, sc, device)
                 else:
                     res, flags = runner.buckets.execute(st.prog, st.bucket, sub_ext, sc, outs,
-                                                        device)
+                                                        device, ctx.cfg.lazy_cuts)
             except Exception as e:
                 if reg is not None:
                     raise_oom(e, reg, memory_stats)

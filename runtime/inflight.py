@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..scheduler.records import Padded
 from . import execute, stats
 from .memory import COUNTERS as memory_stats, LARGE
 from .regions import raise_oom
@@ -86,7 +87,7 @@ def bind_all(values, arrays) -> None:
     for v, r in zip(values, arrays):
         v.array = r
         v.node = None
-        b = v.nbytes
+        b = v.nbytes if r.__class__ is not Padded else r.nbytes    # (NOTE [lazy cuts])
         n += b
         k += 1
         if b > LARGE:

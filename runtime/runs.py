@@ -40,6 +40,7 @@ class Settings:
     setup_first: bool = True
     buckets_ahead: bool = True
     dispatch: bool = False      # regions nobody waits for run on the dispatch thread
+    lazy_cuts: bool = True      # bucket runs' outputs left padded (NOTE [lazy cuts])
 
 
 @dataclass(slots=True)

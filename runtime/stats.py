@@ -33,6 +33,9 @@ def fresh() -> dict:
         "bucket_programs": 0,       # ... programs made (or loaded) for new buckets
         "bucketed_ops": 0,          # ops run padded in a bucket in strict/debug mode
         "bucket_refusals": Counter(),   # region structures that cannot run padded: why
+        "lazy_cuts": 0,             # bucket outputs left at their bucket's shape (NOTE [lazy cuts])
+        "lazy_cuts_read": 0,        # ... cut to their exact shape where something read them
+        "lazy_cuts_padded": 0,      # ... padded for a bucket run straight from the padded array
         "bucket_misfits": 0,        # versions of a bucketed structure whose sizes did not fit
         "packed_padded": 0,         # varlen boundaries padded to a bucket (NOTE [packed boundaries])
         "setup_splits": 0,          # traces whose leading setup ops ran first (NOTE [setup first])

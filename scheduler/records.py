@@ -47,6 +47,23 @@ class SigTable:
 sig_id = SigTable()     # the one table: tensors of every thread share signatures
 
 
+class Padded:
+    """The ``array`` of a lazily cut value (NOTE [value states], NOTE [lazy cuts] in
+    runtime/buckets.py): a bucket run's output still at its bucket's shape. ``array``: the padded
+    device array (its padding never read); ``nbytes``: its size, what memory accounting counts;
+    ``cut(array, shape)``: the runtime's cut to the exact shape. Not an array: a reader that takes
+    ``Value.array`` without ``Value.exact`` gets an object no program or numpy accepts."""
+
+    __slots__ = ("array", "nbytes", "cut")
+
+    def __init__(self, array, nbytes: int, cut):
+        self.array, self.nbytes, self.cut = array, nbytes, cut
+
+    def __array__(self, *a, **k):
+        raise TypeError("deferfuse internal error: a lazily cut value was read without "
+                        "Value.exact (NOTE [lazy cuts] in runtime/buckets.py); please report this")
+
+
 class Value:
     """One SSA value. NOTE [value states]: a value is
 
@@ -55,7 +72,11 @@ class Value:
     - failed: ``err`` is the exception its computation raised; reading it raises that error;
     - donated: ``err`` is a ``Donated`` record: its buffer was given to a program, and reading it
       is an internal error naming that program;
-    - empty: none of these (``torch.empty``): read as zeros, as uninitialised memory may be.
+    - empty: none of these (``torch.empty``): read as zeros, as uninitialised memory may be;
+    - lazily cut: ready, but ``array`` is a ``Padded`` (a bucket run's output at its bucket's
+      shape, NOTE [lazy cuts] in runtime/buckets.py): every reader of its data takes it through
+      ``exact()``, which cuts it to ``shape`` once; a bucket run reading it pads from the padded
+      array. Tests of ``array is None`` (pending, failed, donated, empty) hold as for ready.
 
     A pending value that the sync reading it did not compute (its op recorded, but elided as no
     output) is none of these: ``Engine.ready`` raises an internal error for it, never zeros.
@@ -79,11 +100,25 @@ class Value:
 
     def fail(self, err: BaseException) -> None:
         """Make this value failed (or donated): its array, if any, is dropped."""
-        if self.array is not None:
+        a = self.array
+        if a is not None:
             self.array = None
-            _account[0](self.nbytes, -1)
+            _account[0](a.nbytes if a.__class__ is Padded else self.nbytes, -1)
         self.node = None
         self.err = err
+
+    def exact(self):
+        """Its array at its exact shape: a lazily cut value is cut now (and stays cut); any other
+        value's ``array`` as it is (NOTE [lazy cuts] in runtime/buckets.py)."""
+        p = self.array
+        if p.__class__ is not Padded:
+            return p
+        a = p.cut(p.array, self.shape)
+        if self.array is p:         # (another thread may have cut it meanwhile)
+            self.array = a
+            _account[0](self.nbytes, 1)
+            _account[0](p.nbytes, -1)
+        return self.array
 
     def bind(self, array) -> None:
         self.array = array
@@ -95,9 +130,10 @@ class Value:
         return self.array is None
 
     def __del__(self):
-        if self.array is not None:
+        a = self.array
+        if a is not None:
             try:
-                _account[0](self.nbytes, -1)
+                _account[0](a.nbytes if a.__class__ is Padded else self.nbytes, -1)
             except TypeError:   # interpreter shutdown
                 pass
 
