@@ -94,7 +94,7 @@ class Value:
     def pending(self) -> bool:
         return self.array is None
 
-    def __del__(self):
+    def __del__(self):      # the exact class runs _fastpath.c's copy (NOTE [value finalizer])
         if self.array is not None:
             try:
                 _account[0](self.nbytes, -1)
