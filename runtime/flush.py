@@ -121,7 +121,9 @@ class Runner:
         raise (values that depend on them are failed already)."""
         fl, cfg = ctx.fl, ctx.cfg
         nodes, ext = fl.nodes, fl.ext
-        self.last = [nodes, ctx.reason, ctx.src, None]  # for dump_trace
+        # for dump_trace; the previous trace's nodes are freed with ctx, once the programs are
+        # called (their frees are not on the way to the call)
+        ctx.old, self.last = self.last, [nodes, ctx.reason, ctx.src, None]
         # Who else holds each input value: its holders are the ext list, the node inputs reading
         # it and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
         getrc = sys.getrefcount
