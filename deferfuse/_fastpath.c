@@ -2604,6 +2604,62 @@ static PyObject *value_finalizer(PyObject *self, PyObject *account) {
     Py_RETURN_NONE;
 }
 
+/* NOTE [hit key parts] (runtime/hits.py's hit_parts): the two per-value parts of a flush's HitKey,
+   (held, out_sig): held[i] whether something beyond the ext list and the trace's own ext_uses[i]
+   node inputs holds ext[i] (NOTE [donation safety]: Python's sys.getrefcount(ext[i]) - 2 -
+   ext_uses[i] > 0, whose 2 are the list and getrefcount's argument; here the list's alone, the
+   value being borrowed), and out_sig[j] = (outs[j].node.pos, outs[j].idx). Two Python loops of a
+   bound check, a call and a tuple per value on every sync, before the call; here one pass each. */
+static PyObject *hit_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static PyObject *node_s, *pos_s, *idx_s;
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "hit_parts(ext, ext_uses, outs) takes three lists");
+        return NULL;
+    }
+    if (node_s == NULL && ((node_s = PyUnicode_InternFromString("node")) == NULL ||
+            (pos_s = PyUnicode_InternFromString("pos")) == NULL ||
+            (idx_s = PyUnicode_InternFromString("idx")) == NULL))
+        return NULL;
+    PyObject *ext = args[0], *uses = args[1], *outs = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(ext), m = PyList_GET_SIZE(outs);
+    PyObject *held = PyTuple_New(n), *sig = NULL, *result = NULL;
+    if (held == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(ext) || i >= PyList_GET_SIZE(uses)) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto done;
+        }
+        Py_ssize_t u = PyLong_AsSsize_t(PyList_GET_ITEM(uses, i));
+        if (u == -1 && PyErr_Occurred()) goto done;
+        PyObject *b = Py_REFCNT(PyList_GET_ITEM(ext, i)) - 1 - u > 0 ? Py_True : Py_False;
+        Py_INCREF(b);
+        PyTuple_SET_ITEM(held, i, b);
+    }
+    if ((sig = PyTuple_New(m)) == NULL) goto done;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (j >= PyList_GET_SIZE(outs)) {
+            PyErr_SetString(PyExc_RuntimeError, "hit_parts: outs changed size");
+            goto done;
+        }
+        PyObject *v = PyList_GET_ITEM(outs, j);
+        Py_INCREF(v);
+        PyObject *nd = slot_get(&L_value, 1, v, node_s);
+        PyObject *p = nd == NULL ? NULL : Py_IS_TYPE(nd, L_node.type) ? slot_get(&L_node, 7, nd, pos_s)
+                                                                      : GET(nd, pos_s);
+        PyObject *i = p == NULL ? NULL : slot_get(&L_value, 2, v, idx_s);
+        Py_DECREF(v); Py_XDECREF(nd);
+        PyObject *pair = i == NULL ? NULL : PyTuple_New(2);
+        if (pair == NULL) { Py_XDECREF(p); Py_XDECREF(i); goto done; }
+        PyTuple_SET_ITEM(pair, 0, p);
+        PyTuple_SET_ITEM(pair, 1, i);
+        PyTuple_SET_ITEM(sig, j, pair);
+    }
+    result = PyTuple_Pack(2, held, sig);
+done:
+    Py_DECREF(held); Py_XDECREF(sig);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "TpuTensor.__torch_dispatch__: the C record path's fast case, else the Python path."},
@@ -2627,6 +2683,8 @@ static PyMethodDef methods[] = {
      "NOTE [run tables in C]: (weak refs, id -> position) of outs, each value's chk set to rec."},
     {"value_finalizer", value_finalizer, METH_O,
      "NOTE [value finalizer]: Value.__del__ in C, installed on the exact class."},
+    {"hit_parts", (PyCFunction)(void (*)(void))hit_parts, METH_FASTCALL,
+     "NOTE [hit key parts]: (held, out_sig) of a flush's external inputs and outputs."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
     {"ts_changed", ts_changed, METH_NOARGS, "NOTE [thread state memo]: engine.local.ts was set."},
 #ifdef DEFERFUSE_HIT_TIMING

@@ -97,6 +97,7 @@ class Engine:
                                                             _fastpath.drop_values)
         self.runner.checks.unchecked_inputs = _fastpath.unchecked_inputs
         self.runner.checks.check_tables = _fastpath.check_tables
+        self.runner.hit_parts = _fastpath.hit_parts     # NOTE [hit key parts] (runtime/hits.py)
         self.bodies = Bodies()
         self.sources = SourceLines()
         self.rng = Rng()

@@ -64,6 +64,7 @@ class Runner:
         self.same_structure = same_structure    # the owner's C one, when it has it
         # (and its C ones of these: NOTE [run tables in C] in deferfuse/_fastpath.c)
         self.bind_values, self.drop_values = inflight.bind_values, inflight.drop_values
+        self.hit_parts = hits.hit_parts
         # Past max_regions every region is dropped at once, with JAX's caches (evict): the
         # cache itself never rotates before that.
         self.regions = Cache("regions", 2 * max_regions + 2)
@@ -124,11 +125,9 @@ class Runner:
         # for dump_trace; the previous trace's nodes are freed with ctx, once the programs are
         # called (their frees are not on the way to the call)
         ctx.old, self.last = self.last, [nodes, ctx.reason, ctx.src, None]
-        # Who else holds each input value: its holders are the ext list, the node inputs reading
-        # it and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
-        getrc = sys.getrefcount
-        held = tuple([getrc(ext[i]) - 2 - fl.ext_uses[i] > 0 for i in range(len(ext))])
-        out_sig = tuple([(v.node.pos, v.idx) for v in fl.outs])
+        # Who else holds each input value (a storage: NOTE [donation safety]), and where each
+        # output is made (NOTE [hit key parts] in hits.py)
+        held, out_sig = self.hit_parts(ext, fl.ext_uses, fl.outs)
         hkey = None
         if cfg.debug < 2 and not cfg.cross_check:
             hkey = HitKey(fl.h, len(nodes), held, out_sig, fl.want, fl.whole, fl.device, cfg)

@@ -49,6 +49,7 @@ def _state(vs):
 
 
 def test_the_runners_and_checks_use_the_c_ones():
+    assert engine.runner.hit_parts is FP.hit_parts
     assert engine.runner.bind_values is FP.bind_values
     assert engine.runner.drop_values is FP.drop_values
     assert engine.runner.checks.unchecked_inputs is FP.unchecked_inputs
@@ -216,3 +217,25 @@ def test_the_value_finalizer_keeps_del_s_errors():
     finally:
         sys.unraisablehook, records._account[0] = hook, account
     assert seen == [ValueError, ValueError]
+
+
+def test_hit_parts_are_pythons():
+    """NOTE [hit key parts]: held (something beyond the ext list and the trace's node inputs
+    holds an input: a storage) and out_sig, in C as in Python, for values held 0-2 times more."""
+    from deferfuse.runtime.hits import hit_parts
+    from deferfuse.scheduler.records import Node
+    ext = [Value((2,), np.float32, 8) for _ in range(6)]
+    reads = [[ext[1]], [ext[2], ext[2]], [ext[3]]]      # node inputs reading them
+    uses = [0, 1, 2, 1, 0, 0]
+    keep = [ext[3], ext[4], ext[5], ext[5]]           # storages, say
+    nodes = [Node(None, r, (), 0, [], (), None, p) for p, r in enumerate(reads)]
+    outs = [Value((2,), np.float32, 8, None, nodes[p], i) for p, i in ((0, 0), (2, 1), (1, 0))]
+    outs.append(SubValue((2,), np.float32, 8, None, nodes[1], 3))
+    py, c = hit_parts(ext, uses, outs), FP.hit_parts(ext, uses, outs)
+    assert py == c == ((False, False, False, True, True, True), ((0, 0), (2, 1), (1, 0), (1, 3)))
+    del keep
+    assert FP.hit_parts(ext, uses, outs)[0] == hit_parts(ext, uses, outs)[0] == (False,) * 6
+    with pytest.raises(IndexError):
+        FP.hit_parts(ext, uses[:3], outs)
+    with pytest.raises(IndexError):
+        hit_parts(ext, uses[:3], outs)
