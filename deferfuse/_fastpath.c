@@ -209,7 +209,7 @@ typedef struct {
     PyObject *lock_acquire, *lock_release;   /* engine.lock's */
     PyObject *ops;          /* engine.ops (a two-generation Cache) */
     PyObject *ts_tag, *ss_tag;               /* runtime.node.TS, SS */
-    PyObject *special;      /* dispatch._SPECIAL_SCALARS */
+    PyObject *special;      /* opkey._SPECIAL_SCALARS */
     PyObject *const_fn;     /* runtime.node.const */
     PyObject *value_type, *node_type, *storage_type;
     PyObject *wrap;         /* torch.Tensor._make_wrapper_subclass */
@@ -319,7 +319,7 @@ typedef struct {
 static char generic_tag;
 #define GENERIC ((PyObject *)&generic_tag)
 
-/* One argument -> its template entry, as dispatch._encode; NOT_FAST (not a new reference) when
+/* One argument -> its template entry, as opkey._encode; NOT_FAST (not a new reference) when
    the argument needs the Python path (another device, a CPU tensor, a device object ...). */
 static PyObject *encode(PyObject *a, int info_scalar, KeyState *ks) {
     PyTypeObject *ta = Py_TYPE(a);
@@ -2360,6 +2360,328 @@ done:
     return result;
 }
 
+/* NOTE [run tables in C] (runtime/checks.py, runtime/flush.py's Runner.bind): what a region's run
+   does per value after its call, written out in Python once per value and hit sync: the donated
+   inputs made failed (drop_values), the outputs bound (bind_values), the unchecked inputs' records
+   (unchecked_inputs) and the index-check record's tables (check_tables). Each does exactly what
+   the Python version beside it does (the tests compare them), one value at a time in C; a value
+   not of the exact Value class goes through its attributes (or its fail method). */
+static int slot_put(Layout *L, int k, PyObject *o, PyObject *name, PyObject *val) {
+    if (Py_IS_TYPE(o, L->type)) {
+        PyObject **p = (PyObject **)((char *)o + L->off[k]);
+        PyObject *old = *p;
+        Py_INCREF(val);
+        *p = val;
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(o, name, val);
+}
+
+static PyObject *run_names[6];      /* array, node, nbytes, err, chk, done */
+
+static int run_names_ok(void) {
+    static const char *const s[] = {"array", "node", "nbytes", "err", "chk", "done"};
+    if (run_names[5] != NULL) return 0;
+    for (int i = 0; i < 6; i++)
+        if (run_names[i] == NULL && (run_names[i] = PyUnicode_InternFromString(s[i])) == NULL)
+            return -1;
+    return 0;
+}
+
+/* v.nbytes as a long long (-1 with an error set) */
+static long long value_nbytes(PyObject *v) {
+    PyObject *b = slot_get(&L_value, 5, v, run_names[2]);
+    if (b == NULL) return -1;
+    long long n = PyLong_AsLongLong(b);
+    Py_DECREF(b);
+    return n;
+}
+
+/* NOTE [lazy cuts] (runtime/buckets.py): a lazily cut value's array is a records.Padded, counted
+   at the padded array's size (its own nbytes), not the value's; set by value_finalizer. */
+static PyTypeObject *padded_type;
+
+static long long array_nbytes(PyObject *v, PyObject *a) {
+    if (padded_type != NULL && Py_IS_TYPE(a, padded_type)) {
+        PyObject *b = PyObject_GetAttrString(a, "nbytes");
+        if (b == NULL) return -1;
+        long long n = PyLong_AsLongLong(b);
+        Py_DECREF(b);
+        return n;
+    }
+    return value_nbytes(v);
+}
+
+/* bind_values(values, arrays, large) -> (bytes, n, large bytes, large n): for each pair (as zip),
+   v.array = a and v.node = None; the sums are what memory's Counters.add counts them as. */
+static PyObject *bind_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "bind_values(values, arrays, large)"); return NULL; }
+    if (run_names_ok() < 0) return NULL;
+    long long large = PyLong_AsLongLong(args[2]);
+    if (large == -1 && PyErr_Occurred()) return NULL;
+    PyObject *vs = PySequence_Fast(args[0], "bind_values: values"), *as = NULL;
+    if (vs == NULL || (as = PySequence_Fast(args[1], "bind_values: arrays")) == NULL) { Py_XDECREF(vs); return NULL; }
+    long long n = 0, k = 0, big = 0, nbig = 0;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(vs) && i < PySequence_Fast_GET_SIZE(as); i++) {
+        PyObject *v = PySequence_Fast_GET_ITEM(vs, i), *a = PySequence_Fast_GET_ITEM(as, i);
+        Py_INCREF(v); Py_INCREF(a);
+        int bad = slot_put(&L_value, 0, v, run_names[0], a) < 0 ||
+                  slot_put(&L_value, 1, v, run_names[1], Py_None) < 0;
+        long long b = bad ? -1 : array_nbytes(v, a);
+        Py_DECREF(v); Py_DECREF(a);
+        if (bad || (b == -1 && PyErr_Occurred())) goto done;
+        n += b; k++;
+        if (b > large) { big += b; nbig++; }
+    }
+    result = Py_BuildValue("(LLLL)", n, k, big, nbig);
+done:
+    Py_DECREF(vs); Py_DECREF(as);
+    return result;
+}
+
+/* drop_values(values, flags, err, large) -> (bytes, n, large bytes, large n), negative: for each pair
+   (as zip) whose flag is true and whose value has an array, what Value.fail(err) does (array and
+   node None, err set); the sums un-count the arrays dropped (memory's Counters.add). A value not
+   of the exact class runs its own fail (which counts itself). */
+static PyObject *drop_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "drop_values(values, flags, err, large)"); return NULL; }
+    if (run_names_ok() < 0) return NULL;
+    long long large = PyLong_AsLongLong(args[3]);
+    if (large == -1 && PyErr_Occurred()) return NULL;
+    PyObject *err = args[2];
+    PyObject *vs = PySequence_Fast(args[0], "drop_values: values"), *fs = NULL;
+    if (vs == NULL || (fs = PySequence_Fast(args[1], "drop_values: flags")) == NULL) { Py_XDECREF(vs); return NULL; }
+    long long n = 0, k = 0, big = 0, nbig = 0;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(vs) && i < PySequence_Fast_GET_SIZE(fs); i++) {
+        int d = PyObject_IsTrue(PySequence_Fast_GET_ITEM(fs, i));
+        if (d < 0) goto done;
+        if (!d) continue;
+        PyObject *v = PySequence_Fast_GET_ITEM(vs, i);
+        Py_INCREF(v);
+        PyObject *a = slot_get(&L_value, 0, v, run_names[0]);
+        if (a == NULL) { Py_DECREF(v); goto done; }
+        int has = a != Py_None;
+        int bad = 0;
+        if (has && !Py_IS_TYPE(v, L_value.type)) {
+            PyObject *r = PyObject_CallMethod(v, "fail", "O", err);
+            bad = r == NULL;
+            Py_XDECREF(r);
+        } else if (has) {
+            long long b = array_nbytes(v, a);
+            bad = (b == -1 && PyErr_Occurred()) ||
+                  slot_put(&L_value, 0, v, run_names[0], Py_None) < 0 ||
+                  slot_put(&L_value, 1, v, run_names[1], Py_None) < 0 ||
+                  slot_put(&L_value, 6, v, run_names[3], err) < 0;
+            if (!bad) {
+                n -= b; k--;
+                if (b > large) { big -= b; nbig--; }
+            }
+        }
+        Py_DECREF(a);
+        Py_DECREF(v);
+        if (bad) goto done;
+    }
+    result = Py_BuildValue("(LLLL)", n, k, big, nbig);
+done:
+    Py_DECREF(vs); Py_DECREF(fs);
+    return result;
+}
+
+/* unchecked_inputs(ext) -> [(i, c, c.at[id(v)]) for each ext[i] = v whose c = v.chk is a record
+   not read yet (not c.done)], or None when there is none (NOTE [unchecked values]). Inputs from one
+   run share its record: its done and at are read once for a stretch of them. */
+static PyObject *unchecked_inputs(PyObject *self, PyObject *ext) {
+    static PyObject *at_s;
+    if (run_names_ok() < 0) return NULL;
+    if (at_s == NULL && (at_s = PyUnicode_InternFromString("at")) == NULL) return NULL;
+    PyObject *vs = PySequence_Fast(ext, "unchecked_inputs: ext");
+    if (vs == NULL) return NULL;
+    PyObject *ups = NULL, *last = NULL, *last_at = NULL;   /* last: the record last read (owned) */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(vs); i++) {
+        PyObject *v = PySequence_Fast_GET_ITEM(vs, i);
+        Py_INCREF(v);
+        PyObject *c = slot_get(&L_value, 7, v, run_names[4]);
+        if (c == NULL) { Py_DECREF(v); goto bad; }
+        if (c != last) {
+            if (c == Py_None) { Py_DECREF(c); Py_DECREF(v); continue; }
+            Py_CLEAR(last_at);
+            Py_XSETREF(last, c);
+            Py_INCREF(c);
+            PyObject *done = PyObject_GetAttr(c, run_names[5]);
+            int t = done == NULL ? -1 : PyObject_IsTrue(done);
+            Py_XDECREF(done);
+            if (t < 0) { Py_DECREF(c); Py_DECREF(v); goto bad; }
+            /* last_at stays NULL for a record read already */
+            if (!t && (last_at = PyObject_GetAttr(c, at_s)) == NULL) { Py_DECREF(c); Py_DECREF(v); goto bad; }
+        }
+        if (last_at == NULL) { Py_DECREF(c); Py_DECREF(v); continue; }
+        PyObject *key = PyLong_FromVoidPtr(v), *pos = NULL;
+        Py_DECREF(v);
+        if (key != NULL) pos = PyObject_GetItem(last_at, key);
+        Py_XDECREF(key);
+        PyObject *row = pos == NULL ? NULL : PyTuple_New(3), *ix = row ? PyLong_FromSsize_t(i) : NULL;
+        if (ix == NULL) { Py_DECREF(c); Py_XDECREF(pos); Py_XDECREF(row); goto bad; }
+        PyTuple_SET_ITEM(row, 0, ix);
+        PyTuple_SET_ITEM(row, 1, c);        /* steals c and pos */
+        PyTuple_SET_ITEM(row, 2, pos);
+        if (ups == NULL && (ups = PyList_New(0)) == NULL) { Py_DECREF(row); goto bad; }
+        int r = PyList_Append(ups, row);
+        Py_DECREF(row);
+        if (r < 0) goto bad;
+    }
+    Py_DECREF(vs); Py_XDECREF(last); Py_XDECREF(last_at);
+    if (ups == NULL) Py_RETURN_NONE;
+    return ups;
+bad:
+    Py_DECREF(vs); Py_XDECREF(ups); Py_XDECREF(last); Py_XDECREF(last_at);
+    return NULL;
+}
+
+/* check_tables(outs, rec) -> (refs, at): a weak reference to each value and id(value) -> its
+   position (a later one of the same value wins), and each value's chk set to rec: the tables of
+   an index-check record (runtime/checks.py's Checks.outs and .at). */
+static PyObject *check_tables(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "check_tables(outs, rec)"); return NULL; }
+    if (run_names_ok() < 0) return NULL;
+    PyObject *vs = PySequence_Fast(args[0], "check_tables: outs"), *rec = args[1];
+    if (vs == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(vs);
+    PyObject *refs = PyList_New(n), *at = PyDict_New(), *result = NULL;
+    if (refs == NULL || at == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PySequence_Fast_GET_SIZE(vs)) {
+            PyErr_SetString(PyExc_RuntimeError, "check_tables: outs changed size");
+            goto done;
+        }
+        PyObject *v = PySequence_Fast_GET_ITEM(vs, i);
+        Py_INCREF(v);
+        PyObject *r = PyWeakref_NewRef(v, NULL), *key = r ? PyLong_FromVoidPtr(v) : NULL;
+        PyObject *pos = key ? PyLong_FromSsize_t(i) : NULL;
+        int bad = pos == NULL || PyDict_SetItem(at, key, pos) < 0;
+        Py_XDECREF(key); Py_XDECREF(pos);
+        if (r != NULL) PyList_SET_ITEM(refs, i, r);     /* steals r */
+        if (!bad) bad = slot_put(&L_value, 7, v, run_names[4], rec) < 0;
+        Py_DECREF(v);
+        if (bad) goto done;
+    }
+    result = PyTuple_Pack(2, refs, at);
+done:
+    Py_DECREF(vs); Py_XDECREF(refs); Py_XDECREF(at);
+    return result;
+}
+
+/* NOTE [value finalizer]: Value.__del__ (scheduler/records.py) un-counts a freed value's array in
+   the memory counters; as a Python method it ran for every Value freed (a hit sync frees every
+   value its trace made but did not keep: ~90 ns each, two thirds of freeing one). The same in C,
+   installed as the exact class's tp_finalize (value_finalizer(records._account)); a subclass keeps
+   the Python method (its slots are filled from __del__ when the class is made), and so does Value
+   itself until this is installed, or if __del__ is ever set again. */
+static PyObject *value_account;     /* records._account: [the counting function] */
+
+static void value_finalize(PyObject *self) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *a, *nb = NULL;
+    if (Py_IS_TYPE(self, L_value.type)) {
+        a = *(PyObject **)((char *)self + L_value.off[0]);
+        Py_XINCREF(a);
+        if (a == NULL) PyErr_SetString(PyExc_AttributeError, "array");
+    } else {
+        a = PyObject_GetAttrString(self, "array");
+    }
+    if (a != NULL && a != Py_None) {
+        nb = Py_IS_TYPE(self, L_value.type) && !(padded_type && Py_IS_TYPE(a, padded_type))
+             ? *(PyObject **)((char *)self + L_value.off[5]) : NULL;
+        if (nb != NULL) Py_INCREF(nb);
+        else nb = PyObject_GetAttrString(padded_type && Py_IS_TYPE(a, padded_type) ? a : self,
+                                         "nbytes");
+        PyObject *f = nb ? PyList_GetItem(value_account, 0) : NULL;     /* borrowed */
+        PyObject *minus = f ? PyLong_FromLong(-1) : NULL;
+        PyObject *r = minus ? PyObject_CallFunctionObjArgs(f, nb, minus, NULL) : NULL;
+        Py_XDECREF(minus);
+        if (r != NULL) Py_DECREF(r);
+        else if (PyErr_ExceptionMatches(PyExc_TypeError)) PyErr_Clear();   /* interpreter shutdown */
+    }
+    Py_XDECREF(a); Py_XDECREF(nb);
+    if (PyErr_Occurred()) PyErr_WriteUnraisable(self);
+    PyErr_Restore(et, ev, tb);
+}
+
+static PyObject *value_finalizer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *account = nargs == 2 ? args[0] : NULL;
+    if (L_value.type == NULL || account == NULL || !PyList_Check(account) ||
+            PyList_GET_SIZE(account) != 1 || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "value_finalizer(records._account, records.Padded) after setup");
+        return NULL;
+    }
+    Py_INCREF(account);
+    Py_XSETREF(value_account, account);
+    Py_INCREF(args[1]);
+    Py_XSETREF(padded_type, (PyTypeObject *)args[1]);
+    L_value.type->tp_finalize = value_finalize;
+    Py_RETURN_NONE;
+}
+
+/* NOTE [hit key parts] (runtime/hits.py's hit_parts): the two per-value parts of a flush's HitKey,
+   (held, out_sig): held[i] whether something beyond the ext list and the trace's own ext_uses[i]
+   node inputs holds ext[i] (NOTE [donation safety]: Python's sys.getrefcount(ext[i]) - 2 -
+   ext_uses[i] > 0, whose 2 are the list and getrefcount's argument; here the list's alone, the
+   value being borrowed), and out_sig[j] = (outs[j].node.pos, outs[j].idx). Two Python loops of a
+   bound check, a call and a tuple per value on every sync, before the call; here one pass each. */
+static PyObject *hit_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static PyObject *node_s, *pos_s, *idx_s;
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "hit_parts(ext, ext_uses, outs) takes three lists");
+        return NULL;
+    }
+    if (node_s == NULL && ((node_s = PyUnicode_InternFromString("node")) == NULL ||
+            (pos_s = PyUnicode_InternFromString("pos")) == NULL ||
+            (idx_s = PyUnicode_InternFromString("idx")) == NULL))
+        return NULL;
+    PyObject *ext = args[0], *uses = args[1], *outs = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(ext), m = PyList_GET_SIZE(outs);
+    PyObject *held = PyTuple_New(n), *sig = NULL, *result = NULL;
+    if (held == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(ext) || i >= PyList_GET_SIZE(uses)) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto done;
+        }
+        Py_ssize_t u = PyLong_AsSsize_t(PyList_GET_ITEM(uses, i));
+        if (u == -1 && PyErr_Occurred()) goto done;
+        PyObject *b = Py_REFCNT(PyList_GET_ITEM(ext, i)) - 1 - u > 0 ? Py_True : Py_False;
+        Py_INCREF(b);
+        PyTuple_SET_ITEM(held, i, b);
+    }
+    if ((sig = PyTuple_New(m)) == NULL) goto done;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (j >= PyList_GET_SIZE(outs)) {
+            PyErr_SetString(PyExc_RuntimeError, "hit_parts: outs changed size");
+            goto done;
+        }
+        PyObject *v = PyList_GET_ITEM(outs, j);
+        Py_INCREF(v);
+        PyObject *nd = slot_get(&L_value, 1, v, node_s);
+        PyObject *p = nd == NULL ? NULL : Py_IS_TYPE(nd, L_node.type) ? slot_get(&L_node, 7, nd, pos_s)
+                                                                      : GET(nd, pos_s);
+        PyObject *i = p == NULL ? NULL : slot_get(&L_value, 2, v, idx_s);
+        Py_DECREF(v); Py_XDECREF(nd);
+        PyObject *pair = i == NULL ? NULL : PyTuple_New(2);
+        if (pair == NULL) { Py_XDECREF(p); Py_XDECREF(i); goto done; }
+        PyTuple_SET_ITEM(pair, 0, p);
+        PyTuple_SET_ITEM(pair, 1, i);
+        PyTuple_SET_ITEM(sig, j, pair);
+    }
+    result = PyTuple_Pack(2, held, sig);
+done:
+    Py_DECREF(held); Py_XDECREF(sig);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "TpuTensor.__torch_dispatch__: the C record path's fast case, else the Python path."},
@@ -2373,6 +2695,18 @@ static PyMethodDef methods[] = {
      "NOTE [region hits]: whether nodes' op entries and wirings equal entries and wirings."},
     {"trace_outputs", (PyCFunction)(void (*)(void))trace_outputs, METH_FASTCALL,
      "NOTE [trace outputs]: (the values a trace's live storages hold, in trace order; partner)."},
+    {"bind_values", (PyCFunction)(void (*)(void))bind_values, METH_FASTCALL,
+     "NOTE [run tables in C]: bind each value to its array; (bytes, n, large bytes, large n)."},
+    {"drop_values", (PyCFunction)(void (*)(void))drop_values, METH_FASTCALL,
+     "NOTE [run tables in C]: Value.fail(err) for each flagged value with an array; the un-count."},
+    {"unchecked_inputs", unchecked_inputs, METH_O,
+     "NOTE [run tables in C]: (i, record, position) of each input whose index checks are unread."},
+    {"check_tables", (PyCFunction)(void (*)(void))check_tables, METH_FASTCALL,
+     "NOTE [run tables in C]: (weak refs, id -> position) of outs, each value's chk set to rec."},
+    {"value_finalizer", (PyCFunction)(void (*)(void))value_finalizer, METH_FASTCALL,
+     "NOTE [value finalizer]: Value.__del__ in C, installed on the exact class."},
+    {"hit_parts", (PyCFunction)(void (*)(void))hit_parts, METH_FASTCALL,
+     "NOTE [hit key parts]: (held, out_sig) of a flush's external inputs and outputs."},
     {"reset_stats", reset_stats, METH_NOARGS, "Zero the counts of stats()."},
     {"ts_changed", ts_changed, METH_NOARGS, "NOTE [thread state memo]: engine.local.ts was set."},
 #ifdef DEFERFUSE_HIT_TIMING

@@ -1533,7 +1533,7 @@ bool key_tensor_sig(Call& c, const at::Tensor& t) {
 }
 
 // A number: a runtime input (its type only in the key) at a scalar position unless it is one of
-// dispatch._SPECIAL_SCALARS, else a constant (its bits in the key).
+// opkey._SPECIAL_SCALARS, else a constant (its bits in the key).
 void key_number(Call& c, const IValue& v, bool scalar) {
   if (v.isDouble()) {
     double d = v.toDouble();
@@ -1605,7 +1605,7 @@ bool key_arg(Call& c, const IValue& v, bool scalar) {
   }
   if (scalar && v.isList() && !v.isTensorList()) {
     // a list of numbers at a scalar position (the per-tensor step sizes of foreach optimizers,
-    // `Scalar[]`): each number as dispatch._encode makes it, a runtime input unless special
+    // `Scalar[]`): each number as opkey._encode makes it, a runtime input unless special
     auto l = v.toListRef();
     k.push_back(-17);
     k.push_back(static_cast<int64_t>(l.size()));

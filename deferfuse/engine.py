@@ -92,6 +92,12 @@ class Engine:
         # Per-op programs and view reads are dropped with the regions (NOTE [JIT mappings]).
         self.runner.also_evict = (self.ops.clear, execute.view_jits.clear)
         self.runner.same_structure = _fastpath.same_structure      # NOTE [region hits]
+        # NOTE [run tables in C] (_fastpath.c)
+        self.runner.bind_values, self.runner.drop_values = (_fastpath.bind_values,
+                                                            _fastpath.drop_values)
+        self.runner.checks.unchecked_inputs = _fastpath.unchecked_inputs
+        self.runner.checks.check_tables = _fastpath.check_tables
+        self.runner.hit_parts = _fastpath.hit_parts     # NOTE [hit key parts] (runtime/hits.py)
         self.bodies = Bodies()
         self.sources = SourceLines()
         self.rng = Rng()

@@ -21,6 +21,7 @@ from .opinfo import decompose, op_info
 from .opkey import CpuTensorArg, ForeignSubclass, OtherDevice
 from .fbgemm import handlers as fbgemm_handlers
 from .packed import handlers as packed_handlers
+from .scheduler import records
 from .specials import SPECIAL, _h_foreach_inplace, _h_to_copy, register as register_specials, resize
 from .tensor import TpuTensor, as_tpu
 from .views import ALIAS_OPS, run_alias, run_view
@@ -284,6 +285,7 @@ def _c_record_path():
                       "(slower). Reinstall deferfuse (pip install) to build it.", RuntimeWarning)
         return torch_dispatch
     _fastpath.setup(c_record_objects())
+    _fastpath.value_finalizer(records._account, records.Padded)     # NOTE [value finalizer] (_fastpath.c)
     return _fastpath.dispatch
 
 

@@ -61,6 +61,27 @@ def ext_dependents(wirings, failed_ext) -> set:
     return bad
 
 
+def unchecked_inputs(ext) -> list | None:
+    """(i, its record, its position there) of each input ``ext[i]`` whose index checks are not
+    read yet (NOTE [unchecked values]), or None when there is none. _fastpath.c's does the same."""
+    ups = None
+    for i, c in enumerate(map(_chk_of, ext)):
+        if c is not None and not c.done:
+            if ups is None:
+                ups = []
+            ups.append((i, c, c.at[id(ext[i])]))
+    return ups
+
+
+def check_tables(outs, rec) -> tuple:
+    """A ``Checks`` record's tables of ``outs``: (a weak ref of each, id -> its position); each
+    output's ``chk`` becomes ``rec``. _fastpath.c's does the same."""
+    tables = list(map(weakref.ref, outs)), dict(zip(map(id, outs), range(len(outs))))
+    for v in outs:
+        v.chk = rec
+    return tables
+
+
 class Checks:
     """One program run whose values are unchecked: its own flags (maybe none), the unchecked
     values it read (``ups``: (external input index, their record, their position in its
@@ -68,14 +89,13 @@ class Checks:
     __slots__ = ("flags", "msgs", "names", "srcs", "wirings", "outs", "at", "out_sig", "ups",
                  "done", "later", "failed", "err", "job")
 
-    def __init__(self, flags, msgs, nodes, wirings, outs, out_sig, ups, later):
+    def __init__(self, flags, msgs, nodes, wirings, out_sig, ups, later):
         self.flags = flags
         self.msgs = msgs            # (node position, exception type, message) per flag
         self.names = [nodes[p].name for p, _, _ in msgs] if flags else ()
         self.srcs = [nodes[p].src for p, _, _ in msgs] if flags else ()
         self.wirings = wirings
-        self.outs = list(map(weakref.ref, outs))
-        self.at = dict(zip(map(id, outs), range(len(outs))))
+        self.outs = self.at = None  # weak refs of its outputs; id(output) -> position (tables)
         self.out_sig = out_sig
         self.ups = ups
         self.done = False
@@ -92,24 +112,20 @@ class CheckList:
         self.pending: list = []
         self.errors: list = []
         self.settle = None      # the runner's: binds the job in flight (NOTE [in flight])
+        # The owner's C ones when it has them (NOTE [run tables in C] in deferfuse/_fastpath.c)
+        self.unchecked_inputs = unchecked_inputs
+        self.check_tables = check_tables
 
     def add(self, flags, msgs, nodes, wirings, outs, out_sig, ext, later, job=None):
         """Record a program run that returned ``flags`` or read unchecked values of ``ext``;
         its outputs become unchecked. ``job``: the run's call is in flight, and ``flags`` are
         filled in when it is settled. Returns the record, or None."""
-        ups = None
-        if self.pending:
-            for i, c in enumerate(map(_chk_of, ext)):
-                if c is not None and not c.done:
-                    if ups is None:
-                        ups = []
-                    ups.append((i, c, c.at[id(ext[i])]))
+        ups = self.unchecked_inputs(ext) if self.pending else None
         if not flags and ups is None:
             return None
-        rec = Checks(flags, msgs, nodes, wirings, outs, out_sig, ups, later)
+        rec = Checks(flags, msgs, nodes, wirings, out_sig, ups, later)
         rec.job = job
-        for v in outs:
-            v.chk = rec
+        rec.outs, rec.at = self.check_tables(outs, rec)
         self.pending.append(rec)
         return rec
 

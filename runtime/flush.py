@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from . import execute, hits, inflight, replay, stats
-from .memory import COUNTERS as memory_stats
+from .memory import COUNTERS as memory_stats, LARGE
 from .inflight import bind_all as _bind_all
 from .checks import CheckList, dependents, ext_dependents
 from .buckets import BucketHit, Buckets
@@ -62,6 +62,9 @@ class Runner:
         self.structs = Cache("trace structures", 8192)
         self.hits = Cache("region hits", 4096)         # HitKey -> hits.Hit (NOTE [region hits])
         self.same_structure = same_structure    # the owner's C one, when it has it
+        # (and its C ones of these: NOTE [run tables in C] in deferfuse/_fastpath.c)
+        self.bind_values, self.drop_values = inflight.bind_values, inflight.drop_values
+        self.hit_parts = hits.hit_parts
         # Past max_regions every region is dropped at once, with JAX's caches (evict): the
         # cache itself never rotates before that.
         self.regions = Cache("regions", 2 * max_regions + 2)
@@ -119,12 +122,12 @@ class Runner:
         raise (values that depend on them are failed already)."""
         fl, cfg = ctx.fl, ctx.cfg
         nodes, ext = fl.nodes, fl.ext
-        self.last = [nodes, ctx.reason, ctx.src, None]  # for dump_trace
-        # Who else holds each input value: its holders are the ext list, the node inputs reading
-        # it and getrefcount's argument; anything more is a storage (see NOTE [donation safety]).
-        getrc = sys.getrefcount
-        held = tuple([getrc(ext[i]) - 2 - fl.ext_uses[i] > 0 for i in range(len(ext))])
-        out_sig = tuple([(v.node.pos, v.idx) for v in fl.outs])
+        # for dump_trace; the previous trace's nodes are freed with ctx, once the programs are
+        # called (their frees are not on the way to the call)
+        ctx.old, self.last = self.last, [nodes, ctx.reason, ctx.src, None]
+        # Who else holds each input value (a storage: NOTE [donation safety]), and where each
+        # output is made (NOTE [hit key parts] in hits.py)
+        held, out_sig = self.hit_parts(ext, fl.ext_uses, fl.outs)
         hkey = None
         if cfg.debug < 2 and not cfg.cross_check:
             hkey = HitKey(fl.h, len(nodes), held, out_sig, fl.want, fl.whole, fl.device, cfg)
@@ -196,11 +199,9 @@ class Runner:
         if donate is not None:
             # Donated buffers now belong to the outputs (no storage holds those values: NOTE
             # [donation safety]): stop counting them before the outputs are counted.
-            gone = Donated(reg.summary)
-            for v, d in zip(ext, donate):
-                if d and v.array is not None:
-                    v.fail(gone)
-        _bind_all(outs if reg.order is None else [outs[j] for j in reg.order], res)
+            memory_stats.add(*self.drop_values(ext, donate, Donated(reg.summary), LARGE))
+        memory_stats.add(*self.bind_values(outs if reg.order is None else
+                                           [outs[j] for j in reg.order], res, LARGE))
         if memory_stats.peak > self.peak_seen:
             self.peak_seen = memory_stats.peak
             S["peak_region"] = reg.summary

@@ -5,6 +5,7 @@ region; ``Pieces``: several, or a bucket's program) and the sync it runs (``run`
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -61,6 +62,16 @@ class Hit:
         # types: NOTE [packed scalars]), so a hit's scalars are all floats when these are.
         self.pack = (execute.pack_floats if scalars and all(type(s) is float for s in scalars)
                      else execute.pack_scalars)
+
+
+def hit_parts(ext: list, ext_uses: list, outs: list) -> tuple:
+    """NOTE [hit key parts]: (held, out_sig) of a flush: per external input, whether something
+    holds it beyond the ext list and the trace's own node inputs reading it (``ext_uses``), that is
+    a storage (NOTE [donation safety]); per output, (its node's position, its output index). The
+    engine gives the runner _fastpath.c's, one pass over each list."""
+    getrc = sys.getrefcount      # (its holders: the ext list, the node inputs, getrc's argument)
+    held = tuple([getrc(ext[i]) - 2 - ext_uses[i] > 0 for i in range(len(ext))])
+    return held, tuple([(v.node.pos, v.idx) for v in outs])
 
 
 key_of = attrgetter("key")

@@ -83,6 +83,12 @@ class Finish:
 
 def bind_all(values, arrays) -> None:
     """Value.bind for each value, with one count of the buffers for all."""
+    memory_stats.add(*bind_values(values, arrays, LARGE))
+
+
+def bind_values(values, arrays, large: int) -> tuple:
+    """Each value bound to its array, counted by no one: (bytes, buffers, bytes and buffers over
+    ``large``) for one ``Counters.add``. _fastpath.c's does the same (NOTE [run tables in C])."""
     n = k = big = nbig = 0
     for v, r in zip(values, arrays):
         v.array = r
@@ -90,7 +96,17 @@ def bind_all(values, arrays) -> None:
         b = v.nbytes if r.__class__ is not Padded else r.nbytes    # (NOTE [lazy cuts])
         n += b
         k += 1
-        if b > LARGE:
+        if b > large:
             big += b
             nbig += 1
-    memory_stats.add(n, k, big, nbig)
+    return n, k, big, nbig
+
+
+def drop_values(values, flags, err, large: int) -> tuple:
+    """``Value.fail(err)`` for each value flagged in ``flags`` that has an array (a donated input:
+    NOTE [donation safety]); what is left to un-count with ``Counters.add`` (nothing here: ``fail``
+    counts; _fastpath.c's drops and leaves the count: NOTE [run tables in C])."""
+    for v, d in zip(values, flags):
+        if d and v.array is not None:
+            v.fail(err)
+    return 0, 0, 0, 0

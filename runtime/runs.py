@@ -75,3 +75,4 @@ class Ctx:
     single: tuple | None = None     # (Region, MemoryPlan): ``whole`` ran as that one region
     rec: list | None = None     # what ran, region by region (NOTE [piece hits] in hits.py)
     counts0: tuple = ()         # the split counters when recording began
+    old: list | None = None     # the previous trace's Runner.last, freed with the flush

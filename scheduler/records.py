@@ -129,7 +129,7 @@ class Value:
     def pending(self) -> bool:
         return self.array is None
 
-    def __del__(self):
+    def __del__(self):      # the exact class runs _fastpath.c's copy (NOTE [value finalizer])
         a = self.array
         if a is not None:
             try:

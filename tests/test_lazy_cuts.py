@@ -163,3 +163,19 @@ def test_a_reader_that_skips_the_cut_fails_loudly():
     with pytest.raises(TypeError, match="lazily cut"):
         np.asarray(p)
     assert_same(got, want)
+
+
+def test_a_padded_value_freed_unread_uncounts_its_padded_size():
+    """Freeing a value still lazily cut un-counts what was counted for it, its padded array's
+    size (the finalizer of the exact ``Value`` class is C's: NOTE [value finalizer])."""
+    import gc
+    _sample()
+    _, got, want = _sample()
+    v = _val(got)
+    assert v.array.__class__ is Padded and v.array.array.shape == (1, 33) and v.shape == (1, 21)
+    del v
+    gc.collect()
+    held = device_info.memory_allocated()
+    del got
+    gc.collect()
+    assert held - device_info.memory_allocated() == 33 * 8
