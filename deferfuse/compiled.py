@@ -575,13 +575,16 @@ class PlainGraph(CompiledGraph):
         if len(args) == 1 and type(args[0]) is list:
             args = args[0]
         if self.spmd is not None:
-            if not self.spmd.agree(args):
-                return _interpret(self.plan.gm, args)
             # (collectives take the inputs as tensors: TpuTensors. A plain tensor is on the tpu
-            # device: ``is_plain`` checks it.)
+            # device: ``is_plain`` checks it.) The ranks compare the inputs' description (dtypes
+            # and shapes), never the tensors themselves: their values differ by rank.
             is_plain, T, wrapper = self._is_plain, torch.Tensor, self._wrapper
-            res = super().__call__([wrapper(a) if isinstance(a, T) and is_plain(a) else a
-                                    for a in args])
+            wargs = [wrapper(a) if isinstance(a, T) and is_plain(a) else a for a in args]
+            if not self.spmd.agree(self._described(wargs)):
+                return _interpret(self.plan.gm, args)
+            ts = _local.ts
+            with engine.lock:
+                res = self._call(wargs, ts, *self._read(wargs, ts.device))
         else:
             ts = _local.ts
             with engine.lock:
