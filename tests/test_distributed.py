@@ -435,7 +435,6 @@ def test_compiled_tensor_parallel(n, mode):
 
 
 @once
-@pytest.mark.slow
 def test_compiled_packed_boundaries_agree_across_ranks():
     """Varlen attention all-reduced in a compiled graph, on 2 ranks packing other numbers of
     documents: after the first call, each rank's boundaries are padded to the same bucket, so the
