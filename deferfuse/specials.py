@@ -10,9 +10,10 @@ from torch._prims_common import suggest_memory_format
 from .device_info import check
 from .dispatch import Fallback, _contig, _run, copy_into, new_tensor, read, read_host, to_cpu
 from .engine import engine
-from .opinfo import decompose, op_info
+from .opinfo import decompose, op_info, op_info_with
 from .runtime.lowering import LOWERINGS
 from .runtime import transfer
+from .runtime.platform import name as platform_name
 from .scheduler.policy import Sync
 from .scheduler.records import Value
 from .tensor import TpuTensor
@@ -275,6 +276,23 @@ def _h_batch_norm(func, args, kwargs):
     return out, mean, invstd
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _h_layer_norm_backward(func, args, kwargs):
+    """A half-precision layer norm's weight and bias gradients follow CPU's per-thread sums,
+    which depend on the thread count: read here, when the op is recorded, and passed to the
+    lowering as a static argument of the op's key (NOTE [half layer norm parameter gradients]
+    in runtime/lowering/norms.py). Other dtypes and platforms record the op as it is."""
+    x = args[1]
+    mask = args[7] if len(args) > 7 else kwargs.get("output_mask")
+    if x.dtype in _HALF and mask is not None and (mask[1] or mask[2]) and platform_name() == "cpu":
+        info = op_info_with(func, cpu_threads=torch.get_num_threads())
+    else:
+        info = op_info(func)
+    return _run(func, info, args, kwargs)
+
+
 def _h_rrelu_with_noise(func, args, kwargs):
     """rrelu_with_noise writes ``noise`` in place and returns a new tensor (rrelu_with_noise_
     writes its input too, and returns it): run the lowered functional op, then write back (as
@@ -486,6 +504,7 @@ SPECIAL = {
     aten.set_.source_Tensor: _h_set,
     aten.is_pinned.default: _h_is_pinned,
     aten.rrelu_with_noise.default: _h_rrelu_with_noise,
+    aten.native_layer_norm_backward.default: _h_layer_norm_backward,
     aten.rrelu_with_noise_.default: _h_rrelu_with_noise,
     **{f: _h_batch_norm for f in _BN_VARIANTS},
     aten.one_hot.default: _h_one_hot,
