@@ -489,6 +489,29 @@ def test_layer_norm_thread_count_is_in_the_key(dt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.slow_params("strict")   # long: defer only in the default run
+def test_batch_norm_parameter_gradients_as_cpu(dt, layout):
+    """Batch norm's weight and bias gradients need no thread order (docs/dtypes.md): CPU sums
+    each channel's ``(x - mean) * dy`` and ``dy`` in float32 and rounds once; tpu gives its bits
+    (the input gradient within the tolerance)."""
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = _rand(8, 16, 6, 10, dt=dt, scale=3, shift=1).contiguous(memory_format=fmt)
+    dy = _rand(8, 16, 6, 10, dt=dt, seed=3).contiguous(memory_format=fmt)
+    w, b = _rand(16, dt=dt, seed=1), _rand(16, dt=dt, seed=2)
+    rm, rv = torch.zeros(16, dtype=dt), torch.ones(16, dtype=dt)
+    _, mean, invstd = aten.native_batch_norm(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5)
+
+    def grads(dy, x, w, rm, rv, mean, invstd):
+        return aten.native_batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True, 1e-5,
+                                               [True, True, True])
+    args = (dy, x, w, rm, rv, mean, invstd)
+    want = grads(*args)
+    got = grads(*to_tpu(list(args)))
+    assert_same(list(got[1:]), list(want[1:]), atol=0, rtol=0)
+    assert_same(got[0], want[0], **TOL[dt])
+
+
 # --------------------------------------------------------------------------------------------
 # recurrent layers: CPU's algorithm (unfused cells, or oneDNN's LSTM where CPU runs it)
 
