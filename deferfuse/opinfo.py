@@ -5,6 +5,9 @@ arguments it writes, and what it returns.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import torch
 from torch._decomp import core_aten_decompositions, decomposition_table
 
@@ -162,6 +165,26 @@ def op_info(func) -> OpInfo:
     else:
         info.kind = "fallback"
     _INFOS[func] = info
+    return info
+
+
+def op_info_with(func, **static) -> OpInfo:
+    """``func``'s OpInfo with its lowering called with ``static`` keyword arguments too: a fact
+    the recorder reads that changes the program (NOTE [half layer norm parameter gradients]).
+    The variant is another object with another name, so op keys (in memory, by identity) and
+    the program store's descriptions (by ``repr``) of two values never meet. Kept with the
+    others, one per op and values (bounded by the op set times the values a program uses)."""
+    key = (func, tuple(sorted(static.items())))
+    info = _INFOS.get(key)
+    if info is not None:
+        return info
+    base = op_info(func)
+    info = OpInfo()
+    for slot in OpInfo.__slots__:
+        setattr(info, slot, getattr(base, slot))
+    info.name = f"{base.name}[{','.join(f'{k}={v!r}' for k, v in key[1])}]"
+    info.low = replace(base.low, fn=functools.partial(base.low.fn, **static))
+    _INFOS[key] = info
     return info
 
 

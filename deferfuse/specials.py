@@ -13,8 +13,9 @@ from torch._prims_common import suggest_memory_format
 from .device_info import check
 from .dispatch import Fallback, _contig, _run, copy_into, read, read_host, to_cpu
 from .engine import engine
-from .opinfo import op_info
+from .opinfo import op_info, op_info_with
 from .runtime import transfer
+from .runtime.platform import name as platform_name
 from .scheduler.policy import Sync
 from .scheduler.records import Value
 from .tensor import TpuTensor, new_tensor
@@ -242,6 +243,23 @@ def _h_is_pinned(func, args, kwargs):
     return False
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _h_layer_norm_backward(func, args, kwargs):
+    """A half-precision layer norm's weight and bias gradients follow CPU's per-thread sums,
+    which depend on the thread count: read here, when the op is recorded, and passed to the
+    lowering as a static argument of the op's key (NOTE [half layer norm parameter gradients]
+    in runtime/lowering/norms.py). Other dtypes and platforms record the op as it is."""
+    x = args[1]
+    mask = args[7] if len(args) > 7 else kwargs.get("output_mask")
+    if x.dtype in _HALF and mask is not None and (mask[1] or mask[2]) and platform_name() == "cpu":
+        info = op_info_with(func, cpu_threads=torch.get_num_threads())
+    else:
+        info = op_info(func)
+    return _run(func, info, args, kwargs)
+
+
 _NO_PYTHON = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | \
     torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot)
 
@@ -347,6 +365,7 @@ SPECIAL = {
     aten.resize_as_.default: _h_resize_as,
     aten.set_.source_Tensor: _h_set,
     aten.is_pinned.default: _h_is_pinned,
+    aten.native_layer_norm_backward.default: _h_layer_norm_backward,
 }
 for _full in torch._C._dispatch_get_all_op_names():
     # every in-place foreach op: _foreach_add_, _foreach_copy_, _foreach_mul_ ... (not _foreach_add)

@@ -71,19 +71,12 @@ SKIP: dict = {}
 _SUM_BF16 = ("CPU adds {what} in bfloat16 one term at a time, rounding the running sum after each "
              "term ({ex}); tpu accumulates in float32 and rounds once{cuda}")
 CPU_BROKEN = {
-    "nn.LayerNorm": {torch.bfloat16: _SUM_BF16.format(
-        what="the weight and bias gradients row by row into a buffer per thread", ex="then "
-        "sums the threads' buffers in float32, so its result depends on the number of threads: "
-        "a bias gradient of 1004.9 (float64) over 1000 rows is 512 with one thread and 1000 with "
-        "two; in the sweep's sample, 630.2 is 648 on CPU, 632 on tpu and on CPU in float32",
-        cuda=", as CUDA does")},
     "nn.ReplicationPad3d": {torch.bfloat16: _SUM_BF16.format(
         what="the padded border's gradient into each edge element", ex="an edge gradient of "
         "91.57 (float64) is 88 on CPU, 91.5 on tpu and on CPU in float32", cuda="")},
 }
 # The gradients CPU_BROKEN applies to (the others, computed without the broken sum, are CPU's own).
-BROKEN_GRADS = {"nn.LayerNorm": {"weight", "bias"},
-                "nn.ReplicationPad3d": {"input[0]"}}
+BROKEN_GRADS = {"nn.ReplicationPad3d": {"input[0]"}}
 
 # Why the known failures fail (for the table; the sweep does not use it).
 CAUSES: dict = {}

@@ -12,7 +12,7 @@ from jax import lax
 from . import op
 from .nn import _acc, _zeros
 from .padding import Normalize, Refuse, ZeroPadded
-from .precision import acc, round_to
+from .precision import acc, is_half, round_to
 
 # Ops of this family with no rule of their own (NOTE [padding rules] in padding.py)
 PAD = Refuse("a normalization across positions")
@@ -47,6 +47,14 @@ def _norm_backward(g, xhat, rstd, axes):
 # multiply-adds and not others; XLA's would fuse its own choice, and rewrites divisions: the
 # lowering spells out each FMA (_fma), each rounded product (_mul) and each true division (_div).
 # On a TPU or GPU (where float64, which these use, is slow or absent) the float32 forms stay.
+
+
+def _cpu_order(dtype, *params) -> bool:
+    """NOTE [half layer norm parameter gradients] applies: a bfloat16 or float16 input whose
+    parameters (those given) have its dtype, on XLA's CPU platform."""
+    from ..platform import name
+    return (is_half(dtype) and all(p is None or p.dtype == dtype for p in params)
+            and name() == "cpu")
 
 
 def _cpu_exact(dtype) -> bool:
@@ -224,10 +232,61 @@ def _layer_norm_dx_cpu(g, x, mean, rstd, w):
     return _fma(b, x, (a[..., None] * g) * w if w is not None else a[..., None] * g) + c
 
 
+# NOTE [half layer norm parameter gradients]: PyTorch's CPU kernel
+# (``LayerNormBackwardKernelImplInternal``, layer_norm_kernel.cpp) sums the weight and bias
+# gradients of a bfloat16 or float16 layer norm (parameters of the input's dtype) per thread:
+# ``at::parallel_for(0, M, 1)`` splits the M rows into min(T, M) chunks of ceil(M / chunks) rows
+# (T = ``torch.get_num_threads()``), each thread adds its rows in order into a buffer of the
+# input's dtype (``dgamma += dy * (rstd * x + (-rstd * mean))``, ``dbeta += dy``: each step in
+# float32, the last product and sum one fused multiply-add as CPU's compiler makes it (float16
+# rows differ in an element now and then otherwise), rounded to the dtype), and the T buffers are then added in float32, in thread order, and rounded
+# once. On XLA's CPU platform the lowering does the same (a scan over a chunk's rows, the chunks
+# side by side), so the gradients are CPU's bit for bit; the thread count changes the program, so
+# it reaches the lowering as a static argument from the recorder (``cpu_threads``, read when the
+# op is recorded: deferfuse/specials.py ``_h_layer_norm_backward``, part of the op's key, so a new
+# thread count compiles anew). Without it (compiled mode's graphs), on a TPU or GPU, and with
+# float32 parameters the float32 sum rounded once stays (closer to the exact sum; docs/dtypes.md).
+
+
+def _param_grads_cpu(g, x, mean, rstd, threads, dtype, want_w, want_b):
+    """(weight gradient, bias gradient), float32 holding ``dtype`` values, of rows ``g`` and ``x``
+    (M, N) with per-row ``mean`` and ``rstd`` (M,), summed in CPU's per-thread order (NOTE [half
+    layer norm parameter gradients]); None where not wanted."""
+    m, n = x.shape
+    chunks = min(threads, m)
+    size = -(-m // chunks)
+    used = -(-m // size)
+    pad = used * size - m
+    a = rstd
+    b = -a * mean
+    # Rows past M (the last chunk's padding) add dy = 0: the buffer stays as it was.
+    g = jnp.pad(g, ((0, pad), (0, 0))).reshape(used, size, n)
+    x = jnp.pad(x, ((0, pad), (0, 0))).reshape(used, size, n)
+    a = jnp.pad(a, (0, pad)).reshape(used, size, 1)
+    b = jnp.pad(b, (0, pad)).reshape(used, size, 1)
+
+    def step(bufs, rows):
+        bw, bb = bufs
+        dy, xr, ar, br = rows
+        if want_w:
+            bw = round_to(_fma(dy, _mul(ar, xr) + br, bw), dtype)
+        if want_b:
+            bb = round_to(bb + dy, dtype)
+        return (bw, bb), None
+
+    zero = jnp.zeros((used, n), jnp.float32)
+    (bw, bb), _ = lax.scan(step, (zero, zero),
+                           tuple(jnp.moveaxis(t, 1, 0) for t in (g, x, a, b)))
+    gw, gb = bw[0], bb[0]
+    for i in range(1, used):    # the buffers in thread order (unused threads' buffers are zero)
+        gw, gb = gw + bw[i], gb + bb[i]
+    return (gw if want_w else None), (gb if want_b else None)
+
+
 @op("native_layer_norm_backward.default",
     pad=ZeroPadded(inputs=(0, 1, 3, 4), normalized=(2, "normalized_shape")))
 def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
-                               output_mask):
+                               output_mask, *, cpu_threads=None):
     x, g = _acc(input), _acc(grad_out)
     k = len(normalized_shape)
     axes = tuple(range(x.ndim - k, x.ndim))
@@ -241,6 +300,16 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
         gi = _layer_norm_dx_cpu(flat(g), flat(x), acc(mean).reshape(lead + (1,)),
                                 acc(rstd).reshape(lead + (1,)), w).reshape(x.shape)
         output_mask = (False,) + tuple(output_mask[1:])
+    if (cpu_threads is not None and (output_mask[1] or output_mask[2]) and x.size
+            and _cpu_order(input.dtype, weight, bias)):
+        # NOTE [half layer norm parameter gradients]
+        rows = math.prod(x.shape[:x.ndim - k])
+        gw, gb = _param_grads_cpu(g.reshape(rows, -1), x.reshape(rows, -1),
+                                  acc(mean).reshape(rows), acc(rstd).reshape(rows), cpu_threads,
+                                  input.dtype, output_mask[1], output_mask[2])
+        gw = None if gw is None else gw.reshape(x.shape[x.ndim - k:])
+        gb = None if gb is None else gb.reshape(x.shape[x.ndim - k:])
+        output_mask = (output_mask[0], False, False)
     xhat = (x - mean) * rstd
     if output_mask[0]:
         gx = g * weight if weight is not None else g
@@ -367,7 +436,7 @@ def _saved(avals, k, v):
 @op("_native_batch_norm_legit_functional.default", meta=True)
 def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training,
                                         momentum, eps, *, _avals):
-    # Running statistics may be None here (deferfuse/specials.py routes every batch norm variant
+    # Running statistics may be None here (deferfuse/composed.py routes every batch norm variant
     # to this op; deferfuse/meta.py gives CPU's output shapes and dtypes).
     if not training:
         out = _bn_eval(input, weight, bias, running_mean, running_var, eps)
