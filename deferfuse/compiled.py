@@ -278,12 +278,7 @@ class CompiledGraph:
                 d = a.__dict__
                 st = d.get("_s")
                 if st is None:      # a CPU tensor
-                    v = transfer.host_value(a, dev or 0)
-                    if pad and i in bounds:     # NOTE [packed boundaries] (packed.py)
-                        v = packed.padded_value(v, dev or 0) or v
-                    if i in sized:
-                        sizes.append(v.shape)
-                    ins.append(v)
+                    self._host_input(a, i, dev, ins, sizes)
                     continue
                 if dev is None:
                     dev = st.device
@@ -302,15 +297,31 @@ class CompiledGraph:
                     dyn = getattr(a, "_dyn", ())
                     if dyn:     # NOTE [dynamic offsets]: a window's start is an input
                         offsets.extend(dyn)
-            elif kind == SCALAR:
-                scalars.append(a.item())
-            elif kind == FLOAT:
-                scalars.append(float(a))
-            elif kind == INT:
-                # (an integer no lowering reads, such as varlen's longest length: no key)
-                ints.append(0 if i in self.free_ints else int(a))
+            else:
+                self._number_input(a, i, kind, scalars, ints)
         scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
         return ins, scalars, ints, views, sizes, stores, tensors, device if dev is None else dev
+
+    def _number_input(self, a, i: int, kind, scalars: list, ints: list) -> None:
+        """A number argument ``a`` (argument ``i``): a 0-d tensor's or a float's value is a runtime
+        scalar, an integer part of the program's key."""
+        if kind == SCALAR:
+            scalars.append(a.item())
+        elif kind == FLOAT:
+            scalars.append(float(a))
+        elif kind == INT:
+            # (an integer no lowering reads, such as varlen's longest length: no key)
+            ints.append(0 if i in self.free_ints else int(a))
+
+    def _host_input(self, a, i: int, dev, ins: list, sizes: list) -> None:
+        """A CPU tensor input ``a`` (argument ``i``): its value on the device, padded where it holds
+        packed boundaries (NOTE [packed boundaries] in packed.py), appended to ``ins``."""
+        v = transfer.host_value(a, dev or 0)
+        if config.buckets and i in self.bounds:
+            v = packed.padded_value(v, dev or 0) or v
+        if i in self.sized:
+            sizes.append(v.shape)
+        ins.append(v)
 
     def _call(self, args, ts, ins, scalars, ints, views, sizes, stores, tensors, dev):
         """The rest of a call, under the engine's lock: the entry, the node recorded (or the
@@ -631,12 +642,7 @@ class PlainGraph(CompiledGraph):
                 else:
                     st = a.__dict__.get("_s")
                     if st is None:      # a CPU tensor
-                        v = transfer.host_value(a, dev or 0)
-                        if pad and i in bounds:     # NOTE [packed boundaries] (packed.py)
-                            v = packed.padded_value(v, dev or 0) or v
-                        if i in sized:
-                            sizes.append(v.shape)
-                        ins.append(v)
+                        self._host_input(a, i, dev, ins, sizes)
                         continue
                     c = a._chain
                     if c:
@@ -654,13 +660,8 @@ class PlainGraph(CompiledGraph):
                 ins.append(v)
                 if c:
                     views.append((i, c, v.shape, v.dtype))
-            elif kind == SCALAR:
-                scalars.append(a.item())
-            elif kind == FLOAT:
-                scalars.append(float(a))
-            elif kind == INT:
-                # (an integer no lowering reads, such as varlen's longest length: no key)
-                ints.append(0 if i in self.free_ints else int(a))
+            else:
+                self._number_input(a, i, kind, scalars, ints)
         if offsets:
             scalars.extend(offsets)     # after the graph's own scalars (GraphPlan.function)
         return ins, scalars, ints, views, sizes, stores, None, device if dev is None else dev
