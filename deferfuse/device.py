@@ -372,10 +372,8 @@ def _wrap_autograd() -> None:
         orig = getattr(autograd, name)
         if not getattr(orig, "_deferfuse", False):
             setattr(autograd, name, wrap(orig, first))
-    # Dynamo finds its rule for a torch function by the object: a rule map built before these
-    # wrappers existed (a program that imported torch._dynamo before deferfuse) names the
-    # originals, so Dynamo took the wrappers for deferfuse's own code, skipped them, and broke a
-    # backward traced under trace_autograd_ops off its graph (docs/compiled.md). Rebuilt lazily.
+    # Dynamo's rule maps (by object) built before this (torch._dynamo imported first) name the
+    # originals: it skipped the wrappers, breaking a traced backward off its graph. Rebuilt lazily.
     rules = sys.modules.get("torch._dynamo.trace_rules")
     if rules is not None and hasattr(rules, "clear_lru_cache"):
         rules.clear_lru_cache()
