@@ -46,7 +46,7 @@ from .learned import LearnedStore
 # padding, whose contents are whatever the program left there, so it is never passed on as it
 # is); every other reader takes data through ``Value.exact``, which cuts it once: ``Engine.ready``
 # (``.cpu()``, ``.item()``, printing, checkpoints, compiled mode's and collectives' inputs,
-# packed boundaries), a region's input binding (``execute.arrays_of``: the full path, a region
+# packed boundaries), a region's input binding (``execute.split_donated``: the full path, a region
 # hit, a piece hit; donation donates the cut array), strict mode's ops (``run_op``), a bucket
 # program's compile and its inputs that are not padded. ``Padded`` is no array, so a reader that
 # skips the cut fails (no program or numpy takes it) instead of reading padding. The cut at a

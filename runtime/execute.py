@@ -80,6 +80,15 @@ def arrays_of(values, padded: bool = True) -> list:
     return [a if (a := v.array).__class__ is not Padded else v.exact() for v in values]
 
 
+def split_donated(values, donate, padded: bool = True) -> tuple:
+    """The arrays of ready ``values`` as a program takes them (``arrays_of``), as (the ones the
+    flags ``donate`` give to the program, the rest); ``donate`` None: none is given."""
+    arrays = arrays_of(values, padded)
+    if donate is None:
+        return [], arrays
+    return [a for a, d in zip(arrays, donate) if d], [a for a, d in zip(arrays, donate) if not d]
+
+
 def run_op(entry, ins, scalars, debug: bool, store=None, buckets=None):
     """Run one op now as its own cached program on ``entry.dev``; returns output Values.
     ``buckets``: run an op whose sizes keep changing padded in a bucket (NOTE [buckets])."""

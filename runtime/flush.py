@@ -443,9 +443,7 @@ class Runner:
                 print(f"    {j:5d} {n.name} {run.wirings[j]} at {n.src}", file=sys.stderr)
         # (bound here, after the lookup: a miss that runs in a bucket pads from its padded
         # inputs, never cut: NOTE [lazy cuts] in buckets.py)
-        ext_arrays = execute.arrays_of(run.ext, self.buckets.padded)
-        don = [a for a, d in zip(ext_arrays, donate) if d]
-        keep = [a for a, d in zip(ext_arrays, donate) if not d]
+        don, keep = execute.split_donated(run.ext, donate, self.buckets.padded)
         memory_stats.transient(reg.transient)
         if (cfg.dispatch and (run.later or is_async(ctx.reason)) and not cfg.cross_check
                 and self.dispatcher is not None):
@@ -549,9 +547,7 @@ class Runner:
         order = _alias_order(run.outs, run.ext, mplan.donate, ctx.fl.partner)
         sig = run.out_sig if order is None else tuple([run.out_sig[j] for j in order])
         store = self.programs
-        ext_arrays = execute.arrays_of(run.ext, self.buckets.padded)
-        don = [a for a, d in zip(ext_arrays, mplan.donate) if d]
-        keep = [a for a, d in zip(ext_arrays, mplan.donate) if not d]
+        don, keep = execute.split_donated(run.ext, mplan.donate, self.buckets.padded)
         skey = region_key(run.entries, run.wirings, sig, mplan.donate, don, keep,
                           tuple(type(s) is float for s in run.scalars),
                           ctx.fl.device) if store.on else None

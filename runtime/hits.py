@@ -108,13 +108,8 @@ def run(runner, ctx, hit: Hit, held: tuple, out_sig: tuple, later: bool) -> bool
     S["region_hit_path"]["hits"] += 1
     reg = hit.reg
     S["cache_hits"] += 1
-    arrays = execute.arrays_of(ext, runner.buckets.padded)
-    if hit.donates:
-        donate = hit.donate
-        don = [a for a, d in zip(arrays, donate) if d]
-        keep = [a for a, d in zip(arrays, donate) if not d]
-    else:
-        don, keep = [], arrays
+    don, keep = execute.split_donated(ext, hit.donate if hit.donates else None,
+                                      runner.buckets.padded)
     memory_stats.transient(reg.transient)
     outs = fl.outs
     with runner.interrupts:
@@ -286,12 +281,7 @@ def run_pieces(runner, ctx, hit: Pieces, later: bool) -> bool:
                 if reg is not None:
                     S["cache_hits"] += 1
                     donate = st.donate
-                    arrays = execute.arrays_of(sub_ext, runner.buckets.padded)
-                    if donate is not None:
-                        don = [a for a, d in zip(arrays, donate) if d]
-                        keep = [a for a, d in zip(arrays, donate) if not d]
-                    else:
-                        don, keep = [], arrays
+                    don, keep = execute.split_donated(sub_ext, donate, runner.buckets.padded)
                     memory_stats.transient(reg.transient)
                     res, flags = execute.run_region(reg.compiled, don, keep, sc, device)
                 else:
