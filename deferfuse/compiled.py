@@ -258,6 +258,11 @@ class CompiledGraph:
             args = args[0]
         if self.spmd is not None and not self.spmd.agree(self._described(args)):
             return _interpret(self.plan.gm, args)       # uneven shards (distributed/graphs.py)
+        return self._run(args)
+
+    def _run(self, args) -> list:
+        """A call of inputs ``args`` as ``_read`` takes them (the ranks agreed first, where the
+        graph has collectives)."""
         ts = _local.ts
         with engine.lock:
             return self._call(args, ts, *self._read(args, ts.device))
@@ -593,9 +598,7 @@ class PlainGraph(CompiledGraph):
             wargs = [wrapper(a) if isinstance(a, T) and is_plain(a) else a for a in args]
             if not self.spmd.agree(self._described(wargs)):
                 return _interpret(self.plan.gm, args)
-            ts = _local.ts
-            with engine.lock:
-                res = self._call(wargs, ts, *self._read(wargs, ts.device))
+            res = self._run(wargs)
         else:
             ts = _local.ts
             with engine.lock:
