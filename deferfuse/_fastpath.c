@@ -2593,11 +2593,11 @@ static void value_finalize(PyObject *self) {
         a = PyObject_GetAttrString(self, "array");
     }
     if (a != NULL && a != Py_None) {
-        nb = Py_IS_TYPE(self, L_value.type) && !(padded_type && Py_IS_TYPE(a, padded_type))
+        int pad = padded_type != NULL && Py_IS_TYPE(a, padded_type);   /* counted at its size */
+        nb = Py_IS_TYPE(self, L_value.type) && !pad
              ? *(PyObject **)((char *)self + L_value.off[5]) : NULL;
         if (nb != NULL) Py_INCREF(nb);
-        else nb = PyObject_GetAttrString(padded_type && Py_IS_TYPE(a, padded_type) ? a : self,
-                                         "nbytes");
+        else nb = PyObject_GetAttrString(pad ? a : self, "nbytes");
         PyObject *f = nb ? PyList_GetItem(value_account, 0) : NULL;     /* borrowed */
         PyObject *minus = f ? PyLong_FromLong(-1) : NULL;
         PyObject *r = minus ? PyObject_CallFunctionObjArgs(f, nb, minus, NULL) : NULL;

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..scheduler.records import Padded
+from ..scheduler.records import counted
 from . import execute, stats
 from .memory import COUNTERS as memory_stats, LARGE
 from .regions import raise_oom
@@ -93,7 +93,7 @@ def bind_values(values, arrays, large: int) -> tuple:
     for v, r in zip(values, arrays):
         v.array = r
         v.node = None
-        b = v.nbytes if r.__class__ is not Padded else r.nbytes    # (NOTE [lazy cuts])
+        b = counted(v, r)      # (NOTE [lazy cuts])
         n += b
         k += 1
         if b > large:

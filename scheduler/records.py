@@ -64,6 +64,12 @@ class Padded:
                         "Value.exact (NOTE [lazy cuts] in runtime/buckets.py); please report this")
 
 
+def counted(v, a) -> int:
+    """The bytes memory accounting counts for value ``v`` holding the array ``a``: a lazily cut
+    value's padded array its own size, else the value's (_fastpath.c's ``array_nbytes``)."""
+    return a.nbytes if a.__class__ is Padded else v.nbytes
+
+
 class Value:
     """One SSA value. NOTE [value states]: a value is
 
@@ -103,7 +109,7 @@ class Value:
         a = self.array
         if a is not None:
             self.array = None
-            _account[0](a.nbytes if a.__class__ is Padded else self.nbytes, -1)
+            _account[0](counted(self, a), -1)
         self.node = None
         self.err = err
 
@@ -133,7 +139,7 @@ class Value:
         a = self.array
         if a is not None:
             try:
-                _account[0](a.nbytes if a.__class__ is Padded else self.nbytes, -1)
+                _account[0](counted(self, a), -1)
             except TypeError:   # interpreter shutdown
                 pass
 
