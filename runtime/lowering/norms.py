@@ -235,17 +235,18 @@ def _layer_norm_dx_cpu(g, x, mean, rstd, w):
 # NOTE [half layer norm parameter gradients]: PyTorch's CPU kernel
 # (``LayerNormBackwardKernelImplInternal``, layer_norm_kernel.cpp) sums the weight and bias
 # gradients of a bfloat16 or float16 layer norm (parameters of the input's dtype) per thread:
-# ``at::parallel_for(0, M, 1)`` splits the M rows into min(T, M) chunks of ceil(M / chunks) rows
-# (T = ``torch.get_num_threads()``), each thread adds its rows in order into a buffer of the
-# input's dtype (``dgamma += dy * (rstd * x + (-rstd * mean))``, ``dbeta += dy``: each step in
-# float32, the last product and sum one fused multiply-add as CPU's compiler makes it (float16
-# rows differ in an element now and then otherwise), rounded to the dtype), and the T buffers are then added in float32, in thread order, and rounded
-# once. On XLA's CPU platform the lowering does the same (a scan over a chunk's rows, the chunks
-# side by side), so the gradients are CPU's bit for bit; the thread count changes the program, so
-# it reaches the lowering as a static argument from the recorder (``cpu_threads``, read when the
-# op is recorded: deferfuse/specials.py ``_h_layer_norm_backward``, part of the op's key, so a new
-# thread count compiles anew). Without it (compiled mode's graphs), on a TPU or GPU, and with
-# float32 parameters the float32 sum rounded once stays (closer to the exact sum; docs/dtypes.md).
+# ``at::parallel_for(0, M, 1)`` splits the M rows into min(T, M) chunks of ceil(M / chunks) rows (T
+# = ``torch.get_num_threads()``), each thread adds its rows in order into a buffer of the input's
+# dtype (``dgamma += dy * (rstd * x + (-rstd * mean))``, ``dbeta += dy``: each step in float32, the
+# last product and sum one fused multiply-add as CPU's compiler makes it (float16 rows differ in an
+# element now and then otherwise), rounded to the dtype), and the T buffers are then added in
+# float32, in thread order, and rounded once. On XLA's CPU platform the lowering does the same (a
+# scan over a chunk's rows, the chunks side by side), so the gradients are CPU's bit for bit; the
+# thread count changes the program, so it reaches the lowering as a static argument from the
+# recorder (``cpu_threads``, read when the op is recorded: deferfuse/specials.py
+# ``_h_layer_norm_backward``, part of the op's key, so a new thread count compiles anew). Without it
+# (compiled mode's graphs), on a TPU or GPU, and with float32 parameters the float32 sum rounded
+# once stays (closer to the exact sum; docs/dtypes.md).
 
 
 def _param_grads_cpu(g, x, mean, rstd, threads, dtype, want_w, want_b):
